@@ -1,0 +1,241 @@
+"""The catalog: the validated set of models and profiles in force (R-8.1).
+
+A Catalog is immutable and exists only through `Catalog.build`, which checks everything that
+spans more than one model: unique names, profiles and engines that exist, fallbacks that exist
+and form no cycle, scaling bounds. Changes build a new Catalog and swap `CatalogHolder.current`;
+readers finish with the catalog they took.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+from llmgw.config import (ConfigError, Document, EngineConfig, Inventory, ModelConfig, Problem,
+                          ProfileConfig)
+from llmgw.engines import TEMPLATE_VARIABLES, Engine, engine_table, template_fields
+from llmgw.weights import WeightsSource
+
+FILE = "file"
+STORE = "store"
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    """A model added at runtime, as the store keeps it."""
+
+    config: ModelConfig
+    actor: str | None = None
+
+
+@dataclass(frozen=True)
+class Model:
+    """One model of the catalog, with its references resolved."""
+
+    name: str
+    config: ModelConfig
+    declared_in: Literal["file", "store"]
+    min_replicas: int
+    max_replicas: int
+    profile_name: str | None = None
+    profile: ProfileConfig | None = None
+    engine: Engine | None = None
+    source: WeightsSource | None = None
+    actor: str | None = None
+
+    @property
+    def on_demand(self) -> bool:
+        return self.min_replicas == 0
+
+    @property
+    def static(self) -> bool:
+        return self.config.endpoints is not None
+
+    @property
+    def fallback(self) -> str | None:
+        return self.config.fallback
+
+    @property
+    def idle_timeout(self) -> float | None:
+        return self.config.scaling.idle_timeout
+
+    @property
+    def disk_bytes(self) -> int | None:
+        gb = self.config.disk_gb
+        return None if gb is None else int(gb * 1000**3)
+
+    @property
+    def wanted_replicas(self) -> int:
+        """How many replicas run without demand: exactly min (nothing scales up under load)."""
+        return self.min_replicas
+
+
+class Catalog:
+    """Immutable; build it with `Catalog.build`."""
+
+    __slots__ = ("models", "profiles", "engines", "version")
+
+    def __init__(self, *, _token: object, models: dict[str, Model], profiles: dict[str, ProfileConfig],
+                 engines: dict[str, Engine], version: int):
+        if _token is not _BUILD_TOKEN:
+            raise TypeError("use Catalog.build(...): a catalog is only made through its validation")
+        object.__setattr__(self, "models", MappingProxyType(dict(models)))
+        object.__setattr__(self, "profiles", MappingProxyType(dict(profiles)))
+        object.__setattr__(self, "engines", MappingProxyType(dict(engines)))
+        object.__setattr__(self, "version", version)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a Catalog is immutable; build a new one")
+
+    models: Mapping[str, Model]
+    profiles: Mapping[str, ProfileConfig]
+    engines: Mapping[str, Engine]
+    version: int
+
+    def get(self, name: str) -> Model | None:
+        return self.models.get(name)
+
+    def fallback_chain(self, name: str) -> list[str]:
+        """The model's fallbacks in order (without the model itself)."""
+        chain, current = [], self.models[name].fallback
+        while current is not None:
+            chain.append(current)
+            current = self.models[current].fallback
+        return chain
+
+    def wanted_cache_names(self) -> frozenset[str]:
+        """Cache entries the catalog still needs: computed exactly from the sources (R-5.5)."""
+        return frozenset(m.source.cache_name for m in self.models.values()
+                         if m.source is not None and m.source.fetched)
+
+    @classmethod
+    def build(cls, *, file_models: list[ModelConfig] = (), stored: list[StoredModel] = (),
+              profiles: Mapping[str, ProfileConfig] | None = None,
+              engines: Mapping[str, EngineConfig] | None = None,
+              document: Document | None = None, version: int = 1,
+              stored_source: str = "stored models") -> Catalog:
+        """Validate and build; raises ConfigError listing every problem found."""
+        profiles = dict(profiles or {})
+        engines_cfg = dict(engines or {})
+        file_problems: list[Problem] = []
+        store_problems: list[Problem] = []
+
+        def file_problem(loc: tuple, message: str) -> None:
+            line = document.lines.line(loc) if document is not None else None
+            file_problems.append(Problem(loc, message, line))
+
+        for name, config in engines_cfg.items():
+            for key in ("command", "leader_command", "worker_command"):
+                for index, part in enumerate(getattr(config, key) or []):
+                    try:
+                        unknown = [f for f in template_fields(part) if f not in TEMPLATE_VARIABLES]
+                    except ValueError as exc:
+                        file_problem(("engines", name, key, index), f"bad template {part!r}: {exc}")
+                        continue
+                    if unknown:
+                        file_problem(("engines", name, key, index),
+                                     f"unknown template variable {{{unknown[0]}}}; known: "
+                                     + ", ".join(sorted(TEMPLATE_VARIABLES)))
+        table = engine_table(engines_cfg)
+        for name, profile in profiles.items():
+            engine = table.get(profile.engine)
+            if engine is None:
+                file_problem(("profiles", name, "engine"),
+                             f"unknown engine {profile.engine!r}; known: {', '.join(sorted(table))}")
+            elif profile.nodes > 1 and not engine.multi_node:
+                file_problem(("profiles", name, "nodes"),
+                             f"engine {profile.engine} has no multi-node mode; use nodes: 1")
+
+        models: dict[str, Model] = {}
+        entries = [(FILE, ("models", i), m, None) for i, m in enumerate(file_models)]
+        entries += [(STORE, (s.config.name,), s.config, s.actor) for s in stored]
+        for declared_in, loc, config, actor in entries:
+            report = file_problem if declared_in == FILE else (
+                lambda loc, message: store_problems.append(Problem(loc, message)))
+            if config.name in models:
+                other = models[config.name]
+                where = "in the inventory file" if other.declared_in == FILE else "at runtime"
+                report(loc + ("name",), f"model {config.name!r} is already declared {where}")
+                continue
+            profile = None
+            engine = None
+            if config.profile is not None:
+                profile = profiles.get(config.profile)
+                if profile is None:
+                    known = ", ".join(sorted(profiles)) or "none are defined"
+                    report(loc + ("profile",), f"unknown profile {config.profile!r} (known: {known})")
+                    continue
+                engine = table.get(profile.engine)
+            scaling = config.scaling
+            maximum = scaling.max if scaling.max is not None else max(scaling.min, 1)
+            models[config.name] = Model(
+                name=config.name, config=config, declared_in=declared_in, min_replicas=scaling.min,
+                max_replicas=maximum, profile_name=config.profile, profile=profile, engine=engine,
+                source=config.source, actor=actor)
+
+        for declared_in, loc, config, _ in entries:
+            if config.fallback is None or models.get(config.name) is None or \
+                    models[config.name].config is not config:
+                continue
+            report = file_problem if declared_in == FILE else (
+                lambda loc, message: store_problems.append(Problem(loc, message)))
+            if config.fallback == config.name:
+                report(loc + ("fallback",), "a model cannot be its own fallback")
+            elif config.fallback not in models:
+                report(loc + ("fallback",), f"fallback {config.fallback!r} is not a model of the catalog")
+            else:
+                cycle = _cycle_from(config.name, models)
+                if cycle:
+                    report(loc + ("fallback",), "fallbacks form a cycle: " + " -> ".join(cycle))
+
+        if file_problems:
+            raise ConfigError(document.source if document else "inventory", file_problems + store_problems)
+        if store_problems:
+            raise ConfigError(stored_source, store_problems)
+        return cls(_token=_BUILD_TOKEN, models=models, profiles=profiles, engines=table, version=version)
+
+    @classmethod
+    def from_inventory(cls, inventory: Inventory, document: Document | None = None,
+                       stored: list[StoredModel] = (), version: int = 1) -> Catalog:
+        return cls.build(file_models=inventory.models, stored=stored, profiles=inventory.profiles,
+                         engines=inventory.engines, document=document, version=version)
+
+
+_BUILD_TOKEN = object()
+
+
+def _cycle_from(start: str, models: dict[str, Model]) -> list[str] | None:
+    seen = [start]
+    current = models[start].fallback
+    while current is not None and current in models:
+        if current in seen:
+            return seen[seen.index(current):] + [current] if current == start else None
+        seen.append(current)
+        current = models[current].fallback
+    return None
+
+
+class CatalogHolder:
+    """Holds the catalog in force; `swap` replaces it atomically and tells subscribers."""
+
+    def __init__(self, catalog: Catalog):
+        self._current = catalog
+        self._lock = threading.Lock()
+        self._subscribers: list[Callable[[Catalog], None]] = []
+
+    @property
+    def current(self) -> Catalog:
+        return self._current
+
+    def subscribe(self, callback: Callable[[Catalog], None]) -> None:
+        self._subscribers.append(callback)
+
+    def swap(self, catalog: Catalog) -> Catalog:
+        with self._lock:
+            previous, self._current = self._current, catalog
+        for callback in list(self._subscribers):
+            callback(catalog)
+        return previous

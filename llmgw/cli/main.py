@@ -1,0 +1,27 @@
+"""The `llmgw` command: one typer app with its groups."""
+
+from __future__ import annotations
+
+import typer
+
+from llmgw.cli.check import check
+
+app = typer.Typer(
+    name="llmgw",
+    help="One OpenAI-compatible endpoint for a fleet of GPU and CPU machines reached over SSH.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def main() -> None:
+    """One OpenAI-compatible endpoint for a fleet of GPU and CPU machines reached over SSH."""
+
+
+app.command("check")(check)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

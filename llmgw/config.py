@@ -1,0 +1,375 @@
+"""The inventory file and model definitions: pydantic models, and loading with readable errors.
+
+Every model forbids unknown keys: a typo must not quietly mean nothing. Errors name the file,
+the line and the field path (`inventory.yaml:42: models[3].scaling.max: ...`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from llmgw.units import Duration, PortRange, Size
+from llmgw.weights import WeightsSource, parse_weights
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+DEFAULT_PORTS = (20000, 20999)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GatewayConfig(_Strict):
+    listen: str = "127.0.0.1:8080"
+    admin: str = "127.0.0.1:8081"
+    state_dir: str | None = None
+    max_body: Size = 16 * 1000**2
+    tick: Duration = 3.0
+    settling_window: Duration = 30.0
+    on_demand_wait: Duration = 120.0
+    request_timeout: Duration = 600.0
+
+    @field_validator("listen", "admin")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        split_address(value)
+        return value
+
+
+class SSHConfig(_Strict):
+    user: str | None = None
+    port: int = Field(22, ge=1, le=65535)
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    config_file: str | None = None
+    python: str = "python3"
+    remote_dir: str = "~/.llmgw"
+    keepalive_interval: Duration = 2.0
+    keepalive_count: int = Field(3, ge=1)
+    connect_timeout: Duration = 10.0
+    connect_stagger: Duration = 0.02
+
+
+class NodeConfig(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    connection: Literal["ssh", "local"] = "ssh"
+    host: str | None = None
+    port: int | None = Field(None, ge=1, le=65535)
+    user: str | None = None
+    identity_file: str | None = None
+    python: str | None = None
+    fabric: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    gpu_class: str | None = None
+    model_dirs: list[str] = Field(default_factory=list)
+    shared_dirs: list[str] = Field(default_factory=list)
+    cache_dir: str | None = None
+    ports: PortRange = DEFAULT_PORTS
+
+    @model_validator(mode="after")
+    def _reachable(self) -> NodeConfig:
+        if self.connection == "ssh" and not self.host:
+            raise ValueError("an ssh node needs a host (or set connection: local)")
+        for directory in [*self.model_dirs, *self.shared_dirs, *([self.cache_dir] if self.cache_dir else [])]:
+            if not (directory.startswith("/") or directory.startswith("~")):
+                raise ValueError(f"{directory!r} must be an absolute path")
+        return self
+
+
+class EngineConfig(_Strict):
+    """A command template, rendered with the shard's variables (R-4.6)."""
+
+    command: list[str] = Field(min_length=1)
+    health: str = "/health"
+    api_key_env: str | None = None
+    leader_command: list[str] | None = None
+    worker_command: list[str] | None = None
+    workers_serve_http: bool = False
+
+
+class ProfileConfig(_Strict):
+    engine: str
+    gpus: int = Field(0, ge=0)
+    nodes: int = Field(1, ge=1)
+    gpu_class: str | None = None
+    min_memory_gb: float | None = Field(None, ge=0)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    start_timeout: Duration = 900.0
+
+    @model_validator(mode="after")
+    def _multi_node_needs_gpus(self) -> ProfileConfig:
+        if self.nodes > 1 and self.gpus == 0:
+            raise ValueError("a multi-node profile needs gpus (per node) > 0")
+        return self
+
+
+class ScalingConfig(_Strict):
+    min: int = Field(1, ge=0)
+    max: int | None = Field(None, ge=0)
+    idle_timeout: Duration | None = 600.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ScalingConfig:
+        if self.max is not None and self.max < self.min:
+            raise ValueError(f"max ({self.max}) must be >= min ({self.min})")
+        return self
+
+
+class StaticEndpoint(_Strict):
+    url: str
+    api_key_env: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", value):
+            raise ValueError(f"{value!r} is not an http(s) URL")
+        return value.rstrip("/")
+
+
+class ModelConfig(_Strict):
+    """One model as written in the inventory's `models:` list or in a `ctl model add` file."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    profile: str | None = None
+    weights: str | list[str] | None = None
+    disk_gb: float | None = Field(None, ge=0)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    fallback: str | None = None
+    served_name: str | None = None
+    endpoints: list[StaticEndpoint] | None = None
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, value):
+        if value is not None:
+            parse_weights(value)
+        return value
+
+    @model_validator(mode="after")
+    def _served_somehow(self) -> ModelConfig:
+        if self.endpoints is not None:
+            if self.profile is not None or self.weights is not None:
+                raise ValueError("a model with static endpoints has no profile or weights")
+            if not self.endpoints:
+                raise ValueError("endpoints must list at least one URL")
+        elif self.profile is None:
+            raise ValueError("a model needs a profile (or static endpoints)")
+        return self
+
+    @property
+    def source(self) -> WeightsSource | None:
+        return parse_weights(self.weights) if self.weights is not None else None
+
+
+class Inventory(_Strict):
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    ssh: SSHConfig = Field(default_factory=SSHConfig)
+    nodes: list[NodeConfig] = Field(default_factory=list)
+    engines: dict[str, EngineConfig] = Field(default_factory=dict)
+    profiles: dict[str, ProfileConfig] = Field(default_factory=dict)
+    models: list[ModelConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_nodes(self) -> Inventory:
+        seen: set[str] = set()
+        for node in self.nodes:
+            if node.name in seen:
+                raise ValueError(f"node {node.name!r} is declared twice")
+            seen.add(node.name)
+        return self
+
+    def node(self, name: str) -> NodeConfig:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors with file, line and field path.
+
+
+@dataclass(frozen=True)
+class Problem:
+    loc: tuple[str | int, ...]
+    message: str
+    line: int | None = None
+
+    @property
+    def field_path(self) -> str:
+        return format_loc(self.loc)
+
+
+@dataclass
+class ConfigError(Exception):
+    """One or more problems in one configuration document."""
+
+    source: str
+    problems: list[Problem] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def lines(self) -> list[str]:
+        out = []
+        for problem in self.problems:
+            where = f"{self.source}:{problem.line}" if problem.line else self.source
+            path = problem.field_path
+            out.append(f"{where}: {path}: {problem.message}" if path else f"{where}: {problem.message}")
+        return out
+
+
+def format_loc(loc: tuple[str | int, ...]) -> str:
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += ("." if text else "") + str(part)
+    return text
+
+
+class LineMap:
+    """Line numbers (1-based) of every mapping key and sequence item of a YAML document."""
+
+    def __init__(self, root: yaml.Node | None):
+        self._lines: dict[tuple, int] = {}
+        if root is not None:
+            self._walk(root, ())
+
+    def _walk(self, node: yaml.Node, loc: tuple) -> None:
+        self._lines.setdefault(loc, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                child = loc + (key.value,)
+                self._lines[child] = key.start_mark.line + 1
+                self._walk(value, child)
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                self._lines[loc + (index,)] = item.start_mark.line + 1
+                self._walk(item, loc + (index,))
+
+    def line(self, loc: tuple) -> int | None:
+        for end in range(len(loc), -1, -1):
+            found = self._lines.get(tuple(loc[:end]))
+            if found is not None:
+                return found
+        return None
+
+
+@dataclass(frozen=True)
+class Document:
+    """Parsed YAML plus where each field came from."""
+
+    source: str
+    data: Any
+    lines: LineMap
+
+    def problem(self, loc: tuple, message: str) -> Problem:
+        return Problem(loc=tuple(loc), message=message, line=self.lines.line(tuple(loc)))
+
+    def error(self, loc: tuple, message: str) -> ConfigError:
+        return ConfigError(self.source, [self.problem(loc, message)])
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys instead of keeping the last one."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str, source: str) -> Document:
+    try:
+        root = yaml.compose(text, Loader=_UniqueKeyLoader)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        reason = getattr(exc, "problem", None) or str(exc)
+        context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and context_mark is not None and context_mark.line + 1 != line:
+            reason = f"{reason} ({context} started on line {context_mark.line + 1})"
+        raise ConfigError(source, [Problem((), f"not valid YAML: {reason}", line)]) from None
+    return Document(source=source, data=data, lines=LineMap(root))
+
+
+def _validation_problems(doc: Document, exc: ValidationError, prefix: tuple = ()) -> list[Problem]:
+    problems = []
+    for err in exc.errors(include_url=False):
+        loc = prefix + tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown field (check the spelling; unknown fields are not ignored)"
+        elif message.startswith("Value error, "):
+            message = message[len("Value error, "):]
+        problems.append(doc.problem(loc, message))
+    return problems
+
+
+def validate_document(doc: Document, model: type[BaseModel], prefix: tuple = ()):
+    """Build `model` from a parsed document, turning pydantic errors into a ConfigError."""
+    data = doc.data
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise doc.error(prefix, f"expected a mapping, found {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(doc.source, _validation_problems(doc, exc, prefix)) from None
+
+
+def load_inventory_text(text: str, source: str = "<inventory>") -> tuple[Inventory, Document]:
+    doc = parse_yaml(text, source)
+    return validate_document(doc, Inventory), doc
+
+
+def load_inventory(path: str | os.PathLike) -> tuple[Inventory, Document]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), [Problem((), f"cannot read: {exc.strerror}")]) from None
+    return load_inventory_text(text, str(path))
+
+
+def parse_model_text(text: str, source: str = "<model>") -> tuple[ModelConfig, Document]:
+    """One model definition, as `ctl model add -f` sends it: the same class as the inventory's."""
+    doc = parse_yaml(text, source)
+    return validate_document(doc, ModelConfig), doc
+
+
+def split_address(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not (0 <= int(port) <= 65535):
+        raise ValueError(f"{value!r} must be HOST:PORT")
+    return (host.strip("[]") or "0.0.0.0"), int(port)
+
+
+def default_state_dir() -> Path:
+    """The user's state directory (XDG_STATE_HOME, else ~/.local/state) for llmgw."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "llmgw"
+
+
+def embedded_inventory() -> Inventory:
+    """This machine as a single local node (R-9.2)."""
+    return Inventory(nodes=[NodeConfig(name="local", connection="local")])

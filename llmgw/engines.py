@@ -1,0 +1,146 @@
+"""Engine command lines: built-in templates for vLLM, SGLang and llama-server, and custom ones (R-4.6).
+
+An engine is launched, never embedded. Rendering is pure: the shard's variables in, an argv list
+and an environment out. The engine API key never enters argv (R-1.6): vLLM reads VLLM_API_KEY,
+llama-server LLAMA_API_KEY, and SGLang, which has no such variable, reads it from a 0600
+`--config` file the helper writes into the shard directory. Facts behind each line: ENGINES.md.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+
+from llmgw.config import EngineConfig
+
+SHARD_DIR = "{shard_dir}"  # left for the helper to fill in: only the node knows its path
+
+
+@dataclass(frozen=True)
+class ShardVars:
+    """Everything a template may refer to, for one shard of one replica."""
+
+    model: str  # weights path on the node
+    name: str  # the name clients ask for
+    host: str
+    port: int
+    gpus_per_node: int
+    nnodes: int
+    node_rank: int
+    leader_addr: str
+    leader_port: int
+    python: str = "python3"
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "model": self.model, "name": self.name, "host": self.host, "port": str(self.port),
+            "tp": str(max(self.gpus_per_node, 1)), "gpus": str(self.gpus_per_node),
+            "gpus_total": str(max(self.gpus_per_node, 1) * self.nnodes),
+            "nnodes": str(self.nnodes), "pp": str(self.nnodes), "node_rank": str(self.node_rank),
+            "leader_addr": self.leader_addr, "leader_port": str(self.leader_port),
+            "python": self.python, "shard_dir": SHARD_DIR,
+        }
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    argv: list[str]
+    env: dict[str, str]
+    files: dict[str, str] = field(default_factory=dict)  # name -> content, written 0600 in the shard dir
+    health_path: str | None = "/health"  # None: this shard serves no HTTP (alive is enough)
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    multi_node: bool
+
+    def render(self, v: ShardVars, args: list[str], env: dict[str, str], api_key: str) -> LaunchSpec:
+        raise NotImplementedError
+
+
+class VLLM(Engine):
+    def render(self, v, args, env, api_key):
+        argv = ["vllm", "serve", v.model, "--served-model-name", v.name, "--host", v.host,
+                "--port", str(v.port)]
+        if v.gpus_per_node > 1 or v.nnodes > 1:
+            argv += ["--tensor-parallel-size", str(max(v.gpus_per_node, 1))]
+        health: str | None = "/health"
+        if v.nnodes > 1:
+            # Native multiprocessing multi-node (vLLM >= 0.11.1): workers are headless, no HTTP.
+            argv += ["--pipeline-parallel-size", str(v.nnodes), "--nnodes", str(v.nnodes),
+                     "--node-rank", str(v.node_rank), "--master-addr", v.leader_addr,
+                     "--master-port", str(v.leader_port)]
+            if v.node_rank > 0:
+                argv.append("--headless")
+                health = None
+        return LaunchSpec(argv=argv + list(args), env={**env, "VLLM_API_KEY": api_key}, health_path=health)
+
+
+class SGLang(Engine):
+    def render(self, v, args, env, api_key):
+        argv = [v.python, "-m", "sglang.launch_server", "--model-path", v.model,
+                "--served-model-name", v.name, "--host", v.host, "--port", str(v.port),
+                "--tp-size", str(max(v.gpus_per_node, 1) * v.nnodes)]
+        if v.nnodes > 1:
+            # Every rank binds --port; ranks >= 1 answer /health with a dummy 200 server.
+            argv += ["--nnodes", str(v.nnodes), "--node-rank", str(v.node_rank),
+                     "--dist-init-addr", f"{v.leader_addr}:{v.leader_port}"]
+        # SGLang takes its key on the command line only: a 0600 config file keeps it out of argv.
+        argv += ["--config", f"{SHARD_DIR}/sglang-secrets.yaml"]
+        return LaunchSpec(argv=argv + list(args), env=dict(env),
+                          files={"sglang-secrets.yaml": f"api-key: {api_key}\n"})
+
+
+class LlamaServer(Engine):
+    def render(self, v, args, env, api_key):
+        argv = ["llama-server", "-m", v.model, "--alias", v.name, "--host", v.host, "--port", str(v.port)]
+        if v.gpus_per_node > 0:
+            argv += ["-ngl", "999"]
+        return LaunchSpec(argv=argv + list(args), env={**env, "LLAMA_API_KEY": api_key})
+
+
+class CustomEngine(Engine):
+    def __init__(self, name: str, config: EngineConfig):
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "multi_node", config.worker_command is not None
+                           or config.leader_command is not None)
+        object.__setattr__(self, "config", config)
+
+    def render(self, v, args, env, api_key):
+        cfg: EngineConfig = self.config  # type: ignore[attr-defined]
+        template = cfg.command
+        if v.nnodes > 1:
+            template = (cfg.leader_command or cfg.command) if v.node_rank == 0 else (cfg.worker_command or cfg.command)
+        values = v.as_dict()
+        argv = [render_template(part, values) for part in template] + list(args)
+        full_env = dict(env)
+        if cfg.api_key_env:
+            full_env[cfg.api_key_env] = api_key
+        serves = v.node_rank == 0 or cfg.workers_serve_http
+        return LaunchSpec(argv=argv, env=full_env, health_path=cfg.health if serves else None)
+
+
+def render_template(part: str, values: dict[str, str]) -> str:
+    """Fill `{var}` fields of one argv element; unknown variables are an error, not left in."""
+    return string.Formatter().vformat(part, (), values)
+
+
+def template_fields(part: str) -> list[str]:
+    return [name for _, name, _, _ in string.Formatter().parse(part) if name]
+
+
+TEMPLATE_VARIABLES = frozenset(ShardVars("", "", "", 0, 0, 1, 0, "", 0).as_dict())
+
+BUILTIN_ENGINES: dict[str, Engine] = {
+    "vllm": VLLM("vllm", multi_node=True),
+    "sglang": SGLang("sglang", multi_node=True),
+    "llama-server": LlamaServer("llama-server", multi_node=False),
+}
+
+
+def engine_table(custom: dict[str, EngineConfig]) -> dict[str, Engine]:
+    table = dict(BUILTIN_ENGINES)
+    for name, config in custom.items():
+        table[name] = CustomEngine(name, config)
+    return table

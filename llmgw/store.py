@@ -1,0 +1,205 @@
+"""SQLite state through sqlite-utils: schema, migrations, and one writer thread.
+
+The event loop never waits on SQLite for writes: `Store.submit` queues a function that the writer
+thread runs in a batch inside one transaction (WAL mode). `await Store.write(fn)` is the same but
+lets the caller wait for the result off the loop. Reads are rare (start-up, admin views) and
+go through `Store.read`, which runs on a thread of its own connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import sqlite_utils
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+
+
+def _migrate_1(db: sqlite_utils.Database) -> None:
+    db["models"].create({"name": str, "definition": str, "actor": str, "created_at": float,
+                         "updated_at": float}, pk="name")
+    db["node_admin"].create({"node": str, "state": str, "grace_until": float, "actor": str,
+                             "updated_at": float}, pk="node")
+    db["replicas"].create({"id": str, "model": str, "api_key": str, "state": str, "reason": str,
+                           "replaces": str, "draining": int, "created_at": float, "updated_at": float},
+                          pk="id")
+    db["shards"].create({"id": str, "replica_id": str, "rank": int, "node": str, "state": str,
+                         "port": int, "gpus": str, "argv": str, "pid": int, "start_time": int,
+                         "reason": str, "log_tail": str, "state_since": float, "created_at": float,
+                         "updated_at": float}, pk="id", foreign_keys=[("replica_id", "replicas", "id")])
+    db["shards"].create_index(["replica_id"])
+    db["api_keys"].create({"id": str, "name": str, "hash": str, "prefix": str, "models": str,
+                           "created_at": float, "revoked_at": float, "last_used_at": float}, pk="id")
+    db["api_keys"].create_index(["name"], unique=True)
+    db["api_keys"].create_index(["hash"], unique=True)
+    db["usage"].create({"bucket": int, "key_id": str, "model": str, "requests": int,
+                        "prompt_tokens": int, "completion_tokens": int}, pk=("bucket", "key_id", "model"))
+    db["audit"].create({"id": int, "ts": float, "actor": str, "action": str, "target": str,
+                        "detail": str}, pk="id")
+
+
+MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _migrate_1}
+
+
+def schema_version(db: sqlite_utils.Database) -> int:
+    return db.execute("PRAGMA user_version").fetchone()[0]
+
+
+def migrate(db: sqlite_utils.Database) -> int:
+    """Bring the schema to SCHEMA_VERSION, one transaction per step; returns the version."""
+    current = schema_version(db)
+    if current > SCHEMA_VERSION:
+        raise RuntimeError(f"the state database has schema version {current}, newer than this "
+                           f"llmgw understands ({SCHEMA_VERSION}); upgrade llmgw")
+    for version in range(current + 1, SCHEMA_VERSION + 1):
+        with db.conn:
+            MIGRATIONS[version](db)
+            db.execute(f"PRAGMA user_version = {version}")
+        log.info("state database migrated to schema version %d", version)
+    return SCHEMA_VERSION
+
+
+def _connect(path: str) -> sqlite_utils.Database:
+    conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    return sqlite_utils.Database(conn)
+
+
+_STOP = object()
+
+
+class Store:
+    """The state database. Open with `Store.open(path)`, close with `close()`."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            fresh = not Path(self.path).exists()
+        else:
+            fresh = False
+        self._writer_db = _connect(self.path)
+        if fresh:
+            os.chmod(self.path, 0o600)  # holds engine API keys and key hashes
+        migrate(self._writer_db)
+        self._reader_local = threading.local()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run_writer, name="llmgw-store-writer", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> Store:
+        return cls(path)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def submit(self, fn: Callable[[sqlite_utils.Database], T]) -> concurrent.futures.Future:
+        """Queue `fn(db)` for the writer thread; never blocks. Returns a concurrent Future."""
+        if self._closed:
+            raise RuntimeError("the store is closed")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((fn, future))
+        return future
+
+    async def write(self, fn: Callable[[sqlite_utils.Database], T]) -> T:
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def write_sync(self, fn: Callable[[sqlite_utils.Database], T]) -> T:
+        """For start-up and CLI code that is not on the event loop."""
+        return self.submit(fn).result()
+
+    def _run_writer(self) -> None:
+        db = self._writer_db
+        while True:
+            item = self._queue.get()
+            batch = [item]
+            while True:  # take whatever else is waiting: one transaction for the batch
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = any(entry is _STOP for entry in batch)
+            work = [entry for entry in batch if entry is not _STOP]
+            if work:
+                self._run_batch(db, work)
+            if stop:
+                return
+
+    @staticmethod
+    def _run_batch(db: sqlite_utils.Database, work: list) -> None:
+        results = []
+        try:
+            with db.atomic():
+                for fn, future in work:
+                    try:
+                        with db.atomic():  # a savepoint: one bad write does not lose the batch
+                            results.append((future, fn(db), None))
+                    except Exception as exc:
+                        results.append((future, None, exc))
+        except sqlite3.Error as exc:
+            for _, future in work:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for future, value, exc in results:
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(value)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def reader(self) -> sqlite_utils.Database:
+        """A connection for the calling thread (readers see committed state, WAL)."""
+        db = getattr(self._reader_local, "db", None)
+        if db is None:
+            db = self._reader_local.db = _connect(self.path) if self.path != ":memory:" else self._writer_db
+        return db
+
+    async def read(self, fn: Callable[[sqlite_utils.Database], T]) -> T:
+        return await asyncio.to_thread(lambda: fn(self.reader()))
+
+    def read_sync(self, fn: Callable[[sqlite_utils.Database], T]) -> T:
+        return fn(self.reader())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join(timeout=30)
+        self._writer_db.conn.close()
+
+
+# -- typed helpers used by several parts --------------------------------------------------------
+
+def audit(db: sqlite_utils.Database, actor: str | None, action: str, target: str, detail: Any = None) -> None:
+    db["audit"].insert({"ts": time.time(), "actor": actor or "unknown", "action": action,
+                        "target": target, "detail": json.dumps(detail) if detail is not None else None})
+
+
+def add_usage(db: sqlite_utils.Database, rows: list[tuple[int, str, str, int, int, int]]) -> None:
+    """Add (bucket, key_id, model, requests, prompt_tokens, completion_tokens) to the counters."""
+    db.conn.executemany(
+        "INSERT INTO usage (bucket, key_id, model, requests, prompt_tokens, completion_tokens) "
+        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (bucket, key_id, model) DO UPDATE SET "
+        "requests = requests + excluded.requests, "
+        "prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
+        "completion_tokens = completion_tokens + excluded.completion_tokens", rows)

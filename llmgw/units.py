@@ -1,0 +1,100 @@
+"""Parsing of the human units used in configuration: durations, sizes, port ranges."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import BeforeValidator, PlainSerializer
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "b": 1, "": 1,
+    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
+    "p": 1000**5, "pb": 1000**5, "pib": 1024**5, "pi": 1024**5,
+}
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from `30s`, `10m`, `1.5h`, `250ms` or a bare number of seconds."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 30s, 10m or 1h")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError("a duration cannot be negative")
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match:
+            return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    raise ValueError(f"{value!r} is not a duration; write e.g. 30s, 10m, 1h or 250ms")
+
+
+def parse_size(value: object) -> int:
+    """Bytes from `24GB`, `512MiB`, `1.5TB` or a bare number of bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 512MB or 24GB")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError("a size cannot be negative")
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match:
+            unit = (match.group(2) or "").lower()
+            return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    raise ValueError(f"{value!r} is not a size; write e.g. 512MB, 24GB or 2TiB")
+
+
+def parse_port_range(value: object) -> tuple[int, int]:
+    """(first, last) from `20000-20999`, `[20000, 20999]` or a single port."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        low = high = value
+    elif isinstance(value, str) and re.fullmatch(r"\s*\d+\s*(-\s*\d+\s*)?", value):
+        parts = [int(p) for p in value.split("-")]
+        low, high = parts[0], parts[-1]
+    elif isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(p, int) for p in value):
+        low, high = value
+    else:
+        raise ValueError(f"{value!r} is not a port range; write e.g. 20000-20999")
+    if not (1 <= low <= high <= 65535):
+        raise ValueError(f"port range {low}-{high} must lie within 1-65535 with first <= last")
+    return (low, high)
+
+
+def format_bytes(value: int | None) -> str:
+    """`-` for unknown, else a short decimal size (R-2.7: unknown is never 0)."""
+    if value is None:
+        return "-"
+    step = 1000.0
+    amount = float(value)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(amount) < step:
+            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
+        amount /= step
+    return f"{amount:.1f} PB"
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    if seconds < 172800:
+        return f"{seconds // 3600}h"
+    return f"{seconds // 86400}d"
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration), PlainSerializer(lambda v: v, return_type=float)]
+Size = Annotated[int, BeforeValidator(parse_size)]
+PortRange = Annotated[tuple[int, int], BeforeValidator(parse_port_range),
+                      PlainSerializer(lambda v: f"{v[0]}-{v[1]}", return_type=str)]

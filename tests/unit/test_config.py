@@ -1,0 +1,159 @@
+"""Inventory loading: every broken file names file, line and field, and exits 2 (R-8.2, R-9.8)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from llmgw.catalog import Catalog
+from llmgw.cli.check import load_checked
+from llmgw.config import ConfigError, load_inventory, load_inventory_text, parse_model_text
+from llmgw.units import parse_duration, parse_port_range, parse_size
+
+ROOT = Path(__file__).resolve().parents[2]
+
+GOOD = """\
+nodes:
+  - name: n1
+    host: 10.0.0.1
+    fabric: ib-a
+profiles:
+  small:
+    engine: vllm
+    gpus: 1
+models:
+  - name: a
+    profile: small
+    weights: hf:org/a
+    scaling: {min: 1, max: 2}
+  - name: b
+    profile: small
+    weights: hf:org/b
+    fallback: a
+"""
+
+
+def test_example_inventory_is_valid():
+    inventory, _, catalog = load_checked(ROOT / "inventory.example.yaml")
+    assert {n.fabric for n in inventory.nodes} >= {"ib-a", "ib-b"}
+    assert catalog.models["qwen-coder-32b"].on_demand
+    assert catalog.models["qwen-coder-32b"].fallback == "qwen-small"
+    assert catalog.profiles["h100-2x8"].nodes == 2
+    assert {p.engine for p in catalog.profiles.values()} == {"vllm", "sglang", "llama-server"}
+
+
+def test_good_inventory_fills_in_max():
+    inventory, doc = load_inventory_text(GOOD, "inv.yaml")
+    catalog = Catalog.from_inventory(inventory, doc)
+    assert catalog.models["b"].max_replicas == 1
+    assert catalog.models["a"].max_replicas == 2
+    assert catalog.models["a"].declared_in == "file"
+
+
+def _variant(old: str, new: str) -> str:
+    assert old in GOOD
+    return GOOD.replace(old, new, 1)
+
+
+BROKEN = [
+    pytest.param("nodes:\n  - name: n1\n    host: [unclosed\nprofiles: {}\n", 4,
+                 "not valid YAML: expected ',' or ']', but got ':' (while parsing a flow sequence started on line 3)",
+                 id="bad-yaml"),
+    pytest.param(_variant("    fabric: ib-a\n", "    fabirc: ib-a\n"), 4, "nodes[0].fabirc: unknown field",
+                 id="unknown-key"),
+    pytest.param(_variant("    profile: small\n    weights: hf:org/a", "    profile: large\n    weights: hf:org/a"),
+                 11, "models[0].profile: unknown profile 'large'", id="missing-profile"),
+    pytest.param(_variant("    weights: hf:org/a\n", "    weights: hf:org/a\n    fallback: b\n"), 13,
+                 "models[0].fallback: fallbacks form a cycle: a -> b -> a", id="fallback-cycle"),
+    pytest.param(_variant("fallback: a", "fallback: zzz"), 17, "models[1].fallback: fallback 'zzz' is not a model",
+                 id="missing-fallback"),
+    pytest.param(_variant("{min: 1, max: 2}", "{min: 3, max: 2}"), 13, "models[0].scaling: max (2) must be >= min (3)",
+                 id="max-below-min"),
+    pytest.param(_variant("  - name: b\n", "  - name: a\n"), 14, "models[1].name: model 'a' is already declared",
+                 id="duplicate-model"),
+    pytest.param(_variant("    gpus: 1\n", "    gpus: 1\n    start_timeout: soon\n"), 9,
+                 "profiles.small.start_timeout: 'soon' is not a duration", id="bad-duration"),
+    pytest.param(_variant("    engine: vllm\n", "    engine: tgi\n"), 7, "profiles.small.engine: unknown engine 'tgi'",
+                 id="unknown-engine"),
+    pytest.param(_variant("    host: 10.0.0.1\n", ""), 2, "nodes[0]: an ssh node needs a host", id="node-without-host"),
+    pytest.param(_variant("weights: hf:org/b", "weights: http://plain.example/b.gguf"), 16,
+                 "models[1].weights: 'http://plain.example/b.gguf': weights are fetched over https:// only",
+                 id="plain-http-weights"),
+    pytest.param(_variant("    gpus: 1\n", "    gpus: -1\n"), 8, "profiles.small.gpus: Input should be greater than",
+                 id="negative-gpus"),
+    pytest.param(_variant("    host: 10.0.0.1\n", "    host: 10.0.0.1\n    host: 10.0.0.2\n"), 4,
+                 "duplicate key 'host'", id="duplicate-key"),
+    pytest.param(_variant("    weights: hf:org/a\n", "    weights: ../../etc\n"), 12,
+                 "models[0].weights: '../../etc': a weights path may not climb", id="weights-traversal"),
+    pytest.param(_variant("  - name: n1\n", "  - name: n1\n    ports: 30000-20000\n"), 3,
+                 "nodes[0].ports: port range 30000-20000 must lie within", id="bad-port-range"),
+]
+
+
+@pytest.mark.parametrize("text,line,message", BROKEN)
+def test_broken_inventory_names_file_line_and_field(tmp_path, text, line, message):
+    path = tmp_path / "inventory.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_checked(path)
+    rendered = str(info.value)
+    assert rendered.startswith(f"{path}:{line}: "), rendered
+    assert message in rendered, rendered
+
+
+@pytest.mark.parametrize("text,line,message", BROKEN[:3])
+def test_check_command_exits_2_with_the_message(tmp_path, text, line, message):
+    path = tmp_path / "inventory.yaml"
+    path.write_text(text)
+    result = subprocess.run([sys.executable, "-m", "llmgw.cli.main", "check", "-i", str(path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert f"{path}:{line}: " in result.stderr
+    assert message in result.stderr
+
+
+def test_check_command_passes_on_the_example():
+    result = subprocess.run([sys.executable, "-m", "llmgw.cli.main", "check", "-i",
+                             str(ROOT / "inventory.example.yaml")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "valid" in result.stdout
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_inventory(tmp_path / "absent.yaml")
+
+
+def test_model_file_uses_the_same_class():
+    model, _ = parse_model_text(textwrap.dedent("""\
+        name: extra
+        profile: small
+        weights: hf:org/extra@v2
+        scaling: {min: 0, max: 3, idle_timeout: 5m}
+        """), "extra.yaml")
+    assert model.scaling.idle_timeout == 300
+    assert model.source.cache_name.startswith("llmgw-")
+    with pytest.raises(ConfigError) as info:
+        parse_model_text("name: x\nprofile: p\nscaling:\n  max: -1\n", "x.yaml")
+    assert str(info.value).startswith("x.yaml:4: scaling.max:")
+
+
+@pytest.mark.parametrize("text,seconds", [("30s", 30), ("10m", 600), ("1.5h", 5400), ("250ms", 0.25), (12, 12)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text,size", [("24GB", 24 * 10**9), ("512MiB", 512 * 2**20), ("1.5TB", 15 * 10**11), (7, 7)])
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+def test_port_ranges():
+    assert parse_port_range("20000-20099") == (20000, 20099)
+    assert parse_port_range(8000) == (8000, 8000)
+    with pytest.raises(ValueError):
+        parse_port_range("http")

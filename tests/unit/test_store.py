@@ -1,0 +1,93 @@
+"""The SQLite store: migrations, WAL, the single batched writer thread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import threading
+
+import pytest
+import sqlite_utils
+
+from llmgw.store import SCHEMA_VERSION, Store, add_usage, migrate, schema_version
+
+
+def test_migration_from_an_empty_database(tmp_path):
+    db = sqlite_utils.Database(tmp_path / "empty.db")
+    assert schema_version(db) == 0
+    assert migrate(db) == SCHEMA_VERSION
+    assert schema_version(db) == SCHEMA_VERSION
+    assert {"models", "node_admin", "replicas", "shards", "api_keys", "usage", "audit"} <= set(db.table_names())
+    assert migrate(db) == SCHEMA_VERSION  # idempotent
+
+
+def test_newer_schema_is_refused(tmp_path):
+    db = sqlite_utils.Database(tmp_path / "new.db")
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(RuntimeError, match="upgrade llmgw"):
+        migrate(db)
+
+
+def test_wal_is_on_and_file_is_private(tmp_path):
+    path = tmp_path / "state.db"
+    store = Store.open(path)
+    try:
+        assert store.read_sync(lambda db: db.execute("PRAGMA journal_mode").fetchone()[0]) == "wal"
+        store.write_sync(lambda db: db["audit"].insert({"ts": 1.0, "actor": "t", "action": "a", "target": "x"}))
+        assert os.path.exists(str(path) + "-wal")  # the -wal file exists while the store is open
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    finally:
+        store.close()
+
+
+def test_writes_run_on_one_thread_in_batches(tmp_path):
+    store = Store.open(tmp_path / "state.db")
+    threads = set()
+
+    def write(i):
+        def fn(db):
+            threads.add(threading.get_ident())
+            db["audit"].insert({"ts": float(i), "actor": "t", "action": "a", "target": str(i)})
+        return fn
+
+    try:
+        futures = [store.submit(write(i)) for i in range(200)]
+        for f in futures:
+            f.result()
+        assert len(threads) == 1 and threading.get_ident() not in threads
+        assert store.read_sync(lambda db: db["audit"].count) == 200
+    finally:
+        store.close()
+
+
+def test_a_failing_write_does_not_lose_the_batch(tmp_path):
+    store = Store.open(tmp_path / "state.db")
+
+    def bad(db):
+        db["audit"].insert({"ts": 0.0, "actor": "t", "action": "bad", "target": "x"})
+        raise ValueError("boom")
+
+    try:
+        good = store.submit(lambda db: db["audit"].insert({"ts": 1.0, "actor": "t", "action": "ok", "target": "x"}))
+        failing = store.submit(bad)
+        good2 = store.submit(lambda db: db["audit"].insert({"ts": 2.0, "actor": "t", "action": "ok", "target": "y"}))
+        good.result(), good2.result()
+        with pytest.raises(ValueError):
+            failing.result()
+        actions = store.read_sync(lambda db: [r["action"] for r in db["audit"].rows])
+        assert actions == ["ok", "ok"]
+    finally:
+        store.close()
+
+
+async def test_async_write_does_not_block_the_loop(tmp_path):
+    store = Store.open(tmp_path / "state.db")
+    try:
+        rows = [(1, "k1", "m", 1, 10, 5), (1, "k1", "m", 1, 3, 2)]
+        await store.write(lambda db: add_usage(db, rows))
+        usage = await store.read(lambda db: list(db["usage"].rows))
+        assert usage == [{"bucket": 1, "key_id": "k1", "model": "m", "requests": 2,
+                          "prompt_tokens": 13, "completion_tokens": 7}]
+    finally:
+        store.close()
