@@ -38,7 +38,7 @@ def _migrate_1(db: sqlite_utils.Database) -> None:
                            "replaces": str, "draining": int, "created_at": float, "updated_at": float},
                           pk="id")
     db["shards"].create({"id": str, "replica_id": str, "rank": int, "node": str, "state": str,
-                         "port": int, "gpus": str, "argv": str, "pid": int, "start_time": int,
+                         "port": int, "dist_port": int, "serves_http": int, "gpus": str, "argv": str, "pid": int, "start_time": int,
                          "reason": str, "log_tail": str, "state_since": float, "created_at": float,
                          "updated_at": float}, pk="id", foreign_keys=[("replica_id", "replicas", "id")])
     db["shards"].create_index(["replica_id"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from llmgw.cli.check import check
+from llmgw.cli.serve import serve
 
 app = typer.Typer(
     name="llmgw",
@@ -20,6 +21,7 @@ def main() -> None:
     """One OpenAI-compatible endpoint for a fleet of GPU and CPU machines reached over SSH."""
 
 
+app.command("serve")(serve)
 app.command("check")(check)
 
 

@@ -1,0 +1,234 @@
+"""Operator actions on the running control plane: catalog changes, node admin, reclaim, logs.
+
+Every refusal is a `ServiceError` carrying an HTTP status (400 for the caller's mistakes, 404 for
+unknown names); the admin API turns it into a response in one place (R-8.2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from llmgw.catalog import Catalog, CatalogHolder, StoredModel
+from llmgw.config import ConfigError, Document, Inventory, ModelConfig, parse_model_text
+from llmgw.control import placement
+from llmgw.control.reconciler import Reconciler
+from llmgw.fleet.fleet import Fleet
+from llmgw.fleet.link import READY
+from llmgw.fleet.session import NodeError
+from llmgw.store import Store, audit
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    def __init__(self, status: int, message: str, *, code: str = "bad_request", problems: list[str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.problems = status, message, code, problems or []
+
+
+def load_stored_models(store: Store) -> list[StoredModel]:
+    rows = store.read_sync(lambda db: list(db["models"].rows_where(order_by="created_at")))
+    return [StoredModel(ModelConfig.model_validate(json.loads(r["definition"])), r["actor"]) for r in rows]
+
+
+class ControlPlane:
+    """The operator's handle on catalog, reconciler and fleet."""
+
+    def __init__(self, inventory: Inventory, document: Document | None, holder: CatalogHolder, store: Store,
+                 reconciler: Reconciler, fleet: Fleet, inventory_source: str = "the inventory file"):
+        self.inventory = inventory
+        self.document = document
+        self.holder = holder
+        self.store = store
+        self.reconciler = reconciler
+        self.fleet = fleet
+        self.inventory_source = inventory_source
+        self._lock = asyncio.Lock()
+
+    # -- catalog changes (R-8.1–R-8.4) ---------------------------------------------------------
+
+    def _stored(self) -> list[StoredModel]:
+        catalog = self.holder.current
+        return [StoredModel(m.config, m.actor) for m in catalog.models.values() if m.declared_in == "store"]
+
+    def _build(self, stored: list[StoredModel]) -> Catalog:
+        try:
+            return Catalog.from_inventory(self.inventory, self.document, stored=stored,
+                                          version=self.holder.current.version + 1)
+        except ConfigError as exc:
+            raise ServiceError(400, "; ".join(p.message for p in exc.problems),
+                               problems=exc.lines()) from None
+
+    def _check_placeable(self, catalog: Catalog, name: str) -> None:
+        """Refuse a model whose profile fits no node of the inventory, even an empty one (R-8.2)."""
+        model = catalog.models[name]
+        if model.static or model.profile is None:
+            return
+        views = [dataclasses.replace(v, state=READY, state_reason=None, admin="active")
+                 for v in self.reconciler.node_views()]
+        explanation = placement.explain_placement(model, views, {})
+        if explanation.plan is None:
+            raise ServiceError(400, f"model {name!r} cannot be placed on any node of the inventory, even an "
+                                    f"idle one: {explanation.summary}", code="unplaceable")
+
+    async def add_model(self, text: str, actor: str, source: str = "model file") -> dict:
+        try:
+            config, _ = parse_model_text(text, source)
+        except ConfigError as exc:
+            raise ServiceError(400, exc.lines()[0] if exc.problems else str(exc), problems=exc.lines()) from None
+        async with self._lock:
+            current = self.holder.current
+            existing = current.models.get(config.name)
+            if existing is not None:
+                where = (f"declared in {self.inventory_source}" if existing.declared_in == "file"
+                         else "already added at runtime")
+                raise ServiceError(400, f"model {config.name!r} is {where}; choose another name or remove it first",
+                                   code="name_collision")
+            catalog = self._build([*self._stored(), StoredModel(config, actor)])
+            self._check_placeable(catalog, config.name)
+            row = {"name": config.name, "definition": config.model_dump_json(exclude_unset=True), "actor": actor,
+                   "created_at": time.time(), "updated_at": time.time()}
+            await self.store.write(lambda db: (db["models"].insert(row),
+                                               audit(db, actor, "model.add", config.name, json.loads(row["definition"]))))
+            self.holder.swap(catalog)
+        self.reconciler.wake()
+        return self.model_summary(config.name)
+
+    def _stored_model(self, name: str, action: str):
+        model = self.holder.current.models.get(name)
+        if model is None:
+            raise ServiceError(404, f"no model named {name!r}", code="model_not_found")
+        if model.declared_in == "file":
+            raise ServiceError(400, f"{name} is declared in {self.inventory_source}; edit it there to {action} it "
+                                    f"(the file is read on every start and would undo a runtime change)",
+                               code="declared_in_file")
+        return model
+
+    async def remove_model(self, name: str, actor: str) -> dict:
+        async with self._lock:
+            self._stored_model(name, "remove")
+            stored = [s for s in self._stored() if s.config.name != name]
+            catalog = self._build(stored)
+            await self.store.write(lambda db: (db["models"].delete_where("name = ?", [name]),
+                                               audit(db, actor, "model.remove", name)))
+            self.holder.swap(catalog)
+        self.reconciler.wake()
+        return {"removed": name}
+
+    async def scale(self, name: str, minimum: int, maximum: int | None, actor: str) -> dict:
+        """Change only the scaling block; validate the whole new catalog before storing (R-8.4)."""
+        if minimum < 0 or (maximum is not None and maximum < 0):
+            raise ServiceError(400, "min and max must be 0 or more")
+        async with self._lock:
+            model = self._stored_model(name, "scale")
+            if maximum is not None and maximum < minimum:
+                raise ServiceError(400, f"max ({maximum}) must be >= min ({minimum}); "
+                                        f"{name} keeps min {model.min_replicas}, max {model.max_replicas}")
+            scaling = model.config.scaling.model_copy(update={"min": minimum, "max": maximum})
+            try:
+                config = ModelConfig.model_validate({**model.config.model_dump(exclude_unset=True),
+                                                     "scaling": scaling.model_dump(exclude_unset=True) | {
+                                                         "min": minimum, "max": maximum}})
+            except Exception as exc:
+                raise ServiceError(400, str(exc)) from None
+            stored = [StoredModel(config, s.actor) if s.config.name == name else s for s in self._stored()]
+            catalog = self._build(stored)
+            definition = config.model_dump_json(exclude_unset=True)
+            await self.store.write(lambda db: (
+                db["models"].update(name, {"definition": definition, "updated_at": time.time()}),
+                audit(db, actor, "model.scale", name, {"min": minimum, "max": maximum})))
+            self.holder.swap(catalog)
+        self.reconciler.wake()
+        return self.model_summary(name)
+
+    def model_summary(self, name: str) -> dict:
+        model = self.holder.current.models[name]
+        return {"name": model.name, "declared_in": model.declared_in, "actor": model.actor,
+                "profile": model.profile_name, "weights": str(model.source) if model.source else None,
+                "scaling": {"min": model.min_replicas, "max": model.max_replicas,
+                            "idle_timeout": model.idle_timeout, "on_demand": model.on_demand},
+                "fallback": model.fallback}
+
+    # -- nodes ---------------------------------------------------------------------------------
+
+    def set_node(self, node: str, action: str, grace: float | None, actor: str) -> dict:
+        states = {"cordon": "cordoned", "uncordon": "active", "drain": "draining"}
+        if action not in states:
+            raise ServiceError(400, f"unknown action {action!r}; use cordon, uncordon or drain")
+        if node not in self.fleet.nodes:
+            raise ServiceError(404, f"no node named {node!r}", code="node_not_found")
+        admin = self.reconciler.set_admin(node, states[action], grace if action == "drain" else None, actor)
+        return {"node": node, "admin": admin.state, "grace_until": admin.grace_until}
+
+    # -- storage and reclaim (R-5.5) -----------------------------------------------------------
+
+    async def reclaim(self, collect: bool, actor: str) -> dict:
+        """List (or ask nodes to remove) cache entries the catalog no longer wants."""
+        wanted = self.holder.current.wanted_cache_names()
+        in_use = {(s.node, m.source.cache_name) for r in self.reconciler.replicas.values()
+                  for s in r.shards if (m := self.holder.current.models.get(r.model)) and m.source and m.source.fetched}
+        nodes = []
+
+        async def one(name: str) -> None:
+            node = self.fleet.nodes[name]
+            cache = self.reconciler.cache_dir(node)
+            entry = {"node": name, "cache_dir": cache, "entries": [], "error": None}
+            nodes.append(entry)
+            try:
+                listing = await self.fleet.call(name, "reclaim", {"cache_dir": cache, "names": None, "collect": False})
+                unwanted = [e for e in listing["entries"]
+                            if e["name"] not in wanted and (name, e["name"]) not in in_use]
+                if collect and unwanted:
+                    answer = await self.fleet.call(name, "reclaim", {"cache_dir": cache, "collect": True,
+                                                                     "names": [e["name"] for e in unwanted]})
+                    entry["entries"] = answer["entries"]
+                else:
+                    entry["entries"] = unwanted
+            except NodeError as exc:
+                entry["error"] = str(exc)
+
+        await asyncio.gather(*(one(n) for n in self.fleet.ready_nodes()))
+        asked = sum(1 for n in nodes for e in n["entries"] if collect)
+        if collect:
+            await self.store.write(lambda db: audit(db, actor, "reclaim", "fleet", {"asked": asked}))
+        nodes.sort(key=lambda n: n["node"])
+        return {"collect": collect, "nodes": nodes, "asked_to_remove": asked if collect else 0}
+
+    # -- logs (R-4.8) --------------------------------------------------------------------------
+
+    def _shard(self, replica_id: str, rank: int):
+        replica = self.reconciler.replicas.get(replica_id)
+        if replica is None:
+            replica = next((r for _, r in reversed(self.reconciler.retired) if r.id == replica_id), None)
+        if replica is None:
+            raise ServiceError(404, f"no replica named {replica_id!r}", code="replica_not_found")
+        if not 0 <= rank < len(replica.shards):
+            raise ServiceError(400, f"{replica_id} has shards 0-{len(replica.shards) - 1}")
+        return replica.shards[rank]
+
+    async def logs(self, replica_id: str, rank: int = 0, lines: int = 100) -> list[str]:
+        shard = self._shard(replica_id, rank)
+        try:
+            result = await self.fleet.call(shard.node, "logs", {"shard_id": shard.id, "lines": lines})
+        except NodeError as exc:
+            if shard.log_tail:
+                return list(shard.log_tail)
+            raise ServiceError(502, f"could not read the log: {exc}", code="node_error") from None
+        return result["lines"]
+
+    async def follow_logs(self, replica_id: str, rank: int = 0, lines: int = 100) -> AsyncIterator[list[str]]:
+        shard = self._shard(replica_id, rank)
+        try:
+            stream = self.fleet.link(shard.node).stream("logs", {"shard_id": shard.id, "lines": lines,
+                                                                  "follow": True})
+        except NodeError as exc:
+            raise ServiceError(502, f"could not read the log: {exc}", code="node_error") from None
+        async with stream:
+            async for event, data in stream:
+                if event == "lines":
+                    yield data.get("lines") or []

@@ -1,0 +1,110 @@
+"""The Fleet: every node's link and its latest facts, refreshed on a tick (SPEC §1, §2)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from llmgw.config import Inventory, NodeConfig
+from llmgw.fleet.facts import Held, Inventory as InventoryFacts, NodeFacts, ShardStatus, Storage
+from llmgw.fleet.link import READY, NodeLink, make_link
+from llmgw.fleet.session import NodeError
+
+log = logging.getLogger(__name__)
+
+# Unauthenticated connects in flight at once: below sshd's default MaxStartups (10).
+CONNECT_GATE = 8
+STORAGE_TIMEOUT = 5.0
+PROBE_TIMEOUT = 2.0
+
+
+class Fleet:
+    """Links to all nodes of the inventory and what they last reported."""
+
+    def __init__(self, inventory: Inventory, state_dir: str | os.PathLike,
+                 holdings_wanted: Callable[[NodeConfig], dict[str, list[str]]] | None = None,
+                 on_state: Callable[[NodeLink], None] | None = None):
+        self.inventory = inventory
+        self.nodes: dict[str, NodeConfig] = {n.name: n for n in inventory.nodes}
+        self.facts: dict[str, NodeFacts] = {n.name: NodeFacts() for n in inventory.nodes}
+        self.holdings_wanted = holdings_wanted
+        self._state_dir = Path(state_dir)
+        self._gate: asyncio.Semaphore | None = None
+        self._on_state = on_state
+        self.links: dict[str, NodeLink] = {}
+
+    async def start(self) -> None:
+        """Create and start every link, staggered so sshd is not flooded with connects (R-1.1)."""
+        self._gate = asyncio.Semaphore(CONNECT_GATE)
+        stagger = self.inventory.ssh.connect_stagger
+        for index, node in enumerate(self.inventory.nodes):
+            link = make_link(node, self.inventory.ssh, local_root=self._state_dir / "node" / node.name,
+                             connect_gate=self._gate, on_state=self._on_state)
+            self.links[node.name] = link
+            link.start()
+            if stagger and index + 1 < len(self.inventory.nodes):
+                await asyncio.sleep(stagger)
+
+    async def wait_connected(self, timeout: float) -> bool:
+        results = await asyncio.gather(*(link.wait_ready(timeout) for link in self.links.values()))
+        return all(results)
+
+    def ready_nodes(self) -> list[str]:
+        return [name for name, link in self.links.items() if link.state == READY]
+
+    def link(self, node: str) -> NodeLink:
+        return self.links[node]
+
+    async def call(self, node: str, op: str, args: dict | None = None, timeout: float | None = 30.0):
+        return await self.links[node].call(op, args, timeout)
+
+    # -- facts ---------------------------------------------------------------------------------
+
+    async def refresh(self, nodes: Iterable[str] | None = None, *, probe: bool = True) -> None:
+        """Ask every ready node (or the given ones) for all its facts, concurrently."""
+        names = [n for n in (nodes if nodes is not None else self.links) if self.links[n].state == READY]
+        await asyncio.gather(*(self._refresh_node(name, probe) for name in names))
+
+    async def _refresh_node(self, name: str, probe: bool) -> None:
+        node = self.nodes[name]
+        wanted = self.holdings_wanted(node) if self.holdings_wanted else {}
+        calls = [
+            self._fact(name, "inventory", {}, InventoryFacts.from_helper),
+            self._fact(name, "storage", {"dirs": storage_dirs(node), "timeout": STORAGE_TIMEOUT}, Storage.from_helper),
+            self._fact(name, "status", {"probe": probe, "timeout": PROBE_TIMEOUT},
+                       lambda r: {s["shard_id"]: ShardStatus.from_helper(s) for s in r.get("shards") or ()}),
+        ]
+        if wanted:
+            calls.append(self._fact(name, "holdings", {"candidates": wanted},
+                                    lambda r: {k: Held(v["path"], v.get("bytes")) for k, v in
+                                               (r.get("held") or {}).items()}))
+        else:
+            self.facts[name].holdings = {}
+        await asyncio.gather(*calls)
+
+    async def _fact(self, name: str, op: str, args: dict, parse) -> None:
+        try:
+            result = await self.links[name].call(op, args, timeout=30)
+        except NodeError as exc:
+            log.debug("%s: %s failed: %s", name, op, exc)
+            return
+        facts = self.facts[name]
+        value = parse(result)
+        setattr(facts, "shards" if op == "status" else op, value)
+        facts.observed_at[op] = time.time()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(link.close() for link in self.links.values()))
+
+
+def storage_dirs(node: NodeConfig) -> list[dict]:
+    """The directories a node is asked to look at: model dirs, shared dirs, its cache (R-2.4)."""
+    dirs = [{"path": d, "shared": False} for d in node.model_dirs]
+    dirs += [{"path": d, "shared": True} for d in node.shared_dirs]
+    if node.cache_dir:
+        dirs.append({"path": node.cache_dir, "shared": False})
+    return dirs

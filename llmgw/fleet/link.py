@@ -1,0 +1,421 @@
+"""NodeLink: the one way the rest of llmgw reaches a node (`await link.call(op, args)`).
+
+A link owns one transport (an asyncssh connection, or a local subprocess for `connection: local`)
+and one long-lived helper session on it. A single supervisor task per link connects, deploys the
+helper when it is missing or fails its integrity check, and reconnects with capped exponential
+backoff and jitter when the connection is lost (R-1.1–R-1.3, R-1.7). Only this package knows
+that SSH exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.resources
+import logging
+import os
+import random
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+
+from llmgw.config import NodeConfig, SSHConfig
+from llmgw.fleet.session import EXIT_INTEGRITY, HelperFailed, HelperSession, NodeError, Stream
+
+log = logging.getLogger(__name__)
+
+CONNECTING, READY, UNREACHABLE, UNHEALTHY = "connecting", "ready", "unreachable", "unhealthy"
+HELLO_TIMEOUT = 20.0
+BACKOFF_BASE = 0.5
+BACKOFF_CAP = 30.0
+# sshd allows MaxSessions (10) channels per connection: the helper session uses one, and the rare
+# extra ones (helper upload over SFTP) are kept well below the limit.
+EXTRA_CHANNELS = 4
+
+
+@dataclass(frozen=True)
+class HelperCode:
+    text: bytes
+    sha256: str
+
+    @property
+    def filename(self) -> str:
+        return f"llmgw_helper-{self.sha256}.py"
+
+
+@lru_cache(maxsize=1)
+def helper_code() -> HelperCode:
+    """The helper this control plane ships, read as package data, and its SHA-256."""
+    text = importlib.resources.files("llmgw").joinpath("remote/llmgw_helper.py").read_bytes()
+    return HelperCode(text=text, sha256=hashlib.sha256(text).hexdigest())
+
+
+def backoff_delay(attempt: int, base: float = BACKOFF_BASE, cap: float = BACKOFF_CAP) -> float:
+    """Capped exponential backoff with jitter: somewhere in the upper half of the step."""
+    step = min(cap, base * (2 ** min(attempt, 16)))
+    return random.uniform(step / 2, step)
+
+
+class NodeLink:
+    """A node's link. Subclasses open the transport and start the helper."""
+
+    def __init__(self, name: str, *, code: HelperCode | None = None,
+                 on_state: Callable[[NodeLink], None] | None = None):
+        self.name = name
+        self.code = code or helper_code()
+        self.state = CONNECTING
+        self.reason: str | None = None
+        self.since = time.time()
+        self.hello: dict | None = None
+        self.connects = 0
+        self._session: HelperSession | None = None
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        self._wake = asyncio.Event()
+        self._on_state = on_state
+
+    # -- public ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._supervise(), name=f"link-{self.name}")
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def call(self, op: str, args: dict | None = None, timeout: float | None = 30.0) -> Any:
+        session = self._session
+        if session is None or session.closed:
+            raise NodeError(self.name, op, "not connected", self.reason or f"node is {self.state}")
+        return await session.call(op, args, timeout)
+
+    def stream(self, op: str, args: dict | None = None) -> Stream:
+        session = self._session
+        if session is None or session.closed:
+            raise NodeError(self.name, op, "not connected", self.reason or f"node is {self.state}")
+        return session.stream(op, args)
+
+    def reconnect_now(self) -> None:
+        """Skip the rest of the current backoff wait (e.g. after the operator fixed something)."""
+        self._wake.set()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        await self._teardown()
+
+    # -- supervision -------------------------------------------------------------------------
+
+    def _set_state(self, state: str, reason: str | None = None) -> None:
+        if state != self.state or reason != self.reason:
+            self.since = time.time()
+            if state == READY:
+                log.info("%s: ready (helper %s)", self.name, (self.hello or {}).get("version"))
+            else:
+                log.warning("%s: %s%s", self.name, state, f": {reason}" if reason else "")
+        self.state, self.reason = state, reason
+        if state == READY:
+            self._ready.set()
+        else:
+            self._ready.clear()
+        if self._on_state is not None:
+            self._on_state(self)
+
+    async def _supervise(self) -> None:
+        attempt = 0
+        while not self._closed:
+            try:
+                session = await self._open()
+            except HelperFailed as exc:
+                self._set_state(UNHEALTHY, exc.reason)
+                await self._teardown()
+                await self._sleep(backoff_delay(attempt + 3))
+                attempt += 1
+                continue
+            except (OSError, asyncssh.Error, asyncio.TimeoutError, NodeError) as exc:
+                self._set_state(UNREACHABLE, _describe(exc))
+                await self._teardown()
+                await self._sleep(backoff_delay(attempt))
+                attempt += 1
+                continue
+            self._session = session
+            self.hello = session.hello
+            self.connects += 1
+            attempt = 0
+            self._set_state(READY)
+            reason = await asyncio.shield(session.lost)
+            if self._closed:
+                return
+            self._session = None
+            self._set_state(UNREACHABLE, f"connection lost: {reason}")
+            await self._teardown()
+            await self._sleep(backoff_delay(0))
+
+    async def _sleep(self, seconds: float) -> None:
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _open(self) -> HelperSession:
+        """Connect, start the helper (deploying it when needed) and return the session."""
+        raise NotImplementedError
+
+    async def _teardown(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class SSHLink(NodeLink):
+    """A node reached over one persistent asyncssh connection (R-1.1, R-1.5)."""
+
+    def __init__(self, node: NodeConfig, ssh: SSHConfig, *, connect_gate: asyncio.Semaphore | None = None,
+                 **kw):
+        super().__init__(node.name, **kw)
+        self.node = node
+        self.ssh = ssh
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._process: asyncssh.SSHClientProcess | None = None
+        self._gate = connect_gate
+        self._channels = asyncio.Semaphore(EXTRA_CHANNELS)
+        remote = ssh.remote_dir
+        # Relative paths resolve against the login directory: no shell expansion is needed.
+        self.remote_dir = remote[2:] if remote.startswith("~/") else remote
+        self.helper_path = f"{self.remote_dir}/helper/{self.code.filename}"
+
+    def _connect_options(self) -> dict[str, Any]:
+        ssh, node = self.ssh, self.node
+        options: dict[str, Any] = {
+            "port": node.port or ssh.port,
+            "connect_timeout": ssh.connect_timeout,
+            "login_timeout": ssh.connect_timeout,
+            "keepalive_interval": ssh.keepalive_interval,
+            "keepalive_count_max": ssh.keepalive_count,
+        }
+        user = node.user or ssh.user
+        if user:
+            options["username"] = user
+        identity = node.identity_file or ssh.identity_file
+        if identity:
+            options["client_keys"] = [os.path.expanduser(identity)]
+        if ssh.known_hosts:
+            options["known_hosts"] = os.path.expanduser(ssh.known_hosts)
+        if ssh.config_file:
+            options["config"] = [os.path.expanduser(ssh.config_file)]
+        return options
+
+    async def _connect(self) -> asyncssh.SSHClientConnection:
+        options = self._connect_options()
+        host = self.node.host
+        assert host is not None
+        try:
+            if self._gate is not None:
+                async with self._gate:
+                    return await asyncssh.connect(host, **options)
+            return await asyncssh.connect(host, **options)
+        except asyncssh.HostKeyNotVerifiable as exc:
+            raise HelperFailed(await self._host_key_message(host, options, exc)) from None
+
+    async def _host_key_message(self, host: str, options: dict, exc: Exception) -> str:
+        """Name the node and the fingerprint it presented, and say what to do (R-1.5)."""
+        port = options["port"]
+        fingerprint = "unknown fingerprint"
+        try:
+            key = await asyncio.wait_for(asyncssh.get_server_host_key(host, port), self.ssh.connect_timeout)
+            if key is not None:
+                fingerprint = key.get_fingerprint("sha256")
+        except (OSError, asyncssh.Error, asyncio.TimeoutError):
+            pass
+        known = options.get("known_hosts") or "~/.ssh/known_hosts"
+        target = host if port == 22 else f"[{host}]:{port}"
+        listed = False
+        try:
+            entries = asyncssh.read_known_hosts(os.path.expanduser(known))
+            listed = bool(entries.match(host, "", port)[0])
+        except (OSError, ValueError, asyncssh.Error):
+            pass
+        if listed:
+            return (f"host key for {self.name} ({target}) changed: it now presents {fingerprint}, which does "
+                    f"not match {known}; if the node was reinstalled, remove the old key with "
+                    f"`ssh-keygen -R {target}` and add the new one after checking it")
+        return (f"host key for {self.name} ({target}) is not known ({fingerprint}); check it and add it to "
+                f"{known} (e.g. `ssh-keyscan -p {port} {host}` compared with the node's own key)")
+
+    async def _open(self) -> HelperSession:
+        self._set_state(CONNECTING, self.reason)
+        self._conn = await self._connect()
+        try:
+            return await self._start_helper()
+        except HelperFailed as exc:
+            if exc.missing or exc.exit_status == EXIT_INTEGRITY:
+                log.info("%s: deploying helper %s (%s)", self.name, self.code.sha256[:12], exc.reason)
+                await self._upload()
+                return await self._start_helper()
+            raise
+
+    async def _start_helper(self) -> HelperSession:
+        assert self._conn is not None
+        python = self.node.python or self.ssh.python
+        command = shlex.join([python, self.helper_path, "serve", "--expect-sha256", self.code.sha256,
+                              "--root", self.remote_dir])
+        process = await self._conn.create_process(command, encoding=None)
+        session = HelperSession(self.name, process.stdout, process.stdin)
+        try:
+            await session.start(HELLO_TIMEOUT)
+        except HelperFailed as exc:
+            stderr = b""
+            try:
+                await asyncio.wait_for(process.wait_closed(), 5)
+                stderr = await asyncio.wait_for(process.stderr.read(), 2)
+            except (asyncio.TimeoutError, asyncssh.Error, OSError):
+                pass
+            status = process.exit_status
+            process.close()
+            text = stderr.decode(errors="replace").strip()
+            if exc.fatal is None and status is None:
+                # No exit status at all is a lost connection, not a result (R-1.1).
+                raise NodeError(self.name, "helper", "start", "connection lost while starting the helper")
+            missing = exc.fatal is None and ("No such file" in text or "can't open file" in text)
+            reason = exc.reason if exc.fatal else (
+                f"helper exited with status {status}: {text[-300:] or 'no output'}")
+            if not missing and exc.fatal is None and status == 127:
+                reason = f"{python!r} was not found on the node (set ssh.python or the node's python)"
+            raise HelperFailed(reason, fatal=exc.fatal, exit_status=status, missing=missing) from None
+        self._process = process
+        return session
+
+    async def _upload(self) -> None:
+        """Upload the helper atomically (temp file + rename) into a 0700 directory (R-1.3)."""
+        assert self._conn is not None
+        async with self._channels:
+            async with self._conn.start_sftp_client() as sftp:
+                directory = f"{self.remote_dir}/helper"
+                for path in (self.remote_dir, directory):
+                    if not await sftp.exists(path):
+                        await sftp.mkdir(path, asyncssh.SFTPAttrs(permissions=0o700))
+                    await sftp.chmod(path, 0o700)
+                temp = f"{directory}/.upload-{os.getpid()}-{random.getrandbits(32):08x}"
+                async with sftp.open(temp, "wb", asyncssh.SFTPAttrs(permissions=0o600)) as remote:
+                    await remote.write(self.code.text)
+                await sftp.chmod(temp, 0o600)
+                await sftp.posix_rename(temp, self.helper_path)
+
+    async def _teardown(self) -> None:
+        await super()._teardown()
+        if self._process is not None:
+            self._process.close()
+            self._process = None
+        if self._conn is not None:
+            self._conn.close()
+            try:
+                await asyncio.wait_for(self._conn.wait_closed(), 5)
+            except (asyncio.TimeoutError, Exception):
+                pass
+            self._conn = None
+
+
+class LocalLink(NodeLink):
+    """`connection: local`: the helper as a local subprocess, same protocol (R-1.7)."""
+
+    def __init__(self, node: NodeConfig, root: str | os.PathLike, python: str | None = None, **kw):
+        super().__init__(node.name, **kw)
+        self.node = node
+        self.root = Path(root)
+        self.python = python or node.python or sys.executable
+        self.helper_path = self.root / "helper" / self.code.filename
+        self._proc: asyncio.subprocess.Process | None = None
+
+    async def _open(self) -> HelperSession:
+        self._set_state(CONNECTING, self.reason)
+        try:
+            return await self._start_helper()
+        except HelperFailed as exc:
+            if exc.missing or exc.exit_status == EXIT_INTEGRITY:
+                self._install()
+                return await self._start_helper()
+            raise
+
+    def _install(self) -> None:
+        directory = self.helper_path.parent
+        for path in (self.root, directory):
+            path.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(path, 0o700)
+        temp = directory / f".upload-{os.getpid()}-{random.getrandbits(32):08x}"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(self.code.text)
+        os.replace(temp, self.helper_path)
+
+    async def _start_helper(self) -> HelperSession:
+        if not self.helper_path.exists():
+            raise HelperFailed("helper not installed yet", missing=True)
+        proc = await asyncio.create_subprocess_exec(
+            self.python, str(self.helper_path), "serve", "--expect-sha256", self.code.sha256,
+            "--root", str(self.root), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, limit=64 * 1024 * 1024, start_new_session=True)
+        assert proc.stdout is not None and proc.stdin is not None
+        session = HelperSession(self.name, proc.stdout, proc.stdin)
+        try:
+            await session.start(HELLO_TIMEOUT)
+        except HelperFailed as exc:
+            try:
+                status = await asyncio.wait_for(proc.wait(), 5)
+            except asyncio.TimeoutError:
+                proc.kill()
+                status = await proc.wait()
+            stderr = (await proc.stderr.read()).decode(errors="replace").strip() if proc.stderr else ""
+            reason = exc.reason if exc.fatal else f"helper exited with status {status}: {stderr[-300:]}"
+            raise HelperFailed(reason, fatal=exc.fatal, exit_status=status) from None
+        self._proc = proc
+        return session
+
+    async def _teardown(self) -> None:
+        await super()._teardown()
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            try:
+                await asyncio.wait_for(proc.wait(), 5)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "connection timed out"
+    if isinstance(exc, asyncssh.PermissionDenied):
+        return f"authentication refused: {exc.reason}"
+    if isinstance(exc, asyncssh.Error):
+        return exc.reason or type(exc).__name__
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    return str(exc)
+
+
+def make_link(node: NodeConfig, ssh: SSHConfig, *, local_root: str | os.PathLike,
+              connect_gate: asyncio.Semaphore | None = None, **kw) -> NodeLink:
+    if node.connection == "local":
+        return LocalLink(node, local_root, **kw)
+    return SSHLink(node, ssh, connect_gate=connect_gate, **kw)
+

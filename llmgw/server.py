@@ -1,0 +1,159 @@
+"""Wires the pieces for `llmgw serve`: store, catalog, fleet, reconciler, router, admin (R-9.1, R-9.2)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from llmgw.catalog import Catalog, CatalogHolder
+from llmgw.config import Document, Inventory, default_state_dir, embedded_inventory, load_inventory, split_address
+from llmgw.control.reconciler import Reconciler
+from llmgw.control.service import ControlPlane, load_stored_models
+from llmgw.fleet.fleet import Fleet
+from llmgw.router import Router
+from llmgw.store import Store
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE = 15.0
+TOKEN_FILE = "admin-token"
+ADMIN_ADDRESS_FILE = "admin-address"
+
+
+def resolve_state_dir(inventory: Inventory, override: str | None = None) -> Path:
+    value = override or os.environ.get("LLMGW_STATE_DIR") or inventory.gateway.state_dir
+    return Path(os.path.expanduser(value)) if value else default_state_dir()
+
+
+def admin_token(state_dir: Path) -> str:
+    """The admin token, kept in a 0600 file of the state directory (R-9.3)."""
+    path = state_dir / TOKEN_FILE
+    try:
+        token = path.read_text().strip()
+        if token:
+            os.chmod(path, 0o600)
+            return token
+    except FileNotFoundError:
+        pass
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(token + "\n")
+    return token
+
+
+@dataclass
+class Gateway:
+    """Everything `llmgw serve` runs, in one process on one event loop."""
+
+    inventory: Inventory
+    document: Document | None
+    state_dir: Path
+    inventory_source: str = "the inventory file"
+    listen: str | None = None
+    admin_listen: str | None = None
+    store: Store = field(init=False)
+    holder: CatalogHolder = field(init=False)
+    fleet: Fleet = field(init=False)
+    reconciler: Reconciler = field(init=False)
+    router: Router = field(init=False)
+    control: ControlPlane = field(init=False)
+    registry: CollectorRegistry = field(init=False)
+    token: str = field(init=False)
+    _runners: list[web.AppRunner] = field(default_factory=list, init=False)
+    bound: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)
+
+    async def start(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.token = admin_token(self.state_dir)
+        self.store = Store.open(self.state_dir / "state.db")
+        stored = load_stored_models(self.store)
+        catalog = Catalog.from_inventory(self.inventory, self.document, stored=stored)
+        self.holder = CatalogHolder(catalog)
+        self.registry = CollectorRegistry()
+        gateway = self.inventory.gateway
+        self.fleet = Fleet(self.inventory, self.state_dir)
+        self.router = Router(self.holder, self.store, gateway, on_demand=self._on_demand, registry=self.registry)
+        self.reconciler = Reconciler(self.holder, self.fleet, self.store, gateway,
+                                     push_endpoints=self.router.set_endpoints,
+                                     last_used=self.router.take_last_used,
+                                     outstanding=getattr(self.router, "outstanding", None))
+        self.fleet.holdings_wanted = self.reconciler.holdings_wanted
+        self.control = ControlPlane(self.inventory, self.document, self.holder, self.store, self.reconciler,
+                                    self.fleet, self.inventory_source)
+        self.holder.subscribe(lambda _: self.reconciler.wake())
+        await self.reconciler.load()
+        # Adopted replicas are pushed before the router listens, once their nodes confirm them.
+        await self.fleet.start()
+        await self._listen("router", self.router.web_app(), self.listen or gateway.listen)
+        admin_app = self._admin_app()
+        if admin_app is not None:
+            await self._listen("admin", admin_app, self.admin_listen or gateway.admin)
+            host, port = self.bound["admin"]
+            (self.state_dir / ADMIN_ADDRESS_FILE).write_text(f"{host}:{port}\n")
+        self.reconciler.start()
+        log.info("llmgw serving %d models on %d nodes; state in %s", len(catalog.models),
+                 len(self.inventory.nodes), self.state_dir)
+
+    def _on_demand(self, model: str) -> None:
+        self.reconciler.note_demand(model)
+
+    def _admin_app(self) -> web.Application | None:
+        try:
+            from llmgw.admin.app import build_admin_app
+        except ImportError:
+            return None
+        return build_admin_app(self)
+
+    async def _listen(self, name: str, app: web.Application, address: str) -> None:
+        host, port = split_address(address)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+        sockets = runner.addresses
+        bound = sockets[0] if sockets else (host, port)
+        self.bound[name] = (bound[0], bound[1])
+        self._runners.append(runner)
+        log.info("%s listening on %s:%d", name, bound[0], bound[1])
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish, leave engines running (R-4.5)."""
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()
+        await self.reconciler.close()
+        await self.router.close()
+        await self.fleet.close()
+        self.store.close()
+
+
+def load_configuration(path: str | None) -> tuple[Inventory, Document | None, str]:
+    if path is None:
+        return embedded_inventory(), None, "the embedded default"
+    inventory, document = load_inventory(path)
+    return inventory, document, str(path)
+
+
+async def serve(inventory_path: str | None, *, state_dir: str | None = None, listen: str | None = None,
+                admin: str | None = None) -> None:
+    inventory, document, source = load_configuration(inventory_path)
+    gateway = Gateway(inventory, document, resolve_state_dir(inventory, state_dir), source, listen, admin)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await gateway.start()
+    try:
+        await stop.wait()
+        log.info("shutting down: in-flight requests get up to %.0fs; engines keep running", SHUTDOWN_GRACE)
+    finally:
+        await gateway.stop()
