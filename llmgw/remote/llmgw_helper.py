@@ -1,0 +1,2341 @@
+#!/usr/bin/env python3
+"""llmgw node helper: the only llmgw code that runs on a node.
+
+One file, standard library only, Python >= 3.8. It never imports llmgw. The control plane
+uploads it to ``ROOT/helper/llmgw_helper-<sha256>.py`` (ROOT defaults to ``~/.llmgw``) and
+keeps one copy running per node over its SSH connection.
+
+Starting and self-verification (R-1.3)
+--------------------------------------
+``python3 PATH serve --expect-sha256 HEX [--root DIR]``
+
+Before anything else the helper hashes its own file and compares the digest with HEX. The
+expected hash always comes from the command line, never from a constant in this file (a file
+checking itself against its own text proves nothing). On a mismatch it prints one JSON line
+``{"fatal": "integrity", "expected": HEX, "actual": HEX}`` and exits with EXIT_INTEGRITY (97).
+It then checks that the directory holding the file is owned by the current uid and not
+accessible to group or others (mode & 0o077 == 0); otherwise it prints
+``{"fatal": "permissions", "path", "mode": "0755", "owner": UID, "message"}`` and exits with
+EXIT_PERMISSIONS (98). A bad command line exits with 2 (argparse).
+
+Wire protocol (R-1.2)
+---------------------
+JSON lines over stdin/stdout, UTF-8, one object per line.
+
+- First line written: ``{"hello": {"protocol": 1, "version", "sha256", "python", "hostname",
+  "boot_id", "pid"}}``.
+- Request: ``{"id": <int or str>, "op": "<name>", "args": {...}}``.
+- Answer: ``{"id", "ok": true, "result": {...}}`` or
+  ``{"id", "ok": false, "error": {"kind": "<machine word>", "message": "<sentence>"}}``.
+  Kinds used: bad_request (a line that is not a request), unknown_op, bad_args, internal (an
+  unexpected exception; the helper keeps running), cancelled, not_found, alive, identity,
+  port_in_use, launch_failed, disk_full, http, network, empty_source.
+- Streamed event, zero or more before the answer: ``{"id", "event": "<name>", "data": {...}}``.
+
+Requests are served concurrently: ping and cancel inline, every other request on its own
+thread, so a long fetch or a log follow never blocks status or ping. Output lines are written
+under one lock and flushed one by one, so they never interleave. EOF on stdin cancels what is
+running (follows, fetches) and exits 0; engines keep running because they are detached.
+
+Unknown is null, never 0 (R-2.3, R-2.7).
+
+Operations (args -> result)
+---------------------------
+ping {} -> {"time": unix float}
+
+inventory {} -> {"hostname", "boot_id", "cpus", "memory_bytes": int|null,
+    "nvidia_smi": "ok"|"absent"|"error", "nvidia_smi_error": str|null,
+    "gpus": [{"index", "uuid", "name", "memory_total_mib", "memory_used_mib",
+              "utilization_pct", "ecc_uncorrected", "healthy", "reasons": [str]}]}
+    No nvidia-smi on PATH means no GPUs, not an error (R-2.1). A GPU is unhealthy (R-2.2) with
+    uncorrected ECC errors, an unreadable field ([GPU is lost], ERR!, [Unknown Error]), or
+    memory held by a process that is not in the session of an engine this node runs.
+    [N/A] and [Not Supported] are unknown (null), not unhealthy.
+
+storage {"dirs": [{"path", "shared": bool}], "timeout": 5} -> {"filesystems": [{"device":
+    "MAJ:MIN", "fstype", "mount_point", "shared", "total_bytes", "free_bytes", "dirs"}],
+    "missing": [path], "stuck": [path]}
+    One entry per filesystem (st_dev), not per directory (R-2.4). A directory that does not
+    answer within the timeout is stuck and skipped immediately by later calls until its probe
+    returns. shared: network filesystem types or a directory the request marked shared (R-2.5).
+
+holdings {"candidates": {KEY: [path, ...]}, "timeout": 10} -> {"held": {KEY: {"path",
+    "bytes"}}, "stuck": [path]}
+    The first candidate holding weights: a non-empty regular file, or a directory with at least
+    one regular file; a directory named llmgw-* only with its completion marker (R-2.6).
+
+fetch {"source": {"kind": "https", "urls": [...]} | {"kind": "hf", "repo", "revision",
+    "endpoint"}, "cache_dir", "name": "llmgw-<hex>", "token": str|null}
+    -> events "progress" {"bytes", "total": int|null}; answer {"path", "bytes"}
+    Written under cache_dir/.tmp-<name>-<random>/, marked complete with .llmgw-complete and
+    renamed to cache_dir/<name> only at the end (R-5.2). Single-flight per cache dir and name:
+    a second request attaches to the running download (R-5.3). total is known only when every
+    file's length is. The token is sent as a bearer header to the source's host only, and is
+    never logged or echoed.
+
+launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus"} -> {"shard_id", "pid",
+    "pgid", "start_time", "argv", "log_path", "started_at"}
+    The engine runs under a supervisor (this file in supervise mode) in a new session; the
+    supervisor records ROOT/shards/<shard_id>/state.json atomically, and the exit code
+    (negative signal number when killed) and end time when the engine exits (R-4.4). env
+    (secrets included) travels through the supervisor's stdin and reaches only the engine's
+    environment, never an argv (R-1.6). gpus sets CUDA_VISIBLE_DEVICES.
+
+status {"probe": false, "timeout": 2} -> {"shards": [{"shard_id", "pid", "pgid", "start_time",
+    "argv", "gpus", "port", "health_url", "started_at", "alive", "exit_code", "ended_at",
+    "health": {"status": int|null, "error": str|null}|null, "log_tail": [str]|null}]}
+    alive means identity holds: same boot, same pid start time (field 22 of /proc/PID/stat),
+    and the command line recorded when the engine started (or the recorded supervisor is still
+    its parent); a pid alone is never trusted (R-4.4). health only with probe, for live shards
+    with a health URL (R-4.7). log_tail (last 50 lines) only for shards that are not alive.
+
+stop {"shard_id", "grace": 10} -> {"was_alive", "stopped"}
+    Identity first: on a mismatch the answer is kind identity and nothing is signalled. TERM to
+    the process group, KILL after the grace. stopped: nothing of the engine runs any more.
+
+forget {"shard_id"} -> {}      removes the shard's state directory; refused (alive) while live.
+
+logs {"shard_id", "lines": 100, "follow": false} -> {"lines": [str]}
+    With follow: event "lines" {"lines": [...]} with the last N, then with new lines as they
+    are written, until cancelled; then the answer {"lines": []}.
+
+reclaim {"cache_dir", "names": [str]|null, "collect": false} -> {"entries": [{"name", "path",
+    "bytes", "action": "listed"|"removed"|"refused", "reason"}]}
+    Every name is checked again on the node (R-5.5): the cache-name pattern, no traversal, the
+    cache directory is a real directory, realpath + commonpath inside it and never it, the entry
+    is not a link; removal is fd-relative and never follows a symbolic link.
+
+cancel {"target": request id} -> {"cancelled": bool}     ends a log follow or a fetch wait.
+
+One-shot mode for operators (R-1.4)
+-----------------------------------
+``python3 llmgw_helper.py inventory|storage|holdings|status|logs|reclaim ... [--json]`` prints
+the result the control plane sees, readable by default (unknown shown as ``-``), exact JSON
+with --json. Destructive operations (launch, stop, forget, fetch, reclaim with collect) are
+reachable only through ``serve --expect-sha256``.
+"""
+
+import argparse
+import errno
+import hashlib
+import http.client
+import json
+import os
+import platform
+import re
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import urllib.error
+import urllib.parse
+import urllib.request
+
+HELPER_VERSION = "0.1.0"
+PROTOCOL_VERSION = 1
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_INTEGRITY = 97
+EXIT_PERMISSIONS = 98
+
+DEFAULT_ROOT = "~/.llmgw"
+STATE_FILE = "state.json"
+LOG_FILE = "engine.log"
+COMPLETE_MARKER = ".llmgw-complete"
+
+# Cache entries carry the hash of their canonical source; anything else in a cache directory
+# was put there by someone else and is never touched (R-5.5).
+CACHE_NAME_RE = re.compile(r"llmgw-[0-9a-f]{16,64}")
+TEMP_NAME_RE = re.compile(r"\.tmp-(llmgw-[0-9a-f]{16,64})-[A-Za-z0-9_]{1,64}")
+SHARD_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+NVIDIA_SMI_TIMEOUT = 10.0
+GPU_QUERY_FIELDS = (
+    "index",
+    "uuid",
+    "name",
+    "memory.total",
+    "memory.used",
+    "utilization.gpu",
+    "ecc.errors.uncorrected.volatile.total",
+)
+COMPUTE_APPS_FIELDS = ("gpu_uuid", "pid", "used_memory")
+
+# Filesystems that many nodes mount at once. Anything else is local: a local disk mistaken for
+# shared would vanish from the node's free space, a filer mistaken for local would be counted
+# once per node (R-2.5).
+SHARED_FSTYPES = frozenset(
+    [
+        "nfs",
+        "nfs4",
+        "lustre",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "gpfs",
+        "beegfs",
+        "ceph",
+        "cephfs",
+        "glusterfs",
+        "fuse.glusterfs",
+        "fuse.cephfs",
+        "fuse.ceph",
+        "fuse.ceph-fuse",
+        "wekafs",
+    ]
+)
+
+DEFAULT_STORAGE_TIMEOUT = 5.0
+DEFAULT_HOLDINGS_TIMEOUT = 10.0
+DEFAULT_PROBE_TIMEOUT = 2.0
+DEFAULT_STOP_GRACE = 10.0
+DEFAULT_LOG_LINES = 100
+MAX_LOG_LINES = 100000
+LOG_TAIL_LINES = 50
+LOG_FOLLOW_INTERVAL = 0.1
+LAUNCH_TIMEOUT = 15.0
+KILL_WAIT = 5.0
+WALK_LIMIT = 200000
+HTTP_TIMEOUT = 60.0
+FETCH_CHUNK = 1 << 20
+PROGRESS_INTERVAL = 0.25
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+class HelperError(Exception):
+    """A failure the caller is told about: kind is a machine word, message a sentence."""
+
+    def __init__(self, kind, message):
+        Exception.__init__(self, message)
+        self.kind = kind
+        self.message = message
+
+
+def bad_args(message):
+    return HelperError("bad_args", message)
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checking
+
+
+_REQUIRED = object()
+_MISSING = object()
+
+
+def _type_ok(value, kinds):
+    if isinstance(value, bool):
+        return bool in kinds
+    if float in kinds and isinstance(value, int):
+        return True
+    return isinstance(value, kinds)
+
+
+def _arg(args, name, kinds, default=_REQUIRED):
+    """Return args[name] checked against kinds; a missing or null optional gives default."""
+    value = args.get(name, _MISSING)
+    if value is _MISSING or (value is None and default is not _REQUIRED):
+        if default is _REQUIRED:
+            raise bad_args("missing argument %r" % name)
+        return default
+    if not _type_ok(value, kinds):
+        wanted = " or ".join(k.__name__ for k in kinds)
+        raise bad_args("argument %r must be %s, got %s" % (name, wanted, type(value).__name__))
+    return value
+
+
+def _arg_timeout(args, name, default, upper=3600.0):
+    value = float(_arg(args, name, (float,), default))
+    if not (0 < value <= upper):
+        raise bad_args("argument %r must be between 0 and %g seconds, got %r" % (name, upper, value))
+    return value
+
+
+def _arg_shard_id(args):
+    shard_id = _arg(args, "shard_id", (str,))
+    # "." and ".." match the character class but would name the shards directory or its parent.
+    if not SHARD_ID_RE.fullmatch(shard_id) or shard_id in (".", ".."):
+        raise bad_args("shard_id %r must be 1-128 of A-Z a-z 0-9 . _ - (and not . or ..)" % shard_id)
+    return shard_id
+
+
+def _arg_path(args, name, default=_REQUIRED):
+    path = _arg(args, name, (str,), default)
+    if path is None:
+        return None
+    path = os.path.expanduser(path)
+    if not path or "\0" in path or not os.path.isabs(path):
+        raise bad_args("argument %r must be an absolute path, got %r" % (name, path))
+    return os.path.normpath(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Parsers: pure functions of the text a command or a /proc file printed.
+
+# Cells nvidia-smi prints when it has no value: unknown, not a fault.
+_UNKNOWN_CELLS = frozenset(
+    [
+        "",
+        "n/a",
+        "[n/a]",
+        "[not supported]",
+        "not supported",
+        "[requested functionality has been deprecated]",
+        "[insufficient permissions]",
+    ]
+)
+_NUMBER_CELL = re.compile(r"(-?\d+)(?:\.\d+)?(?:\s*(?:MiB|%))?")
+
+
+def _read_cell(raw):
+    """Return (value, fault): value is None when unknown; fault is the text of an error cell."""
+    text = raw.strip()
+    if text.lower() in _UNKNOWN_CELLS:
+        return None, None
+    if (text.startswith("[") and text.endswith("]")) or "ERR!" in text.upper():
+        return None, text
+    return text, None
+
+
+def _read_int_cell(raw):
+    value, fault = _read_cell(raw)
+    if value is None:
+        return None, fault
+    match = _NUMBER_CELL.fullmatch(value)
+    if match is None:
+        return None, value
+    return int(match.group(1)), None
+
+
+def parse_gpu_csv(text):
+    """Parse ``nvidia-smi --query-gpu=<GPU_QUERY_FIELDS> --format=csv,noheader,nounits``.
+
+    Returns {"gpus": [...], "unparsed": [lines]}: lines with another shape (the message
+    nvidia-smi prints in place of a lost GPU's row, for instance) are kept, not dropped.
+    """
+    gpus = []
+    unparsed = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        cells = [cell.strip() for cell in line.split(",")]
+        if len(cells) != len(GPU_QUERY_FIELDS):
+            unparsed.append(line.strip())
+            continue
+        if cells[0] == "index":  # a header line, when asked without noheader
+            continue
+        reasons = []
+        index, fault = _read_int_cell(cells[0])
+        if fault is not None:
+            reasons.append("index reads %s" % fault)
+        if index is None:
+            # nvidia-smi lists GPUs in index order, so the position is the best stand-in.
+            index = len(gpus)
+        values = {}
+        for field, key, numeric in (
+            ("uuid", "uuid", False),
+            ("name", "name", False),
+            ("memory.total", "memory_total_mib", True),
+            ("memory.used", "memory_used_mib", True),
+            ("utilization.gpu", "utilization_pct", True),
+            ("ecc.errors.uncorrected.volatile.total", "ecc_uncorrected", True),
+        ):
+            raw = cells[GPU_QUERY_FIELDS.index(field)]
+            value, fault = _read_int_cell(raw) if numeric else _read_cell(raw)
+            values[key] = value
+            if fault is not None:
+                reasons.append("%s reads %s" % (field, fault))
+        ecc = values["ecc_uncorrected"]
+        if ecc is not None and ecc > 0:
+            reasons.append("%d uncorrected ECC error%s (volatile)" % (ecc, "" if ecc == 1 else "s"))
+        gpu = {"index": index}
+        gpu.update(values)
+        gpu["healthy"] = not reasons
+        gpu["reasons"] = reasons
+        gpus.append(gpu)
+    return {"gpus": gpus, "unparsed": unparsed}
+
+
+def parse_compute_apps_csv(text):
+    """Parse ``nvidia-smi --query-compute-apps=gpu_uuid,pid,used_memory --format=csv,noheader,nounits``.
+
+    Returns [{"gpu_uuid", "pid", "used_memory_mib": int|null}]; other lines (a header, "No
+    running processes found") are skipped.
+    """
+    apps = []
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.split(",")]
+        if len(cells) != len(COMPUTE_APPS_FIELDS):
+            continue
+        uuid, _ = _read_cell(cells[0])
+        pid, _ = _read_int_cell(cells[1])
+        if uuid is None or pid is None:
+            continue
+        used, _ = _read_int_cell(cells[2])
+        apps.append({"gpu_uuid": uuid, "pid": pid, "used_memory_mib": used})
+    return apps
+
+
+_MEMINFO_UNITS = {"kb": 1024, "mb": 1024 * 1024, "gb": 1024 * 1024 * 1024}
+
+
+def parse_meminfo(text):
+    """Parse /proc/meminfo into {field: value}; values with a unit are in bytes, counts as is."""
+    fields = {}
+    for line in text.splitlines():
+        key, sep, rest = line.partition(":")
+        parts = rest.split()
+        if not sep or not parts or not parts[0].isdigit():
+            continue
+        value = int(parts[0])
+        if len(parts) > 1:
+            scale = _MEMINFO_UNITS.get(parts[1].lower())
+            if scale is None:
+                continue
+            value *= scale
+        fields[key.strip()] = value
+    return fields
+
+
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape_mount_field(text):
+    return _OCTAL_ESCAPE.sub(lambda match: chr(int(match.group(1), 8)), text)
+
+
+def parse_mountinfo(text):
+    """Parse /proc/self/mountinfo into a list of mounts, in file order.
+
+    Each: {"mount_id", "parent_id", "device": "MAJ:MIN", "root", "mount_point", "fstype",
+    "source"}, with octal escapes (\\040 ...) decoded. Super options may hold unescaped spaces
+    (cifs unc=, 9p path=), so only the text before them is split. Lines in /proc/mounts format
+    are accepted too, with mount_id, parent_id, device and root null.
+    """
+    mounts = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        head, sep, tail = line.partition(" - ")
+        if sep:
+            fields = head.split(" ")
+            post = tail.split(" ", 2)
+            if len(fields) < 6 or len(post) < 2:
+                continue
+            if not (fields[0].isdigit() and fields[1].isdigit()):
+                continue
+            mounts.append(
+                {
+                    "mount_id": int(fields[0]),
+                    "parent_id": int(fields[1]),
+                    "device": fields[2],
+                    "root": _unescape_mount_field(fields[3]),
+                    "mount_point": _unescape_mount_field(fields[4]),
+                    "fstype": post[0],
+                    "source": _unescape_mount_field(post[1]),
+                }
+            )
+            continue
+        fields = line.split()
+        if len(fields) < 6 or not (fields[-1].isdigit() and fields[-2].isdigit()):
+            continue
+        mounts.append(
+            {
+                "mount_id": None,
+                "parent_id": None,
+                "device": None,
+                "root": None,
+                "mount_point": _unescape_mount_field(fields[1]),
+                "fstype": fields[2],
+                "source": _unescape_mount_field(fields[0]),
+            }
+        )
+    return mounts
+
+
+def _path_is_under(path, top):
+    if top == "/":
+        return path.startswith("/")
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def find_mount(mounts, path, device=None):
+    """Return the mount that holds path (already a realpath), or None.
+
+    The longest mount point that prefixes the path wins; among equals the later line (it is
+    mounted over the earlier). A mount whose device matches the path's st_dev is preferred,
+    which settles stacked mounts such as an autofs placeholder under its real filesystem.
+    """
+    best = None
+    best_key = None
+    for order, mount in enumerate(mounts):
+        if not _path_is_under(path, mount["mount_point"]):
+            continue
+        key = (device is not None and mount["device"] == device, len(mount["mount_point"]), order)
+        if best_key is None or key > best_key:
+            best, best_key = mount, key
+    return best
+
+
+def is_shared_fstype(fstype):
+    return fstype is not None and fstype.lower() in SHARED_FSTYPES
+
+
+def parse_proc_stat(text):
+    """Parse /proc/PID/stat: {"state", "ppid", "pgid", "session", "start_time"} or None.
+
+    The command name sits in parentheses and may itself hold spaces and parentheses, so the
+    fields are counted from the last ")".
+    """
+    rparen = text.rfind(")")
+    if rparen < 0:
+        return None
+    rest = text[rparen + 1 :].split()
+    if len(rest) < 20:
+        return None
+    try:
+        return {
+            "state": rest[0],
+            "ppid": int(rest[1]),
+            "pgid": int(rest[2]),
+            "session": int(rest[3]),
+            "start_time": int(rest[19]),  # field 22: clock ticks since boot
+        }
+    except ValueError:
+        return None
+
+
+def mark_foreign_gpu_memory(gpus, apps, own_sessions, session_of):
+    """Mark GPUs holding memory of a process llmgw did not start as unhealthy (R-2.2).
+
+    session_of(pid) gives the session id of a process or None when it cannot be seen; such a
+    process is not one of ours either.
+    """
+    by_uuid = dict((gpu["uuid"], gpu) for gpu in gpus if gpu.get("uuid"))
+    for app in apps:
+        gpu = by_uuid.get(app["gpu_uuid"])
+        if gpu is None:
+            continue
+        session = session_of(app["pid"])
+        if session is not None and session in own_sessions:
+            continue
+        held = "memory" if app["used_memory_mib"] is None else "%d MiB" % app["used_memory_mib"]
+        gpu["reasons"].append("%s held by pid %d (not started by llmgw)" % (held, app["pid"]))
+        gpu["healthy"] = False
+    return gpus
+
+
+# --------------------------------------------------------------------------------------------
+# Small facts about this machine and its processes
+
+
+def _read_text(path):
+    try:
+        with open(path, "rb") as handle:
+            return handle.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
+def read_boot_id():
+    text = _read_text("/proc/sys/kernel/random/boot_id")
+    return text.strip() if text else None
+
+
+def read_proc_stat(pid):
+    text = _read_text("/proc/%d/stat" % pid)
+    return parse_proc_stat(text) if text else None
+
+
+def read_cmdline(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return None
+    parts = data.split(b"\0")
+    if parts and parts[-1] == b"":
+        parts.pop()
+    return [part.decode("utf-8", "surrogateescape") for part in parts]
+
+
+def count_cpus():
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
+
+
+def group_members(pgid):
+    """Pids of the living (non-zombie) processes of a process group, read from /proc."""
+    members = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return members
+    for name in names:
+        if not name.isdigit():
+            continue
+        info = read_proc_stat(int(name))
+        if info is not None and info["pgid"] == pgid and info["state"] not in ("Z", "X"):
+            members.append(int(name))
+    return members
+
+
+def _write_json_atomic(path, obj):
+    """Write JSON to path through a temp file and rename, so readers never see half a file."""
+    temp = "%s.tmp-%d-%s" % (path, os.getpid(), secrets.token_hex(4))
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(obj, handle, indent=1, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
+
+
+def _read_json(path):
+    try:
+        with open(path, "rb") as handle:
+            value = json.loads(handle.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def tail_lines(path, count, max_bytes=16 << 20):
+    """Last count lines of a file, read backwards in blocks; missing file gives []."""
+    if count <= 0:
+        return []
+    try:
+        handle = open(path, "rb")
+    except OSError:
+        return []
+    with handle:
+        handle.seek(0, os.SEEK_END)
+        size = handle.tell()
+        position = size
+        data = b""
+        while position > 0 and data.count(b"\n") <= count and size - position < max_bytes:
+            step = min(65536, position)
+            position -= step
+            handle.seek(position)
+            data = handle.read(step) + data
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    if position > 0 and lines:
+        lines = lines[1:]  # the first one is cut
+    return [_decode_line(line) for line in lines[-count:]]
+
+
+def _decode_line(raw):
+    return raw.decode("utf-8", "replace").rstrip("\r")
+
+
+# --------------------------------------------------------------------------------------------
+# Walking trees: weights, sizes, and removal that never follows a link
+
+
+def _walk_regular_files(top, follow_file_links, limit=WALK_LIMIT, skip_top=()):
+    """Return (bytes, files) of regular files under top, never descending into linked dirs.
+
+    follow_file_links counts a symbolic link to a regular file by its target (a Hugging Face
+    cache snapshot is made of such links); otherwise links are not counted at all.
+    """
+    total = 0
+    files = 0
+    seen = 0
+    stack = [(top, True)]
+    while stack and seen < limit:
+        directory, is_top = stack.pop()
+        try:
+            iterator = os.scandir(directory)
+        except OSError:
+            continue
+        with iterator:
+            for entry in iterator:
+                seen += 1
+                if seen >= limit:
+                    break
+                if is_top and entry.name in skip_top:
+                    continue
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append((entry.path, False))
+                    elif entry.is_file(follow_symlinks=follow_file_links):
+                        total += entry.stat(follow_symlinks=follow_file_links).st_size
+                        files += 1
+                except OSError:
+                    continue
+    return total, files
+
+
+def weights_bytes(path):
+    """Bytes of weights at path, or None when path holds none (R-2.6).
+
+    Weights are a non-empty regular file, or a directory with at least one regular file. A
+    directory named llmgw-* is a fetched cache entry and counts only with its completion
+    marker: a download without it is half-finished.
+    """
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(info.st_mode):
+        return info.st_size if info.st_size > 0 else None
+    if not stat.S_ISDIR(info.st_mode):
+        return None
+    if os.path.basename(os.path.normpath(path)).startswith("llmgw-"):
+        try:
+            marker = os.stat(os.path.join(path, COMPLETE_MARKER))
+        except OSError:
+            return None
+        if not stat.S_ISREG(marker.st_mode):
+            return None
+    total, files = _walk_regular_files(path, follow_file_links=True, skip_top=(COMPLETE_MARKER,))
+    return total if files else None
+
+
+def _same_inode(a, b):
+    return a.st_dev == b.st_dev and a.st_ino == b.st_ino
+
+
+def _remove_at(parent_fd, name, top_dev):
+    """Remove parent_fd/name without following links: links and files are unlinked, dirs are
+    opened O_NOFOLLOW relative to their parent and emptied the same way."""
+    info = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    if not stat.S_ISDIR(info.st_mode):
+        os.unlink(name, dir_fd=parent_fd)
+        return
+    if info.st_dev != top_dev:
+        raise OSError(errno.EXDEV, "refusing to cross into another filesystem", name)
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    try:
+        if not _same_inode(os.fstat(fd), info):
+            raise OSError(errno.ESTALE, "directory changed while being removed", name)
+        with os.scandir(fd) as iterator:
+            children = [entry.name for entry in iterator]
+        for child in children:
+            _remove_at(fd, child, top_dev)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
+
+
+def remove_tree_within(directory, name, expected=None):
+    """Remove directory/name fd-relative; directory itself is opened O_NOFOLLOW and, when
+    expected (an lstat result) is given, must still be that directory."""
+    root_fd = os.open(directory, _DIR_FLAGS)
+    try:
+        root_info = os.fstat(root_fd)
+        if expected is not None and not _same_inode(root_info, expected):
+            raise OSError(errno.ESTALE, "directory changed while being checked", directory)
+        _remove_at(root_fd, name, root_info.st_dev)
+    finally:
+        os.close(root_fd)
+
+
+def reclaim_refusal(cache_dir, name):
+    """Why cache_dir/name must not be removed, or None when it may be (R-5.5)."""
+    return _check_reclaim(cache_dir, name)[0]
+
+
+def _check_reclaim(cache_dir, name):
+    """(refusal or None, lstat of cache_dir as checked)."""
+    if not isinstance(name, str):
+        return "is not a name", None
+    if "/" in name or "\0" in name or name in (".", "..") or ".." in name:
+        return "contains a path separator or traversal; only plain cache names are accepted", None
+    if not (CACHE_NAME_RE.fullmatch(name) or TEMP_NAME_RE.fullmatch(name)):
+        return (
+            "does not carry the llmgw cache name (llmgw-<16 to 64 hex digits>); llmgw removes only what it fetched",
+            None,
+        )
+    if not os.path.isabs(cache_dir):
+        return "the cache directory %r is not an absolute path" % cache_dir, None
+    try:
+        root_info = os.lstat(cache_dir)
+    except OSError:
+        return "the cache directory %s does not exist" % cache_dir, None
+    if stat.S_ISLNK(root_info.st_mode):
+        return "the cache directory %s is a symbolic link; nothing is deleted through a link" % cache_dir, None
+    if not stat.S_ISDIR(root_info.st_mode):
+        return "the cache directory %s is not a directory" % cache_dir, None
+    root = os.path.realpath(cache_dir)
+    real = os.path.realpath(os.path.join(cache_dir, name))
+    if real == root:
+        return "is the cache directory itself", None
+    if os.path.commonpath([root, real]) != root or os.path.dirname(real) != root:
+        return "resolves outside the cache directory (to %s)" % real, None
+    try:
+        info = os.lstat(os.path.join(cache_dir, name))
+    except OSError:
+        return "not present", None
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link; links are never followed when deleting", None
+    return None, root_info
+
+
+def reclaim_entries(cache_dir, names, collect, busy=frozenset()):
+    """List or remove cache entries (R-5.5); busy holds names a running fetch uses.
+
+    names None lists every llmgw-* entry and every leftover temp dir no running fetch owns.
+    """
+    if names is None:
+        return _list_cache(cache_dir, busy)
+    entries = []
+    for name in names:
+        path = os.path.join(cache_dir, name) if isinstance(name, str) and "\0" not in name else None
+        entry = {"name": name, "path": path, "bytes": None, "action": "refused", "reason": None}
+        entries.append(entry)
+        reason, root_info = _check_reclaim(cache_dir, name)
+        if reason is None and name in busy:
+            reason = "in use by a running download"
+        if reason is not None:
+            entry["reason"] = reason
+            continue
+        entry["bytes"] = _entry_bytes(path)
+        if not collect:
+            entry["action"] = "listed"
+            continue
+        try:
+            remove_tree_within(cache_dir, name, expected=root_info)
+        except OSError as exc:
+            entry["reason"] = "could not remove: %s" % (exc.strerror or exc)
+            continue
+        entry["action"] = "removed"
+    return entries
+
+
+def _entry_bytes(path):
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if stat.S_ISREG(info.st_mode):
+        return info.st_size
+    if not stat.S_ISDIR(info.st_mode):
+        return None
+    total, _ = _walk_regular_files(path, follow_file_links=False)
+    return total
+
+
+def _list_cache(cache_dir, busy):
+    try:
+        names = sorted(os.listdir(cache_dir))
+    except OSError:
+        return []
+    entries = []
+    for name in names:
+        path = os.path.join(cache_dir, name)
+        if CACHE_NAME_RE.fullmatch(name):
+            reason = None
+            if os.path.islink(path):
+                reason = "a symbolic link, not a cache entry; never followed"
+            elif name in busy:
+                reason = "download in progress"
+            elif weights_bytes(path) is None:
+                reason = "incomplete: no completion marker"
+        elif TEMP_NAME_RE.fullmatch(name) and name not in busy:
+            reason = "leftover of an interrupted download"
+        else:
+            continue
+        entries.append(
+            {"name": name, "path": path, "bytes": _entry_bytes(path), "action": "listed", "reason": reason}
+        )
+    return entries
+
+
+# --------------------------------------------------------------------------------------------
+# Calls that may hang (a dead NFS server): run on a daemon thread, wait with a deadline.
+
+
+def _start_bounded(fn):
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # reported to the waiter, never raised on this thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="llmgw-bounded", daemon=True)
+    thread.start()
+    return thread, box
+
+
+# --------------------------------------------------------------------------------------------
+# Downloads
+
+
+_HF_REPO_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+_HF_REVISION_RE = re.compile(r"[A-Za-z0-9._/-]{1,256}")
+
+
+def redact_url(url):
+    """The URL without any user:password part, fit for a message."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit((parts.scheme, "***@" + host, parts.path, parts.query, parts.fragment))
+
+
+def _check_https(url, what):
+    if not isinstance(url, str):
+        raise bad_args("%s must be a string" % what)
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() != "https" or not parts.netloc:
+        raise bad_args("%s must be an https:// URL, got %s" % (what, redact_url(url)))
+    return url
+
+
+def _safe_relative_path(name):
+    """The parts of a file name from a hub listing, or None when it could escape the entry."""
+    if not isinstance(name, str) or not name or "\0" in name or "\\" in name or name.startswith("/"):
+        return None
+    parts = name.split("/")
+    if any(part in ("", ".", "..") for part in parts) or parts[0] == COMPLETE_MARKER:
+        return None
+    return parts
+
+
+class _RedirectHandler(urllib.request.HTTPRedirectHandler):
+    """Follows redirects only to https, and carries the bearer token only to the same host
+    (a hub redirects file downloads to a CDN that must not see it)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if urllib.parse.urlsplit(newurl).scheme.lower() != "https":
+            fp.close()
+            raise HelperError(
+                "http", "refusing a redirect from %s to a non-https URL" % redact_url(req.full_url)
+            )
+        new = urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
+        token = getattr(req, "llmgw_token", None)
+        if new is not None and token:
+            old_host = urllib.parse.urlsplit(req.full_url).netloc.lower()
+            if urllib.parse.urlsplit(newurl).netloc.lower() == old_host:
+                new.add_unredirected_header("Authorization", "Bearer " + token)
+                new.llmgw_token = token
+        return new
+
+
+class FetchJob(object):
+    """One download in progress, shared by every request that asked for it (R-5.3)."""
+
+    def __init__(self, key, cache_dir, name, source, token):
+        self.key = key
+        self.cache_dir = cache_dir
+        self.name = name
+        self.source = source
+        self.token = token
+        self.lock = threading.Lock()
+        self.listeners = {}
+        self.done = threading.Event()
+        self.abort = threading.Event()
+        self.bytes = 0
+        self.total = None
+        self.result = None
+        self.error = None
+        self.temp_name = None
+        self.thread = None
+        self._last_progress = 0.0
+
+    def attach(self, key, emit):
+        with self.lock:
+            self.listeners[key] = emit
+            data = {"bytes": self.bytes, "total": self.total}
+        emit("progress", data)
+
+    def detach(self, key):
+        """Drop a waiter; the download is abandoned when nobody waits for it any more."""
+        with self.lock:
+            self.listeners.pop(key, None)
+            if not self.listeners and not self.done.is_set():
+                self.abort.set()
+
+    def add_bytes(self, count):
+        with self.lock:
+            self.bytes += count
+        self.progress()
+
+    def set_total(self, total):
+        with self.lock:
+            self.total = total
+
+    def progress(self, force=False):
+        now = time.monotonic()
+        with self.lock:
+            if not force and now - self._last_progress < PROGRESS_INTERVAL:
+                return
+            self._last_progress = now
+            data = {"bytes": self.bytes, "total": self.total}
+            listeners = list(self.listeners.values())
+        for emit in listeners:
+            try:
+                emit("progress", dict(data))
+            except Exception:
+                pass
+
+
+# --------------------------------------------------------------------------------------------
+# The node: every operation, usable from serve and from the one-shot command line.
+
+
+class Context(object):
+    """What an operation may do besides returning: stream events, notice a cancel."""
+
+    def __init__(self, request_id=None, send=None):
+        self.id = request_id
+        self.key = (type(request_id).__name__, request_id)
+        self.cancelled = threading.Event()
+        self._send = send
+
+    def emit(self, event, data):
+        if self._send is not None:
+            self._send({"id": self.id, "event": event, "data": data})
+
+
+class Node(object):
+    """The operations of the protocol; each is op_<name>(args, ctx) -> result dict."""
+
+    OPERATIONS = (
+        "ping",
+        "inventory",
+        "storage",
+        "holdings",
+        "fetch",
+        "launch",
+        "status",
+        "stop",
+        "forget",
+        "logs",
+        "reclaim",
+        "cancel",
+    )
+
+    def __init__(self, root, helper_path, sha256=None):
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.helper_path = os.path.abspath(helper_path)
+        self.sha256 = sha256
+        self.requests = {}
+        self.requests_lock = threading.Lock()
+        self.stuck = {}
+        self.stuck_lock = threading.Lock()
+        self.fetches = {}
+        self.fetch_lock = threading.Lock()
+        self.launch_lock = threading.Lock()
+        self.closing = threading.Event()
+        self._opener = None
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    def register(self, ctx):
+        with self.requests_lock:
+            self.requests[ctx.key] = ctx
+
+    def unregister(self, ctx):
+        with self.requests_lock:
+            if self.requests.get(ctx.key) is ctx:
+                del self.requests[ctx.key]
+
+    def shutdown(self, wait=3.0):
+        """Stop follows and downloads (their temp dirs are removed); engines stay up."""
+        self.closing.set()
+        with self.requests_lock:
+            contexts = list(self.requests.values())
+        for ctx in contexts:
+            ctx.cancelled.set()
+        with self.fetch_lock:
+            jobs = list(self.fetches.values())
+        for job in jobs:
+            job.abort.set()
+        deadline = time.monotonic() + wait
+        for job in jobs:
+            if job.thread is not None:
+                job.thread.join(max(0.0, deadline - time.monotonic()))
+
+    def shards_dir(self):
+        return os.path.join(self.root, "shards")
+
+    def shard_dir(self, shard_id):
+        return os.path.join(self.shards_dir(), shard_id)
+
+    def read_state(self, shard_id):
+        return _read_json(os.path.join(self.shard_dir(shard_id), STATE_FILE))
+
+    # -- ping, cancel ----------------------------------------------------------------------
+
+    def op_ping(self, args, ctx):
+        return {"time": time.time()}
+
+    def op_cancel(self, args, ctx):
+        target = args.get("target")
+        if isinstance(target, bool) or not isinstance(target, (int, str)):
+            raise bad_args("argument 'target' must be the id (int or str) of a running request")
+        with self.requests_lock:
+            victim = self.requests.get((type(target).__name__, target))
+        if victim is None or victim is ctx:
+            return {"cancelled": False}
+        victim.cancelled.set()
+        return {"cancelled": True}
+
+    # -- inventory -------------------------------------------------------------------------
+
+    def op_inventory(self, args, ctx):
+        meminfo = _read_text("/proc/meminfo")
+        memory = parse_meminfo(meminfo).get("MemTotal") if meminfo else None
+        result = {
+            "hostname": socket.gethostname(),
+            "boot_id": read_boot_id(),
+            "cpus": count_cpus(),
+            "memory_bytes": memory,
+        }
+        result.update(self._query_gpus())
+        return result
+
+    def _query_gpus(self):
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            # No nvidia-smi means no GPUs, not an error (R-2.1).
+            return {"nvidia_smi": "absent", "nvidia_smi_error": None, "gpus": []}
+        out, error = _run_nvidia_smi(
+            exe, ["--query-gpu=" + ",".join(GPU_QUERY_FIELDS), "--format=csv,noheader,nounits"]
+        )
+        parsed = parse_gpu_csv(out or "")
+        gpus = parsed["gpus"]
+        if error is None and parsed["unparsed"]:
+            error = "nvidia-smi printed: " + " | ".join(parsed["unparsed"])[:1000]
+        if gpus:
+            apps_out, apps_error = _run_nvidia_smi(
+                exe, ["--query-compute-apps=" + ",".join(COMPUTE_APPS_FIELDS), "--format=csv,noheader,nounits"]
+            )
+            if apps_error is None:
+                mark_foreign_gpu_memory(
+                    gpus, parse_compute_apps_csv(apps_out), self._own_sessions(), _session_of
+                )
+        return {"nvidia_smi": "ok" if error is None else "error", "nvidia_smi_error": error, "gpus": gpus}
+
+    def _own_sessions(self):
+        sessions = set()
+        for shard_id, state in self._all_states():
+            if _identity(state)[0] == "alive":
+                info = read_proc_stat(state["pid"])
+                if info is not None:
+                    sessions.add(info["session"])
+        return sessions
+
+    # -- storage ---------------------------------------------------------------------------
+
+    def _stuck_paths(self, paths):
+        """Which of paths still have a probe hanging from an earlier call; finished probes
+        are forgotten, so a mount that recovered is looked at again."""
+        stuck = set()
+        with self.stuck_lock:
+            for path in paths:
+                thread = self.stuck.get(path)
+                if thread is None:
+                    continue
+                if thread.is_alive():
+                    stuck.add(path)
+                else:
+                    del self.stuck[path]
+        return stuck
+
+    def _mark_stuck(self, path, thread):
+        with self.stuck_lock:
+            self.stuck[path] = thread
+
+    def op_storage(self, args, ctx):
+        requested = _arg(args, "dirs", (list,))
+        timeout = _arg_timeout(args, "timeout", DEFAULT_STORAGE_TIMEOUT, upper=300.0)
+        dirs = []
+        for item in requested:
+            if isinstance(item, str):
+                item = {"path": item}
+            if not isinstance(item, dict):
+                raise bad_args("each of 'dirs' must be {\"path\": str, \"shared\": bool}")
+            given = _arg(item, "path", (str,))
+            path = _arg_path(item, "path")
+            shared = _arg(item, "shared", (bool,), False)
+            dirs.append((given, path, shared))
+        mounts = parse_mountinfo(_read_text("/proc/self/mountinfo") or "")
+        already = self._stuck_paths([path for _, path, _ in dirs])
+        probes = []
+        for given, path, shared in dirs:
+            if path in already:
+                probes.append((given, path, shared, None, None))
+                continue
+            thread, box = _start_bounded(lambda path=path: _probe_directory(path))
+            probes.append((given, path, shared, thread, box))
+        deadline = time.monotonic() + timeout
+        filesystems = []
+        by_device = {}
+        missing = []
+        stuck = []
+        for given, path, shared, thread, box in probes:
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if thread is None or thread.is_alive():
+                if thread is not None:
+                    self._mark_stuck(path, thread)
+                stuck.append(given)
+                continue
+            if "error" in box:
+                # Missing or unreadable: an unmounted filer looks like this. Skipped, never
+                # reported as an empty or full disk (R-2.4).
+                missing.append(given)
+                continue
+            real, device, total, free = box["value"]
+            entry = by_device.get(device)
+            if entry is None:
+                mount = find_mount(mounts, real, device)
+                fstype = mount["fstype"] if mount else None
+                entry = {
+                    "device": device,
+                    "fstype": fstype,
+                    "mount_point": mount["mount_point"] if mount else None,
+                    "shared": is_shared_fstype(fstype),
+                    "total_bytes": total,
+                    "free_bytes": free,
+                    "dirs": [],
+                }
+                by_device[device] = entry
+                filesystems.append(entry)
+            entry["dirs"].append(given)
+            entry["shared"] = entry["shared"] or shared
+        return {"filesystems": filesystems, "missing": missing, "stuck": stuck}
+
+    # -- holdings --------------------------------------------------------------------------
+
+    def op_holdings(self, args, ctx):
+        candidates = _arg(args, "candidates", (dict,))
+        timeout = _arg_timeout(args, "timeout", DEFAULT_HOLDINGS_TIMEOUT, upper=600.0)
+        for key, paths in candidates.items():
+            if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
+                raise bad_args("candidates[%r] must be a list of paths" % key)
+        deadline = time.monotonic() + timeout
+        held = {}
+        stuck = []
+        for key, paths in candidates.items():
+            for given in paths:
+                path = os.path.expanduser(given)
+                if given in stuck or self._stuck_paths([path]):
+                    if given not in stuck:
+                        stuck.append(given)
+                    continue
+                thread, box = _start_bounded(lambda path=path: weights_bytes(path))
+                thread.join(max(0.0, deadline - time.monotonic()))
+                if thread.is_alive():
+                    self._mark_stuck(path, thread)
+                    stuck.append(given)
+                    continue
+                size = box.get("value")
+                if size is not None:
+                    held[key] = {"path": given, "bytes": size}
+                    break
+        return {"held": held, "stuck": stuck}
+
+    # -- fetch -----------------------------------------------------------------------------
+
+    def op_fetch(self, args, ctx):
+        source = _check_source(_arg(args, "source", (dict,)))
+        cache_dir = _arg_path(args, "cache_dir")
+        name = _arg(args, "name", (str,))
+        if not CACHE_NAME_RE.fullmatch(name):
+            raise bad_args("name %r must be llmgw-<16 to 64 lowercase hex digits>" % name)
+        token = _arg(args, "token", (str,), None)
+        final = os.path.join(cache_dir, name)
+        size = weights_bytes(final)
+        if size is not None:
+            return {"path": final, "bytes": size}
+        key = (cache_dir, name)
+        with self.fetch_lock:
+            job = self.fetches.get(key)
+            start = job is None
+            if start:
+                job = FetchJob(key, cache_dir, name, source, token)
+                self.fetches[key] = job
+            job.attach(ctx.key, ctx.emit)
+        if start:
+            job.thread = threading.Thread(target=self._run_fetch, args=(job,), name="llmgw-fetch", daemon=True)
+            job.thread.start()
+        try:
+            while not job.done.wait(0.05):
+                if ctx.cancelled.is_set():
+                    raise HelperError("cancelled", "stopped waiting for the download of %s" % name)
+        finally:
+            job.detach(ctx.key)
+        if job.error is not None:
+            raise HelperError(job.error.kind, job.error.message)
+        return dict(job.result)
+
+    def busy_cache_names(self, cache_dir):
+        with self.fetch_lock:
+            jobs = [job for job in self.fetches.values() if job.cache_dir == cache_dir]
+        busy = set()
+        for job in jobs:
+            busy.add(job.name)
+            if job.temp_name:
+                busy.add(job.temp_name)
+        return busy
+
+    def _run_fetch(self, job):
+        try:
+            job.result = self._download(job)
+        except HelperError as exc:
+            job.error = exc
+        except Exception as exc:
+            job.error = HelperError("internal", "%s: %s" % (type(exc).__name__, exc))
+        finally:
+            with self.fetch_lock:
+                self.fetches.pop(job.key, None)
+            job.done.set()
+
+    def _download(self, job):
+        cache_dir = job.cache_dir
+        final = os.path.join(cache_dir, job.name)
+        size = weights_bytes(final)
+        if size is not None:  # finished by a job that ended between our check and our start
+            return {"path": final, "bytes": size}
+        temp = None
+        try:
+            try:
+                os.makedirs(cache_dir, exist_ok=True)
+                temp = tempfile.mkdtemp(prefix=".tmp-%s-" % job.name, dir=cache_dir)
+            except OSError as exc:
+                raise _disk_error(exc, cache_dir, job) or HelperError(
+                    "cache_dir", "cannot write to the cache directory %s: %s" % (cache_dir, exc.strerror or exc)
+                )
+            job.temp_name = os.path.basename(temp)
+            files = self._plan_files(job)
+            for url, parts, _ in files:
+                self._download_file(job, url, temp, parts, single=len(files) == 1)
+            job.progress(force=True)
+            marker = {
+                "name": job.name,
+                "source": job.source,
+                "bytes": job.bytes,
+                "files": len(files),
+                "finished_at": time.time(),
+            }
+            try:
+                _write_json_atomic(os.path.join(temp, COMPLETE_MARKER), marker)
+                os.chmod(temp, 0o755)
+                if os.path.lexists(final):
+                    if weights_bytes(final) is not None:
+                        # Another helper on this node finished it first.
+                        remove_tree_within(cache_dir, os.path.basename(temp))
+                        return {"path": final, "bytes": weights_bytes(final)}
+                    # Ours by name, and incomplete by definition: nothing may keep its place.
+                    remove_tree_within(cache_dir, job.name)
+                os.rename(temp, final)
+            except OSError as exc:
+                raise _disk_error(exc, cache_dir, job) or HelperError(
+                    "cache_dir", "could not finish %s: %s" % (final, exc.strerror or exc)
+                )
+            temp = None
+            return {"path": final, "bytes": job.bytes}
+        finally:
+            if temp is not None:
+                try:
+                    remove_tree_within(cache_dir, os.path.basename(temp))
+                except OSError:
+                    shutil.rmtree(temp, ignore_errors=True)
+
+    def _opener_for_downloads(self):
+        if self._opener is None:
+            # The default context honours SSL_CERT_FILE / SSL_CERT_DIR.
+            context = ssl.create_default_context()
+            self._opener = urllib.request.build_opener(
+                urllib.request.HTTPSHandler(context=context), _RedirectHandler()
+            )
+        return self._opener
+
+    def _request(self, job, url, method="GET"):
+        request = urllib.request.Request(
+            url, method=method, headers={"User-Agent": "llmgw-helper/" + HELPER_VERSION, "Accept-Encoding": "identity"}
+        )
+        if job.token:
+            request.add_unredirected_header("Authorization", "Bearer " + job.token)
+            request.llmgw_token = job.token
+        try:
+            return self._opener_for_downloads().open(request, timeout=HTTP_TIMEOUT)
+        except urllib.error.HTTPError as exc:
+            exc.close()
+            hint = ""
+            if exc.code in (401, 403):
+                hint = " (private or gated: check the hub token given to llmgw)"
+            raise HelperError("http", "HTTP %d %s from %s%s" % (exc.code, exc.reason, redact_url(url), hint))
+        except urllib.error.URLError as exc:
+            raise HelperError("network", "could not reach %s: %s" % (redact_url(url), exc.reason))
+        except (socket.timeout, http.client.HTTPException, OSError) as exc:
+            raise HelperError("network", "could not fetch %s: %s" % (redact_url(url), exc))
+
+    def _plan_files(self, job):
+        """[(url, path parts inside the entry, size or None)]; also sets the job's total when
+        every size is known beforehand."""
+        source = job.source
+        if source["kind"] == "https":
+            files = []
+            seen = set()
+            for url in source["urls"]:
+                base = urllib.parse.unquote(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1])
+                parts = _safe_relative_path(base) or ["download"]
+                if parts[0] in seen:
+                    raise bad_args("two URLs would both be saved as %r" % parts[0])
+                seen.add(parts[0])
+                files.append((url, parts, None))
+        else:
+            files = self._hf_files(job)
+        if len(files) > 1:
+            sizes = [size for _, _, size in files]
+            if any(size is None for size in sizes):
+                sizes = [self._head_length(job, url) if size is None else size for url, _, size in files]
+            if all(size is not None for size in sizes):
+                job.set_total(sum(sizes))
+                files = [(url, parts, size) for (url, parts, _), size in zip(files, sizes)]
+        return files
+
+    def _hf_files(self, job):
+        source = job.source
+        endpoint = source["endpoint"].rstrip("/")
+        repo = urllib.parse.quote(source["repo"], safe="/")
+        revision = urllib.parse.quote(source["revision"], safe="")
+        api = "%s/api/models/%s/revision/%s" % (endpoint, repo, revision)
+        with self._request(job, api) as response:
+            try:
+                listing = json.loads(response.read().decode("utf-8"))
+            except ValueError:
+                raise HelperError("http", "the hub answered %s with something that is not JSON" % api)
+        siblings = listing.get("siblings") if isinstance(listing, dict) else None
+        if not isinstance(siblings, list):
+            raise HelperError("http", "the hub listing at %s has no siblings" % api)
+        files = []
+        for sibling in siblings:
+            name = sibling.get("rfilename") if isinstance(sibling, dict) else None
+            parts = _safe_relative_path(name)
+            if parts is None:
+                raise HelperError("http", "the hub listing at %s names an unsafe file %r" % (api, name))
+            size = sibling.get("size")
+            size = size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None
+            url = "%s/%s/resolve/%s/%s" % (endpoint, repo, revision, urllib.parse.quote(name, safe="/"))
+            files.append((url, parts, size))
+        if not files:
+            raise HelperError("empty_source", "%s at revision %s lists no files" % (source["repo"], source["revision"]))
+        return files
+
+    def _head_length(self, job, url):
+        try:
+            with self._request(job, url, method="HEAD") as response:
+                return _content_length(response)
+        except HelperError:
+            return None
+
+    def _download_file(self, job, url, temp, parts, single):
+        response = self._request(job, url)
+        with response:
+            length = _content_length(response)
+            if single:
+                job.set_total(length)
+            directory = os.path.join(temp, *parts[:-1])
+            written = 0
+            try:
+                os.makedirs(directory, exist_ok=True)
+                fd = os.open(os.path.join(directory, parts[-1]), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                with os.fdopen(fd, "wb", buffering=0) as out:
+                    while True:
+                        if job.abort.is_set():
+                            raise HelperError("cancelled", "the download of %s was abandoned" % job.name)
+                        try:
+                            chunk = response.read(FETCH_CHUNK)
+                        except http.client.IncompleteRead as exc:
+                            raise HelperError(
+                                "network",
+                                "%s closed the connection after %d of %s bytes"
+                                % (redact_url(url), written + len(exc.partial), length),
+                            )
+                        except (socket.timeout, OSError, http.client.HTTPException) as exc:
+                            raise HelperError("network", "reading %s failed: %s" % (redact_url(url), exc))
+                        if not chunk:
+                            break
+                        view = memoryview(chunk)
+                        while view:
+                            count = out.write(view)
+                            view = view[count:]
+                        written += len(chunk)
+                        job.add_bytes(len(chunk))
+                    os.fsync(out.fileno())
+            except OSError as exc:
+                raise _disk_error(exc, job.cache_dir, job) or HelperError(
+                    "cache_dir", "writing into %s failed: %s" % (job.cache_dir, exc.strerror or exc)
+                )
+            if length is not None and written != length:
+                raise HelperError(
+                    "network", "%s sent %d bytes, announced %d" % (redact_url(url), written, length)
+                )
+
+    # -- engines: launch, status, stop, forget, logs ---------------------------------------
+
+    def _all_states(self):
+        try:
+            names = sorted(os.listdir(self.shards_dir()))
+        except OSError:
+            return []
+        states = []
+        for shard_id in names:
+            state = self.read_state(shard_id)
+            if state is not None:
+                states.append((shard_id, state))
+        return states
+
+    def op_launch(self, args, ctx):
+        if self.sha256 is None:
+            raise HelperError("bad_args", "launch is only available through serve --expect-sha256")
+        shard_id = _arg_shard_id(args)
+        argv = _arg(args, "argv", (list,))
+        if not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
+            raise bad_args("argv must be a non-empty list of strings")
+        env = _arg(args, "env", (dict,), {})
+        for key, value in env.items():
+            if not key or "=" in key or "\0" in key or not isinstance(value, str) or "\0" in value:
+                raise bad_args("env must map names (no '=') to strings; %r does not" % key)
+        port = _arg(args, "port", (int,), None)
+        if port is not None and not (0 < port < 65536):
+            raise bad_args("port must be 1-65535, got %d" % port)
+        host = _arg(args, "host", (str,), "0.0.0.0")
+        health_url = _arg(args, "health_url", (str,), None)
+        gpus = _arg(args, "gpus", (list,), None)
+        if gpus is not None and not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
+            raise bad_args("gpus must be a list of GPU indices")
+        shard_dir = self.shard_dir(shard_id)
+        state_path = os.path.join(shard_dir, STATE_FILE)
+        log_path = os.path.join(shard_dir, LOG_FILE)
+        with self.launch_lock:
+            previous = self.read_state(shard_id)
+            if previous is not None and _identity(previous)[0] == "alive":
+                raise HelperError("alive", "shard %s is already running as pid %s" % (shard_id, previous.get("pid")))
+            if port is not None:
+                check_port_free(host, port)
+            os.makedirs(self.shards_dir(), mode=0o700, exist_ok=True)
+            os.makedirs(shard_dir, mode=0o700, exist_ok=True)
+            if os.path.exists(log_path):
+                os.replace(log_path, log_path + ".1")
+            if os.path.exists(state_path):
+                os.unlink(state_path)
+            spec = {
+                "shard_id": shard_id,
+                "argv": argv,
+                "env": env,
+                "gpus": gpus,
+                "port": port,
+                "host": host,
+                "health_url": health_url,
+                "log_path": log_path,
+            }
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                supervisor = subprocess.Popen(
+                    [sys.executable, self.helper_path, "supervise", "--expect-sha256", self.sha256, "--root", self.root],
+                    stdin=subprocess.PIPE,
+                    stdout=log_fd,
+                    stderr=log_fd,
+                    cwd=shard_dir,
+                    close_fds=True,
+                    start_new_session=True,
+                )
+            finally:
+                os.close(log_fd)
+            try:
+                supervisor.stdin.write(json.dumps(spec).encode("utf-8"))
+                supervisor.stdin.close()
+            except OSError:
+                pass
+            # Reap it when it ends, so it never lingers as a zombie of this helper.
+            threading.Thread(target=supervisor.wait, name="llmgw-reap", daemon=True).start()
+            deadline = time.monotonic() + LAUNCH_TIMEOUT
+            state = None
+            while time.monotonic() < deadline:
+                state = _read_json(state_path)
+                if state is not None or supervisor.poll() is not None:
+                    break
+                time.sleep(0.005)
+            if state is None:
+                state = _read_json(state_path)
+        if state is None:
+            tail = " | ".join(tail_lines(log_path, 5))
+            raise HelperError("launch_failed", "the supervisor of %s did not record a start: %s" % (shard_id, tail or "no log"))
+        if state.get("pid") is None:
+            raise HelperError("launch_failed", "could not start %s: %s" % (shard_id, state.get("error")))
+        return dict((key, state.get(key)) for key in ("shard_id", "pid", "pgid", "start_time", "argv", "log_path", "started_at"))
+
+    def op_status(self, args, ctx):
+        probe = _arg(args, "probe", (bool,), False)
+        timeout = _arg_timeout(args, "timeout", DEFAULT_PROBE_TIMEOUT, upper=60.0)
+        shards = []
+        probes = []
+        for shard_id, state in self._all_states():
+            alive = _identity(state)[0] == "alive"
+            entry = {
+                "shard_id": shard_id,
+                "pid": state.get("pid"),
+                "pgid": state.get("pgid"),
+                "start_time": state.get("start_time"),
+                "argv": state.get("argv"),
+                "gpus": state.get("gpus"),
+                "port": state.get("port"),
+                "health_url": state.get("health_url"),
+                "started_at": state.get("started_at"),
+                "alive": alive,
+                "exit_code": state.get("exit_code"),
+                "ended_at": state.get("ended_at"),
+                "health": None,
+                "log_tail": None,
+            }
+            if not alive:
+                entry["log_tail"] = tail_lines(os.path.join(self.shard_dir(shard_id), LOG_FILE), LOG_TAIL_LINES)
+            elif probe and isinstance(state.get("health_url"), str):
+                thread, box = _start_bounded(lambda url=state["health_url"]: probe_health(url, timeout))
+                probes.append((entry, thread, box))
+            shards.append(entry)
+        # A port that accepts and never answers must time out, not hang (R-4.7).
+        deadline = time.monotonic() + timeout + 0.5
+        for entry, thread, box in probes:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive() or "value" not in box:
+                entry["health"] = {"status": None, "error": "no answer within %g s" % timeout}
+            else:
+                entry["health"] = box["value"]
+        return {"shards": shards}
+
+    def _shard_state(self, shard_id):
+        state = self.read_state(shard_id)
+        if state is None:
+            raise HelperError("not_found", "no shard %s is recorded on this node" % shard_id)
+        return state
+
+    def op_stop(self, args, ctx):
+        shard_id = _arg_shard_id(args)
+        grace = float(_arg(args, "grace", (float,), DEFAULT_STOP_GRACE))
+        if not (0 <= grace <= 3600):
+            raise bad_args("grace must be between 0 and 3600 seconds")
+        state = self._shard_state(shard_id)
+        verdict, why = _identity(state)
+        if verdict == "mismatch":
+            raise HelperError(
+                "identity", "shard %s: %s; it is not the engine llmgw started, nothing was signalled" % (shard_id, why)
+            )
+        if verdict == "gone":
+            return {"was_alive": False, "stopped": True}
+        pid = state["pid"]
+        pgid = state.get("pgid")
+        targets = [pgid] if isinstance(pgid, int) and pgid > 1 else []
+        info = read_proc_stat(pid)
+        if info is not None and info["pgid"] not in targets:
+            targets.append(info["pgid"])  # the engine left the group it was started in
+
+        def running():
+            if _identity(state)[0] == "alive":
+                return True
+            return any(group_members(group) for group in targets)
+
+        _signal_groups(targets, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if running():
+            _signal_groups(targets, signal.SIGKILL)
+            deadline = time.monotonic() + KILL_WAIT
+            while running() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return {"was_alive": True, "stopped": not running()}
+
+    def op_forget(self, args, ctx):
+        shard_id = _arg_shard_id(args)
+        state = self.read_state(shard_id)
+        if state is not None and _identity(state)[0] == "alive":
+            raise HelperError("alive", "shard %s is still running (pid %s); stop it first" % (shard_id, state.get("pid")))
+        if os.path.lexists(self.shard_dir(shard_id)):
+            remove_tree_within(self.shards_dir(), shard_id)
+        return {}
+
+    def op_logs(self, args, ctx):
+        shard_id = _arg_shard_id(args)
+        count = _arg(args, "lines", (int,), DEFAULT_LOG_LINES)
+        if not (0 <= count <= MAX_LOG_LINES):
+            raise bad_args("lines must be between 0 and %d" % MAX_LOG_LINES)
+        follow = _arg(args, "follow", (bool,), False)
+        if not os.path.isdir(self.shard_dir(shard_id)):
+            raise HelperError("not_found", "no shard %s is recorded on this node" % shard_id)
+        path = os.path.join(self.shard_dir(shard_id), LOG_FILE)
+        if not follow:
+            return {"lines": tail_lines(path, count)}
+        try:
+            info = os.stat(path)
+            inode, offset = info.st_ino, info.st_size
+        except OSError:
+            inode, offset = None, 0
+        ctx.emit("lines", {"lines": tail_lines(path, count)})
+        pending = b""
+        while not ctx.cancelled.wait(LOG_FOLLOW_INTERVAL):
+            try:
+                info = os.stat(path)
+            except OSError:
+                continue
+            if info.st_ino != inode or info.st_size < offset:
+                # Rotated by a relaunch, or truncated: start over.
+                inode, offset, pending = info.st_ino, 0, b""
+            if info.st_size == offset:
+                continue
+            try:
+                with open(path, "rb") as handle:
+                    handle.seek(offset)
+                    chunk = handle.read(min(info.st_size - offset, 4 << 20))
+            except OSError:
+                continue
+            offset += len(chunk)
+            parts = (pending + chunk).split(b"\n")
+            pending = parts.pop()
+            if parts:
+                ctx.emit("lines", {"lines": [_decode_line(part) for part in parts]})
+        return {"lines": []}
+
+    # -- reclaim ---------------------------------------------------------------------------
+
+    def op_reclaim(self, args, ctx):
+        cache_dir = _arg_path(args, "cache_dir")
+        names = _arg(args, "names", (list,), None)
+        collect = _arg(args, "collect", (bool,), False)
+        if collect and names is None:
+            raise bad_args("collect needs the exact list of names to remove")
+        if collect and self.sha256 is None:
+            raise bad_args("reclaim with collect is only available through serve --expect-sha256")
+        if names is not None and not all(isinstance(name, str) for name in names):
+            raise bad_args("names must be a list of strings")
+        return {"entries": reclaim_entries(cache_dir, names, collect, busy=self.busy_cache_names(cache_dir))}
+
+
+def _check_source(source):
+    kind = source.get("kind")
+    if kind == "https":
+        urls = _arg(source, "urls", (list,))
+        if not urls:
+            raise bad_args("source.urls must list at least one URL")
+        for url in urls:
+            _check_https(url, "source URL")
+        return {"kind": "https", "urls": list(urls)}
+    if kind == "hf":
+        repo = _arg(source, "repo", (str,))
+        if not _HF_REPO_RE.fullmatch(repo) or ".." in repo:
+            raise bad_args("source.repo must look like org/name, got %r" % repo)
+        revision = _arg(source, "revision", (str,), "main")
+        if not _HF_REVISION_RE.fullmatch(revision) or ".." in revision:
+            raise bad_args("source.revision %r is not a branch, tag or commit" % revision)
+        endpoint = _check_https(_arg(source, "endpoint", (str,), "https://huggingface.co"), "source.endpoint")
+        return {"kind": "hf", "repo": repo, "revision": revision, "endpoint": endpoint}
+    raise bad_args("source.kind must be 'https' or 'hf', got %r" % (kind,))
+
+
+def _content_length(response):
+    value = response.headers.get("Content-Length")
+    if value is None or not value.strip().isdigit():
+        return None
+    return int(value.strip())
+
+
+def _disk_error(exc, cache_dir, job):
+    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return HelperError(
+            "disk_full",
+            "no space left in the cache directory %s after writing %d bytes of %s; free space or reclaim old entries"
+            % (cache_dir, job.bytes, job.name),
+        )
+    return None
+
+
+def _probe_directory(path):
+    """(realpath, "MAJ:MIN", total bytes, free bytes) of a directory; raises when missing."""
+    real = os.path.realpath(path)
+    info = os.stat(real)
+    if not stat.S_ISDIR(info.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
+    vfs = os.statvfs(real)
+    device = "%d:%d" % (os.major(info.st_dev), os.minor(info.st_dev))
+    # f_bavail: what an unprivileged writer (the engine, the fetch) can really use.
+    return real, device, vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
+
+
+def _session_of(pid):
+    info = read_proc_stat(pid)
+    return info["session"] if info is not None else None
+
+
+def _run_nvidia_smi(exe, arguments):
+    """(stdout, error): error is None on success, else a sentence with nvidia-smi's message."""
+    try:
+        proc = subprocess.run(
+            [exe] + arguments,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            timeout=NVIDIA_SMI_TIMEOUT,
+        )
+    except subprocess.TimeoutExpired:
+        return None, "nvidia-smi did not answer within %g s" % NVIDIA_SMI_TIMEOUT
+    except OSError as exc:
+        return None, "could not run nvidia-smi: %s" % exc
+    out = proc.stdout.decode("utf-8", "replace")
+    if proc.returncode != 0:
+        message = proc.stderr.decode("utf-8", "replace").strip() or out.strip()
+        message = " ".join(message.split())[:1000]
+        return out, "nvidia-smi exited with status %d: %s" % (proc.returncode, message or "no message")
+    return out, None
+
+
+def _identity(state):
+    """("alive" | "gone" | "mismatch", why) for a recorded engine (R-4.4).
+
+    A pid alone is never trusted: the process must have been started in this boot at the
+    recorded clock tick and run the recorded command line. Interpreted engines (a console
+    script runs as "python3 /path/vllm ...") are recorded as the kernel shows them right after
+    exec; an engine that retitles itself still counts while the recorded supervisor, itself
+    checked by start time, is its parent.
+    """
+    pid = state.get("pid")
+    start_time = state.get("start_time")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not isinstance(start_time, int):
+        return "gone", "no engine was started"
+    info = read_proc_stat(pid)
+    if info is None:
+        return "gone", "pid %d has exited" % pid
+    if info["state"] in ("Z", "X"):
+        return "gone", "pid %d has exited" % pid
+    boot_id = state.get("boot_id")
+    if boot_id and boot_id != read_boot_id():
+        return "mismatch", "pid %d was recorded before the node rebooted" % pid
+    if info["start_time"] != start_time:
+        return "mismatch", "pid %d started at tick %d, not %d: the pid was reused" % (pid, info["start_time"], start_time)
+    cmdline = read_cmdline(pid)
+    if cmdline is not None and cmdline in (state.get("cmdline"), state.get("argv")):
+        return "alive", None
+    supervisor_pid = state.get("supervisor_pid")
+    if isinstance(supervisor_pid, int) and info["ppid"] == supervisor_pid:
+        supervisor = read_proc_stat(supervisor_pid)
+        if supervisor is not None and supervisor["start_time"] == state.get("supervisor_start_time"):
+            return "alive", None
+    return "mismatch", "pid %d runs another command line" % pid
+
+
+def _signal_groups(groups, signum):
+    for group in groups:
+        try:
+            os.killpg(group, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def check_port_free(host, port):
+    """Refuse (port_in_use) when something listens on host:port: try to bind it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # SO_REUSEADDR: a port left in TIME_WAIT is free; a listener still refuses the bind.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise HelperError("port_in_use", "port %d on %s is already in use on this node" % (port, host))
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise bad_args("host %s is not an address of this node" % host)
+        raise HelperError("port_in_use", "cannot bind port %d on %s: %s" % (port, host, exc.strerror or exc))
+    finally:
+        sock.close()
+
+
+def probe_health(url, timeout):
+    """{"status": int|null, "error": str|null} of one GET on the engine's health URL."""
+    # No proxy: the engine is on this node, and a proxy would answer for it.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(urllib.request.Request(url), timeout=timeout) as response:
+            return {"status": response.status, "error": None}
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        return {"status": exc.code, "error": None}
+    except urllib.error.URLError as exc:
+        return {"status": None, "error": str(exc.reason)}
+    except socket.timeout:
+        return {"status": None, "error": "no answer within %g s" % timeout}
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        return {"status": None, "error": "%s: %s" % (type(exc).__name__, exc)}
+
+
+# --------------------------------------------------------------------------------------------
+# Supervisor: runs detached, starts the engine, records its start and its end.
+
+
+def supervise(root, helper_sha256):
+    """Run one engine from the JSON spec on stdin (env included, so secrets stay out of every
+    argv) and record its state; returns the supervisor's exit status."""
+    spec = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+    shard_dir = os.path.join(root, "shards", spec["shard_id"])
+    state_path = os.path.join(shard_dir, STATE_FILE)
+    env = dict(os.environ)
+    env.update(spec.get("env") or {})
+    if spec.get("gpus") is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in spec["gpus"])
+    # A stop signals the whole group; the supervisor outlives TERM to record the exit. Python
+    # handlers (unlike SIG_IGN) are reset by exec, so the engine gets the default behaviour.
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda *_: None)
+    me = read_proc_stat(os.getpid())
+    state = {
+        "shard_id": spec["shard_id"],
+        "argv": spec["argv"],
+        "gpus": spec.get("gpus"),
+        "port": spec.get("port"),
+        "host": spec.get("host"),
+        "health_url": spec.get("health_url"),
+        "log_path": spec.get("log_path"),
+        "boot_id": read_boot_id(),
+        "supervisor_pid": os.getpid(),
+        "supervisor_start_time": me["start_time"] if me else None,
+        "helper_sha256": helper_sha256,
+        "exit_code": None,
+        "ended_at": None,
+    }
+    try:
+        engine = subprocess.Popen(
+            spec["argv"], env=env, cwd=shard_dir, stdin=subprocess.DEVNULL, close_fds=True
+        )
+    except OSError as exc:
+        state.update(
+            {"pid": None, "pgid": os.getpgid(0), "start_time": None, "cmdline": None,
+             "started_at": time.time(), "exit_code": 127, "ended_at": time.time(), "error": str(exc)}
+        )
+        _write_json_atomic(state_path, state)
+        print("llmgw supervisor: could not start the engine: %s" % exc, flush=True)
+        return 127
+    info = read_proc_stat(engine.pid)
+    state.update(
+        {
+            "pid": engine.pid,
+            "pgid": os.getpgid(0),
+            "start_time": info["start_time"] if info else None,
+            "cmdline": read_cmdline(engine.pid),
+            "started_at": time.time(),
+        }
+    )
+    _write_json_atomic(state_path, state)
+    code = engine.wait()
+    state["exit_code"] = code
+    state["ended_at"] = time.time()
+    _write_json_atomic(state_path, state)
+    print("llmgw supervisor: engine pid %d exited with %d" % (engine.pid, code), flush=True)
+    _end_leftovers(os.getpgid(0))
+    return 0
+
+
+def _end_leftovers(pgid):
+    """Workers the engine left behind would hold GPU memory: TERM, then KILL, the rest of the
+    group (not this supervisor)."""
+    me = os.getpid()
+    for signum, wait in ((signal.SIGTERM, KILL_WAIT), (signal.SIGKILL, 1.0)):
+        others = [pid for pid in group_members(pgid) if pid != me]
+        if not others:
+            return
+        for pid in others:
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and [pid for pid in group_members(pgid) if pid != me]:
+            time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------------------------
+# serve: the JSON-lines loop
+
+
+class Server(object):
+    """Reads requests from infile, answers on outfile; see the module docstring."""
+
+    INLINE_OPS = ("ping", "cancel")
+
+    def __init__(self, node, infile, outfile, drain_timeout=5.0):
+        self.node = node
+        self.infile = infile
+        self.outfile = outfile
+        self.drain_timeout = drain_timeout
+        self.write_lock = threading.Lock()
+        self.broken = False
+        self.threads = []
+
+    def send(self, obj):
+        line = (json.dumps(obj, separators=(",", ":")) + "\n").encode("utf-8")
+        with self.write_lock:
+            if self.broken:
+                return
+            try:
+                self.outfile.write(line)
+                self.outfile.flush()
+            except (OSError, ValueError):
+                self.broken = True
+
+    def hello(self):
+        return {
+            "hello": {
+                "protocol": PROTOCOL_VERSION,
+                "version": HELPER_VERSION,
+                "sha256": self.node.sha256,
+                "python": platform.python_version(),
+                "hostname": socket.gethostname(),
+                "boot_id": read_boot_id(),
+                "pid": os.getpid(),
+            }
+        }
+
+    def run(self):
+        self.send(self.hello())
+        while not self.broken:
+            line = self.infile.readline()
+            if not line:
+                break
+            if line.strip():
+                self.handle_line(line)
+        # EOF: follows and downloads are cancelled, the rest may still answer, briefly.
+        self.node.shutdown()
+        deadline = time.monotonic() + self.drain_timeout
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return EXIT_OK
+
+    def handle_line(self, line):
+        try:
+            request = json.loads(line.decode("utf-8") if isinstance(line, bytes) else line)
+        except ValueError as exc:
+            self._fail(None, "bad_request", "not a JSON line: %s" % exc)
+            return
+        if not isinstance(request, dict):
+            self._fail(None, "bad_request", "a request is a JSON object with id, op and args")
+            return
+        request_id = request.get("id")
+        if isinstance(request_id, bool) or not isinstance(request_id, (int, str)):
+            self._fail(None, "bad_request", "a request needs an id (int or str)")
+            return
+        op = request.get("op")
+        args = request.get("args", {})
+        if args is None:
+            args = {}
+        if not isinstance(op, str) or op not in Node.OPERATIONS:
+            self._fail(request_id, "unknown_op", "unknown operation %r; known: %s" % (op, ", ".join(Node.OPERATIONS)))
+            return
+        if not isinstance(args, dict):
+            self._fail(request_id, "bad_args", "args must be a JSON object")
+            return
+        ctx = Context(request_id, self.send)
+        if op in self.INLINE_OPS:
+            self.execute(op, args, ctx)
+            return
+        self.node.register(ctx)
+        thread = threading.Thread(target=self._execute_registered, args=(op, args, ctx), name="llmgw-" + op, daemon=True)
+        thread.start()
+        self.threads = [t for t in self.threads if t.is_alive()]
+        self.threads.append(thread)
+
+    def _execute_registered(self, op, args, ctx):
+        try:
+            self.execute(op, args, ctx)
+        finally:
+            self.node.unregister(ctx)
+
+    def execute(self, op, args, ctx):
+        try:
+            result = getattr(self.node, "op_" + op)(args, ctx)
+        except HelperError as exc:
+            self._fail(ctx.id, exc.kind, exc.message)
+        except Exception as exc:
+            # One bad request never takes the helper down.
+            traceback.print_exc(file=sys.stderr)
+            self._fail(ctx.id, "internal", "%s: %s" % (type(exc).__name__, exc))
+        else:
+            self.send({"id": ctx.id, "ok": True, "result": result})
+
+    def _fail(self, request_id, kind, message):
+        self.send({"id": request_id, "ok": False, "error": {"kind": kind, "message": message}})
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+OPERATIONS_HELP = """\
+operations of the protocol (serve):
+  ping      {}
+  inventory {}                                      GPUs, memory, CPUs, host, boot id
+  storage   {dirs: [{path, shared}], timeout}        free/total per filesystem
+  holdings  {candidates: {KEY: [path, ...]}}         which weights are present and complete
+  fetch     {source, cache_dir, name, token}         download into the cache (progress events)
+  launch    {shard_id, argv, env, port, host, health_url, gpus}
+  status    {probe, timeout}                         engines this node runs or ran
+  stop      {shard_id, grace}                        TERM the group, KILL after the grace
+  forget    {shard_id}                               drop a stopped shard's records
+  logs      {shard_id, lines, follow}                engine log, followed until cancelled
+  reclaim   {cache_dir, names, collect}              list or remove cache entries
+  cancel    {target}                                 end a follow or a fetch wait
+
+launch, stop, forget, fetch and reclaim with collect are reachable only through
+'serve --expect-sha256 HEX'. The one-shot commands below print what the control plane sees.
+
+exit codes: 0 ok, 1 failed, 2 bad command line, %d integrity mismatch, %d unsafe helper directory
+""" % (EXIT_INTEGRITY, EXIT_PERMISSIONS)
+
+
+def build_parser():
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--root", default=DEFAULT_ROOT, help="llmgw state directory on this node (default %(default)s)")
+    as_json = argparse.ArgumentParser(add_help=False)
+    as_json.add_argument("--json", action="store_true", help="print the exact JSON result")
+    parser = argparse.ArgumentParser(
+        prog="llmgw_helper.py",
+        description="llmgw node helper: looks at this node and runs engines on it for the llmgw control plane.",
+        epilog=OPERATIONS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(
+        dest="command", metavar="{serve,inventory,storage,holdings,status,logs,reclaim}"
+    )
+    commands.required = True
+    serve_parser = commands.add_parser("serve", parents=[common], help="speak the JSON-lines protocol on stdin/stdout")
+    serve_parser.add_argument("--expect-sha256", required=True, metavar="HEX", help="SHA-256 this file must have")
+    supervise_parser = commands.add_parser("supervise", parents=[common])
+    supervise_parser.add_argument("--expect-sha256", required=True, metavar="HEX")
+    commands.add_parser("inventory", parents=[common, as_json], help="GPUs, memory, CPUs of this node")
+    storage = commands.add_parser("storage", parents=[common, as_json], help="free and total bytes per filesystem")
+    storage.add_argument("dirs", nargs="+", metavar="DIR")
+    storage.add_argument("--shared", action="append", default=[], metavar="DIR", help="treat DIR as shared storage")
+    storage.add_argument("--timeout", type=float, default=DEFAULT_STORAGE_TIMEOUT)
+    holdings = commands.add_parser("holdings", parents=[common, as_json], help="which weights are present")
+    holdings.add_argument("pairs", nargs="+", metavar="KEY=PATH")
+    status = commands.add_parser("status", parents=[common, as_json], help="engines this node runs or ran")
+    status.add_argument("--probe", action="store_true", help="check each engine's health URL")
+    status.add_argument("--timeout", type=float, default=DEFAULT_PROBE_TIMEOUT)
+    logs = commands.add_parser("logs", parents=[common], help="the last lines of an engine's log")
+    logs.add_argument("shard_id", metavar="SHARD")
+    logs.add_argument("-n", "--lines", type=int, default=DEFAULT_LOG_LINES)
+    reclaim = commands.add_parser("reclaim", parents=[common, as_json], help="list the entries of a cache directory")
+    reclaim.add_argument("cache_dir", metavar="CACHE_DIR")
+    return parser
+
+
+def check_integrity(path, expected):
+    """None when the file hashes to expected, else the fatal line to print."""
+    with open(path, "rb") as handle:
+        actual = hashlib.sha256(handle.read()).hexdigest()
+    if actual != expected.strip().lower():
+        return {"fatal": "integrity", "expected": expected, "actual": actual}
+    return None
+
+
+def check_directory(path):
+    """None when the helper's directory is ours and closed to others, else the fatal line."""
+    directory = os.path.dirname(os.path.abspath(path))
+    info = os.stat(directory)
+    mode = stat.S_IMODE(info.st_mode)
+    uid = os.getuid()
+    problems = []
+    if info.st_uid != uid:
+        problems.append("is owned by uid %d, not by uid %d running the helper (chown %d %s)" % (info.st_uid, uid, uid, directory))
+    if mode & 0o077:
+        problems.append("is mode %04o, open to group or others (chmod 700 %s)" % (mode, directory))
+    if not problems:
+        return None
+    return {
+        "fatal": "permissions",
+        "path": directory,
+        "mode": "%04o" % mode,
+        "owner": info.st_uid,
+        "message": "the helper directory %s %s" % (directory, " and ".join(problems)),
+    }
+
+
+def _print_fatal(obj):
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv=None):
+    options = build_parser().parse_args(argv)
+    helper_path = os.path.abspath(__file__)
+    if options.command in ("serve", "supervise"):
+        fatal = check_integrity(helper_path, options.expect_sha256)
+        if fatal is not None:
+            _print_fatal(fatal)
+            return EXIT_INTEGRITY
+        fatal = check_directory(helper_path)
+        if fatal is not None:
+            _print_fatal(fatal)
+            return EXIT_PERMISSIONS
+        root = os.path.abspath(os.path.expanduser(options.root))
+        if options.command == "supervise":
+            return supervise(root, options.expect_sha256.strip().lower())
+        node = Node(root, helper_path, options.expect_sha256.strip().lower())
+        return Server(node, sys.stdin.buffer, sys.stdout.buffer).run()
+    node = Node(options.root, helper_path)
+    return run_one_shot(node, options)
+
+
+def run_one_shot(node, options):
+    """Run one read-only operation and print it, as JSON or as a readable table."""
+    command = options.command
+    if command == "inventory":
+        args = {}
+    elif command == "storage":
+        shared = set(os.path.abspath(os.path.expanduser(d)) for d in options.shared)
+        paths = [os.path.abspath(os.path.expanduser(d)) for d in options.dirs]
+        paths += [d for d in sorted(shared) if d not in paths]
+        args = {"dirs": [{"path": p, "shared": p in shared} for p in paths], "timeout": options.timeout}
+    elif command == "holdings":
+        candidates = {}
+        for pair in options.pairs:
+            key, sep, path = pair.partition("=")
+            if not sep or not key or not path:
+                sys.stderr.write("holdings: expected KEY=PATH, got %r\n" % pair)
+                return EXIT_USAGE
+            candidates.setdefault(key, []).append(os.path.abspath(os.path.expanduser(path)))
+        args = {"candidates": candidates}
+    elif command == "status":
+        args = {"probe": options.probe, "timeout": options.timeout}
+    elif command == "logs":
+        args = {"shard_id": options.shard_id, "lines": options.lines}
+    else:
+        args = {"cache_dir": os.path.abspath(os.path.expanduser(options.cache_dir))}
+    try:
+        result = getattr(node, "op_" + command)(args, Context())
+    except HelperError as exc:
+        sys.stderr.write("%s: %s (%s)\n" % (command, exc.message, exc.kind))
+        return 1
+    if command == "logs":
+        for line in result["lines"]:
+            print(line)
+        return EXIT_OK
+    if getattr(options, "json", False):
+        print(json.dumps(result, indent=2, sort_keys=True))
+        return EXIT_OK
+    if command == "holdings":
+        result = dict(result, requested=list(args["candidates"]))
+    print(globals()["_render_" + command](result))
+    return EXIT_OK
+
+
+def _dash(value):
+    return "-" if value is None else str(value)
+
+
+def _size(value):
+    if value is None:
+        return "-"
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= scale:
+            return "%.1f %s" % (value / float(scale), unit)
+    return "%d B" % value
+
+
+def _table(header, rows):
+    widths = [max(len(str(row[i])) for row in [header] + rows) for i in range(len(header))]
+    lines = []
+    for row in [header] + rows:
+        lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def _render_inventory(result):
+    lines = [
+        "host %s  boot %s  cpus %s  memory %s"
+        % (result["hostname"], _dash(result["boot_id"]), _dash(result["cpus"]), _size(result["memory_bytes"])),
+        "nvidia-smi: %s%s" % (result["nvidia_smi"], ": " + result["nvidia_smi_error"] if result["nvidia_smi_error"] else ""),
+    ]
+    rows = []
+    for gpu in result["gpus"]:
+        memory = "%s / %s MiB" % (_dash(gpu["memory_used_mib"]), _dash(gpu["memory_total_mib"]))
+        util = "-" if gpu["utilization_pct"] is None else "%d%%" % gpu["utilization_pct"]
+        health = "ok" if gpu["healthy"] else "unhealthy: " + "; ".join(gpu["reasons"])
+        rows.append([gpu["index"], _dash(gpu["name"]), memory, util, _dash(gpu["ecc_uncorrected"]), health])
+    if rows:
+        lines.append(_table(["GPU", "NAME", "MEMORY USED/TOTAL", "UTIL", "ECC", "HEALTH"], rows))
+    else:
+        lines.append("no GPUs")
+    return "\n".join(lines)
+
+
+def _render_storage(result):
+    rows = [
+        [fs["device"], _dash(fs["fstype"]), _dash(fs["mount_point"]), "shared" if fs["shared"] else "local",
+         _size(fs["free_bytes"]), _size(fs["total_bytes"]), " ".join(fs["dirs"])]
+        for fs in result["filesystems"]
+    ]
+    lines = [_table(["DEVICE", "FSTYPE", "MOUNT", "KIND", "FREE", "TOTAL", "DIRS"], rows)] if rows else []
+    for path in result["missing"]:
+        lines.append("missing: %s" % path)
+    for path in result["stuck"]:
+        lines.append("stuck (did not answer in time): %s" % path)
+    return "\n".join(lines) or "nothing to report"
+
+
+def _render_holdings(result):
+    rows = []
+    for key in result["requested"]:
+        held = result["held"].get(key)
+        rows.append([key, held["path"] if held else "-", _size(held["bytes"]) if held else "-"])
+    lines = [_table(["KEY", "PATH", "SIZE"], rows)]
+    for path in result["stuck"]:
+        lines.append("stuck (did not answer in time): %s" % path)
+    return "\n".join(lines)
+
+
+def _render_status(result):
+    if not result["shards"]:
+        return "no shards recorded"
+    rows = []
+    for shard in result["shards"]:
+        if shard["health"] is None:
+            health = "-"
+        else:
+            health = _dash(shard["health"]["status"]) if shard["health"]["error"] is None else shard["health"]["error"]
+        rows.append([shard["shard_id"], _dash(shard["pid"]), "alive" if shard["alive"] else "exited",
+                     _dash(shard["exit_code"]), _dash(shard["port"]), health])
+    lines = [_table(["SHARD", "PID", "STATE", "EXIT", "PORT", "HEALTH"], rows)]
+    for shard in result["shards"]:
+        if shard["log_tail"]:
+            lines.append("--- %s: last lines of its log" % shard["shard_id"])
+            lines.extend(shard["log_tail"][-10:])
+    return "\n".join(lines)
+
+
+def _render_reclaim(result):
+    if not result["entries"]:
+        return "no llmgw cache entries"
+    rows = [[e["name"], _size(e["bytes"]), e["action"], _dash(e["reason"])] for e in result["entries"]]
+    return _table(["NAME", "SIZE", "ACTION", "NOTE"], rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
