@@ -1,0 +1,850 @@
+"""Inference engine test double: answers like vLLM, SGLang or llama-server, computes nothing.
+
+This is not an inference engine. Testbed nodes get thin entry points (`vllm`, `llama-server`,
+`sglang`, and `python3 -m sglang.launch_server` through a stub package) that call `main()` here, so
+llmgw can launch "engines" with the real command lines (see ENGINES.md) and talk to them over
+HTTP. Standard library only; runs under the node's /usr/bin/python3.
+
+Command lines accepted (unknown flags are tolerated, as `--flag value` or `--flag=value`):
+  vllm serve MODEL [--served-model-name N] [--host H] [--port P] [--api-key K] [-tp N]
+       [-pp N] [--nnodes N] [--node-rank R] [--master-addr A] [--master-port P] [--headless]
+       [--config YAML] ...                            key also from env VLLM_API_KEY
+  python3 -m sglang.launch_server --model-path M [--served-model-name N] [--host H] [--port P]
+       [--tp-size N] [--nnodes N] [--node-rank R] [--dist-init-addr A:P] [--api-key K]
+       [--config YAML] ...                            (`sglang serve ...` too)
+  llama-server -m PATH [--alias N] [--host H] [--port P] [-c N] [-ngl N] [--embeddings]
+       [--api-key K] [--api-key-file F] ...           key also from env LLAMA_API_KEY
+
+HTTP (HTTP/1.1, keep-alive): GET /health, GET /v1/models, GET /metrics, POST
+/v1/chat/completions, /v1/completions, /v1/embeddings (SSE when `stream: true`; a usage chunk only
+with `stream_options.include_usage`). The reply is deterministic: "<model> heard <N> words" padded
+with "la" to `max_tokens` tokens (default 8). /v1/* needs `Authorization: Bearer KEY` when a key
+is set; /health and /metrics stay open.
+
+Readiness follows each engine: vLLM binds its port only once loaded (or binds early and hangs
+with the `bind_early` knob); SGLang binds once loaded, then answers 503 during `warmup_delay`;
+llama-server binds at once and answers 503 "Loading model" until loaded. Multi-node: the rank-0
+shard listens on the master / dist-init port and is ready only when every other rank has joined;
+a shard whose peer goes away exits 1. vLLM `--headless` shards serve no HTTP; SGLang ranks >= 1
+serve a /health that always answers 200.
+
+Knobs, read at start from `$HOME/engine-double.json` (top level, then `by_model: {NAME: {...}}`,
+then `by_port: {"PORT": {...}}`) and then env `ENGINE_DOUBLE_<KNOB>` (upper case):
+  start_delay    seconds before the engine is loaded (default 0)
+  token_delay    seconds between streamed tokens (default 0)
+  crash_after    exit 1 this many seconds after start
+  refuse_start   print an engine-like error and exit 1 at once (true, or the message)
+  fail_requests  answer 503 to every /v1/* request
+  stderr_lines   lines to log on stderr at start
+  bind_early     vLLM: listen during loading but answer nothing (probes hang)
+  warmup_delay   SGLang: seconds of 503 from /health after binding
+  ignore_sigterm keep running on SIGTERM (only SIGKILL stops it)
+  children       worker processes to fork (they outlive a parent killed alone)
+  report_gpu_mib show up in the nvidia-smi double as a compute app on the visible GPUs
+  dist_timeout   seconds a multi-node shard waits for its peers (default 600)
+"""
+
+import hashlib
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+VERSION = "0.33.0"
+DEFAULT_MAX_TOKENS = 8
+EMBEDDING_DIM = 8
+KNOBS = {
+    "start_delay": float, "token_delay": float, "crash_after": float, "refuse_start": str,
+    "fail_requests": bool, "stderr_lines": int, "bind_early": bool, "warmup_delay": float,
+    "ignore_sigterm": bool, "children": int, "report_gpu_mib": int, "dist_timeout": float,
+}
+KNOB_DEFAULTS = {
+    "start_delay": 0.0, "token_delay": 0.0, "crash_after": None, "refuse_start": None,
+    "fail_requests": False, "stderr_lines": 0, "bind_early": False, "warmup_delay": 0.0,
+    "ignore_sigterm": False, "children": 0, "report_gpu_mib": 0, "dist_timeout": 600.0,
+}
+# Flags that take no value, so that `--headless MODEL` does not eat MODEL.
+BOOLEAN_FLAGS = {
+    "--headless", "--embeddings", "--embedding", "--enable-metrics", "--trust-remote-code",
+    "--enforce-eager", "--disable-log-requests", "--disable-log-stats", "--no-webui",
+    "--enable-prefix-caching", "--no-enable-prefix-caching", "--cont-batching", "--flash-attn",
+    "--enable-force-include-usage", "--enable-auto-tool-choice", "--verbose", "--metrics",
+    "--no-mmap", "--mlock", "--skip-server-warmup", "--reasoning",
+}
+
+
+class UsageError(Exception):
+    pass
+
+
+# ----------------------------------------------------------------------------------- arguments
+
+def split_options(argv):
+    """argv -> (options {"--name": value or True}, positionals). Last occurrence wins."""
+    options, positionals = {}, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("-") and len(arg) > 1 and not _is_number(arg):
+            name, eq, value = arg.partition("=")
+            if eq:
+                options[name] = value
+            elif name in BOOLEAN_FLAGS:
+                options[name] = True
+            elif i + 1 < len(argv) and (not argv[i + 1].startswith("-") or _is_number(argv[i + 1])):
+                options[name] = argv[i + 1]
+                i += 1
+            else:
+                options[name] = True
+        else:
+            positionals.append(arg)
+        i += 1
+    return options, positionals
+
+
+def _is_number(text):
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def read_simple_yaml(path):
+    """`key: value` lines of a flat YAML file (what engines' --config files hold)."""
+    values = {}
+    with open(path) as f:
+        for line in f:
+            line = line.split(" #", 1)[0].strip()
+            if not line or line.startswith("#") or ":" not in line:
+                continue
+            key, _, value = line.partition(":")
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            values["--" + key.strip().replace("_", "-")] = value
+    return values
+
+
+def pick(options, *names, default=None):
+    for name in names:
+        if name in options:
+            return options[name]
+    return default
+
+
+class Engine:
+    """What the command line asked for."""
+
+    def __init__(self, mode, argv, env):
+        self.mode = mode
+        self.argv = list(argv)
+        if mode == "vllm":
+            self._parse_vllm(argv, env)
+        elif mode == "sglang":
+            self._parse_sglang(argv)
+        elif mode == "llama-server":
+            self._parse_llama(argv, env)
+        else:
+            raise UsageError("unknown engine mode %r" % mode)
+        self.port = int(self.port)
+        self.nnodes = int(self.nnodes)
+        self.node_rank = int(self.node_rank)
+
+    def _parse_vllm(self, argv, env):
+        if not argv or argv[0] != "serve":
+            raise UsageError("usage: vllm serve MODEL [options]")
+        options, positionals = split_options(argv[1:])
+        config = pick(options, "--config")
+        if config:
+            options = dict(read_simple_yaml(config), **options)  # the command line wins
+        self.model = positionals[0] if positionals else pick(options, "--model")
+        if not self.model:
+            raise UsageError("vllm serve: error: the following arguments are required: model_tag")
+        served = pick(options, "--served-model-name")
+        self.names = [served if isinstance(served, str) else self.model]
+        self.host = pick(options, "--host", default="") or ""
+        self.port = pick(options, "--port", default=8000)
+        key = pick(options, "--api-key") or env.get("VLLM_API_KEY")
+        self.keys = [key] if isinstance(key, str) and key else []
+        self.tp = int(pick(options, "-tp", "--tensor-parallel-size", default=1))
+        self.pp = int(pick(options, "-pp", "--pipeline-parallel-size", default=1))
+        self.nnodes = pick(options, "--nnodes", default=1)
+        self.node_rank = pick(options, "--node-rank", default=0)
+        self.rendezvous = (pick(options, "--master-addr", default="127.0.0.1"),
+                           int(pick(options, "--master-port", default=29501)))
+        self.headless = bool(pick(options, "--headless", default=False))
+        self.embeddings_only = False
+        self.max_model_len = int(pick(options, "--max-model-len", default=4096))
+        self.served_http = not self.headless
+
+    def _parse_sglang(self, argv):
+        if argv and argv[0] == "serve":
+            argv = argv[1:]
+        options, _ = split_options(argv)
+        config = pick(options, "--config")
+        if config:
+            options = dict(read_simple_yaml(config), **options)
+        self.model = pick(options, "--model-path", "--model")
+        if not self.model:
+            raise UsageError("launch_server.py: error: the following arguments are required: --model-path")
+        served = pick(options, "--served-model-name")
+        self.names = [served if isinstance(served, str) else self.model]
+        self.host = pick(options, "--host", default="127.0.0.1")
+        self.port = pick(options, "--port", default=30000)
+        key = pick(options, "--api-key")
+        self.keys = [key] if isinstance(key, str) and key else []
+        self.tp = int(pick(options, "--tp-size", "--tp", "--tensor-parallel-size", default=1))
+        self.pp = 1
+        self.nnodes = pick(options, "--nnodes", default=1)
+        self.node_rank = pick(options, "--node-rank", default=0)
+        addr = pick(options, "--dist-init-addr", default="127.0.0.1:20000")
+        host, _, port = addr.rpartition(":")
+        self.rendezvous = (host, int(port))
+        self.headless = False
+        self.embeddings_only = False
+        self.max_model_len = int(pick(options, "--context-length", default=4096))
+        self.served_http = True
+
+    def _parse_llama(self, argv, env):
+        options, _ = split_options(argv)
+        self.model = pick(options, "-m", "--model", default=env.get("LLAMA_ARG_MODEL"))
+        if not self.model:
+            raise UsageError("error: no model given: use -m PATH")
+        alias = pick(options, "-a", "--alias", default=env.get("LLAMA_ARG_ALIAS"))
+        self.names = alias.split(",") if isinstance(alias, str) and alias else [self.model]
+        self.host = pick(options, "--host", default=env.get("LLAMA_ARG_HOST", "127.0.0.1"))
+        self.port = pick(options, "--port", default=env.get("LLAMA_ARG_PORT", 8080))
+        keys = pick(options, "--api-key") or env.get("LLAMA_API_KEY") or ""
+        self.keys = [k for k in keys.split(",") if k] if isinstance(keys, str) else []
+        key_file = pick(options, "--api-key-file", default=env.get("LLAMA_ARG_API_KEY_FILE"))
+        if isinstance(key_file, str):
+            with open(key_file) as f:
+                self.keys += [line.strip() for line in f if line.strip()]
+        self.tp = self.pp = 1
+        self.nnodes, self.node_rank, self.rendezvous = 1, 0, None
+        self.headless = False
+        self.embeddings_only = bool(pick(options, "--embeddings", "--embedding", default=False))
+        self.max_model_len = int(pick(options, "-c", "--ctx-size", default=4096))
+        self.served_http = True
+
+    @property
+    def name(self):
+        return self.names[0]
+
+
+def load_knobs(engine, env):
+    knobs = dict(KNOB_DEFAULTS)
+    home = env.get("HOME") or os.path.expanduser("~")
+    path = os.path.join(home, "engine-double.json")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        doc = {}
+    for layer in (doc, doc.get("by_model", {}).get(engine.name, {}),
+                  doc.get("by_port", {}).get(str(engine.port), {})):
+        for key, value in layer.items():
+            if key in KNOBS:
+                knobs[key] = value
+    for key, kind in KNOBS.items():
+        raw = env.get("ENGINE_DOUBLE_" + key.upper())
+        if raw is None:
+            continue
+        if kind is bool:
+            knobs[key] = raw.lower() in ("1", "true", "yes", "on")
+        elif kind is str:
+            knobs[key] = raw
+        else:
+            knobs[key] = kind(raw)
+    return knobs
+
+
+# ------------------------------------------------------------------------------------ logging
+
+class Log:
+    """Engine-like log lines on stdout (INFO) and stderr (warnings, errors), flushed at once."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.lock = threading.Lock()
+
+    def _line(self, stream, text):
+        with self.lock:
+            stream.write(text + "\n")
+            stream.flush()
+
+    def info(self, text, where="api_server.py:1"):
+        if self.mode == "vllm":
+            text = "INFO %s [%s] %s" % (time.strftime("%m-%d %H:%M:%S"), where, text)
+        elif self.mode == "sglang":
+            text = "[%s] %s" % (time.strftime("%Y-%m-%d %H:%M:%S"), text)
+        self._line(sys.stdout, text)
+
+    def raw(self, text):
+        self._line(sys.stdout, text)
+
+    def error(self, text):
+        if self.mode == "vllm":
+            text = "ERROR %s [core.py:1] %s" % (time.strftime("%m-%d %H:%M:%S"), text)
+        elif self.mode == "sglang":
+            text = "[%s] %s" % (time.strftime("%Y-%m-%d %H:%M:%S"), text)
+        self._line(sys.stderr, text)
+
+    def access(self, client, method, path, status):
+        if self.mode == "llama-server":
+            self._line(sys.stdout, "srv  log_server_r: request: %s %s %s %d" % (method, path, client, status))
+        else:
+            reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+                      501: "Not Implemented", 503: "Service Unavailable"}.get(status, "")
+            self._line(sys.stdout, 'INFO:     %s - "%s %s HTTP/1.1" %d %s' % (client, method, path, status, reason))
+
+
+# --------------------------------------------------------------------------------- the engine
+
+class State:
+    """Shared by the HTTP threads: readiness, counters, death."""
+
+    def __init__(self, engine, knobs, log):
+        self.engine = engine
+        self.knobs = knobs
+        self.log = log
+        self.started = time.monotonic()
+        self.loaded = threading.Event()
+        self.peers_joined = threading.Event()
+        self.serving_since = None
+        self.dead = False
+        self.lock = threading.Lock()
+        self.counter = 0
+        self.requests = 0
+        self.aborted = 0
+        self.running = 0
+
+    def next_id(self):
+        with self.lock:
+            self.counter += 1
+            return self.counter
+
+    def health(self):
+        """(status, body) for /health."""
+        if self.dead:
+            return 503, b""
+        e = self.engine
+        if e.mode == "llama-server":
+            if not self.loaded.is_set():
+                return 503, b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+            return 200, b'{"status":"ok"}'
+        if e.mode == "sglang" and e.node_rank == 0:
+            warm = self.serving_since is not None and time.monotonic() - self.serving_since >= self.knobs["warmup_delay"]
+            return (200, b"") if warm else (503, b"")
+        return 200, b""
+
+
+def dumps(doc):
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def words_of(value):
+    if isinstance(value, str):
+        return len(value.split())
+    if isinstance(value, list):
+        return sum(words_of(v) for v in value)
+    if isinstance(value, dict):
+        return words_of(value.get("content", value.get("text", "")))
+    return 0
+
+
+def reply_tokens(model, prompt_words, max_tokens):
+    base = [model, "heard", str(prompt_words), "words"]
+    tokens = (base + ["la"] * max(0, max_tokens - len(base)))[:max_tokens]
+    return [tok if i == 0 else " " + tok for i, tok in enumerate(tokens)]
+
+
+def embedding_of(item):
+    digest = hashlib.sha256(dumps(item).encode()).digest()
+    vec = [(b - 127.5) / 127.5 for b in digest[:EMBEDDING_DIM]]
+    norm = math.sqrt(sum(v * v for v in vec)) or 1.0
+    return [round(v / norm, 6) for v in vec]
+
+
+def error_body(status, message, kind):
+    return dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    server_version = "uvicorn"
+    sys_version = ""
+    state = None  # set on the subclass made per server
+
+    # -- plumbing
+
+    def log_message(self, fmt, *args):
+        pass
+
+    def _client(self):
+        return "%s:%d" % self.client_address[:2]
+
+    def _send(self, status, body, content_type="application/json", headers=()):
+        lines = ["HTTP/1.1 %d %s" % (status, self.responses.get(status, ("",))[0]),
+                 "content-type: " + content_type, "content-length: %d" % len(body)]
+        lines += ["%s: %s" % h for h in headers]
+        if self.close_connection:
+            lines.append("connection: close")
+        self.wfile.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+        self.state.log.access(self._client(), self.command, self.path, status)
+
+    def _read_body(self):
+        if self.headers.get("transfer-encoding", "").lower() == "chunked":
+            parts = []
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass
+                    break
+                parts.append(self.rfile.read(size))
+                self.rfile.readline()
+            return b"".join(parts)
+        length = int(self.headers.get("content-length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _authorized(self):
+        keys = self.state.engine.keys
+        if not keys:
+            return True
+        auth = self.headers.get("authorization", "")
+        return auth.startswith("Bearer ") and auth[7:] in keys
+
+    def _needs_auth(self, path):
+        if self.state.engine.mode == "vllm":
+            return path.startswith(("/v1", "/v2", "/inference", "/cohere"))
+        return not (path.startswith("/health") or path in ("/ready", "/metrics", "/ping"))
+
+    # -- dispatch
+
+    def do_GET(self):
+        self._dispatch(None)
+
+    def do_POST(self):
+        self._dispatch(self._read_body())
+
+    def _dispatch(self, body):
+        state = self.state
+        engine = state.engine
+        path = self.path.split("?", 1)[0]
+        if path in ("/health", "/v1/health", "/health_generate", "/ping") or (path == "/ready" and engine.mode == "sglang"):
+            status, payload = state.health()
+            return self._send(status, payload)
+        if self._needs_auth(path) and not self._authorized():
+            if engine.mode == "llama-server":
+                return self._send(401, error_body(401, "Invalid API Key", "authentication_error"))
+            return self._send(401, error_body(401, "Unauthorized", "authentication_error"))
+        if path == "/metrics":
+            return self._send(200, self._metrics(), "text/plain; version=0.0.4")
+        if engine.node_rank > 0:
+            return self._send(404, error_body(404, "Not Found", "NotFoundError"))
+        if engine.mode == "llama-server" and not state.loaded.is_set():
+            return self._send(503, b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}')
+        if path.startswith("/v1/") and (state.knobs["fail_requests"] or state.dead):
+            return self._send(503, error_body(503, "The engine is unavailable", "ServiceUnavailableError"))
+        if path == "/v1/models" and body is None:
+            return self._send(200, self._models())
+        routes = {"/v1/chat/completions": self._chat, "/v1/completions": self._completion,
+                  "/v1/embeddings": self._embeddings}
+        if path not in routes or body is None:
+            return self._send(404, error_body(404, "Not Found", "NotFoundError"))
+        try:
+            request = json.loads(body or b"null")
+            if not isinstance(request, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as exc:
+            return self._send(400, error_body(400, "invalid JSON body: %s" % exc, "BadRequestError"))
+        model = request.get("model")
+        if engine.mode == "vllm" and model not in engine.names:
+            return self._send(404, error_body(404, "The model `%s` does not exist." % model, "NotFoundError"))
+        with state.lock:
+            state.requests += 1
+            state.running += 1
+        try:
+            routes[path](request)
+        finally:
+            with state.lock:
+                state.running -= 1
+
+    # -- endpoints
+
+    def _models(self):
+        e = self.state.engine
+        owner = {"vllm": "vllm", "sglang": "sglang", "llama-server": "llamacpp"}[e.mode]
+        created = int(self.state.started)
+        data = [{"id": name, "object": "model", "created": created, "owned_by": owner, "root": e.model,
+                 "parent": None, "max_model_len": e.max_model_len} for name in e.names]
+        return dumps({"object": "list", "data": data}).encode()
+
+    def _metrics(self):
+        s = self.state
+        name = s.engine.name
+        return ("# TYPE vllm:num_requests_running gauge\n"
+                'vllm:num_requests_running{model_name="%s"} %d\n'
+                "# TYPE engine_double_requests_total counter\n"
+                "engine_double_requests_total %d\n"
+                "# TYPE engine_double_aborted_total counter\n"
+                "engine_double_aborted_total %d\n" % (name, s.running, s.requests, s.aborted)).encode()
+
+    def _generation(self, request, prompt_words):
+        max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
+        limited = max_tokens is not None
+        max_tokens = int(max_tokens) if limited else DEFAULT_MAX_TOKENS
+        tokens = reply_tokens(self._model_name(request), prompt_words, max_tokens)
+        usage = {"prompt_tokens": max(1, prompt_words), "completion_tokens": len(tokens),
+                 "total_tokens": max(1, prompt_words) + len(tokens)}
+        return tokens, usage, ("length" if limited else "stop")
+
+    def _model_name(self, request):
+        model = request.get("model")
+        return model if isinstance(model, str) and model in self.state.engine.names else self.state.engine.name
+
+    def _chat(self, request):
+        messages = request.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return self._send(400, error_body(400, "messages must be a non-empty list", "BadRequestError"))
+        tokens, usage, finish = self._generation(request, words_of(messages))
+        rid, created, model = "chatcmpl-%d%06d" % (os.getpid(), self.state.next_id()), int(time.time()), self._model_name(request)
+        if request.get("stream"):
+            def chunk(delta, finish_reason=None):
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            events = [chunk({"role": "assistant", "content": ""})]
+            events += [chunk({"content": tok}) for tok in tokens]
+            events.append(chunk({}, finish))
+            return self._stream(request, events, rid, created, model, usage, "chat.completion.chunk")
+        answer = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(tokens)},
+                               "logprobs": None, "finish_reason": finish}],
+                  "usage": usage}
+        self._send(200, dumps(answer).encode())
+
+    def _completion(self, request):
+        prompt = request.get("prompt")
+        if prompt is None:
+            return self._send(400, error_body(400, "prompt is required", "BadRequestError"))
+        tokens, usage, finish = self._generation(request, words_of(prompt))
+        rid, created, model = "cmpl-%d%06d" % (os.getpid(), self.state.next_id()), int(time.time()), self._model_name(request)
+        if request.get("stream"):
+            def chunk(text, finish_reason=None):
+                return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            events = [chunk(tok) for tok in tokens] + [chunk("", finish)]
+            return self._stream(request, events, rid, created, model, usage, "text_completion")
+        answer = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                  "choices": [{"index": 0, "text": "".join(tokens), "logprobs": None, "finish_reason": finish}],
+                  "usage": usage}
+        self._send(200, dumps(answer).encode())
+
+    def _embeddings(self, request):
+        e = self.state.engine
+        if e.mode == "llama-server" and not e.embeddings_only:
+            return self._send(501, error_body(501, "This server does not support embeddings. Start it with `--embeddings`", "not_supported_error"))
+        items = request.get("input")
+        if items is None:
+            return self._send(400, error_body(400, "input is required", "BadRequestError"))
+        if isinstance(items, str) or (isinstance(items, list) and items and isinstance(items[0], int)):
+            items = [items]
+        words = sum(words_of(i) if isinstance(i, str) else len(i) for i in items)
+        answer = {"object": "list", "model": self._model_name(request),
+                  "data": [{"object": "embedding", "index": i, "embedding": embedding_of(item)} for i, item in enumerate(items)],
+                  "usage": {"prompt_tokens": max(1, words), "total_tokens": max(1, words)}}
+        self._send(200, dumps(answer).encode())
+
+    def _stream(self, request, events, rid, created, model, usage, kind):
+        """SSE over chunked transfer encoding, one write per event, `token_delay` between tokens."""
+        include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
+        if include_usage:
+            events.append({"id": rid, "object": kind, "created": created, "model": model, "choices": [], "usage": usage})
+        head = ("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                "cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n")
+        delay = self.state.knobs["token_delay"]
+        try:
+            self.wfile.write(head.encode())
+            for i, event in enumerate(events):
+                if delay and 0 < i < len(events) - 1:
+                    time.sleep(delay)
+                data = b"data: " + dumps(event).encode() + b"\n\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            done = b"data: [DONE]\n\n"
+            self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+        except (BrokenPipeError, ConnectionResetError):
+            with self.state.lock:
+                self.state.aborted += 1
+            self.close_connection = True
+            self.state.log.info("Aborted request %s." % rid, "async_llm.py:1")
+            return
+        self.state.log.access(self._client(), self.command, self.path, 200)
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 256
+
+    def handle_error(self, request, client_address):
+        # A client that hangs up is not an engine error worth a traceback in the log.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
+
+
+def make_server(state):
+    handler = type("BoundHandler", (Handler,), {"state": state})
+    host = state.engine.host
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server_class = type("BoundServer", (Server,), {"address_family": family})
+    return server_class((host, state.engine.port), handler)
+
+
+# ----------------------------------------------------------------------------- multi-node peers
+
+def lead_peers(state):
+    """Rank 0: accept the other ranks on the rendezvous port; a rank that leaves kills the engine."""
+    engine = state.engine
+    want = set(range(1, engine.nnodes))
+    joined = set()
+    lock = threading.Lock()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("", engine.rendezvous[1]))
+    listener.listen(64)
+    state.log.info("rendezvous listening on port %d for %d peer(s)" % (engine.rendezvous[1], len(want)), "parallel_state.py:1")
+
+    def serve_peer(conn):
+        f = conn.makefile("rb")
+        line = f.readline().strip()
+        try:
+            rank = int(line)
+        except ValueError:
+            conn.close()
+            return
+        with lock:
+            joined.add(rank)
+            if want <= joined:
+                state.peers_joined.set()
+        conn.sendall(b"ok\n")
+        state.log.info("node rank %d joined" % rank, "parallel_state.py:1")
+        f.read()  # returns at EOF: the peer is gone
+        state.log.error("RuntimeError: connection to node rank %d lost; the engine is dead" % rank)
+        die(state)
+
+    def accept():
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=serve_peer, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+
+def join_leader(state):
+    """Rank >= 1: connect to rank 0 (retrying until dist_timeout); exit when it goes away."""
+    engine = state.engine
+    deadline = time.monotonic() + state.knobs["dist_timeout"]
+    while True:
+        try:
+            conn = socket.create_connection(engine.rendezvous, timeout=2)
+            conn.sendall(b"%d\n" % engine.node_rank)
+            f = conn.makefile("rb")
+            if f.readline().strip() != b"ok":
+                raise OSError("bad answer")
+            conn.settimeout(None)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                state.log.error("RuntimeError: timed out joining %s:%d as node rank %d" % (engine.rendezvous + (engine.node_rank,)))
+                os._exit(1)
+            time.sleep(0.2)
+    state.log.info("joined %s:%d as node rank %d" % (engine.rendezvous + (engine.node_rank,)), "parallel_state.py:1")
+    state.peers_joined.set()
+
+    def watch():
+        f.read()
+        state.log.error("RuntimeError: connection to node rank 0 lost")
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def die(state):
+    state.dead = True
+    threading.Timer(0.2, os._exit, args=(1,)).start()
+
+
+# ----------------------------------------------------------------------------------- start-up
+
+REFUSALS = {
+    "vllm": "ValueError: Free memory on device (1.2/79.1 GiB) on startup is less than desired GPU memory utilization (0.92, 72.8 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
+    "sglang": "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static.",
+    "llama-server": "llama_model_load: error loading model: tensor data is not within the file bounds\nmain: exiting due to model loading error",
+}
+
+
+def register_gpu_use(node_dir, mib, env):
+    """Leave a record the nvidia-smi double lists as this process's compute app."""
+    try:
+        with open(os.path.join(node_dir, "gpus.json")) as f:
+            gpus = json.load(f)["gpus"]
+    except (OSError, ValueError, KeyError):
+        return
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        wanted = [v.strip() for v in visible.split(",") if v.strip()]
+        gpus = [g for g in gpus if str(g["index"]) in wanted or g["uuid"] in wanted]
+    folder = os.path.join(node_dir, "gpu-apps")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "%d.json" % os.getpid())
+    with open(path + ".tmp", "w") as f:
+        json.dump({"uuids": [g["uuid"] for g in gpus], "mib": mib, "name": sys.argv[0]}, f)
+    os.rename(path + ".tmp", path)
+
+
+def on_signal(state):
+    def handler(signum, frame):
+        if state.knobs["ignore_sigterm"] and signum == signal.SIGTERM:
+            state.log.info("received SIGTERM; ignoring it", "launcher.py:1")
+            return
+        state.log.info("Shutting down (signal %d)" % signum, "launcher.py:1")
+        os._exit(0)
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def main(mode, argv, node_dir=None, env=None):
+    env = dict(os.environ if env is None else env)
+    sys.stdout = open(sys.stdout.fileno(), "w", buffering=1, closefd=False)
+    if mode == "vllm" and argv and argv[0] in ("--version", "-v"):
+        print(VERSION)
+        return 0
+    if mode == "llama-server" and argv and argv[0] == "--version":
+        print("version: 9999 (engine test double)")
+        return 0
+    try:
+        engine = Engine(mode, argv, env)
+    except (UsageError, ValueError, OSError) as exc:
+        sys.stderr.write("%s\n" % exc)
+        return 2
+    knobs = load_knobs(engine, env)
+    log = Log(mode)
+    state = State(engine, knobs, log)
+
+    if mode == "vllm":
+        log.info("vLLM API server version %s (engine test double)" % VERSION, "utils.py:1")
+        log.info("args: model=%s served_model_name=%s host=%s port=%d tp=%d pp=%d nnodes=%d node_rank=%d headless=%s api_key=%s"
+                 % (engine.model, engine.name, engine.host or "0.0.0.0", engine.port, engine.tp, engine.pp,
+                    engine.nnodes, engine.node_rank, engine.headless, "<redacted>" if engine.keys else None), "utils.py:1")
+    elif mode == "sglang":
+        log.info("server_args=ServerArgs(model_path='%s', served_model_name='%s', host='%s', port=%d, tp_size=%d, nnodes=%d, node_rank=%d) (engine test double)"
+                 % (engine.model, engine.name, engine.host, engine.port, engine.tp, engine.nnodes, engine.node_rank))
+    else:
+        log.raw("build: 9999 (engine test double)")
+        log.raw("main: loading model")
+        log.raw("srv    load_model: loading model '%s'" % engine.model)
+    for i in range(int(knobs["stderr_lines"])):
+        log.error("WARNING engine double start-up line %d of %d" % (i + 1, knobs["stderr_lines"]))
+    if knobs["refuse_start"]:
+        message = knobs["refuse_start"] if isinstance(knobs["refuse_start"], str) and knobs["refuse_start"].lower() not in ("1", "true", "yes") else REFUSALS[mode]
+        log.error(message)
+        return 1
+
+    for _ in range(int(knobs["children"])):
+        if os.fork() == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            while True:
+                time.sleep(3600)
+    on_signal(state)
+    if knobs["crash_after"] is not None:
+        def crash():
+            log.error("RuntimeError: CUDA error: an illegal memory access was encountered")
+            os._exit(1)
+        threading.Timer(float(knobs["crash_after"]), crash).start()
+    if knobs["report_gpu_mib"] and node_dir:
+        register_gpu_use(node_dir, int(knobs["report_gpu_mib"]), env)
+
+    if engine.nnodes > 1:
+        if engine.node_rank == 0:
+            try:
+                lead_peers(state)
+            except OSError as exc:
+                log.error("OSError: rendezvous port %d: %s" % (engine.rendezvous[1], exc))
+                return 1
+        else:
+            threading.Thread(target=join_leader, args=(state,), daemon=True).start()
+    else:
+        state.peers_joined.set()
+
+    def load():
+        time.sleep(float(knobs["start_delay"]))
+        if not state.peers_joined.wait(float(knobs["dist_timeout"])):
+            log.error("RuntimeError: timed out waiting for %d node(s) to join" % (engine.nnodes - 1))
+            os._exit(1)
+        state.loaded.set()
+
+    server = None
+    early = mode == "llama-server" or (mode == "vllm" and knobs["bind_early"])
+    if engine.served_http and early:
+        try:
+            server = make_server(state)
+        except OSError as exc:
+            log.error("OSError: [Errno %d] error while attempting to bind on address ('%s', %d): %s"
+                      % (exc.errno or 0, engine.host, engine.port, exc.strerror))
+            return 1
+        if mode == "llama-server":
+            log.raw("main: HTTP server is listening, hostname: %s, port: %d, http threads: 4" % (engine.host, engine.port))
+            threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5}, daemon=True).start()
+    load()
+    if not engine.served_http:
+        log.info("headless node rank %d: no API server on this node" % engine.node_rank, "serve.py:1")
+        while True:
+            time.sleep(3600)
+    if server is None:
+        try:
+            server = make_server(state)
+        except OSError as exc:
+            log.error("OSError: [Errno %d] error while attempting to bind on address ('%s', %d): %s"
+                      % (exc.errno or 0, engine.host, engine.port, exc.strerror))
+            return 1
+    state.serving_since = time.monotonic()
+    shown = engine.host or "0.0.0.0"
+    if mode == "vllm":
+        log.info("Starting vLLM API server 0 on http://%s:%d" % (shown, engine.port), "launcher.py:1")
+        log.raw("INFO:     Started server process [%d]" % os.getpid())
+        log.raw("INFO:     Waiting for application startup.")
+        log.raw("INFO:     Application startup complete.")
+    elif mode == "sglang":
+        log.info("INFO:     Uvicorn running on http://%s:%d (Press CTRL+C to quit)" % (shown, engine.port))
+        if engine.node_rank == 0:
+            log.info("The server is fired up and ready to roll!")
+        else:
+            log.info("dummy health check server for node rank %d" % engine.node_rank)
+    else:
+        log.raw("main: model loaded")
+        log.raw("main: server is listening on http://%s:%d - starting the main loop" % (shown, engine.port))
+        log.raw("srv  update_slots: all slots are idle")
+        while True:
+            time.sleep(3600)
+    server.serve_forever(poll_interval=0.5)
+    return 0
+
+
+def entry_point(mode, node_dir):
+    """What the generated `vllm` / `llama-server` / sglang entry scripts call."""
+    try:
+        code = main(mode, sys.argv[1:], node_dir)
+    except KeyboardInterrupt:
+        code = 0
+    sys.stdout.flush()
+    os._exit(code)
