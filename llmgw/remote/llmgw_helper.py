@@ -73,13 +73,17 @@ fetch {"source": {"kind": "https", "urls": [...]} | {"kind": "hf", "repo", "revi
     file's length is. The token is sent as a bearer header to the source's host only, and is
     never logged or echoed.
 
-launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus"} -> {"shard_id", "pid",
-    "pgid", "start_time", "argv", "log_path", "started_at"}
+launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus", "files"} -> {"shard_id",
+    "pid", "pgid", "start_time", "argv", "log_path", "started_at"}
     The engine runs under a supervisor (this file in supervise mode) in a new session; the
     supervisor records ROOT/shards/<shard_id>/state.json atomically, and the exit code
     (negative signal number when killed) and end time when the engine exits (R-4.4). env
     (secrets included) travels through the supervisor's stdin and reaches only the engine's
-    environment, never an argv (R-1.6). gpus sets CUDA_VISIBLE_DEVICES.
+    environment, never an argv (R-1.6). gpus sets CUDA_VISIBLE_DEVICES. files {NAME: text} are
+    written 0600 into the shard directory first (an engine that takes its key only from a config
+    file); "{shard_dir}" inside an argv element is replaced by that directory, and the answer's
+    argv is the one really started. A port in use is refused (port_in_use), a live shard too
+    (alive).
 
 status {"probe": false, "timeout": 2} -> {"shards": [{"shard_id", "pid", "pgid", "start_time",
     "argv", "gpus", "port", "health_url", "started_at", "alive", "exit_code", "ended_at",
@@ -157,6 +161,8 @@ COMPLETE_MARKER = ".llmgw-complete"
 CACHE_NAME_RE = re.compile(r"llmgw-[0-9a-f]{16,64}")
 TEMP_NAME_RE = re.compile(r"\.tmp-(llmgw-[0-9a-f]{16,64})-[A-Za-z0-9_]{1,64}")
 SHARD_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+SHARD_FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+SHARD_DIR_PLACEHOLDER = "{shard_dir}"
 
 NVIDIA_SMI_TIMEOUT = 10.0
 GPU_QUERY_FIELDS = (
@@ -608,6 +614,15 @@ def _write_json_atomic(path, obj):
         except OSError:
             pass
         raise
+
+
+def _write_private_file(path, text):
+    """Write text readable by this user only (0600), replacing the file atomically."""
+    temp = "%s.tmp-%d-%s" % (path, os.getpid(), secrets.token_hex(4))
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(temp, path)
 
 
 def _read_json(path):
@@ -1525,7 +1540,12 @@ class Node(object):
         gpus = _arg(args, "gpus", (list,), None)
         if gpus is not None and not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
             raise bad_args("gpus must be a list of GPU indices")
+        files = _arg(args, "files", (dict,), {})
+        for file_name, text in files.items():
+            if not SHARD_FILE_RE.fullmatch(file_name) or file_name in (STATE_FILE, LOG_FILE) or not isinstance(text, str):
+                raise bad_args("files must map plain file names (not %s or %s) to text; %r does not" % (STATE_FILE, LOG_FILE, file_name))
         shard_dir = self.shard_dir(shard_id)
+        argv = [part.replace(SHARD_DIR_PLACEHOLDER, shard_dir) for part in argv]
         state_path = os.path.join(shard_dir, STATE_FILE)
         log_path = os.path.join(shard_dir, LOG_FILE)
         with self.launch_lock:
@@ -1540,6 +1560,8 @@ class Node(object):
                 os.replace(log_path, log_path + ".1")
             if os.path.exists(state_path):
                 os.unlink(state_path)
+            for file_name, text in files.items():
+                _write_private_file(os.path.join(shard_dir, file_name), text)
             spec = {
                 "shard_id": shard_id,
                 "argv": argv,
