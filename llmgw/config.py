@@ -373,3 +373,17 @@ def default_state_dir() -> Path:
 def embedded_inventory() -> Inventory:
     """This machine as a single local node (R-9.2)."""
     return Inventory(nodes=[NodeConfig(name="local", connection="local")])
+
+
+def resolve_state_dir(inventory: Inventory, override: str | None = None) -> Path:
+    """--state-dir, else LLMGW_STATE_DIR, else gateway.state_dir, else the user's state directory."""
+    value = override or os.environ.get("LLMGW_STATE_DIR") or inventory.gateway.state_dir
+    return Path(os.path.expanduser(value)) if value else default_state_dir()
+
+
+def load_configuration(path: str | None) -> tuple[Inventory, Document | None, str]:
+    """The inventory file, or the embedded default (this machine as one local node) without one."""
+    if path is None:
+        return embedded_inventory(), None, "the embedded default"
+    inventory, document = load_inventory(path)
+    return inventory, document, str(path)

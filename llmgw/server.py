@@ -14,7 +14,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog, CatalogHolder
-from llmgw.config import Document, Inventory, default_state_dir, embedded_inventory, load_inventory, split_address
+from llmgw.config import Document, Inventory, load_configuration, resolve_state_dir, split_address
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.service import ControlPlane, load_stored_models
 from llmgw.fleet.fleet import Fleet
@@ -26,11 +26,6 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE = 15.0
 TOKEN_FILE = "admin-token"
 ADMIN_ADDRESS_FILE = "admin-address"
-
-
-def resolve_state_dir(inventory: Inventory, override: str | None = None) -> Path:
-    value = override or os.environ.get("LLMGW_STATE_DIR") or inventory.gateway.state_dir
-    return Path(os.path.expanduser(value)) if value else default_state_dir()
 
 
 def admin_token(state_dir: Path) -> str:
@@ -134,13 +129,6 @@ class Gateway:
         await self.router.close()
         await self.fleet.close()
         self.store.close()
-
-
-def load_configuration(path: str | None) -> tuple[Inventory, Document | None, str]:
-    if path is None:
-        return embedded_inventory(), None, "the embedded default"
-    inventory, document = load_inventory(path)
-    return inventory, document, str(path)
 
 
 async def serve(inventory_path: str | None, *, state_dir: str | None = None, listen: str | None = None,

@@ -21,8 +21,14 @@ def load_checked(path: Path):
 
 def check(
     inventory: Path = typer.Option(..., "-i", "--inventory", help="The inventory file to check."),
+    connect: bool = typer.Option(True, "--connect/--no-connect",
+                                 help="Also reach every node once, like `ansible -m ping`."),
+    timeout: float = typer.Option(20.0, "--timeout", help="Seconds to wait for each node."),
+    state_dir: Path | None = typer.Option(None, "--state-dir", envvar="LLMGW_STATE_DIR"),
 ) -> None:
-    """Validate an inventory file: syntax, fields, profiles, engines, fallbacks, scaling."""
+    """Validate an inventory file (syntax, fields, profiles, engines, fallbacks, scaling), then reach
+    every node once and print what is wrong per node. Exit code 2: the file is invalid; 1: a node
+    could not be reached."""
     try:
         inv, _, catalog = load_checked(inventory)
     except ConfigError as exc:
@@ -31,3 +37,14 @@ def check(
         raise typer.Exit(EXIT_CONFIG)
     typer.echo(f"{inventory}: valid — {len(inv.nodes)} nodes, {len(inv.profiles)} profiles, "
                f"{len(catalog.models)} models")
+    if not connect or not inv.nodes:
+        return
+    import asyncio
+
+    from llmgw.cli.nodes import print_reach_table, reach_all
+    from llmgw.config import resolve_state_dir
+
+    results = asyncio.run(reach_all(inv, resolve_state_dir(inv, state_dir and str(state_dir)), timeout))
+    print_reach_table(results)
+    if not all(r["ok"] for r in results):
+        raise typer.Exit(1)

@@ -128,6 +128,8 @@ class NodeLink:
             self.since = time.time()
             if state == READY:
                 log.info("%s: ready (helper %s)", self.name, (self.hello or {}).get("version"))
+            elif state == CONNECTING:
+                log.debug("%s: connecting", self.name)
             else:
                 log.warning("%s: %s%s", self.name, state, f": {reason}" if reason else "")
         self.state, self.reason = state, reason
@@ -356,6 +358,7 @@ class LocalLink(NodeLink):
 
     def _install(self) -> None:
         directory = self.helper_path.parent
+        self.root.parent.mkdir(parents=True, exist_ok=True)
         for path in (self.root, directory):
             path.mkdir(mode=0o700, exist_ok=True)
             os.chmod(path, 0o700)

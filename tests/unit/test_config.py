@@ -109,7 +109,7 @@ def test_broken_inventory_names_file_line_and_field(tmp_path, text, line, messag
 def test_check_command_exits_2_with_the_message(tmp_path, text, line, message):
     path = tmp_path / "inventory.yaml"
     path.write_text(text)
-    result = subprocess.run([sys.executable, "-m", "llmgw.cli.main", "check", "-i", str(path)],
+    result = subprocess.run([sys.executable, "-m", "llmgw.cli.main", "check", "-i", str(path), "--no-connect"],
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert f"{path}:{line}: " in result.stderr
@@ -118,7 +118,7 @@ def test_check_command_exits_2_with_the_message(tmp_path, text, line, message):
 
 def test_check_command_passes_on_the_example():
     result = subprocess.run([sys.executable, "-m", "llmgw.cli.main", "check", "-i",
-                             str(ROOT / "inventory.example.yaml")], capture_output=True, text=True)
+                             str(ROOT / "inventory.example.yaml"), "--no-connect"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "valid" in result.stdout
 
