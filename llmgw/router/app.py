@@ -1,0 +1,390 @@
+"""The client-facing listener: routes, authentication, the choice of endpoint, retries (SPEC §6).
+
+The control plane pushes endpoint lists (`set_endpoints`) and catalogs (through the
+CatalogHolder); the router never asks for them per request (R-8.1). It hands back two things:
+`take_last_used()` once a tick (R-7.1) and `on_demand(model)` when an on-demand model is asked
+for and has no replica (R-6.8). SQLite is touched only off the request path: keys are reloaded
+every couple of seconds, usage is written about once a second through the store's writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import aiohttp
+import prometheus_client
+from aiohttp import web
+
+from llmgw.catalog import Catalog, CatalogHolder, Model
+from llmgw.config import GatewayConfig, split_address
+from llmgw.router.balancer import Balancer, Upstream
+from llmgw.router.endpoints import Endpoint, static_endpoints
+from llmgw.router.errors import (BadRequest, BodyTooLarge, InternalError, ModelLoading, ModelNotAllowed,
+                                 ModelNotFound, NoCapacity, RouterError, UpstreamFailed, error_response,
+                                 from_http_exception)
+from llmgw.router.keys import REFRESH_SECONDS, ApiKey, KeyRing, list_keys
+from llmgw.router.landing import landing_page
+from llmgw.router.metrics import NO_MODEL, RouterMetrics
+from llmgw.router.proxy import Forwarder
+from llmgw.router.usage import UsageMeter
+from llmgw.store import Store
+
+log = logging.getLogger(__name__)
+
+EXEMPT_PATHS = frozenset({"/", "/healthz"})  # exact paths, never prefixes (R-6.3)
+MAX_ATTEMPTS = 3  # endpoints tried for one request before it fails (R-6.6)
+CONNECT_TIMEOUT = 5.0  # an engine on the management network answers a connect well within this
+UPSTREAM_CONNECTIONS = 8192  # explicit: aiohttp's default silently queues requests past 100
+KEEPALIVE_SECONDS = 4.0  # below the 5 s after which uvicorn and llama-server close idle connections
+USAGE_FLUSH_SECONDS = 1.0
+RUNNER_OPTIONS = {
+    # Cancel the handler when its client disconnects, so the engine's request is cancelled at
+    # once (R-6.11) instead of at the next chunk; no access log line per request.
+    "handler_cancellation": True,
+    "access_log": None,
+}
+
+_KEY = "llmgw.key"
+_MODEL = "llmgw.model"
+_STREAM_USAGE = b'{"stream_options": {"include_usage": true}, '
+
+
+class Router:
+    """The OpenAI-compatible gateway. Build its app with `web_app()`; run it with RUNNER_OPTIONS."""
+
+    def __init__(self, holder: CatalogHolder, store: Store | None, gateway: GatewayConfig,
+                 on_demand: Callable[[str], None] | None = None,
+                 registry: prometheus_client.CollectorRegistry | None = None):
+        self.holder = holder
+        self.store = store
+        self.gateway = gateway
+        self.keys = KeyRing()
+        self.balancer = Balancer()
+        self.metrics = RouterMetrics(registry, self.balancer.outstanding_by_model)
+        self.usage = UsageMeter()
+        self._on_demand = on_demand
+        self._max_body = int(gateway.max_body)
+        self._pushed: dict[str, list[Endpoint]] = {}
+        self._static: dict[str, list[Endpoint]] = static_endpoints(holder.current)
+        self._arrivals: dict[str, asyncio.Event] = {}  # on-demand models someone is waiting for
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._forwarder: Forwarder | None = None
+        self._created = int(time.time())
+        self._closed = False
+        self._install()
+        holder.subscribe(self._catalog_changed)
+
+    # -- what the control plane calls -------------------------------------------------------------
+
+    def set_endpoints(self, endpoints: Mapping[str, Sequence[Endpoint]]) -> None:
+        """Replace every pushed endpoint list. Models with static `endpoints:` keep those (R-6.10)."""
+        pushed = {model: list(members) for model, members in endpoints.items()}
+        self._on_loop(lambda: self._set_pushed(pushed))
+
+    def take_last_used(self) -> dict[str, float]:
+        """replica_id -> unix time it last got a request; a replica never used is absent (R-7.1)."""
+        return self.balancer.last_used()
+
+    def outstanding(self, replica_id: str) -> int:
+        """Requests in flight to a replica, still counted after it left the lists (for draining)."""
+        return self.balancer.outstanding(replica_id)
+
+    def web_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=self._max_body,
+                              handler_args={"max_field_size": 16384})
+        app.router.add_get("/", self._landing)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/v1/models", self._list_models)
+        app.router.add_get("/v1/models/{model}", self._get_model)
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+            app.router.add_post(path, self._proxy)
+        app.cleanup_ctx.append(self._lifecycle)
+        return app
+
+    async def start(self, address: str | None = None) -> web.AppRunner:
+        """Serve on `address` (default gateway.listen) with the runner options the router needs."""
+        host, port = split_address(address or self.gateway.listen)
+        runner = web.AppRunner(self.web_app(), **RUNNER_OPTIONS)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        return runner
+
+    async def close(self) -> None:
+        """Write what usage is still counted in memory."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._flush_usage()
+
+    # -- endpoint lists -------------------------------------------------------------------------
+
+    def _on_loop(self, fn: Callable[[], None]) -> None:
+        if self._loop is not None and threading.get_ident() != self._loop_thread and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn)
+        else:
+            fn()
+
+    def _set_pushed(self, pushed: dict[str, list[Endpoint]]) -> None:
+        self._pushed = pushed
+        self._install()
+
+    def _catalog_changed(self, catalog: Catalog) -> None:
+        static = static_endpoints(catalog)
+        self._on_loop(lambda: self._set_static(static))
+
+    def _set_static(self, static: dict[str, list[Endpoint]]) -> None:
+        self._static = static
+        self._install()
+
+    def _install(self) -> None:
+        merged = {**self._pushed, **self._static}
+        self.balancer.replace(merged)
+        for model, members in merged.items():
+            if members:
+                event = self._arrivals.pop(model, None)
+                if event is not None:
+                    event.set()
+
+    # -- middleware: authentication and the one place errors become responses ---------------------
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        if request.path in EXEMPT_PATHS and request.match_info.http_exception is None:
+            return await handler(request)
+        try:
+            key = self.keys.authenticate(request.headers.get("Authorization"))
+            request[_KEY] = key
+            self.usage.key_used(key.id, time.time())
+            response = await handler(request)
+        except RouterError as exc:
+            response = error_response(exc)
+        except web.HTTPException as exc:
+            response = error_response(from_http_exception(exc))
+        except Exception:
+            log.exception("unexpected error answering %s %s", request.method, request.path)
+            response = error_response(InternalError("internal error in the router; its log has the details"))
+        self.metrics.request(request.get(_MODEL, NO_MODEL), response.status)
+        return response
+
+    # -- routes -----------------------------------------------------------------------------------
+
+    async def _landing(self, request: web.Request) -> web.Response:
+        return landing_page(request)
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    def _model_entry(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self._created, "owned_by": "llmgw"}
+
+    async def _list_models(self, request: web.Request) -> web.Response:
+        key: ApiKey = request[_KEY]
+        names = sorted(name for name in self.holder.current.models if key.allows(name))
+        return web.json_response({"object": "list", "data": [self._model_entry(n) for n in names]})
+
+    async def _get_model(self, request: web.Request) -> web.Response:
+        key: ApiKey = request[_KEY]
+        name = request.match_info["model"]
+        self._resolve(self.holder.current, name, key)
+        return web.json_response(self._model_entry(name))
+
+    def _resolve(self, catalog: Catalog, name: str, key: ApiKey) -> Model:
+        model = catalog.models.get(name)
+        if model is None:
+            raise ModelNotFound(f"model {name!r} does not exist; GET /v1/models lists the models "
+                                "this key may use")
+        if key.models is not None and name not in key.models:
+            raise ModelNotAllowed(f"this API key may not use model {name!r}; GET /v1/models lists "
+                                  "the models it may use")
+        return model
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        length = request.content_length
+        if length is not None and length > self._max_body:
+            raise BodyTooLarge(f"request body is {length} bytes; the limit is {self._max_body} "
+                               "(gateway.max_body)")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise BodyTooLarge(f"request body is over the limit of {self._max_body} bytes "
+                               "(gateway.max_body)") from None
+
+    async def _proxy(self, request: web.Request) -> web.StreamResponse:
+        key: ApiKey = request[_KEY]
+        body = await self._read_body(request)
+        try:
+            document = json.loads(body)
+        except ValueError:
+            raise BadRequest("the request body is not valid JSON (send a JSON object with "
+                             "Content-Type: application/json)") from None
+        if type(document) is not dict:
+            raise BadRequest("the request body must be a JSON object")
+        name = document.get("model")
+        if type(name) is not str or not name:
+            raise BadRequest("'model' is required: a model name from GET /v1/models")
+        catalog = self.holder.current
+        model = self._resolve(catalog, name, key)
+        request[_MODEL] = name
+
+        stream = document.get("stream") is True
+        strip_usage = False
+        if stream:
+            options = document.get("stream_options")
+            if options is None:
+                # Ask the engine for usage (R-6.9) without re-encoding the request: the body is a
+                # JSON object without that key, so the key can go first.
+                start = body.index(b"{")
+                body = _STREAM_USAGE + body[start + 1:]
+                document["stream_options"] = {"include_usage": True}
+                strip_usage = True
+            elif type(options) is dict and options.get("include_usage") is not True:
+                options["include_usage"] = True
+                body = json.dumps(document).encode()
+                strip_usage = True
+        return await self._route(request, catalog, model, document, body, stream, strip_usage, key.id)
+
+    # -- choosing an endpoint, retries, fallbacks, on-demand -------------------------------------
+
+    def _upstream_body(self, catalog: Catalog, up: Upstream, asked: str, document: dict, body: bytes) -> bytes:
+        """The body for this endpoint: `model` rewritten only when the engine knows another name."""
+        served = catalog.models.get(up.model)
+        upstream_name = (served.config.served_name or served.name) if served is not None else up.model
+        if upstream_name == asked:
+            return body
+        return json.dumps({**document, "model": upstream_name}).encode()
+
+    def _acquire(self, catalog: Catalog, model: Model, now: float, tried: list[Upstream],
+                 include_ejected: bool = False) -> Upstream | None:
+        up = self.balancer.acquire(model.name, now, tried, include_ejected)
+        if up is None and model.fallback is not None:
+            for fallback in catalog.fallback_chain(model.name):  # R-6.7
+                up = self.balancer.acquire(fallback, now, tried, include_ejected)
+                if up is not None:
+                    break
+        return up
+
+    async def _route(self, request: web.Request, catalog: Catalog, model: Model, document: dict,
+                     body: bytes, stream: bool, strip_usage: bool, key_id: str) -> web.StreamResponse:
+        path = request.path
+        tried: list[Upstream] = []
+        waited_since: float | None = None
+        last_error: RouterError | None = None
+        while True:
+            now = time.monotonic()
+            if model.on_demand and waited_since is None and not self.balancer.has_endpoints(model.name):
+                self._demand(model.name)
+                waited_since = now
+            up = self._acquire(catalog, model, now, tried)
+            if up is None:
+                if model.on_demand and not self.balancer.has_endpoints(model.name):
+                    await self._wait_for(model.name, waited_since or now)
+                    continue
+                # Every endpoint is ejected: a recently failed one beats a certain 503.
+                up = self._acquire(catalog, model, now, tried, include_ejected=True)
+            if up is None:
+                if last_error is not None:
+                    raise UpstreamFailed(f"no engine of {model.name!r} could answer after {len(tried)} "
+                                         f"attempts; last: {last_error.message}")
+                raise NoCapacity(f"no replica of {model.name!r} is serving; retry later")
+            try:
+                return await self._forwarder.send(
+                    request, up, path, self._upstream_body(catalog, up, model.name, document, body),
+                    stream, strip_usage, key_id)
+            except RouterError as exc:
+                if not exc.retryable_before_first_byte:
+                    raise
+                last_error = exc
+                tried.append(up)
+                if up.ejected_until <= now:
+                    self.balancer.eject(up, time.monotonic())
+                    self.metrics.ejection(up.model)
+                    log.warning("ejected replica %s of %s for %.0f s: %s", up.replica_id, up.model,
+                                self.balancer.eject_seconds, exc.message)
+                if len(tried) >= MAX_ATTEMPTS:
+                    raise UpstreamFailed(f"no engine of {model.name!r} could answer after {len(tried)} "
+                                         f"attempts; last: {exc.message}") from None
+                self.metrics.retry(model.name)
+            finally:
+                self.balancer.release(up)
+
+    def _demand(self, model: str) -> None:
+        if self._on_demand is None:
+            return
+        try:
+            self._on_demand(model)
+        except Exception:
+            log.exception("asking for a replica of on-demand model %s failed", model)
+
+    async def _wait_for(self, model: str, since: float) -> None:
+        remaining = since + float(self.gateway.on_demand_wait) - time.monotonic()
+        event = self._arrivals.get(model)
+        if event is None:
+            event = self._arrivals[model] = asyncio.Event()
+        if remaining > 0:
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+                return
+            except asyncio.TimeoutError:
+                pass
+        raise ModelLoading(f"model {model!r} is starting on demand and was not ready within "
+                           f"{float(self.gateway.on_demand_wait):.0f} s; retry later")
+
+    # -- background work ----------------------------------------------------------------------------
+
+    async def _lifecycle(self, app: web.Application):
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._closed = False
+        connector = aiohttp.TCPConnector(limit=UPSTREAM_CONNECTIONS, limit_per_host=0,
+                                         keepalive_timeout=KEEPALIVE_SECONDS)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT,
+                                        sock_read=float(self.gateway.request_timeout))
+        session = aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                        skip_auto_headers=("Accept-Encoding", "User-Agent"))
+        self._forwarder = Forwarder(session, self.metrics, self.usage)
+        if self.store is not None:
+            await self._refresh_keys()
+        tasks = [asyncio.create_task(self._every(USAGE_FLUSH_SECONDS, self._flush_usage))]
+        if self.store is not None:
+            tasks.append(asyncio.create_task(self._every(REFRESH_SECONDS, self._refresh_keys)))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await session.close()
+            await self.close()
+
+    @staticmethod
+    async def _every(seconds: float, fn: Callable[[], object]) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await fn()
+            except Exception:
+                log.exception("router background task %s failed", getattr(fn, "__name__", fn))
+
+    async def _refresh_keys(self) -> None:
+        """Reload keys off the loop, so `llmgw keys create/revoke` apply without a restart."""
+        try:
+            keys = await self.store.read(list_keys)
+        except Exception as exc:  # a locked or briefly unreadable database: keep the keys we have
+            log.warning("could not reload API keys (keeping the %d loaded): %s", len(self.keys), exc)
+            return
+        self.keys.replace(keys)
+
+    async def _flush_usage(self) -> None:
+        write = self.usage.drain()
+        if write is None or self.store is None:
+            return
+        try:
+            await self.store.write(write)
+        except Exception:
+            log.exception("writing usage failed; %s", "these counts are lost")

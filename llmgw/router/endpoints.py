@@ -1,0 +1,50 @@
+"""Where a model can be reached: the endpoints pushed by the control plane or written in the catalog."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from llmgw.catalog import Catalog
+
+log = logging.getLogger(__name__)
+
+STATIC_PREFIX = "static:"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One serving replica of a model, as the router reaches it."""
+
+    replica_id: str
+    model: str  # catalog model name
+    url: str  # base URL of the engine, e.g. "http://10.213.7.10:20001" (no trailing /)
+    api_key: str | None  # the replica's engine key, sent upstream as Authorization: Bearer
+
+    def __repr__(self) -> str:  # the key never reaches a log line through repr()
+        return f"Endpoint(replica_id={self.replica_id!r}, model={self.model!r}, url={self.url!r})"
+
+
+def static_endpoints(catalog: Catalog) -> dict[str, list[Endpoint]]:
+    """Endpoints of the models that declare `endpoints:` (R-6.10): served with no control plane.
+
+    Keys come from the environment variable each endpoint names; a variable that is not set is
+    reported once and the endpoint is used without a key (the engine will refuse it if it wants one).
+    """
+    out: dict[str, list[Endpoint]] = {}
+    for model in catalog.models.values():
+        if not model.static:
+            continue
+        endpoints = []
+        for index, static in enumerate(model.config.endpoints or ()):
+            key = None
+            if static.api_key_env:
+                key = os.environ.get(static.api_key_env)
+                if key is None:
+                    log.warning("model %s: endpoint %s names api_key_env %s, which is not set",
+                                model.name, static.url, static.api_key_env)
+            endpoints.append(Endpoint(replica_id=f"{STATIC_PREFIX}{model.name}:{index}", model=model.name,
+                                      url=static.url.rstrip("/"), api_key=key))
+        out[model.name] = endpoints
+    return out

@@ -1,0 +1,135 @@
+"""What can go wrong between a client and an engine, and how each failure looks on the wire.
+
+Every refusal of the router is a `RouterError` subclass carrying the HTTP status, OpenAI's error
+`type` and `code`, and whether it is safe to try another endpoint while nothing has reached the
+client yet (R-6.6). `error_response` is the one place that turns them into OpenAI's error JSON
+(R-6.1); the middleware in `app.py` is the one place that calls it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+RETRY_AFTER_NO_CAPACITY = 5  # seconds; a replica may come back or be placed elsewhere soon
+RETRY_AFTER_LOADING = 15  # seconds; an on-demand model that is still loading takes longer
+
+
+class RouterError(Exception):
+    """A failure the client is told about in OpenAI's error shape."""
+
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+    retryable_before_first_byte = False
+
+    def __init__(self, message: str, *, retry_after: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+
+# -- the client's mistakes --------------------------------------------------------------------
+
+class InvalidKey(RouterError):
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class ModelNotAllowed(RouterError):
+    status, type, code = 403, "permission_error", "model_not_allowed"
+
+
+class ModelNotFound(RouterError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class NotFound(RouterError):
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class MethodNotAllowed(RouterError):
+    status, type, code = 405, "invalid_request_error", "method_not_allowed"
+
+
+class BadRequest(RouterError):
+    status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class BodyTooLarge(RouterError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+# -- capacity and upstream failures ----------------------------------------------------------
+
+class NoCapacity(RouterError):
+    status, type, code = 503, "service_unavailable", "no_capacity"
+
+    def __init__(self, message: str, *, retry_after: int = RETRY_AFTER_NO_CAPACITY):
+        super().__init__(message, retry_after=retry_after)
+
+
+class ModelLoading(NoCapacity):
+    code = "model_loading"
+
+    def __init__(self, message: str, *, retry_after: int = RETRY_AFTER_LOADING):
+        super().__init__(message, retry_after=retry_after)
+
+
+class UpstreamConnectFailed(RouterError):
+    """The engine could not be reached, or dropped the connection before answering."""
+
+    status, type, code = 502, "upstream_error", "upstream_unavailable"
+    retryable_before_first_byte = True
+
+
+class UpstreamRefused(RouterError):
+    """The engine answered 502 or 503: it is alive but cannot take the request."""
+
+    status, type, code = 502, "upstream_error", "upstream_unavailable"
+    retryable_before_first_byte = True
+
+
+class UpstreamFailed(RouterError):
+    """Every attempt failed; what the client gets once retries are spent."""
+
+    status, type, code = 502, "upstream_error", "upstream_unavailable"
+
+
+class UpstreamTimeout(RouterError):
+    """The engine accepted the request but went silent: retrying would double its load."""
+
+    status, type, code = 504, "timeout", "upstream_timeout"
+
+
+class InternalError(RouterError):
+    pass
+
+
+def error_body(exc: RouterError) -> bytes:
+    return json.dumps({"error": {"message": exc.message, "type": exc.type, "code": exc.code,
+                                 "param": None}}).encode()
+
+
+def error_response(exc: RouterError) -> web.Response:
+    """The OpenAI-shaped answer for a RouterError (R-6.1)."""
+    response = web.Response(status=exc.status, body=error_body(exc), content_type="application/json")
+    if exc.retry_after is not None:
+        response.headers["Retry-After"] = str(exc.retry_after)
+    return response
+
+
+def from_http_exception(exc: web.HTTPException) -> RouterError:
+    """aiohttp's own refusals (unknown path, wrong method, body too large) in our terms."""
+    if exc.status == 404:
+        return NotFound("no such endpoint; this server offers GET /v1/models, POST "
+                        "/v1/chat/completions, /v1/completions and /v1/embeddings")
+    if exc.status == 405:
+        return MethodNotAllowed(f"method not allowed here ({exc.reason})")
+    if exc.status == 413:
+        return BodyTooLarge("request body too large")
+    error = RouterError(exc.reason or "error")
+    error.status = exc.status
+    error.type = "invalid_request_error" if 400 <= exc.status < 500 else "server_error"
+    error.code = None
+    return error

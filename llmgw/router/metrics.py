@@ -1,0 +1,117 @@
+"""Router metrics for the admin listener's /metrics (R-9.7).
+
+The request path only adds to plain integers in dicts; the Prometheus families are built when
+/metrics is scraped. That keeps a request's accounting to a few dict operations instead of a
+labelled child lookup and a lock per counter.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+NO_MODEL = "-"  # requests refused before a catalog model was known: never the client's string
+_STATUS_CLASS = {n: f"{n}xx" for n in range(1, 6)}
+
+
+class _Histogram:
+    __slots__ = ("counts", "total")
+
+    def __init__(self):
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.total = 0.0
+
+
+class RouterMetrics:
+    """Counters kept as plain numbers, exposed through a collector registered on `registry`."""
+
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 outstanding: Callable[[], dict[str, int]] | None = None):
+        self.requests: dict[tuple[str, str], int] = {}
+        self.tokens: dict[tuple[str, str], int] = {}
+        self.retries: dict[str, int] = {}
+        self.ejections: dict[str, int] = {}
+        self.latency: dict[str, _Histogram] = {}
+        self._outstanding = outstanding
+        if registry is not None:
+            registry.register(self)
+
+    # -- the request path --------------------------------------------------------------------
+
+    def request(self, model: str, status: int) -> None:
+        label = (model, _STATUS_CLASS.get(status // 100, "other"))
+        self.requests[label] = self.requests.get(label, 0) + 1
+
+    def upstream_latency(self, model: str, seconds: float) -> None:
+        histogram = self.latency.get(model)
+        if histogram is None:
+            histogram = self.latency[model] = _Histogram()
+        histogram.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        histogram.total += seconds
+
+    def add_tokens(self, model: str, prompt: int, completion: int) -> None:
+        if prompt:
+            label = (model, "prompt")
+            self.tokens[label] = self.tokens.get(label, 0) + prompt
+        if completion:
+            label = (model, "completion")
+            self.tokens[label] = self.tokens.get(label, 0) + completion
+
+    def retry(self, model: str) -> None:
+        self.retries[model] = self.retries.get(model, 0) + 1
+
+    def ejection(self, model: str) -> None:
+        self.ejections[model] = self.ejections.get(model, 0) + 1
+
+    # -- the scrape --------------------------------------------------------------------------
+
+    def describe(self):
+        return []  # families are built on collect; nothing to check at registration
+
+    def collect(self):
+        requests = CounterMetricFamily("llmgw_router_requests", "Client requests answered, by model and "
+                                       "status class", labels=["model", "code"])
+        for (model, code), value in list(self.requests.items()):
+            requests.add_metric([model, code], value)
+        yield requests
+
+        tokens = CounterMetricFamily("llmgw_router_tokens", "Tokens reported by engines, by model and "
+                                     "kind (prompt, completion)", labels=["model", "kind"])
+        for (model, kind), value in list(self.tokens.items()):
+            tokens.add_metric([model, kind], value)
+        yield tokens
+
+        retries = CounterMetricFamily("llmgw_router_retries", "Requests sent again to another endpoint "
+                                      "before their first byte", labels=["model"])
+        for model, value in list(self.retries.items()):
+            retries.add_metric([model], value)
+        yield retries
+
+        ejections = CounterMetricFamily("llmgw_router_ejections", "Endpoints ejected for a cool-down after "
+                                        "a failure", labels=["model"])
+        for model, value in list(self.ejections.items()):
+            ejections.add_metric([model], value)
+        yield ejections
+
+        latency = HistogramMetricFamily("llmgw_router_upstream_seconds", "Time from sending a request to "
+                                        "an engine to its response headers", labels=["model"])
+        for model, histogram in list(self.latency.items()):
+            buckets, running = [], 0
+            for bound, count in zip(LATENCY_BUCKETS, histogram.counts):
+                running += count
+                buckets.append((repr(bound), running))
+            running += histogram.counts[-1]
+            buckets.append(("+Inf", running))
+            latency.add_metric([model], buckets, histogram.total)
+        yield latency
+
+        if self._outstanding is not None:
+            outstanding = GaugeMetricFamily("llmgw_router_outstanding", "Requests in flight to engines, "
+                                            "by model", labels=["model"])
+            for model, value in self._outstanding().items():
+                outstanding.add_metric([model], value)
+            yield outstanding

@@ -1,0 +1,127 @@
+"""Token usage per key and model (R-6.9): found in the engine's answer, counted in memory, written in batches.
+
+Answers are never parsed whole on the hot path: `usage` sits at the end of an OpenAI answer and in
+the last event of a stream, so it is looked for in the tail. For a stream the router asks the
+engine for `stream_options.include_usage` and, when the client did not ask for it, removes the
+usage-only event (`"choices": []` with `usage`) before it reaches the client.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import sqlite_utils
+
+from llmgw.router.keys import record_key_use
+from llmgw.store import add_usage
+
+BUCKET_SECONDS = 3600  # usage rows are per hour: `bucket` is the unix time the hour starts
+TAIL_BYTES = 4096
+_USAGE = b'"usage"'
+_decoder = json.JSONDecoder()
+
+
+def find_usage(data: bytes, start: int = 0) -> dict | None:
+    """The last `"usage": {...}` object in data[start:], or None (a `"usage": null` is skipped)."""
+    end = len(data)
+    while True:
+        pos = data.rfind(_USAGE, start, end)
+        if pos < 0:
+            return None
+        end = pos
+        if pos and data[pos - 1] == 0x5C:  # \"usage\" inside a string, not a key
+            continue
+        text = data[pos + len(_USAGE):pos + len(_USAGE) + TAIL_BYTES].decode("utf-8", "replace").lstrip()
+        if not text.startswith(":"):
+            continue
+        try:
+            value, _ = _decoder.raw_decode(text[1:].lstrip())
+        except ValueError:
+            continue
+        if isinstance(value, dict) and "prompt_tokens" in value:
+            return value
+
+
+def usage_from_body(body: bytes) -> dict | None:
+    """Usage of a non-streamed answer: from its tail, else from the whole document."""
+    usage = find_usage(body, max(0, len(body) - TAIL_BYTES))
+    if usage is None and len(body) > TAIL_BYTES:
+        try:
+            document = json.loads(body)
+        except ValueError:
+            return None
+        usage = document.get("usage") if isinstance(document, dict) else None
+        if not isinstance(usage, dict):
+            return None
+    return usage
+
+
+def complete_events_end(data: bytes) -> int:
+    """Index just past the last complete SSE event in data (0 when there is none)."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def strip_usage_event(data: bytes) -> tuple[bytes, dict | None]:
+    """Remove usage-only events from complete SSE events; returns what is left and the usage."""
+    usage = None
+    kept = []
+    for event in data.split(b"\n\n"):
+        if b"[]" in event and _USAGE in event:
+            payload = event.strip()
+            if payload.startswith(b"data:"):
+                try:
+                    document = json.loads(payload[5:])
+                except ValueError:
+                    document = None
+                if isinstance(document, dict) and document.get("choices") == [] \
+                        and isinstance(document.get("usage"), dict):
+                    usage = document["usage"]
+                    continue
+        kept.append(event)
+    return b"\n\n".join(kept), usage
+
+
+def tokens(usage: dict | None) -> tuple[int, int]:
+    if not usage:
+        return 0, 0
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    return (prompt if type(prompt) is int else 0), (completion if type(completion) is int else 0)
+
+
+class UsageMeter:
+    """Counts per (key id, model) in memory; `drain` hands them to the store's writer in one batch."""
+
+    def __init__(self):
+        self._counts: dict[tuple[str, str], list[int]] = {}
+        self._key_use: dict[str, float] = {}
+
+    def add(self, key_id: str, model: str, prompt: int, completion: int) -> None:
+        counts = self._counts.get((key_id, model))
+        if counts is None:
+            counts = self._counts[(key_id, model)] = [0, 0, 0]
+        counts[0] += 1
+        counts[1] += prompt
+        counts[2] += completion
+
+    def key_used(self, key_id: str, when: float) -> None:
+        self._key_use[key_id] = when
+
+    def drain(self):
+        """A function for `Store.submit` writing everything counted so far, or None when idle."""
+        if not self._counts and not self._key_use:
+            return None
+        counts, self._counts = self._counts, {}
+        key_use, self._key_use = self._key_use, {}
+        bucket = int(time.time()) // BUCKET_SECONDS * BUCKET_SECONDS
+        rows = [(bucket, key_id, model, c[0], c[1], c[2]) for (key_id, model), c in counts.items()]
+
+        def write(db: sqlite_utils.Database) -> None:
+            if rows:
+                add_usage(db, rows)
+            if key_use:
+                record_key_use(db, key_use)
+        return write
