@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmgw.config import ConfigError, Inventory, NodeConfig
-from llmgw.fleet.link import READY, NodeLink, make_link
+from llmgw.fleet.link import CONNECTING, READY, UNREACHABLE, NodeLink, make_link
 from llmgw.fleet.session import NodeError
 from llmgw.units import format_bytes
 
@@ -89,8 +89,9 @@ async def reach_all(inventory: Inventory, state_dir: Path, timeout: float) -> li
             try:
                 ready = await link.wait_ready(timeout)
                 if not ready:
-                    return {"node": node.name, "ok": False, "state": link.state,
-                            "problem": link.reason or "did not answer in time"}
+                    state = UNREACHABLE if link.state == CONNECTING else link.state
+                    return {"node": node.name, "ok": False, "state": state,
+                            "problem": link.reason or f"did not answer within {timeout:g}s"}
                 facts = await link.call("inventory", {}, timeout=60)
                 return {"node": node.name, "ok": True, "state": READY, "python": (link.hello or {}).get("python"),
                         "gpus": len(facts.get("gpus") or []), "memory_bytes": facts.get("memory_bytes"),

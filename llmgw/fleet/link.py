@@ -27,7 +27,7 @@ from typing import Any
 import asyncssh
 
 from llmgw.config import NodeConfig, SSHConfig
-from llmgw.fleet.session import EXIT_INTEGRITY, HelperFailed, HelperSession, NodeError, Stream
+from llmgw.fleet.session import EXIT_INTEGRITY, EXIT_MISSING, HelperFailed, HelperSession, NodeError, Stream
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,28 @@ BACKOFF_CAP = 30.0
 # sshd allows MaxSessions (10) channels per connection: the helper session uses one, and the rare
 # extra ones (helper upload over SFTP) are kept well below the limit.
 EXTRA_CHANNELS = 4
+
+
+# The helper is started through this bootstrap, which checks the file's hash before Python even
+# parses it: a tampered copy that no longer compiles must still fail as "integrity", not as a
+# syntax error. The helper then verifies itself again. Exit 96: missing; 97: mismatch.
+BOOTSTRAP = (
+    "import hashlib,json,sys\n"
+    "p,h=sys.argv[1],sys.argv[2]\n"
+    "try:\n"
+    " d=open(p,'rb').read()\n"
+    "except OSError as e:\n"
+    " print(json.dumps({'fatal':'missing','path':p,'error':str(e)}),flush=True);sys.exit(96)\n"
+    "a=hashlib.sha256(d).hexdigest()\n"
+    "if a!=h:\n"
+    " print(json.dumps({'fatal':'integrity','expected':h,'actual':a}),flush=True);sys.exit(97)\n"
+    "sys.argv=[p]+sys.argv[3:]\n"
+    "exec(compile(d,p,'exec'),{'__name__':'__main__','__file__':p,'__builtins__':__builtins__})\n"
+)
+
+
+def helper_argv(python: str, path: str, sha256: str, root: str) -> list[str]:
+    return [python, "-c", BOOTSTRAP, path, sha256, "serve", "--expect-sha256", sha256, "--root", root]
 
 
 @dataclass(frozen=True)
@@ -268,7 +290,7 @@ class SSHLink(NodeLink):
         try:
             return await self._start_helper()
         except HelperFailed as exc:
-            if exc.missing or exc.exit_status == EXIT_INTEGRITY:
+            if exc.exit_status in (EXIT_MISSING, EXIT_INTEGRITY):
                 log.info("%s: deploying helper %s (%s)", self.name, self.code.sha256[:12], exc.reason)
                 await self._upload()
                 return await self._start_helper()
@@ -277,8 +299,7 @@ class SSHLink(NodeLink):
     async def _start_helper(self) -> HelperSession:
         assert self._conn is not None
         python = self.node.python or self.ssh.python
-        command = shlex.join([python, self.helper_path, "serve", "--expect-sha256", self.code.sha256,
-                              "--root", self.remote_dir])
+        command = shlex.join(helper_argv(python, self.helper_path, self.code.sha256, self.remote_dir))
         process = await self._conn.create_process(command, encoding=None)
         session = HelperSession(self.name, process.stdout, process.stdin)
         try:
@@ -296,7 +317,7 @@ class SSHLink(NodeLink):
             if exc.fatal is None and status is None:
                 # No exit status at all is a lost connection, not a result.
                 raise NodeError(self.name, "helper", "start", "connection lost while starting the helper")
-            missing = exc.fatal is None and ("No such file" in text or "can't open file" in text)
+            missing = status == EXIT_MISSING
             reason = exc.reason if exc.fatal else (
                 f"helper exited with status {status}: {text[-300:] or 'no output'}")
             if not missing and exc.fatal is None and status == 127:
@@ -351,7 +372,7 @@ class LocalLink(NodeLink):
         try:
             return await self._start_helper()
         except HelperFailed as exc:
-            if exc.missing or exc.exit_status == EXIT_INTEGRITY:
+            if exc.exit_status in (EXIT_MISSING, EXIT_INTEGRITY):
                 self._install()
                 return await self._start_helper()
             raise
@@ -369,11 +390,8 @@ class LocalLink(NodeLink):
         os.replace(temp, self.helper_path)
 
     async def _start_helper(self) -> HelperSession:
-        if not self.helper_path.exists():
-            raise HelperFailed("helper not installed yet", missing=True)
         proc = await asyncio.create_subprocess_exec(
-            self.python, str(self.helper_path), "serve", "--expect-sha256", self.code.sha256,
-            "--root", str(self.root), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            *helper_argv(self.python, str(self.helper_path), self.code.sha256, str(self.root)), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, limit=64 * 1024 * 1024, start_new_session=True)
         assert proc.stdout is not None and proc.stdin is not None
         session = HelperSession(self.name, proc.stdout, proc.stdin)

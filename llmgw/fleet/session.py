@@ -17,6 +17,7 @@ from typing import Any, Protocol
 log = logging.getLogger(__name__)
 
 # Exit codes of the helper (documented in its docstring).
+EXIT_MISSING = 96  # from the bootstrap: no helper file at the expected path
 EXIT_INTEGRITY = 97
 EXIT_PERMISSIONS = 98
 
@@ -232,6 +233,8 @@ def _fatal_reason(message: dict) -> str:
     if message.get("fatal") == "integrity":
         return (f"helper failed its integrity check (expected sha256 {str(message.get('expected'))[:16]}…, "
                 f"file has {str(message.get('actual'))[:16]}…)")
+    if message.get("fatal") == "missing":
+        return "helper not installed at its expected path"
     if message.get("fatal") == "permissions":
         return f"helper refused to run: {message.get('message') or message}"
     return f"helper refused to run: {message}"
