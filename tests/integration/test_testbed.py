@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import http.client
 import json
 import os
 import shlex
 import ssl
 import subprocess
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -118,6 +117,18 @@ async def test_home_is_per_node_and_hides_root(fleet):
     assert ".bashrc" in listing and "marker" in listing
     # Nothing of the control host's /root leaks in (its shell startup files included).
     assert set(listing) <= {".bashrc", "marker", "helper", "engine-double.json", ".cache", ".ssh"}
+
+
+async def test_nodes_have_private_tmp_and_know_each_other(fleet):
+    async with await fleet.connect("gpu1") as conn:
+        await sh(conn, "echo mine > /tmp/private-file")
+        resolved = (await sh(conn, "getent hosts cpu1 control")).stdout.split()
+    assert resolved == [fleet["cpu1"].address, "cpu1", fleet.bridge_address, "control"]
+    assert not Path("/tmp/private-file").exists()
+    assert fleet.run("cpu1", ["test", "-e", "/tmp/private-file"]).returncode == 1
+    assert fleet.run("gpu1", ["cat", "/tmp/private-file"]).stdout == "mine\n"
+    # The run folder (node dirs, CA, doubles) is still there inside each node's /tmp.
+    assert fleet.run("cpu1", ["test", "-x", str(fleet["cpu1"].bin_dir / "vllm")]).returncode == 0
 
 
 # ----------------------------------------------------------------------------- node facts
@@ -261,17 +272,29 @@ async def test_llama_server_and_sglang_command_lines(fleet):
     fleet.set_engine_knobs(node)
 
 
-async def test_multi_node_engines_wait_for_their_peers(fleet):
+MULTI_NODE = {
+    "sglang": ("python3 -m sglang.launch_server --model-path big --served-model-name big --tp-size 2 --nnodes 2 "
+               "--dist-init-addr {leader}:25000 --port 8005 --host 0.0.0.0 --node-rank {rank}", ""),
+    "vllm": ("vllm serve big -tp 1 -pp 2 --nnodes 2 --node-rank {rank} --master-addr {leader} --master-port 29501 "
+             "--port 8005", " --headless"),
+}
+
+
+@pytest.mark.parametrize("engine", sorted(MULTI_NODE))
+async def test_multi_node_engines_wait_for_their_peers(fleet, engine):
     leader, worker = fleet["gpu1"], fleet["l40s1"]
-    common = f"--model-path big --served-model-name big --tp-size 2 --nnodes 2 --dist-init-addr {leader.address}:25000 --port 8005 --host 0.0.0.0"
+    command, worker_flags = MULTI_NODE[engine]
     async with await fleet.connect(leader) as c0, await fleet.connect(worker) as c1:
-        rank0 = await c0.create_process(f"exec python3 -m sglang.launch_server {common} --node-rank 0")
+        rank0 = await c0.create_process("exec " + command.format(leader=leader.address, rank=0))
         try:
-            # Rank 0 alone does not serve; once rank 1 joins both answer /health.
+            # Rank 0 alone does not serve; once rank 1 joins, the leader answers /health.
             assert await http_status(f"http://{leader.address}:8005/health") is None
-            rank1 = await c1.create_process(f"exec python3 -m sglang.launch_server {common} --node-rank 1")
+            rank1 = await c1.create_process("exec " + command.format(leader=leader.address, rank=1) + worker_flags)
             assert (await poll(lambda: http_status(f"http://{leader.address}:8005/health")))[0] == 200
-            assert (await poll(lambda: http_status(f"http://{worker.address}:8005/health")))[0] == 200
+            if engine == "sglang":  # SGLang ranks >= 1 serve a dummy /health; vLLM --headless serves nothing
+                assert (await poll(lambda: http_status(f"http://{worker.address}:8005/health")))[0] == 200
+            else:
+                assert await http_status(f"http://{worker.address}:8005/health") is None
             # Losing a peer kills the leader, as a broken NCCL group would.
             fleet.kill_engines(worker)
             await asyncio.wait_for(rank1.wait(), 10)
@@ -367,6 +390,25 @@ async def test_weights_server_reachable_from_nodes(fleet):
     assert siblings["sha"] == sha and [s["rfilename"] for s in siblings["siblings"]] == ["config.json", "model.safetensors"]
 
 
+def test_weights_server_framing_and_faults(fleet):
+    weights = fleet.weights
+    context = ssl.create_default_context(cafile=str(fleet.ca_path))
+    closed = weights.add("framing/close.bin", size=20_000, framing="close")
+    cut = weights.add("framing/cut.bin", size=50_000, cut_after=10_000)
+    ranged = weights.add("framing/range.bin", content=bytes(range(256)) * 4)
+
+    with urllib.request.urlopen(closed, context=context, timeout=10) as resp:
+        assert resp.headers.get("Content-Length") is None and len(resp.read()) == 20_000
+    with pytest.raises(http.client.IncompleteRead) as failure:
+        with urllib.request.urlopen(cut, context=context, timeout=10) as resp:
+            resp.read()
+    assert len(failure.value.partial) == 10_000
+    request = urllib.request.Request(ranged, headers={"Range": "bytes=1000-"})
+    with urllib.request.urlopen(request, context=context, timeout=10) as resp:
+        assert resp.status == 206 and resp.read() == (bytes(range(256)) * 4)[1000:]
+    assert weights.hits(cut) == 1 and weights.hits(ranged) == 1
+
+
 # ------------------------------------------------------------------------------------ faults
 
 @pytest.mark.testbed(nodes=[NodeSpec("n1", cache_mb=8)])
@@ -394,7 +436,7 @@ async def test_cut_and_restore(testbed):
 async def test_crash_kills_everything_and_restart_keeps_disks(testbed):
     node = testbed["n1"]
     async with await testbed.connect(node) as conn:
-        await sh(conn, f"echo kept > {node.cache_dir}/weights")
+        await sh(conn, f"echo kept > {node.cache_dir}/weights; touch /tmp/scratch")
         boot_before = (await sh(conn, "cat /proc/sys/kernel/random/boot_id")).stdout
         engine = await conn.create_process("exec vllm serve m --port 8001 --headless")
         await poll(lambda: asyncio.to_thread(testbed.engine_pids, node))
@@ -407,9 +449,22 @@ async def test_crash_kills_everything_and_restart_keeps_disks(testbed):
 
     testbed.restart_node(node)
     async with await testbed.connect(node) as conn:  # same host key: known_hosts still matches
+        assert (await sh(conn, "ls /tmp")).stdout.split() == [testbed.dir.name]  # a reboot empties /tmp
         assert (await sh(conn, f"cat {node.cache_dir}/weights")).stdout == "kept\n"
         assert (await sh(conn, "cat /proc/sys/kernel/random/boot_id")).stdout != boot_before
         assert (await sh(conn, "hostname")).stdout == "n1\n"
+
+
+@pytest.mark.testbed(nodes=[NodeSpec("n1")])
+async def test_silent_crash_leaves_peers_hanging(testbed):
+    async with await testbed.connect("n1") as conn:
+        testbed.crash("n1", silent=True)
+        # No FIN or RST reaches us: the command neither fails nor finishes.
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(conn.run("true"), 1)
+        testbed.restart_node("n1")
+    async with await testbed.connect("n1") as conn:
+        await sh(conn, "true")
 
 
 # ----------------------------------------------------------------------- inventory, cleanup

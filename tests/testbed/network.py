@@ -6,7 +6,6 @@ from leftovers of a run that died (`cleanup_stale`). Addresses come from 10.213.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import ipaddress
 import json
@@ -212,7 +211,3 @@ def cleanup_stale() -> list[str]:
         for run_id in removed:
             remove_run(run_id)
     return removed
-
-
-def is_missing(exc: OSError) -> bool:
-    return exc.errno in (errno.ENOENT, errno.ESRCH)

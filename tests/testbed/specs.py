@@ -52,7 +52,8 @@ class NodeSpec:
 
     `gpus=None` is a CPU node: no nvidia-smi on its PATH at all. `gpus=[]` has the tool but no
     devices. `mem_gb=None` is a node whose /proc/meminfo has no MemTotal line (memory unknown).
-    `models_mb` and `cache_mb` size the tmpfs behind its model and cache directories.
+    `models_mb` and `cache_mb` size the tmpfs behind its model and cache directories, `tmp_mb`
+    its private /tmp.
     `shared=True` lists the testbed's shared directory in the node's inventory entry.
     """
 
@@ -61,6 +62,7 @@ class NodeSpec:
     mem_gb: float | None = 64
     models_mb: int = 64
     cache_mb: int = 256
+    tmp_mb: int = 64
     fabric: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     shared: bool = False

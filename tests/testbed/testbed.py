@@ -8,8 +8,9 @@ Each node is a network namespace with a veth into a bridge in this namespace, an
 mount + UTS namespace (kept in files under the run directory, so a node "crash" that kills every
 process leaves its disks — the tmpfs model and cache directories — in place, as a reboot would).
 sshd runs inside both with a per-node host key written to a known_hosts file; host-key checking
-stays on for clients. Inside the mount namespace: /proc/meminfo and the boot id are per node,
-/root is the node's own HOME, nvidia-smi and the engine entry points come first on PATH.
+stays on for clients. Inside the mount namespace: /proc/meminfo, /etc/hosts (every node by name)
+and the boot id are per node, /tmp is private, /root is the node's own HOME, and nvidia-smi and
+the engine entry points come first on PATH.
 
 Everything a run creates is named with its run id and removed by `close()`, by an atexit hook,
 or — when the process died — by `cleanup_stale()` at the start of the next run.
@@ -240,8 +241,9 @@ class Testbed:
     # --------------------------------------------------------------------------- building
 
     def _build(self) -> None:
-        self.dir.mkdir(mode=0o755)
-        network.write_owner(self.dir)
+        with network.host_lock():  # a concurrent stale cleanup must not see the folder ownerless
+            self.dir.mkdir(mode=0o755)
+            network.write_owner(self.dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.ns_dir.mkdir()
         self.lib_dir.mkdir()
@@ -283,6 +285,10 @@ class Testbed:
             node.host_key_pub = " ".join(node.host_key_pub)
             self._write_node_files(node)
         self.known_hosts.write_text("".join(f"{n.address} {n.host_key_pub}\n" for n in self.nodes.values()))
+        # Nodes resolve each other (and this host, as `control`) by name, like a real cluster.
+        (self.dir / "hosts").write_text(
+            "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+            f"{self.bridge_address}\tcontrol\n" + "".join(f"{n.address}\t{n.name}\n" for n in self.nodes.values()))
         for node in self.nodes.values():
             self._start_sshd(node, first=True)
         self._wait_ssh(self.nodes.values())
@@ -371,6 +377,14 @@ class Testbed:
             f"umount -l {q(self.ns_dir)} 2>/dev/null || true",
             "umount -l /run/netns 2>/dev/null || true",
             f"hostname {q(node.name)}",
+            # A private /tmp, with the run folder (node dirs, CA, doubles) bound back into it;
+            # fd 3 keeps the run folder reachable once the tmpfs hides it.
+            f"exec 3<{q(self.dir)}",
+            f"mount -t tmpfs -o size={spec.tmp_mb}m,mode=1777 llgw-tmp /tmp",
+            f"mkdir -p {q(self.dir)}",
+            f"mount --no-canonicalize --rbind /proc/self/fd/3 {q(self.dir)}",
+            "exec 3<&-",
+            f"mount --bind {q(self.dir / 'hosts')} /etc/hosts",
             f"mount --bind {q(node.dir / 'meminfo')} /proc/meminfo",
             f"mount --bind {q(node.dir / 'boot_id')} /proc/sys/kernel/random/boot_id",
             f"mount --bind {q(node.home_dir)} /root",
@@ -495,9 +509,15 @@ class Testbed:
     def restore(self, node: str | Node) -> None:
         run(["ip", "link", "set", self.node(node).veth, "up"])
 
-    def crash(self, node: str | Node) -> None:
-        """SIGKILL every process of the node, sshd included. Its disks (tmpfs dirs) survive."""
+    def crash(self, node: str | Node, *, silent: bool = False) -> None:
+        """SIGKILL every process of the node, sshd included. Its disks (tmpfs dirs) survive.
+
+        The kernel still closes the node's TCP connections (peers see FIN/RST). With `silent`,
+        the link is cut first, so peers see nothing at all, as with a power loss;
+        `restart_node` brings the link back."""
         node = self.node(node)
+        if silent:
+            self.cut(node)
         network.kill_netns_processes(node.netns)
         if node.sshd is not None:
             node.sshd.wait()
@@ -509,6 +529,10 @@ class Testbed:
             raise TestbedError(f"{node.name} is running; crash() it first")
         node.boot_id = str(uuid.uuid4())
         _write_in_place(node.dir / "boot_id", node.boot_id + "\n")
+        # A reboot empties /tmp (the run folder bound into it stays).
+        self.run(node, ["find", "/tmp", "-mindepth", "1", "-maxdepth", "1", "!", "-path", str(self.dir),
+                        "-exec", "rm", "-rf", "{}", "+"], check=True)
+        self.restore(node)
         self._start_sshd(node, first=False)
         self._wait_ssh([node])
 
