@@ -1,0 +1,586 @@
+"""Placement: which nodes can run a replica of a model, which ones it goes to, and why (R-3.1–R-3.6).
+
+Pure functions of their inputs: no I/O, no logging, no clock. The reconciler calls `place` for
+every replica it starts; `explain_placement` gives the same decision with a verdict for every
+node, for `explain-placement` and for `ctl status` (models that cannot be placed, R-7.2).
+
+Filters, in the order their reasons are listed: node ready; not cordoned or draining; not avoided
+by the caller; GPU class; free healthy GPUs; memory; cache space; node_selector labels; weights
+present for operator-managed paths. A resource the node did not report never excludes it
+(R-2.3, R-3.6), except GPUs for a profile that needs some: placement must name the indices.
+
+Ranking (R-3.3): nodes that hold the weights first (unknown holdings rank like holding nothing,
+R-2.7), then packing (fewest free GPUs left), then the node name. A multi-node replica (R-3.4)
+takes N nodes of one fabric chosen by the same keys; the leader (rank 0) is the best of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass, field
+
+from llmgw.catalog import Model
+
+READY = "ready"
+ACTIVE = "active"
+
+# Sorts after every real count: a node whose GPUs are unknown packs worse than any known node
+# (it may be a whole free GPU node that a multi-node replica needs).
+_UNKNOWN_FREE = 1 << 30
+
+
+@dataclass(frozen=True)
+class GPUView:
+    """One GPU as the node reported it."""
+
+    index: int
+    healthy: bool
+    reasons: tuple[str, ...] = ()  # why unhealthy, in operator words
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """Everything placement may look at for one node. None = the node did not report it (unknown, not zero).
+
+    `gpus` None means never reported, () means reported no GPUs. `gpu_class` is normalised with
+    the inventory override applied. `cache_free_bytes` is the free space of the filesystem that
+    holds the node's cache directory. `holds` names the models whose weights the node can see.
+    A view with no state given is `connecting`: nothing is placed on a node not known to be ready.
+    """
+
+    name: str
+    fabric: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    state: str = "connecting"  # "ready" | "connecting" | "unreachable" | "unhealthy"
+    state_reason: str | None = None
+    admin: str = ACTIVE  # "active" | "cordoned" | "draining"
+    gpu_class: str | None = None
+    gpus: tuple[GPUView, ...] | None = None
+    memory_bytes: int | None = None
+    cache_free_bytes: int | None = None
+    holds: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        # Derived once per view rather than once per placement: the reconciler places many
+        # replicas against one fleet snapshot. Plain attributes, not fields: they stay out of
+        # equality, repr and asdict.
+        healthy = None if self.gpus is None else tuple(sorted(g.index for g in self.gpus if g.healthy))
+        object.__setattr__(self, "_healthy", healthy)
+        object.__setattr__(self, "_healthy_set", frozenset(healthy or ()))
+        object.__setattr__(self, "_usable", self.state == READY and self.admin == ACTIVE)
+        object.__setattr__(self, "_unhealthy_note", _unhealthy_note(self.gpus))
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    node: str
+    rank: int  # 0 = leader
+    gpus: tuple[int, ...]  # GPU indices on that node
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    shards: tuple[ShardPlan, ...]
+    fabric: str | None
+    reasons: tuple[str, ...] = ()  # why this choice, in operator words
+
+    @property
+    def leader(self) -> ShardPlan:
+        return next(s for s in self.shards if s.rank == 0)
+
+
+@dataclass(frozen=True)
+class NodeVerdict:
+    node: str
+    fits: bool
+    reasons: tuple[str, ...]  # every shortfall, or why the node is preferred
+    free_gpus: int | None
+    holds_weights: bool | None
+
+
+@dataclass(frozen=True)
+class Explanation:
+    model: str
+    verdicts: tuple[NodeVerdict, ...]  # every node, fitting ones first in rank order, then by name
+    plan: Plan | None
+    summary: str  # one line: what would happen, or why nothing fits
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions.
+
+
+def free_gpus(node: NodeView, allocated: Mapping[str, Set[int]]) -> tuple[int, ...] | None:
+    """Healthy GPU indices of the node that no replica holds, lowest first; None if GPUs are unknown.
+
+    An unhealthy GPU is neither used nor free (R-2.2, R-7.2), even when a replica still holds it.
+    """
+    healthy = node._healthy
+    if healthy is None:
+        return None
+    taken = allocated.get(node.name)
+    if not taken:
+        return healthy
+    return tuple(i for i in healthy if i not in taken)
+
+
+def free_whole_nodes(nodes: Sequence[NodeView], allocated: Mapping[str, Set[int]]) -> dict[str, int]:
+    """Per fabric, how many ready, uncordoned nodes have every GPU healthy and free (R-7.2).
+
+    A node with an unhealthy GPU is not whole: a replica sized for the node would not fit.
+    Fabrics with none are listed with 0; nodes without a fabric are not counted.
+    """
+    counts: dict[str, int] = {}
+    for node in nodes:
+        if node.fabric is None:
+            continue
+        counts.setdefault(node.fabric, 0)
+        if node._usable and node.gpus and len(node._healthy) == len(node.gpus) \
+                and not node._healthy_set.intersection(allocated.get(node.name) or ()):
+            counts[node.fabric] += 1
+    return counts
+
+
+def place(model: Model, nodes: Sequence[NodeView], allocated: Mapping[str, Set[int]], *,
+          avoid: Mapping[str, str] | Set[str] = frozenset()) -> Plan | None:
+    """The plan `explain_placement` would give, without writing a verdict for every node.
+
+    `allocated` maps a node name to the GPU indices llmgw replicas hold there, including replicas
+    still starting. `avoid` names nodes this placement must not use (a hard filter): a mapping
+    from node to reason (e.g. "being drained"), or just a set of names.
+    """
+    need = _Need.of(model)
+    if need is None:
+        return None
+    fitting = _fitting(need, model.name, nodes, allocated, avoid, [])
+    if need.nodes == 1:
+        if not fitting:
+            return None
+        return _single_plan(model, need, *min(fitting, key=_rank)[1:], allocated)
+    by_fabric: dict[str, list] = {}
+    for candidate in fitting:
+        fabric = candidate[1].fabric
+        if fabric is not None:
+            by_fabric.setdefault(fabric, []).append(candidate)
+    chosen = _choose_fabric(by_fabric, need.nodes)
+    return None if chosen is None else _multi_plan(model, need, chosen[0], chosen[1], allocated)
+
+
+def explain_placement(model: Model, nodes: Sequence[NodeView], allocated: Mapping[str, Set[int]], *,
+                      avoid: Mapping[str, str] | Set[str] = frozenset()) -> Explanation:
+    """Every node's verdict with its reasons, the plan (the same as `place`), and a one-line summary.
+
+    Rejected nodes list every shortfall, not only the first; the summary counts each rejected
+    node once, under the first reason it was turned down for.
+    """
+    need = _Need.of(model)
+    if need is None:
+        return Explanation(model.name, (), None,
+                           f"{model.name} is served by static endpoints; it is not placed on nodes")
+    name = model.name
+    avoid = _avoid_map(avoid)
+    turned_down: list[NodeView] = []
+    fitting = _fitting(need, name, nodes, allocated, avoid, turned_down)
+    rejected: list[tuple[NodeView, tuple[str, ...], str, int | None, bool | None]] = []
+    for node in turned_down:
+        free = _free_count(node, allocated)
+        holds = None if node.holds is None else name in node.holds
+        reasons, first = need.shortfalls(node, free, bool(holds), avoid)
+        if not reasons:  # the filter and its wording disagree: a bug, never a silent fit
+            raise AssertionError(f"placement of {name} rejected {node.name} without a reason")
+        rejected.append((node, reasons, first, free, holds))
+
+    if need.nodes == 1:
+        fitting.sort(key=_rank)
+        plan = _single_plan(model, need, *fitting[0][1:], allocated) if fitting else None
+        verdicts = _fitting_verdicts(need, fitting)
+        if plan is not None:
+            summary = f"would place on {_shard_text(plan.leader, leader=False)}: " + ", ".join(plan.reasons)
+        else:
+            summary = "no node fits: " + _tally(r[2] for r in rejected) if rejected else "no nodes to place on"
+        verdicts += _rejected_verdicts(rejected)
+        return Explanation(name, tuple(verdicts), plan, summary)
+    return _explain_multi(model, need, nodes, fitting, rejected, allocated)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a model needs, the filters, and the words for their shortfalls.
+
+
+class _Need:
+    """What a model's profile asks of a node, with the words for each shortfall prepared once per call."""
+
+    __slots__ = ("gpus", "nodes", "gpu_class", "memory_bytes", "disk_bytes", "weights", "path_weights",
+                 "selector", "_no_gpus", "_class_needs", "_gpus_needs", "_memory_needs", "_disk_needs")
+
+    def __init__(self, model: Model):
+        profile = model.profile
+        source = model.source
+        self.gpus = profile.gpus
+        self.nodes = profile.nodes
+        self.gpu_class = profile.gpu_class
+        self.memory_bytes = None if profile.min_memory_gb is None else profile.min_memory_gb * 1e9
+        # "path": operator-managed, never fetched, so never checked against the cache and a
+        # node known not to have it cannot run the model; "fetched" or "none" otherwise.
+        self.weights = "none" if source is None else "fetched" if source.fetched else "path"
+        self.path_weights = self.weights == "path"
+        self.disk_bytes = None if self.path_weights else model.disk_bytes
+        self.selector = tuple(sorted(profile.node_selector.items()))
+        if self.gpus and self.gpu_class:
+            wanted = f"{self.gpus} of class {self.gpu_class}"
+        else:
+            wanted = str(self.gpus or self.gpu_class or "")
+        self._no_gpus = f"has no GPUs, needs {wanted}" if wanted else None
+        self._class_needs = f", needs {self.gpu_class}"
+        self._gpus_needs = f", needs {self.gpus}"
+        self._memory_needs = None if self.memory_bytes is None else f", needs {_gb_up(self.memory_bytes)}"
+        self._disk_needs = None if self.disk_bytes is None else f", needs {_gb_up(self.disk_bytes)}"
+
+    @classmethod
+    def of(cls, model: Model) -> _Need | None:
+        return None if model.profile is None else cls(model)
+
+    def shortfalls(self, node: NodeView, free: int | None, holds: bool,
+                   avoid: Mapping[str, str | None]) -> tuple[tuple[str, ...], str | None]:
+        """Every filter the node fails, in filter order, and the category of the first (for the summary)."""
+        found: list[str] = []
+        first = None
+        if node.state != READY:
+            first = node.state
+            found.append(f"{node.state}: {node.state_reason}" if node.state_reason else node.state)
+        if node.admin != ACTIVE:
+            first = first or node.admin
+            found.append(node.admin)
+        if node.name in avoid:
+            first = first or "avoided"
+            reason = avoid[node.name]
+            found.append(f"avoided: {reason}" if reason else "avoided for this placement")
+        gpus = node.gpus
+        if gpus is not None and not gpus and self._no_gpus:
+            first = first or "no-gpus"
+            found.append(self._no_gpus)
+        else:
+            if self.gpu_class is not None and node.gpu_class != self.gpu_class:
+                if node.gpu_class is not None:
+                    first = first or "class"
+                    found.append(f"has {node.gpu_class} GPUs{self._class_needs}")
+                elif gpus is not None:
+                    first = first or "class"
+                    found.append(f"GPU class not recognised{self._class_needs}; "
+                                 "set gpu_class for the node in the inventory")
+            if self.gpus:
+                if free is None:
+                    first = first or "gpus-unknown"
+                    found.append("GPUs not reported yet")
+                elif free < self.gpus:
+                    first = first or "gpus"
+                    found.append(f"{free} of {len(gpus)} GPUs free{node._unhealthy_note}{self._gpus_needs}")
+        if self.memory_bytes is not None and node.memory_bytes is not None and node.memory_bytes < self.memory_bytes:
+            first = first or "memory"
+            found.append(f"has {_gb_down(node.memory_bytes)} GB of memory{self._memory_needs}")
+        if not holds and self.disk_bytes is not None and node.cache_free_bytes is not None \
+                and node.cache_free_bytes < self.disk_bytes:
+            first = first or "disk"
+            found.append(f"has {_gb_down(node.cache_free_bytes)} GB free in its cache{self._disk_needs}")
+        for key, value in self.selector:
+            have = node.labels.get(key)
+            if have != value:
+                first = first or "labels"
+                found.append(f"no label {key}, needs {key}={value}" if have is None
+                             else f"label {key}={have}, needs {key}={value}")
+        if not holds and self.path_weights and node.holds is not None:
+            first = first or "weights"
+            found.append("does not have the weights in its model_dirs (weights given as a path are never fetched)")
+        return tuple(found), first
+
+
+# How the summary counts rejected nodes, by the first reason: (one node, several nodes).
+_CATEGORY_WORDS = {
+    "no-gpus": ("has no GPUs", "have no GPUs"),
+    "class": ("has another GPU class", "have another GPU class"),
+    "gpus-unknown": ("has not reported GPUs yet", "have not reported GPUs yet"),
+    "gpus": ("has too few free GPUs", "have too few free GPUs"),
+    "memory": ("has too little memory", "have too little memory"),
+    "disk": ("has too little cache space", "have too little cache space"),
+    "labels": ("does not match the node selector", "do not match the node selector"),
+    "weights": ("does not have the weights", "do not have the weights"),
+    "no-fabric": ("has no fabric", "have no fabric"),
+    "fabric-short": ("is in a fabric with too few fitting nodes", "are in fabrics with too few fitting nodes"),
+}
+
+
+def _tally(categories) -> str:
+    """`3 cordoned, 2 have too little memory`: most common first, then in filter order."""
+    counts: dict[str, int] = {}
+    for category in categories:
+        counts[category] = counts.get(category, 0) + 1
+    order = sorted(counts, key=lambda c: -counts[c])  # stable: ties keep first-seen order
+    parts = []
+    for category in order:
+        one, many = _CATEGORY_WORDS.get(category, (category, category))
+        parts.append(f"{counts[category]} {one if counts[category] == 1 else many}")
+    return ", ".join(parts)
+
+
+def _unhealthy_note(gpus: tuple[GPUView, ...] | None) -> str:
+    """` (2 unhealthy: uncorrected ECC errors; GPU is lost)`, or "" when every GPU is healthy."""
+    bad = [g for g in gpus or () if not g.healthy]
+    if not bad:
+        return ""
+    reasons = list(dict.fromkeys(r for g in bad for r in g.reasons))
+    return f" ({len(bad)} unhealthy: {'; '.join(reasons)})" if reasons else f" ({len(bad)} unhealthy)"
+
+
+# Decimal GB to 0.1: what a node has rounds down and what it needs rounds up, so "has 23.9 GB,
+# needs 24" never reads "has 24, needs 24". Cached: a fleet repeats a handful of sizes.
+@functools.lru_cache(maxsize=4096)
+def _gb_down(value: float) -> str:
+    return _tenths(math.floor(value / 1e8))
+
+
+@functools.lru_cache(maxsize=256)
+def _gb_up(value: float) -> str:
+    return _tenths(math.ceil(value / 1e8))
+
+
+def _tenths(tenths: int) -> str:
+    return str(tenths // 10) if tenths % 10 == 0 else f"{tenths / 10:.1f}"
+
+
+def _avoid_map(avoid: Mapping[str, str] | Set[str]) -> Mapping[str, str | None]:
+    if isinstance(avoid, Mapping):
+        return avoid
+    return dict.fromkeys(avoid)
+
+
+def _free_count(node: NodeView, allocated: Mapping[str, Set[int]]) -> int | None:
+    healthy = node._healthy
+    if healthy is None:
+        return None
+    taken = allocated.get(node.name)
+    if not taken:
+        return len(healthy)
+    return len(healthy) - len(node._healthy_set.intersection(taken))
+
+
+def _fitting(need: _Need, name: str, nodes: Sequence[NodeView], allocated: Mapping[str, Set[int]],
+             avoid: Mapping[str, str] | Set[str], turned_down: list[NodeView]) -> list[tuple]:
+    """Candidates `(rank key, node, free, holds)` for the nodes that pass every filter (R-3.1).
+
+    The one place the filters decide; `_Need.shortfalls` words them for the nodes appended to
+    `turned_down`. One flat loop, cheapest and most selective tests first: it runs over every
+    node for every replica placed.
+    """
+    cls, gpus, selector = need.gpu_class, need.gpus, need.selector
+    memory = need.memory_bytes
+    disk, path_weights = need.disk_bytes, need.path_weights
+    get = allocated.get
+    fitting: list[tuple] = []
+    add = fitting.append
+    reject = turned_down.append
+    for node in nodes:
+        # A node whose GPUs were never reported has no known class: unknown never excludes (R-3.6).
+        if not node._usable or cls is not None and node.gpu_class != cls and (
+                node.gpu_class is not None or node.gpus is not None):
+            reject(node)
+            continue
+        healthy = node._healthy
+        if healthy is None:
+            if gpus:  # cannot name indices it never reported
+                reject(node)
+                continue
+            free = None
+        else:
+            taken = get(node.name)
+            free = len(healthy) - len(node._healthy_set.intersection(taken)) if taken else len(healthy)
+            if free < gpus:
+                reject(node)
+                continue
+        if memory is not None and node.memory_bytes is not None and node.memory_bytes < memory \
+                or selector and not _labels_match(node.labels, selector):
+            reject(node)
+            continue
+        held = node.holds
+        holds = held is not None and name in held
+        # The disk check is skipped on a node that already holds the weights (R-3.1).
+        if not holds and (disk is not None and node.cache_free_bytes is not None and node.cache_free_bytes < disk
+                          or path_weights and held is not None) or node.name in avoid:
+            reject(node)
+            continue
+        add(((not holds, _UNKNOWN_FREE if free is None else free - gpus, node.name), node, free, holds))
+    return fitting
+
+
+def _labels_match(labels: Mapping[str, str], selector: tuple[tuple[str, str], ...]) -> bool:
+    for key, value in selector:
+        if labels.get(key) != value:
+            return False
+    return True
+
+
+def _rank(candidate: tuple) -> tuple:
+    return candidate[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranking and plans, shared by `place` and `explain_placement` so they cannot disagree.
+
+
+def _choose_fabric(by_fabric: Mapping[str, list], count: int) -> tuple[str, list] | None:
+    """The fabric and its `count` best candidates: most holders, then tightest packing, then name."""
+    best_key, best = None, None
+    for fabric, candidates in by_fabric.items():
+        if len(candidates) < count:
+            continue
+        candidates.sort(key=_rank)
+        chosen = candidates[:count]
+        key = (-sum(c[3] for c in chosen), sum(c[0][1] for c in chosen), fabric)
+        if best_key is None or key < best_key:
+            best_key, best = key, (fabric, chosen)
+    return best
+
+
+def _take_gpus(node: NodeView, count: int, allocated: Mapping[str, Set[int]]) -> tuple[int, ...]:
+    if not count:
+        return ()
+    return free_gpus(node, allocated)[:count]
+
+
+def _single_plan(model: Model, need: _Need, node: NodeView, free: int | None, holds: bool,
+                 allocated: Mapping[str, Set[int]]) -> Plan:
+    shard = ShardPlan(node.name, 0, _take_gpus(node, need.gpus, allocated))
+    return Plan(model.name, (shard,), node.fabric, _preference(need, node, free, holds))
+
+
+def _multi_plan(model: Model, need: _Need, fabric: str, chosen: list,
+                allocated: Mapping[str, Set[int]]) -> Plan:
+    shards = tuple(ShardPlan(c[1].name, rank, _take_gpus(c[1], need.gpus, allocated))
+                   for rank, c in enumerate(chosen))
+    holders = sum(c[3] for c in chosen)
+    left = sum(c[0][1] for c in chosen)
+    if holders == len(chosen):
+        weights = f"all {len(chosen)} nodes hold the weights"
+    elif holders:
+        weights = f"{holders} of {len(chosen)} nodes hold the weights (the leader among them)"
+    else:
+        weights = "no chosen node holds the weights; each fetches them"
+    reasons = (f"fabric {fabric}", weights,
+               f"packs: leaves {left} GPU{'s' if left != 1 else ''} free across its {len(chosen)} nodes")
+    return Plan(model.name, shards, fabric, reasons)
+
+
+def _preference(need: _Need, node: NodeView, free: int | None, holds: bool) -> tuple[str, ...]:
+    """Why a fitting node ranks where it does, in the words of the ranking keys."""
+    reasons = []
+    if holds:
+        reasons.append("holds the weights")
+    elif need.weights != "none":
+        # A known non-holder of path weights never gets here: the filter turned it down.
+        reasons.append("holdings not reported yet" if node.holds is None else "fetches the weights" + (
+            f" ({_gb_up(need.disk_bytes)} GB)" if need.disk_bytes else ""))
+    if free is None:
+        reasons.append("GPUs not reported yet")
+    else:
+        left = free - need.gpus
+        reasons.append(f"packs: leaves {left} GPU{'s' if left != 1 else ''} free")
+    return tuple(reasons)
+
+
+def _fitting_verdicts(need: _Need, candidates: list[tuple]) -> list[NodeVerdict]:
+    # A fleet has few distinct (holdings, free GPUs) pairs: word each once, not once per node.
+    words: dict[tuple, tuple[str, ...]] = {}
+    verdicts = []
+    for _, node, free, holds in candidates:
+        known = node.holds is not None
+        reasons = words.get((holds, known, free))
+        if reasons is None:
+            reasons = words[holds, known, free] = _preference(need, node, free, holds)
+        verdicts.append(NodeVerdict(node.name, True, reasons, free, holds if known else None))
+    return verdicts
+
+
+def _index_ranges(indices: tuple[int, ...]) -> str:
+    """`0-3,6` for (0, 1, 2, 3, 6)."""
+    parts, start = [], None
+    for pos, index in enumerate(indices):
+        if start is None:
+            start = index
+        if pos + 1 == len(indices) or indices[pos + 1] != index + 1:
+            parts.append(str(index) if index == start else f"{start}-{index}")
+            start = None
+    return ",".join(parts)
+
+
+def _shard_text(shard: ShardPlan, *, leader: bool) -> str:
+    gpus = f"GPUs {_index_ranges(shard.gpus)}" if shard.gpus else "no GPUs"
+    return f"{shard.node} ({'leader, ' if leader else ''}{gpus})"
+
+
+def _rejected_verdicts(rejected: list) -> list[NodeVerdict]:
+    rejected.sort(key=lambda r: r[0].name)
+    return [NodeVerdict(node.name, False, reasons, free, holds) for node, reasons, _, free, holds in rejected]
+
+
+def _explain_multi(model: Model, need: _Need, nodes: Sequence[NodeView], fitting: list, rejected: list,
+                   allocated: Mapping[str, Set[int]]) -> Explanation:
+    """Multi-node (R-3.4): nodes that pass every filter still need `need.nodes - 1` partners in their fabric."""
+    by_fabric: dict[str, list] = {}
+    for candidate in fitting:
+        node = candidate[1]
+        if node.fabric is None:
+            rejected.append((node, (f"has no fabric; a {need.nodes}-node replica needs nodes of one fabric",),
+                             "no-fabric", candidate[2], None if node.holds is None else candidate[3]))
+        else:
+            by_fabric.setdefault(node.fabric, []).append(candidate)
+    chosen = _choose_fabric(by_fabric, need.nodes)
+    plan = None if chosen is None else _multi_plan(model, need, chosen[0], chosen[1], allocated)
+
+    gpu_counts: dict[str, set[int]] = {}
+    for node in nodes:
+        if node.fabric is not None and node.gpus:
+            gpu_counts.setdefault(node.fabric, set()).add(len(node.gpus))
+    shortfalls = {fabric: _fabric_shortfall(fabric, len(candidates), need, gpu_counts.get(fabric, set()))
+                  for fabric, candidates in by_fabric.items() if len(candidates) < need.nodes}
+    placeable: list[tuple] = []
+    for fabric, candidates in by_fabric.items():
+        if fabric in shortfalls:
+            for c in candidates:
+                rejected.append((c[1], (shortfalls[fabric],), "fabric-short", c[2],
+                                 None if c[1].holds is None else c[3]))
+        else:
+            placeable.extend(candidates)
+    first = [] if chosen is None else chosen[1]
+    first_names = {c[1].name for c in first}
+    rest = sorted((c for c in placeable if c[1].name not in first_names), key=_rank)
+    verdicts = _fitting_verdicts(need, first + rest)
+
+    if plan is not None:
+        summary = f"would place on fabric {plan.fabric}: " + ", ".join(
+            _shard_text(s, leader=s.rank == 0) for s in plan.shards)
+    elif shortfalls:
+        # Name the fabric closest to fitting: most fitting nodes, then most holders, then name.
+        best = min(shortfalls, key=lambda f: (-len(by_fabric[f]), -sum(c[3] for c in by_fabric[f]), f))
+        summary = shortfalls[best]
+        others = [r[2] for r in rejected if not (r[2] == "fabric-short" and r[0].fabric == best)]
+        if others:
+            summary += "; other nodes: " + _tally(others)
+    elif rejected:
+        summary = "no node fits: " + _tally(r[2] for r in rejected)
+    else:
+        summary = "no nodes to place on"
+    verdicts += _rejected_verdicts(rejected)
+    return Explanation(model.name, tuple(verdicts), plan, summary)
+
+
+def _fabric_shortfall(fabric: str, fits: int, need: _Need, gpu_counts: set[int]) -> str:
+    """`fabric ib-b has 1 free whole node, needs 2`, or `... 1 node with 4 free GPUs, needs 2`.
+
+    "Whole node" when the profile takes every GPU of each node in the fabric (`gpu_counts`: the
+    GPU counts its nodes reported).
+    """
+    plural = "" if fits == 1 else "s"
+    what = f"free whole node{plural}" if gpu_counts == {need.gpus} else f"node{plural} with {need.gpus} free GPUs"
+    return f"fabric {fabric} has {fits} {what}, needs {need.nodes}"
