@@ -191,8 +191,12 @@ async def test_nvidia_smi_double(fleet):
         fleet.set_gpus("gpu1", driver_loaded=False)
         broken = fleet.run("gpu1", ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"])
         assert broken.returncode == 9 and "couldn't communicate with the NVIDIA driver" in broken.stdout
+        fleet.set_gpus("gpu1", [], driver_loaded=True)
+        none = fleet.run("gpu1", ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"])
+        assert none.returncode == 6 and none.stdout == "No devices were found\n"
+        fleet.set_gpus("gpu1", FLEET[0].gpus)
         bad_field = fleet.run("gpu1", ["nvidia-smi", "--query-gpu=index,compute_capz", "--format=csv"])
-        assert bad_field.returncode != 0
+        assert bad_field.returncode == 2 and 'Field "compute_capz" is not a valid field to query.' in bad_field.stdout
     finally:
         fleet.set_gpus("gpu1", FLEET[0].gpus, driver_loaded=True)
 

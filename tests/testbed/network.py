@@ -99,12 +99,23 @@ def write_owner(run_dir: Path) -> None:
     (run_dir / "owner.json").write_text(json.dumps({"pid": pid, "start": process_start_time(pid)}))
 
 
+def process_is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 def run_is_alive(run_id: str) -> bool:
+    """Whether the process that owns a run still lives (same pid *and* start time, not a zombie)."""
     try:
         owner = json.loads((RUNS_ROOT / f"llgw-{run_id}" / "owner.json").read_text())
     except (OSError, ValueError):
         return False
-    return owner.get("start") is not None and process_start_time(int(owner["pid"])) == owner["start"]
+    pid = int(owner["pid"])
+    return (owner.get("start") is not None and process_start_time(pid) == owner["start"]
+            and not process_is_zombie(pid))
 
 
 # ------------------------------------------------------------------------------- inspection
