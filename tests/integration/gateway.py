@@ -1,0 +1,93 @@
+"""Run a real `llmgw serve` process for tests, and talk to it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+            if value:
+                return value
+        except Exception as exc:  # the condition may raise while things come up
+            last = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last error: {last})" if last else ""))
+
+
+class GatewayProcess:
+    """`llmgw serve -i INVENTORY` in a subprocess with its own state directory and ports."""
+
+    def __init__(self, inventory: Path | None, state_dir: Path, env: dict | None = None):
+        self.inventory = inventory
+        self.state_dir = Path(state_dir)
+        self.port = free_port()
+        self.admin_port = free_port()
+        self.env = {**os.environ, **(env or {}), "LLMGW_STATE_DIR": str(self.state_dir)}
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.state_dir / "serve.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30) -> GatewayProcess:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "llmgw.cli.main", "serve", "--state-dir", str(self.state_dir),
+                "--listen", f"127.0.0.1:{self.port}", "--admin", f"127.0.0.1:{self.admin_port}"]
+        if self.inventory is not None:
+            argv += ["-i", str(self.inventory)]
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        wait_for(self._healthy, timeout, "llmgw serve to answer /healthz")
+        return self
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"llmgw serve exited with {self.proc.returncode}:\n{self.log()}")
+        with urllib.request.urlopen(self.url + "/healthz", timeout=2) as response:
+            return response.status == 200
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def create_key(self, name: str = "test", models: str | None = None) -> str:
+        argv = [sys.executable, "-m", "llmgw.cli.main", "keys", "create", name, "--state-dir", str(self.state_dir)]
+        if models:
+            argv += ["--models", models]
+        out = subprocess.run(argv, capture_output=True, text=True, env=self.env, check=True, timeout=60).stdout
+        return next(word for word in out.split() if word.startswith("sk-"))
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"llmgw serve did not stop on SIGTERM within {timeout}s:\n{self.log()}")
+
+    def __enter__(self) -> GatewayProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
