@@ -821,7 +821,7 @@ def reclaim_entries(cache_dir, names, collect, busy=frozenset()):
         entry = {"name": name, "path": path, "bytes": None, "action": "refused", "reason": None}
         entries.append(entry)
         reason, root_info = _check_reclaim(cache_dir, name)
-        if reason is None and name in busy:
+        if name in busy:
             reason = "in use by a running download"
         if reason is not None:
             entry["reason"] = reason

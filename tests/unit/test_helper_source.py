@@ -1,0 +1,104 @@
+"""The node helper's source: one file, standard library only, Python 3.8 (R-1.3, R-1.4)."""
+
+import ast
+import re
+import sys
+
+import pytest
+
+from tests.helper.client import HELPER_PATH
+
+SOURCE = HELPER_PATH.read_text()
+TREE = ast.parse(SOURCE)
+
+# Modules in today's standard library that Python 3.8 does not have.
+NEWER_THAN_38 = {"zoneinfo", "graphlib", "tomllib", "_tokenize", "wsgiref.types"}
+
+# Attributes and names that appeared after 3.8: the file would parse there and fail at run time.
+NEWER_ATTRIBUTES = {
+    "removeprefix", "removesuffix", "waitstatus_to_exitcode", "BooleanOptionalAction", "to_thread",
+    "randbytes", "bit_count", "file_digest", "pidfd_open", "splice", "cache", "is_relative_to",
+    "with_stem", "hardlink_to", "stdlib_module_names", "orig_argv", "TaskGroup",
+}
+NEWER_KEYWORDS = {"process_group", "cancel_futures", "strict", "encoding_warning"}
+
+
+def test_parses_as_python_38():
+    ast.parse(SOURCE, feature_version=(3, 8))
+
+
+def test_imports_only_the_standard_library():
+    imported = set()
+    for node in ast.walk(TREE):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "no relative imports"
+            imported.add(node.module)
+    assert imported, "the check found the imports"
+    for name in imported:
+        assert name.split(".")[0] in sys.stdlib_module_names, name
+        assert name not in NEWER_THAN_38 and name.split(".")[0] not in NEWER_THAN_38, name
+    assert not any(name.split(".")[0] == "llmgw" for name in imported)
+
+
+def test_no_runtime_annotation_features_newer_than_38():
+    # Annotations are evaluated at definition time on 3.8: list[int] and X | Y would fail there.
+    for node in ast.walk(TREE):
+        annotations = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            arguments = node.args.args + node.args.kwonlyargs + node.args.posonlyargs
+            annotations = [a.annotation for a in arguments if a.annotation is not None]
+            if node.returns is not None:
+                annotations.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            annotations = [node.annotation]
+        for annotation in annotations:
+            for part in ast.walk(annotation):
+                assert not isinstance(part, ast.BinOp), "X | Y annotation at line %d" % part.lineno
+                if isinstance(part, ast.Subscript) and isinstance(part.value, ast.Name):
+                    assert part.value.id not in ("list", "dict", "tuple", "set", "frozenset", "type"), (
+                        "builtin generic at line %d" % part.lineno
+                    )
+
+
+def test_no_apis_newer_than_38():
+    for node in ast.walk(TREE):
+        if isinstance(node, ast.Attribute):
+            assert node.attr not in NEWER_ATTRIBUTES, "%s at line %d" % (node.attr, node.lineno)
+        if isinstance(node, ast.Call):
+            for keyword in node.keywords:
+                assert keyword.arg not in NEWER_KEYWORDS, "%s= at line %d" % (keyword.arg, node.lineno)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+            for side in (node.left, node.right):
+                assert not isinstance(side, ast.Dict), "dict | dict at line %d" % node.lineno
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        pytest.param("match x:\n    case 1:\n        pass\n", id="match"),
+        pytest.param("with (open('a') as a, open('b') as b):\n    pass\n", id="parenthesised-with"),
+    ],
+)
+def test_the_syntax_check_would_catch_newer_syntax(snippet):
+    with pytest.raises(SyntaxError):
+        ast.parse(snippet, feature_version=(3, 8))
+
+
+def test_no_expected_hash_constant_in_the_file():
+    # A file checking itself against its own text proves nothing (R-1.3).
+    assert not re.search(r"\b[0-9a-f]{64}\b", SOURCE)
+
+
+def test_exit_codes_are_documented_constants():
+    assert re.search(r"^EXIT_INTEGRITY = 97$", SOURCE, re.M)
+    assert re.search(r"^EXIT_PERMISSIONS = 98$", SOURCE, re.M)
+    docstring = ast.get_docstring(TREE)
+    for word in ("EXIT_INTEGRITY", "EXIT_PERMISSIONS", '"hello"', '"event"', '"ok"', "unknown_op", "bad_args"):
+        assert word in docstring, word
+
+
+def test_there_is_no_package_init_beside_it():
+    # The helper ships as package data, not as an importable module.
+    assert not (HELPER_PATH.parent / "__init__.py").exists()
