@@ -348,6 +348,36 @@ async def test_failing_and_slow_engine(fleet):
         fleet.set_engine_knobs(node)
 
 
+async def test_engine_streams_slowly_and_notices_hang_ups(fleet):
+    node = fleet["l40s1"]
+    fleet.set_engine_knobs(node, token_delay=0.02)
+    engine = fleet.popen(node, ["vllm", "serve", "slow", "--port", "8012"], stdout=subprocess.DEVNULL)
+    url = f"http://{node.address}:8012"
+    try:
+        await poll(lambda: http_status(url + "/health"))
+
+        async def body():  # a streamed (chunked) request body, as a proxy may send it
+            yield b'{"model": "slow", "stream": true, "max_tokens": 200, '
+            yield b'"messages": [{"role": "user", "content": "go on"}]}'
+
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/chat/completions", data=body(),
+                                    headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+                first = await resp.content.readuntil(b"\n\n")
+                assert first.startswith(b"data: {")
+                resp.close()  # hang up mid-stream
+
+        async def aborted():
+            status, text = await http_status(url + "/metrics")
+            return "engine_double_aborted_total 1" in text
+        await poll(aborted)
+    finally:
+        fleet.kill_engines(node)
+        engine.wait(10)
+        fleet.set_engine_knobs(node)
+
+
 # ---------------------------------------------------------------------------- weights server
 
 async def test_weights_server_reachable_from_nodes(fleet):

@@ -187,17 +187,25 @@ RUN_DIR = re.compile(rf"^{PREFIX}-([a-z0-9]+)$")
 
 
 def remove_run(run_id: str) -> None:
-    """Remove every netns, link, mount and file of one run. The run must be dead or ours."""
+    """Remove every netns, link, mount and file of one run. The run must be dead or ours.
+
+    Best effort: every step is tried even when one fails; the failures are raised at the end."""
+    problems = []
     for netns in netns_names():
         m = RUN_NETNS.match(netns)
         if m and m.group(1) == run_id:
-            kill_netns_processes(netns)
+            try:
+                kill_netns_processes(netns)
+            except TestbedError as exc:
+                problems.append(str(exc))
             run(["ip", "netns", "del", netns], check=False)
     for link in link_names():
         m = RUN_LINK.match(link)
         if m and m.group(1) == run_id:
             run(["ip", "link", "del", link], check=False)
     remove_run_dir(RUNS_ROOT / f"{PREFIX}-{run_id}")
+    if problems:
+        raise TestbedError(f"run {run_id} was not removed cleanly: {'; '.join(problems)}")
 
 
 def stale_runs() -> set[str]:

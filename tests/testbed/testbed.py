@@ -19,9 +19,11 @@ or — when the process died — by `cleanup_stale()` at the start of the next r
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -45,6 +47,7 @@ NODE_PYTHON = "/usr/bin/python3"
 ENGINE_ENTRIES = ("vllm", "llama-server", "sglang")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_PORTS = "20000-20099"
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,39}")  # a hostname, a netns name and a path part
 SSH_READY_TIMEOUT = 15.0
 REQUIRED_TOOLS = ("ip", "unshare", "nsenter", "ssh-keygen", "mount", "umount")
 
@@ -173,6 +176,9 @@ class Testbed:
         names = [s.name for s in self.specs]
         if len(set(names)) != len(names):
             raise ValueError(f"node names must be unique: {names}")
+        for name in names:
+            if not NODE_NAME.fullmatch(name):
+                raise ValueError(f"node name {name!r}: use letters, digits, '-' and '.', at most 40")
         if not 1 <= len(self.specs) <= 200:
             raise ValueError("a testbed has 1 to 200 nodes")
         self.shared_mb = shared_mb
@@ -227,12 +233,6 @@ class Testbed:
         _open_testbeds.discard(self)
         if self._weights is not None:
             self._weights.close()
-        for node in self.nodes.values():
-            if node.sshd is not None:
-                try:
-                    network.kill_netns_processes(node.netns)
-                except TestbedError:
-                    pass
         network.remove_run(self.run_id)
         for node in self.nodes.values():
             if node.sshd is not None:
@@ -281,8 +281,8 @@ class Testbed:
                 raise TestbedError(f"ssh-keygen failed: {proc.stderr.read().decode()}")
         self.authorized_keys.write_text(Path(f"{self.client_key}.pub").read_text())
         for node in self.nodes.values():
-            node.host_key_pub = (node.dir / "ssh_host_ed25519_key.pub").read_text().split()[:2]
-            node.host_key_pub = " ".join(node.host_key_pub)
+            key_type, key = (node.dir / "ssh_host_ed25519_key.pub").read_text().split()[:2]
+            node.host_key_pub = f"{key_type} {key}"
             self._write_node_files(node)
         self.known_hosts.write_text("".join(f"{n.address} {n.host_key_pub}\n" for n in self.nodes.values()))
         # Nodes resolve each other (and this host, as `control`) by name, like a real cluster.
@@ -680,8 +680,6 @@ def _inventory_yaml(doc: dict) -> str:
 
 
 def _replace(spec: NodeSpec, **changes) -> NodeSpec:
-    import dataclasses
-
     return dataclasses.replace(spec, **changes)
 
 
