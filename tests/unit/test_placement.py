@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
@@ -447,8 +448,10 @@ def test_place_and_explain_agree_on_any_fleet(fleet, m):
     eligible = {n.name for n in nodes if passes_filters(n, m, allocated, avoid)}
     if m.profile.nodes == 1:
         assert fits == eligible
-    else:
-        assert fits <= eligible  # and, besides, enough partners in a fabric
+    else:  # a multi-node replica also needs enough partners in one fabric
+        assert fits <= eligible
+        per_fabric = Counter(by_name[name].fabric for name in eligible if by_name[name].fabric is not None)
+        assert (explanation.plan is not None) == any(c >= m.profile.nodes for c in per_fabric.values())
     assert [v.fits for v in explanation.verdicts] == sorted((v.fits for v in explanation.verdicts), reverse=True)
     plan = explanation.plan
     if plan is None:
