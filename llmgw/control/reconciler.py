@@ -35,6 +35,7 @@ FAILURE_BACKOFF_CAP = 300.0
 UNHEALTHY_PROBES = 3  # consecutive failed health probes before a serving shard is failed
 PORT_ATTEMPTS = 8
 RETIRED_KEEP = 600.0  # how long a failed replica stays visible after it stopped
+EXPLAIN_EVERY = 10.0  # seconds between full explanations of a model that does not fit
 
 
 @dataclass
@@ -82,6 +83,8 @@ class Reconciler:
         self._endpoints_pushed: dict[str, list[Endpoint]] | None = None
         self._run_task: asyncio.Task | None = None
         self.passes = 0
+        self._pass_views: tuple[list[placement.NodeView], dict[str, set[int]]] | None = None
+        self._explained_at: dict[str, float] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -259,10 +262,12 @@ class Reconciler:
                         replica.draining = True
                         self._save(replica)
         self.unplaceable = {k: v for k, v in self.unplaceable.items() if k in catalog.models}
+        self._pass_views = None  # built on first need, once per pass
         for model in catalog.models.values():
             if model.static:
                 continue
             self._reconcile_model(model, by_model.get(model.name, []), catalog, now)
+        self._pass_views = None
         self._cleanup_retired(now)
         self._push()
 
@@ -282,8 +287,8 @@ class Reconciler:
             surplus = sorted(active, key=lambda r: (r.serving, -r.created_at))[:-missing]
             for replica in surplus:
                 self._retire(replica, "surplus: more replicas than wanted")
-        if missing >= 0:
-            self.unplaceable.pop(model.name, None) if missing == 0 else None
+        else:
+            self.unplaceable.pop(model.name, None)
         # Rolling move (R-9.5): a draining replica stops once enough others serve, or at the grace.
         serving_active = sum(1 for r in active if r.serving)
         for replica in live:
@@ -405,14 +410,26 @@ class Reconciler:
     def _avoid(self) -> dict[str, str]:
         return {}
 
+    def _views(self) -> tuple[list[placement.NodeView], dict[str, set[int]]]:
+        """Node views and GPU allocations, built once per pass and updated as replicas are placed."""
+        if self._pass_views is None:
+            self._pass_views = (self.node_views(), {n: set(g) for n, g in self.allocated().items()})
+        return self._pass_views
+
     def _place(self, model: Model, now: float) -> bool:
-        explanation = placement.explain_placement(model, self.node_views(), self.allocated(), avoid=self._avoid())
-        plan = explanation.plan
+        views, allocated = self._views()
+        plan = placement.place(model, views, allocated, avoid=self._avoid())
         if plan is None:
-            if model.name not in self.unplaceable:
-                log.warning("cannot place %s: %s", model.name, explanation.summary)
-            self.unplaceable[model.name] = explanation
+            previous = self.unplaceable.get(model.name)
+            if previous is None or now - self._explained_at.get(model.name, 0.0) > EXPLAIN_EVERY:
+                explanation = placement.explain_placement(model, views, allocated, avoid=self._avoid())
+                if previous is None:
+                    log.warning("cannot place %s: %s", model.name, explanation.summary)
+                self.unplaceable[model.name] = explanation
+                self._explained_at[model.name] = now
             return False
+        for shard in plan.shards:
+            allocated.setdefault(shard.node, set()).update(shard.gpus)
         self.unplaceable.pop(model.name, None)
         replica_id = new_replica_id(model.name)
         shards = [Shard(id=f"{replica_id}-{s.rank}", replica_id=replica_id, rank=s.rank, node=s.node, gpus=s.gpus)
@@ -496,7 +513,7 @@ class Reconciler:
             if os.environ.get("HF_ENDPOINT"):
                 args["source"]["endpoint"] = os.environ["HF_ENDPOINT"]
         task = asyncio.current_task()
-        async with self.fleet.link(node.name).stream("fetch", args) as stream:
+        async with self.fleet.stream(node.name, "fetch", args) as stream:
             async for event, data in stream:
                 if event == "progress":
                     # Progress rides on the shard status; it is not a state transition (R-5.4).
@@ -615,8 +632,9 @@ class Reconciler:
                 break
             if link.state == READY:
                 try:
-                    await link.call("stop", {"shard_id": shard.id, "grace": STOP_GRACE}, timeout=STOP_GRACE + 30)
-                    await link.call("forget", {"shard_id": shard.id}, timeout=30)
+                    await self.fleet.call(shard.node, "stop", {"shard_id": shard.id, "grace": STOP_GRACE},
+                                          timeout=STOP_GRACE + 30)
+                    await self.fleet.call(shard.node, "forget", {"shard_id": shard.id}, timeout=30)
                     break
                 except NodeError as exc:
                     if exc.kind == "identity":

@@ -224,7 +224,7 @@ class ControlPlane:
     async def follow_logs(self, replica_id: str, rank: int = 0, lines: int = 100) -> AsyncIterator[list[str]]:
         shard = self._shard(replica_id, rank)
         try:
-            stream = self.fleet.link(shard.node).stream("logs", {"shard_id": shard.id, "lines": lines,
+            stream = self.fleet.stream(shard.node, "logs", {"shard_id": shard.id, "lines": lines,
                                                                   "follow": True})
         except NodeError as exc:
             raise ServiceError(502, f"could not read the log: {exc}", code="node_error") from None

@@ -62,6 +62,9 @@ class Fleet:
     async def call(self, node: str, op: str, args: dict | None = None, timeout: float | None = 30.0):
         return await self.links[node].call(op, args, timeout)
 
+    def stream(self, node: str, op: str, args: dict | None = None):
+        return self.links[node].stream(op, args)
+
     # -- facts ---------------------------------------------------------------------------------
 
     async def refresh(self, nodes: Iterable[str] | None = None, *, probe: bool = True) -> None:
