@@ -134,8 +134,9 @@ def main() -> None:
               f"{median / EXPLAIN_TARGET_MS:5.2f}x target  {median / baseline_ms:5.1f}x baseline | "
               f"place {fast:5.2f} ms | {explanation.summary[:70]}")
     print(f"  worst median {worst:.2f} ms = {worst / EXPLAIN_TARGET_MS:.2f}x the target")
-    # The slow outliers are the cyclic GC walking the fleet's objects (a full collection every few
-    # hundred explanations), not placement: shown by freezing what exists now out of its reach.
+    # On a quiet machine the slow outliers are the cyclic GC walking the fleet's objects (a full
+    # collection every few hundred explanations): freezing what exists now out of its reach removes
+    # them. On a busy one, preemption by other processes adds outliers of its own.
     m = by_profile["h100-1"]
     gc.freeze()
     median, peak = timed(lambda: explain_placement(m, nodes, allocated), args.repeat * 4)
