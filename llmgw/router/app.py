@@ -49,8 +49,8 @@ RUNNER_OPTIONS = {
     "access_log": None,
 }
 
-_KEY = "llmgw.key"
-_MODEL = "llmgw.model"
+_KEY = web.RequestKey("llmgw_key", ApiKey)
+_MODEL = web.RequestKey("llmgw_model", str)
 _STREAM_USAGE = b'{"stream_options": {"include_usage": true}, '
 
 

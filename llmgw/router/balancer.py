@@ -87,15 +87,6 @@ class Balancer:
         pool = self._pools.get(model)
         return pool is not None and bool(pool.members)
 
-    def has_live(self, model: str, now: float) -> bool:
-        pool = self._pools.get(model)
-        if pool is None:
-            return False
-        for up in pool.members:
-            if up.ejected_until <= now:
-                return True
-        return False
-
     def acquire(self, model: str, now: float, exclude: Iterable[Upstream] = (),
                 include_ejected: bool = False) -> Upstream | None:
         """The endpoint with the fewest requests in flight (ties: round-robin), now counted as busy.

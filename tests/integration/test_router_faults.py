@@ -1,0 +1,233 @@
+"""Faults between the router and the engines: retries, ejection, fallbacks, on-demand, cancellation.
+
+R-6.5 to R-6.8 and R-6.11, with engine doubles as real processes on loopback ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import httpx2
+import openai
+import pytest
+
+from llmgw.config import GatewayConfig
+from llmgw.router import Endpoint
+from tests.integration.test_router_support import (apoll, catalog, engines, free_port, model,  # noqa: F401
+                                                   start_router)
+
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+def dead_endpoint(name: str, port: int | None = None) -> Endpoint:
+    """An endpoint whose port nothing listens on: connections are refused."""
+    return Endpoint(replica_id=f"dead-{name}", model=name, url=f"http://127.0.0.1:{port or free_port()}",
+                    api_key="k")
+
+
+def metric(gw, name: str, **labels) -> float:
+    return gw.registry.get_sample_value(name, labels) or 0
+
+
+async def test_r6_5_least_outstanding_spreads_concurrent_streams(engines, start_router):  # noqa: F811
+    a = engines.start("m", token_delay=0.02)
+    b = engines.start("m", token_delay=0.02)
+    gw = await start_router(catalog(model("m")), {"m": [a.endpoint("ra"), b.endpoint("rb")]})
+    async with gw.client() as client:
+        async def one():
+            stream = await client.chat.completions.create(model="m", messages=HELLO, stream=True, max_tokens=20)
+            return [c async for c in stream]
+        await asyncio.gather(*(one() for _ in range(6)))
+    assert a.counters()["requests"] == 3 and b.counters()["requests"] == 3
+    assert set(gw.router.take_last_used()) == {"ra", "rb"}
+
+
+async def test_r7_1_last_used_absent_until_used(engines, start_router):  # noqa: F811
+    a = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [a.endpoint("ra")]})
+    assert gw.router.take_last_used() == {}  # unknown is not idle: absent, not zero
+    before = time.time()
+    async with gw.client() as client:
+        await client.chat.completions.create(model="m", messages=HELLO)
+    used = gw.router.take_last_used()
+    assert set(used) == {"ra"} and before <= used["ra"] <= time.time()
+
+
+async def test_r6_6_dead_first_endpoint_is_retried_elsewhere_and_ejected(engines, start_router):  # noqa: F811
+    live = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [dead_endpoint("m"), live.endpoint("live")]})
+    gw.router.balancer.eject_seconds = 3600  # stays ejected for the whole test
+    async with gw.client() as client:
+        for _ in range(4):
+            answer = await client.chat.completions.create(model="m", messages=HELLO)
+            assert answer.choices[0].message.content.startswith("m heard")
+    assert live.counters()["requests"] == 4
+    assert metric(gw, "llmgw_router_retries_total", model="m") == 1  # only the first request met it
+    assert metric(gw, "llmgw_router_ejections_total", model="m") == 1
+
+
+async def test_r6_6_engine_503_is_retried_and_ejected(engines, start_router):  # noqa: F811
+    failing = engines.start("m", fail_requests=1)
+    live = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [failing.endpoint("failing"), live.endpoint("live")]})
+    gw.router.balancer.eject_seconds = 3600
+    async with gw.client() as client:
+        for _ in range(3):
+            stream = await client.chat.completions.create(model="m", messages=HELLO, stream=True)
+            assert [c async for c in stream]
+    assert failing.counters()["requests"] == 0  # the double counts only requests it served
+    assert live.counters()["requests"] == 3
+    assert metric(gw, "llmgw_router_ejections_total", model="m") == 1
+
+
+async def test_r6_6_ejected_endpoint_recovers_after_cool_down(engines, start_router):  # noqa: F811
+    port = free_port()
+    live = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [dead_endpoint("m", port), live.endpoint("live")]})
+    gw.router.balancer.eject_seconds = 0.2
+    async with gw.client() as client:
+        await client.chat.completions.create(model="m", messages=HELLO)
+        assert metric(gw, "llmgw_router_ejections_total", model="m") == 1
+        revived = engines.start("m", port=port, key="k")
+
+        async def revived_serves():
+            await client.chat.completions.create(model="m", messages=HELLO)
+            return revived.counters()["requests"] > 0
+        await apoll(revived_serves, what="the revived endpoint to get traffic again")
+
+
+async def test_r6_6_all_attempts_failing_is_502(start_router):  # noqa: F811
+    gw = await start_router(catalog(model("m")), {"m": [dead_endpoint("m"), dead_endpoint("m")]})
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as failed:
+            await client.chat.completions.create(model="m", messages=HELLO)
+    assert failed.value.status_code == 502
+    assert "after 2 attempts" in failed.value.message
+
+
+async def test_r6_6_nothing_is_retried_after_the_first_byte(engines, start_router):  # noqa: F811
+    first = engines.start("m", token_delay=0.05)
+    second = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [first.endpoint("first"), second.endpoint("second")]})
+    async with gw.client() as client:
+        stream = await client.chat.completions.create(model="m", messages=HELLO, stream=True, max_tokens=400)
+        received = []
+        with pytest.raises((openai.APIError, httpx2.HTTPError)) as broken:
+            async for chunk in stream:
+                received.append(chunk)
+                if len(received) == 2:
+                    first.kill()  # the engine dies in the middle of the answer
+    assert 2 <= len(received) < 400
+    assert "incomplete" in str(broken.value)  # told, not left with a silently short answer
+    assert second.counters()["requests"] == 0  # not replayed elsewhere
+    assert metric(gw, "llmgw_router_retries_total", model="m") == 0
+
+
+@pytest.mark.parametrize("runner_options", [
+    pytest.param(None, id="handler-cancellation"),
+    pytest.param({"access_log": None}, id="noticed-at-next-write"),
+])
+async def test_r6_11_client_disconnect_cancels_the_upstream(engines, start_router, runner_options):  # noqa: F811
+    engine = engines.start("m", token_delay=0.05)
+    gw = await start_router(catalog(model("m")), {"m": [engine.endpoint("r")]}, runner_options=runner_options)
+    body = {"model": "m", "messages": HELLO, "stream": True, "max_tokens": 400}
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(gw.url + "/v1/chat/completions", json=body,
+                                      headers={"Authorization": f"Bearer {gw.secret}"})
+        assert response.status == 200
+        assert await response.content.readany()
+        response.close()  # the client goes away mid-stream
+    await apoll(lambda: engine.counters().get("aborted") == 1, what="the engine to see the stream aborted")
+    await apoll(lambda: gw.router.outstanding("r") == 0, what="the request to be released")
+
+
+async def test_r6_7_fallback_used_when_model_has_no_serving_replica(engines, start_router):  # noqa: F811
+    small = engines.start("small")
+    gw = await start_router(catalog(model("big", fallback="small"), model("small")), {"small": [small.endpoint()]})
+    async with gw.client() as client:
+        answer = await client.chat.completions.create(model="big", messages=HELLO)
+    assert answer.model == "small"  # the engine of the fallback answered, under its own name
+    assert small.counters()["requests"] == 1
+
+
+async def test_r6_7_fallback_used_when_every_endpoint_fails(engines, start_router):  # noqa: F811
+    small = engines.start("small")
+    gw = await start_router(catalog(model("big", fallback="small"), model("small")),
+                            {"big": [dead_endpoint("big")], "small": [small.endpoint()]})
+    async with gw.client() as client:
+        answer = await client.chat.completions.create(model="big", messages=HELLO)
+    assert answer.model == "small"
+
+
+async def test_r6_7_fallback_not_used_when_model_serves(engines, start_router):  # noqa: F811
+    big = engines.start("big")
+    small = engines.start("small")
+    gw = await start_router(catalog(model("big", fallback="small"), model("small")),
+                            {"big": [big.endpoint()], "small": [small.endpoint()]})
+    async with gw.client() as client:
+        answer = await client.chat.completions.create(model="big", messages=HELLO)
+    assert answer.model == "big"
+    assert small.counters()["requests"] == 0
+
+
+async def test_r6_8_on_demand_request_waits_for_the_replica(engines, start_router):  # noqa: F811
+    asked = []
+    holder = {}
+
+    def on_demand(name):  # a stand-in control plane: start a replica, then push it
+        asked.append(name)
+
+        async def start():
+            engine = await asyncio.to_thread(engines.start, name)
+            holder["gw"].router.set_endpoints({name: [engine.endpoint("od-1")]})
+        asyncio.get_running_loop().create_task(start())
+
+    gw = holder["gw"] = await start_router(catalog(model("lazy", on_demand=True)), on_demand=on_demand)
+    async with gw.client() as client:
+        answer = await client.chat.completions.create(model="lazy", messages=HELLO)
+    assert answer.model == "lazy"
+    assert asked == ["lazy"]
+    assert set(gw.router.take_last_used()) == {"od-1"}
+
+
+async def test_r6_8_on_demand_timeout_is_503_with_retry_after(start_router):  # noqa: F811
+    asked = []
+    gw = await start_router(catalog(model("lazy", on_demand=True)), on_demand=asked.append,
+                            gateway=GatewayConfig(on_demand_wait=0.2))
+    async with gw.client() as client:
+        with pytest.raises(openai.InternalServerError) as refused:
+            await client.chat.completions.create(model="lazy", messages=HELLO)
+    assert refused.value.status_code == 503
+    assert refused.value.code == "model_loading"
+    assert int(refused.value.response.headers["Retry-After"]) > 0
+    assert asked == ["lazy"]
+
+
+async def test_r6_8_fallback_serves_while_on_demand_model_loads(engines, start_router):  # noqa: F811
+    small = engines.start("small")
+    asked = []
+    gw = await start_router(catalog(model("lazy", on_demand=True, fallback="small"), model("small")),
+                            {"small": [small.endpoint()]}, on_demand=asked.append)
+    async with gw.client() as client:
+        answer = await client.chat.completions.create(model="lazy", messages=HELLO)
+    assert answer.model == "small"
+    assert asked == ["lazy"]  # the replica is still asked for
+
+
+async def test_r6_10_static_endpoints_need_no_control_plane(engines, start_router, monkeypatch):  # noqa: F811
+    from llmgw.catalog import Catalog
+    from llmgw.config import ModelConfig, StaticEndpoint
+
+    engine = engines.start("upstream-name")
+    monkeypatch.setenv("STATIC_ENGINE_KEY", engine.key)
+    cat = Catalog.build(file_models=[ModelConfig(
+        name="static", served_name="upstream-name",
+        endpoints=[StaticEndpoint(url=engine.url + "/", api_key_env="STATIC_ENGINE_KEY")])])
+    gw = await start_router(cat)
+    gw.router.set_endpoints({"static": []})  # a push does not replace static endpoints
+    async with gw.client() as client:
+        answer = await client.chat.completions.create(model="static", messages=HELLO)
+    assert answer.model == "upstream-name"  # the request was rewritten to the engine's name
+    assert engine.counters()["requests"] == 1

@@ -1,0 +1,193 @@
+"""The router through the official openai client: every route and every refusal (R-6.1, R-6.2)."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import openai
+import pytest
+
+from llmgw.config import GatewayConfig
+from tests.integration.test_router_support import (apoll, catalog, model, shared_engines,  # noqa: F401
+                                                   start_router)
+
+CATALOG = catalog(model("m1"), model("m2"), model("idle"))
+
+
+@pytest.fixture
+async def gw(shared_engines, start_router):  # noqa: F811
+    if not shared_engines.started:
+        shared_engines.start("m1")
+        shared_engines.start("m2")
+    m1, m2 = shared_engines.started[:2]
+    return await start_router(CATALOG, {"m1": [m1.endpoint()], "m2": [m2.endpoint()]},
+                              gateway=GatewayConfig(max_body=4096))
+
+
+async def test_r6_1_chat_completion(gw):
+    async with gw.client() as client:
+        answer = await client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "hello there"}])
+    assert answer.model == "m1"
+    assert answer.choices[0].message.content.startswith("m1 heard 2 words")
+    assert answer.usage.prompt_tokens == 2 and answer.usage.completion_tokens == 8
+
+
+async def test_r6_1_chat_completion_streamed(gw):
+    async with gw.client() as client:
+        stream = await client.chat.completions.create(model="m2", stream=True,
+                                                      messages=[{"role": "user", "content": "one two three"}])
+        chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.startswith("m2 heard 3 words")
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_r6_1_completions_and_embeddings(gw):
+    async with gw.client() as client:
+        completion = await client.completions.create(model="m1", prompt="a b c d", max_tokens=5)
+        embedding = await client.embeddings.create(model="m2", input=["one", "two words"])
+    assert completion.choices[0].text == "m1 heard 4 words la"
+    assert len(embedding.data) == 2 and len(embedding.data[0].embedding) == 8
+    assert embedding.usage.prompt_tokens == 3
+
+
+async def test_r6_1_models_list(gw):
+    async with gw.client() as client:
+        models = [m.id async for m in client.models.list()]
+        one = await client.models.retrieve("m2")
+    assert models == ["idle", "m1", "m2"]
+    assert one.id == "m2"
+
+
+async def test_r6_2_key_limited_to_some_models(gw):
+    secret = gw.key("only-m1", ["m1"])
+    async with gw.client(secret) as client:
+        assert [m.id async for m in client.models.list()] == ["m1"]
+        answer = await client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}])
+        assert answer.model == "m1"
+        with pytest.raises(openai.PermissionDeniedError) as refused:
+            await client.chat.completions.create(model="m2", messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(openai.PermissionDeniedError):
+            await client.models.retrieve("m2")
+    assert refused.value.code == "model_not_allowed"
+
+
+@pytest.mark.parametrize("secret", [
+    pytest.param("", id="missing"),
+    pytest.param("sk-llmgw-not-a-key", id="unknown"),
+    pytest.param("revoked", id="revoked"),
+])
+async def test_r6_1_bad_key_is_401(gw, secret):
+    if secret == "revoked":
+        from llmgw.router.keys import list_keys, revoke_key
+        secret = gw.key("to-revoke")
+        gw.store.write_sync(lambda db: revoke_key(db, "to-revoke"))
+        gw.router.keys.replace(gw.store.read_sync(list_keys))
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="placeholder", max_retries=0,
+                                  default_headers={"Authorization": f"Bearer {secret}" if secret else ""}) as client:
+        with pytest.raises(openai.AuthenticationError) as refused:
+            await client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}])
+    assert refused.value.code == "invalid_api_key"
+    body = refused.value.body
+    assert set(body) == {"message", "type", "code", "param"}
+    if secret.startswith("sk-llmgw-") and secret != "sk-llmgw-not-a-key":
+        assert "revoked" in body["message"]
+
+
+async def test_r6_1_unknown_model_is_404(gw):
+    async with gw.client() as client:
+        with pytest.raises(openai.NotFoundError) as refused:
+            await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("nope")
+    assert refused.value.code == "model_not_found"
+    assert "GET /v1/models" in refused.value.message
+
+
+async def test_r6_1_empty_model_is_400(gw):
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="", messages=[{"role": "user", "content": "x"}])
+    assert "'model' is required" in refused.value.message
+
+
+async def test_r6_1_too_large_is_413(gw):
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x" * 5000}])
+    assert refused.value.status_code == 413
+    assert refused.value.code == "request_too_large"
+
+
+async def test_r6_1_model_without_replica_is_503_with_retry_after(gw):
+    async with gw.client() as client:
+        with pytest.raises(openai.InternalServerError) as refused:
+            await client.chat.completions.create(model="idle", messages=[{"role": "user", "content": "x"}])
+    assert refused.value.status_code == 503
+    assert int(refused.value.response.headers["Retry-After"]) > 0
+    assert refused.value.code == "no_capacity"
+
+
+@pytest.mark.parametrize("body,headers,status,fragment", [
+    pytest.param(b"{not json", {}, 400, "not valid JSON", id="malformed-json"),
+    pytest.param(b"[1, 2]", {}, 400, "JSON object", id="not-an-object"),
+    pytest.param(b'{"messages": []}', {}, 400, "'model' is required", id="missing-model"),
+    pytest.param(b'{"model": 3}', {}, 400, "'model' is required", id="model-not-a-string"),
+    pytest.param(b"\xff\xfe", {}, 400, "not valid JSON", id="not-utf8"),
+    pytest.param(b"model=m1", {"Content-Type": "application/x-www-form-urlencoded"}, 400, "not valid JSON",
+                 id="form-encoded"),
+])
+async def test_r6_1_malformed_bodies_are_400(gw, body, headers, status, fragment):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.url + "/v1/chat/completions", data=body,
+                                headers={"Authorization": f"Bearer {gw.secret}", **headers}) as response:
+            document = await response.json()
+    assert response.status == status
+    assert fragment in document["error"]["message"]
+    assert document["error"]["type"] == "invalid_request_error"
+
+
+async def test_r6_1_oversize_body_without_length_is_413(gw):
+    """A chunked body has no Content-Length: the limit is enforced while reading."""
+    async def body():
+        for _ in range(10):
+            yield b'{"model": "m1", "pad": "' + b"x" * 1000 + b'"}'
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.url + "/v1/chat/completions", data=body(),
+                                headers={"Authorization": f"Bearer {gw.secret}"}) as response:
+            document = json.loads(await response.read())
+    assert response.status == 413
+    assert document["error"]["code"] == "request_too_large"
+
+
+async def test_r6_1_wrong_method_is_openai_json(gw):
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gw.url + "/v1/chat/completions",
+                               headers={"Authorization": f"Bearer {gw.secret}"}) as response:
+            document = await response.json()
+    assert response.status == 405
+    assert document["error"]["code"] == "method_not_allowed"
+
+
+async def test_r6_1_engine_errors_pass_through(gw):
+    """A refusal by the engine itself (here: a chat without messages) reaches the client as is."""
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="m1", messages=[])
+    assert "messages" in refused.value.message
+
+
+async def test_r9_7_metrics_count_requests_and_tokens(gw):
+    async with gw.client() as client:
+        await client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "a b"}])
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    registry = gw.registry
+    assert registry.get_sample_value("llmgw_router_requests_total", {"model": "m1", "code": "2xx"}) == 1
+    # An unknown model is never a label: the client's string would be unbounded cardinality.
+    assert registry.get_sample_value("llmgw_router_requests_total", {"model": "-", "code": "4xx"}) == 1
+    assert registry.get_sample_value("llmgw_router_tokens_total", {"model": "m1", "kind": "prompt"}) == 2
+    assert registry.get_sample_value("llmgw_router_tokens_total", {"model": "m1", "kind": "completion"}) == 8
+    assert registry.get_sample_value("llmgw_router_upstream_seconds_count", {"model": "m1"}) == 1

@@ -1,0 +1,251 @@
+"""Real parts for router tests: engine doubles as local processes, a router on a loopback port.
+
+Imported by the other test_router_* modules; it holds no tests itself. Engines are the testbed's
+engine double run as `vllm serve ...` on 127.0.0.1 (no SSH needed to test the router); the router
+is the real app on an aiohttp runner, reached with the official `openai` client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from llmgw.catalog import Catalog, CatalogHolder
+from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig, ScalingConfig
+from llmgw.router import RUNNER_OPTIONS, Endpoint, Router
+from llmgw.router.keys import create_key
+from llmgw.store import Store
+
+DOUBLES = Path(__file__).resolve().parents[1] / "testbed" / "doubles"
+PROFILES = {"p": ProfileConfig(engine="vllm")}
+DEADLINE = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def poll(condition, timeout: float = DEADLINE, what: str = "condition"):
+    """Call condition() until it returns something truthy; fail after the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+async def apoll(condition, timeout: float = DEADLINE, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@dataclass
+class EngineDouble:
+    """One engine double serving `name` as vLLM would, on 127.0.0.1:port."""
+
+    name: str
+    port: int
+    key: str
+    log_path: Path
+    knobs: dict = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def endpoint(self, replica_id: str | None = None, model: str | None = None) -> Endpoint:
+        return Endpoint(replica_id=replica_id or f"r-{self.name}-{self.port}", model=model or self.name,
+                        url=self.url, api_key=self.key)
+
+    def start(self) -> EngineDouble:
+        env = dict(os.environ, VLLM_API_KEY=self.key, PYTHONPATH=str(DOUBLES),
+                   HOME=str(self.log_path.parent))
+        for knob, value in self.knobs.items():
+            env["ENGINE_DOUBLE_" + knob.upper()] = str(value)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import engine_double; engine_double.entry_point('vllm', None)",
+             "serve", f"/weights/{self.name}", "--served-model-name", self.name, "--host", "127.0.0.1",
+             "--port", str(self.port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        poll(self.healthy, what=f"engine double {self.name} on port {self.port}")
+        return self
+
+    def healthy(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"engine double exited with {self.proc.returncode}: "
+                                 + self.log_path.read_text()[-2000:])
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def counters(self) -> dict[str, int]:
+        """requests and aborted streams as the double counts them (its /metrics)."""
+        request = urllib.request.Request(self.url + "/metrics", headers={"Authorization": f"Bearer {self.key}"})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            text = response.read().decode()
+        found = dict(re.findall(r"^engine_double_(\w+)_total (\d+)$", text, re.M))
+        return {name: int(value) for name, value in found.items()}
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+class Engines:
+    """Starts engine doubles and stops them all at the end."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.started: list[EngineDouble] = []
+
+    def start(self, name: str, port: int | None = None, key: str | None = None, **knobs) -> EngineDouble:
+        port = port or free_port()
+        home = self.directory / f"engine-{name}-{port}"
+        home.mkdir(parents=True, exist_ok=True)
+        engine = EngineDouble(name=name, port=port, key=key or f"engine-key-{name}-{port}",
+                              log_path=home / "engine.log", knobs=knobs)
+        self.started.append(engine)
+        return engine.start()
+
+    def close(self) -> None:
+        for engine in self.started:
+            engine.kill()
+
+
+@pytest.fixture
+def engines(tmp_path):
+    pool = Engines(tmp_path)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def shared_engines(tmp_path_factory):
+    pool = Engines(tmp_path_factory.mktemp("engines"))
+    yield pool
+    pool.close()
+
+
+def model(name: str, *, fallback: str | None = None, on_demand: bool = False, **kw) -> ModelConfig:
+    scaling = ScalingConfig(min=0, max=1) if on_demand else ScalingConfig()
+    return ModelConfig(name=name, profile="p", fallback=fallback, scaling=scaling, **kw)
+
+
+def catalog(*models: ModelConfig) -> Catalog:
+    return Catalog.build(file_models=list(models), profiles=PROFILES)
+
+
+@dataclass
+class RunningRouter:
+    router: Router
+    runner: web.AppRunner
+    store: Store
+    url: str
+    secret: str
+    registry: CollectorRegistry
+
+    def client(self, secret: str | None = None, **kw) -> openai.AsyncOpenAI:
+        kw.setdefault("max_retries", 0)
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=secret or self.secret, **kw)
+
+    def key(self, name: str, models=None) -> str:
+        """A new key, loaded into the running router at once (the periodic reload is tested apart)."""
+        _, secret = self.store.write_sync(lambda db: create_key(db, name, models))
+        from llmgw.router.keys import list_keys
+        self.router.keys.replace(self.store.read_sync(list_keys))
+        return secret
+
+    async def usage_rows(self) -> list[dict]:
+        return await self.store.read(lambda db: list(db["usage"].rows))
+
+
+@pytest.fixture
+async def start_router(tmp_path):
+    """start_router(catalog, endpoints={...}, gateway=..., on_demand=..., runner_options=...)."""
+    running: list[RunningRouter] = []
+
+    async def start(cat: Catalog, endpoints=None, *, gateway: GatewayConfig | None = None, on_demand=None,
+                    runner_options=None, store_path: Path | None = None) -> RunningRouter:
+        store = Store.open(store_path or tmp_path / "state.db")
+        _, secret = store.write_sync(lambda db: create_key(db, f"test-{len(running)}"))
+        registry = CollectorRegistry()
+        router = Router(CatalogHolder(cat), store, gateway or GatewayConfig(), on_demand=on_demand,
+                        registry=registry)
+        if endpoints:
+            router.set_endpoints(endpoints)
+        runner = web.AppRunner(router.web_app(), **(RUNNER_OPTIONS if runner_options is None else runner_options))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        handle = RunningRouter(router, runner, store, f"http://127.0.0.1:{port}", secret, registry)
+        running.append(handle)
+        return handle
+
+    yield start
+    for handle in running:
+        await handle.runner.cleanup()
+        await handle.router.close()
+        handle.store.close()
+
+
+async def raw_request(url: str, method: str, path: str, headers: dict | None = None, body: bytes = b"") -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 request with the path sent exactly as given (no client-side normalisation)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: close",
+             f"Content-Length: {len(body)}"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+    await writer.drain()
+    data = await reader.read()
+    writer.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    response_headers = {}
+    for line in header_lines:
+        name, _, value = line.partition(":")
+        response_headers[name.strip().lower()] = value.strip()
+    if response_headers.get("transfer-encoding") == "chunked":
+        body_out = b""
+        while rest:
+            size_line, _, rest = rest.partition(b"\r\n")
+            size = int(size_line.split(b";")[0], 16)
+            if size == 0:
+                break
+            body_out += rest[:size]
+            rest = rest[size + 2:]
+        rest = body_out
+    return int(status_line.split()[1]), response_headers, rest

@@ -1,0 +1,87 @@
+"""Usage per key and model from the engines' answers, written in batches (R-6.9)."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+
+from llmgw.router.keys import list_keys
+from tests.integration.test_router_support import (apoll, catalog, engines, model,  # noqa: F401
+                                                   start_router)
+
+HELLO = [{"role": "user", "content": "one two three"}]  # the double counts 3 prompt tokens
+
+
+async def test_r6_9_usage_rows_for_plain_and_streamed_requests(engines, start_router):  # noqa: F811
+    engine = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [engine.endpoint()]})
+    other = gw.key("other")
+    async with gw.client() as client:
+        await client.chat.completions.create(model="m", messages=HELLO, max_tokens=5)
+        stream = await client.chat.completions.create(model="m", messages=HELLO, max_tokens=7, stream=True)
+        async for _ in stream:
+            pass
+        stream = await client.completions.create(model="m", prompt="a b", max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True})
+        async for _ in stream:
+            pass
+    async with gw.client(other) as client:
+        await client.embeddings.create(model="m", input="four words right here")
+
+    keys = {k.name: k.id for k in gw.store.read_sync(list_keys)}
+
+    async def rows():
+        found = {(r["key_id"], r["model"]): r for r in await gw.usage_rows()}
+        done = found.get((keys["test-0"], "m"), {}).get("requests") == 3 and (keys["other"], "m") in found
+        return found if done else None
+    found = await apoll(rows, what="usage rows to be written")
+    mine = found[(keys["test-0"], "m")]
+    assert (mine["prompt_tokens"], mine["completion_tokens"]) == (3 + 3 + 2, 5 + 7 + 4)
+    theirs = found[(keys["other"], "m")]
+    assert (theirs["requests"], theirs["prompt_tokens"], theirs["completion_tokens"]) == (1, 4, 0)
+    assert mine["bucket"] % 3600 == 0
+
+
+async def _sse_events(gw, body: dict) -> list:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.url + "/v1/chat/completions", json=body,
+                                headers={"Authorization": f"Bearer {gw.secret}"}) as response:
+            raw = (await response.read()).decode()
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e.strip()]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+async def test_r6_9_usage_chunk_stripped_when_the_client_did_not_ask(engines, start_router):  # noqa: F811
+    engine = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [engine.endpoint()]})
+    events = await _sse_events(gw, {"model": "m", "messages": HELLO, "stream": True})
+    assert events and all(e["choices"] for e in events)
+    assert not any("usage" in e for e in events)
+    # ... yet the router got it from the engine, which sends it only when asked
+    await apoll(lambda: gw.registry.get_sample_value("llmgw_router_tokens_total",
+                                                     {"model": "m", "kind": "completion"}) == 8,
+                what="tokens counted")
+
+
+async def test_r6_9_usage_chunk_kept_when_the_client_asked(engines, start_router):  # noqa: F811
+    engine = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [engine.endpoint()]})
+    events = await _sse_events(gw, {"model": "m", "messages": HELLO, "stream": True,
+                                    "stream_options": {"include_usage": True}})
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["prompt_tokens"] == 3
+    async with gw.client() as client:
+        stream = await client.chat.completions.create(model="m", messages=HELLO, stream=True,
+                                                      stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+async def test_r6_9_explicit_include_usage_false_is_stripped(engines, start_router):  # noqa: F811
+    engine = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [engine.endpoint()]})
+    events = await _sse_events(gw, {"model": "m", "messages": HELLO, "stream": True,
+                                    "stream_options": {"include_usage": False}})
+    assert all(e["choices"] for e in events)
+    assert gw.registry.get_sample_value("llmgw_router_tokens_total", {"model": "m", "kind": "prompt"}) == 3
