@@ -315,6 +315,7 @@ class State:
         self.knobs = knobs
         self.log = log
         self.started = time.monotonic()
+        self.started_wall = time.time()
         self.loaded = threading.Event()
         self.peers_joined = threading.Event()
         self.serving_since = None
@@ -483,7 +484,7 @@ class Handler(BaseHTTPRequestHandler):
     def _models(self):
         e = self.state.engine
         owner = {"vllm": "vllm", "sglang": "sglang", "llama-server": "llamacpp"}[e.mode]
-        created = int(self.state.started)
+        created = int(self.state.started_wall)
         data = [{"id": name, "object": "model", "created": created, "owned_by": owner, "root": e.model,
                  "parent": None, "max_model_len": e.max_model_len} for name in e.names]
         return dumps({"object": "list", "data": data}).encode()
