@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from llmgw.cli.check import check
+from llmgw.cli.ctl import ctl
 from llmgw.cli.keys import keys_app
 from llmgw.cli.nodes import helper_app
 from llmgw.cli.serve import serve
@@ -27,6 +28,7 @@ app.command("serve")(serve)
 app.command("check")(check)
 app.add_typer(helper_app, name="helper")
 app.add_typer(keys_app, name="keys")
+app.add_typer(ctl, name="ctl")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,321 @@
+"""The admin listener: management API, read-only dashboard and /metrics (R-9.3–R-9.7).
+
+Every request carries the admin token (R-9.3). API clients and Prometheus send it as
+`Authorization: Bearer <token>`; a browser opens the dashboard once through the tokenised URL
+that `llmgw ctl dashboard` prints, and gets an HttpOnly, SameSite=Strict cookie in exchange
+(as Jupyter does). The cookie opens dashboard pages only, never the API: the dashboard is
+read-only, so a stolen cookie changes nothing.
+
+Operator refusals (`ServiceError`) become `{"error": {"message", "code", "problems"}}` with their
+status here, in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+from functools import partial
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from llmgw.admin import dashboard
+from llmgw.admin.metrics import FleetCollector
+from llmgw.admin.usage import BY, usage_report
+from llmgw.admin.views import Snapshot
+from llmgw.control.service import ServiceError
+from llmgw.units import parse_duration
+
+log = logging.getLogger(__name__)
+
+ACTOR_HEADER = "X-Llmgw-Actor"
+SOURCE_HEADER = "X-Llmgw-Source"
+COOKIE = "llmgw-dashboard"
+MAX_BODY = 1024 * 1024
+DEFAULT_LOG_LINES = 100
+MAX_LOG_LINES = 100_000
+FOLLOW_CHECK = 1.0  # seconds between checks that a log follower is still connected
+DEFAULT_USAGE_SINCE = "24h"
+DASHBOARD_PATHS = frozenset({"/", *dashboard.PAGES, dashboard.STYLESHEET_PATH})
+
+GATEWAY = web.AppKey("gateway", Any)
+TOKEN = web.AppKey("token", str)
+FOLLOWS = web.AppKey("follows", set)
+
+_dumps = partial(json.dumps, separators=(",", ":"))
+
+
+def error_response(status: int, message: str, code: str, problems: list[str] | None = None,
+                   headers: dict | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": code, "problems": problems or []}},
+                             status=status, headers=headers, dumps=_dumps)
+
+
+def cookie_value(token: str) -> str:
+    """What the dashboard cookie holds: derived from the token, useless as an API token."""
+    return hmac.new(token.encode(), b"llmgw dashboard cookie", hashlib.sha256).hexdigest()
+
+
+def _bearer(request: web.Request) -> str | None:
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
+def _same(given: str | None, expected: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+@web.middleware
+async def _guard(request: web.Request, handler) -> web.StreamResponse:
+    """Token check on every request, then ServiceError and unexpected failures as JSON."""
+    token = request.app[TOKEN]
+    if request.path in DASHBOARD_PATHS and request.method in ("GET", "HEAD"):
+        offered = request.query.get("token")
+        if offered is not None:
+            if not _same(offered, token):
+                return dashboard.refused()
+            # Trade the token in the URL for a cookie, and drop it from the address bar and history.
+            response = web.Response(status=303, headers={"Location": request.path, "Cache-Control": "no-store",
+                                                         "Referrer-Policy": "no-referrer"})
+            response.set_cookie(COOKIE, cookie_value(token), httponly=True, samesite="Strict", path="/")
+            return response
+        if not (_same(request.cookies.get(COOKIE), cookie_value(token)) or _same(_bearer(request), token)):
+            return dashboard.refused()
+        return await handler(request)
+    if not _same(_bearer(request), token):
+        return error_response(401, "missing or wrong admin token: send 'Authorization: Bearer <token>' with "
+                                   "the token from the admin-token file of the state directory",
+                              "unauthorized", headers={"WWW-Authenticate": "Bearer"})
+    try:
+        return await handler(request)
+    except ServiceError as exc:
+        return error_response(exc.status, exc.message, exc.code, exc.problems)
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return error_response(exc.status, exc.reason, exc.reason.lower().replace(" ", "_"))
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("admin request %s %s failed", request.method, request.path)
+        return error_response(500, "internal error; the gateway's log has the details", "internal")
+
+
+def build_admin_app(gateway: Any) -> web.Application:
+    """The admin aiohttp application for a started `Gateway` (see llmgw.server)."""
+    app = web.Application(middlewares=[_guard], client_max_size=MAX_BODY)
+    app[GATEWAY] = gateway
+    app[TOKEN] = gateway.token
+    app[FOLLOWS] = set()
+    gateway.registry.register(FleetCollector(lambda: Snapshot(gateway)))
+    api = Api(gateway)
+    app.add_routes([
+        web.get("/api/status", api.status),
+        web.get("/api/nodes", api.nodes),
+        web.post("/api/nodes/{node}/admin", api.node_admin),
+        web.get("/api/models", api.models),
+        web.post("/api/models", api.add_model),
+        web.delete("/api/models/{name}", api.remove_model),
+        web.post("/api/models/{name}/scale", api.scale),
+        web.get("/api/explain/{model}", api.explain),
+        web.get("/api/replicas", api.replicas),
+        web.get("/api/replicas/{replica}/logs", api.logs),
+        web.get("/api/storage", api.storage),
+        web.get("/api/reclaim", api.reclaim_list),
+        web.post("/api/reclaim", api.reclaim),
+        web.get("/api/usage", api.usage),
+        web.get("/metrics", api.metrics),
+    ])
+    dashboard.add_routes(app, gateway)
+    app.on_shutdown.append(_end_follows)
+    return app
+
+
+async def _end_follows(app: web.Application) -> None:
+    """A `logs -f` never ends by itself: end them so that shutdown does not wait for them."""
+    for task in list(app[FOLLOWS]):
+        task.cancel()
+
+
+def _json(document: Any, status: int = 200) -> web.Response:
+    return web.json_response(document, status=status, dumps=_dumps)
+
+
+def _actor(request: web.Request, body: dict | None = None) -> str:
+    actor = (body or {}).get("actor") or request.headers.get(ACTOR_HEADER)
+    if isinstance(actor, str) and actor.strip():
+        return actor.strip()[:128]
+    return "admin-api"
+
+
+async def _json_body(request: web.Request) -> dict:
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ServiceError(400, "the request body is not valid JSON", code="bad_json") from None
+    if not isinstance(body, dict):
+        raise ServiceError(400, "the request body must be a JSON object", code="bad_json")
+    return body
+
+
+def _int(value: Any, name: str, *, minimum: int = 0, maximum: int | None = None, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (
+            maximum is not None and value > maximum):
+        bound = f" and at most {maximum}" if maximum is not None else ""
+        raise ServiceError(400, f"{name} must be a whole number of at least {minimum}{bound}", code="bad_argument")
+    return value
+
+
+def _duration(value: Any, name: str) -> float:
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise ServiceError(400, f"{name}: {exc}", code="bad_argument") from None
+
+
+class Api:
+    """Handlers of the management API; they read views and call the control plane, nothing more."""
+
+    def __init__(self, gateway: Any):
+        self.gateway = gateway
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.gateway)
+
+    async def status(self, request: web.Request) -> web.Response:
+        return _json(self.snapshot().status())
+
+    async def nodes(self, request: web.Request) -> web.Response:
+        return _json({"nodes": self.snapshot().nodes()})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"models": self.snapshot().models()})
+
+    async def replicas(self, request: web.Request) -> web.Response:
+        return _json({"replicas": self.snapshot().replicas()})
+
+    async def storage(self, request: web.Request) -> web.Response:
+        return _json(self.snapshot().storage())
+
+    async def explain(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name not in self.gateway.holder.current.models:
+            raise ServiceError(404, f"no model named {name!r}", code="model_not_found")
+        return _json(self.snapshot().explain(name))
+
+    async def node_admin(self, request: web.Request) -> web.Response:
+        """Cordon, uncordon and drain: one endpoint, the action in the body (R-9.4)."""
+        body = await _json_body(request)
+        action = body.get("action")
+        grace = body.get("grace")
+        grace_seconds = None if grace is None else _duration(grace, "grace")
+        answer = self.gateway.control.set_node(request.match_info["node"], str(action), grace_seconds,
+                                               _actor(request, body))
+        return _json(answer)
+
+    async def add_model(self, request: web.Request) -> web.Response:
+        """The body is the model's YAML, as in the inventory's `models:` list (R-8.2).
+
+        JSON bodies `{"yaml": TEXT, "actor": ..., "source": ...}` are accepted too.
+        """
+        if request.content_type == "application/json":
+            body = await _json_body(request)
+            text, source = body.get("yaml"), body.get("source")
+        else:
+            body, text, source = {}, await request.text(), None
+        if not isinstance(text, str) or not text.strip():
+            raise ServiceError(400, "send the model definition (YAML) as the request body", code="empty_body")
+        source = source or request.headers.get(SOURCE_HEADER) or "model file"
+        answer = await self.gateway.control.add_model(text, _actor(request, body), source=str(source)[:256])
+        return _json(answer, status=201)
+
+    async def remove_model(self, request: web.Request) -> web.Response:
+        answer = await self.gateway.control.remove_model(request.match_info["name"], _actor(request))
+        return _json(answer)
+
+    async def scale(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if "min" not in body:
+            raise ServiceError(400, "min is required", code="bad_argument")
+        minimum = _int(body.get("min"), "min")
+        maximum = _int(body.get("max"), "max", allow_none=True)
+        answer = await self.gateway.control.scale(request.match_info["name"], minimum, maximum,
+                                                  _actor(request, body))
+        return _json(answer)
+
+    async def reclaim_list(self, request: web.Request) -> web.Response:
+        return _json(await self.gateway.control.reclaim(False, _actor(request)))
+
+    async def reclaim(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        collect = body.get("collect", False)
+        if not isinstance(collect, bool):
+            raise ServiceError(400, "collect must be true or false", code="bad_argument")
+        return _json(await self.gateway.control.reclaim(collect, _actor(request, body)))
+
+    async def logs(self, request: web.Request) -> web.StreamResponse:
+        """An engine's log through its node's helper (R-4.8); `follow=1` streams JSON lines."""
+        replica = request.match_info["replica"]
+        query = request.query
+        rank = _int(query.get("shard", 0), "shard")
+        lines = _int(query.get("lines", DEFAULT_LOG_LINES), "lines", maximum=MAX_LOG_LINES)
+        if query.get("follow", "") not in ("1", "true", "yes"):
+            found = await self.gateway.control.logs(replica, rank, lines)
+            return _json({"replica": replica, "shard": rank, "lines": found})
+        follow = self.gateway.control.follow_logs(replica, rank, lines)
+        # The first chunk comes before the response starts, so an unknown replica is a plain 404.
+        first = await anext(follow)
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson",
+                                               "Cache-Control": "no-store"})
+        await response.prepare(request)
+        task = asyncio.current_task()
+        request.app[FOLLOWS].add(task)
+        pending: asyncio.Future | None = None
+        try:
+            await response.write(_dumps({"lines": first}).encode() + b"\n")
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(anext(follow))
+                done, _ = await asyncio.wait({pending}, timeout=FOLLOW_CHECK)
+                if not done:
+                    # A quiet log would otherwise keep the node streaming to a client long gone.
+                    if request.transport is None or request.transport.is_closing():
+                        break
+                    continue
+                try:
+                    chunk = pending.result()
+                except StopAsyncIteration:
+                    break
+                pending = None
+                await response.write(_dumps({"lines": chunk}).encode() + b"\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            pass  # the client left or the listener is shutting down: end the follow quietly
+        finally:
+            request.app[FOLLOWS].discard(task)
+            if pending is not None and not pending.done():
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+            await follow.aclose()
+        return response
+
+    async def usage(self, request: web.Request) -> web.Response:
+        by = request.query.get("by", "model")
+        if by not in BY:
+            raise ServiceError(400, f"by must be one of: {', '.join(BY)}", code="bad_argument")
+        since = _duration(request.query.get("since", DEFAULT_USAGE_SINCE), "since")
+        report = await self.gateway.store.read(lambda db: usage_report(db, by, since))
+        return _json(report)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.gateway.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,169 @@
+"""A small synchronous client of the management API, for `llmgw ctl`.
+
+It finds the admin listener and its token the way an operator expects (R-9.3): flags first,
+then the environment, then the files `llmgw serve` writes into its state directory
+(`admin-address`, `admin-token`). Every failure is an `AdminError` whose message is one line
+saying what to do.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmgw.config import default_state_dir
+
+TOKEN_FILE = "admin-token"
+ADDRESS_FILE = "admin-address"
+DEFAULT_ADDRESS = "127.0.0.1:8081"
+TIMEOUT = 60.0
+
+
+class AdminError(Exception):
+    """A refusal or failure, with the API's error document when there was one."""
+
+    def __init__(self, message: str, status: int | None = None, document: dict | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.document = document or {}
+
+    @property
+    def problems(self) -> list[str]:
+        return list(self.document.get("error", {}).get("problems") or [])
+
+
+def _state_dir(state_dir: str | os.PathLike | None) -> Path:
+    value = state_dir or os.environ.get("LLMGW_STATE_DIR")
+    return Path(os.path.expanduser(str(value))) if value else default_state_dir()
+
+
+def _base_url(address: str) -> str:
+    """`http://HOST:PORT` from `HOST:PORT` or a URL; a wildcard bind is reached on loopback."""
+    address = address.strip().rstrip("/")
+    if "://" in address:
+        return address
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+@dataclass
+class AdminClient:
+    base_url: str
+    token: str
+    actor: str | None = None
+    timeout: float = TIMEOUT
+    state_dir: Path | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:  # the token never reaches a traceback or a log through repr()
+        return f"AdminClient(base_url={self.base_url!r})"
+
+    @classmethod
+    def discover(cls, *, admin: str | None = None, token: str | None = None,
+                 state_dir: str | os.PathLike | None = None, actor: str | None = None) -> AdminClient:
+        directory = _state_dir(state_dir)
+        address = admin or os.environ.get("LLMGW_ADMIN")
+        if not address:
+            try:
+                address = (directory / ADDRESS_FILE).read_text().strip()
+            except OSError:
+                address = DEFAULT_ADDRESS
+        token = token or os.environ.get("LLMGW_ADMIN_TOKEN")
+        if not token:
+            path = directory / TOKEN_FILE
+            try:
+                token = path.read_text().strip()
+            except PermissionError:
+                raise AdminError(f"cannot read the admin token {path}: permission denied; run as the user "
+                                 "that runs `llmgw serve`, or pass --token / LLMGW_ADMIN_TOKEN") from None
+            except OSError:
+                raise AdminError(f"no admin token at {path}: is `llmgw serve` running with this state "
+                                 "directory? Pass --state-dir, or --token / LLMGW_ADMIN_TOKEN") from None
+        return cls(_base_url(address), token, actor, state_dir=directory)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, *, query: dict | None = None, body: Any = None,
+                 content_type: str = "application/json", headers: dict | None = None,
+                 timeout: float | None = None):
+        url = self.base_url + path
+        if query:
+            url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
+        data = None
+        if body is not None:
+            data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, method=method)
+        request.add_header("Authorization", f"Bearer {self.token}")
+        request.add_header("Accept", "application/json")
+        if data is not None:
+            request.add_header("Content-Type", content_type)
+        if self.actor:
+            request.add_header("X-Llmgw-Actor", self.actor)
+        for key, value in (headers or {}).items():
+            request.add_header(key, value)
+        try:
+            return urllib.request.urlopen(request, timeout=timeout or self.timeout)
+        except urllib.error.HTTPError as exc:
+            raise _api_error(exc) from None
+        except urllib.error.URLError as exc:
+            raise AdminError(f"cannot reach the admin listener at {self.base_url} ({exc.reason}); is `llmgw "
+                             "serve` running? Pass --admin HOST:PORT or --state-dir otherwise") from None
+        except (TimeoutError, OSError) as exc:
+            raise AdminError(f"the admin listener at {self.base_url} did not answer: {exc}") from None
+
+    def call(self, method: str, path: str, **kwargs) -> Any:
+        with self._request(method, path, **kwargs) as response:
+            return json.loads(response.read() or b"null")
+
+    def get(self, path: str, **query) -> Any:
+        return self.call("GET", path, query=query or None)
+
+    def post(self, path: str, body: Any = None, **kwargs) -> Any:
+        return self.call("POST", path, body=body if body is not None else {}, **kwargs)
+
+    def text(self, method: str, path: str) -> str:
+        with self._request(method, path) as response:
+            return response.read().decode()
+
+    def stream(self, path: str, **query) -> Iterator[dict]:
+        """JSON documents of a streamed (newline-delimited JSON) answer, as they arrive."""
+        with self._request("GET", path, query=query, timeout=24 * 3600.0) as response:
+            for line in response:
+                line = line.strip()
+                if line:
+                    yield json.loads(line)
+
+    def dashboard_url(self, path: str = "/") -> str:
+        return f"{self.base_url}{path}?token={urllib.parse.quote(self.token)}"
+
+
+def default_actor() -> str:
+    """The OS user, which `llmgw ctl` sends as the actor of its changes (R-8.2)."""
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry for the uid in some containers
+        return "unknown"
+
+
+def _api_error(exc: urllib.error.HTTPError) -> AdminError:
+    try:
+        document = json.loads(exc.read() or b"{}")
+        message = document["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        document, message = {}, f"the admin listener answered {exc.code} {exc.reason}"
+    return AdminError(message, exc.code, document)

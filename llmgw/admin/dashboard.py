@@ -1,0 +1,270 @@
+"""The read-only dashboard (R-9.6): server-rendered pages from templates shipped in the package.
+
+Pages are `string.Template` files under templates/ filled with HTML fragments built here; every
+value from the gateway goes through `html.escape` on its way in (`esc`, `table`). One
+stylesheet, no JavaScript: the Content-Security-Policy forbids scripts outright, and nothing on
+a page changes state or mints a credential (those stay in `llmgw ctl`).
+"""
+
+from __future__ import annotations
+
+import html
+import importlib.resources
+import time
+from collections.abc import Callable, Iterable, Sequence
+from functools import lru_cache
+from string import Template
+from typing import Any
+
+from aiohttp import web
+
+from llmgw.admin import text
+from llmgw.admin.usage import usage_report
+from llmgw.admin.views import Snapshot
+from llmgw.units import format_bytes, parse_duration
+
+STYLESHEET_PATH = "/static/style.css"
+REFRESH_SECONDS = 15
+PAGES = {  # path -> navigation title, in navigation order
+    "/": "Overview",
+    "/nodes": "Nodes",
+    "/models": "Models",
+    "/replicas": "Replicas",
+    "/placement": "Placement failures",
+    "/usage": "Usage",
+}
+USAGE_PERIODS = ("1h", "24h", "7d", "30d")
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self' data:; "
+                               "form-action 'none'; frame-ancestors 'none'; base-uri 'none'",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+}
+
+
+class Markup(str):
+    """A fragment that is already HTML: `esc` and `table` leave it alone."""
+
+
+def esc(value: Any) -> Markup:
+    """Escaped text; None is unknown and shows as `-` (R-2.7)."""
+    if isinstance(value, Markup):
+        return value
+    return Markup(text.UNKNOWN if value is None else html.escape(str(value)))
+
+
+def tag(name: str, content: Any = "", cls: str | None = None) -> Markup:
+    attr = f' class="{html.escape(cls)}"' if cls else ""
+    return Markup(f"<{name}{attr}>{esc(content)}</{name}>")
+
+
+def lines(items: Iterable[Any], cls: str | None = None) -> Markup:
+    """Several values in one cell, one per line."""
+    return Markup("".join(tag("div", item, cls) for item in items))
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], empty: str = "nothing to show",
+          cls: str | None = None) -> Markup:
+    rows = list(rows)
+    if not rows:
+        return tag("p", empty, "empty")
+    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>" for row in rows)
+    attr = f' class="{html.escape(cls)}"' if cls else ""
+    return Markup(f"<table{attr}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+
+def bar(used: int, free: int, unhealthy: int) -> Markup:
+    cells = text.bar_cells(used, free, unhealthy)
+    spans = "".join(f'<span class="cell {cls}"></span>' * count
+                    for cls, count in zip(("used", "free", "unhealthy"), cells))
+    return Markup(f'<span class="bar">{spans}</span>')
+
+
+@lru_cache(maxsize=None)
+def template(name: str) -> Template:
+    return Template(importlib.resources.files("llmgw.admin").joinpath(f"templates/{name}").read_text())
+
+
+@lru_cache(maxsize=1)
+def stylesheet() -> bytes:
+    return importlib.resources.files("llmgw.admin").joinpath("static/style.css").read_bytes()
+
+
+def _link(href: str, title: str, here: bool) -> str:
+    cls = ' class="here"' if here else ""
+    return f'<a href="{html.escape(href)}"{cls}>{esc(title)}</a>'
+
+
+def page(path: str, content: Markup, now: float, status: int = 200) -> web.Response:
+    nav = "".join(_link(p, title, p == path) for p, title in PAGES.items())
+    body = template("layout.html").substitute(
+        title=esc(PAGES.get(path, "llmgw")), nav=Markup(nav), content=content, refresh=REFRESH_SECONDS,
+        generated=esc(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now))), stylesheet=STYLESHEET_PATH)
+    return web.Response(text=body, status=status, content_type="text/html", charset="utf-8",
+                        headers=SECURITY_HEADERS)
+
+
+def refused() -> web.Response:
+    body = template("refused.html").substitute(stylesheet=STYLESHEET_PATH)
+    return web.Response(text=body, status=401, content_type="text/html", charset="utf-8",
+                        headers=SECURITY_HEADERS)
+
+
+# -- pages ---------------------------------------------------------------------------------------
+
+
+def overview(snapshot: Snapshot) -> Markup:
+    status = snapshot.status()
+    capacity = table(["GPU class", "nodes", "used / free / unhealthy", "used", "free", "unhealthy"],
+                     [[c["gpu_class"] or "unrecognised", c["nodes"], bar(c["used"], c["free"], c["unhealthy"]),
+                       c["used"], c["free"], c["unhealthy"]] for c in status["capacity"]],
+                     empty="no GPUs reported")
+    if status["gpus_unknown"]:
+        capacity = Markup(capacity + tag("p", "GPUs not reported yet: " + ", ".join(status["gpus_unknown"]),
+                                         "note"))
+    whole = table(["fabric", "free whole nodes"], sorted(status["free_whole_nodes"].items()),
+                  empty="no node belongs to a fabric")
+    counts = table(["", "total", "by state"], [
+        ["nodes", status["nodes"]["total"], _counts(status["nodes"]["by_state"])],
+        ["node admin", "", _counts(status["nodes"]["by_admin"])],
+        ["replicas", status["replicas"]["total"], _counts(status["replicas"]["by_state"])],
+        ["models", status["models"]["total"], _counts(status["models"]["by_state"])],
+    ])
+    unplaceable = table(["model", "why it cannot be placed"],
+                        [[u["model"], u["reason"]] for u in status["unplaceable"]],
+                        empty="every model that wants a replica can be placed")
+    idle = table(["replica", "model", "nodes", "unasked-for"],
+                 [[i["replica"], i["model"], ", ".join(i["nodes"]), text.idle_for(i)] for i in status["idle"]],
+                 empty="no serving replica")
+    fabrics = table(["fabric", "nodes", "models held (no cross-fabric copy)", "shared filers (counted once)",
+                     "local free"],
+                    [[f["fabric"] or "(no fabric)", ", ".join(f["nodes"]),
+                      lines(m["model"] + (" (shared filer)" if m["on_shared"] else f" on {', '.join(m['nodes'])}")
+                            for m in f["models"]) if f["models"] else "-",
+                      lines(f"{fs['mount_point']}: {text.free_of(fs['free_bytes'], fs['total_bytes'])}"
+                            for fs in f["shared_filers"]) if f["shared_filers"] else "-",
+                      format_bytes(f["local_free_bytes"])] for f in status["fabrics"]])
+    return Markup(template("overview.html").substitute(capacity=capacity, whole=whole, counts=counts,
+                                                       unplaceable=unplaceable, idle=idle, fabrics=fabrics))
+
+
+def _counts(mapping: dict[str, int]) -> str:
+    return ", ".join(f"{count} {state}" for state, count in mapping.items() if count) or "-"
+
+
+def nodes_page(snapshot: Snapshot) -> Markup:
+    now = snapshot.now
+    rows = []
+    for node in snapshot.nodes():
+        used, free, unhealthy = text.gpu_counts(node["gpus"])
+        disk = node["disk"]
+        rows.append([
+            node["name"], text.node_state(node, now), text.admin_state(node, now), node["fabric"],
+            text.labels(node["labels"]), text.gpu_summary(node), used, free,
+            lines([unhealthy, *text.unhealthy_reasons(node["gpus"])]),
+            format_bytes(node["memory_bytes"]),
+            lines(text.filesystem(fs) for fs in disk["local"]) if disk and disk["local"] else "-",
+            lines(text.filesystem(fs) for fs in disk["shared"]) if disk and disk["shared"] else "-",
+            ", ".join(node["replicas"]) or "-",
+        ])
+    listing = table(["node", "state", "admin", "fabric", "labels", "GPUs", "used", "free", "unhealthy", "MEM",
+                     "disk (local)", "disk (shared)", "replicas"], rows, empty="no nodes in the inventory")
+    return Markup(template("nodes.html").substitute(nodes=listing))
+
+
+def models_page(snapshot: Snapshot) -> Markup:
+    rows = [[m["name"], m["state"], f"{m['replicas']['serving']} / {m['replicas']['total']}",
+             text.scaling(m["scaling"]), m["profile"], m["engine"], m["weights"], m["fallback"],
+             m["declared_in"] + (f" by {m['actor']}" if m["actor"] else ""),
+             m["unplaceable"] or m["last_failure"]] for m in snapshot.models()]
+    listing = table(["model", "state", "serving / replicas", "scaling", "profile", "engine", "weights",
+                     "fallback", "declared", "problem"], rows, empty="the catalog has no models")
+    return Markup(template("models.html").substitute(models=listing))
+
+
+def replicas_page(snapshot: Snapshot) -> Markup:
+    now = snapshot.now
+    rows = []
+    for replica in snapshot.replicas():
+        shards = []
+        for shard in replica["shards"]:
+            gpus = ",".join(str(g) for g in shard["gpus"]) or "no GPUs"
+            shard_text = f"#{shard['rank']} {shard['node']} [{gpus}] {shard['state']}"
+            if shard["reason"]:
+                shard_text += f": {shard['reason']}"
+            shards.append(tag("div", shard_text))
+            if shard["progress"] is not None:
+                shards.append(tag("div", shard["progress"]["line"], "progress"))
+            if shard["log_tail"]:
+                shards.append(tag("pre", "\n".join(shard["log_tail"][-20:]), "log"))
+        state = replica["state"] + (" (retired)" if replica["retired"] else "") + (
+            " (draining)" if replica["draining"] and replica["state"] != "draining" else "")
+        rows.append([replica["id"], replica["model"], state, Markup("".join(shards)),
+                     text.ago(replica["serving_since"], now) if replica["serving_since"] else "-",
+                     text.idle_for(replica), replica["reason"]])
+    listing = table(["replica", "model", "state", "shards", "serving since", "unasked-for", "reason"], rows,
+                    empty="no replicas", cls="replicas")
+    return Markup(template("replicas.html").substitute(replicas=listing))
+
+
+def placement_page(snapshot: Snapshot) -> Markup:
+    sections = []
+    for entry in snapshot.status()["unplaceable"]:
+        explanation = snapshot.explain(entry["model"])
+        verdicts = table(["node", "verdict", "free GPUs", "holds weights", "reasons"],
+                         [[v["node"], "fits" if v["fits"] else "rejected", v["free_gpus"],
+                           text.holds(v["holds_weights"]), lines(v["reasons"])] for v in explanation["verdicts"]],
+                         empty="no nodes")
+        sections.append(Markup(f"<section><h2>{esc(entry['model'])}</h2>"
+                               f"{tag('p', explanation['summary'], 'summary')}{verdicts}</section>"))
+    content = Markup("".join(sections)) if sections else tag("p", "every model that wants a replica can be "
+                                                                  "placed", "empty")
+    return Markup(template("placement.html").substitute(failures=content))
+
+
+def usage_page(snapshot: Snapshot, by_model: dict, by_key: dict, period: str) -> Markup:
+    periods = "".join(_link(f"/usage?since={p}", p, p == period) for p in USAGE_PERIODS)
+
+    def listing(report: dict, what: str) -> Markup:
+        return table([what, "requests", "prompt tokens", "completion tokens", "total tokens"],
+                     [[r["name"], r["requests"], r["prompt_tokens"], r["completion_tokens"], r["total_tokens"]]
+                      for r in report["rows"]], empty="no requests in this period")
+    start = time.strftime("%Y-%m-%d %H:%M", time.localtime(by_model["from"]))
+    return Markup(template("usage.html").substitute(
+        periods=Markup(periods), start=esc(start), by_model=listing(by_model, "model"), by_key=listing(by_key, "key")))
+
+
+def add_routes(app: web.Application, gateway: Any) -> None:
+    def simple(path: str, render: Callable[[Snapshot], Markup]):
+        async def handler(request: web.Request) -> web.Response:
+            snapshot = Snapshot(gateway)
+            return page(path, render(snapshot), snapshot.now)
+        return handler
+
+    async def usage(request: web.Request) -> web.Response:
+        period = request.query.get("since", "24h")
+        try:
+            seconds = parse_duration(period)
+        except ValueError:
+            period, seconds = "24h", parse_duration("24h")
+        snapshot = Snapshot(gateway)
+        by_model = await gateway.store.read(lambda db: usage_report(db, "model", seconds, snapshot.now))
+        by_key = await gateway.store.read(lambda db: usage_report(db, "key", seconds, snapshot.now))
+        return page("/usage", usage_page(snapshot, by_model, by_key, period), snapshot.now)
+
+    async def style(request: web.Request) -> web.Response:
+        return web.Response(body=stylesheet(), content_type="text/css", charset="utf-8",
+                            headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})
+
+    app.add_routes([
+        web.get("/", simple("/", overview)),
+        web.get("/nodes", simple("/nodes", nodes_page)),
+        web.get("/models", simple("/models", models_page)),
+        web.get("/replicas", simple("/replicas", replicas_page)),
+        web.get("/placement", simple("/placement", placement_page)),
+        web.get("/usage", usage),
+        web.get(STYLESHEET_PATH, style),
+    ])
+

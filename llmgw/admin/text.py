@@ -1,0 +1,154 @@
+"""Words and figures shared by `llmgw ctl` and the dashboard, so both say the same thing.
+
+Functions of the listing documents (llmgw.admin.views) to short strings. Unknown renders as `-`
+(R-2.3, R-2.7), through units.format_bytes / format_duration.
+"""
+
+from __future__ import annotations
+
+import time
+
+from llmgw.units import format_bytes, format_duration
+
+UNKNOWN = "-"
+BAR_WIDTH = 40
+
+
+def clock(ts: float | None) -> str:
+    return UNKNOWN if ts is None else time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+def ago(ts: float | None, now: float) -> str:
+    return UNKNOWN if ts is None else f"{format_duration(max(0.0, now - ts))} ago"
+
+
+def node_state(node: dict, now: float) -> str:
+    """`ready`, `unreachable since 12:01:05 (3m); facts from 4m ago`, ..."""
+    state = node["state"]
+    if state == "ready":
+        return state
+    text = state
+    if node["since"] is not None:
+        text += f" since {clock(node['since'])} ({format_duration(max(0.0, now - node['since']))})"
+    if node["state_reason"]:
+        text += f": {node['state_reason']}"
+    if node["stale"]:
+        text += f"; stale facts from {ago(node['observed_at'], now)}"
+    return text
+
+
+def admin_state(node: dict, now: float) -> str:
+    admin = node["admin"]
+    text = admin["state"]
+    if admin["state"] == "draining" and admin["grace_until"] is not None:
+        left = admin["grace_until"] - now
+        text += f" (grace until {clock(admin['grace_until'])}" + (
+            f", {format_duration(left)} left)" if left > 0 else ", over)")
+    return text
+
+
+def gpu_counts(gpus: dict | None) -> tuple[str, str, str]:
+    """(used, free, unhealthy) as strings: `-` for all three when the GPUs are unknown."""
+    if gpus is None:
+        return UNKNOWN, UNKNOWN, UNKNOWN
+    return str(gpus["used"]), str(gpus["free"]), str(gpus["unhealthy"])
+
+
+def gpu_summary(node: dict) -> str:
+    gpus = node["gpus"]
+    if gpus is None:
+        return UNKNOWN
+    if not gpus["total"]:
+        return "none" if gpus["nvidia_smi"] != "error" else f"nvidia-smi failed: {gpus['nvidia_smi_error']}"
+    return f"{gpus['total']} × {node['gpu_class'] or 'unrecognised class'}"
+
+
+def unhealthy_reasons(gpus: dict | None) -> list[str]:
+    """`GPU 3: 2 uncorrected ECC errors` for every unhealthy GPU (R-2.2)."""
+    if gpus is None:
+        return []
+    return [f"GPU {d['index']}: {'; '.join(d['reasons']) or 'unhealthy'}" for d in gpus["devices"]
+            if not d["healthy"]]
+
+
+def filesystem(fs: dict) -> str:
+    """`38.2 GB free of 100.0 GB on /data (ext4)`; `-` for a figure the node did not report."""
+    where = fs["mount_point"] or fs["device"]
+    kind = f" ({fs['fstype']})" if fs["fstype"] else ""
+    return f"{format_bytes(fs['free_bytes'])} free of {format_bytes(fs['total_bytes'])} on {where}{kind}"
+
+
+def free_of(free: int | None, total: int | None) -> str:
+    if free is None and total is None:
+        return UNKNOWN
+    return f"{format_bytes(free)} / {format_bytes(total)}"
+
+
+def labels(mapping: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(mapping.items())) or UNKNOWN
+
+
+def scaling(scaling: dict) -> str:
+    if scaling["on_demand"]:
+        idle = scaling["idle_timeout"]
+        return f"on demand (max {scaling['max']}; loads 1)" + (
+            f", stops after {format_duration(idle)} idle" if idle is not None else "")
+    return f"min {scaling['min']}, max {scaling['max']}"
+
+
+def bar_cells(used: int, free: int, unhealthy: int, width: int = BAR_WIDTH) -> tuple[int, int, int]:
+    """Cells of a used/free/unhealthy bar, proportional, each non-zero part at least one cell."""
+    total = used + free + unhealthy
+    if total == 0:
+        return 0, 0, 0
+    width = min(width, total)
+    parts = [used, free, unhealthy]
+    cells = [part * width // total for part in parts]
+    for index, part in enumerate(parts):
+        if part and not cells[index]:
+            cells[index] = 1
+    # Give the cells rounding left over (or take the ones borrowed above) by largest remainder.
+    remainders = sorted(range(3), key=lambda i: -(parts[i] * width % total))
+    while sum(cells) < width:
+        for index in remainders:
+            if sum(cells) < width and parts[index]:
+                cells[index] += 1
+    while sum(cells) > width:
+        index = max(range(3), key=lambda i: cells[i])
+        cells[index] -= 1
+    return cells[0], cells[1], cells[2]
+
+
+def idle_for(entry: dict) -> str:
+    """How long a replica has gone unasked-for; `-` when its last use is unknown (R-7.1)."""
+    return UNKNOWN if entry["idle_seconds"] is None else format_duration(entry["idle_seconds"])
+
+
+def holds(value: bool | None) -> str:
+    return UNKNOWN if value is None else "yes" if value else "no"
+
+
+def plan_line(plan: dict | None) -> str:
+    if plan is None:
+        return "no plan: nothing fits"
+    parts = []
+    for shard in plan["shards"]:
+        gpus = f"GPUs {','.join(str(g) for g in shard['gpus'])}" if shard["gpus"] else "no GPUs"
+        parts.append(f"{shard['node']} ({'leader, ' if shard['leader'] and len(plan['shards']) > 1 else ''}{gpus})")
+    fabric = f" on fabric {plan['fabric']}" if plan["fabric"] and len(plan["shards"]) > 1 else ""
+    return f"would place{fabric}: " + ", ".join(parts)
+
+
+def reclaim_summary(answer: dict) -> str:
+    entries = [e for n in answer["nodes"] for e in n["entries"]]
+    nodes = sum(1 for n in answer["nodes"] if n["entries"])
+    size = sum(e.get("bytes") or 0 for e in entries)
+    if answer["collect"]:
+        removed = sum(1 for e in entries if e.get("action") == "removed")
+        return (f"asked to remove {answer['asked_to_remove']} cache entries ({format_bytes(size)}) on {nodes} "
+                f"node{'s' if nodes != 1 else ''}; the nodes report {removed} removed — each node checks "
+                f"every path again and decides")
+    if not entries:
+        return "nothing to reclaim: every cache entry is wanted by a model of the catalog"
+    return (f"{len(entries)} cache entries ({format_bytes(size)}) on {nodes} node{'s' if nodes != 1 else ''} "
+            f"are wanted by no model of the catalog; `llmgw ctl reclaim --collect` asks the nodes to remove them")

@@ -1,0 +1,388 @@
+"""What the operator sees: the JSON of every admin listing, derived from the running gateway.
+
+This module is the one place where status, nodes, models, replicas, storage and placement
+explanations are computed. The management API returns these documents as they are, `llmgw ctl`
+renders them, the dashboard renders them, and /metrics reads them; `status` is a summary of the
+other listings taken from the same snapshot, so it cannot disagree with them (R-7.2).
+
+Unknown is `None` (JSON null) everywhere, never 0 (R-2.3, R-2.7): a node that has not reported
+its GPUs has `gpus: null`, one that reported none has a count of 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmgw.control import placement
+from llmgw.control.state import ENDED, FAILED, SHARD_STATES, STOPPED, Replica
+from llmgw.units import format_bytes
+
+IDLE_LISTED = 5  # replicas listed as "unasked-for longest" in status
+READY = "ready"
+
+
+def progress_line(done: int, total: int | None) -> str:
+    """`downloading 1.2 GB of 4.0 GB (30%)`, or `downloading 1.2 GB so far` without a length.
+
+    A percentage is only ever computed from a length the server sent (R-5.4).
+    """
+    if total:
+        percent = min(100, done * 100 // total)
+        return f"downloading {format_bytes(done)} of {format_bytes(total)} ({percent}%)"
+    return f"downloading {format_bytes(done)} so far"
+
+
+def _filesystem(fs) -> dict:
+    return {"device": fs.device, "fstype": fs.fstype, "mount_point": fs.mount_point, "shared": fs.shared,
+            "total_bytes": fs.total_bytes, "free_bytes": fs.free_bytes, "dirs": list(fs.dirs)}
+
+
+def _sum_known(values: Iterable[int | None]) -> int | None:
+    """Sum of the known values; None when none is known (an unknown is not a zero)."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _filer_key(fs: dict) -> tuple:
+    # A filer is the same bytes wherever it is mounted: counted once per mount point and type,
+    # not once per node that mounts it (R-2.5).
+    return (fs["fstype"], fs["mount_point"] or fs["device"])
+
+
+@dataclass
+class Snapshot:
+    """One consistent reading of the gateway's state; every listing of a request comes from it."""
+
+    gateway: Any
+    now: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        reconciler = self.gateway.reconciler
+        self.catalog = self.gateway.holder.current
+        self.fleet = self.gateway.fleet
+        self.reconciler = reconciler
+        self.views = {view.name: view for view in reconciler.node_views()}
+        self.allocated = reconciler.allocated()
+        self.live: list[Replica] = sorted(reconciler.replicas.values(), key=lambda r: (r.model, r.id))
+        self._cache: dict[str, Any] = {}
+
+    def _once(self, key: str, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    # -- nodes ---------------------------------------------------------------------------------
+
+    def nodes(self) -> list[dict]:
+        return self._once("nodes", lambda: [self._node(name) for name in self.fleet.nodes])
+
+    def _node(self, name: str) -> dict:
+        config = self.fleet.nodes[name]
+        view = self.views[name]
+        link = self.fleet.links.get(name)
+        facts = self.fleet.facts[name]
+        admin = self.reconciler.admin.get(name)
+        observed = max(facts.observed_at.values()) if facts.observed_at else None
+        entry: dict[str, Any] = {
+            "name": name,
+            "host": "local" if config.connection == "local" else config.host,
+            "fabric": config.fabric,
+            "labels": dict(config.labels),
+            "state": view.state,
+            "state_reason": view.state_reason,
+            "since": link.since if link is not None else None,
+            # What a node that is not ready last reported is kept, but it is marked stale (R-1.1).
+            "stale": view.state != READY and observed is not None,
+            "observed_at": observed,
+            "admin": {"state": admin.state if admin else "active",
+                      "grace_until": admin.grace_until if admin else None,
+                      "actor": admin.actor if admin else None},
+            "gpu_class": view.gpu_class,
+            "gpus": self._gpus(name, view, facts),
+            "memory_bytes": view.memory_bytes,
+            "cpus": facts.inventory.cpus if facts.inventory is not None else None,
+            "disk": self._disk(facts),
+            "replicas": sorted({r.id for r in self.live for s in r.shards
+                                if s.node == name and s.state not in ENDED}),
+            "unknown_engines": list(self.reconciler.unknown_engines.get(name, [])),
+        }
+        return entry
+
+    def _gpus(self, name: str, view, facts) -> dict | None:
+        """Counts and devices; an unhealthy GPU is neither used nor free (R-2.2, R-7.2)."""
+        if facts.inventory is None:
+            return None
+        free = set(placement.free_gpus(view, self.allocated) or ())
+        taken = self.allocated.get(name, frozenset())
+        holders: dict[int, str] = {}
+        for replica in self.live:
+            for shard in replica.shards:
+                if shard.node == name and shard.state not in ENDED:
+                    for index in shard.gpus:
+                        holders[index] = replica.id
+        devices = []
+        for gpu in facts.inventory.gpus:
+            devices.append({
+                "index": gpu.index, "name": gpu.name, "uuid": gpu.uuid, "gpu_class": gpu.gpu_class,
+                "memory_total_mib": gpu.memory_total_mib, "memory_used_mib": gpu.memory_used_mib,
+                "utilization_pct": gpu.utilization_pct, "healthy": gpu.healthy, "reasons": list(gpu.reasons),
+                "state": "unhealthy" if not gpu.healthy else "free" if gpu.index in free else "used",
+                "replica": holders.get(gpu.index),
+            })
+        healthy = [d for d in devices if d["healthy"]]
+        return {
+            "total": len(devices),
+            "used": sum(1 for d in healthy if d["index"] in taken),
+            "free": len(free),
+            "unhealthy": len(devices) - len(healthy),
+            "nvidia_smi": facts.inventory.nvidia_smi,
+            "nvidia_smi_error": facts.inventory.nvidia_smi_error,
+            "devices": devices,
+        }
+
+    @staticmethod
+    def _disk(facts) -> dict | None:
+        """Free/total per filesystem, the node's own disks apart from shared filers (R-2.4, R-2.5)."""
+        storage = facts.storage
+        if storage is None:
+            return None
+        local = [_filesystem(fs) for fs in storage.local]
+        return {
+            "local": local,
+            "shared": [_filesystem(fs) for fs in storage.shared],
+            # Shared filers are never added to a node's own totals (R-2.5).
+            "local_free_bytes": _sum_known(fs["free_bytes"] for fs in local),
+            "local_total_bytes": _sum_known(fs["total_bytes"] for fs in local),
+            "missing": list(storage.missing),
+            "stuck": list(storage.stuck),
+        }
+
+    # -- replicas ------------------------------------------------------------------------------
+
+    def replicas(self) -> list[dict]:
+        def build() -> list[dict]:
+            listed = [self._replica(r, retired=False) for r in self.live]
+            seen = {r.id for r in self.live}
+            # A failed replica leaves the live set once its engines are stopped; it stays listed
+            # for a while so that its error and log tail can be read.
+            for _, replica in reversed(self.reconciler.retired):
+                if replica.id not in seen and replica.state == FAILED:
+                    seen.add(replica.id)
+                    listed.append(self._replica(replica, retired=True))
+            return listed
+        return self._once("replicas", build)
+
+    def _replica(self, replica: Replica, *, retired: bool) -> dict:
+        last_used = self.reconciler.last_used.get(replica.id)  # absent: unknown, not idle (R-7.1)
+        shards = []
+        for shard in replica.shards:
+            progress = None
+            if shard.progress is not None:
+                done, total = shard.progress
+                progress = {"bytes": done, "total": total, "line": progress_line(done, total)}
+            shards.append({
+                "rank": shard.rank, "node": shard.node, "gpus": list(shard.gpus), "port": shard.port,
+                "state": shard.state, "state_since": shard.state_since, "reason": shard.reason,
+                "log_tail": list(shard.log_tail) if shard.log_tail and shard.state == FAILED else None,
+                "progress": progress,
+            })
+        return {
+            "id": replica.id, "model": replica.model, "state": replica.state, "serving": replica.serving,
+            "draining": replica.draining, "retiring": replica.retiring, "retired": retired,
+            "replaces": replica.replaces, "reason": replica.reason, "created_at": replica.created_at,
+            "serving_since": replica.serving_since, "last_used": last_used,
+            "idle_seconds": None if last_used is None else max(0.0, self.now - last_used),
+            "nodes": replica.nodes, "shards": shards,
+        }
+
+    # -- models --------------------------------------------------------------------------------
+
+    def models(self) -> list[dict]:
+        return self._once("models", lambda: [self._model(m) for m in sorted(self.catalog.models.values(),
+                                                                             key=lambda m: m.name)])
+
+    def _model(self, model) -> dict:
+        live = [r for r in self.live if r.model == model.name and not r.retiring]
+        serving = sum(1 for r in live if r.serving)
+        health = self.reconciler.health.get(model.name)
+        unplaceable = self.reconciler.unplaceable.get(model.name)
+        retry_in = None
+        if health is not None and health.failures and health.next_attempt > self.now:
+            retry_in = health.next_attempt - self.now
+        if model.static:
+            state = "static endpoints"
+        elif unplaceable is not None:
+            state = "cannot be placed"
+        elif retry_in is not None and serving < model.min_replicas:
+            state = "failing"
+        elif serving and serving >= max(model.min_replicas, 1):
+            state = "serving"
+        elif not live and model.on_demand:
+            state = "idle (on demand)"
+        elif live:
+            state = "starting"
+        else:
+            state = "pending"
+        profile = model.profile
+        return {
+            "name": model.name, "state": state, "declared_in": model.declared_in, "actor": model.actor,
+            "profile": model.profile_name,
+            "engine": profile.engine if profile is not None else None,
+            "gpus": profile.gpus if profile is not None else None,
+            "nodes": profile.nodes if profile is not None else None,
+            "gpu_class": profile.gpu_class if profile is not None else None,
+            "weights": str(model.source) if model.source is not None else None,
+            "disk_bytes": model.disk_bytes,
+            "scaling": {"min": model.min_replicas, "max": model.max_replicas, "on_demand": model.on_demand,
+                        "idle_timeout": model.idle_timeout},
+            "fallback": model.fallback,
+            "static": model.static,
+            "replicas": {"total": len(live), "serving": serving},
+            "unplaceable": unplaceable.summary if unplaceable is not None else None,
+            "failures": health.failures if health is not None else 0,
+            "last_failure": health.last_failure if health is not None else None,
+            "retry_in": retry_in,
+        }
+
+    # -- status (R-7.2) ------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        nodes, replicas, models = self.nodes(), self.replicas(), self.models()
+        capacity: dict[str, dict] = {}
+        gpus_unknown = []
+        for node in nodes:
+            gpus = node["gpus"]
+            if gpus is None:
+                gpus_unknown.append(node["name"])
+                continue
+            if not gpus["total"]:
+                continue
+            row = capacity.setdefault(node["gpu_class"] or "unrecognised",
+                                      {"gpu_class": node["gpu_class"], "nodes": 0, "total": 0, "used": 0,
+                                       "free": 0, "unhealthy": 0})
+            row["nodes"] += 1
+            for key in ("total", "used", "free", "unhealthy"):
+                row[key] += gpus[key]
+        node_states: dict[str, int] = {}
+        admin_states: dict[str, int] = {}
+        for node in nodes:
+            node_states[node["state"]] = node_states.get(node["state"], 0) + 1
+            admin = node["admin"]["state"]
+            admin_states[admin] = admin_states.get(admin, 0) + 1
+        live = [r for r in replicas if not r["retired"]]
+        by_state = {state: 0 for state in SHARD_STATES if state != STOPPED}
+        for replica in live:
+            by_state[replica["state"]] = by_state.get(replica["state"], 0) + 1
+        model_states: dict[str, int] = {}
+        for model in models:
+            model_states[model["state"]] = model_states.get(model["state"], 0) + 1
+        serving = [r for r in live if r["serving"]]
+        # Longest unasked-for first; a replica whose last use is unknown is listed after them.
+        idle = sorted(serving, key=lambda r: (r["last_used"] is None, r["last_used"] or 0.0, r["id"]))
+        return {
+            "generated_at": self.now,
+            "capacity": sorted(capacity.values(), key=lambda c: (c["gpu_class"] is None, c["gpu_class"] or "")),
+            "gpus_unknown": gpus_unknown,
+            "free_whole_nodes": placement.free_whole_nodes(list(self.views.values()), self.allocated),
+            "nodes": {"total": len(nodes), "by_state": node_states, "by_admin": admin_states},
+            "replicas": {"total": len(live), "serving": len(serving), "by_state": by_state,
+                         "failed_recently": sum(1 for r in replicas if r["retired"])},
+            "models": {"total": len(models), "by_state": model_states},
+            "unplaceable": [{"model": m["name"], "reason": m["unplaceable"]} for m in models if m["unplaceable"]],
+            "idle": [{"replica": r["id"], "model": r["model"], "nodes": r["nodes"], "last_used": r["last_used"],
+                      "idle_seconds": r["idle_seconds"]} for r in idle[:IDLE_LISTED]],
+            "fabrics": self.fabrics(),
+        }
+
+    def fabrics(self) -> list[dict]:
+        """What each fabric can serve without a cross-fabric copy; a shared filer counts once (R-7.2)."""
+        groups: dict[str | None, list[dict]] = {}
+        for node in self.nodes():
+            groups.setdefault(node["fabric"], []).append(node)
+        out = []
+        for fabric, members in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or "")):
+            holders: dict[str, dict] = {}
+            filers: dict[tuple, dict] = {}
+            for node in members:
+                disk = node["disk"]
+                shared = disk["shared"] if disk is not None else []
+                for fs in shared:
+                    key = _filer_key(fs)
+                    filer = filers.setdefault(key, {"fstype": fs["fstype"], "mount_point": fs["mount_point"],
+                                                    "total_bytes": fs["total_bytes"], "free_bytes": fs["free_bytes"],
+                                                    "nodes": []})
+                    filer["nodes"].append(node["name"])
+                held = self.fleet.facts[node["name"]].holdings or {}
+                for model, where in held.items():
+                    if model not in self.catalog.models:
+                        continue
+                    entry = holders.setdefault(model, {"model": model, "nodes": [], "on_shared": False})
+                    entry["nodes"].append(node["name"])
+                    if any(_inside(where.path, d) for fs in shared for d in fs["dirs"]):
+                        entry["on_shared"] = True
+            local_free = _sum_known((n["disk"] or {}).get("local_free_bytes") for n in members)
+            out.append({
+                "fabric": fabric,
+                "nodes": [n["name"] for n in members],
+                "models": sorted(holders.values(), key=lambda h: h["model"]),
+                "shared_filers": list(filers.values()),
+                "local_free_bytes": local_free,
+                "shared_free_bytes": _sum_known(f["free_bytes"] for f in filers.values()),
+            })
+        return out
+
+    # -- placement (R-3.5) ---------------------------------------------------------------------
+
+    def explain(self, model: str) -> dict:
+        explanation = self.reconciler.explain(model)
+        return explanation_json(explanation)
+
+    # -- storage (R-2.4, R-2.5) ----------------------------------------------------------------
+
+    def storage(self) -> dict:
+        nodes = []
+        filers: dict[tuple, dict] = {}
+        for node in self.nodes():
+            name = node["name"]
+            facts = self.fleet.facts[name]
+            config = self.fleet.nodes[name]
+            held = facts.holdings
+            disk = node["disk"]
+            for fs in (disk["shared"] if disk is not None else []):
+                filer = filers.setdefault(_filer_key(fs), {"fstype": fs["fstype"], "mount_point": fs["mount_point"],
+                                                           "total_bytes": fs["total_bytes"],
+                                                           "free_bytes": fs["free_bytes"], "nodes": []})
+                filer["nodes"].append(name)
+            nodes.append({
+                "node": name, "state": node["state"], "stale": node["stale"], "fabric": node["fabric"],
+                "cache_dir": self.reconciler.cache_dir(config),
+                "model_dirs": list(config.model_dirs), "shared_dirs": list(config.shared_dirs),
+                "disk": disk,
+                "holdings": None if held is None else [
+                    {"model": model, "path": where.path, "bytes": where.bytes} for model, where in sorted(held.items())],
+            })
+        return {"nodes": nodes, "shared_filers": list(filers.values())}
+
+
+def explanation_json(explanation: placement.Explanation) -> dict:
+    plan = explanation.plan
+    return {
+        "model": explanation.model,
+        "summary": explanation.summary,
+        "placeable": plan is not None,
+        "plan": None if plan is None else {
+            "fabric": plan.fabric, "reasons": list(plan.reasons),
+            "shards": [{"node": s.node, "rank": s.rank, "leader": s.rank == 0, "gpus": list(s.gpus)}
+                       for s in plan.shards],
+        },
+        "verdicts": [{"node": v.node, "fits": v.fits, "reasons": list(v.reasons), "free_gpus": v.free_gpus,
+                      "holds_weights": v.holds_weights} for v in explanation.verdicts],
+    }
+
+
+def _inside(path: str, directory: str) -> bool:
+    directory = directory.rstrip("/")
+    return path == directory or path.startswith(directory + "/")
