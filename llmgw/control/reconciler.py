@@ -52,6 +52,7 @@ class ModelHealth:
     last_failure: str | None = None
     last_log_tail: list[str] | None = None
     launches: int = 0
+    failed_on: tuple[str, ...] = ()
 
 
 class Reconciler:
@@ -212,7 +213,7 @@ class Reconciler:
     def explain(self, model_name: str) -> placement.Explanation:
         model = self.holder.current.models[model_name]
         return placement.explain_placement(model, self.node_views(), self.allocated(),
-                                           avoid=self._avoid())
+                                           avoid=self._avoid(model_name))
 
     def cache_dir(self, node: NodeConfig) -> str:
         if node.cache_dir:
@@ -407,8 +408,13 @@ class Reconciler:
 
     # -- placing and launching -----------------------------------------------------------------
 
-    def _avoid(self) -> dict[str, str]:
-        return {}
+    def _avoid(self, model: str | None = None) -> dict[str, str]:
+        """Nodes where this model's last replica just failed: tried elsewhere first."""
+        health = self.health.get(model) if model else None
+        if health is None or not health.failed_on or health.failures == 0:
+            return {}
+        return {node: f"the last replica of {model} failed there ({health.last_failure})"
+                for node in health.failed_on}
 
     def _views(self) -> tuple[list[placement.NodeView], dict[str, set[int]]]:
         """Node views and GPU allocations, built once per pass and updated as replicas are placed."""
@@ -418,11 +424,14 @@ class Reconciler:
 
     def _place(self, model: Model, now: float) -> bool:
         views, allocated = self._views()
-        plan = placement.place(model, views, allocated, avoid=self._avoid())
+        avoid = self._avoid(model.name)
+        plan = placement.place(model, views, allocated, avoid=avoid)
+        if plan is None and avoid:  # a preference, not a ban: the failed node is better than none
+            plan = placement.place(model, views, allocated)
         if plan is None:
             previous = self.unplaceable.get(model.name)
             if previous is None or now - self._explained_at.get(model.name, 0.0) > EXPLAIN_EVERY:
-                explanation = placement.explain_placement(model, views, allocated, avoid=self._avoid())
+                explanation = placement.explain_placement(model, views, allocated)
                 if previous is None:
                     log.warning("cannot place %s: %s", model.name, explanation.summary)
                 self.unplaceable[model.name] = explanation
@@ -659,6 +668,7 @@ class Reconciler:
         failed = next((s for s in replica.shards if s.state == FAILED), None)
         health.last_failure = failed.reason if failed else replica.reason
         health.last_log_tail = failed.log_tail if failed else None
+        health.failed_on = tuple(s.node for s in replica.shards if s.state == FAILED)
         replica.reason = health.last_failure
         log.warning("replica %s of %s failed: %s (attempt %d; next in %.0fs)", replica.id, replica.model,
                     health.last_failure, health.failures, health.next_attempt - now)

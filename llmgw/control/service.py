@@ -69,7 +69,9 @@ class ControlPlane:
         model = catalog.models[name]
         if model.static or model.profile is None:
             return
-        views = [dataclasses.replace(v, state=READY, state_reason=None, admin="active")
+        # An idle fleet: every node ready and uncordoned, nothing allocated, and holdings unknown
+        # (they were gathered for the previous catalog, so they say nothing about this model).
+        views = [dataclasses.replace(v, state=READY, state_reason=None, admin="active", holds=None)
                  for v in self.reconciler.node_views()]
         explanation = placement.explain_placement(model, views, {})
         if explanation.plan is None:

@@ -1,0 +1,119 @@
+"""Control plane at scale: 2,000 simulated nodes, 500 models (TARGETS.md, "Control plane at scale").
+
+Nodes are simulated (tests/unit/fake_fleet.py): this measures the control plane's own CPU —
+placement, the reconcile pass, bookkeeping — not SSH. Prints figures and their ratio to the
+targets; not a pass/fail test.
+
+    .venv/bin/python bench/reconcile_scale.py [--nodes 2000] [--models 500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmgw.catalog import Catalog, CatalogHolder  # noqa: E402
+from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, ProfileConfig  # noqa: E402
+from llmgw.control import placement  # noqa: E402
+from llmgw.control.reconciler import Reconciler  # noqa: E402
+from llmgw.fleet.facts import GPU, Inventory as InventoryFacts  # noqa: E402
+from tests.unit.fake_fleet import FakeFleet  # noqa: E402
+
+CLASSES = [("NVIDIA H100 80GB HBM3", 81559, "h100-80gb"), ("NVIDIA L40S", 46068, "l40s-48gb"),
+           ("NVIDIA A100-SXM4-80GB", 81920, "a100-80gb")]
+
+
+def build(nodes: int, models: int):
+    node_configs = [NodeConfig(name=f"n{i:04d}", host=f"h{i}", fabric=f"ib-{i % 10}",
+                               labels={"zone": f"z{i % 3}"}) for i in range(nodes)]
+    profiles = {}
+    for name, _, cls in CLASSES:
+        profiles[f"{cls}-1"] = ProfileConfig(engine="vllm", gpus=1, gpu_class=cls)
+        profiles[f"{cls}-2"] = ProfileConfig(engine="vllm", gpus=2, gpu_class=cls, min_memory_gb=64)
+        profiles[f"{cls}-4"] = ProfileConfig(engine="vllm", gpus=4, gpu_class=cls)
+    profiles["h100-2x8"] = ProfileConfig(engine="vllm", gpus=8, nodes=2, gpu_class="h100-80gb")
+    names = list(profiles)
+    configs = []
+    for i in range(models):
+        profile = "h100-2x8" if i % 50 == 0 else names[i % (len(names) - 1)]
+        configs.append(ModelConfig(name=f"model-{i:03d}", profile=profile, weights=f"hf:org/model-{i}",
+                                   disk_gb=10, scaling={"min": 2}))
+    inventory = Inventory(nodes=node_configs, profiles=profiles)
+    catalog = Catalog.build(file_models=configs, profiles=profiles)
+    fleet = FakeFleet(inventory)
+    for i, node in enumerate(node_configs):
+        name, mib, _ = CLASSES[i % len(CLASSES)]
+        facts = fleet.facts[node.name]
+        facts.inventory = InventoryFacts(hostname=node.name, boot_id="b", cpus=64, memory_bytes=512 * 1024**3,
+                                         gpus=tuple(GPU(g, None, name, mib, 0, 0, True) for g in range(8)),
+                                         nvidia_smi="ok")
+    return inventory, catalog, fleet
+
+
+async def main(nodes: int, models: int) -> None:
+    logging.disable(logging.WARNING)
+    inventory, catalog, fleet = build(nodes, models)
+    reconciler = Reconciler(CatalogHolder(catalog), fleet, None, GatewayConfig())
+    wanted = sum(m.min_replicas for m in catalog.models.values())
+
+    cpu = time.process_time()
+    reconciler.step()
+    place_cpu = time.process_time() - cpu
+    placed = len(reconciler.replicas)
+
+    cpu = time.process_time()
+    while not all(r.serving for r in reconciler.replicas.values()):
+        await asyncio.sleep(0)
+        await fleet.refresh()
+        reconciler.step()
+    settle_cpu = time.process_time() - cpu
+
+    idle = []
+    for _ in range(20):
+        start = time.perf_counter()
+        reconciler.step()
+        idle.append(time.perf_counter() - start)
+
+    views = reconciler.node_views()
+    allocated = reconciler.allocated()
+    model = catalog.models["model-001"]
+    explain = []
+    for _ in range(20):
+        start = time.perf_counter()
+        placement.explain_placement(model, views, allocated)
+        explain.append(time.perf_counter() - start)
+
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    gpus = sum(len(f.inventory.gpus) for f in fleet.facts.values())
+    print(f"control plane at scale: {nodes} nodes, {gpus} GPUs, {len(catalog.models)} models, "
+          f"{wanted} replicas wanted, {placed} placed in the first pass")
+    rows = [
+        ("placement of all replicas from empty (first pass, CPU)", place_cpu * 1000, 1000.0),
+        ("launch bookkeeping until all serve (CPU)", settle_cpu * 1000, None),
+        ("reconcile pass with nothing to do (p50)", statistics.median(idle) * 1000, 20.0),
+        ("one placement with full explanation (p50)", statistics.median(explain) * 1000, 5.0),
+        ("peak RSS (MB)", rss_mb, 250.0),
+    ]
+    print(f"{'measure':58} {'value':>10} {'target':>8} {'ratio':>7}")
+    for label, value, target in rows:
+        unit = "" if "RSS" in label else " ms"
+        ratio = f"{value / target:.2f}" if target else "-"
+        target_text = f"{target:g}{unit}" if target else "-"
+        print(f"{label:58} {value:8.1f}{unit:3} {target_text:>8} {ratio:>7}")
+    print("ratio = value / target (<= 1.00 meets the target)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=2000)
+    parser.add_argument("--models", type=int, default=500)
+    args = parser.parse_args()
+    asyncio.run(main(args.nodes, args.models))
