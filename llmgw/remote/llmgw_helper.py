@@ -29,7 +29,8 @@ JSON lines over stdin/stdout, UTF-8, one object per line.
   ``{"id", "ok": false, "error": {"kind": "<machine word>", "message": "<sentence>"}}``.
   Kinds used: bad_request (a line that is not a request), unknown_op, bad_args, internal (an
   unexpected exception; the helper keeps running), cancelled, not_found, alive, identity,
-  port_in_use, launch_failed, disk_full, http, network, empty_source.
+  port_in_use, launch_failed, disk_full, cache_dir (the cache cannot be written), http, network,
+  empty_source.
 - Streamed event, zero or more before the answer: ``{"id", "event": "<name>", "data": {...}}``.
 
 Requests are served concurrently: ping and cancel inline, every other request on its own
@@ -821,7 +822,7 @@ def reclaim_entries(cache_dir, names, collect, busy=frozenset()):
         entry = {"name": name, "path": path, "bytes": None, "action": "refused", "reason": None}
         entries.append(entry)
         reason, root_info = _check_reclaim(cache_dir, name)
-        if name in busy:
+        if _is_busy(name, busy):
             reason = "in use by a running download"
         if reason is not None:
             entry["reason"] = reason
@@ -837,6 +838,14 @@ def reclaim_entries(cache_dir, names, collect, busy=frozenset()):
             continue
         entry["action"] = "removed"
     return entries
+
+
+def _is_busy(name, busy):
+    """A running fetch holds its cache name and every temp dir made for that name."""
+    if not isinstance(name, str):
+        return False
+    temp = TEMP_NAME_RE.fullmatch(name)
+    return name in busy or (temp is not None and temp.group(1) in busy)
 
 
 def _entry_bytes(path):
@@ -868,7 +877,7 @@ def _list_cache(cache_dir, busy):
                 reason = "download in progress"
             elif weights_bytes(path) is None:
                 reason = "incomplete: no completion marker"
-        elif TEMP_NAME_RE.fullmatch(name) and name not in busy:
+        elif TEMP_NAME_RE.fullmatch(name) and not _is_busy(name, busy):
             reason = "leftover of an interrupted download"
         else:
             continue
@@ -974,10 +983,15 @@ class FetchJob(object):
         self._last_progress = 0.0
 
     def attach(self, key, emit):
+        """Add a waiter, which hears the progress so far at once; False when the download is
+        already being abandoned (the caller then starts a fresh one)."""
         with self.lock:
+            if self.abort.is_set():
+                return False
             self.listeners[key] = emit
             data = {"bytes": self.bytes, "total": self.total}
         emit("progress", data)
+        return True
 
     def detach(self, key):
         """Drop a waiter; the download is abandoned when nobody waits for it any more."""
@@ -1054,7 +1068,8 @@ class Node(object):
         self.requests_lock = threading.Lock()
         self.stuck = {}
         self.stuck_lock = threading.Lock()
-        self.fetches = {}
+        self.fetches = {}  # (cache_dir, name) -> the job new requests attach to
+        self.running_jobs = set()  # every job not yet ended, abandoned ones included
         self.fetch_lock = threading.Lock()
         self.launch_lock = threading.Lock()
         self.closing = threading.Event()
@@ -1079,7 +1094,7 @@ class Node(object):
         for ctx in contexts:
             ctx.cancelled.set()
         with self.fetch_lock:
-            jobs = list(self.fetches.values())
+            jobs = list(self.running_jobs)
         for job in jobs:
             job.abort.set()
         deadline = time.monotonic() + wait
@@ -1284,11 +1299,12 @@ class Node(object):
         key = (cache_dir, name)
         with self.fetch_lock:
             job = self.fetches.get(key)
-            start = job is None
+            start = job is None or not job.attach(ctx.key, ctx.emit)
             if start:
                 job = FetchJob(key, cache_dir, name, source, token)
                 self.fetches[key] = job
-            job.attach(ctx.key, ctx.emit)
+                self.running_jobs.add(job)
+                job.attach(ctx.key, ctx.emit)
         if start:
             job.thread = threading.Thread(target=self._run_fetch, args=(job,), name="llmgw-fetch", daemon=True)
             job.thread.start()
@@ -1304,7 +1320,7 @@ class Node(object):
 
     def busy_cache_names(self, cache_dir):
         with self.fetch_lock:
-            jobs = [job for job in self.fetches.values() if job.cache_dir == cache_dir]
+            jobs = [job for job in self.running_jobs if job.cache_dir == cache_dir]
         busy = set()
         for job in jobs:
             busy.add(job.name)
@@ -1321,7 +1337,9 @@ class Node(object):
             job.error = HelperError("internal", "%s: %s" % (type(exc).__name__, exc))
         finally:
             with self.fetch_lock:
-                self.fetches.pop(job.key, None)
+                if self.fetches.get(job.key) is job:
+                    del self.fetches[job.key]
+                self.running_jobs.discard(job)
             job.done.set()
 
     def _download(self, job):

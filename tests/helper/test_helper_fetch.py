@@ -120,6 +120,25 @@ def test_cancelling_the_only_waiter_abandons_the_download(start_helper, tls_env,
     wait_until(lambda: _leftovers(cache) == [], message="temp dir removed")
 
 
+def test_a_fetch_after_an_abandoned_one_starts_afresh(start_helper, tls_env, https_server, tmp_path):
+    gate = threading.Event()
+    body = os.urandom(32 * 1024)
+    https_server.routes["/again.bin"] = Route(body, gate=gate)
+    helper = start_helper(env=tls_env)
+    cache = tmp_path / "cache"
+    first = helper.send("fetch", _fetch_args(https_server, cache, ["/again.bin"]))
+    wait_until(lambda: https_server.gets("/again.bin") == 1, message="the first download started")
+    helper.call("cancel", {"target": first})
+    assert helper.answer(first)["error"]["kind"] == "cancelled"
+    second = helper.send("fetch", _fetch_args(https_server, cache, ["/again.bin"]))
+    wait_until(lambda: https_server.gets("/again.bin") == 2, message="a fresh download started")
+    gate.set()
+    answer = helper.answer(second, timeout=60)
+    assert answer["ok"], answer
+    assert (cache / NAME / "again.bin").read_bytes() == body
+    wait_until(lambda: _leftovers(cache) == [NAME], message="the abandoned temp dir removed")
+
+
 @pytest.mark.parametrize(
     "change, fragment",
     [

@@ -218,7 +218,10 @@ def test_listing_hides_temp_dirs_a_running_fetch_owns(layout):
     cache, _ = layout
     temp = ".tmp-%s-abc123" % NAME
     (cache / temp).mkdir()
-    assert helper.reclaim_entries(str(cache), None, collect=False, busy={NAME, temp}) == []
+    assert helper.reclaim_entries(str(cache), None, collect=False, busy={NAME}) == []
+    [entry] = helper.reclaim_entries(str(cache), [temp], collect=True, busy={NAME})
+    assert entry["action"] == "refused" and entry["reason"] == "in use by a running download"
+    assert (cache / temp).is_dir()
 
 
 def test_listing_a_missing_cache_is_empty(tmp_path):
