@@ -20,7 +20,8 @@ from llmgw.control import placement
 from llmgw.control.state import ENDED, FAILED, SHARD_STATES, STOPPED, Replica
 from llmgw.units import format_bytes
 
-IDLE_LISTED = 5  # replicas listed as "unasked-for longest" in status
+IDLE_LISTED = 5
+_PROGRESS_ORDER = {state: rank for rank, state in enumerate(SHARD_STATES)}  # replicas listed as "unasked-for longest" in status
 READY = "ready"
 
 
@@ -223,7 +224,8 @@ class Snapshot:
         elif not live and model.on_demand:
             state = "idle (on demand)"
         elif live:
-            state = "starting"
+            # Not serving yet: say how far the furthest replica got (pending, fetching, starting...).
+            state = max((r.state for r in live), key=_PROGRESS_ORDER.get)
         else:
             state = "pending"
         profile = model.profile

@@ -45,13 +45,28 @@ class Connection:
     admin: str | None
     token: str | None
     state_dir: Path | None
+    inventory: Path | None = None
     _client: AdminClient | None = None
 
     def client(self) -> AdminClient:
         if self._client is None:
-            self._client = AdminClient.discover(admin=self.admin, token=self.token, state_dir=self.state_dir,
+            state_dir = self.state_dir
+            if state_dir is None and self.inventory is not None:
+                state_dir = _inventory_state_dir(self.inventory)
+            self._client = AdminClient.discover(admin=self.admin, token=self.token, state_dir=state_dir,
                                                 actor=default_actor())
         return self._client
+
+
+def _inventory_state_dir(path: Path) -> Path:
+    """The state directory `llmgw serve -i PATH` uses (gateway.state_dir, else the default)."""
+    from llmgw.config import ConfigError, load_inventory, resolve_state_dir
+
+    try:
+        inventory, _ = load_inventory(path)
+    except ConfigError as exc:
+        raise AdminError(str(exc).splitlines()[0]) from None
+    return resolve_state_dir(inventory)
 
 
 @ctl.callback()
@@ -64,10 +79,14 @@ def connection(
                                      help="Admin token (default: the admin-token file of the state directory)."),
     state_dir: Path | None = typer.Option(None, "--state-dir", envvar="LLMGW_STATE_DIR",
                                           help="State directory of the running `llmgw serve` "
-                                               "(default: ~/.local/state/llmgw)."),
+                                               "(default: gateway.state_dir of --inventory, else "
+                                               "~/.local/state/llmgw)."),
+    inventory: Path | None = typer.Option(None, "-i", "--inventory",
+                                          help="Inventory file of the running `llmgw serve`, for its state "
+                                               "directory."),
 ) -> None:
     """Look at and steer a running gateway through its admin listener."""
-    ctx.obj = Connection(admin, token, state_dir)
+    ctx.obj = Connection(admin, token, state_dir, inventory)
 
 
 def _console() -> Console:
