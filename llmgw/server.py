@@ -76,7 +76,7 @@ class Gateway:
         self.holder = CatalogHolder(catalog)
         self.registry = CollectorRegistry()
         gateway = self.inventory.gateway
-        self.fleet = Fleet(self.inventory, self.state_dir)
+        self.fleet = Fleet(self.inventory, self.state_dir, on_state=lambda _: self._wake_reconciler())
         self.router = Router(self.holder, self.store, gateway, on_demand=self._on_demand, registry=self.registry)
         self.reconciler = Reconciler(self.holder, self.fleet, self.store, gateway,
                                      push_endpoints=self.router.set_endpoints,
@@ -102,6 +102,12 @@ class Gateway:
         gc.freeze()
         log.info("llmgw serving %d models on %d nodes; state in %s", len(catalog.models),
                  len(self.inventory.nodes), self.state_dir)
+
+    def _wake_reconciler(self) -> None:
+        # A node that (re)connects or drops is worth a pass now rather than at the next tick.
+        reconciler = getattr(self, "reconciler", None)
+        if reconciler is not None:
+            reconciler.wake()
 
     def _on_demand(self, model: str) -> None:
         self.reconciler.note_demand(model)

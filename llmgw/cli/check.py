@@ -26,9 +26,11 @@ def check(
     timeout: float = typer.Option(20.0, "--timeout", help="Seconds to wait for each node."),
     state_dir: Path | None = typer.Option(None, "--state-dir", envvar="LLMGW_STATE_DIR"),
 ) -> None:
-    """Validate an inventory file (syntax, fields, profiles, engines, fallbacks, scaling), then reach
-    every node once and print what is wrong per node. Exit code 2: the file is invalid; 1: a node
-    could not be reached."""
+    """Validate an inventory file, then reach every node once and print what is wrong per node.
+
+    The file check covers syntax, fields, profiles, engines, fallbacks and scaling. Exit code 2:
+    the file is invalid; 1: a node could not be reached.
+    """
     try:
         inv, _, catalog = load_checked(inventory)
     except ConfigError as exc:

@@ -84,6 +84,7 @@ class Reconciler:
         self._endpoints_pushed: dict[str, list[Endpoint]] | None = None
         self._run_task: asyncio.Task | None = None
         self.passes = 0
+        self.settled = False
         self._pass_views: tuple[list[placement.NodeView], dict[str, set[int]]] | None = None
         self._explained_at: dict[str, float] = {}
 
@@ -264,13 +265,29 @@ class Reconciler:
                         self._save(replica)
         self.unplaceable = {k: v for k, v in self.unplaceable.items() if k in catalog.models}
         self._pass_views = None  # built on first need, once per pass
-        for model in catalog.models.values():
-            if model.static:
-                continue
-            self._reconcile_model(model, by_model.get(model.name, []), catalog, now)
+        if self._settled(now):
+            for model in catalog.models.values():
+                if model.static:
+                    continue
+                self._reconcile_model(model, by_model.get(model.name, []), catalog, now)
         self._pass_views = None
         self._cleanup_retired(now)
         self._push()
+
+    def _settled(self, now: float) -> bool:
+        """Place nothing until every node has answered once (or the settling window is over):
+        a decision made while half the fleet is still connecting is a worse decision (R-4.5)."""
+        if self.settled:
+            return True
+        links = self.fleet.links
+        answered = all(
+            (link.state == READY and self.fleet.facts[name].inventory is not None)
+            or (link.state != READY and getattr(link, "state", None) != "connecting")
+            for name, link in links.items())
+        if answered or now - self.started_at >= self.gateway.settling_window:
+            self.settled = True
+            log.info("fleet settled: %d of %d nodes ready", sum(l.state == READY for l in links.values()), len(links))
+        return self.settled
 
     def _reconcile_model(self, model: Model, live: list[Replica], catalog: Catalog, now: float) -> None:
         active = [r for r in live if not r.draining]
