@@ -107,7 +107,8 @@ def page(path: str, content: Markup, now: float, status: int = 200) -> web.Respo
 
 
 def refused() -> web.Response:
-    body = template("refused.html").substitute(stylesheet=STYLESHEET_PATH)
+    # No stylesheet link: without the token the stylesheet is refused too.
+    body = template("refused.html").substitute()
     return web.Response(text=body, status=401, content_type="text/html", charset="utf-8",
                         headers=SECURITY_HEADERS)
 

@@ -25,7 +25,7 @@ from llmgw.cli.main import app
 
 REPO = Path(__file__).resolve().parents[2]
 DOUBLES = REPO / "tests" / "testbed" / "doubles"
-WIDTH = "250"  # wide enough that no table cell wraps
+WIDTH = "400"  # wide enough that no table cell wraps, even with testbed paths
 
 
 def free_port() -> int:
@@ -187,3 +187,129 @@ def read_until(stream, predicate, timeout: float, what: str) -> str:
                                      f"{seen.decode(errors='replace')[-3000:]}")
             seen += chunk
     return seen.decode(errors="replace")
+
+
+# -- a headless browser ------------------------------------------------------------------------------
+
+CHROMIUM = ("chromium", "chromium-browser", "google-chrome")
+
+
+def chromium_path() -> str | None:
+    import shutil
+
+    return next((found for name in CHROMIUM if (found := shutil.which(name))), None)
+
+
+@dataclass
+class PageLoad:
+    """What loading one address did: every response's status, failed requests, the final DOM."""
+
+    url: str
+    responses: list[tuple[str, int, str]]  # (url, status, resource type)
+    failures: list[tuple[str, str]]  # (url, error text)
+    html: str
+    scripts: int  # <script> elements in the DOM
+
+
+class Browser:
+    """Headless Chromium driven over the DevTools protocol (no page JavaScript is involved).
+
+        with Browser(tmp_path) as browser:
+            load = browser.load("http://127.0.0.1:8081/?token=...")
+    """
+
+    def __init__(self, profile_dir: Path):
+        self.profile_dir = profile_dir
+        self.process: subprocess.Popen | None = None
+        self._ws = None
+        self._ids = 0
+        self._events: list[dict] = []
+
+    def __enter__(self) -> Browser:
+        import asyncio
+
+        self._loop = asyncio.new_event_loop()
+        binary = chromium_path()
+        self.profile_dir.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+             "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--disable-sync",
+             "--disable-background-networking", "--disable-component-update", "--remote-debugging-port=0",
+             f"--user-data-dir={self.profile_dir}", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        active = self.profile_dir / "DevToolsActivePort"
+        wait_for(lambda: active.exists() and len(active.read_text().split()) >= 2, 30, "Chromium to start")
+        port = active.read_text().split()[0]
+        targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
+        page = next(t for t in targets if t["type"] == "page")
+        self._loop.run_until_complete(self._connect(page["webSocketDebuggerUrl"]))
+        for method in ("Page.enable", "Network.enable", "DOM.enable"):
+            self.send(method)
+        return self
+
+    async def _connect(self, url: str) -> None:
+        import aiohttp
+
+        self._session = aiohttp.ClientSession()
+        self._ws = await self._session.ws_connect(url, max_msg_size=0)
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._ws is not None:
+                self._loop.run_until_complete(self._ws.close())
+                self._loop.run_until_complete(self._session.close())
+        finally:
+            self._loop.close()
+            if self.process is not None:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+    def send(self, method: str, timeout: float = 30.0, **params) -> dict:
+        return self._loop.run_until_complete(self._send(method, params, timeout))
+
+    async def _send(self, method: str, params: dict, timeout: float) -> dict:
+        import asyncio
+
+        self._ids += 1
+        ident = self._ids
+        await self._ws.send_json({"id": ident, "method": method, "params": params})
+        async with asyncio.timeout(timeout):
+            while True:
+                message = await self._ws.receive_json()
+                if message.get("id") == ident:
+                    if "error" in message:
+                        raise AssertionError(f"{method}: {message['error']}")
+                    return message.get("result", {})
+                self._events.append(message)
+
+    def _until_event(self, name: str, timeout: float) -> None:
+        import asyncio
+
+        async def wait() -> None:
+            async with asyncio.timeout(timeout):
+                while not any(e.get("method") == name for e in self._events):
+                    self._events.append(await self._ws.receive_json())
+        self._loop.run_until_complete(wait())
+
+    def load(self, url: str, timeout: float = 30.0) -> PageLoad:
+        self._events.clear()
+        self.send("Page.navigate", url=url)
+        self._until_event("Page.loadEventFired", timeout)
+        self.send("Runtime.runIfWaitingForDebugger")  # a no-op round trip: flushes late events
+        responses, failures = [], []
+        for event in self._events:
+            params = event.get("params", {})
+            if event.get("method") == "Network.responseReceived":
+                responses.append((params["response"]["url"], params["response"]["status"], params.get("type", "")))
+            elif event.get("method") == "Network.loadingFailed":
+                failures.append((params.get("requestId"), params.get("errorText", "")))
+            elif event.get("method") == "Network.requestWillBeSent" and params.get("redirectResponse"):
+                redirect = params["redirectResponse"]
+                responses.append((redirect["url"], redirect["status"], params.get("type", "")))
+        root = self.send("DOM.getDocument", depth=-1)["root"]["nodeId"]
+        html = self.send("DOM.getOuterHTML", nodeId=root)["outerHTML"]
+        scripts = len(self.send("DOM.querySelectorAll", nodeId=root, selector="script")["nodeIds"])
+        return PageLoad(url, responses, failures, html, scripts)
+
+    def clear_cookies(self) -> None:
+        self.send("Network.clearBrowserCookies")
