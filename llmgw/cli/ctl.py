@@ -518,8 +518,8 @@ def render_storage(document: dict) -> Group:
         holds = None if node["holdings"] is None else [
             f"{h['model']} ({format_bytes(h['bytes'])}) {h['path']}" for h in node["holdings"]]
         state = node["state"] + (" (stale)" if node["stale"] else "")
-        table.add_row(_t(node["node"], "bold"), _t(state), _t(node["cache_dir"]), _lines(local), _lines(shared),
-                      _lines(holds) if holds is not None else _t(None))
+        held = _t(None) if holds is None else _lines(holds) if holds else _t("none")
+        table.add_row(_t(node["node"], "bold"), _t(state), _t(node["cache_dir"]), _lines(local), _lines(shared), held)
     parts: list[Any] = [table]
     if document["shared_filers"]:
         filers = _table("MOUNT POINT", "TYPE", "FREE/TOTAL", "MOUNTED BY", title="Shared filers (each counted once)")
