@@ -343,14 +343,16 @@ class Router:
         self._closed = False
         connector = aiohttp.TCPConnector(limit=UPSTREAM_CONNECTIONS, limit_per_host=0,
                                          keepalive_timeout=KEEPALIVE_SECONDS)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT,
-                                        sock_read=float(self.gateway.request_timeout))
+        # No sock_read: it re-arms a timer on every chunk received. The Forwarder bounds the wait
+        # for the first byte per attempt and its Watchdog ends streams gone silent after that.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT, sock_read=None)
         session = aiohttp.ClientSession(connector=connector, timeout=timeout,
                                         skip_auto_headers=("Accept-Encoding", "User-Agent"))
-        self._forwarder = Forwarder(session, self.metrics, self.usage)
+        self._forwarder = Forwarder(session, self.metrics, self.usage, float(self.gateway.request_timeout))
         if self.store is not None:
             await self._refresh_keys()
-        tasks = [asyncio.create_task(self._every(USAGE_FLUSH_SECONDS, self._flush_usage))]
+        tasks = [asyncio.create_task(self._every(USAGE_FLUSH_SECONDS, self._flush_usage)),
+                 asyncio.create_task(self._forwarder.watchdog.run())]
         if self.store is not None:
             tasks.append(asyncio.create_task(self._every(REFRESH_SECONDS, self._refresh_keys)))
         try:

@@ -9,6 +9,11 @@ event and a cut connection, so the client cannot take a truncated answer for a c
 The hot loop relays bytes as they come (`readany`) with no per-chunk parsing or logging; usage is
 taken from the tail of the stream, and the usage-only event is removed only where the client did
 not ask for it (R-6.9).
+
+Read timeouts: until the first byte, one `asyncio.timeout` per attempt. After it, a `Watchdog`
+sweeps the streams in flight once a second and ends those whose engine has been silent too long.
+aiohttp's own `sock_read` would do the same by re-arming a timer on every chunk received, which
+measured at about a third more router CPU per streamed event (bench/router_overhead.py).
 """
 
 from __future__ import annotations
@@ -30,9 +35,18 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING = 1 << 20  # an engine that never ends an event still gets relayed past this
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_MID_STREAM_ERROR = (b'\n\ndata: {"error": {"message": "the engine stopped in the middle of the answer; '
-                     b'the answer is incomplete", "type": "upstream_error", "code": "upstream_interrupted", '
-                     b'"param": null}}\n\n')
+
+
+def _mid_stream_error(message: str, code: str) -> bytes:
+    # The leading blank line ends any event the engine left half-written.
+    return (b'\n\ndata: {"error": {"message": "' + message.encode() + b'", "type": "upstream_error", '
+            b'"code": "' + code.encode() + b'", "param": null}}\n\n')
+
+
+_ENGINE_STOPPED = _mid_stream_error("the engine stopped in the middle of the answer; the answer is incomplete",
+                                    "upstream_interrupted")
+_ENGINE_SILENT = _mid_stream_error("the engine went silent in the middle of the answer (gateway.request_timeout); "
+                                   "the answer is incomplete", "upstream_timeout")
 
 
 def _connect_error(up: Upstream, exc: BaseException) -> UpstreamConnectFailed:
@@ -45,41 +59,89 @@ def _timeout(up: Upstream) -> UpstreamTimeout:
                            "nothing within the read timeout (gateway.request_timeout)")
 
 
+class _Watch:
+    __slots__ = ("resp", "progress", "seen", "since", "expired")
+
+    def __init__(self, resp: aiohttp.ClientResponse, now: float):
+        self.resp = resp
+        self.progress = 0  # bumped by the relay loop on every chunk: the cheapest sign of life
+        self.seen = 0
+        self.since = now
+        self.expired = False
+
+
+class Watchdog:
+    """Ends relayed streams whose engine has sent nothing for `timeout` seconds."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.interval = min(1.0, timeout / 4)
+        self._watches: set[_Watch] = set()
+
+    def watch(self, resp: aiohttp.ClientResponse) -> _Watch:
+        watch = _Watch(resp, time.monotonic())
+        self._watches.add(watch)
+        return watch
+
+    def forget(self, watch: _Watch) -> None:
+        self._watches.discard(watch)
+
+    def sweep(self, now: float) -> None:
+        for watch in list(self._watches):
+            if watch.progress != watch.seen:
+                watch.seen, watch.since = watch.progress, now
+            elif now - watch.since > self.timeout and not watch.expired:
+                watch.expired = True
+                watch.resp.close()  # the relay loop's read fails and ends the client's stream
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            self.sweep(time.monotonic())
+
+
 class Forwarder:
     """Sends one attempt to one endpoint and relays its answer."""
 
-    def __init__(self, session: aiohttp.ClientSession, metrics: RouterMetrics, usage: UsageMeter):
+    def __init__(self, session: aiohttp.ClientSession, metrics: RouterMetrics, usage: UsageMeter,
+                 read_timeout: float):
         self.session = session
         self.metrics = metrics
         self.usage = usage
+        self.read_timeout = read_timeout
+        self.watchdog = Watchdog(read_timeout)
 
     async def send(self, request: web.Request, up: Upstream, path: str, body: bytes, stream: bool,
                    strip_usage: bool, key_id: str) -> web.StreamResponse:
         started = time.monotonic()
-        try:
-            resp = await self.session.post(up.endpoint.url + path, data=body,
-                                           headers=up.stream_headers if stream else up.headers)
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise _connect_error(up, exc) from None
-        except asyncio.TimeoutError:
-            raise _timeout(up) from None
-        except aiohttp.ClientError as exc:
-            raise _connect_error(up, exc) from None
+        resp = None
         finished = False
         try:
-            status = resp.status
-            self.metrics.upstream_latency(up.model, time.monotonic() - started)
-            if status == 502 or status == 503:
-                raise UpstreamRefused(f"the engine of replica {up.replica_id} answered {status}")
-            if stream and status == 200 and resp.content_type == "text/event-stream":
-                response = await self._relay_stream(request, resp, up, strip_usage, key_id)
+            try:
+                async with asyncio.timeout(self.read_timeout):
+                    resp = await self.session.post(up.endpoint.url + path, data=body,
+                                                   headers=up.stream_headers if stream else up.headers)
+                    status = resp.status
+                    self.metrics.upstream_latency(up.model, time.monotonic() - started)
+                    if status == 502 or status == 503:
+                        raise UpstreamRefused(f"the engine of replica {up.replica_id} answered {status}")
+                    relay = stream and status == 200 and resp.content_type == "text/event-stream"
+                    if relay:
+                        first = await resp.content.readany()
+                        if not first:
+                            raise UpstreamConnectFailed(f"the engine of replica {up.replica_id} ended the "
+                                                        "stream before sending anything")
+                    else:
+                        answer = await resp.read()
+            except aiohttp.ConnectionTimeoutError as exc:
+                raise _connect_error(up, exc) from None
+            except TimeoutError:
+                raise _timeout(up) from None
+            except aiohttp.ClientError as exc:
+                raise _connect_error(up, exc) from None
+            if relay:
+                response = await self._relay_stream(request, resp, up, first, strip_usage, key_id)
             else:
-                try:
-                    answer = await resp.read()
-                except asyncio.TimeoutError:
-                    raise _timeout(up) from None
-                except aiohttp.ClientError as exc:
-                    raise _connect_error(up, exc) from None
                 if status == 200:
                     prompt, completion = tokens(usage_from_body(answer))
                     self._count(key_id, up.model, prompt, completion)
@@ -89,27 +151,19 @@ class Forwarder:
             finished = True
             return response
         finally:
-            if finished and resp.content.is_eof():
-                resp.release()
-            else:
-                resp.close()  # the engine sees the connection go: cancels its work (R-6.11)
+            if resp is not None:
+                if finished and resp.content.is_eof():
+                    resp.release()
+                else:
+                    resp.close()  # the engine sees the connection go: cancels its work (R-6.11)
 
     async def _relay_stream(self, request: web.Request, resp: aiohttp.ClientResponse, up: Upstream,
-                            strip: bool, key_id: str) -> web.StreamResponse:
-        readany = resp.content.readany
-        try:
-            chunk = await readany()
-        except asyncio.TimeoutError:
-            raise _timeout(up) from None
-        except aiohttp.ClientError as exc:
-            raise _connect_error(up, exc) from None
-        if not chunk:
-            raise UpstreamConnectFailed(f"the engine of replica {up.replica_id} ended the stream "
-                                        "before sending anything")
-
+                            chunk: bytes, strip: bool, key_id: str) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await response.prepare(request)
+        readany = resp.content.readany
         write = response.write
+        watch = self.watchdog.watch(resp)
         usage = None
         oldest = older = old = b""  # the last three chunks relayed: where the usage event is
         pending = b""
@@ -119,6 +173,7 @@ class Forwarder:
                     await write(chunk)
                     oldest, older, old = older, old, chunk
                     chunk = await readany()
+                    watch.progress += 1
             else:
                 while chunk:
                     if pending:
@@ -139,17 +194,21 @@ class Forwarder:
                             await write(chunk)
                             oldest, older, old = older, old, chunk
                     chunk = await readany()
+                    watch.progress += 1
                 if pending:
                     await write(pending)
-        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                # The client went away: returning closes the engine's connection (R-6.11).
+                return response
             # The engine broke after the client got bytes: nothing may be retried (R-6.6).
-            log.warning("replica %s broke a stream after its first byte: %s", up.replica_id,
-                        type(exc).__name__)
-            await self._cut(request, response)
+            log.warning("replica %s %s a stream after its first byte: %s", up.replica_id,
+                        "went silent in" if watch.expired else "broke", type(exc).__name__)
+            await self._cut(request, response, _ENGINE_SILENT if watch.expired else _ENGINE_STOPPED)
             return response
-        except ConnectionError:
-            # The client went away: returning closes the engine's connection (R-6.11).
-            return response
+        finally:
+            self.watchdog.forget(watch)
         if usage is None:
             usage = find_usage(oldest + older + old)
         prompt, completion = tokens(usage)
@@ -157,9 +216,9 @@ class Forwarder:
         return response
 
     @staticmethod
-    async def _cut(request: web.Request, response: web.StreamResponse) -> None:
+    async def _cut(request: web.Request, response: web.StreamResponse, event: bytes) -> None:
         try:
-            await response.write(_MID_STREAM_ERROR)
+            await response.write(event)
         except ConnectionError:
             return
         transport = request.transport

@@ -231,3 +231,30 @@ async def test_r6_10_static_endpoints_need_no_control_plane(engines, start_route
         answer = await client.chat.completions.create(model="static", messages=HELLO)
     assert answer.model == "upstream-name"  # the request was rewritten to the engine's name
     assert engine.counters()["requests"] == 1
+
+
+async def test_r6_6_engine_silent_before_the_first_byte_is_504_not_retried(engines, start_router):  # noqa: F811
+    hung = engines.start("m", healthy=False, bind_early=1, start_delay=600)  # accepts connections, answers nothing
+    live = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [hung.endpoint("hung"), live.endpoint("live")]},
+                            gateway=GatewayConfig(request_timeout=0.3))
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as failed:
+            await client.chat.completions.create(model="m", messages=HELLO)
+    assert failed.value.status_code == 504 and failed.value.code == "upstream_timeout"
+    assert live.counters()["requests"] == 0  # the engine may still be working: not sent twice
+
+
+async def test_r6_6_engine_silent_mid_stream_ends_the_stream_with_an_error(engines, start_router):  # noqa: F811
+    slow = engines.start("m", token_delay=30)  # the first event at once, then silence
+    gw = await start_router(catalog(model("m")), {"m": [slow.endpoint("slow")]},
+                            gateway=GatewayConfig(request_timeout=0.3))
+    async with gw.client() as client:
+        stream = await client.chat.completions.create(model="m", messages=HELLO, stream=True)
+        received = []
+        with pytest.raises((openai.APIError, httpx2.HTTPError)) as broken:
+            async for chunk in stream:
+                received.append(chunk)
+    assert len(received) == 1
+    assert "silent" in str(broken.value)
+    await apoll(lambda: gw.router.outstanding("slow") == 0, what="the request to be released")

@@ -85,7 +85,7 @@ class EngineDouble:
         return Endpoint(replica_id=replica_id or f"r-{self.name}-{self.port}", model=model or self.name,
                         url=self.url, api_key=self.key)
 
-    def start(self) -> EngineDouble:
+    def start(self, healthy: bool = True) -> EngineDouble:
         env = dict(os.environ, VLLM_API_KEY=self.key, PYTHONPATH=str(DOUBLES),
                    HOME=str(self.log_path.parent))
         for knob, value in self.knobs.items():
@@ -96,8 +96,15 @@ class EngineDouble:
              "serve", f"/weights/{self.name}", "--served-model-name", self.name, "--host", "127.0.0.1",
              "--port", str(self.port)], env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        poll(self.healthy, what=f"engine double {self.name} on port {self.port}")
+        poll(self.healthy if healthy else self.listening, what=f"engine double {self.name} on port {self.port}")
         return self
+
+    def listening(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+        except OSError:
+            return False
 
     def healthy(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
@@ -130,14 +137,15 @@ class Engines:
         self.directory = directory
         self.started: list[EngineDouble] = []
 
-    def start(self, name: str, port: int | None = None, key: str | None = None, **knobs) -> EngineDouble:
+    def start(self, name: str, port: int | None = None, key: str | None = None, healthy: bool = True,
+              **knobs) -> EngineDouble:
         port = port or free_port()
         home = self.directory / f"engine-{name}-{port}"
         home.mkdir(parents=True, exist_ok=True)
         engine = EngineDouble(name=name, port=port, key=key or f"engine-key-{name}-{port}",
                               log_path=home / "engine.log", knobs=knobs)
         self.started.append(engine)
-        return engine.start()
+        return engine.start(healthy)
 
     def close(self) -> None:
         for engine in self.started:

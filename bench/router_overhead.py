@@ -1,0 +1,432 @@
+"""What the router costs: an engine double alone vs the same engine through the router, same run.
+
+Measures, against TARGETS.md ("Router"), with authentication, balancing, usage accounting and
+metrics all on:
+  - added latency and added time-to-first-token, one client, p50/p99;
+  - requests/s at concurrency 1, 16 and 64;
+  - CPU time of the router process per request and per streamed event (from /proc/PID/stat, so
+    every thread of the router counts: the event loop, the store's writer, key reloads);
+  - 256 concurrent streams through the router, counting errors.
+Engine, router and load generator are three processes on this machine; on a 2-core machine
+they compete for CPU, so requests/s are indications, and the ratios are what to compare.
+Prints a table and ratios; not a pass/fail test.
+
+    .venv/bin/python bench/router_overhead.py [--engine aiohttp|double] [--seconds 3]
+    .venv/bin/python bench/router_overhead.py --profile /tmp/router.prof   # cProfile the router
+
+`--engine aiohttp` (default) is a minimal aiohttp engine defined here that answers at once;
+`--engine double` is the testbed's engine double (stdlib ThreadingHTTPServer), which is slower
+than the router and then bounds the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parents[1]
+DOUBLES = ROOT / "tests" / "testbed" / "doubles"
+ENGINE_KEY = "bench-engine-key"
+MODEL = "m"
+TICKS = os.sysconf("SC_CLK_TCK")
+TARGETS = {"added_p50_ms": 1.0, "added_ttft_p50_ms": 1.0, "cpu_per_request_ms": 0.4, "cpu_per_event_us": 30.0}
+
+
+# ------------------------------------------------------------------------------ the aiohttp engine
+
+def _event(content: str) -> bytes:
+    return b"data: " + json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0,
+                                   "model": MODEL, "choices": [{"index": 0, "delta": {"content": content},
+                                                                "finish_reason": None}]},
+                                  separators=(",", ":")).encode() + b"\n\n"
+
+
+TOKEN_EVENT = _event(" la")
+USAGE_EVENT = (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":0,"model":"m",'
+               b'"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":%d,"total_tokens":%d}}\n\n')
+ANSWER = json.dumps({"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": MODEL,
+                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "m heard 3 words"},
+                                  "finish_reason": "stop"}],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}},
+                    separators=(",", ":")).encode()
+
+
+async def _engine_chat(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    if not body.get("stream"):
+        return web.Response(body=ANSWER, content_type="application/json")
+    tokens = int(body.get("max_tokens") or 8)
+    delay = request.app["token_delay"]
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for _ in range(tokens):
+        await response.write(TOKEN_EVENT)
+        if delay:
+            await asyncio.sleep(delay)
+    if (body.get("stream_options") or {}).get("include_usage"):
+        await response.write(USAGE_EVENT % (tokens, tokens + 3))
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+def run_aiohttp_engine(port: int, token_delay: float) -> None:
+    app = web.Application()
+    app["token_delay"] = token_delay
+    app.router.add_post("/v1/chat/completions", _engine_chat)
+    app.router.add_get("/health", lambda request: web.Response(text="ok"))
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+# ------------------------------------------------------------------------------ a bare proxy
+
+def run_bare_proxy(port: int, engine_url: str) -> None:
+    """The floor for any aiohttp proxy: pass-through, no auth, no balancing, no accounting."""
+    headers = {"Authorization": f"Bearer {ENGINE_KEY}", "Content-Type": "application/json"}
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        data = await request.read()
+        async with request.app["session"].post(engine_url + request.path, data=data, headers=headers) as upstream:
+            if upstream.content_type != "text/event-stream":
+                return web.Response(body=await upstream.read(), status=upstream.status,
+                                    content_type=upstream.content_type)
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            return response
+
+    async def session(app):
+        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                               timeout=aiohttp.ClientTimeout(total=None))
+        yield
+        await app["session"].close()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", forward)
+    app.cleanup_ctx.append(session)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+# ------------------------------------------------------------------------------ the router process
+
+async def run_router(port: int, engine_url: str, state_dir: str, profile: str | None) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from llmgw.catalog import Catalog, CatalogHolder
+    from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig
+    from llmgw.router import RUNNER_OPTIONS, Endpoint, Router
+    from llmgw.router.keys import create_key
+    from llmgw.store import Store
+
+    store = Store.open(Path(state_dir) / "state.db")
+    _, secret = store.write_sync(lambda db: create_key(db, "bench"))
+    catalog = Catalog.build(file_models=[ModelConfig(name=MODEL, profile="p")],
+                            profiles={"p": ProfileConfig(engine="vllm")})
+    router = Router(CatalogHolder(catalog), store, GatewayConfig(), registry=CollectorRegistry())
+    router.set_endpoints({MODEL: [Endpoint("r1", MODEL, engine_url, ENGINE_KEY)]})
+    runner = web.AppRunner(router.web_app(), **RUNNER_OPTIONS)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    profiler = None
+    if profile:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
+    print("READY", secret, flush=True)
+    await stop.wait()
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile)
+    await runner.cleanup()
+    store.close()
+
+
+# ------------------------------------------------------------------------------ the load generator
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of every thread of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
+
+
+def cpu_seconds(pid: int) -> float:
+    return sum(cpu_times(pid))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class Target:
+    def __init__(self, name: str, url: str, key: str, pid: int):
+        self.name, self.url, self.key, self.pid = name, url, key, pid
+        self.headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+
+
+def body(stream: bool, max_tokens: int = 8) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "one two three"}],
+                       "stream": stream, "max_tokens": max_tokens}).encode()
+
+
+async def one(session, target: Target, payload: bytes) -> tuple[float, float, int]:
+    """(seconds to first body byte, seconds to the end, body bytes) of one request."""
+    started = time.perf_counter()
+    async with session.post(target.url + "/v1/chat/completions", data=payload, headers=target.headers) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{target.name}: HTTP {r.status}: {(await r.read())[:200]!r}")
+        first = None
+        size = 0
+        while True:
+            chunk = await r.content.readany()
+            if first is None:
+                first = time.perf_counter()
+            if not chunk:
+                break
+            size += len(chunk)
+    return first - started, time.perf_counter() - started, size
+
+
+async def latency(session, target: Target, count: int, stream: bool) -> list[float]:
+    for _ in range(20):  # warm up connections
+        await one(session, target, body(stream))
+    out = []
+    payload = body(stream)
+    for _ in range(count):
+        ttfb, total, _ = await one(session, target, payload)
+        out.append(ttfb if stream else total)
+    return out
+
+
+async def throughput(session, target: Target, concurrency: int, seconds: float, payload: bytes) -> dict:
+    deadline = time.perf_counter() + seconds
+    done = errors = 0
+
+    async def worker():
+        nonlocal done, errors
+        while time.perf_counter() < deadline:
+            try:
+                await one(session, target, payload)
+                done += 1
+            except Exception:
+                errors += 1
+
+    user, system = cpu_times(target.pid)
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    user_after, system_after = cpu_times(target.pid)
+    return {"rps": done / elapsed, "requests": done, "errors": errors,
+            "cpu": user_after - user + system_after - system, "system": system_after - system}
+
+
+async def streams_at_once(session, target: Target, count: int, tokens: int) -> tuple[int, int, float]:
+    async def stream():
+        _, _, size = await one(session, target, body(True, tokens))
+        return size
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(stream() for _ in range(count)), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    complete = [r for r in results if not isinstance(r, BaseException)]
+    return len(complete), len(errors), time.perf_counter() - started
+
+
+def start_process(argv: list[str], env: dict | None = None, ready=None) -> subprocess.Popen:
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def wait_healthy_post(url: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{url} did not come up")
+            time.sleep(0.05)
+
+
+def wait_healthy(url: str, timeout: float = 20.0) -> None:
+    import urllib.request
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{url} did not come up")
+            time.sleep(0.05)
+
+
+async def bench(args) -> None:
+    processes = []
+    try:
+        engine_port = free_port()
+        if args.engine == "aiohttp":
+            engine = start_process([sys.executable, __file__, "_engine", "--port", str(engine_port),
+                                    "--token-delay", str(args.token_delay)])
+        else:
+            env = dict(os.environ, VLLM_API_KEY=ENGINE_KEY, PYTHONPATH=str(DOUBLES),
+                       ENGINE_DOUBLE_TOKEN_DELAY=str(args.token_delay))
+            engine = start_process([sys.executable, "-c", "import engine_double; engine_double.entry_point('vllm', None)",
+                                    "serve", "/weights/m", "--served-model-name", MODEL, "--host", "127.0.0.1",
+                                    "--port", str(engine_port)], env=env)
+        processes.append(engine)
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        wait_healthy(engine_url + "/health")
+
+        router_port = free_port()
+        state = tempfile.mkdtemp(prefix="llmgw-bench-")
+        router_argv = [sys.executable, __file__, "_router", "--port", str(router_port), "--engine-url", engine_url,
+                       "--state", state]
+        if args.profile:
+            router_argv += ["--profile", args.profile]
+        router = start_process(router_argv, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        processes.append(router)
+        line = router.stdout.readline().split()
+        if not line or line[0] != "READY":
+            raise SystemExit("the router did not start")
+        bare_port = free_port()
+        bare = start_process([sys.executable, __file__, "_bare", "--port", str(bare_port), "--engine-url", engine_url])
+        processes.append(bare)
+        bare_url = f"http://127.0.0.1:{bare_port}"
+        await asyncio.to_thread(wait_healthy_post, bare_url)
+        direct = Target("engine", engine_url, ENGINE_KEY, engine.pid)
+        floor = Target("bare", bare_url, ENGINE_KEY, bare.pid)
+        routed = Target("router", f"http://127.0.0.1:{router_port}", line[1], router.pid)
+
+        targets = (direct, floor, routed)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            rows = []
+            lat = {t.name: await latency(session, t, args.count, stream=False) for t in targets}
+            ttft = {t.name: await latency(session, t, args.count, stream=True) for t in targets}
+            for label, values in (("latency, 1 client", lat), ("time to first token, 1 client", ttft)):
+                for q in (0.5, 0.99):
+                    ms = {name: percentile(v, q) * 1e3 for name, v in values.items()}
+                    rows.append((f"{label} p{int(q * 100)} (ms)", f"{ms['engine']:.3f}", f"{ms['bare']:.3f}",
+                                 f"{ms['router']:.3f}", f"+{ms['router'] - ms['engine']:.3f}"))
+            added_p50 = percentile(lat["router"], 0.5) - percentile(lat["engine"], 0.5)
+            added_ttft = percentile(ttft["router"], 0.5) - percentile(ttft["engine"], 0.5)
+
+            cpu_per_request = {}
+            for concurrency in (1, 16, 64):
+                runs = {t.name: await throughput(session, t, concurrency, args.seconds, body(False)) for t in targets}
+                per = {name: r["cpu"] / max(r["requests"], 1) for name, r in runs.items()}
+                cpu_per_request[concurrency] = per
+                rows.append((f"requests/s, concurrency {concurrency}", *(f"{runs[n]['rps']:.0f}" for n in runs),
+                             f"x{runs['router']['rps'] / runs['engine']['rps']:.2f}"))
+                rows.append((f"  CPU per request, c={concurrency} (ms)", *(f"{per[n] * 1e3:.3f}" for n in runs),
+                             f"{runs['router']['system'] / max(runs['router']['cpu'], 1e-9):.0%} sys"))
+                errors = {n: r["errors"] for n, r in runs.items()}
+                if any(errors.values()):
+                    rows.append(("  errors", *(str(e) for e in errors.values()), ""))
+
+            tokens = args.stream_tokens
+            runs = {t.name: await throughput(session, t, 16, args.seconds, body(True, tokens)) for t in targets}
+            # events per stream: the tokens, [DONE], and for the router the usage event it strips
+            events = {"engine": tokens + 1, "bare": tokens + 1, "router": tokens + 2}
+            per_event = {n: (r["cpu"] - r["requests"] * cpu_per_request[16][n]) / max(r["requests"] * events[n], 1)
+                         for n, r in runs.items()}
+            rows.append((f"streams/s ({tokens} events each), c=16", *(f"{r['rps']:.0f}" for r in runs.values()),
+                         f"x{runs['router']['rps'] / runs['engine']['rps']:.2f}"))
+            rows.append(("  CPU per stream (ms)", *(f"{r['cpu'] / max(r['requests'], 1) * 1e3:.3f}" for r in runs.values()),
+                         f"{runs['router']['system'] / max(runs['router']['cpu'], 1e-9):.0%} sys"))
+            rows.append(("  CPU per streamed event (µs)", *(f"{v * 1e6:.1f}" for v in per_event.values()), ""))
+
+            complete, errors, took = await streams_at_once(session, routed, 256, 50)
+            rows.append(("256 concurrent streams via router", "", "", f"{complete} ok, {errors} err", f"{took:.2f} s"))
+
+        width = max(len(r[0]) for r in rows)
+        print(f"\nengine: {args.engine} (token delay {args.token_delay * 1e3:g} ms); {os.cpu_count()} CPUs; "
+              f"{args.count} sequential requests per latency row; {args.seconds:g} s per throughput row")
+        print("CPU is the serving process's user+system time (all threads) over the run, per request or event;"
+              " per event = (stream CPU - requests x CPU per plain request) / events\n")
+        print(f"{'':{width}}  {'engine':>10}  {'bare proxy':>10}  {'router':>14}  {'router vs engine':>16}")
+        for name, a, b, c, d in rows:
+            print(f"{name:{width}}  {a:>10}  {b:>10}  {c:>14}  {d:>16}")
+        print("\nagainst TARGETS.md (router, everything on):")
+        for label, value, floor_value, target, unit in (
+                ("added latency p50", added_p50 * 1e3, None, TARGETS["added_p50_ms"], "ms"),
+                ("added time to first token p50", added_ttft * 1e3, None, TARGETS["added_ttft_p50_ms"], "ms"),
+                ("CPU per request (c=16)", cpu_per_request[16]["router"] * 1e3, cpu_per_request[16]["bare"] * 1e3,
+                 TARGETS["cpu_per_request_ms"], "ms"),
+                ("CPU per streamed event", per_event["router"] * 1e6, per_event["bare"] * 1e6,
+                 TARGETS["cpu_per_event_us"], "µs")):
+            verdict = "met" if value <= target else "MISSED"
+            floor_text = f" (bare proxy {floor_value:.3f}, ratio x{value / floor_value:.2f})" if floor_value else ""
+            print(f"  {label:30} {value:8.3f} {unit}  target <= {target:g} {unit}  {verdict}{floor_text}")
+    finally:
+        for process in reversed(processes):
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_engine":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("_engine")
+        parser.add_argument("--port", type=int, required=True)
+        parser.add_argument("--token-delay", type=float, default=0.0)
+        args = parser.parse_args()
+        run_aiohttp_engine(args.port, args.token_delay)
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_bare":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("_bare")
+        parser.add_argument("--port", type=int, required=True)
+        parser.add_argument("--engine-url", required=True)
+        args = parser.parse_args()
+        run_bare_proxy(args.port, args.engine_url)
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_router":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("_router")
+        parser.add_argument("--port", type=int, required=True)
+        parser.add_argument("--engine-url", required=True)
+        parser.add_argument("--state", required=True)
+        parser.add_argument("--profile")
+        args = parser.parse_args()
+        asyncio.run(run_router(args.port, args.engine_url, args.state, args.profile))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=["aiohttp", "double"], default="aiohttp")
+    parser.add_argument("--count", type=int, default=500, help="sequential requests per latency measurement")
+    parser.add_argument("--seconds", type=float, default=3.0, help="duration of each throughput run")
+    parser.add_argument("--token-delay", type=float, default=0.001,
+                        help="seconds between streamed events (so that each arrives on its own)")
+    parser.add_argument("--stream-tokens", type=int, default=64)
+    parser.add_argument("--profile", help="write a cProfile of the router process to this file")
+    asyncio.run(bench(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
