@@ -143,12 +143,17 @@ def reclaim_summary(answer: dict) -> str:
     entries = [e for n in answer["nodes"] for e in n["entries"]]
     nodes = sum(1 for n in answer["nodes"] if n["entries"])
     size = sum(e.get("bytes") or 0 for e in entries)
+    on_nodes = f"on {nodes} node{'s' if nodes != 1 else ''}"
     if answer["collect"]:
         removed = sum(1 for e in entries if e.get("action") == "removed")
-        return (f"asked to remove {answer['asked_to_remove']} cache entries ({format_bytes(size)}) on {nodes} "
-                f"node{'s' if nodes != 1 else ''}; the nodes report {removed} removed — each node checks "
-                f"every path again and decides")
+        return (f"asked to remove {_entries(answer['asked_to_remove'])} ({format_bytes(size)}) {on_nodes}; the "
+                f"nodes report {removed} removed — each node checks every path again and decides")
     if not entries:
         return "nothing to reclaim: every cache entry is wanted by a model of the catalog"
-    return (f"{len(entries)} cache entries ({format_bytes(size)}) on {nodes} node{'s' if nodes != 1 else ''} "
-            f"are wanted by no model of the catalog; `llmgw ctl reclaim --collect` asks the nodes to remove them")
+    return (f"{_entries(len(entries))} ({format_bytes(size)}) {on_nodes} "
+            f"{'is' if len(entries) == 1 else 'are'} wanted by no model of the catalog; "
+            f"`llmgw ctl reclaim --collect` asks the nodes to remove {'it' if len(entries) == 1 else 'them'}")
+
+
+def _entries(count: int) -> str:
+    return f"{count} cache {'entry' if count == 1 else 'entries'}"

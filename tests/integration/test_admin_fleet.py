@@ -257,10 +257,10 @@ def test_reclaim_lists_then_asks_to_remove_only_what_llmgw_fetched(fleet):
     assert ("gpu3", STALE_ENTRY) in entries
     assert not any(name == FOREIGN_ENTRY for _, name in entries)
     out = fleet.ctl("reclaim").stdout
-    assert STALE_ENTRY in out and "`llmgw ctl reclaim --collect` asks the nodes to remove them" in out
+    assert STALE_ENTRY in out and "`llmgw ctl reclaim --collect` asks the nodes to remove it" in out
     collected = fleet.ctl("reclaim", "--collect")
     assert collected.exit_code == 0
-    assert re.search(r"asked to remove 1 cache entries \(65\.\d KB\) on 1 node; the nodes report 1 removed",
+    assert re.search(r"asked to remove 1 cache entry \(65\.\d KB\) on 1 node; the nodes report 1 removed",
                      collected.stdout), collected.stdout
     cache = fleet.testbed.node("gpu3").host_path(fleet.testbed.node("gpu3").cache_dir)
     assert not (cache / STALE_ENTRY).exists() and (cache / FOREIGN_ENTRY).exists()
