@@ -35,6 +35,7 @@ FAILURE_BACKOFF_CAP = 300.0
 UNHEALTHY_PROBES = 3  # consecutive failed health probes before a serving shard is failed
 PORT_ATTEMPTS = 8
 RETIRED_KEEP = 600.0  # how long a failed replica stays visible after it stopped
+LOG_TAIL_LINES = 50
 EXPLAIN_EVERY = 10.0  # seconds between full explanations of a model that does not fit
 
 
@@ -657,6 +658,8 @@ class Reconciler:
             if link is None:
                 break
             if link.state == READY:
+                if failed and shard.log_tail is None:
+                    await self._keep_log_tail(replica, shard)
                 try:
                     await self.fleet.call(shard.node, "stop", {"shard_id": shard.id, "grace": STOP_GRACE},
                                           timeout=STOP_GRACE + 30)
@@ -675,6 +678,20 @@ class Reconciler:
             attempt += 1
         if not failed:
             shard.set_state(STOPPED)
+        self._save(replica)
+
+    async def _keep_log_tail(self, replica: Replica, shard: Shard) -> None:
+        """A shard failed while its engine still ran (e.g. start timeout): read its log before
+        stopping it, so the failure carries the tail like an engine that exited (R-4.2, R-4.8)."""
+        try:
+            answer = await self.fleet.call(shard.node, "logs", {"shard_id": shard.id, "lines": LOG_TAIL_LINES},
+                                           timeout=30)
+        except NodeError:
+            return
+        shard.log_tail = list(answer.get("lines") or [])
+        health = self.health.get(replica.model)
+        if health is not None and health.last_log_tail is None:
+            health.last_log_tail = shard.log_tail
         self._save(replica)
 
     def _record_failure(self, replica: Replica, now: float) -> None:

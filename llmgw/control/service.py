@@ -71,7 +71,12 @@ class ControlPlane:
             return
         # An idle fleet: every node ready and uncordoned, nothing allocated, and holdings unknown
         # (they were gathered for the previous catalog, so they say nothing about this model).
+        # A node that has not reported its GPUs yet could hold any number: it is not excluded.
+        unknown_gpus = tuple(placement.GPUView(i, True) for i in range(model.profile.gpus))
         views = [dataclasses.replace(v, state=READY, state_reason=None, admin="active", holds=None)
+                 if v.gpus is not None else
+                 dataclasses.replace(v, state=READY, state_reason=None, admin="active", holds=None,
+                                     gpus=unknown_gpus, gpu_class=v.gpu_class or model.profile.gpu_class)
                  for v in self.reconciler.node_views()]
         explanation = placement.explain_placement(model, views, {})
         if explanation.plan is None:

@@ -75,6 +75,21 @@ class GatewayProcess:
         out = subprocess.run(argv, capture_output=True, text=True, env=self.env, check=True, timeout=60).stdout
         return next(word for word in out.split() if word.startswith("sk-"))
 
+    def admin(self, path: str, method: str = "GET", body=None):
+        """Call the admin API with the token from the state directory; returns (status, JSON)."""
+        import json
+        import urllib.error
+
+        token = (self.state_dir / "admin-token").read_text().strip()
+        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        request = urllib.request.Request(f"http://127.0.0.1:{self.admin_port}{path}", data=data, method=method,
+                                         headers={"Authorization": f"Bearer {token}"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
     def stop(self, timeout: float = 30) -> int:
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
