@@ -79,7 +79,8 @@ async def _guard(request: web.Request, handler) -> web.StreamResponse:
             if not _same(offered, token):
                 return dashboard.refused()
             # Trade the token in the URL for a cookie, and drop it from the address bar and history.
-            response = web.Response(status=303, headers={"Location": request.path, "Cache-Control": "no-store",
+            rest = request.rel_url.with_query([(k, v) for k, v in request.query.items() if k != "token"])
+            response = web.Response(status=303, headers={"Location": str(rest), "Cache-Control": "no-store",
                                                          "Referrer-Policy": "no-referrer"})
             response.set_cookie(COOKIE, cookie_value(token), httponly=True, samesite="Strict", path="/")
             return response

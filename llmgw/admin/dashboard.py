@@ -191,11 +191,7 @@ def replicas_page(snapshot: Snapshot) -> Markup:
     for replica in snapshot.replicas():
         shards = []
         for shard in replica["shards"]:
-            gpus = ",".join(str(g) for g in shard["gpus"]) or "no GPUs"
-            shard_text = f"#{shard['rank']} {shard['node']} [{gpus}] {shard['state']}"
-            if shard["reason"]:
-                shard_text += f": {shard['reason']}"
-            shards.append(tag("div", shard_text))
+            shards.append(tag("div", text.shard_line(shard)))
             if shard["progress"] is not None:
                 shards.append(tag("div", shard["progress"]["line"], "progress"))
             if shard["log_tail"]:

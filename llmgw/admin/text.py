@@ -124,6 +124,14 @@ def idle_for(entry: dict) -> str:
     return UNKNOWN if entry["idle_seconds"] is None else format_duration(entry["idle_seconds"])
 
 
+def shard_line(shard: dict) -> str:
+    """`shard 0 on gpu1 (GPUs 0,1) port 20000: serving since 12:00:01`, with the reason if any."""
+    gpus = "GPUs " + ",".join(str(g) for g in shard["gpus"]) if shard["gpus"] else "no GPUs"
+    port = f" port {shard['port']}" if shard["port"] else ""
+    line = f"shard {shard['rank']} on {shard['node']} ({gpus}){port}: {shard['state']} since {clock(shard['state_since'])}"
+    return line + (f": {shard['reason']}" if shard["reason"] else "")
+
+
 def holds(value: bool | None) -> str:
     return UNKNOWN if value is None else "yes" if value else "no"
 

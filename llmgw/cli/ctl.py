@@ -288,18 +288,13 @@ def render_replicas(document: dict) -> Text:
         details = []
         if replica["serving_since"] is not None:
             details.append(f"serving since {words.clock(replica['serving_since'])}")
-        details.append(f"unasked-for {words.idle_for(replica)}")
+        if replica["serving"]:
+            details.append(f"unasked-for {words.idle_for(replica)}")
         if replica["reason"]:
             details.append(replica["reason"])
         out.append("  " + " · ".join(details) + "\n")
         for shard in replica["shards"]:
-            gpus = "GPUs " + ",".join(str(g) for g in shard["gpus"]) if shard["gpus"] else "no GPUs"
-            port = f" port {shard['port']}" if shard["port"] else ""
-            line = (f"  shard {shard['rank']} on {shard['node']} ({gpus}){port}: {shard['state']} since "
-                    f"{words.clock(shard['state_since'])}")
-            if shard["reason"]:
-                line += f": {shard['reason']}"
-            out.append(line + "\n")
+            out.append(f"  {words.shard_line(shard)}\n")
             if shard["progress"] is not None:
                 # Progress is a line under the replica, not a column.
                 out.append(f"    {shard['progress']['line']}\n", style="cyan")

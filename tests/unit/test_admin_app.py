@@ -72,6 +72,8 @@ async def test_dashboard_trades_the_token_for_a_cookie(admin):
     cookie = traded.cookies[COOKIE]
     assert cookie["httponly"] and cookie["samesite"] == "Strict"
     assert TOKEN not in cookie.value  # the cookie is not the API token
+    kept = await client.get(f"/usage?since=7d&token={TOKEN}", allow_redirects=False)
+    assert kept.headers["Location"] == "/usage?since=7d"  # only the token leaves the address
     page = await client.get("/nodes")  # the client's cookie jar sends it back
     assert page.status == 200
     assert "gpu1" in await page.text()
