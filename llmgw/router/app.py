@@ -237,12 +237,15 @@ class Router:
         if stream:
             options = document.get("stream_options")
             if options is None:
-                # Ask the engine for usage without re-encoding the request: the body is a
-                # JSON object without that key, so the key can go first.
-                start = body.index(b"{")
-                body = _STREAM_USAGE + body[start + 1:]
                 document["stream_options"] = {"include_usage": True}
                 strip_usage = True
+                # Ask the engine for usage without re-encoding the request: the body is a
+                # JSON object without that key, so the key can go first.
+                start = body.find(b"{")
+                if start >= 0 and not body[:start].strip():
+                    body = _STREAM_USAGE + body[start + 1:]
+                else:  # a byte-order mark or another encoding: re-encode
+                    body = json.dumps(document).encode()
             elif type(options) is dict and options.get("include_usage") is not True:
                 options["include_usage"] = True
                 body = json.dumps(document).encode()
@@ -282,7 +285,7 @@ class Router:
                 waited_since = now
             up = self._acquire(catalog, model, now, tried)
             if up is None:
-                if model.on_demand and not self.balancer.has_endpoints(model.name):
+                if model.on_demand and self._on_demand is not None and not self.balancer.has_endpoints(model.name):
                     await self._wait_for(model.name, waited_since or now)
                     continue
                 # Every endpoint is ejected: a recently failed one beats a certain 503.

@@ -90,6 +90,12 @@ class UpstreamRefused(RouterError):
     retryable_before_first_byte = True
 
 
+class UpstreamRejectedKey(RouterError):
+    """The engine refused the replica's key: the router's configuration, not the client's key."""
+
+    status, type, code = 502, "upstream_error", "upstream_auth_failed"
+
+
 class UpstreamFailed(RouterError):
     """Every attempt failed; what the client gets once retries are spent."""
 

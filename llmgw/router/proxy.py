@@ -26,7 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from llmgw.router.balancer import Upstream
-from llmgw.router.errors import UpstreamConnectFailed, UpstreamRefused, UpstreamTimeout
+from llmgw.router.errors import UpstreamConnectFailed, UpstreamRefused, UpstreamRejectedKey, UpstreamTimeout
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.usage import (UsageMeter, complete_events_end, find_usage, strip_usage_event, tokens,
                                 usage_from_body)
@@ -125,6 +125,9 @@ class Forwarder:
                     self.metrics.upstream_latency(up.model, time.monotonic() - started)
                     if status == 502 or status == 503:
                         raise UpstreamRefused(f"the engine of replica {up.replica_id} answered {status}")
+                    if status == 401:  # passed on, it would tell the client its own key is wrong
+                        raise UpstreamRejectedKey(f"the engine of replica {up.replica_id} refused the "
+                                                  "router's engine key; check the replica's api key")
                     relay = stream and status == 200 and resp.content_type == "text/event-stream"
                     if relay:
                         first = await resp.content.readany()

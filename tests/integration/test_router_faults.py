@@ -258,3 +258,21 @@ async def test_r6_6_engine_silent_mid_stream_ends_the_stream_with_an_error(engin
     assert len(received) == 1
     assert "silent" in str(broken.value)
     await apoll(lambda: gw.router.outstanding("slow") == 0, what="the request to be released")
+
+
+async def test_engine_refusing_the_replica_key_is_not_the_clients_401(engines, start_router):  # noqa: F811
+    engine = engines.start("m")
+    wrong = Endpoint("r", "m", engine.url, "not-the-engine-key")
+    gw = await start_router(catalog(model("m")), {"m": [wrong]})
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as failed:
+            await client.chat.completions.create(model="m", messages=HELLO)
+    assert failed.value.status_code == 502 and failed.value.code == "upstream_auth_failed"
+
+
+async def test_r6_8_on_demand_without_a_control_plane_does_not_wait(start_router):  # noqa: F811
+    gw = await start_router(catalog(model("lazy", on_demand=True)), gateway=GatewayConfig(on_demand_wait=3600))
+    async with gw.client() as client:
+        with pytest.raises(openai.InternalServerError) as refused:
+            await client.chat.completions.create(model="lazy", messages=HELLO)
+    assert refused.value.code == "no_capacity"

@@ -85,3 +85,38 @@ async def test_r6_9_explicit_include_usage_false_is_stripped(engines, start_rout
                                     "stream_options": {"include_usage": False}})
     assert all(e["choices"] for e in events)
     assert gw.registry.get_sample_value("llmgw_router_tokens_total", {"model": "m", "kind": "prompt"}) == 3
+
+
+async def test_r6_9_usage_event_cut_between_reads_is_still_stripped(start_router):  # noqa: F811
+    """An engine whose usage event arrives in two pieces, with `"choices": []` spelt with a space."""
+    import asyncio
+
+    from aiohttp import web
+
+    from llmgw.router import Endpoint
+
+    content = b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+    usage = b'data: {"id": "x", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 6}}\n\n'
+    cut = usage.index(b"choices") + 3
+
+    async def chat(request):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for piece in (content, usage[:cut], usage[cut:], b"data: [DONE]\n\n"):
+            await response.write(piece)
+            await asyncio.sleep(0.02)  # shapes the fault: each piece is its own read at the router
+        return response
+
+    engine = web.Application()
+    engine.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(engine)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        gw = await start_router(catalog(model("m")), {"m": [Endpoint("r", "m", url, None)]})
+        events = await _sse_events(gw, {"model": "m", "messages": HELLO, "stream": True})
+        assert events == [{"choices": [{"index": 0, "delta": {"content": "hi"}}]}]
+        assert gw.registry.get_sample_value("llmgw_router_tokens_total", {"model": "m", "kind": "completion"}) == 6
+    finally:
+        await runner.cleanup()

@@ -22,6 +22,7 @@ from llmgw.router.errors import error_response, from_http_exception
     pytest.param(errors.UpstreamConnectFailed("x"), 502, "upstream_unavailable", True, id="502-connect"),
     pytest.param(errors.UpstreamRefused("x"), 502, "upstream_unavailable", True, id="502-refused"),
     pytest.param(errors.UpstreamFailed("x"), 502, "upstream_unavailable", False, id="502-spent"),
+    pytest.param(errors.UpstreamRejectedKey("x"), 502, "upstream_auth_failed", False, id="502-engine-key"),
     pytest.param(errors.UpstreamTimeout("x"), 504, "upstream_timeout", False, id="504"),
     pytest.param(errors.InternalError("x"), 500, "internal_error", False, id="500"),
 ])
