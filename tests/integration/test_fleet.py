@@ -25,6 +25,7 @@ SPECS = [
     NodeSpec("gpu2", gpus=[GPU.h100(), GPU.h100(ecc_errors=3), GPU.h100(lost=True), GPU.h100(apps=((4242, 4096),))],
              fabric="ib-a", mem_gb=None),
     NodeSpec("cpu1", gpus=None, mem_gb=8, cache_mb=32),
+    NodeSpec.gpu_node("l40s1", 2, gpu=GPU.l40s(), fabric="ib-b", mem_gb=128),
 ]
 
 
@@ -69,6 +70,7 @@ async def test_facts_from_every_node(bed, inventory, tmp_path):
         assert not health[2][0] and "lost" in health[2][1].lower()
         assert not health[3][0] and "4242" in health[3][1]  # memory held by a foreign process
         assert cpu1.inventory.gpus == () and cpu1.inventory.nvidia_smi == "absent"  # R-2.1
+        assert fleet.facts["l40s1"].inventory.gpu_class == "l40s-48gb"
         cache = gpu1.storage.filesystem_of(str(bed["gpu1"].cache_dir))
         assert cache is not None and cache.fstype == "tmpfs" and not cache.shared
         assert cache.total_bytes == 64 * 1024**2
@@ -182,3 +184,32 @@ def test_helper_run_and_check_commands(bed, tmp_path):
         bed.restore("cpu1")
     assert check.returncode == 1
     assert "cpu1" in check.stdout and "unreachable" in check.stdout
+
+
+async def test_engine_survives_the_link_dropping_and_is_seen_again(bed, inventory):
+    """R-4.4: engines run detached from the SSH session and are recognised after a reconnect."""
+    link = SSHLink(inventory.node("l40s1"), inventory.ssh)
+    link.start()
+    try:
+        assert await link.wait_ready(30)
+        launched = await link.call("launch", {
+            "shard_id": "survivor-0", "argv": ["vllm", "serve", "m", "--port", "20050", "--served-model-name", "m"],
+            "env": {"VLLM_API_KEY": "k"}, "port": 20050, "host": "0.0.0.0",
+            "health_url": "http://127.0.0.1:20050/health", "gpus": [0]})
+        connects = link.connects
+        bed.run("l40s1", ["pkill", "-f", "sshd: root@notty"])  # the SSH session is gone, helper with it
+        await poll(lambda: link.connects > connects and link.state == READY, 30, "reconnect")
+        deadline = time.monotonic() + 30
+        while True:
+            status = await link.call("status", {"probe": True})
+            shard = next(s for s in status["shards"] if s["shard_id"] == "survivor-0")
+            if shard["health"] and shard["health"]["status"] == 200 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        assert shard["alive"] and shard["pid"] == launched["pid"] and shard["start_time"] == launched["start_time"]
+        assert shard["health"]["status"] == 200
+        stopped = await link.call("stop", {"shard_id": "survivor-0", "grace": 5})
+        assert stopped["was_alive"] and stopped["stopped"]
+        await link.call("forget", {"shard_id": "survivor-0"})
+    finally:
+        await link.close()
