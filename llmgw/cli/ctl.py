@@ -598,6 +598,7 @@ def logs(ctx: typer.Context,
                 sys.stdout.flush()
         except KeyboardInterrupt:
             return
+        typer.echo("the log stream ended: the gateway closed it (stopping or restarting?)", err=True)
 
 
 def render_usage(report: dict) -> Group:

@@ -420,6 +420,18 @@ def test_cordon_drain_uncordon(gw):
     assert gw.ctl("cordon", "nosuch").stderr == "error: no node named 'nosuch'\n"
 
 
+def test_sigterm_ends_log_followers_and_exits_cleanly(gw):
+    """Runs last against this gateway: it stops it, with a `logs -f` still attached."""
+    chat = replica_of(gw, "chat")
+    follower = gw.ctl_process("logs", chat["id"], "-f")
+    read_until(follower.stdout, lambda text: "GET /health" in text, 30, "the first followed lines")
+    gw.stop(timeout=10)  # well inside the 15 s grace: the follow is ended, not waited for
+    assert gw.process.returncode == 0
+    assert follower.wait(10) == 0
+    assert "the log stream ended" in follower.stderr.read().decode()
+    assert "shutting down" in gw.log()
+
+
 # -- the embedded default (R-9.2) -------------------------------------------------------------------
 
 
