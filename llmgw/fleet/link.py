@@ -147,7 +147,11 @@ class NodeLink:
 
     def _set_state(self, state: str, reason: str | None = None) -> None:
         if state != self.state or reason != self.reason:
-            self.since = time.time()
+            if (state == READY) != (self.state == READY):
+                # Since it became ready, or since it is down: the retries of a node that stays
+                # down (connecting, unreachable, connecting...) do not restart the clock, or its
+                # replicas would never outlast the settling window.
+                self.since = time.time()
             if state == READY:
                 log.info("%s: ready (helper %s)", self.name, (self.hello or {}).get("version"))
             elif state == CONNECTING:
