@@ -209,7 +209,7 @@ DEFAULT_LOG_LINES = 100
 MAX_LOG_LINES = 100000
 LOG_TAIL_LINES = 50
 LOG_FOLLOW_INTERVAL = 0.1
-LAUNCH_TIMEOUT = 15.0
+LAUNCH_TIMEOUT = 30.0
 KILL_WAIT = 5.0
 WALK_LIMIT = 200000
 HTTP_TIMEOUT = 60.0
@@ -1619,6 +1619,9 @@ class Node(object):
                 time.sleep(0.005)
             if state is None:
                 state = _read_json(state_path)
+            if state is None and supervisor.returncode is None:
+                # Too late to report a start: end it rather than leave an engine nobody knows of.
+                _signal_groups([supervisor.pid], signal.SIGKILL)
         if state is None:
             tail = " | ".join(tail_lines(log_path, 5))
             raise HelperError("launch_failed", "the supervisor of %s did not record a start: %s" % (shard_id, tail or "no log"))
@@ -2134,7 +2137,7 @@ operations of the protocol (serve):
   storage   {dirs: [{path, shared}], timeout}        free/total per filesystem
   holdings  {candidates: {KEY: [path, ...]}}         which weights are present and complete
   fetch     {source, cache_dir, name, token}         download into the cache (progress events)
-  launch    {shard_id, argv, env, port, host, health_url, gpus}
+  launch    {shard_id, argv, env, port, host, health_url, gpus, files}
   status    {probe, timeout}                         engines this node runs or ran
   stop      {shard_id, grace}                        TERM the group, KILL after the grace
   forget    {shard_id}                               drop a stopped shard's records

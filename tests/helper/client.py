@@ -49,7 +49,7 @@ def install_helper(root, source=HELPER_PATH):
     return path, sha
 
 
-def wait_until(predicate, timeout=10.0, interval=0.01, message="condition"):
+def wait_until(predicate, timeout=30.0, interval=0.01, message="condition"):
     """Poll predicate until it returns a truthy value; fail after timeout seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -90,6 +90,8 @@ class HelperClient:
         self.answers = {}
         self.events = {}
         self._ids = itertools.count(1)
+        self._eof = False
+        self.sent = {}
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -98,6 +100,14 @@ class HelperClient:
         self._err_reader.start()
 
     def _read(self):
+        try:
+            self._read_lines()
+        finally:
+            with self._cond:
+                self._eof = True
+                self._cond.notify_all()
+
+    def _read_lines(self):
         for raw in self.proc.stdout:
             obj = json.loads(raw.decode("utf-8"))
             with self._cond:
@@ -114,7 +124,7 @@ class HelperClient:
         for raw in self.proc.stderr:
             self.stderr_lines.append(raw.decode("utf-8", "replace"))
 
-    def wait_hello(self, timeout=10.0):
+    def wait_hello(self, timeout=30.0):
         with self._cond:
             if not self._cond.wait_for(lambda: self.hello is not None, timeout):
                 raise AssertionError("no hello line; stderr: %s" % "".join(self.stderr_lines))
@@ -125,6 +135,7 @@ class HelperClient:
         if request_id is None:
             request_id = next(self._ids)
         line = json.dumps({"id": request_id, "op": op, "args": args if args is not None else {}}) + "\n"
+        self.sent[request_id] = op
         self.send_raw(line)
         return request_id
 
@@ -133,19 +144,21 @@ class HelperClient:
             self.proc.stdin.write(line.encode("utf-8"))
             self.proc.stdin.flush()
 
-    def answer(self, request_id, timeout=30.0):
+    def answer(self, request_id, timeout=60.0):
         with self._cond:
-            if not self._cond.wait_for(lambda: request_id in self.answers, timeout):
-                raise AssertionError(
-                    "no answer to request %r within %s s; stderr: %s" % (request_id, timeout, "".join(self.stderr_lines))
-                )
-            return self.answers[request_id]
+            self._cond.wait_for(lambda: request_id in self.answers or self._eof, timeout)
+            if request_id in self.answers:
+                return self.answers[request_id]
+        raise AssertionError(
+            "no answer to request %r (%s) within %s s; helper exit status %r; stderr: %s"
+            % (request_id, self.sent.get(request_id), timeout, self.proc.poll(), "".join(self.stderr_lines))
+        )
 
-    def request(self, op, args=None, timeout=30.0):
+    def request(self, op, args=None, timeout=60.0):
         """Send and wait: the whole answer object."""
         return self.answer(self.send(op, args), timeout)
 
-    def call(self, op, args=None, timeout=30.0):
+    def call(self, op, args=None, timeout=60.0):
         """Send, wait, and insist on ok: the result."""
         answer = self.request(op, args, timeout)
         assert answer["ok"], answer
@@ -155,7 +168,7 @@ class HelperClient:
         with self._cond:
             return list(self.events.get(request_id, []))
 
-    def wait_events(self, request_id, predicate, timeout=10.0):
+    def wait_events(self, request_id, predicate, timeout=30.0):
         """Wait until predicate(events so far) is truthy; returns the events."""
         with self._cond:
             ok = self._cond.wait_for(lambda: predicate(list(self.events.get(request_id, []))), timeout)
