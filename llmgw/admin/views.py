@@ -221,6 +221,8 @@ class Snapshot:
             state = "failing"
         elif serving and serving >= max(model.min_replicas, 1):
             state = "serving"
+        elif serving:
+            state = "partly serving"  # fewer serving replicas than its minimum
         elif not live and model.on_demand:
             state = "idle (on demand)"
         elif live:

@@ -155,3 +155,16 @@ def test_reclaim_summary_says_asked_to_remove():
     line = text.reclaim_summary(answer)
     assert line.startswith("asked to remove 2 cache entries (11.0 GB) on 1 node")
     assert "1 removed" in line and "decides" in line
+
+
+def test_a_model_below_its_minimum_is_partly_serving(gateway):
+    from llmgw.catalog import Catalog
+    from llmgw.config import ModelConfig
+    from tests.unit.admin_gateway import PROFILES
+
+    current = gateway.holder.current
+    configs = [m.config if m.name != "chat" else ModelConfig(name="chat", profile="one", scaling={"min": 3})
+               for m in current.models.values()]
+    gateway.holder.swap(Catalog.build(file_models=configs, profiles=PROFILES, version=current.version + 1))
+    chat = by_name(Snapshot(gateway).models())["chat"]
+    assert chat["state"] == "partly serving" and chat["replicas"] == {"total": 2, "serving": 2}
