@@ -96,6 +96,7 @@ def fleet(testbed_factory, tmp_path_factory):
     finally:
         if serve.process is not None and serve.process.poll() is None:
             serve.process.kill()
+        tb.close()
 
 
 def _model(serve: Serve, name: str) -> dict:

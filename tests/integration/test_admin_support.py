@@ -222,6 +222,7 @@ class Browser:
         self.profile_dir = profile_dir
         self.process: subprocess.Popen | None = None
         self._ws = None
+        self._session = None
         self._ids = 0
         self._events: list[dict] = []
 
@@ -237,14 +238,18 @@ class Browser:
              "--disable-background-networking", "--disable-component-update", "--remote-debugging-port=0",
              f"--user-data-dir={self.profile_dir}", "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        active = self.profile_dir / "DevToolsActivePort"
-        wait_for(lambda: active.exists() and len(active.read_text().split()) >= 2, 30, "Chromium to start")
-        port = active.read_text().split()[0]
-        targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
-        page = next(t for t in targets if t["type"] == "page")
-        self._loop.run_until_complete(self._connect(page["webSocketDebuggerUrl"]))
-        for method in ("Page.enable", "Network.enable", "DOM.enable"):
-            self.send(method)
+        try:
+            active = self.profile_dir / "DevToolsActivePort"
+            wait_for(lambda: active.exists() and len(active.read_text().split()) >= 2, 30, "Chromium to start")
+            port = active.read_text().split()[0]
+            targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
+            page = next(t for t in targets if t["type"] == "page")
+            self._loop.run_until_complete(self._connect(page["webSocketDebuggerUrl"]))
+            for method in ("Page.enable", "Network.enable", "DOM.enable"):
+                self.send(method)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     async def _connect(self, url: str) -> None:
@@ -257,11 +262,15 @@ class Browser:
         try:
             if self._ws is not None:
                 self._loop.run_until_complete(self._ws.close())
+            if self._session is not None:
                 self._loop.run_until_complete(self._session.close())
         finally:
             self._loop.close()
             if self.process is not None:
-                os.killpg(self.process.pid, signal.SIGKILL)
+                try:
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 self.process.wait()
 
     def send(self, method: str, timeout: float = 30.0, **params) -> dict:
