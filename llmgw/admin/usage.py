@@ -6,7 +6,8 @@ import time
 
 import sqlite_utils
 
-BUCKET_SECONDS = 3600  # the router writes usage rows per hour (llmgw.router.usage)
+from llmgw.router.usage import BUCKET_SECONDS  # the router counts per hour
+
 BY = ("model", "key")
 
 
