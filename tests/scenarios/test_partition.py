@@ -1,0 +1,108 @@
+"""Partition and return (R-4.1, R-4.4, R-4.5, R-6.6): no duplicate replica survives the node's return.
+
+Two replicas on three single-GPU nodes, steady traffic. The link of a node holding a replica is
+cut for longer than the settling window: its replica is given up and replaced on the third node,
+while its engine, out of reach, keeps running. When the link comes back, that engine must be
+stopped: once settled, exactly the intended number of engines run on the nodes and only they
+answer requests.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.integration.gateway import wait_for
+from tests.scenarios.harness import MODEL, NODES, PLAIN_TOKENS, SETTLING_WINDOW, START_TIMEOUT, STREAM_TOKENS, TICK, \
+    running_fleet
+from tests.scenarios.traffic import Traffic
+
+pytestmark = [pytest.mark.slow, pytest.mark.testbed]
+
+REPLICAS = 2
+
+
+@pytest.fixture
+def fleet(testbed_factory, tmp_path):
+    with running_fleet(testbed_factory, tmp_path, replicas=REPLICAS) as fleet:
+        yield fleet
+
+
+def _settled(fleet, victim):
+    serving = fleet.serving()
+    live = fleet.replicas()
+    engines = fleet.engines()
+    if len(serving) == REPLICAS and len(live) == REPLICAS and not engines[victim] \
+            and sum(len(e) for e in engines.values()) == REPLICAS:
+        return serving, engines
+    return None
+
+
+def test_partition_and_return_leaves_no_duplicate(fleet):
+    before = fleet.wait_serving(REPLICAS, START_TIMEOUT * 3)
+    cut_replica = before[0]
+    victim = cut_replica["nodes"][0]
+    spare = next(n for n in NODES if n not in {r["nodes"][0] for r in before})
+    cut_engine = fleet.engine_of(cut_replica)
+    assert cut_engine is not None
+
+    traffic = Traffic(fleet.url, fleet.key, MODEL, plain=2, streams=2, plain_tokens=PLAIN_TOKENS,
+                      stream_tokens=STREAM_TOKENS, client_timeout=90)
+    with traffic:
+        traffic.wait_for(lambda t: {o.engine_pid for o in t.succeeded()} >= {cut_engine.pid}
+                         and len(t.succeeded("plain")) >= 10, 30, "traffic through both replicas")
+        cut_at = time.time()
+        fleet.bed.cut(victim)
+
+        def replaced():
+            serving = fleet.serving()
+            return next((r for r in serving if r["nodes"][0] == spare), None) if len(serving) == REPLICAS else None
+
+        replacement = wait_for(replaced, START_TIMEOUT * 3, f"a replacement on {spare}\n{fleet.log_tail()}",
+                               interval=0.2)
+        # While cut off, the node's engine runs on: one more engine than wanted, out of reach.
+        during = fleet.engines()
+        assert cut_engine in during[victim]
+        assert sum(len(e) for e in during.values()) == REPLICAS + 1
+        assert time.time() - cut_at > SETTLING_WINDOW
+        restored_at = time.time()
+        fleet.bed.restore(victim)
+
+        serving, engines = wait_for(lambda: _settled(fleet, victim), 60,
+                                    f"the engine left on {victim} to be stopped\n{fleet.log_tail()}", interval=0.2)
+        settled_at = time.time()
+        # It stays that way for a few reconcile passes: nothing comes back, nothing is started twice.
+        holds_until = time.monotonic() + 3 * TICK
+        while time.monotonic() < holds_until:
+            assert _settled(fleet, victim), f"the fleet changed again after it settled:\n{fleet.log_tail()}"
+            time.sleep(TICK / 4)
+        intended = {e.pid for node_engines in engines.values() for e in node_engines}
+        traffic.wait_for(lambda t: {o.engine_pid for o in t.succeeded("stream") if o.started > settled_at} == intended
+                         and sum(1 for o in t.succeeded("plain") if o.started > settled_at) >= 20,
+                         30, "traffic through both replicas after the return")
+
+    print()
+    print(traffic.account(f"partition of {victim} (replica {cut_replica['id']}, engine pid {cut_engine.pid})"))
+    print(f"   cut for {restored_at - cut_at:.1f}s (settling window {SETTLING_WINDOW:.0f}s); replaced by "
+          f"{replacement['id']} on {spare}; settled {settled_at - restored_at:.1f}s after the return with "
+          f"{len(intended)} engines (pids {sorted(intended)}) on {sorted(n for n, e in engines.items() if e)}")
+
+    outcomes = traffic.outcomes
+    caught = [o for o in outcomes if o.engine_pid == cut_engine.pid and o.started < restored_at < o.ended]
+    if caught:
+        print(f"   {len(caught)} requests caught on the engine cut off waited for the return "
+              f"(longest {max(o.ended - o.started for o in caught):.1f}s), "
+              f"{sum(1 for o in caught if o.ok)} of them then succeeded")
+    assert len(outcomes) >= 40
+    # No duplicate survived: the engine cut off is gone, exactly the intended replicas remain.
+    assert sorted(r["nodes"][0] for r in serving) == sorted(n for n in NODES if n != victim)
+    assert not engines[victim] and cut_engine.pid not in intended
+    # Nothing served beyond the intended count once settled: only the intended engines answered.
+    after = [o for o in outcomes if o.started > settled_at]
+    assert after and all(o.ok for o in after), traffic.account("after the return")
+    assert {o.engine_pid for o in after} == intended
+    # Before the return, a request failed only if it was caught on the engine that was cut off.
+    for outcome in traffic.failed():
+        assert outcome.started < restored_at and outcome.engine_pid in (None, cut_engine.pid), outcome
+        assert cut_replica["id"] in (outcome.detail or "") or outcome.engine_pid == cut_engine.pid, outcome
