@@ -56,13 +56,19 @@ class ControlPlane:
         catalog = self.holder.current
         return [StoredModel(m.config, m.actor) for m in catalog.models.values() if m.declared_in == "store"]
 
-    def _build(self, stored: list[StoredModel]) -> Catalog:
+    def _build(self, stored: list[StoredModel], new: tuple[str, Document] | None = None) -> Catalog:
         try:
             return Catalog.from_inventory(self.inventory, self.document, stored=stored,
                                           version=self.holder.current.version + 1)
         except ConfigError as exc:
-            raise ServiceError(400, "; ".join(p.message for p in exc.problems),
-                               problems=exc.lines()) from None
+            problems = exc.problems
+            if new is not None:
+                # Problems of the model being added point into the file the caller sent.
+                name, document = new
+                problems = [document.problem(p.loc[1:], p.message) if p.loc[:1] == (name,) else p
+                            for p in problems]
+                exc = ConfigError(document.source, problems)
+            raise ServiceError(400, exc.lines()[0], problems=exc.lines()) from None
 
     def _check_placeable(self, catalog: Catalog, name: str) -> None:
         """Refuse a model whose profile fits no node of the inventory, even an empty one (R-8.2)."""
@@ -85,7 +91,7 @@ class ControlPlane:
 
     async def add_model(self, text: str, actor: str, source: str = "model file") -> dict:
         try:
-            config, _ = parse_model_text(text, source)
+            config, document = parse_model_text(text, source)
         except ConfigError as exc:
             raise ServiceError(400, exc.lines()[0] if exc.problems else str(exc), problems=exc.lines()) from None
         async with self._lock:
@@ -96,7 +102,7 @@ class ControlPlane:
                          else "already added at runtime")
                 raise ServiceError(400, f"model {config.name!r} is {where}; choose another name or remove it first",
                                    code="name_collision")
-            catalog = self._build([*self._stored(), StoredModel(config, actor)])
+            catalog = self._build([*self._stored(), StoredModel(config, actor)], new=(config.name, document))
             self._check_placeable(catalog, config.name)
             row = {"name": config.name, "definition": config.model_dump_json(exclude_unset=True), "actor": actor,
                    "created_at": time.time(), "updated_at": time.time()}

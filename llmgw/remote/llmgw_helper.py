@@ -341,10 +341,10 @@ def parse_gpu_csv(text):
             continue
         if cells[0] == "index":  # a header line, when asked without noheader
             continue
-        reasons = []
+        faults = []  # (field, fault) in column order; one reason per distinct fault
         index, fault = _read_int_cell(cells[0])
         if fault is not None:
-            reasons.append("index reads %s" % fault)
+            faults.append(("index", fault))
         if index is None:
             # nvidia-smi lists GPUs in index order, so the position is the best stand-in.
             index = len(gpus)
@@ -361,7 +361,14 @@ def parse_gpu_csv(text):
             value, fault = _read_int_cell(raw) if numeric else _read_cell(raw)
             values[key] = value
             if fault is not None:
-                reasons.append("%s reads %s" % (field, fault))
+                faults.append((field, fault))
+        reasons = []
+        for fault in sorted(set(f for _, f in faults), key=[f for _, f in faults].index):
+            fields = [name for name, f in faults if f == fault]
+            if len(fields) >= 6:  # a lost GPU reads the same in every field: say it once
+                reasons.append("every field reads %s" % fault)
+            else:
+                reasons.append("%s %s %s" % (", ".join(fields), "reads" if len(fields) == 1 else "read", fault))
         ecc = values["ecc_uncorrected"]
         if ecc is not None and ecc > 0:
             reasons.append("%d uncorrected ECC error%s (volatile)" % (ecc, "" if ecc == 1 else "s"))
