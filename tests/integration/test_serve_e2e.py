@@ -184,3 +184,18 @@ def test_drain_of_the_only_capable_node_finishes_after_the_grace(client, gateway
     gateway.admin("/api/nodes/gpu3/admin", "POST", {"action": "uncordon"})
     wait_for(lambda: _serves(client, "pinned"), 90, "pinned back after uncordon")
     gateway.admin("/api/models/pinned", "DELETE")
+
+
+def test_on_demand_model_loads_on_request_and_stops_when_idle(client, gateway, bed):
+    """R-6.8: nothing runs until asked; the fallback serves meanwhile; idle replicas stop."""
+    wait_for(lambda: _serves(client, "chat"), 90, "chat to serve")
+    status, answer = gateway.admin("/api/models", "POST", b"name: lazy\nprofile: h100-1\nweights: hf:org/tiny\n"
+                                                         b"fallback: chat\nscaling: {min: 0, max: 3, idle_timeout: 4s}\n")
+    assert status == 201, answer
+    assert not _replicas(gateway, "lazy")
+    first = _serves(client, "lazy")
+    assert "chat" in first  # answered by the fallback while lazy loads
+    wait_for(lambda: "lazy" in _serves(client, "lazy"), 90, "lazy itself to answer")
+    assert len([r for r in _replicas(gateway, "lazy") if not r["retired"]]) == 1  # one, however high max is
+    wait_for(lambda: not [r for r in _replicas(gateway, "lazy") if not r["retired"]], 60, "the idle replica to stop")
+    gateway.admin("/api/models/lazy", "DELETE")
