@@ -51,7 +51,7 @@ class Ctl:
     def run(self, *args: str, timeout: float = 60) -> CtlResult:
         argv = [sys.executable, "-m", "llmgw.cli.main", "ctl", "--state-dir", str(self.gateway.state_dir), *args]
         # A wide console: rich wraps at 80 columns when not on a terminal, which would split lines.
-        env = {**self.gateway.env, "COLUMNS": "250"}
+        env = {**self.gateway.env, "COLUMNS": "1000"}
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
         return CtlResult(proc.returncode, proc.stdout, proc.stderr)
 
