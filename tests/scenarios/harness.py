@@ -14,9 +14,6 @@ engine doubles, read from /proc on the host), and what the clients saw (`traffic
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,17 +21,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from llmgw.admin.client import AdminClient
+from llmgw.units import parse_duration
 from tests.integration.gateway import GatewayProcess, wait_for
+from tests.scenarios.operating import SCENARIO_GATEWAY, Ctl, CtlResult, write_inventory
 from tests.testbed import NodeSpec
 
 MODEL = "chat"
 NODES = ("node1", "node2", "node3")
 START_TIMEOUT = 20.0  # the profile's start_timeout: a double starts in well under a second
-SETTLING_WINDOW = 5.0
-TICK = 1.0
+SETTLING_WINDOW = parse_duration(SCENARIO_GATEWAY["settling_window"])
+TICK = parse_duration(SCENARIO_GATEWAY["tick"])
 KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 1.0, 3  # what the testbed's inventory sets for SSH
 TOKEN_DELAY = 0.1  # seconds between streamed tokens in the engine doubles
 START_DELAY = 1.5  # seconds an engine double takes to load, as a real engine takes a while
@@ -91,13 +88,10 @@ class Fleet:
                                "start_timeout": f"{START_TIMEOUT:.0f}s"}}
         models = [{"name": MODEL, "profile": "h100-1", "weights": "hf:org/tiny", "disk_gb": 0.001,
                    "scaling": {"min": self.replicas_wanted}}]
-        document = self.bed.inventory(models=models, profiles=profiles)
-        assert document["ssh"]["keepalive_interval"] == f"{KEEPALIVE_INTERVAL:.0f}s"
-        assert document["ssh"]["keepalive_count"] == KEEPALIVE_COUNT
-        document = {"gateway": {"tick": f"{TICK:.0f}s", "settling_window": f"{SETTLING_WINDOW:.0f}s"},
-                    **document}
-        path.write_text(yaml.safe_dump(document, sort_keys=False))
-        return path
+        ssh = self.bed.inventory()["ssh"]
+        assert parse_duration(ssh["keepalive_interval"]) == KEEPALIVE_INTERVAL
+        assert ssh["keepalive_count"] == KEEPALIVE_COUNT
+        return write_inventory(self.bed, path, models=models, profiles=profiles)
 
     # -- the gateway -----------------------------------------------------------------------------
 
@@ -121,15 +115,12 @@ class Fleet:
             self._admin = AdminClient.discover(state_dir=self.gateway.state_dir)
         return self._admin
 
-    def ctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    def ctl(self, *args: str) -> CtlResult:
         """`llmgw ctl ARGS` — the operator's command line against the running gateway."""
-        argv = [sys.executable, "-m", "llmgw.cli.main", "ctl", "--state-dir", str(self.gateway.state_dir), *args]
-        return subprocess.run(argv, capture_output=True, text=True, env=self.gateway.env, timeout=timeout)
+        return Ctl(self.gateway).run(*args)
 
     def ctl_json(self, *args: str) -> dict:
-        done = self.ctl(*args, "--json")
-        assert done.returncode == 0, f"llmgw ctl {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
-        return json.loads(done.stdout)
+        return Ctl(self.gateway).json(*args)
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.gateway.log()[-chars:]

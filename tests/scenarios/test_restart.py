@@ -60,7 +60,7 @@ def test_restart_under_traffic_restarts_no_engine(fleet):
     print()
     print(traffic.account("SIGTERM and restart of llmgw serve under traffic"))
     print(f"   restart window {ready_at - term_at:.1f}s (old process exited after {exited_at - term_at:.1f}s); "
-          f"{len(streaming_at_term)} streams mid-answer at the SIGTERM, "
+          f"streams mid-answer at the SIGTERM: {len(streaming_at_term)}, "
           f"{sum(1 for o in streaming_at_term if not o.attempts)} of them finished without a retry; "
           f"engines before and after: {_pids(engines_before)} / {_pids(engines_after)}")
 
