@@ -140,7 +140,10 @@ class KeyRing:
         scheme, _, secret = authorization.partition(" ")
         if scheme.lower() != "bearer" or not secret.strip():
             raise InvalidKey("the Authorization header must be 'Bearer <key>'")
-        digest = hash_secret(secret.strip())
+        try:
+            digest = hash_secret(secret.strip())
+        except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as surrogates: no key looks like that
+            raise InvalidKey("invalid API key") from None
         # The dict finds the candidate by the secret's hash; compare_digest then confirms it in
         # constant time, so response timing says nothing about how close a guess was.
         key = self._by_hash.get(digest)
