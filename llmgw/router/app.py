@@ -223,6 +223,8 @@ class Router:
         except ValueError:
             raise BadRequest("the request body is not valid JSON (send a JSON object with "
                              "Content-Type: application/json)") from None
+        except RecursionError:  # the decoder recurses per level: "[[[[..." exhausts the stack
+            raise BadRequest("the request body nests JSON arrays or objects too deeply") from None
         if type(document) is not dict:
             raise BadRequest("the request body must be a JSON object")
         name = document.get("model")
