@@ -19,7 +19,7 @@ from llmgw.config import Document, Inventory, load_configuration, resolve_state_
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.service import ControlPlane, load_stored_models
 from llmgw.fleet.fleet import Fleet
-from llmgw.router import Router
+from llmgw.router import RUNNER_OPTIONS, Router
 from llmgw.store import Store
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class Gateway:
         await self.reconciler.load()
         # Adopted replicas are pushed before the router listens, once their nodes confirm them.
         await self.fleet.start()
-        await self._listen("router", self.router.web_app(), self.listen or gateway.listen)
+        await self._listen("router", self.router.web_app(), self.listen or gateway.listen, RUNNER_OPTIONS)
         admin_app = self._admin_app()
         if admin_app is not None:
             await self._listen("admin", admin_app, self.admin_listen or gateway.admin)
@@ -119,9 +119,9 @@ class Gateway:
             return None
         return build_admin_app(self)
 
-    async def _listen(self, name: str, app: web.Application, address: str) -> None:
+    async def _listen(self, name: str, app: web.Application, address: str, options: dict | None = None) -> None:
         host, port = split_address(address)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
+        runner = web.AppRunner(app, **{"access_log": None, **(options or {})}, shutdown_timeout=SHUTDOWN_GRACE)
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()
