@@ -14,6 +14,7 @@ import json
 import logging
 import threading
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
@@ -25,8 +26,8 @@ from llmgw.config import GatewayConfig, split_address
 from llmgw.router.balancer import Balancer, Upstream
 from llmgw.router.endpoints import Endpoint, static_endpoints
 from llmgw.router.errors import (BadRequest, BodyTooLarge, InternalError, ModelLoading, ModelNotAllowed,
-                                 ModelNotFound, NoCapacity, RouterError, UpstreamFailed, error_response,
-                                 from_http_exception)
+                                 ModelNotFound, NoCapacity, RouterError, UnsupportedEncoding, UpstreamFailed,
+                                 error_response, from_http_exception)
 from llmgw.router.keys import REFRESH_SECONDS, ApiKey, KeyRing, list_keys
 from llmgw.router.landing import landing_page
 from llmgw.router.metrics import NO_MODEL, RouterMetrics
@@ -47,7 +48,13 @@ RUNNER_OPTIONS = {
     # once instead of at the next chunk; no access log line per request.
     "handler_cancellation": True,
     "access_log": None,
+    # Compressed bodies are decoded in `_read_body`, not by aiohttp's parser, whose refusals of
+    # a body that does not decode are plain text, or a 500 once the handler reads it.
+    "auto_decompress": False,
 }
+# Content-Encoding -> zlib wbits of each way to read it (deflate is zlib-wrapped, or raw from some clients).
+BODY_ENCODINGS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
+                  "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
 
 _KEY = web.RequestKey("llmgw_key", ApiKey)
 _MODEL = web.RequestKey("llmgw_model", str)
@@ -210,10 +217,36 @@ class Router:
             raise BodyTooLarge(f"request body is {length} bytes; the limit is {self._max_body} "
                                "(gateway.max_body)")
         try:
-            return await request.read()
+            body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise BodyTooLarge(f"request body is over the limit of {self._max_body} bytes "
                                "(gateway.max_body)") from None
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        if encoding in ("", "identity"):
+            return body
+        return self._decompress(body, encoding)
+
+    def _decompress(self, body: bytes, encoding: str) -> bytes:
+        ways = BODY_ENCODINGS.get(encoding)
+        if ways is None:
+            raise UnsupportedEncoding(f"Content-Encoding {encoding!r} is not supported; send the body "
+                                      "uncompressed, or as gzip or deflate")
+        problem = None
+        for wbits in ways:
+            decoder = zlib.decompressobj(wbits)
+            try:
+                # At most one byte past the limit: a small bomb must not expand in memory.
+                plain = decoder.decompress(body, self._max_body + 1)
+            except zlib.error as exc:
+                problem = str(exc)
+                continue
+            if len(plain) > self._max_body:
+                raise BodyTooLarge(f"request body is over the limit of {self._max_body} bytes once "
+                                   "decompressed (gateway.max_body)")
+            if decoder.eof:
+                return plain
+            problem = "the data ends early"
+        raise BadRequest(f"the request body is not valid {encoding} data ({problem})")
 
     async def _proxy(self, request: web.Request) -> web.StreamResponse:
         key: ApiKey = request[_KEY]

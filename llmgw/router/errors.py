@@ -60,6 +60,10 @@ class BodyTooLarge(RouterError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
 
 
+class UnsupportedEncoding(RouterError):
+    status, type, code = 415, "invalid_request_error", "unsupported_content_encoding"
+
+
 # -- capacity and upstream failures ----------------------------------------------------------
 
 class NoCapacity(RouterError):

@@ -17,6 +17,7 @@ from llmgw.router.errors import error_response, from_http_exception
     pytest.param(errors.ModelNotFound("x"), 404, "model_not_found", False, id="404"),
     pytest.param(errors.BadRequest("x"), 400, "invalid_request", False, id="400"),
     pytest.param(errors.BodyTooLarge("x"), 413, "request_too_large", False, id="413"),
+    pytest.param(errors.UnsupportedEncoding("x"), 415, "unsupported_content_encoding", False, id="415"),
     pytest.param(errors.NoCapacity("x"), 503, "no_capacity", False, id="503"),
     pytest.param(errors.ModelLoading("x"), 503, "model_loading", False, id="503-loading"),
     pytest.param(errors.UpstreamConnectFailed("x"), 502, "upstream_unavailable", True, id="502-connect"),
