@@ -277,9 +277,9 @@ class Router:
                 # Ask the engine for usage without re-encoding the request: the body is a
                 # JSON object without that key, so the key can go first.
                 start = body.find(b"{")
-                if start >= 0 and not body[:start].strip():
+                if start >= 0 and not body[:start].strip() and json.detect_encoding(body) == "utf-8":
                     body = _STREAM_USAGE + body[start + 1:]
-                else:  # a byte-order mark or another encoding: re-encode
+                else:  # a byte-order mark or another encoding (UTF-16 and -32 need no mark): re-encode
                     body = json.dumps(document).encode()
             elif type(options) is dict and options.get("include_usage") is not True:
                 options["include_usage"] = True
