@@ -101,8 +101,11 @@ class Reconciler:
             if row["node"] in self.admin:
                 self.admin[row["node"]] = NodeAdmin(row["state"], row["grace_until"], row["actor"])
         for replica in replicas:
-            if replica.state in ENDED:
+            if replica.state == STOPPED:
                 continue
+            # A failed replica is kept: its record is deleted only once its engines are stopped,
+            # so one still here may have an engine running on a node that was out of reach. The
+            # first pass retires it, and the engine is stopped when the node answers.
             for shard in replica.shards:
                 if shard.state in (PENDING, FETCHING):
                     # Nothing was launched yet: the interrupted start is simply made again.
