@@ -233,7 +233,16 @@ class Api:
             body = await _json_body(request)
             text, source = body.get("yaml"), body.get("source")
         else:
-            body, text, source = {}, await request.text(), None
+            body, source = {}, None
+            charset = request.charset or "utf-8"
+            try:
+                text = (await request.read()).decode(charset)
+            except LookupError:
+                raise ServiceError(400, f"unknown charset {charset!r} in the Content-Type; send UTF-8",
+                                   code="bad_encoding") from None
+            except UnicodeDecodeError as exc:
+                raise ServiceError(400, f"the model definition is not {charset} text (byte {exc.start}: "
+                                        f"{exc.reason}); save the file as UTF-8", code="bad_encoding") from None
         if not isinstance(text, str) or not text.strip():
             raise ServiceError(400, "send the model definition (YAML) as the request body", code="empty_body")
         source = source or request.headers.get(SOURCE_HEADER) or "model file"
