@@ -26,6 +26,7 @@ from typing import Any
 
 import asyncssh
 
+from llmgw.aio import cancel_and_wait
 from llmgw.config import NodeConfig, SSHConfig
 from llmgw.fleet.session import EXIT_INTEGRITY, EXIT_MISSING, HelperFailed, HelperSession, NodeError, Stream
 
@@ -135,12 +136,7 @@ class NodeLink:
 
     async def close(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
         await self._teardown()
 
     # -- supervision -------------------------------------------------------------------------

@@ -14,6 +14,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from llmgw.aio import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 # Exit codes of the helper (documented in its docstring).
@@ -220,12 +222,7 @@ class HelperSession:
         return stream
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_and_wait(self._task)
         self._fail_all("the session was closed")
 
 

@@ -22,33 +22,11 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from llmgw.cli.main import app
+from tests.integration.gateway import free_port, wait_for  # noqa: F401 - re-exported for the admin tests
 
 REPO = Path(__file__).resolve().parents[2]
 DOUBLES = REPO / "tests" / "testbed" / "doubles"
 WIDTH = "400"  # wide enough that no table cell wraps, even with testbed paths
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(condition, timeout: float, what: str, interval: float = 0.1):
-    """Poll `condition()` until it returns something truthy; fail naming `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    last_error = None
-    while True:
-        try:
-            value = condition()
-            if value:
-                return value
-        except Exception as exc:  # noqa: BLE001 - reported if the deadline passes
-            last_error = exc
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}"
-                                 + (f" (last error: {last_error!r})" if last_error else ""))
-        time.sleep(interval)
 
 
 @dataclass
