@@ -244,11 +244,17 @@ class LineMap:
 
     def __init__(self, root: yaml.Node | None):
         self._lines: dict[tuple, int] = {}
+        self._walked: set[int] = set()
         if root is not None:
             self._walk(root, ())
 
     def _walk(self, node: yaml.Node, loc: tuple) -> None:
         self._lines.setdefault(loc, node.start_mark.line + 1)
+        # An alias is the anchored node itself: walking it again at every reference made a few
+        # hundred bytes of nested aliases ("billion laughs") take minutes, on the event loop.
+        if id(node) in self._walked:
+            return
+        self._walked.add(id(node))
         if isinstance(node, yaml.MappingNode):
             for key, value in node.value:
                 child = loc + (key.value,)
