@@ -319,6 +319,10 @@ def parse_yaml(text: str, source: str) -> Document:
         if context and context_mark is not None and context_mark.line + 1 != line:
             reason = f"{reason} ({context} started on line {context_mark.line + 1})"
         raise ConfigError(source, [Problem((), f"not valid YAML: {reason}", line)]) from None
+    except RecursionError:  # the parser recurses per level of nesting
+        raise ConfigError(source, [Problem((), "not valid YAML: nested too deeply")]) from None
+    except ValueError as exc:  # PyYAML builds integers with int(), which refuses over 4300 digits
+        raise ConfigError(source, [Problem((), f"not valid YAML: {str(exc).split(':')[0]}")]) from None
     return Document(source=source, data=data, lines=LineMap(root))
 
 
