@@ -99,7 +99,7 @@ class ProfileConfig(_Strict):
     gpus: int = Field(0, ge=0)
     nodes: int = Field(1, ge=1)
     gpu_class: str | None = None
-    min_memory_gb: float | None = Field(None, ge=0)
+    min_memory_gb: float | None = Field(None, ge=0, allow_inf_nan=False)
     node_selector: dict[str, str] = Field(default_factory=dict)
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
@@ -142,7 +142,7 @@ class ModelConfig(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
     profile: str | None = None
     weights: str | list[str] | None = None
-    disk_gb: float | None = Field(None, ge=0)
+    disk_gb: float | None = Field(None, ge=0, allow_inf_nan=False)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     fallback: str | None = None
     served_name: str | None = None

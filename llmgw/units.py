@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated
 
@@ -28,12 +29,23 @@ def parse_duration(value: object) -> float:
     if isinstance(value, (int, float)):
         if value < 0:
             raise ValueError("a duration cannot be negative")
-        return float(value)
+        return _finite(value, "a duration")
     if isinstance(value, str):
         match = _DURATION.match(value)
         if match:
-            return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+            return _finite(float(match.group(1)) * _DURATION_UNITS[match.group(2)], "a duration")
     raise ValueError(f"{value!r} is not a duration; write e.g. 30s, 10m, 1h or 250ms")
+
+
+def _finite(value: float, what: str) -> float:
+    """`value` as a float; YAML's .inf and .nan, and numbers past a float's range, are refused."""
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{what} must be a finite number")
+    return number
 
 
 def parse_size(value: object) -> int:
@@ -43,12 +55,12 @@ def parse_size(value: object) -> int:
     if isinstance(value, (int, float)):
         if value < 0:
             raise ValueError("a size cannot be negative")
-        return int(value)
+        return value if isinstance(value, int) else int(_finite(value, "a size"))
     if isinstance(value, str):
         match = _SIZE.match(value)
         if match:
             unit = (match.group(2) or "").lower()
-            return int(float(match.group(1)) * _SIZE_UNITS[unit])
+            return int(_finite(float(match.group(1)) * _SIZE_UNITS[unit], "a size"))
     raise ValueError(f"{value!r} is not a size; write e.g. 512MB, 24GB or 2TiB")
 
 
