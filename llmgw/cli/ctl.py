@@ -450,8 +450,12 @@ def model_add(ctx: typer.Context,
     inventory, and must fit some node of it, before anything is stored; it survives restarts.
     """
     with _refusals():
-        answer = _client(ctx).call("POST", "/api/models", body=file.read_text(), content_type="application/yaml",
-                                   headers={"X-Llmgw-Source": file.name})
+        try:
+            text = file.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise AdminError(f"{file} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
+        # The file's name rides in the JSON body: an HTTP header cannot carry every name a file can have.
+        answer = _client(ctx).post("/api/models", {"yaml": text, "source": file.name})
         _emit(answer, as_json, render_model_summary("added"))
 
 
