@@ -100,7 +100,8 @@ def test_disk_full_download_fails_cleanly_and_placement_moves_on(bed, tmp_path):
                           for r in sorted(replicas, key=lambda r: r["created_at"])))
         print(f"cramped cache during the run saw {sorted(watch.seen)}; left now: {cramped_left} "
               f"({cramped_used} bytes used)")
-        print(f"roomy cache: {sorted(os.listdir(roomy_cache))}; weights server sent big {bed.weights.hits(big_url)} times")
+        print(f"roomy cache: {sorted(os.listdir(roomy_cache))}; "
+              f"weights server sent big {bed.weights.hits(big_url)} times")
         print(f"big: {len(big_requests)} requests sent, {len(big_requests)} succeeded")
 
         assert len(replicas) == 2 and len(failed) == 1, replicas
