@@ -46,6 +46,36 @@ def admin_token(state_dir: Path) -> str:
     return token
 
 
+def finish_requests_within(app: web.Application, grace: float) -> None:
+    """On shutdown, give the requests in flight `grace` seconds in all, then cancel the rest.
+
+    aiohttp alone waits its shutdown_timeout for a handler and then as long again before it
+    cancels it, so one request waiting on an engine that went silent (a node cut off) held a
+    SIGTERM for twice the grace, and a restart kept clients out that long (R-4.5).
+    """
+    handling: dict[asyncio.Task, web.Request] = {}
+
+    @web.middleware
+    async def track(request: web.Request, handler):
+        task = asyncio.current_task()
+        handling[task] = request
+        try:
+            return await handler(request)
+        finally:
+            handling.pop(task, None)
+
+    async def finish(_: web.Application) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while handling and loop.time() < deadline:
+            await asyncio.wait(list(handling), timeout=deadline - loop.time())
+        for request in list(handling.values()):
+            request.task.cancel()  # what aiohttp does when the client hangs up (R-6.11)
+
+    app.middlewares.insert(0, track)
+    app.on_shutdown.append(finish)
+
+
 @dataclass
 class Gateway:
     """Everything `llmgw serve` runs, in one process on one event loop."""
@@ -89,7 +119,9 @@ class Gateway:
         await self.reconciler.load()
         # Adopted replicas are pushed before the router listens, once their nodes confirm them.
         await self.fleet.start()
-        await self._listen("router", self.router.web_app(), self.listen or gateway.listen, RUNNER_OPTIONS)
+        router_app = self.router.web_app()
+        finish_requests_within(router_app, SHUTDOWN_GRACE)
+        await self._listen("router", router_app, self.listen or gateway.listen, RUNNER_OPTIONS)
         admin_app = self._admin_app()
         if admin_app is not None:
             await self._listen("admin", admin_app, self.admin_listen or gateway.admin)
