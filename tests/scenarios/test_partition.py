@@ -4,7 +4,9 @@ Two replicas on three single-GPU nodes, steady traffic. The link of a node holdi
 cut for longer than the settling window: its replica is given up and replaced on the third node,
 while its engine, out of reach, keeps running. When the link comes back, that engine must be
 stopped: once settled, exactly the intended number of engines run on the nodes and only they
-answer requests.
+answer requests. The same holds when `llmgw serve` is restarted while the node is cut off: the
+new process must still stop the engine it finds there on the return (clients retry through the
+restart).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def _settled(fleet, victim):
     return None
 
 
-def test_partition_and_return_leaves_no_duplicate(fleet):
+@pytest.mark.parametrize("restart", [False, True], ids=["return", "restart-while-cut"])
+def test_partition_and_return_leaves_no_duplicate(fleet, restart):
     before = fleet.wait_serving(REPLICAS, START_TIMEOUT * 3)
     cut_replica = before[0]
     victim = cut_replica["nodes"][0]
@@ -48,7 +51,7 @@ def test_partition_and_return_leaves_no_duplicate(fleet):
     assert cut_engine is not None
 
     traffic = Traffic(fleet.url, fleet.key, MODEL, plain=2, streams=2, plain_tokens=PLAIN_TOKENS,
-                      stream_tokens=STREAM_TOKENS, client_timeout=90)
+                      stream_tokens=STREAM_TOKENS, client_timeout=90, retry_for=60 if restart else None)
     with traffic:
         traffic.wait_for(lambda t: {o.engine_pid for o in t.succeeded()} >= {cut_engine.pid}
                          and len(t.succeeded("plain")) >= 10, 30, "traffic through both replicas")
@@ -65,6 +68,12 @@ def test_partition_and_return_leaves_no_duplicate(fleet):
         during = fleet.engines()
         assert cut_engine in during[victim]
         assert sum(len(e) for e in during.values()) == REPLICAS + 1
+        if restart:
+            term_at = time.time()
+            assert fleet.gateway.stop() == 0, fleet.log_tail()
+            exited_at = time.time()
+            fleet.start()
+            ready_at = time.time()
         assert time.time() - cut_at > SETTLING_WINDOW
         restored_at = time.time()
         fleet.bed.restore(victim)
@@ -83,12 +92,15 @@ def test_partition_and_return_leaves_no_duplicate(fleet):
                          30, "traffic through both replicas after the return")
 
     print()
-    print(traffic.account(f"partition of {victim} (replica {cut_replica['id']}, engine pid {cut_engine.pid})"))
+    title = f"partition of {victim} (replica {cut_replica['id']}, engine pid {cut_engine.pid})"
+    print(traffic.account(title + (", llmgw serve restarted while it was cut off" if restart else "")))
     print(f"   cut for {restored_at - cut_at:.1f}s (settling window {SETTLING_WINDOW:.0f}s); replaced by "
           f"{replacement['id']} on {spare}; settled {settled_at - restored_at:.1f}s after the return with "
           f"{len(intended)} engines (pids {sorted(intended)}) on {sorted(n for n, e in engines.items() if e)}")
 
     outcomes = traffic.outcomes
+    if restart:
+        print(f"   restart window {ready_at - term_at:.1f}s (the old process exited after {exited_at - term_at:.1f}s)")
     caught = [o for o in outcomes if o.engine_pid == cut_engine.pid and o.started < restored_at < o.ended]
     if caught:
         print(f"   {len(caught)} requests caught on the engine cut off waited for the return "
@@ -102,6 +114,12 @@ def test_partition_and_return_leaves_no_duplicate(fleet):
     after = [o for o in outcomes if o.started > settled_at]
     assert after and all(o.ok for o in after), traffic.account("after the return")
     assert {o.engine_pid for o in after} == intended
+    if restart:
+        # Clients retried through the restart; only tries inside the restart window failed.
+        assert traffic.failed() == [], traffic.account("failures")
+        outside = [(round(at - term_at, 2), reason) for o in outcomes for at, reason in o.attempts
+                   if not term_at <= at <= ready_at]
+        assert outside == [], f"tries failed outside the restart window [0, {ready_at - term_at:.2f}]: {outside}"
     # Before the return, a request failed only if it was caught on the engine that was cut off.
     for outcome in traffic.failed():
         assert outcome.started < restored_at and outcome.engine_pid in (None, cut_engine.pid), outcome
