@@ -39,7 +39,8 @@ def test_restart_under_traffic_restarts_no_engine(fleet):
         traffic.wait_for(lambda t: {o.engine_pid for o in t.succeeded("stream")} >= pids
                          and len(t.succeeded("plain")) >= 10, 30, "traffic through both replicas")
         # SIGTERM while streams are in the middle of their answers.
-        traffic.wait_for(lambda t: [o for o in t.snapshot()[1] if o.kind == "stream" and 1 <= o.tokens <= STREAM_TOKENS // 2],
+        traffic.wait_for(lambda t: [o for o in t.snapshot()[1]
+                                    if o.kind == "stream" and 1 <= o.tokens <= STREAM_TOKENS // 2],
                          30, "a stream in the middle of its answer")
         _, in_flight = traffic.snapshot()
         streaming_at_term = [o for o in in_flight if o.kind == "stream" and o.first_token is not None]
