@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 CONNECT_GATE = 8
 STORAGE_TIMEOUT = 5.0
 PROBE_TIMEOUT = 2.0
+INVENTORY_EVERY = 10.0  # seconds between GPU/memory inventories of one node
 
 
 class Fleet:
@@ -75,8 +76,12 @@ class Fleet:
     async def _refresh_node(self, name: str, probe: bool) -> None:
         node = self.nodes[name]
         wanted = self.holdings_wanted(node) if self.holdings_wanted else {}
-        calls = [
-            self._fact(name, "inventory", {}, InventoryFacts.from_helper),
+        calls = []
+        if time.time() - self.facts[name].observed_at.get("inventory", 0.0) >= INVENTORY_EVERY:
+            # nvidia-smi costs tens of milliseconds per call on a node: GPUs are asked for on a
+            # slower beat than engine status, which every tick needs.
+            calls.append(self._fact(name, "inventory", {}, InventoryFacts.from_helper))
+        calls += [
             self._fact(name, "storage", {"dirs": storage_dirs(node), "timeout": STORAGE_TIMEOUT}, Storage.from_helper),
             self._fact(name, "status", {"probe": probe, "timeout": PROBE_TIMEOUT},
                        lambda r: {s["shard_id"]: ShardStatus.from_helper(s) for s in r.get("shards") or ()}),

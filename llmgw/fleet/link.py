@@ -39,6 +39,7 @@ BACKOFF_CAP = 30.0
 # sshd allows MaxSessions (10) channels per connection: the helper session uses one, and the rare
 # extra ones (helper upload over SFTP) are kept well below the limit.
 EXTRA_CHANNELS = 4
+PREFERRED_CIPHERS = "^aes128-gcm@openssh.com,aes256-gcm@openssh.com"
 
 
 # The helper is started through this bootstrap, which checks the file's hash before Python even
@@ -245,6 +246,10 @@ class SSHLink(NodeLink):
             options["known_hosts"] = os.path.expanduser(ssh.known_hosts)
         if ssh.config_file:
             options["config"] = [os.path.expanduser(ssh.config_file)]
+        else:
+            # AES-GCM first (the rest stay as fallbacks): with AES-NI it costs about half the
+            # client CPU per call of asyncssh's default chacha20-poly1305.
+            options["encryption_algs"] = PREFERRED_CIPHERS
         return options
 
     async def _connect(self) -> asyncssh.SSHClientConnection:

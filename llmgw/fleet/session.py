@@ -107,6 +107,7 @@ class HelperSession:
         self.lost: asyncio.Future = asyncio.get_running_loop().create_future()
         self._task: asyncio.Task | None = None
         self._encoder = json.JSONEncoder(separators=(",", ":"))
+        self._outgoing: list[bytes] = []
 
     async def start(self, timeout: float) -> dict:
         """Wait for the hello line; a fatal line or EOF raises HelperFailed."""
@@ -186,9 +187,24 @@ class HelperSession:
             self.lost.set_result(reason)
 
     def _send(self, request_id: int, op: str, args: dict | None) -> None:
+        """Queue one request line; lines queued in the same loop turn leave in one write.
+
+        Over SSH every write is an encrypted packet (asyncssh adds a padding packet to each), so
+        64 concurrent calls cost one packet instead of 64."""
         if self.closed:
             raise NodeError(self.node, op, "not connected", "the helper session is closed")
-        self._writer.write(self._encoder.encode({"id": request_id, "op": op, "args": args or {}}).encode() + b"\n")
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outgoing.append(self._encoder.encode({"id": request_id, "op": op, "args": args or {}}).encode() + b"\n")
+
+    def _flush(self) -> None:
+        lines, self._outgoing = self._outgoing, []
+        if not lines or self.closed:
+            return
+        try:
+            self._writer.write(b"".join(lines))
+        except Exception as exc:  # the transport is gone: every waiting call learns it now
+            self._fail_all(f"writing to the helper failed: {exc}")
 
     async def call(self, op: str, args: dict | None = None, timeout: float | None = 30.0) -> Any:
         request_id = next(self._ids)

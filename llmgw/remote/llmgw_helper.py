@@ -33,8 +33,8 @@ JSON lines over stdin/stdout, UTF-8, one object per line.
   empty_source.
 - Streamed event, zero or more before the answer: ``{"id", "event": "<name>", "data": {...}}``.
 
-Requests are served concurrently: ping and cancel inline, every other request on its own
-thread, so a long fetch or a log follow never blocks status or ping. Output lines are written
+Requests are served concurrently: ping and cancel inline, every other request on a
+worker thread (reused; another starts whenever none is idle), so a long fetch or a log follow never blocks status or ping. Output lines are written
 under one lock and flushed one by one, so they never interleave. EOF on stdin cancels what is
 running (follows, fetches) and exits 0; engines keep running because they are detached.
 
@@ -123,16 +123,15 @@ reachable only through ``serve --expect-sha256``.
 import argparse
 import errno
 import hashlib
-import http.client
 import json
 import os
 import platform
+import queue
 import re
 import secrets
 import shutil
 import signal
 import socket
-import ssl
 import stat
 import subprocess
 import sys
@@ -140,9 +139,7 @@ import tempfile
 import threading
 import time
 import traceback
-import urllib.error
 import urllib.parse
-import urllib.request
 
 HELPER_VERSION = "0.1.0"
 PROTOCOL_VERSION = 1
@@ -948,24 +945,41 @@ def _safe_relative_path(name):
     return parts
 
 
-class _RedirectHandler(urllib.request.HTTPRedirectHandler):
-    """Follows redirects only to https, and carries the bearer token only to the same host
-    (a hub redirects file downloads to a CDN that must not see it)."""
+def load_web_modules():
+    """Import what downloads need on first use: urllib.request, http.client and ssl cost about
+    35 ms of start-up, paid by every helper start although most never download anything."""
+    if "ssl" not in globals():
+        import importlib
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        if urllib.parse.urlsplit(newurl).scheme.lower() != "https":
-            fp.close()
-            raise HelperError(
-                "http", "refusing a redirect from %s to a non-https URL" % redact_url(req.full_url)
-            )
-        new = urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
-        token = getattr(req, "llmgw_token", None)
-        if new is not None and token:
-            old_host = urllib.parse.urlsplit(req.full_url).netloc.lower()
-            if urllib.parse.urlsplit(newurl).netloc.lower() == old_host:
-                new.add_unredirected_header("Authorization", "Bearer " + token)
-                new.llmgw_token = token
-        return new
+        for name in ("http.client", "ssl", "urllib.error", "urllib.request"):
+            importlib.import_module(name)
+        globals().update(http=sys.modules["http"], ssl=sys.modules["ssl"])
+
+
+def redirect_handler():
+    """A handler that follows redirects only to https, with the token kept to the same host."""
+    load_web_modules()
+
+    class _RedirectHandler(urllib.request.HTTPRedirectHandler):
+        """Follows redirects only to https, and carries the bearer token only to the same host
+        (a hub redirects file downloads to a CDN that must not see it)."""
+
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            if urllib.parse.urlsplit(newurl).scheme.lower() != "https":
+                fp.close()
+                raise HelperError(
+                    "http", "refusing a redirect from %s to a non-https URL" % redact_url(req.full_url)
+                )
+            new = urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
+            token = getattr(req, "llmgw_token", None)
+            if new is not None and token:
+                old_host = urllib.parse.urlsplit(req.full_url).netloc.lower()
+                if urllib.parse.urlsplit(newurl).netloc.lower() == old_host:
+                    new.add_unredirected_header("Authorization", "Bearer " + token)
+                    new.llmgw_token = token
+            return new
+
+    return _RedirectHandler()
 
 
 class FetchJob(object):
@@ -1403,13 +1417,13 @@ class Node(object):
     def _opener_for_downloads(self):
         if self._opener is None:
             # The default context honours SSL_CERT_FILE / SSL_CERT_DIR.
+            handler = redirect_handler()  # loads the web modules
             context = ssl.create_default_context()
-            self._opener = urllib.request.build_opener(
-                urllib.request.HTTPSHandler(context=context), _RedirectHandler()
-            )
+            self._opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context), handler)
         return self._opener
 
     def _request(self, job, url, method="GET"):
+        load_web_modules()
         request = urllib.request.Request(
             url, method=method, headers={"User-Agent": "llmgw-helper/" + HELPER_VERSION, "Accept-Encoding": "identity"}
         )
@@ -1920,21 +1934,42 @@ def check_port_free(host, port):
 
 
 def probe_health(url, timeout):
-    """{"status": int|null, "error": str|null} of one GET on the engine's health URL."""
-    # No proxy: the engine is on this node, and a proxy would answer for it.
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    """{"status": int|null, "error": str|null} of one GET on the engine's health URL.
+
+    A plain socket rather than urllib: the probe runs for every engine on every tick, the engine
+    is on this node (no proxy, no TLS), and only the status line matters. The whole exchange is
+    bounded by `timeout`: vLLM binds its port before it serves, so a probe can hang (R-4.7).
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        return {"status": None, "error": "only http:// health URLs are probed: %s" % url}
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    deadline = time.monotonic() + timeout
     try:
-        with opener.open(urllib.request.Request(url), timeout=timeout) as response:
-            return {"status": response.status, "error": None}
-    except urllib.error.HTTPError as exc:
-        exc.close()
-        return {"status": exc.code, "error": None}
-    except urllib.error.URLError as exc:
-        return {"status": None, "error": str(exc.reason)}
+        with socket.create_connection((parts.hostname, parts.port or 80), timeout=timeout) as sock:
+            host = parts.netloc.encode("ascii", "replace")
+            sock.sendall(b"GET " + path.encode("ascii", "replace") + b" HTTP/1.0\r\nHost: " + host
+                         + b"\r\nConnection: close\r\n\r\n")
+            data = b""
+            while b"\r\n" not in data and len(data) < 4096:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise socket.timeout()
+                sock.settimeout(remaining)
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
     except socket.timeout:
         return {"status": None, "error": "no answer within %g s" % timeout}
-    except (OSError, http.client.HTTPException, ValueError) as exc:
-        return {"status": None, "error": "%s: %s" % (type(exc).__name__, exc)}
+    except OSError as exc:
+        return {"status": None, "error": exc.strerror or str(exc)}
+    fields = data.split(b"\r\n", 1)[0].split(None, 2)
+    if len(fields) < 2 or not fields[0].startswith(b"HTTP/") or not fields[1].isdigit():
+        return {"status": None, "error": "not an HTTP answer: %r" % data[:80]}
+    return {"status": int(fields[1]), "error": None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -2025,6 +2060,58 @@ def _end_leftovers(pgid):
 # serve: the JSON-lines loop
 
 
+class Workers(object):
+    """Threads reused from one request to the next: starting a thread per request was most of a
+    quick request's cost. A request never waits for another: with no idle worker, one starts."""
+
+    IDLE_EXIT = 60.0  # an idle worker ends after this long
+
+    def __init__(self):
+        self.queue = queue.Queue()
+        self.lock = threading.Condition()
+        self.idle = 0  # workers waiting for work and not yet promised to a submitted item
+        self.busy = 0  # items submitted and not finished
+
+    def submit(self, fn, *args):
+        with self.lock:
+            self.busy += 1
+            spawn = self.idle == 0
+            if not spawn:
+                self.idle -= 1  # this item is promised to one of the waiting workers
+        self.queue.put((fn, args))
+        if spawn:
+            threading.Thread(target=self._work, name="llmgw-worker", daemon=True).start()
+
+    def _work(self):
+        while True:
+            try:
+                fn, args = self.queue.get(timeout=self.IDLE_EXIT)
+            except queue.Empty:
+                with self.lock:
+                    if self.idle > 0:  # not promised to anything: leave
+                        self.idle -= 1
+                        return
+                continue
+            try:
+                fn(*args)
+            finally:
+                with self.lock:
+                    self.busy -= 1
+                    self.idle += 1
+                    self.lock.notify_all()
+
+    def drain(self, timeout):
+        """Wait up to `timeout` seconds for every submitted item to finish."""
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while self.busy:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self.lock.wait(remaining)
+        return True
+
+
 class Server(object):
     """Reads requests from infile, answers on outfile; see the module docstring."""
 
@@ -2037,7 +2124,7 @@ class Server(object):
         self.drain_timeout = drain_timeout
         self.write_lock = threading.Lock()
         self.broken = False
-        self.threads = []
+        self.workers = Workers()
 
     def send(self, obj):
         line = (json.dumps(obj, separators=(",", ":")) + "\n").encode("utf-8")
@@ -2073,9 +2160,7 @@ class Server(object):
                 self.handle_line(line)
         # EOF: follows and downloads are cancelled, the rest may still answer, briefly.
         self.node.shutdown()
-        deadline = time.monotonic() + self.drain_timeout
-        for thread in self.threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        self.workers.drain(self.drain_timeout)
         return EXIT_OK
 
     def handle_line(self, line):
@@ -2106,10 +2191,7 @@ class Server(object):
             self.execute(op, args, ctx)
             return
         self.node.register(ctx)
-        thread = threading.Thread(target=self._execute_registered, args=(op, args, ctx), name="llmgw-" + op, daemon=True)
-        thread.start()
-        self.threads = [t for t in self.threads if t.is_alive()]
-        self.threads.append(thread)
+        self.workers.submit(self._execute_registered, op, args, ctx)
 
     def _execute_registered(self, op, args, ctx):
         try:
