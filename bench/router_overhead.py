@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -122,7 +121,8 @@ def run_bare_proxy(port: int, engine_url: str) -> None:
 
 # ------------------------------------------------------------------------------ the router process
 
-async def run_router(port: int, engine_url: str, state_dir: str, profile: str | None) -> None:
+async def run_router(port: int, engine_url: str, state_dir: str, profile: str | None,
+                     request_timeout: float) -> None:
     from prometheus_client import CollectorRegistry
 
     from llmgw.catalog import Catalog, CatalogHolder
@@ -135,7 +135,8 @@ async def run_router(port: int, engine_url: str, state_dir: str, profile: str | 
     _, secret = store.write_sync(lambda db: create_key(db, "bench"))
     catalog = Catalog.build(file_models=[ModelConfig(name=MODEL, profile="p")],
                             profiles={"p": ProfileConfig(engine="vllm")})
-    router = Router(CatalogHolder(catalog), store, GatewayConfig(), registry=CollectorRegistry())
+    router = Router(CatalogHolder(catalog), store, GatewayConfig(request_timeout=request_timeout),
+                    registry=CollectorRegistry())
     router.set_endpoints({MODEL: [Endpoint("r1", MODEL, engine_url, ENGINE_KEY)]})
     runner = web.AppRunner(router.web_app(), **RUNNER_OPTIONS)
     await runner.setup()
@@ -253,8 +254,11 @@ async def streams_at_once(session, target: Target, count: int, tokens: int) -> t
     return len(complete), len(errors), time.perf_counter() - started
 
 
-def start_process(argv: list[str], env: dict | None = None, ready=None) -> subprocess.Popen:
-    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def start_process(argv: list[str], env: dict | None = None, reads_stdout: bool = False) -> subprocess.Popen:
+    # Output nobody reads goes to /dev/null: a full pipe would stall the engine double, which
+    # logs a line per request.
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE if reads_stdout else subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, text=True)
 
 
 def wait_healthy_post(url: str, timeout: float = 20.0) -> None:
@@ -302,10 +306,10 @@ async def bench(args) -> None:
         router_port = free_port()
         state = tempfile.mkdtemp(prefix="llmgw-bench-")
         router_argv = [sys.executable, __file__, "_router", "--port", str(router_port), "--engine-url", engine_url,
-                       "--state", state]
+                       "--state", state, "--request-timeout", str(args.request_timeout)]
         if args.profile:
             router_argv += ["--profile", args.profile]
-        router = start_process(router_argv, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        router = start_process(router_argv, env=dict(os.environ, PYTHONPATH=str(ROOT)), reads_stdout=True)
         processes.append(router)
         line = router.stdout.readline().split()
         if not line or line[0] != "READY":
@@ -414,8 +418,9 @@ def main() -> None:
         parser.add_argument("--engine-url", required=True)
         parser.add_argument("--state", required=True)
         parser.add_argument("--profile")
+        parser.add_argument("--request-timeout", type=float, default=600.0)
         args = parser.parse_args()
-        asyncio.run(run_router(args.port, args.engine_url, args.state, args.profile))
+        asyncio.run(run_router(args.port, args.engine_url, args.state, args.profile, args.request_timeout))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=["aiohttp", "double"], default="aiohttp")
@@ -425,6 +430,8 @@ def main() -> None:
                         help="seconds between streamed events (so that each arrives on its own)")
     parser.add_argument("--stream-tokens", type=int, default=64)
     parser.add_argument("--profile", help="write a cProfile of the router process to this file")
+    parser.add_argument("--request-timeout", type=float, default=600.0,
+                        help="the router's gateway.request_timeout (an engine silent this long is a 504)")
     asyncio.run(bench(parser.parse_args()))
 
 

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from llmgw.config import GatewayConfig
-from tests.integration.test_router_support import (apoll, catalog, model, shared_engines,  # noqa: F401
+from tests.integration.test_router_support import (catalog, model, shared_engines,  # noqa: F401
                                                    start_router)
 
 CATALOG = catalog(model("m1"), model("m2"), model("idle"))
