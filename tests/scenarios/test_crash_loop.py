@@ -109,8 +109,9 @@ def test_engine_crash_loop_backs_off_and_says_why(bed, tmp_path):
         print(f"gateway CPU during the loop: {cpu_used:.1f}s in {elapsed:.0f}s")
         lines = text.splitlines()
         start = next((i for i, line in enumerate(lines) if line.startswith("crashy-") and "failed" in line), 0)
-        print("llmgw ctl replicas, one failed launch:")
-        print("\n".join(lines[start:start + 6]))
+        end = next((i for i in range(start, len(lines)) if REFUSAL in lines[i]), start + 2)
+        print("llmgw ctl replicas, one failed launch (2 header lines, then the end of its log tail):")
+        print("\n".join(lines[start:start + 2] + lines[max(start + 2, end - 2):end + 2]))
 
         # No busy loop, and the backoff grows: each gap at least the low end of its step.
         assert least <= len(launches) <= most, gaps
