@@ -43,15 +43,18 @@ CONNECT_TIMEOUT = 5.0  # an engine on the management network answers a connect w
 UPSTREAM_CONNECTIONS = 8192  # explicit: aiohttp's default silently queues requests past 100
 KEEPALIVE_SECONDS = 4.0  # below the 5 s after which uvicorn and llama-server close idle connections
 USAGE_FLUSH_SECONDS = 1.0
-RUNNER_OPTIONS = {
+# Server settings the router depends on. They travel with the app (handler_args override the
+# runner's arguments), so they hold however the app is run.
+SERVER_SETTINGS = {
     # Cancel the handler when its client disconnects, so the engine's request is cancelled at
-    # once (R-6.11) instead of at the next chunk; no access log line per request.
+    # once (R-6.11) instead of at the next chunk.
     "handler_cancellation": True,
-    "access_log": None,
     # Compressed bodies are decoded in `_read_body`, not by aiohttp's parser, whose refusals of
     # a body that does not decode are plain text, or a 500 once the handler reads it (R-6.1).
     "auto_decompress": False,
+    "max_field_size": 16384,
 }
+RUNNER_OPTIONS = {"access_log": None}  # no log line per request on the hot path
 # Content-Encoding -> zlib wbits of each way to read it (deflate is zlib-wrapped, or raw from some clients).
 BODY_ENCODINGS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
                   "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
@@ -62,7 +65,7 @@ _STREAM_USAGE = b'{"stream_options": {"include_usage": true}, '
 
 
 class Router:
-    """The OpenAI-compatible gateway. Build its app with `web_app()`; run it with RUNNER_OPTIONS."""
+    """The OpenAI-compatible gateway: `web_app()` is the client listener's aiohttp application."""
 
     def __init__(self, holder: CatalogHolder, store: Store | None, gateway: GatewayConfig,
                  on_demand: Callable[[str], None] | None = None,
@@ -104,7 +107,7 @@ class Router:
 
     def web_app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=self._max_body,
-                              handler_args={"max_field_size": 16384})
+                              handler_args=SERVER_SETTINGS)
         app.router.add_get("/", self._landing)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/v1/models", self._list_models)

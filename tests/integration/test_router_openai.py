@@ -191,3 +191,50 @@ async def test_r9_7_metrics_count_requests_and_tokens(gw):
     assert registry.get_sample_value("llmgw_router_tokens_total", {"model": "m1", "kind": "prompt"}) == 2
     assert registry.get_sample_value("llmgw_router_tokens_total", {"model": "m1", "kind": "completion"}) == 8
     assert registry.get_sample_value("llmgw_router_upstream_seconds_count", {"model": "m1"}) == 1
+
+
+async def _post(gw, body: bytes, headers: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        async with session.post(gw.url + "/v1/chat/completions", data=body, skip_auto_headers=("Content-Type",),
+                                headers={"Authorization": f"Bearer {gw.secret}", **headers}) as response:
+            return response.status, json.loads(await response.read())
+
+
+async def test_r6_1_compressed_bodies(gw):
+    import gzip
+    import zlib
+
+    request = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "a b c"}]}).encode()
+    status, answer = await _post(gw, gzip.compress(request), {"Content-Encoding": "gzip"})
+    assert status == 200 and answer["choices"][0]["message"]["content"].startswith("m1 heard 3 words")
+    status, answer = await _post(gw, zlib.compress(request), {"Content-Encoding": "deflate"})
+    assert status == 200
+    status, answer = await _post(gw, b"not gzip at all", {"Content-Encoding": "gzip"})
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+    status, answer = await _post(gw, request, {"Content-Encoding": "br"})
+    assert status == 415 and set(answer["error"]) == {"message", "type", "code", "param"}
+    bomb = gzip.compress(b'{"model": "m1", "pad": "' + b"x" * 100_000 + b'"}')  # small on the wire
+    assert len(bomb) < 4096
+    status, answer = await _post(gw, bomb, {"Content-Encoding": "gzip"})
+    assert status == 413 and answer["error"]["code"] == "request_too_large"
+
+
+async def test_r6_1_deeply_nested_json_is_400(gw):
+    status, answer = await _post(gw, b"[" * 1500 + b"]" * 1500, {})
+    assert status == 400 and "too deeply" in answer["error"]["message"]
+
+
+async def test_r6_2_authorization_that_is_not_utf8_is_401(gw):
+    from tests.integration.test_router_support import raw_request
+
+    host, port = gw.url.removeprefix("http://").split(":")
+    status, _, body = await raw_request(gw.url, "GET", "/v1/models")
+    assert status == 401
+    import asyncio
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                 b"Authorization: Bearer sk-llmgw-\xff\xfe\r\n\r\n")
+    data = await reader.read()
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 401")
+    assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "invalid_api_key"
