@@ -128,7 +128,7 @@ class Forwarder:
                     if status == 401:  # passed on, it would tell the client its own key is wrong
                         raise UpstreamRejectedKey(f"the engine of replica {up.replica_id} refused the "
                                                   "router's engine key; check the replica's api key")
-                    relay = stream and status == 200 and resp.content_type == "text/event-stream"
+                    relay = stream and status == 200
                     if relay:
                         first = await resp.content.readany()
                         if not first:
@@ -143,7 +143,11 @@ class Forwarder:
             except aiohttp.ClientError as exc:
                 raise _connect_error(up, exc) from None
             if relay:
-                response = await self._relay_stream(request, resp, up, first, strip_usage, key_id)
+                # Only SSE is edited; any other streamed format is relayed exactly as it comes.
+                sse = resp.content_type == "text/event-stream"
+                response = await self._relay_stream(request, resp, up, first, strip_usage and sse, key_id,
+                                                    SSE_HEADERS if sse else {**SSE_HEADERS,
+                                                                             "Content-Type": resp.content_type})
             else:
                 if status == 200:
                     prompt, completion = tokens(usage_from_body(answer))
@@ -161,8 +165,8 @@ class Forwarder:
                     resp.close()  # the engine sees the connection go: cancels its work
 
     async def _relay_stream(self, request: web.Request, resp: aiohttp.ClientResponse, up: Upstream,
-                            chunk: bytes, strip: bool, key_id: str) -> web.StreamResponse:
-        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+                            chunk: bytes, strip: bool, key_id: str, headers: dict) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(request)
         readany = resp.content.readany
         write = response.write

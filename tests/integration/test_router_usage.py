@@ -120,3 +120,41 @@ async def test_r6_9_usage_event_cut_between_reads_is_still_stripped(start_router
         assert gw.registry.get_sample_value("llmgw_router_tokens_total", {"model": "m", "kind": "completion"}) == 6
     finally:
         await runner.cleanup()
+
+
+async def test_r6_1_a_stream_in_another_format_is_relayed_as_it_comes(start_router):  # noqa: F811
+    """Not SSE: passed through untouched, and chunk by chunk (the engine waits for the client)."""
+    import asyncio
+
+    from aiohttp import web
+
+    from llmgw.router import Endpoint
+
+    client_has_first = asyncio.Event()
+
+    async def chat(request):
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        await response.write(b'{"n": 1, "choices": []}\n')
+        await client_has_first.wait()  # only a relayed, unbuffered stream lets the client get here
+        await response.write(b'{"n": 2}\n')
+        return response
+
+    engine = web.Application()
+    engine.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(engine)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        gw = await start_router(catalog(model("m")), {"m": [Endpoint("r", "m", url, None)]})
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gw.url + "/v1/chat/completions", json={"model": "m", "stream": True},
+                                    headers={"Authorization": f"Bearer {gw.secret}"}) as response:
+                assert response.content_type == "application/x-ndjson"
+                first = await response.content.readline()
+                client_has_first.set()
+                rest = await response.read()
+        assert first == b'{"n": 1, "choices": []}\n' and rest == b'{"n": 2}\n'
+    finally:
+        await runner.cleanup()
