@@ -8,12 +8,15 @@ launch, stop). It runs on a tick and immediately when something changes (`wake`)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import posixpath
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from llmgw.aio import cancel_and_wait
 from llmgw.catalog import Catalog, CatalogHolder, Model
 from llmgw.config import GatewayConfig, NodeConfig
 from llmgw.control import placement
@@ -88,6 +91,8 @@ class Reconciler:
         self.settled = False
         self._pass_views: tuple[list[placement.NodeView], dict[str, set[int]]] | None = None
         self._explained_at: dict[str, float] = {}
+        self.learned_sizes: dict[str, int | None] = {}  # canonical source -> bytes (None: not said)
+        self._sizing: dict[str, asyncio.Task] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -137,15 +142,8 @@ class Reconciler:
 
     async def close(self) -> None:
         """Stop reconciling; engines keep running (they are adopted on the next start)."""
-        for task in [self._run_task, *self._tasks.values(), *self._stop_tasks.values(), *self._fetches.values()]:
-            if task is not None:
-                task.cancel()
-        for task in [self._run_task, *self._tasks.values(), *self._stop_tasks.values(), *self._fetches.values()]:
-            if task is not None:
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):
-                    pass
+        await cancel_and_wait(self._run_task, *self._tasks.values(), *self._stop_tasks.values(),
+                              *self._fetches.values(), *self._sizing.values())
 
     # -- inputs from the router and operators --------------------------------------------------
 
@@ -216,25 +214,22 @@ class Reconciler:
         return {node: frozenset(gpus) for node, gpus in used.items()}
 
     def explain(self, model_name: str) -> placement.Explanation:
-        model = self.holder.current.models[model_name]
+        model = self.with_learned_size(self.holder.current.models[model_name])
         return placement.explain_placement(model, self.node_views(), self.allocated(),
                                            avoid=self._avoid(model_name))
 
-    def cache_dir(self, node: NodeConfig) -> str:
-        if node.cache_dir:
-            return node.cache_dir
-        if node.connection == "local":
-            return str(self.fleet.links[node.name].root / "cache") if node.name in self.fleet.links else "cache"
-        remote = self.fleet.inventory.ssh.remote_dir
-        return posixpath.join(remote[2:] if remote.startswith("~/") else remote, "cache")
+    def cache_dir(self, node: NodeConfig) -> str | None:
+        """The node's cache directory as an absolute path on it; None until the node said hello."""
+        return self.fleet.paths(node.name).cache_dir
 
     def holdings_wanted(self, node: NodeConfig) -> dict[str, list[str]]:
         """Candidate paths of every catalog model's weights on this node (R-2.6)."""
         wanted = {}
-        dirs = [*node.model_dirs, *node.shared_dirs]
+        paths = self.fleet.paths(node.name)
+        dirs = [*paths.model_dirs, *paths.shared_dirs]
         for model in self.holder.current.models.values():
             if model.source is not None:
-                candidates = model.source.candidates(dirs, self.cache_dir(node))
+                candidates = model.source.candidates(dirs, paths.cache_dir)
                 if model.source.kind == "path" and model.source.path.startswith("/"):
                     candidates = [c for c in candidates if _inside_any(c, dirs)]
                 if candidates:
@@ -301,8 +296,11 @@ class Reconciler:
         if missing > 0:
             if now < health.next_attempt:
                 return
+            sized = self._sized(model)
+            if sized is None:
+                return  # its size is being learned from the source first (R-5.1)
             for _ in range(missing):
-                if not self._place(model, now):
+                if not self._place(sized, now):
                     break
         elif missing < 0:
             # Surplus: stop the least useful first — not serving, then the newest.
@@ -429,6 +427,45 @@ class Reconciler:
 
     # -- placing and launching -----------------------------------------------------------------
 
+    def _sized(self, model: Model) -> Model | None:
+        """The model with its weights' size filled in from the source when it was not declared;
+        None while a node is still asking the source (R-5.1)."""
+        source = model.source
+        if source is None or not source.fetched or model.config.disk_gb is not None:
+            return model
+        key = source.canonical
+        if key not in self.learned_sizes:
+            if key not in self._sizing and self.fleet.ready_nodes():
+                self._sizing[key] = asyncio.create_task(self._learn_size(model), name=f"size-{model.name}")
+            return None if key in self._sizing else model
+        return self.with_learned_size(model)
+
+    def with_learned_size(self, model: Model) -> Model:
+        """The model as placement sees it: a size learned from the source stands in for disk_gb."""
+        size = self.learned_sizes.get(model.source.canonical) if model.source is not None else None
+        if size is None or model.config.disk_gb is not None:
+            return model
+        return dataclasses.replace(model, config=model.config.model_copy(update={"disk_gb": size / 1000**3}))
+
+    async def _learn_size(self, model: Model) -> None:
+        key = model.source.canonical
+        size = None
+        try:
+            for node in self.fleet.ready_nodes()[:2]:
+                try:
+                    source, token = fetch_source(model.source)
+                    answer = await self.fleet.call(node, "source_size", {"source": source, "token": token}, timeout=60)
+                    size = answer.get("bytes")
+                    break
+                except NodeError as exc:
+                    log.info("could not learn the size of %s's weights from %s: %s", model.name, node, exc)
+        finally:
+            self.learned_sizes[key] = size
+            self._sizing.pop(key, None)
+            if size is not None:
+                log.info("%s's weights are %.2f GB (learned from the source)", model.name, size / 1000**3)
+            self.wake()
+
     def _avoid(self, model: str | None = None) -> dict[str, str]:
         """Nodes where this model's last replica just failed: tried elsewhere first."""
         health = self.health.get(model) if model else None
@@ -512,7 +549,8 @@ class Reconciler:
         if held is not None:
             return _engine_path(source, held.path)
         if not source.fetched:
-            candidates = source.candidates([*node.model_dirs, *node.shared_dirs], self.cache_dir(node))
+            paths = self.fleet.paths(node.name)
+            candidates = source.candidates([*paths.model_dirs, *paths.shared_dirs], paths.cache_dir)
             return candidates[0] if candidates else source.path
         shard.set_state(FETCHING)
         self._save(replica)
@@ -535,13 +573,11 @@ class Reconciler:
     async def _fetch(self, node: NodeConfig, model: Model) -> str:
         source = model.source
         assert source is not None and source.fetched
-        args = {"source": source.helper_source(), "cache_dir": self.cache_dir(node), "name": source.cache_name}
-        if source.kind == "hf":
-            import os
-            token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
-            args["token"] = token  # travels in the request, never in argv or logs (R-1.6)
-            if os.environ.get("HF_ENDPOINT"):
-                args["source"]["endpoint"] = os.environ["HF_ENDPOINT"]
+        cache_dir = self.cache_dir(node)
+        if cache_dir is None:
+            raise NodeError(node.name, "fetch", "paths", "the node's cache directory is not known yet")
+        helper_source, token = fetch_source(source)
+        args = {"source": helper_source, "cache_dir": cache_dir, "name": source.cache_name, "token": token}
         task = asyncio.current_task()
         async with self.fleet.stream(node.name, "fetch", args) as stream:
             async for event, data in stream:
@@ -743,6 +779,18 @@ class Reconciler:
         if self.store is not None:
             snapshot = Replica(**{**replica.__dict__, "shards": [Shard(**s.__dict__) for s in replica.shards]})
             self.store.submit(lambda db: save_replica(db, snapshot))
+
+
+def fetch_source(source) -> tuple[dict, str | None]:
+    """The helper's `source` argument and the hub token for it. The token comes from this
+    process's environment and travels in the request, never in argv or logs (R-1.6)."""
+    helper_source = source.helper_source()
+    token = None
+    if source.kind == "hf":
+        token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+        if os.environ.get("HF_ENDPOINT"):
+            helper_source["endpoint"] = os.environ["HF_ENDPOINT"]
+    return helper_source, token
 
 
 def _inside_any(path: str, dirs: list[str]) -> bool:

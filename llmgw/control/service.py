@@ -192,6 +192,9 @@ class ControlPlane:
             cache = self.reconciler.cache_dir(node)
             entry = {"node": name, "cache_dir": cache, "entries": [], "error": None}
             nodes.append(entry)
+            if cache is None:
+                entry["error"] = "the node's cache directory is not known yet"
+                return
             try:
                 listing = await self.fleet.call(name, "reclaim", {"cache_dir": cache, "names": None, "collect": False})
                 unwanted = [e for e in listing["entries"]

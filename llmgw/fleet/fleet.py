@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import posixpath
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw.config import Inventory, NodeConfig
@@ -63,6 +65,10 @@ class Fleet:
     async def call(self, node: str, op: str, args: dict | None = None, timeout: float | None = 30.0):
         return await self.links[node].call(op, args, timeout)
 
+    def paths(self, node: str) -> NodePaths:
+        link = self.links.get(node)
+        return node_paths(self.nodes[node], link.hello if link is not None else None)
+
     def stream(self, node: str, op: str, args: dict | None = None):
         return self.links[node].stream(op, args)
 
@@ -82,7 +88,8 @@ class Fleet:
             # slower beat than engine status, which every tick needs.
             calls.append(self._fact(name, "inventory", {}, InventoryFacts.from_helper))
         calls += [
-            self._fact(name, "storage", {"dirs": storage_dirs(node), "timeout": STORAGE_TIMEOUT}, Storage.from_helper),
+            self._fact(name, "storage", {"dirs": storage_dirs(self.paths(name)), "timeout": STORAGE_TIMEOUT},
+                       Storage.from_helper),
             self._fact(name, "status", {"probe": probe, "timeout": PROBE_TIMEOUT},
                        lambda r: {s["shard_id"]: ShardStatus.from_helper(s) for s in r.get("shards") or ()}),
         ]
@@ -109,10 +116,38 @@ class Fleet:
         await asyncio.gather(*(link.close() for link in self.links.values()))
 
 
-def storage_dirs(node: NodeConfig) -> list[dict]:
+@dataclass(frozen=True)
+class NodePaths:
+    """A node's directories as absolute paths on that node; cache None until the node said hello."""
+
+    model_dirs: tuple[str, ...]
+    shared_dirs: tuple[str, ...]
+    cache_dir: str | None
+
+
+def node_paths(node: NodeConfig, hello: dict | None) -> NodePaths:
+    """Resolve `~` against the node's home and default the cache to ROOT/cache (ROOT is the
+    helper's state directory): the helper takes absolute paths only, and only the node knows
+    where its home is."""
+    home = (hello or {}).get("home")
+    root = (hello or {}).get("root")
+
+    def resolve(path: str) -> str | None:
+        if path == "~" or path.startswith("~/"):
+            return posixpath.join(home, path[2:]) if home else None
+        return path
+
+    def resolve_all(paths) -> tuple[str, ...]:
+        return tuple(p for p in (resolve(d) for d in paths) if p is not None)
+
+    cache = resolve(node.cache_dir) if node.cache_dir else (posixpath.join(root, "cache") if root else None)
+    return NodePaths(resolve_all(node.model_dirs), resolve_all(node.shared_dirs), cache)
+
+
+def storage_dirs(paths: NodePaths) -> list[dict]:
     """The directories a node is asked to look at: model dirs, shared dirs, its cache (R-2.4)."""
-    dirs = [{"path": d, "shared": False} for d in node.model_dirs]
-    dirs += [{"path": d, "shared": True} for d in node.shared_dirs]
-    if node.cache_dir:
-        dirs.append({"path": node.cache_dir, "shared": False})
+    dirs = [{"path": d, "shared": False} for d in paths.model_dirs]
+    dirs += [{"path": d, "shared": True} for d in paths.shared_dirs]
+    if paths.cache_dir:
+        dirs.append({"path": paths.cache_dir, "shared": False})
     return dirs

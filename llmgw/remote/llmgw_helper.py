@@ -23,7 +23,7 @@ Wire protocol (R-1.2)
 JSON lines over stdin/stdout, UTF-8, one object per line.
 
 - First line written: ``{"hello": {"protocol": 1, "version", "sha256", "python", "hostname",
-  "boot_id", "pid"}}``.
+  "boot_id", "pid", "root", "home"}}`` (root: the absolute state directory; home: ~).
 - Request: ``{"id": <int or str>, "op": "<name>", "args": {...}}``.
 - Answer: ``{"id", "ok": true, "result": {...}}`` or
   ``{"id", "ok": false, "error": {"kind": "<machine word>", "message": "<sentence>"}}``.
@@ -73,6 +73,10 @@ fetch {"source": {"kind": "https", "urls": [...]} | {"kind": "hf", "repo", "revi
     a second request attaches to the running download (R-5.3). total is known only when every
     file's length is. The token is sent as a bearer header to the source's host only, and is
     never logged or echoed.
+
+source_size {"source", "token"} -> {"bytes": int|null, "files": int}
+    What a fetch of that source would download, from the hub listing's sizes or HEAD requests;
+    null when any length is unknown (R-5.1: the size is learned before placement).
 
 launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus", "files"} -> {"shard_id",
     "pid", "pgid", "start_time", "argv", "log_path", "started_at"}
@@ -1072,6 +1076,7 @@ class Node(object):
         "storage",
         "holdings",
         "fetch",
+        "source_size",
         "launch",
         "status",
         "stop",
@@ -1338,6 +1343,17 @@ class Node(object):
         if job.error is not None:
             raise HelperError(job.error.kind, job.error.message)
         return dict(job.result)
+
+    def op_source_size(self, args, ctx):
+        """How many bytes a source would download, from the hub listing or HEAD requests; null
+        when the server does not say (R-5.1: the size is learned before placement)."""
+        source = _check_source(_arg(args, "source", (dict,)))
+        token = _arg(args, "token", (str,), None)
+        job = FetchJob(None, None, "size", source, token)
+        files = self._plan_files(job)
+        sizes = [size if size is not None else self._head_length(job, url) for url, _, size in files]
+        total = sum(sizes) if all(size is not None for size in sizes) else None
+        return {"bytes": total, "files": len(files)}
 
     def busy_cache_names(self, cache_dir):
         with self.fetch_lock:
@@ -2147,6 +2163,8 @@ class Server(object):
                 "hostname": socket.gethostname(),
                 "boot_id": read_boot_id(),
                 "pid": os.getpid(),
+                "root": self.node.root,
+                "home": os.path.expanduser("~"),
             }
         }
 

@@ -213,3 +213,22 @@ async def test_engine_survives_the_link_dropping_and_is_seen_again(bed, inventor
         await link.call("forget", {"shard_id": "survivor-0"})
     finally:
         await link.close()
+
+
+async def test_node_without_cache_dir_fetches_into_its_default_cache(bed, inventory, tmp_path):
+    """A node declared without cache_dir gets ROOT/cache, as an absolute path on that node."""
+    url = bed.weights.add("default-cache/w.bin", size=4096)
+    node = inventory.node("cpu1").model_copy(update={"cache_dir": None, "model_dirs": ["~/models"]})
+    fleet = Fleet(inventory.model_copy(update={"nodes": [node]}), tmp_path)
+    await fleet.start()
+    try:
+        assert await fleet.wait_connected(30)
+        paths = fleet.paths("cpu1")
+        assert paths.cache_dir == "/root/.llmgw/cache" and paths.model_dirs == ("/root/models",)
+        result = await fleet.call("cpu1", "fetch", {"source": {"kind": "https", "urls": [url]},
+                                                    "cache_dir": paths.cache_dir, "name": "llmgw-" + "ab" * 16})
+        assert result["path"].startswith("/root/.llmgw/cache/llmgw-")
+        await fleet.refresh()
+        assert fleet.facts["cpu1"].storage.filesystem_of(paths.cache_dir) is not None
+    finally:
+        await fleet.close()

@@ -2,9 +2,10 @@
 left or mistaken for weights, and the replica goes to a node with room (R-3.1, R-4.2, R-5.1, R-5.2).
 
 Two CPU nodes: `cramped` has a 24 MB tmpfs cache (real ENOSPC), `roomy` 128 MB. Placement ties
-between them are broken by name, so a model whose size nobody declared goes to `cramped` first;
-its download of 48 MB runs out of space there. A second model declares `disk_gb`, and placement
-never sends it to `cramped` at all.
+between them are broken by name, so a model whose size nobody declared and whose server sends no
+length goes to `cramped` first; its download of 48 MB runs out of space there. A second model
+declares no size either, but its server sends a Content-Length: the size is learned before
+placement, which never sends it to `cramped` at all.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class CacheWatch:
 
 
 def test_disk_full_download_fails_cleanly_and_placement_moves_on(bed, tmp_path):
-    big_url = bed.weights.add("big/model.gguf", size=WEIGHTS_BYTES)
+    big_url = bed.weights.add("big/model.gguf", size=WEIGHTS_BYTES, framing="chunked")  # no length to learn
     sized_url = bed.weights.add("sized/model.gguf", size=WEIGHTS_BYTES)
     profiles = {"cpu": {"engine": "llama-server", "start_timeout": "60s"}}
     inventory = write_inventory(bed, tmp_path / "inventory.yaml", models=[], profiles=profiles)
@@ -121,9 +122,8 @@ def test_disk_full_download_fails_cleanly_and_placement_moves_on(bed, tmp_path):
         assert bed.weights.hits(big_url) == 2
         assert all(r.choices[0].message.content.startswith("big") for r in big_requests)
 
-        # 2. Size declared: placement knows cramped is too small and never tries it.
-        (tmp_path / "sized.yaml").write_text(
-            f"name: sized\nprofile: cpu\nweights: {sized_url}\ndisk_gb: 0.048\nscaling: {{min: 1}}\n")
+        # 2. Size learned from the source: placement knows cramped is too small and never tries it.
+        (tmp_path / "sized.yaml").write_text(f"name: sized\nprofile: cpu\nweights: {sized_url}\nscaling: {{min: 1}}\n")
         ctl.ok("model", "add", "-f", str(tmp_path / "sized.yaml"))
         wait_for(lambda: [r for r in ctl.json("replicas")["replicas"] if r["model"] == "sized" and r["serving"]],
                  120, f"sized to serve\n{gateway.log()[-3000:]}")
@@ -131,7 +131,7 @@ def test_disk_full_download_fails_cleanly_and_placement_moves_on(bed, tmp_path):
         verdicts = {v["node"]: v for v in ctl.json("explain-placement", "sized")["verdicts"]}
         sized_requests = [client.chat.completions.create(model="sized", messages=[{"role": "user", "content": "hi"}])
                           for _ in range(5)]
-        print(f"sized (disk_gb 0.048): {len(sized)} launch on {[r['shards'][0]['node'] for r in sized]}; "
+        print(f"sized (48 MB learned from Content-Length): {len(sized)} launch on {[r['shards'][0]['node'] for r in sized]}; "
               f"cramped's verdict: {verdicts['cramped']['reasons']}")
         print(f"sized: {len(sized_requests)} requests sent, {len(sized_requests)} succeeded; "
               f"weights server sent it {bed.weights.hits(sized_url)} time(s)")

@@ -61,6 +61,7 @@ class FakeFleet:
         self.calls: list[tuple[str, str, dict]] = []
         self.holdings_wanted = None
         self.crash_on_launch = False
+        self.source_bytes = 10**9
         self._pids = itertools.count(1000)
         for name in self.nodes:
             count = (gpus or {}).get(name, 8)
@@ -72,6 +73,10 @@ class FakeFleet:
                                                     for i in range(count)), nvidia_smi="ok"),
                 storage=Storage((Filesystem("1:1", "ext4", "/", False, 10**13, 10**13, ("/cache",)),)),
                 holdings={}, shards={}, observed_at={"status": time.time()})
+
+    def paths(self, node):
+        from llmgw.fleet.fleet import node_paths
+        return node_paths(self.nodes[node], {"root": f"/home/{node}/.llmgw", "home": f"/home/{node}"})
 
     def ready_nodes(self):
         return [n for n, l in self.links.items() if l.state == READY]
@@ -110,6 +115,8 @@ class FakeFleet:
             was = record["alive"]
             record["alive"] = False
             return {"was_alive": was, "stopped": True}
+        if op == "source_size":
+            return {"bytes": self.source_bytes, "files": 1}
         if op == "forget":
             self.engines[node].pop(args["shard_id"], None)
             return {}

@@ -33,7 +33,7 @@ def catalog(models: list[dict], version: int = 1) -> Catalog:
     return Catalog.build(file_models=configs, profiles=PROFILES, version=version)
 
 
-async def settle(reconciler: Reconciler, fleet: FakeFleet, passes: int = 3) -> None:
+async def settle(reconciler: Reconciler, fleet: FakeFleet, passes: int = 5) -> None:
     """Run passes the way `run` does: refresh facts, step, let the started tasks run."""
     for _ in range(passes):
         await fleet.refresh()
@@ -201,7 +201,7 @@ async def test_start_timeout_fails_and_replaces():
         return result
 
     fleet.call = unhealthy_launch
-    await settle(reconciler, fleet, 1)
+    await until(lambda: reconciler.replicas, reconciler, fleet, what="a placement")
     first = next(iter(reconciler.replicas.values()))
     await until(lambda: first.leader.state == FAILED, reconciler, fleet, what="start timeout")
     assert "did not become ready within" in first.leader.reason
@@ -222,3 +222,22 @@ async def test_unknown_memory_is_placeable_small_memory_is_not(memory):
     else:
         assert not reconciler.replicas
         assert "has 8 GB of memory, needs 24" in " ".join(reconciler.unplaceable["m"].verdicts[0].reasons)
+
+
+async def test_undeclared_size_is_learned_before_placement():
+    """R-5.1: without disk_gb, a node asks the source; placement then checks the cache space."""
+    reconciler, fleet, _, _ = build([{"name": "m"}], nodes=("a",))
+    fleet.source_bytes = 5 * 10**12  # 5 TB: more than the node's cache has free
+    storage = fleet.facts["a"].storage
+    fleet.facts["a"].storage = storage.__class__(
+        (storage.filesystems[0].__class__("1:1", "ext4", "/", False, 10**12, 10**11,
+                                          (reconciler.cache_dir(fleet.nodes["a"]),)),))
+    await settle(reconciler, fleet)
+    assert not reconciler.replicas
+    assert [c for c in fleet.calls if c[1] == "source_size"]
+    assert list(reconciler.learned_sizes.values()) == [5 * 10**12]
+    assert "needs 5000" in " ".join(reconciler.unplaceable["m"].verdicts[0].reasons)
+    fleet.source_bytes = 10**9
+    reconciler.learned_sizes.clear()  # (a new catalog with another source would be asked afresh)
+    await settle(reconciler, fleet)
+    assert serving(reconciler, "m")
