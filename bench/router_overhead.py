@@ -333,7 +333,7 @@ async def bench(args) -> None:
                 for q in (0.5, 0.99):
                     ms = {name: percentile(v, q) * 1e3 for name, v in values.items()}
                     rows.append((f"{label} p{int(q * 100)} (ms)", f"{ms['engine']:.3f}", f"{ms['bare']:.3f}",
-                                 f"{ms['router']:.3f}", f"+{ms['router'] - ms['engine']:.3f}"))
+                                 f"{ms['router']:.3f}", f"{ms['router'] - ms['engine']:+.3f}"))
             added_p50 = percentile(lat["router"], 0.5) - percentile(lat["engine"], 0.5)
             added_ttft = percentile(ttft["router"], 0.5) - percentile(ttft["engine"], 0.5)
 
