@@ -111,7 +111,7 @@ class Gateway:
         self.reconciler = Reconciler(self.holder, self.fleet, self.store, gateway,
                                      push_endpoints=self.router.set_endpoints,
                                      last_used=self.router.take_last_used,
-                                     outstanding=getattr(self.router, "outstanding", None))
+                                     outstanding=self.router.outstanding, abandon=self.router.abandon)
         self.fleet.holdings_wanted = self.reconciler.holdings_wanted
         self.control = ControlPlane(self.inventory, self.document, self.holder, self.store, self.reconciler,
                                     self.fleet, self.inventory_source)

@@ -63,7 +63,8 @@ class Reconciler:
     def __init__(self, holder: CatalogHolder, fleet: Fleet, store: Store | None, gateway: GatewayConfig, *,
                  push_endpoints: Callable[[dict[str, list[Endpoint]]], None] | None = None,
                  last_used: Callable[[], Mapping[str, float]] | None = None,
-                 outstanding: Callable[[str], int] | None = None):
+                 outstanding: Callable[[str], int] | None = None,
+                 abandon: Callable[[str], object] | None = None):
         self.holder = holder
         self.fleet = fleet
         self.store = store
@@ -71,6 +72,7 @@ class Reconciler:
         self.push_endpoints = push_endpoints
         self.last_used_source = last_used
         self.outstanding = outstanding
+        self.abandon = abandon
         self.replicas: dict[str, Replica] = {}
         self.retired: list[tuple[float, Replica]] = []
         self.admin: dict[str, NodeAdmin] = {name: NodeAdmin() for name in fleet.nodes}
@@ -380,6 +382,8 @@ class Reconciler:
             if now - link.since > self.gateway.settling_window:
                 shard.set_state(FAILED, f"node {shard.node} {link.state} since {time.strftime('%H:%M:%S', time.localtime(link.since))}")
                 self._save(replica)
+                if self.abandon is not None:
+                    self.abandon(replica.id)  # requests waiting on it go elsewhere now
             return
         facts = self.fleet.facts[shard.node]
         observed = facts.observed_at.get("status", 0.0)

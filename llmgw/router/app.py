@@ -101,6 +101,10 @@ class Router:
         """replica_id -> unix time it last got a request; a replica never used is absent (R-7.1)."""
         return self.balancer.last_used()
 
+    def abandon(self, replica_id: str) -> int:
+        """Requests in flight to a replica the control plane gave up: see Forwarder.abandon."""
+        return self._forwarder.abandon(replica_id) if self._forwarder is not None else 0
+
     def outstanding(self, replica_id: str) -> int:
         """Requests in flight to a replica, still counted after it left the lists (for draining)."""
         return self.balancer.outstanding(replica_id)

@@ -100,6 +100,15 @@ class Watchdog:
             self.sweep(time.monotonic())
 
 
+class _Attempt:
+    __slots__ = ("task", "resp", "abandoned")
+
+    def __init__(self, task: asyncio.Task | None):
+        self.task = task
+        self.resp: aiohttp.ClientResponse | None = None
+        self.abandoned = False
+
+
 class Forwarder:
     """Sends one attempt to one endpoint and relays its answer."""
 
@@ -110,12 +119,29 @@ class Forwarder:
         self.usage = usage
         self.read_timeout = read_timeout
         self.watchdog = Watchdog(read_timeout)
+        self._attempts: dict[str, set[_Attempt]] = {}
+
+    def abandon(self, replica_id: str) -> int:
+        """The control plane gave this replica up (its node is unreachable): attempts still
+        waiting for its first byte are retried elsewhere, streams already relaying end with an
+        error, instead of waiting up to request_timeout for a peer that cannot answer."""
+        attempts = self._attempts.get(replica_id, ())
+        for attempt in list(attempts):
+            attempt.abandoned = True
+            if attempt.task is not None:
+                attempt.task.cancel()
+            elif attempt.resp is not None:
+                attempt.resp.close()  # the relay loop's read fails: the stream ends with an error
+        return len(attempts)
 
     async def send(self, request: web.Request, up: Upstream, path: str, body: bytes, stream: bool,
                    strip_usage: bool, key_id: str) -> web.StreamResponse:
         started = time.monotonic()
         resp = None
         finished = False
+        attempt = _Attempt(asyncio.current_task())
+        attempts = self._attempts.setdefault(up.replica_id, set())
+        attempts.add(attempt)
         try:
             try:
                 async with asyncio.timeout(self.read_timeout):
@@ -142,6 +168,16 @@ class Forwarder:
                 raise _timeout(up) from None
             except aiohttp.ClientError as exc:
                 raise _connect_error(up, exc) from None
+            except asyncio.CancelledError:
+                if attempt.abandoned and asyncio.current_task().uncancel() == 0:
+                    raise UpstreamConnectFailed(f"replica {up.replica_id} was given up while this request "
+                                                "waited for it (its node is unreachable)") from None
+                raise
+            # From here on a cancellation is the client's; an abandoned replica's stream is cut
+            # by closing its response instead.
+            attempt.task, attempt.resp = None, resp
+            if attempt.abandoned:
+                raise UpstreamConnectFailed(f"replica {up.replica_id} was given up (its node is unreachable)")
             if relay:
                 # Only SSE is edited; any other streamed format is relayed exactly as it comes.
                 sse = resp.content_type == "text/event-stream"
@@ -158,6 +194,9 @@ class Forwarder:
             finished = True
             return response
         finally:
+            attempts.discard(attempt)
+            if not attempts:
+                self._attempts.pop(up.replica_id, None)
             if resp is not None:
                 if finished and resp.content.is_eof():
                     resp.release()

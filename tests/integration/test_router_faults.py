@@ -282,3 +282,36 @@ async def test_r6_8_on_demand_without_a_control_plane_does_not_wait(start_router
         with pytest.raises(openai.InternalServerError) as refused:
             await client.chat.completions.create(model="lazy", messages=HELLO)
     assert refused.value.code == "no_capacity"
+
+
+async def test_requests_waiting_on_a_given_up_replica_go_elsewhere(engines, start_router):  # noqa: F811
+    """A replica whose node is cut off answers nothing; once the control plane gives it up, a
+    request waiting for its first byte is retried on another replica (R-6.6), not held for
+    request_timeout."""
+    hung = engines.start("m", healthy=False, bind_early=1, start_delay=600)  # accepts, answers nothing
+    live = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [hung.endpoint("hung")]},
+                            gateway=GatewayConfig(request_timeout=120))
+    async with gw.client() as client:
+        waiting = asyncio.create_task(client.chat.completions.create(model="m", messages=HELLO))
+        await apoll(lambda: gw.router.outstanding("hung") == 1, what="the request to wait on the hung replica")
+        gw.router.set_endpoints({"m": [live.endpoint("live")]})
+        assert gw.router.abandon("hung") == 1
+        reply = await asyncio.wait_for(waiting, 30)
+    assert "m" in reply.choices[0].message.content
+    assert live.counters()["requests"] == 1
+
+
+async def test_a_stream_on_a_given_up_replica_ends_with_an_error(engines, start_router):  # noqa: F811
+    slow = engines.start("m", token_delay=30)  # the first event at once, then silence
+    gw = await start_router(catalog(model("m")), {"m": [slow.endpoint("slow")]},
+                            gateway=GatewayConfig(request_timeout=120))
+    async with gw.client() as client:
+        stream = await client.chat.completions.create(model="m", messages=HELLO, stream=True)
+        received = [await stream.__anext__()]
+        assert gw.router.abandon("slow") == 1
+        with pytest.raises((openai.APIError, httpx2.HTTPError)) as broken:
+            async for chunk in stream:
+                received.append(chunk)
+    assert len(received) == 1 and "incomplete" in str(broken.value)
+    await apoll(lambda: gw.router.outstanding("slow") == 0, what="the request to be released")

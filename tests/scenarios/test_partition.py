@@ -4,9 +4,10 @@ Two replicas on three single-GPU nodes, steady traffic. The link of a node holdi
 cut for longer than the settling window: its replica is given up and replaced on the third node,
 while its engine, out of reach, keeps running. When the link comes back, that engine must be
 stopped: once settled, exactly the intended number of engines run on the nodes and only they
-answer requests. The same holds when `llmgw serve` is restarted while the node is cut off: the
-new process must still stop the engine it finds there on the return (clients retry through the
-restart).
+answer requests. Requests waiting on the cut-off engine are retried on the other replica once
+its replica is given up; a stream caught mid-answer there ends with an error rather than hanging.
+The same holds when `llmgw serve` is restarted while the node is cut off: the new process must
+still stop the engine it finds there on the return (clients retry through the restart).
 """
 
 from __future__ import annotations
@@ -117,8 +118,11 @@ def test_partition_and_return_leaves_no_duplicate(fleet, restart):
     if restart:
         # Clients retried through the restart; only tries inside the restart window failed.
         assert traffic.failed() == [], traffic.account("failures")
+        # A stream caught mid-answer on the engine that was cut off ends with an error once the
+        # control plane gives its replica up (waiting up to request_timeout would help no one).
         outside = [(round(at - term_at, 2), reason) for o in outcomes for at, reason in o.attempts
-                   if not term_at <= at <= ready_at]
+                   if not term_at <= at <= ready_at
+                   and not (at >= cut_at and "upstream_interrupted" in reason)]
         assert outside == [], f"tries failed outside the restart window [0, {ready_at - term_at:.2f}]: {outside}"
     # Before the return, a request failed only if it was caught on the engine that was cut off.
     for outcome in traffic.failed():
