@@ -8,6 +8,7 @@ A refusal from the API is one line on stderr and exit code 1.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -89,8 +90,13 @@ def connection(
     ctx.obj = Connection(admin, token, state_dir, inventory)
 
 
+PIPED_WIDTH = 200
+
+
 def _console() -> Console:
-    return Console(highlight=False, soft_wrap=False)
+    # Piped into grep or a file, a table wrapped at rich's default 80 columns is unreadable.
+    piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
+    return Console(highlight=False, soft_wrap=False, width=PIPED_WIDTH if piped else None)
 
 
 def _client(ctx: typer.Context) -> AdminClient:
