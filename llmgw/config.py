@@ -385,9 +385,17 @@ def default_state_dir() -> Path:
     return Path(base) / "llmgw"
 
 
+EMBEDDED_PROFILES = {
+    "vllm": ProfileConfig(engine="vllm", gpus=1),
+    "sglang": ProfileConfig(engine="sglang", gpus=1),
+    "llama-server": ProfileConfig(engine="llama-server"),
+}
+
+
 def embedded_inventory() -> Inventory:
-    """This machine as a single local node (R-9.2)."""
-    return Inventory(nodes=[NodeConfig(name="local", connection="local")])
+    """This machine as a single local node (R-9.2), with one profile per built-in engine so that
+    models can be added at runtime (`llmgw ctl model add -f model.yaml`)."""
+    return Inventory(nodes=[NodeConfig(name="local", connection="local")], profiles=EMBEDDED_PROFILES)
 
 
 def resolve_state_dir(inventory: Inventory, override: str | None = None) -> Path:
