@@ -28,7 +28,7 @@ import asyncssh
 
 from llmgw.aio import cancel_and_wait
 from llmgw.config import NodeConfig, SSHConfig
-from llmgw.fleet.session import EXIT_INTEGRITY, EXIT_MISSING, HelperFailed, HelperSession, NodeError, Stream
+from llmgw.fleet.session import HelperFailed, HelperSession, NodeError, Stream
 
 log = logging.getLogger(__name__)
 
@@ -43,25 +43,45 @@ PREFERRED_CIPHERS = "^aes128-gcm@openssh.com,aes256-gcm@openssh.com"
 
 
 # The helper is started through this bootstrap, which checks the file's hash before Python even
-# parses it: a tampered copy that no longer compiles must still fail as "integrity", not as a
-# syntax error. The helper then verifies itself again (R-1.3). Exit 96: missing; 97: mismatch.
+# parses it: a tampered copy that no longer compiles must still fail its check, not raise a syntax
+# error. A missing or mismatched copy is replaced on the spot: the bootstrap says {"upload": ...},
+# reads the helper from stdin, checks its hash, writes it atomically (temp + rename; directories
+# it creates are 0700, existing ones are left for the helper to judge) and runs it: one process
+# start and no extra channel per deployment. The helper then verifies itself again (R-1.3).
+# Exit 96: stdin ended before the upload was complete; 97: the upload's hash was wrong.
 BOOTSTRAP = (
-    "import hashlib,json,sys\n"
-    "p,h=sys.argv[1],sys.argv[2]\n"
+    "import hashlib,json,os,sys\n"
+    "p,h,n=sys.argv[1],sys.argv[2],int(sys.argv[3])\n"
+    "def say(m):\n"
+    " sys.stdout.write(json.dumps(m)+'\\n');sys.stdout.flush()\n"
     "try:\n"
     " d=open(p,'rb').read()\n"
-    "except OSError as e:\n"
-    " print(json.dumps({'fatal':'missing','path':p,'error':str(e)}),flush=True);sys.exit(96)\n"
-    "a=hashlib.sha256(d).hexdigest()\n"
-    "if a!=h:\n"
-    " print(json.dumps({'fatal':'integrity','expected':h,'actual':a}),flush=True);sys.exit(97)\n"
-    "sys.argv=[p]+sys.argv[3:]\n"
+    "except OSError:\n"
+    " d=None\n"
+    "if d is None or hashlib.sha256(d).hexdigest()!=h:\n"
+    " say({'upload':h,'found':'missing' if d is None else 'mismatch'})\n"
+    " r=sys.stdin.buffer;d=b''\n"
+    " while len(d)<n:\n"
+    "  c=r.read(n-len(d))\n"
+    "  if not c:sys.exit(96)\n"
+    "  d+=c\n"
+    " a=hashlib.sha256(d).hexdigest()\n"
+    " if a!=h:\n"
+    "  say({'fatal':'integrity','expected':h,'actual':a});sys.exit(97)\n"
+    " q=os.path.dirname(p)\n"
+    " for x in (os.path.dirname(q),q):\n"
+    "  if x and not os.path.isdir(x):os.mkdir(x,0o700)\n"
+    " t='%s.%d.tmp'%(p,os.getpid())\n"
+    " with os.fdopen(os.open(t,os.O_WRONLY|os.O_CREAT|os.O_EXCL,0o600),'wb') as o:o.write(d)\n"
+    " os.replace(t,p)\n"
+    "sys.argv=[p]+sys.argv[4:]\n"
     "exec(compile(d,p,'exec'),{'__name__':'__main__','__file__':p,'__builtins__':__builtins__})\n"
 )
 
 
-def helper_argv(python: str, path: str, sha256: str, root: str) -> list[str]:
-    return [python, "-c", BOOTSTRAP, path, sha256, "serve", "--expect-sha256", sha256, "--root", root]
+def helper_argv(python: str, path: str, code: HelperCode, root: str) -> list[str]:
+    return [python, "-c", BOOTSTRAP, path, code.sha256, str(len(code.text)),
+            "serve", "--expect-sha256", code.sha256, "--root", root]
 
 
 @dataclass(frozen=True)
@@ -204,6 +224,11 @@ class NodeLink:
         """Connect, start the helper (deploying it when needed) and return the session."""
         raise NotImplementedError
 
+    def _deployed(self, session: HelperSession) -> None:
+        if session.uploaded is not None:
+            log.info("%s: deploying helper %s (the node's copy was %s)", self.name, self.code.sha256[:12],
+                     "missing" if session.uploaded == "missing" else "changed")
+
     async def _teardown(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -292,23 +317,16 @@ class SSHLink(NodeLink):
     async def _open(self) -> HelperSession:
         self._set_state(CONNECTING, self.reason)
         self._conn = await self._connect()
-        try:
-            return await self._start_helper()
-        except HelperFailed as exc:
-            if exc.exit_status in (EXIT_MISSING, EXIT_INTEGRITY):
-                log.info("%s: deploying helper %s (%s)", self.name, self.code.sha256[:12], exc.reason)
-                await self._upload()
-                return await self._start_helper()
-            raise
+        return await self._start_helper()
 
     async def _start_helper(self) -> HelperSession:
         assert self._conn is not None
         python = self.node.python or self.ssh.python
-        command = shlex.join(helper_argv(python, self.helper_path, self.code.sha256, self.remote_dir))
+        command = shlex.join(helper_argv(python, self.helper_path, self.code, self.remote_dir))
         process = await self._conn.create_process(command, encoding=None)
         session = HelperSession(self.name, process.stdout, process.stdin)
         try:
-            await session.start(HELLO_TIMEOUT)
+            await session.start(HELLO_TIMEOUT, upload=self.code.text)
         except HelperFailed as exc:
             stderr = b""
             try:
@@ -322,30 +340,14 @@ class SSHLink(NodeLink):
             if exc.fatal is None and status is None:
                 # No exit status at all is a lost connection, not a result (R-1.1).
                 raise NodeError(self.name, "helper", "start", "connection lost while starting the helper")
-            missing = status == EXIT_MISSING
             reason = exc.reason if exc.fatal else (
                 f"helper exited with status {status}: {text[-300:] or 'no output'}")
-            if not missing and exc.fatal is None and status == 127:
+            if exc.fatal is None and status == 127:
                 reason = f"{python!r} was not found on the node (set ssh.python or the node's python)"
-            raise HelperFailed(reason, fatal=exc.fatal, exit_status=status, missing=missing) from None
+            raise HelperFailed(reason, fatal=exc.fatal, exit_status=status) from None
+        self._deployed(session)
         self._process = process
         return session
-
-    async def _upload(self) -> None:
-        """Upload the helper atomically (temp file + rename) into a 0700 directory (R-1.3)."""
-        assert self._conn is not None
-        async with self._channels:
-            async with self._conn.start_sftp_client() as sftp:
-                directory = f"{self.remote_dir}/helper"
-                for path in (self.remote_dir, directory):
-                    if not await sftp.exists(path):
-                        await sftp.mkdir(path, asyncssh.SFTPAttrs(permissions=0o700))
-                    await sftp.chmod(path, 0o700)
-                temp = f"{directory}/.upload-{os.getpid()}-{random.getrandbits(32):08x}"
-                async with sftp.open(temp, "wb", asyncssh.SFTPAttrs(permissions=0o600)) as remote:
-                    await remote.write(self.code.text)
-                await sftp.chmod(temp, 0o600)
-                await sftp.posix_rename(temp, self.helper_path)
 
     async def _teardown(self) -> None:
         await super()._teardown()
@@ -374,34 +376,18 @@ class LocalLink(NodeLink):
 
     async def _open(self) -> HelperSession:
         self._set_state(CONNECTING, self.reason)
-        try:
-            return await self._start_helper()
-        except HelperFailed as exc:
-            if exc.exit_status in (EXIT_MISSING, EXIT_INTEGRITY):
-                self._install()
-                return await self._start_helper()
-            raise
-
-    def _install(self) -> None:
-        directory = self.helper_path.parent
-        self.root.parent.mkdir(parents=True, exist_ok=True)
-        for path in (self.root, directory):
-            path.mkdir(mode=0o700, exist_ok=True)
-            os.chmod(path, 0o700)
-        temp = directory / f".upload-{os.getpid()}-{random.getrandbits(32):08x}"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(self.code.text)
-        os.replace(temp, self.helper_path)
+        self.root.parent.mkdir(parents=True, exist_ok=True)  # the bootstrap makes ROOT and ROOT/helper
+        return await self._start_helper()
 
     async def _start_helper(self) -> HelperSession:
         proc = await asyncio.create_subprocess_exec(
-            *helper_argv(self.python, str(self.helper_path), self.code.sha256, str(self.root)), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            *helper_argv(self.python, str(self.helper_path), self.code, str(self.root)),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, limit=64 * 1024 * 1024, start_new_session=True)
         assert proc.stdout is not None and proc.stdin is not None
         session = HelperSession(self.name, proc.stdout, proc.stdin)
         try:
-            await session.start(HELLO_TIMEOUT)
+            await session.start(HELLO_TIMEOUT, upload=self.code.text)
         except HelperFailed as exc:
             try:
                 status = await asyncio.wait_for(proc.wait(), 5)
@@ -411,6 +397,7 @@ class LocalLink(NodeLink):
             stderr = (await proc.stderr.read()).decode(errors="replace").strip() if proc.stderr else ""
             reason = exc.reason if exc.fatal else f"helper exited with status {status}: {stderr[-300:]}"
             raise HelperFailed(reason, fatal=exc.fatal, exit_status=status) from None
+        self._deployed(session)
         self._proc = proc
         return session
 

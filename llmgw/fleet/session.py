@@ -19,7 +19,7 @@ from llmgw.aio import cancel_and_wait
 log = logging.getLogger(__name__)
 
 # Exit codes of the helper (documented in its docstring).
-EXIT_MISSING = 96  # from the bootstrap: no helper file at the expected path
+EXIT_MISSING = 96  # from the bootstrap: stdin ended before the helper's upload was complete
 EXIT_INTEGRITY = 97
 EXIT_PERMISSIONS = 98
 
@@ -35,10 +35,9 @@ class NodeError(Exception):
 class HelperFailed(Exception):
     """The helper could not be started or refused to run; `reason` is for the operator."""
 
-    def __init__(self, reason: str, *, fatal: dict | None = None, exit_status: int | None = None,
-                 missing: bool = False):
+    def __init__(self, reason: str, *, fatal: dict | None = None, exit_status: int | None = None):
         super().__init__(reason)
-        self.reason, self.fatal, self.exit_status, self.missing = reason, fatal, exit_status, missing
+        self.reason, self.fatal, self.exit_status = reason, fatal, exit_status
 
 
 class LineReader(Protocol):
@@ -103,24 +102,23 @@ class HelperSession:
         self._pending: dict[int, tuple[str, asyncio.Future]] = {}
         self._streams: dict[int, Stream] = {}
         self.hello: dict | None = None
+        self.uploaded: str | None = None  # "missing" or "mismatch" when this start deployed the helper
         self.closed = False
         self.lost: asyncio.Future = asyncio.get_running_loop().create_future()
         self._task: asyncio.Task | None = None
         self._encoder = json.JSONEncoder(separators=(",", ":"))
         self._outgoing: list[bytes] = []
 
-    async def start(self, timeout: float) -> dict:
-        """Wait for the hello line; a fatal line or EOF raises HelperFailed."""
-        try:
-            line = await asyncio.wait_for(self._reader.readline(), timeout)
-        except asyncio.TimeoutError:
-            raise HelperFailed(f"the helper did not say hello within {timeout:.0f}s") from None
-        if not line:
-            raise HelperFailed("the helper exited before saying hello", missing=True)
-        try:
-            message = json.loads(line)
-        except ValueError:
-            raise HelperFailed(f"the helper said something that is not JSON: {line[:200]!r}") from None
+    async def start(self, timeout: float, upload: bytes | None = None) -> dict:
+        """Wait for the hello line; a fatal line or EOF raises HelperFailed. When the bootstrap
+        asks for the helper (missing or mismatched copy on the node), `upload` is sent first."""
+        message = await self._first_message(timeout)
+        if "upload" in message and upload is not None:
+            self.uploaded = message.get("found", "missing")
+            self._writer.write(upload)
+            message = await self._first_message(timeout)
+        if "upload" in message:
+            raise HelperFailed("the node's helper is missing or changed and no copy was sent")
         if "fatal" in message:
             raise HelperFailed(_fatal_reason(message), fatal=message)
         if "hello" not in message:
@@ -128,6 +126,21 @@ class HelperSession:
         self.hello = message["hello"]
         self._task = asyncio.create_task(self._read_loop(), name=f"helper-read-{self.node}")
         return self.hello
+
+    async def _first_message(self, timeout: float) -> dict:
+        try:
+            line = await asyncio.wait_for(self._reader.readline(), timeout)
+        except asyncio.TimeoutError:
+            raise HelperFailed(f"the helper did not say hello within {timeout:.0f}s") from None
+        if not line:
+            raise HelperFailed("the helper exited before saying hello")
+        try:
+            message = json.loads(line)
+        except ValueError:
+            raise HelperFailed(f"the helper said something that is not JSON: {line[:200]!r}") from None
+        if not isinstance(message, dict):
+            raise HelperFailed(f"the helper said something unexpected: {line[:200]!r}")
+        return message
 
     async def _read_loop(self) -> None:
         reason = "the helper's output ended (connection lost or helper exited)"
