@@ -444,7 +444,7 @@ async def measure(tb: Testbed, counts: Counts, names: list[str]) -> tuple[list[R
 
         code = helper_code()
         helper_command = shlex.join(helper_argv(inventory.ssh.python, f".llmgw/helper/{code.filename}",
-                                                code.sha256, ".llmgw"))
+                                                code, ".llmgw"))
         helper_start = await phase(f"helper start to hello over an exec channel x{counts.per_op}", timings(
             lambda: run_checked(conn, helper_command, expect=b'{"hello"'), counts.per_op))
     finally:
