@@ -15,6 +15,7 @@ import posixpath
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
 
 from llmgw.aio import cancel_and_wait
 from llmgw.catalog import Catalog, CatalogHolder, Model
@@ -414,7 +415,7 @@ class Reconciler:
                     shard.set_state(FAILED, f"did not become ready within {timeout:.0f}s "
                                             f"(last health: {status.health_status or status.health_error})")
                     self._save(replica)
-                    self._stop_shard_later(replica, shard)
+                    self.wake()  # retired on the next pass, which stops its still-running engine
         elif shard.state == SERVING:
             if healthy:
                 self._probe_failures.pop(shard.id, None)
@@ -664,11 +665,6 @@ class Reconciler:
         self._push()
         self._stop_tasks[replica.id] = asyncio.create_task(self._stop_replica(replica), name=f"stop-{replica.id}")
 
-    def _stop_shard_later(self, replica: Replica, shard: Shard) -> None:
-        """A shard that failed while alive (e.g. start timeout) still has a process to stop."""
-        # The failed replica is retired on the next pass, which stops every shard.
-        self.wake()
-
     async def _stop_replica(self, replica: Replica) -> None:
         try:
             if self.outstanding is not None:
@@ -808,7 +804,8 @@ def _url_host(host: str) -> str:
 def _engine_path(source, held_path: str) -> str:
     """A single fetched file (a GGUF, say) is handed to the engine as the file, not its directory."""
     if source.kind == "https" and len(source.urls) == 1 and posixpath.basename(held_path).startswith("llmgw-"):
-        return posixpath.join(held_path, posixpath.basename(source.urls[0].split("?")[0]))
+        # The helper saves a URL's file under the last segment of its path, unquoted.
+        return posixpath.join(held_path, unquote(urlsplit(source.urls[0]).path.rsplit("/", 1)[-1]))
     return held_path
 
 
