@@ -24,3 +24,13 @@ def test_candidates_and_cache_names():
     assert fetched.cache_name == parse_weights("hf:org/model@v1").cache_name != parse_weights("hf:org/model").cache_name
     assert parse_weights("llama/7b").candidates(["/a", "/b"], "/c") == ["/a/llama/7b", "/b/llama/7b"]
     assert parse_weights("https://x.example/a.gguf").cache_name.startswith("llmgw-")
+
+
+def test_a_single_fetched_file_is_handed_to_the_engine_as_the_file():
+    from llmgw.control.reconciler import _engine_path
+
+    one = parse_weights("https://x.example/q%20models/tiny%2Bq4.gguf?download=1")
+    assert _engine_path(one, "/c/llmgw-0123456789abcdef") == "/c/llmgw-0123456789abcdef/tiny+q4.gguf"
+    repo = parse_weights("hf:org/model")
+    assert _engine_path(repo, "/c/llmgw-0123456789abcdef") == "/c/llmgw-0123456789abcdef"
+    assert _engine_path(parse_weights("llama/7b"), "/models/llama/7b") == "/models/llama/7b"
