@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 
 import aiohttp
@@ -107,19 +109,11 @@ async def test_r6_9_usage_event_cut_between_reads_is_still_stripped(start_router
             await asyncio.sleep(0.02)  # shapes the fault: each piece is its own read at the router
         return response
 
-    engine = web.Application()
-    engine.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(engine)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with scripted_engine(chat) as url:
         gw = await start_router(catalog(model("m")), {"m": [Endpoint("r", "m", url, None)]})
         events = await _sse_events(gw, {"model": "m", "messages": HELLO, "stream": True})
         assert events == [{"choices": [{"index": 0, "delta": {"content": "hi"}}]}]
         assert gw.registry.get_sample_value("llmgw_router_tokens_total", {"model": "m", "kind": "completion"}) == 6
-    finally:
-        await runner.cleanup()
 
 
 async def test_r6_1_a_stream_in_another_format_is_relayed_as_it_comes(start_router):  # noqa: F811
@@ -140,13 +134,7 @@ async def test_r6_1_a_stream_in_another_format_is_relayed_as_it_comes(start_rout
         await response.write(b'{"n": 2}\n')
         return response
 
-    engine = web.Application()
-    engine.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(engine)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with scripted_engine(chat) as url:
         gw = await start_router(catalog(model("m")), {"m": [Endpoint("r", "m", url, None)]})
         async with aiohttp.ClientSession() as session:
             async with session.post(gw.url + "/v1/chat/completions", json={"model": "m", "stream": True},
@@ -156,5 +144,19 @@ async def test_r6_1_a_stream_in_another_format_is_relayed_as_it_comes(start_rout
                 client_has_first.set()
                 rest = await response.read()
         assert first == b'{"n": 1, "choices": []}\n' and rest == b'{"n": 2}\n'
+
+
+@contextlib.asynccontextmanager
+async def scripted_engine(chat):
+    """A one-route engine whose chat/completions answer the test scripts byte by byte; yields its URL."""
+    from aiohttp import web
+
+    engine = web.Application()
+    engine.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(engine)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
