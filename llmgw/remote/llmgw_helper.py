@@ -96,7 +96,10 @@ status {"probe": false, "timeout": 2} -> {"shards": [{"shard_id", "pid", "pgid",
     alive means identity holds: same boot, same pid start time (field 22 of /proc/PID/stat),
     and the command line recorded when the engine started (or the recorded supervisor is still
     its parent); a pid alone is never trusted (R-4.4). health only with probe, for live shards
-    with a health URL (R-4.7). log_tail (last 50 lines) only for shards that are not alive.
+    with a health URL (R-4.7); an answer counts only when every LISTEN socket on the URL's port
+    is held by a process of the engine's group (/proc/net/tcp{,6} inodes against
+    /proc/PID/fd), else status is null and error says the port is held by another process.
+    log_tail (last 50 lines) only for shards that are not alive.
 
 stop {"shard_id", "grace": 10} -> {"was_alive", "stopped"}
     Identity first: on a mismatch the answer is kind identity and nothing is signalled. TERM to
@@ -605,6 +608,74 @@ def group_members(pgid):
         if info is not None and info["pgid"] == pgid and info["state"] not in ("Z", "X"):
             members.append(int(name))
     return members
+
+
+def parse_listen_inodes(text, port):
+    """Socket inodes of the LISTEN entries on a port in /proc/net/tcp or /proc/net/tcp6 text.
+
+    Columns: sl, local_address (hex ADDR:PORT), rem_address, st (0A is LISTEN), tx:rx,
+    tr:when, retrnsmt, uid, timeout, inode.
+    """
+    inodes = set()
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 10 or fields[3] != "0A":
+            continue
+        try:
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(int(fields[9]))
+        except (IndexError, ValueError):
+            continue
+    return inodes
+
+
+def listen_inodes(port):
+    inodes = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        text = _read_text(name)
+        if text:
+            inodes |= parse_listen_inodes(text, port)
+    return inodes
+
+
+def socket_inodes(pids):
+    """Inodes of the sockets the processes hold open (fds this user may read)."""
+    inodes = set()
+    for pid in pids:
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            names = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for name in names:
+            try:
+                target = os.readlink(os.path.join(fd_dir, name))
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target.endswith("]"):
+                try:
+                    inodes.add(int(target[8:-1]))
+                except ValueError:
+                    pass
+    return inodes
+
+
+def foreign_listener(port, groups):
+    """Why the listener on port is not the engine's (its process groups), or None when it is.
+
+    Another user's process may have bound the port first; its 200 must not count as the
+    engine's health (R-4.7), so every LISTEN socket on the port must be held open by a process
+    of the engine's groups.
+    """
+    listening = listen_inodes(port)
+    if not listening:
+        return None  # nothing listens: the probe itself reports the refused connection
+    members = []
+    for group in groups:
+        members.extend(group_members(group))
+    if listening - socket_inodes(members):
+        return f"port {port} is held by a process that is not this engine; its answers do not count"
+    return None
 
 
 def _write_json_atomic(path, obj):
@@ -1692,7 +1763,7 @@ class Node(object):
             if not alive:
                 entry["log_tail"] = tail_lines(os.path.join(self.shard_dir(shard_id), LOG_FILE), LOG_TAIL_LINES)
             elif probe and isinstance(state.get("health_url"), str):
-                thread, box = _start_bounded(lambda url=state["health_url"]: probe_health(url, timeout))
+                thread, box = _start_bounded(lambda st=state: probe_engine(st, timeout))
                 probes.append((entry, thread, box))
             shards.append(entry)
         # A port that accepts and never answers must time out, not hang (R-4.7).
@@ -1947,6 +2018,24 @@ def check_port_free(host, port):
         raise HelperError("port_in_use", "cannot bind port %d on %s: %s" % (port, host, exc.strerror or exc))
     finally:
         sock.close()
+
+
+def probe_engine(state, timeout):
+    """probe_health of a recorded engine, counted only when the engine itself listens."""
+    url = state["health_url"]
+    try:
+        port = urllib.parse.urlsplit(url).port
+    except ValueError:
+        port = None
+    if port is not None:
+        groups = [state["pgid"]] if isinstance(state.get("pgid"), int) and state["pgid"] > 1 else []
+        info = read_proc_stat(state["pid"]) if isinstance(state.get("pid"), int) else None
+        if info is not None and info["pgid"] not in groups:
+            groups.append(info["pgid"])  # the engine left the group it was started in
+        why = foreign_listener(port, groups)
+        if why is not None:
+            return {"status": None, "error": why}
+    return probe_health(url, timeout)
 
 
 def probe_health(url, timeout):

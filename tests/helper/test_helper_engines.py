@@ -4,6 +4,8 @@ R-4.6-R-4.8)."""
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -255,3 +257,35 @@ def test_probe_of_a_closed_port_reports_the_error(helper, engines):
     _launch(helper, "closed", engines.argv("sleep_engine.py"), health_url="http://127.0.0.1:%d/health" % port)
     health = _shard(helper, "closed", probe=True, timeout=1)["health"]
     assert health["status"] is None and "refused" in health["error"].lower()
+
+
+def test_a_squatter_on_the_engine_port_does_not_make_it_healthy(helper, engines):
+    # Another process binds the port before the engine does and answers 200 on /health: the
+    # probe must not count it as the engine's health (R-4.7).
+    port = free_port()
+    _launch(helper, "late", engines.argv("sleep_engine.py"), port=port, host="127.0.0.1",
+            health_url=f"http://127.0.0.1:{port}/health")
+    squatter = subprocess.Popen(engines.argv("listen_engine.py", port), stdout=subprocess.PIPE)
+    try:
+        assert squatter.stdout.readline().startswith(b"engine listening")
+        health = _shard(helper, "late", probe=True, timeout=2)["health"]
+        assert health["status"] is None, health
+        assert "held by a process that is not this engine" in health["error"]
+    finally:
+        squatter.kill()
+        squatter.wait()
+
+
+def test_the_listener_of_an_engine_worker_counts_as_the_engine(helper, engines):
+    # vLLM's API server may be a child of the launched process: same group, so its socket counts.
+    port = free_port()
+    script = ("import subprocess, sys, time\n"
+              f"subprocess.Popen([sys.executable, {str(engines.dir / 'listen_engine.py')!r}, {str(port)!r}])\n"
+              "time.sleep(3600)\n")
+    _launch(helper, "parent", [sys.executable, "-c", script], port=port, host="0.0.0.0",
+            health_url=f"http://127.0.0.1:{port}/health")
+    def healthy():
+        shard = _shard(helper, "parent", probe=True, timeout=2)
+        return shard if shard["health"]["status"] == 200 else None
+
+    assert wait_until(healthy, message="health 200 from the engine's worker")["health"]["error"] is None

@@ -227,3 +227,22 @@ def test_reference_mountinfo_parses(path):
     for mount in mounts:
         assert mount["mount_point"].startswith("/") and mount["fstype"]
         assert "\\040" not in mount["mount_point"]
+
+
+PROC_NET_TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 4711 1 0 100 0 0 10 0
+   1: 0100007F:1F90 0100007F:E032 01 00000000:00000000 00:00000000 00000000  1000        0 4712 1 0 20 4 30 10 -1
+   2: 0100007F:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4713 1 0 100 0 0 10 0
+"""
+PROC_NET_TCP6 = """\
+  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000000000000:1F90 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1001        0 5120 1 0 100 0 0 10 0
+"""
+
+
+def test_listen_inodes_are_the_listening_sockets_on_the_port():
+    assert helper.parse_listen_inodes(PROC_NET_TCP, 8080) == {4711}  # not the established one
+    assert helper.parse_listen_inodes(PROC_NET_TCP, 8081) == {4713}
+    assert helper.parse_listen_inodes(PROC_NET_TCP6, 8080) == {5120}
+    assert helper.parse_listen_inodes(PROC_NET_TCP, 9000) == set()
