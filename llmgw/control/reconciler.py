@@ -531,6 +531,8 @@ class Reconciler:
             raise
         except NodeError as exc:
             self._fail_replica(replica, _node_error_reason(exc))
+        except EngineMissing as exc:
+            self._fail_replica(replica, str(exc))
         except Exception as exc:  # a bug must fail the replica visibly, not hang it
             log.exception("launching %s failed", replica.id)
             self._fail_replica(replica, f"launch failed: {exc}")
@@ -640,6 +642,8 @@ class Reconciler:
                 if exc.kind == "port_in_use":
                     tried.add(port)
                     continue
+                if exc.kind == "engine_missing":
+                    raise EngineMissing(model.engine.missing_reason(shard.node, exc.message)) from exc
                 raise
             shard.pid, shard.start_time = result.get("pid"), result.get("start_time")
             shard.argv = result.get("argv") or spec.argv
@@ -807,6 +811,10 @@ def _engine_path(source, held_path: str) -> str:
         # The helper saves a URL's file under the last segment of its path, unquoted.
         return posixpath.join(held_path, unquote(urlsplit(source.urls[0]).path.rsplit("/", 1)[-1]))
     return held_path
+
+
+class EngineMissing(Exception):
+    """The node lacks the engine's program; the message says which and how to install it."""
 
 
 def _node_error_reason(exc: NodeError) -> str:

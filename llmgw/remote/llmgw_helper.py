@@ -29,7 +29,7 @@ JSON lines over stdin/stdout, UTF-8, one object per line.
   ``{"id", "ok": false, "error": {"kind": "<machine word>", "message": "<sentence>"}}``.
   Kinds used: bad_request (a line that is not a request), unknown_op, bad_args, internal (an
   unexpected exception; the helper keeps running), cancelled, not_found, alive, identity,
-  port_in_use, launch_failed, disk_full, cache_dir (the cache cannot be written), http, network,
+  port_in_use, engine_missing, launch_failed, disk_full, cache_dir (the cache cannot be written), http, network,
   empty_source.
 - Streamed event, zero or more before the answer: ``{"id", "event": "<name>", "data": {...}}``.
 
@@ -88,7 +88,8 @@ launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus", "files"
     written 0600 into the shard directory first (an engine that takes its key only from a config
     file); "{shard_dir}" inside an argv element is replaced by that directory, and the answer's
     argv is the one really started. A port in use is refused (port_in_use), a live shard too
-    (alive).
+    (alive), and an argv[0] that is not an executable found with the launch env's PATH
+    (engine_missing, naming the program and the PATH searched).
 
 status {"probe": false, "timeout": 2} -> {"shards": [{"shard_id", "pid", "pgid", "start_time",
     "argv", "gpus", "port", "health_url", "started_at", "alive", "exit_code", "ended_at",
@@ -1672,6 +1673,12 @@ class Node(object):
                 raise bad_args("files must map plain file names (not %s or %s) to text; %r does not" % (STATE_FILE, LOG_FILE, file_name))
         shard_dir = self.shard_dir(shard_id)
         argv = [part.replace(SHARD_DIR_PLACEHOLDER, shard_dir) for part in argv]
+        search_path = env.get("PATH", os.environ.get("PATH", os.defpath))
+        if find_program(argv[0], search_path) is None:
+            # Found now rather than by the supervisor's exec failing: the operator learns which
+            # program is missing and where it was looked for.
+            where = "is not an executable file" if "/" in argv[0] else "is not on PATH=" + search_path
+            raise HelperError("engine_missing", f"{argv[0]} {where} on this node")
         state_path = os.path.join(shard_dir, STATE_FILE)
         log_path = os.path.join(shard_dir, LOG_FILE)
         with self.launch_lock:
@@ -2000,6 +2007,13 @@ def _signal_groups(groups, signum):
             os.killpg(group, signum)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def find_program(program, search_path):
+    """The file exec would run for argv[0] with this PATH (as subprocess looks it up), or None."""
+    if "/" in program:
+        return program if os.path.isfile(program) and os.access(program, os.X_OK) else None
+    return shutil.which(program, path=search_path)
 
 
 def check_port_free(host, port):

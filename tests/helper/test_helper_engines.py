@@ -207,10 +207,24 @@ def test_files_and_shard_dir_placeholder(helper, installed, engines):
     assert _shard(helper, "cfg")["alive"] is True
 
 
-def test_launch_of_a_missing_program_fails_with_the_reason(helper):
+def test_launch_of_a_missing_program_fails_with_the_reason(helper, installed):
     answer = helper.request("launch", {"shard_id": "bad", "argv": ["/nonexistent/engine-binary"]})
-    assert answer["ok"] is False and answer["error"]["kind"] == "launch_failed"
-    assert "No such file" in answer["error"]["message"]
+    assert answer["ok"] is False and answer["error"]["kind"] == "engine_missing"
+    assert answer["error"]["message"] == "/nonexistent/engine-binary is not an executable file on this node"
+    assert not (installed.root / "shards" / "bad").exists(), "nothing is started or recorded"
+
+
+def test_the_engine_program_is_looked_up_on_the_launch_path(helper, engines, tmp_path):
+    bin_dir = tmp_path / "engine-bin"
+    bin_dir.mkdir()
+    program = bin_dir / "fake-engine"
+    program.write_text(f"#!/bin/sh\nexec {sys.executable} {engines.dir / 'sleep_engine.py'}\n")
+    program.chmod(0o755)
+    answer = helper.request("launch", {"shard_id": "nopath", "argv": ["fake-engine"], "env": {"PATH": "/usr/bin:/bin"}})
+    assert answer["ok"] is False and answer["error"]["kind"] == "engine_missing"
+    assert answer["error"]["message"] == "fake-engine is not on PATH=/usr/bin:/bin on this node"
+    result = _launch(helper, "onpath", ["fake-engine"], env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert _shard(helper, "onpath")["alive"] is True and result["pid"]
 
 
 def test_a_live_shard_is_not_launched_twice(helper, engines):

@@ -61,6 +61,7 @@ class FakeFleet:
         self.calls: list[tuple[str, str, dict]] = []
         self.holdings_wanted = None
         self.crash_on_launch = False
+        self.missing_program: dict[str, str] = {}  # node -> the helper's engine_missing message
         self.source_bytes = 10**9
         self._pids = itertools.count(1000)
         for name in self.nodes:
@@ -101,6 +102,8 @@ class FakeFleet:
         self.calls.append((node, op, args or {}))
         if self.links[node].state != READY:
             raise NodeError(node, op, "not connected", "cut")
+        if op == "launch" and node in self.missing_program:
+            raise NodeError(node, op, "remote", self.missing_program[node], kind="engine_missing")
         if op == "launch":
             pid = next(self._pids)
             self.engines[node][args["shard_id"]] = {"pid": pid, "start_time": pid * 10, "argv": args["argv"],

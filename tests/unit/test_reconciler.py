@@ -100,6 +100,19 @@ async def test_backoff_grows_while_every_start_fails():
     assert "exited with status 1" in reconciler.health["m"].last_failure
 
 
+async def test_a_node_without_the_engine_fails_the_replica_at_once_saying_how_to_install_it():
+    reconciler, fleet, _, _ = build([{"name": "m"}], nodes=("a",))
+    fleet.missing_program["a"] = "vllm is not on PATH=/usr/bin:/bin on this node"
+    await until(lambda: reconciler.health.get("m") and reconciler.health["m"].failures == 1,
+                reconciler, fleet, what="the first failure")
+    reason = reconciler.health["m"].last_failure
+    assert reason.startswith("engine vllm is not installed on a: vllm is not on PATH=/usr/bin:/bin on this node; "
+                             "install vLLM on the node (`pip install vllm`"), reason
+    failed = [r for r in [*reconciler.replicas.values(), *(r for _, r in reconciler.retired)] if r.model == "m"]
+    assert failed and all(s.state == FAILED and s.reason == reason for r in failed for s in r.shards)
+    assert fleet.engines["a"] == {}
+
+
 async def test_surplus_and_removed_models_are_stopped():
     reconciler, fleet, holder, pushed = build([{"name": "m", "scaling": {"min": 2}}, {"name": "gone"}])
     await settle(reconciler, fleet)
