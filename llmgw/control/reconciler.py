@@ -400,7 +400,8 @@ class Reconciler:
                 reason = "engine is gone (no exit status recorded)"
             else:
                 reason = "a different process now has the engine's id"
-            shard.log_tail = list(status.log_tail) if status is not None and status.log_tail else shard.log_tail
+            if status is not None and status.log_tail:
+                shard.log_tail = replica.without_key(status.log_tail)
             shard.set_state(FAILED, reason)
             self._save(replica)
             return
@@ -731,7 +732,7 @@ class Reconciler:
                                            timeout=30)
         except NodeError:
             return
-        shard.log_tail = list(answer.get("lines") or [])
+        shard.log_tail = replica.without_key(answer.get("lines") or [])
         health = self.health.get(replica.model)
         if health is not None and health.last_log_tail is None:
             health.last_log_tail = shard.log_tail

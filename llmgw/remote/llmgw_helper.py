@@ -109,6 +109,8 @@ stop {"shard_id", "grace": 10} -> {"was_alive", "stopped"}
 forget {"shard_id"} -> {}      removes the shard's state directory; refused (alive) while live.
 
 logs {"shard_id", "lines": 100, "follow": false} -> {"lines": [str]}
+    Here and in status's log_tail, API key values an engine printed (SGLang logs its server
+    arguments, api_key included) are replaced by ***.
     With follow: event "lines" {"lines": [...]} with the last N, then with new lines as they
     are written, until cancelled; then the answer {"lines": []}.
 
@@ -741,8 +743,36 @@ def tail_lines(path, count, max_bytes=16 << 20):
     return [_decode_line(line) for line in lines[-count:]]
 
 
+# An engine that prints its arguments prints its key: SGLang logs `ServerArgs(..., api_key='...')`.
+# Names ending in api_key / api-key / apikey (admin_api_key too), then = or : and a value, a
+# quoted one or a list; and a --api-key VALUE command line.
+_KEY_ASSIGNMENT = re.compile(
+    r"""(?i)(\b[\w-]*api[_-]?keys?['"]?\s*[:=]\s*)(\[[^\]]*\]|'[^']*'|"[^"]*"|[^\s,;)}\]]+)""")
+_KEY_OPTION = re.compile(r"(?i)(--(?:admin-)?api-key\s+)(\S+)")
+_NO_KEY = frozenset(["none", "null", "''", '""', "[]", "[none]"])
+REDACTED = "***"
+
+
+def _redact_key_value(match):
+    value = match.group(2)
+    if value.lower() in _NO_KEY:
+        return match.group(0)
+    quote = value[0] if value[0] in "'\"" else ""
+    if value.startswith("["):
+        return match.group(1) + "['" + REDACTED + "']"
+    return match.group(1) + quote + REDACTED + quote
+
+
+def scrub_secrets(line):
+    """The line with API key values replaced by ***, before any log text leaves the node."""
+    if "key" not in line.lower():
+        return line
+    line = _KEY_ASSIGNMENT.sub(_redact_key_value, line)
+    return _KEY_OPTION.sub(lambda m: m.group(1) + REDACTED, line)
+
+
 def _decode_line(raw):
-    return raw.decode("utf-8", "replace").rstrip("\r")
+    return scrub_secrets(raw.decode("utf-8", "replace").rstrip("\r"))
 
 
 # --------------------------------------------------------------------------------------------

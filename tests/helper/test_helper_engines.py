@@ -303,3 +303,34 @@ def test_the_listener_of_an_engine_worker_counts_as_the_engine(helper, engines):
         return shard if shard["health"]["status"] == 200 else None
 
     assert wait_until(healthy, message="health 200 from the engine's worker")["health"]["error"] is None
+
+
+def test_api_keys_an_engine_prints_are_scrubbed_from_every_log_answer(helper, installed, engines, tmp_path):
+    # SGLang prints its server arguments at start, api_key included.
+    key = "sk-" + os.urandom(8).hex()
+    script = tmp_path / "chatty_engine.py"
+    script.write_text(
+        "import sys, time\n"
+        f"print(\"server_args=ServerArgs(model_path='/m', api_key='{key}', admin_api_key=None, port=30000)\", flush=True)\n"
+        f"print('launch: sglang --api-key {key} --port 30000', flush=True)\n"
+        "if sys.argv[1] == 'exit':\n    sys.exit(1)\n"
+        "time.sleep(3600)\n")
+    _launch(helper, "talks", [sys.executable, str(script), "stay"])
+    log = installed.root / "shards" / "talks" / "engine.log"
+    wait_until(lambda: b"--api-key" in log.read_bytes(), message="the engine's arguments in its log")
+    assert key.encode() in log.read_bytes(), "the file on the node is the engine's own"
+    expected = ["server_args=ServerArgs(model_path='/m', api_key='***', admin_api_key=None, port=30000)",
+                "launch: sglang --api-key *** --port 30000"]
+    assert helper.call("logs", {"shard_id": "talks", "lines": 10}) == {"lines": expected}
+    follow = helper.send("logs", {"shard_id": "talks", "lines": 10, "follow": True})
+    assert helper.wait_events(follow, lambda events: events) == [("lines", {"lines": expected})]
+    with open(log, "a") as handle:
+        handle.write(f"again api_key='{key}'\n")
+    events = helper.wait_events(follow, lambda events: len(events) >= 2)
+    assert events == [("lines", {"lines": expected}), ("lines", {"lines": ["again api_key='***'"]})]
+    helper.call("cancel", {"target": follow})
+    _launch(helper, "dies", [sys.executable, str(script), "exit"])
+    wait_until(lambda: _shard(helper, "dies")["exit_code"] is not None, message="exit recorded")
+    shard = _shard(helper, "dies")
+    assert shard["log_tail"][:2] == expected
+    assert key not in json.dumps(shard)

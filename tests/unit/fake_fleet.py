@@ -95,7 +95,7 @@ class FakeFleet:
                 shard_id=sid, pid=r["pid"], start_time=r["start_time"], argv=tuple(r["argv"]), alive=r["alive"],
                 exit_code=r.get("exit_code"), ended_at=None, started_at=r["started_at"], port=r["port"],
                 health_status=200 if r["alive"] and r.get("healthy", True) else None, health_error=None,
-                log_tail=("boom",) if not r["alive"] else None) for sid, r in records.items()}
+                log_tail=r.get("log_tail", ("boom",)) if not r["alive"] else None) for sid, r in records.items()}
             self.facts[name].observed_at["status"] = now
 
     async def call(self, node, op, args=None, timeout=None):
@@ -125,7 +125,8 @@ class FakeFleet:
             return {}
         raise NodeError(node, op, "remote", "not simulated", kind="unknown_op")
 
-    def crash_engine(self, node, shard_id, code=1):
+    def crash_engine(self, node, shard_id, code=1, log_tail=("boom",)):
         record = self.engines[node][shard_id]
         record["alive"] = False
         record["exit_code"] = code
+        record["log_tail"] = tuple(log_tail)

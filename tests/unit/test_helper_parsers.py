@@ -246,3 +246,19 @@ def test_listen_inodes_are_the_listening_sockets_on_the_port():
     assert helper.parse_listen_inodes(PROC_NET_TCP, 8081) == {4713}
     assert helper.parse_listen_inodes(PROC_NET_TCP6, 8080) == {5120}
     assert helper.parse_listen_inodes(PROC_NET_TCP, 9000) == set()
+
+
+@pytest.mark.parametrize("line, expected", [
+    pytest.param("server_args=ServerArgs(model_path='/m', api_key='sk-1', admin_api_key=None, port=3)",
+                 "server_args=ServerArgs(model_path='/m', api_key='***', admin_api_key=None, port=3)", id="sglang"),
+    pytest.param("non-default args: {'api_key': ['k1', 'k2'], 'port': 8000}",
+                 "non-default args: {'api_key': ['***'], 'port': 8000}", id="list"),
+    pytest.param('{"api_key": "abc", "x": 1}', '{"api_key": "***", "x": 1}', id="json"),
+    pytest.param("argv: sglang --api-key hunter2 --port 1", "argv: sglang --api-key *** --port 1", id="option"),
+    pytest.param("--admin-api-key=hunter3", "--admin-api-key=***", id="option="),
+    pytest.param("api-key: from-yaml", "api-key: ***", id="yaml"),
+    pytest.param("LLAMA_API_KEY=llk started", "LLAMA_API_KEY=*** started", id="env"),
+    pytest.param("api_key=None, keys: 3, max_tokens=16", "api_key=None, keys: 3, max_tokens=16", id="nothing-to-hide"),
+])
+def test_api_keys_in_log_lines_are_scrubbed(line, expected):
+    assert helper.scrub_secrets(line) == expected

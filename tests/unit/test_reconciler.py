@@ -113,6 +113,16 @@ async def test_a_node_without_the_engine_fails_the_replica_at_once_saying_how_to
     assert fleet.engines["a"] == {}
 
 
+async def test_a_stored_log_tail_never_carries_the_engine_key():
+    reconciler, fleet, _, _ = build([{"name": "m"}])
+    await settle(reconciler, fleet)
+    replica = serving(reconciler, "m")[0]
+    fleet.crash_engine(replica.leader.node, replica.leader.id, log_tail=[f"Bearer {replica.api_key} refused", "bye"])
+    await settle(reconciler, fleet, 1)
+    assert replica.leader.log_tail == ["Bearer *** refused", "bye"]
+    assert reconciler.health["m"].last_log_tail == ["Bearer *** refused", "bye"]
+
+
 async def test_surplus_and_removed_models_are_stopped():
     reconciler, fleet, holder, pushed = build([{"name": "m", "scaling": {"min": 2}}, {"name": "gone"}])
     await settle(reconciler, fleet)
