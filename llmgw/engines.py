@@ -3,13 +3,18 @@
 An engine is launched, never embedded. Rendering is pure: the shard's variables in, an argv list
 and an environment out. The engine API key never enters argv (R-1.6): vLLM reads VLLM_API_KEY,
 llama-server LLAMA_API_KEY, and SGLang, which has no such variable, reads it from a 0600
-`--config` file the helper writes into the shard directory. Facts behind each line: ENGINES.md.
+`--config` file the helper writes into the shard directory. vLLM's own key check leaves most
+paths open, so it also loads llmgw's guard middleware (remote/llmgw_vllm_guard.py) from the shard
+directory. Facts behind each line: ENGINES.md.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.resources
 import string
 from dataclasses import dataclass, field
+from functools import cache
 
 from llmgw.config import EngineConfig
 
@@ -47,6 +52,7 @@ class LaunchSpec:
     argv: list[str]
     env: dict[str, str]
     files: dict[str, str] = field(default_factory=dict)  # name -> content, written 0600 in the shard dir
+    file_sha256: dict[str, str] = field(default_factory=dict)  # name -> hash the helper checks on disk
     health_path: str | None = "/health"  # None: this shard serves no HTTP (alive is enough)
 
 
@@ -65,6 +71,23 @@ class Engine:
         raise NotImplementedError
 
 
+VLLM_GUARD_FILE = "llmgw_vllm_guard.py"
+VLLM_GUARD_MIDDLEWARE = "llmgw_vllm_guard.EngineKeyGuard"
+
+
+@dataclass(frozen=True)
+class ShippedFile:
+    text: str
+    sha256: str
+
+
+@cache
+def vllm_guard() -> ShippedFile:
+    """The ASGI guard vLLM loads with --middleware: its own key check leaves most paths open."""
+    data = importlib.resources.files("llmgw").joinpath(f"remote/{VLLM_GUARD_FILE}").read_bytes()
+    return ShippedFile(data.decode("utf-8"), hashlib.sha256(data).hexdigest())
+
+
 class VLLM(Engine):
     def render(self, v, args, env, api_key):
         argv = ["vllm", "serve", v.model, "--served-model-name", v.name, "--host", v.host,
@@ -80,7 +103,15 @@ class VLLM(Engine):
             if v.node_rank > 0:
                 argv.append("--headless")
                 health = None
-        return LaunchSpec(argv=argv + list(args), env={**env, "VLLM_API_KEY": api_key}, health_path=health)
+        full_env = {**env, "VLLM_API_KEY": api_key}
+        if health is None:
+            return LaunchSpec(argv=argv + list(args), env=full_env, health_path=None)
+        # vLLM's key guards only /v1 and a few prefixes: the guard in the shard dir refuses the rest.
+        guard = vllm_guard()
+        argv += ["--middleware", VLLM_GUARD_MIDDLEWARE]
+        full_env["PYTHONPATH"] = SHARD_DIR + (f":{env['PYTHONPATH']}" if env.get("PYTHONPATH") else "")
+        return LaunchSpec(argv=argv + list(args), env=full_env, health_path=health,
+                          files={VLLM_GUARD_FILE: guard.text}, file_sha256={VLLM_GUARD_FILE: guard.sha256})
 
 
 class SGLang(Engine):

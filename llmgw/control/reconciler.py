@@ -634,6 +634,7 @@ class Reconciler:
             shard.set_state(STARTING)
             self._save(replica)
             args = {"shard_id": shard.id, "argv": spec.argv, "env": spec.env, "files": spec.files,
+                    "file_sha256": spec.file_sha256,
                     "port": port if shard.serves_http else None, "host": variables.host,
                     "health_url": f"http://127.0.0.1:{port}{spec.health_path}" if spec.health_path else None,
                     "gpus": list(shard.gpus)}

@@ -29,7 +29,7 @@ JSON lines over stdin/stdout, UTF-8, one object per line.
   ``{"id", "ok": false, "error": {"kind": "<machine word>", "message": "<sentence>"}}``.
   Kinds used: bad_request (a line that is not a request), unknown_op, bad_args, internal (an
   unexpected exception; the helper keeps running), cancelled, not_found, alive, identity,
-  port_in_use, engine_missing, launch_failed, disk_full, cache_dir (the cache cannot be written), http, network,
+  port_in_use, engine_missing, integrity, launch_failed, disk_full, cache_dir (the cache cannot be written), http, network,
   empty_source.
 - Streamed event, zero or more before the answer: ``{"id", "event": "<name>", "data": {...}}``.
 
@@ -78,16 +78,18 @@ source_size {"source", "token"} -> {"bytes": int|null, "files": int}
     What a fetch of that source would download, from the hub listing's sizes or HEAD requests;
     null when any length is unknown (R-5.1: the size is learned before placement).
 
-launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus", "files"} -> {"shard_id",
-    "pid", "pgid", "start_time", "argv", "log_path", "started_at"}
+launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus", "files",
+    "file_sha256"} -> {"shard_id", "pid", "pgid", "start_time", "argv", "log_path", "started_at"}
     The engine runs under a supervisor (this file in supervise mode) in a new session; the
     supervisor records ROOT/shards/<shard_id>/state.json atomically, and the exit code
     (negative signal number when killed) and end time when the engine exits (R-4.4). env
     (secrets included) travels through the supervisor's stdin and reaches only the engine's
     environment, never an argv (R-1.6). gpus sets CUDA_VISIBLE_DEVICES. files {NAME: text} are
     written 0600 into the shard directory first (an engine that takes its key only from a config
-    file); "{shard_dir}" inside an argv element is replaced by that directory, and the answer's
-    argv is the one really started. A port in use is refused (port_in_use), a live shard too
+    file, a module the engine loads), and file_sha256 {NAME: HEX} is checked against the bytes
+    written (integrity when they differ; nothing is started); "{shard_dir}" inside an argv
+    element or an env value is replaced by that directory, and the answer's argv is the one
+    really started. A port in use is refused (port_in_use), a live shard too
     (alive), and an argv[0] that is not an executable found with the launch env's PATH
     (engine_missing, naming the program and the PATH searched).
 
@@ -706,6 +708,16 @@ def _write_private_file(path, text):
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
     os.replace(temp, path)
+
+
+def sha256_of_file(path):
+    """Hex SHA-256 of a regular file opened without following a link, or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        return hashlib.sha256(handle.read()).hexdigest()
 
 
 def _read_json(path):
@@ -1701,8 +1713,13 @@ class Node(object):
         for file_name, text in files.items():
             if not SHARD_FILE_RE.fullmatch(file_name) or file_name in (STATE_FILE, LOG_FILE) or not isinstance(text, str):
                 raise bad_args("files must map plain file names (not %s or %s) to text; %r does not" % (STATE_FILE, LOG_FILE, file_name))
+        file_sha256 = _arg(args, "file_sha256", (dict,), {})
+        for file_name, digest in file_sha256.items():
+            if file_name not in files or not isinstance(digest, str):
+                raise bad_args(f"file_sha256 must map names of files to hex digests; {file_name!r} does not")
         shard_dir = self.shard_dir(shard_id)
         argv = [part.replace(SHARD_DIR_PLACEHOLDER, shard_dir) for part in argv]
+        env = {key: value.replace(SHARD_DIR_PLACEHOLDER, shard_dir) for key, value in env.items()}
         search_path = env.get("PATH", os.environ.get("PATH", os.defpath))
         if find_program(argv[0], search_path) is None:
             # Found now rather than by the supervisor's exec failing: the operator learns which
@@ -1725,6 +1742,12 @@ class Node(object):
                 os.unlink(state_path)
             for file_name, text in files.items():
                 _write_private_file(os.path.join(shard_dir, file_name), text)
+            for file_name, digest in file_sha256.items():
+                # The bytes the engine will load are the bytes the control plane shipped.
+                actual = sha256_of_file(os.path.join(shard_dir, file_name))
+                if actual != digest.lower():
+                    raise HelperError("integrity", f"{file_name} in the shard directory has SHA-256 {actual}, "
+                                                   f"not {digest}; the engine was not started")
             spec = {
                 "shard_id": shard_id,
                 "argv": argv,

@@ -1,6 +1,7 @@
 """Engines through the helper: launch detached, identity, stop, status, logs (R-1.6, R-4.4,
 R-4.6-R-4.8)."""
 
+import hashlib
 import json
 import os
 import socket
@@ -334,3 +335,17 @@ def test_api_keys_an_engine_prints_are_scrubbed_from_every_log_answer(helper, in
     shard = _shard(helper, "dies")
     assert shard["log_tail"][:2] == expected
     assert key not in json.dumps(shard)
+
+
+def test_shipped_files_are_checked_by_hash_and_found_through_the_env(helper, installed, engines):
+    text = "GUARD = 'llmgw'\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    answer = helper.request("launch", {"shard_id": "tampered", "argv": engines.argv("sleep_engine.py"),
+                                       "files": {"guard.py": text}, "file_sha256": {"guard.py": "0" * 64}})
+    assert answer["ok"] is False and answer["error"]["kind"] == "integrity"
+    assert f"guard.py in the shard directory has SHA-256 {digest}, not {'0' * 64}" in answer["error"]["message"]
+    assert not (installed.root / "shards" / "tampered" / "state.json").exists(), "nothing was started"
+    result = _launch(helper, "shipped", engines.argv("sleep_engine.py"), files={"guard.py": text},
+                     file_sha256={"guard.py": digest}, env={"PYTHONPATH": "{shard_dir}:/elsewhere"})
+    shard_dir = installed.root / "shards" / "shipped"
+    assert f"PYTHONPATH={shard_dir}:/elsewhere".encode() in _read_proc(result["pid"], "environ").split(b"\0")
