@@ -249,6 +249,7 @@ class Testbed:
         self.lib_dir.mkdir()
         self.shared_dir.mkdir()
         shutil.copy(DOUBLES / "engine_double.py", self.lib_dir / "engine_double.py")
+        shutil.copytree(DOUBLES / "flags", self.lib_dir / "flags")  # the real engines' flags
 
         with network.host_lock():
             self.subnet = network.choose_subnet(os.getpid())

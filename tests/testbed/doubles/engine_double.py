@@ -5,7 +5,9 @@ This is not an inference engine. Testbed nodes get thin entry points (`vllm`, `l
 llmgw can launch "engines" with the real command lines (see ENGINES.md) and talk to them over
 HTTP. Standard library only; runs under the node's /usr/bin/python3.
 
-Command lines accepted (unknown flags are tolerated, as `--flag value` or `--flag=value`):
+Command lines accepted (as `--flag value` or `--flag=value`; a flag the real engine's CLI does not
+have is refused with exit 2, as the real one would: the flag sets are captured from the real
+engines in flags/, see flags/README.md):
   vllm serve MODEL [--served-model-name N] [--host H] [--port P] [--api-key K] [-tp N]
        [-pp N] [--nnodes N] [--node-rank R] [--master-addr A] [--master-port P] [--headless]
        [--config YAML] ...                            key also from env VLLM_API_KEY
@@ -82,6 +84,54 @@ class UsageError(Exception):
     pass
 
 
+# The flags each real engine's command line accepts, captured from the engines (see flags/README.md).
+FLAGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flags")
+FLAG_FILES = {"vllm": "vllm-0.32.0.txt", "sglang": "sglang-0.5.23.txt", "llama-server": "llama-server.txt"}
+PROGRAMS = {"vllm": "vllm serve", "sglang": "launch_server.py", "llama-server": "llama-server"}
+
+
+def known_flags(mode):
+    with open(os.path.join(FLAGS_DIR, FLAG_FILES[mode])) as f:
+        return frozenset(line.strip() for line in f if line.strip() and not line.startswith("#"))
+
+
+def flag_name(mode, arg):
+    """The option an argv element names as its engine's parser sees it (None: not an option)."""
+    if not arg.startswith("-") or arg == "-" or _is_number(arg):
+        return None
+    name = arg.split("=", 1)[0]
+    if mode == "vllm":
+        # vLLM's parser takes --max_model_len for --max-model-len, and --json-arg.key for a key.
+        name = name.split(".", 1)[0]
+        if name.startswith("--"):
+            name = name.replace("_", "-")
+    return name
+
+
+ARGPARSE_ENGINES = ("vllm", "sglang")  # Python argparse: a unique prefix of a long option counts
+
+
+def is_known_flag(mode, name, known):
+    if name in known:
+        return True
+    if mode in ARGPARSE_ENGINES and name.startswith("--"):
+        return len([flag for flag in known if flag.startswith(name)]) == 1
+    return False
+
+
+def unknown_flags(mode, argv):
+    known = known_flags(mode)
+    return [arg for arg in argv
+            if flag_name(mode, arg) is not None and not is_known_flag(mode, flag_name(mode, arg), known)]
+
+
+def check_flags(mode, argv):
+    """Refuse, as the real engine would, a flag its command line does not have."""
+    unknown = unknown_flags(mode, argv)
+    if unknown:
+        raise UsageError(f"{PROGRAMS[mode]}: error: unrecognized arguments: {' '.join(unknown)}")
+
+
 # ----------------------------------------------------------------------------------- arguments
 
 def split_options(argv):
@@ -144,6 +194,8 @@ class Engine:
     def __init__(self, mode, argv, env):
         self.mode = mode
         self.argv = list(argv)
+        if mode in FLAG_FILES:
+            check_flags(mode, argv[1:] if mode == "vllm" or (argv and argv[0] == "serve") else argv)
         if mode == "vllm":
             self._parse_vllm(argv, env)
         elif mode == "sglang":
@@ -748,8 +800,10 @@ def main(mode, argv, node_dir=None, env=None):
                  % (engine.model, engine.name, engine.host or "0.0.0.0", engine.port, engine.tp, engine.pp,
                     engine.nnodes, engine.node_rank, engine.headless, "<redacted>" if engine.keys else None), "utils.py:1")
     elif mode == "sglang":
-        log.info("server_args=ServerArgs(model_path='%s', served_model_name='%s', host='%s', port=%d, tp_size=%d, nnodes=%d, node_rank=%d) (engine test double)"
-                 % (engine.model, engine.name, engine.host, engine.port, engine.tp, engine.nnodes, engine.node_rank))
+        # Like the real one, it prints its key among its server arguments (ENGINES.md, SGLang).
+        log.info("server_args=ServerArgs(model_path='%s', served_model_name='%s', host='%s', port=%d, tp_size=%d, nnodes=%d, node_rank=%d, api_key=%s, admin_api_key=None) (engine test double)"
+                 % (engine.model, engine.name, engine.host, engine.port, engine.tp, engine.nnodes, engine.node_rank,
+                    repr(engine.keys[0]) if engine.keys else None))
     else:
         log.raw("build: 9999 (engine test double)")
         log.raw("main: loading model")
