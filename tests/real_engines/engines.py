@@ -1,57 +1,29 @@
-"""Where the real engines are, and an engine launched as llmgw launches it: the built-in
-template rendered, then the node helper's launch op (a real subprocess), readiness from its probe.
+"""A real engine launched as llmgw launches it: the built-in template rendered, then the node
+helper's launch op (a real subprocess), readiness from the helper's probe.
 
-The engines environment lives under /opt/llmgw-engines (LLMGW_ENGINES_DIR overrides): a vLLM
-virtual environment `vllm-0.32.0/` and a llama.cpp build `llama.cpp-*/bin/llama-server`, each
-usable once its `READY-vllm` / `READY-llama` marker exists. Without them the tests skip and say
-why; under CI (CI=true) that is a failure, because CI machines can build them.
+The engines and their tiny models come from tests/testbed/engines.py (built by scripts/engines;
+without them the tests skip and say why, and under CI they fail).
 """
 
 from __future__ import annotations
 
-import glob
 import http.client
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 from llmgw.engines import BUILTIN_ENGINES, ShardVars
 from tests.helper.client import HelperClient, install_helper, kill_recorded_engines
-
-ENGINES_DIR = Path(os.environ.get("LLMGW_ENGINES_DIR", "/opt/llmgw-engines"))
-MAKE_TINY_MODEL = Path(__file__).with_name("make_tiny_model.py")
+from tests.testbed import engines as real
 
 
-def unavailable(reason: str):
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason} (CI builds the engines environment, so this must not be missing)")
-    pytest.skip(reason)
-
-
-def vllm_bin_dir() -> Path:
-    directory = ENGINES_DIR / "vllm-0.32.0" / "bin"
-    if not (ENGINES_DIR / "READY-vllm").exists() or not (directory / "vllm").exists():
-        unavailable(f"no usable vLLM under {ENGINES_DIR} (READY-vllm and vllm-0.32.0/bin/vllm)")
-    return directory
-
-
-def llama_bin_dir() -> Path:
-    found = sorted(glob.glob(str(ENGINES_DIR / "llama.cpp-*" / "bin" / "llama-server")))
-    if not (ENGINES_DIR / "READY-llama").exists() or not found:
-        unavailable(f"no usable llama-server under {ENGINES_DIR} (READY-llama and llama.cpp-*/bin/llama-server)")
-    return Path(found[-1]).parent
-
-
-def make_tiny_model(python: Path, out: Path) -> Path:
-    subprocess.run([str(python), str(MAKE_TINY_MODEL), str(out)], check=True, capture_output=True, timeout=300)
-    return out
+def bin_dir(engine: str) -> Path:
+    real.require(engine)
+    return real.EXECUTABLES[engine].parent
 
 
 def free_port() -> int:

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
-from tests.real_engines.engines import (
-    launch_engine,
-    make_tiny_model,
-    stop_engine,
-    vllm_bin_dir,
-)
+from tests.real_engines.engines import bin_dir, launch_engine, stop_engine
+from tests.testbed import engines as real
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a CPU engine start on a busy machine
 
+FIXTURES = Path(__file__).with_name("fixtures")
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 # Served by engines outside their route lists, or named by ENGINES.md as open on some engine.
 EXTRA_ROUTES = [("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"),
@@ -55,12 +53,12 @@ def _probe_all(engine, routes, open_routes):
 
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
-    bin_dir = vllm_bin_dir()
-    model = make_tiny_model(bin_dir / "python", tmp_path_factory.mktemp("tiny-llama"))
+    directory = bin_dir("vllm")
+    model = real.models()["chat"]
     root = tmp_path_factory.mktemp("node") / "llmgw"
     root.mkdir()
-    engine = launch_engine(root, "vllm", bin_dir, str(model), args=["--max-model-len", "1024"],
-                           env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    engine = launch_engine(root, "vllm", directory, str(model), args=["--max-model-len", "1024"],
+                           env=real.VLLM_CPU_ENV)
     yield engine
     stop_engine(engine, root)
 
@@ -81,3 +79,35 @@ def test_vllm_serves_no_route_without_the_key(vllm):
     assert vllm.request("POST", "/invocations", body=CHAT, key=vllm.key)[0] == 200
     assert vllm.request("POST", "/tokenize", body={"model": "tiny", "prompt": "hello"}, key=vllm.key)[0] == 200
     assert vllm.key not in " ".join(vllm.argv), "the key is never in argv (R-1.6)"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    directory = bin_dir("llama-server")
+    model = real.models()["gguf"]
+    root = tmp_path_factory.mktemp("node") / "llmgw"
+    root.mkdir()
+    engine = launch_engine(root, "llama-server", directory, str(model), args=["-c", "1024"])
+    yield engine
+    stop_engine(engine, root)
+
+
+def _llama_routes() -> list[tuple[str, str]]:
+    routes = []
+    for line in (FIXTURES / "llama-server-routes.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            method, path = line.split()
+            routes.append((method, path))
+    return routes
+
+
+def test_llama_server_serves_no_route_without_the_key(llama):
+    routes = _llama_routes()
+    # llama-server's documented health probes answer anyone, with its status only.
+    seen, served = _probe_all(llama, routes + EXTRA_ROUTES, open_routes={("GET", "/health"), ("GET", "/v1/health")})
+    print(f"\nllama-server: {len(set(routes))} documented routes, {len(seen)} requests without the key "
+          f"or with a wrong one; statuses {sorted({s for *_, s in seen})}")
+    assert served == [], served
+    assert llama.request("GET", "/health")[0] == 200
+    assert llama.request("POST", "/v1/chat/completions", body=CHAT, key=llama.key)[0] == 200
+    assert llama.key not in " ".join(llama.argv), "the key is never in argv (R-1.6)"
