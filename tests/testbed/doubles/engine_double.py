@@ -21,7 +21,9 @@ HTTP (HTTP/1.1, keep-alive): GET /health, GET /v1/models, GET /metrics, POST
 /v1/chat/completions, /v1/completions, /v1/embeddings (SSE when `stream: true`; a usage chunk only
 with `stream_options.include_usage`). The reply is deterministic: "<model> heard <N> words" padded
 with "la" to `max_tokens` tokens (default 8). /v1/* needs `Authorization: Bearer KEY` when a key
-is set; /health and /metrics stay open.
+is set; /health and /metrics stay open. vLLM started with llmgw's guard (`--middleware
+llmgw_vllm_guard.EngineKeyGuard`, the module on PYTHONPATH) needs the key on every path but GET
+/health, as the real one then does.
 
 Readiness follows each engine: vLLM binds its port only once loaded (or binds early and hangs
 with the `bind_early` knob); SGLang binds once loaded, then answers 503 during `warmup_delay`;
@@ -88,6 +90,17 @@ class UsageError(Exception):
 FLAGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flags")
 FLAG_FILES = {"vllm": "vllm-0.32.0.txt", "sglang": "sglang-0.5.23.txt", "llama-server": "llama-server.txt"}
 PROGRAMS = {"vllm": "vllm serve", "sglang": "launch_server.py", "llama-server": "llama-server"}
+
+
+GUARD_MIDDLEWARE = "llmgw_vllm_guard.EngineKeyGuard"
+
+
+def _guard_importable(env):
+    """The guard module is where vLLM would import it from (PYTHONPATH), else vLLM fails to start."""
+    for directory in (env.get("PYTHONPATH") or "").split(":"):
+        if directory and os.path.isfile(os.path.join(directory, "llmgw_vllm_guard.py")):
+            return True
+    raise UsageError("ModuleNotFoundError: No module named 'llmgw_vllm_guard'")
 
 
 def known_flags(mode):
@@ -234,6 +247,9 @@ class Engine:
         self.embeddings_only = False
         self.max_model_len = int(pick(options, "--max-model-len", default=4096))
         self.served_http = not self.headless
+        # llmgw's guard middleware (llmgw/remote/llmgw_vllm_guard.py) as the real vLLM loads it:
+        # then every path but GET /health needs the key, not just vLLM's own prefixes.
+        self.guarded = GUARD_MIDDLEWARE in argv and _guard_importable(env)
 
     def _parse_sglang(self, argv):
         if argv and argv[0] == "serve":
@@ -284,6 +300,8 @@ class Engine:
         self.embeddings_only = bool(pick(options, "--embeddings", "--embedding", default=False))
         self.max_model_len = int(pick(options, "-c", "--ctx-size", default=4096))
         self.served_http = True
+
+    guarded = False
 
     @property
     def name(self):
@@ -471,11 +489,13 @@ class Handler(BaseHTTPRequestHandler):
     def _authorized(self):
         keys = self.state.engine.keys
         if not keys:
-            return True
+            return not self.state.engine.guarded  # llmgw's guard refuses all when it has no key
         auth = self.headers.get("authorization", "")
         return auth.startswith("Bearer ") and auth[7:] in keys
 
     def _needs_auth(self, path):
+        if self.state.engine.guarded:
+            return True  # only GET /health, answered before this check, is open
         if self.state.engine.mode == "vllm":
             return path.startswith(("/v1", "/v2", "/inference", "/cohere"))
         return not (path.startswith("/health") or path in ("/ready", "/metrics", "/ping"))
@@ -492,7 +512,12 @@ class Handler(BaseHTTPRequestHandler):
         state = self.state
         engine = state.engine
         path = self.path.split("?", 1)[0]
-        if path in ("/health", "/v1/health", "/health_generate", "/ping") or (path == "/ready" and engine.mode == "sglang"):
+        if engine.guarded and (self.command, path) == ("GET", "/health"):
+            status, payload = state.health()
+            return self._send(status, payload)
+        if engine.guarded:
+            pass  # every other path needs the key, below
+        elif path in ("/health", "/v1/health", "/health_generate", "/ping") or (path == "/ready" and engine.mode == "sglang"):
             status, payload = state.health()
             return self._send(status, payload)
         if self._needs_auth(path) and not self._authorized():
