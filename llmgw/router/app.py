@@ -32,6 +32,7 @@ from llmgw.router.keys import REFRESH_SECONDS, ApiKey, KeyRing, list_keys
 from llmgw.router.landing import landing_page
 from llmgw.router.metrics import NO_MODEL, RouterMetrics
 from llmgw.router.proxy import Forwarder
+from llmgw.router.streams import ask_for_usage, streaming
 from llmgw.router.usage import UsageMeter
 from llmgw.store import Store
 
@@ -61,7 +62,6 @@ BODY_ENCODINGS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS
 
 _KEY = web.RequestKey("llmgw_key", ApiKey)
 _MODEL = web.RequestKey("llmgw_model", str)
-_STREAM_USAGE = b'{"stream_options": {"include_usage": true}, '
 
 
 class Router:
@@ -269,30 +269,15 @@ class Router:
             raise BadRequest("the request body must be a JSON object")
         name = document.get("model")
         if type(name) is not str or not name:
-            raise BadRequest("'model' is required: a model name from GET /v1/models")
+            raise BadRequest("'model' is required: a model name from GET /v1/models", param="model")
+        how = streaming(document)
         catalog = self.holder.current
         model = self._resolve(catalog, name, key)
         request[_MODEL] = name
-
-        stream = document.get("stream") is True
-        strip_usage = False
-        if stream:
-            options = document.get("stream_options")
-            if options is None:
-                document["stream_options"] = {"include_usage": True}
-                strip_usage = True
-                # Ask the engine for usage without re-encoding the request: the body is a
-                # JSON object without that key, so the key can go first.
-                start = body.find(b"{")
-                if start >= 0 and not body[:start].strip() and json.detect_encoding(body) == "utf-8":
-                    body = _STREAM_USAGE + body[start + 1:]
-                else:  # a byte-order mark or another encoding (UTF-16 and -32 need no mark): re-encode
-                    body = json.dumps(document).encode()
-            elif type(options) is dict and options.get("include_usage") is not True:
-                options["include_usage"] = True
-                body = json.dumps(document).encode()
-                strip_usage = True
-        return await self._route(request, catalog, model, document, body, stream, strip_usage, key.id)
+        if how.stream:  # every stream asks for usage; the client sees the event only if it asked
+            body = ask_for_usage(document, body)
+        return await self._route(request, catalog, model, key, document, body, how.stream,
+                                 not how.client_wants_usage)
 
     # -- choosing an endpoint, retries, fallbacks, on-demand -------------------------------------
 
@@ -314,8 +299,8 @@ class Router:
                     break
         return up
 
-    async def _route(self, request: web.Request, catalog: Catalog, model: Model, document: dict,
-                     body: bytes, stream: bool, strip_usage: bool, key_id: str) -> web.StreamResponse:
+    async def _route(self, request: web.Request, catalog: Catalog, model: Model, key: ApiKey, document: dict,
+                     body: bytes, stream: bool, strip_usage: bool) -> web.StreamResponse:
         path = request.path
         tried: list[Upstream] = []
         waited_since: float | None = None
@@ -340,7 +325,7 @@ class Router:
             try:
                 return await self._forwarder.send(
                     request, up, path, self._upstream_body(catalog, up, model.name, document, body),
-                    stream, strip_usage, key_id)
+                    stream, strip_usage, key.id)
             except RouterError as exc:
                 if not exc.retryable_before_first_byte:
                     raise
