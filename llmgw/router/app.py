@@ -289,11 +289,13 @@ class Router:
             return body
         return json.dumps({**document, "model": upstream_name}).encode()
 
-    def _acquire(self, catalog: Catalog, model: Model, now: float, tried: list[Upstream],
+    def _acquire(self, catalog: Catalog, model: Model, key: ApiKey, now: float, tried: list[Upstream],
                  include_ejected: bool = False) -> Upstream | None:
         up = self.balancer.acquire(model.name, now, tried, include_ejected)
         if up is None and model.fallback is not None:
             for fallback in catalog.fallback_chain(model.name):
+                if not key.allows(fallback):  # skipped: a fallback is no way around the key's limits
+                    continue
                 up = self.balancer.acquire(fallback, now, tried, include_ejected)
                 if up is not None:
                     break
@@ -310,13 +312,13 @@ class Router:
             if model.on_demand and waited_since is None and not self.balancer.has_endpoints(model.name):
                 self._demand(model.name)
                 waited_since = now
-            up = self._acquire(catalog, model, now, tried)
+            up = self._acquire(catalog, model, key, now, tried)
             if up is None:
                 if model.on_demand and self._on_demand is not None and not self.balancer.has_endpoints(model.name):
                     await self._wait_for(model.name, waited_since or now)
                     continue
                 # Every endpoint is ejected: a recently failed one beats a certain 503.
-                up = self._acquire(catalog, model, now, tried, include_ejected=True)
+                up = self._acquire(catalog, model, key, now, tried, include_ejected=True)
             if up is None:
                 if last_error is not None:
                     raise UpstreamFailed(f"no engine of {model.name!r} could answer after {len(tried)} "
