@@ -109,24 +109,27 @@ def _refusals() -> Iterator[None]:
     try:
         yield
     except AdminError as exc:
-        typer.echo(f"error: {exc.message}", err=True)
+        typer.echo(f"error: {words.printable(exc.message)}", err=True)
         extra = [p for p in exc.problems if p != exc.message]
         for problem in extra:
-            typer.echo(f"  {problem}", err=True)
+            typer.echo(f"  {words.printable(str(problem))}", err=True)
         raise typer.Exit(EXIT_REFUSED) from None
 
 
 def _emit(document: Any, as_json: bool, render: Callable[[Any], Any]) -> None:
     if as_json:
-        typer.echo(json.dumps(document, indent=2))
+        typer.echo(json.dumps(document, indent=2))  # JSON escapes control characters itself
         return
-    rendered = render(document)
+    rendered = render(words.printable_document(document))
     if rendered is not None:
         _console().print(rendered)
 
 
 def _t(value: Any, style: str | None = None) -> Text:
-    """A cell: plain text, never rich markup (node output may contain `[GPU is lost]`)."""
+    """A cell: plain text, never rich markup (node output may contain `[GPU is lost]`).
+
+    Documents reach the renderers through `_emit`, which strips terminal control sequences from
+    what nodes report (R-9.4)."""
     return Text(words.UNKNOWN if value is None else str(value), style=style or "")
 
 
@@ -331,11 +334,14 @@ def replicas(
         if console.is_terminal and not as_json:
             from rich.live import Live
 
-            with Live(render_replicas(client.get("/api/replicas")), console=console, auto_refresh=False) as live:
+            def rendered() -> Text:
+                return render_replicas(words.printable_document(client.get("/api/replicas")))
+
+            with Live(rendered(), console=console, auto_refresh=False) as live:
                 try:
                     while True:
                         time.sleep(interval)
-                        live.update(render_replicas(client.get("/api/replicas")), refresh=True)
+                        live.update(rendered(), refresh=True)
                 except KeyboardInterrupt:
                     return
         try:
@@ -596,7 +602,7 @@ def logs(ctx: typer.Context,
                 typer.echo(json.dumps(answer, indent=2))
             else:
                 for line in answer["lines"]:
-                    typer.echo(line)
+                    typer.echo(words.printable(line))
             return
         try:
             for chunk in client.stream(path, shard=shard, lines=lines, follow=1):
@@ -604,7 +610,7 @@ def logs(ctx: typer.Context,
                     typer.echo(json.dumps(chunk))
                 else:
                     for line in chunk["lines"]:
-                        typer.echo(line)
+                        typer.echo(words.printable(line))
                 sys.stdout.flush()
         except KeyboardInterrupt:
             return
