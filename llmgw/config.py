@@ -16,10 +16,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmgw.units import Duration, PortRange, Size
-from llmgw.weights import WeightsSource, parse_weights
+from llmgw.weights import WeightsSource, parse_weights, redact_query
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 DEFAULT_PORTS = (20000, 20999)
+# A model added at runtime may name only these variables as its endpoints' keys: whoever holds the
+# admin token must not be able to send any other secret of the gateway's environment to a URL of
+# their choice. The inventory file is written by whoever starts `llmgw serve`; it may name any.
+RUNTIME_KEY_ENV_PREFIX = "LLMGW_ENDPOINT_KEY_"
 
 
 class _Strict(BaseModel):
@@ -132,7 +136,10 @@ class StaticEndpoint(_Strict):
     @classmethod
     def _http(cls, value: str) -> str:
         if not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError(f"{value!r} is not an http(s) URL")
+            raise ValueError(f"{redact_query(value)!r} is not an http(s) URL")
+        if "?" in value or "#" in value:
+            # Request paths are appended to it; a query would end up inside the path, or carry a secret.
+            raise ValueError(f"{redact_query(value)!r}: an endpoint URL carries no query string or fragment")
         return value.rstrip("/")
 
 
@@ -367,9 +374,26 @@ def load_inventory(path: str | os.PathLike) -> tuple[Inventory, Document]:
 
 
 def parse_model_text(text: str, source: str = "<model>") -> tuple[ModelConfig, Document]:
-    """One model definition, as `ctl model add -f` sends it: the same class as the inventory's."""
+    """One model definition, as `ctl model add -f` sends it: the same class as the inventory's.
+
+    A model added at runtime may name only `LLMGW_ENDPOINT_KEY_*` variables as `api_key_env`.
+    """
     doc = parse_yaml(text, source)
-    return validate_document(doc, ModelConfig), doc
+    model = validate_document(doc, ModelConfig)
+    for index, endpoint in enumerate(model.endpoints or ()):
+        problem = runtime_key_env_problem(endpoint.api_key_env)
+        if problem:
+            raise doc.error(("endpoints", index, "api_key_env"), problem)
+    return model, doc
+
+
+def runtime_key_env_problem(name: str | None) -> str | None:
+    """Why a model added at runtime may not read `name` from the gateway's environment, or None."""
+    if name is None or (name.startswith(RUNTIME_KEY_ENV_PREFIX) and len(name) > len(RUNTIME_KEY_ENV_PREFIX)):
+        return None
+    return (f"{name!r}: a model added at runtime may only name variables that start with "
+            f"{RUNTIME_KEY_ENV_PREFIX} (e.g. {RUNTIME_KEY_ENV_PREFIX}OPENAI), set where `llmgw serve` runs; "
+            "models of the inventory file may name any variable")
 
 
 def split_address(value: str) -> tuple[str, int]:
