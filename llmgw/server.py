@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 import signal
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,26 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE = 15.0
 TOKEN_FILE = "admin-token"
 ADMIN_ADDRESS_FILE = "admin-address"
+DATABASE = "state.db"
+# Made 0600 on every start, whatever they were: the database holds engine keys and key hashes.
+PRIVATE_FILES = (DATABASE, DATABASE + "-wal", DATABASE + "-shm", TOKEN_FILE, ADMIN_ADDRESS_FILE)
+
+
+def secure_state_dir(state_dir: Path) -> None:
+    """The state directory 0700 and its files 0600, on every start (R-9.3).
+
+    A directory or database left readable by an earlier version, a restored backup or a
+    hand-made directory is closed up here rather than trusted; symlinks are left alone.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(state_dir, 0o700)
+    for name in PRIVATE_FILES:
+        path = state_dir / name
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                os.chmod(path, 0o600)
+        except FileNotFoundError:
+            pass
 
 
 def admin_token(state_dir: Path) -> str:
@@ -98,9 +119,9 @@ class Gateway:
     bound: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)
 
     async def start(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        secure_state_dir(self.state_dir)
         self.token = admin_token(self.state_dir)
-        self.store = Store.open(self.state_dir / "state.db")
+        self.store = Store.open(self.state_dir / DATABASE)
         stored = load_stored_models(self.store)
         catalog = Catalog.from_inventory(self.inventory, self.document, stored=stored)
         self.holder = CatalogHolder(catalog)
