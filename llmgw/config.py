@@ -6,6 +6,7 @@ the line and the field path (`inventory.yaml:42: models[3].scaling.max: ...`).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -401,6 +402,18 @@ def split_address(value: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not (0 <= int(port) <= 65535):
         raise ValueError(f"{value!r} must be HOST:PORT")
     return (host.strip("[]") or "0.0.0.0"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listener bound to `host` is reachable from this machine only (a wildcard is not)."""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return False  # a name that may resolve anywhere
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 def default_state_dir() -> Path:

@@ -9,6 +9,7 @@ import os
 import secrets
 import signal
 import stat
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog, CatalogHolder
-from llmgw.config import Document, Inventory, load_configuration, resolve_state_dir, split_address
+from llmgw.config import Document, Inventory, is_loopback, load_configuration, resolve_state_dir, split_address
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.service import ControlPlane, load_stored_models
 from llmgw.fleet.fleet import Fleet
@@ -65,6 +66,21 @@ def admin_token(state_dir: Path) -> str:
     with os.fdopen(fd, "w") as handle:
         handle.write(token + "\n")
     return token
+
+
+def warn_exposed_admin(host: str, port: int) -> None:
+    """Say, in the log and on stderr, that the admin listener is reachable from other machines."""
+    message = (f"the admin listener is bound to {host}:{port}, which is not a loopback address: anyone "
+               "who can reach it can try the admin token, and the token travels unencrypted; bind "
+               "127.0.0.1 unless remote ctl clients or a dashboard elsewhere need it")
+    log.warning("%s", message)
+    if not _logs_reach_stderr():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _logs_reach_stderr() -> bool:
+    return log.isEnabledFor(logging.WARNING) and any(
+        getattr(handler, "stream", None) is sys.stderr for handler in logging.getLogger().handlers)
 
 
 def finish_requests_within(app: web.Application, grace: float) -> None:
@@ -148,6 +164,8 @@ class Gateway:
             await self._listen("admin", admin_app, self.admin_listen or gateway.admin)
             host, port = self.bound["admin"]
             (self.state_dir / ADMIN_ADDRESS_FILE).write_text(f"{host}:{port}\n")
+            if not is_loopback(host):
+                warn_exposed_admin(host, port)
         self.reconciler.start()
         # Start-up objects (catalog, config, facts) live for the whole run: keep the collector
         # from walking them on every pass, which made placement latency spiky on large fleets.

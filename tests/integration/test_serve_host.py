@@ -2,7 +2,7 @@
 
 The state directory is 0700 and the database (with its -wal and -shm), the admin token and the
 other files 0600 on every start, whatever they were before and whatever umask serve was started
-with.
+with; an admin listener bound beyond loopback is warned about.
 """
 
 from __future__ import annotations
@@ -100,3 +100,13 @@ def test_a_loose_state_directory_is_closed_up_on_start(gateway):
     finally:
         gateway.stop()
 
+
+def test_an_admin_listener_beyond_loopback_is_warned_about(gateway):
+    loopback = gateway.log.read_text()
+    assert "not a loopback address" not in loopback, "127.0.0.1 is not warned about"
+    gateway.start(admin="0.0.0.0:0")
+    gateway.stop()
+    log = gateway.log.read_text()  # serve's stderr: logging goes there
+    warning = next((line for line in log.splitlines() if "not a loopback address" in line), None)
+    assert warning is not None, log
+    assert " WARNING llmgw.server: the admin listener is bound to 0.0.0.0:" in warning

@@ -220,3 +220,14 @@ def test_a_stored_runtime_model_reads_no_other_variable(monkeypatch, caplog):
     assert endpoints["new"][0].api_key == "endpoint-key"
     assert endpoints["file"][0].api_key == "s3cr3t"
     assert "model old: endpoint https://api.example.com is used without a key" in caplog.text
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.0.0.9", True), ("::1", True), ("[::1]", True), ("localhost", True),
+    ("::ffff:127.0.0.1", True), ("0.0.0.0", False), ("::", False), ("10.0.0.7", False),
+    ("gw.example.com", False), ("", False),
+])
+def test_which_admin_addresses_are_loopback(host, loopback):
+    from llmgw.config import is_loopback
+
+    assert is_loopback(host) is loopback
