@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE = 15.0
 TOKEN_FILE = "admin-token"
 ADMIN_ADDRESS_FILE = "admin-address"
+ADMIN_SOCKET = "admin.sock"
 DATABASE = "state.db"
 # Made 0600 on every start, whatever they were: the database holds engine keys and key hashes.
 PRIVATE_FILES = (DATABASE, DATABASE + "-wal", DATABASE + "-shm", TOKEN_FILE, ADMIN_ADDRESS_FILE)
@@ -133,6 +134,8 @@ class Gateway:
     token: str = field(init=False)
     _runners: list[web.AppRunner] = field(default_factory=list, init=False)
     bound: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)
+    admin_socket: Path | None = field(default=None, init=False)
+    _admin_socket_inode: int | None = field(default=None, init=False)
 
     async def start(self) -> None:
         secure_state_dir(self.state_dir)
@@ -161,11 +164,12 @@ class Gateway:
         await self._listen("router", router_app, self.listen or gateway.listen, RUNNER_OPTIONS)
         admin_app = self._admin_app()
         if admin_app is not None:
-            await self._listen("admin", admin_app, self.admin_listen or gateway.admin)
+            runner = await self._listen("admin", admin_app, self.admin_listen or gateway.admin)
             host, port = self.bound["admin"]
             (self.state_dir / ADMIN_ADDRESS_FILE).write_text(f"{host}:{port}\n")
             if not is_loopback(host):
                 warn_exposed_admin(host, port)
+            await self._listen_unix(runner, self.state_dir / ADMIN_SOCKET)
         self.reconciler.start()
         # Start-up objects (catalog, config, facts) live for the whole run: keep the collector
         # from walking them on every pass, which made placement latency spiky on large fleets.
@@ -190,7 +194,8 @@ class Gateway:
             return None
         return build_admin_app(self)
 
-    async def _listen(self, name: str, app: web.Application, address: str, options: dict | None = None) -> None:
+    async def _listen(self, name: str, app: web.Application, address: str,
+                      options: dict | None = None) -> web.AppRunner:
         host, port = split_address(address)
         runner = web.AppRunner(app, **{"access_log": None, **(options or {})}, shutdown_timeout=SHUTDOWN_GRACE)
         await runner.setup()
@@ -201,12 +206,39 @@ class Gateway:
         self.bound[name] = (bound[0], bound[1])
         self._runners.append(runner)
         log.info("%s listening on %s:%d", name, bound[0], bound[1])
+        return runner
+
+    async def _listen_unix(self, runner: web.AppRunner, path: Path) -> None:
+        """The admin app on a Unix socket too, for local `llmgw ctl` (R-9.3).
+
+        Only the state directory's owner can reach it (the directory is 0700, the socket 0600),
+        so ctl sends its token there without trusting whoever holds the TCP port: a process that
+        bound that port while `llmgw serve` was down would otherwise receive the token.
+        """
+        site = web.UnixSite(runner, str(path))
+        try:
+            await site.start()  # replaces a socket a previous run left behind
+        except OSError as exc:
+            log.warning("no admin socket at %s (%s): local `llmgw ctl` needs --admin HOST:PORT and the token",
+                        path, exc.strerror or exc)
+            return
+        os.chmod(path, 0o600)
+        self.admin_socket = path
+        self._admin_socket_inode = os.lstat(path).st_ino
+        log.info("admin listening on %s", path)
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish, leave engines running (R-4.5)."""
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
+        if self.admin_socket is not None:
+            try:  # only the socket this run made: a newer one belongs to another run
+                if os.lstat(self.admin_socket).st_ino == self._admin_socket_inode:
+                    os.unlink(self.admin_socket)
+            except FileNotFoundError:
+                pass
+            self.admin_socket = None
         await self.reconciler.close()
         await self.router.close()
         await self.fleet.close()

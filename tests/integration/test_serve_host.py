@@ -1,8 +1,9 @@
-"""The control host keeps its secrets: a real `llmgw serve` (R-9.3).
+"""The control host keeps its secrets: a real `llmgw serve` and `llmgw ctl` (R-9.3).
 
 The state directory is 0700 and the database (with its -wal and -shm), the admin token and the
 other files 0600 on every start, whatever they were before and whatever umask serve was started
-with; an admin listener bound beyond loopback is warned about.
+with; local ctl goes through the 0600 Unix socket of the state directory, so the TCP address
+file may be stale or lie; an admin listener bound beyond loopback is warned about.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import yaml
 
 from tests.integration.test_admin_support import (
     REPO,
+    Result,
     free_port,
     kill_processes_mentioning,
     wait_for,
@@ -43,8 +45,8 @@ class Gateway:
                  str(self.state), "--listen", f"127.0.0.1:{free_port()}", "--admin", admin],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, umask=0o022,
                 env={k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")})
-        wait_for(lambda: self.alive() and (self.state / "admin-address").exists()
-                 and "fleet settled" in self.log.read_text(), 30, "serve to listen")
+        wait_for(lambda: self.alive() and (self.state / "admin.sock").exists()
+                 and "fleet settled" in self.log.read_text(), 30, "serve to listen on its admin socket")
 
     def alive(self) -> bool:
         if self.process.poll() is not None:
@@ -56,8 +58,15 @@ class Gateway:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(30)
 
+    def ctl(self, *args: str) -> Result:
+        done = subprocess.run([sys.executable, "-m", "llmgw.cli.main", "ctl", "--state-dir", str(self.state), *args],
+                              capture_output=True, text=True, cwd=REPO, timeout=60, check=False,
+                              env={**{k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")},
+                                   "COLUMNS": "300"})
+        return Result(done.returncode, done.stdout, done.stderr)
+
     def modes(self) -> dict[str, int]:
-        found = {name: stat.S_IMODE(os.lstat(self.state / name).st_mode) for name in SECRET_FILES
+        found = {name: stat.S_IMODE(os.lstat(self.state / name).st_mode) for name in (*SECRET_FILES, "admin.sock")
                  if (self.state / name).exists()}
         return {"state dir": stat.S_IMODE(os.stat(self.state).st_mode), **found}
 
@@ -73,7 +82,7 @@ def gateway(tmp_path_factory):
         kill_processes_mentioning(str(tmp))
 
 
-PRIVATE = {"state dir": 0o700, **{name: 0o600 for name in SECRET_FILES}}
+PRIVATE = {"state dir": 0o700, **{name: 0o600 for name in (*SECRET_FILES, "admin.sock")}}
 
 
 def test_a_fresh_state_directory_is_private_whatever_the_umask(gateway):
@@ -84,9 +93,10 @@ def test_a_fresh_state_directory_is_private_whatever_the_umask(gateway):
         assert modes == PRIVATE
     finally:
         gateway.stop()
+    assert not (gateway.state / "admin.sock").exists(), "a clean stop removes its socket"
 
 
-def test_a_loose_state_directory_is_closed_up_on_start(gateway):
+def test_a_loose_state_directory_is_closed_up_on_start_and_ctl_uses_the_socket(gateway):
     os.chmod(gateway.state, 0o755)
     for name in SECRET_FILES:
         if (gateway.state / name).exists():
@@ -97,6 +107,15 @@ def test_a_loose_state_directory_is_closed_up_on_start(gateway):
         modes = gateway.modes()
         print({name: oct(mode) for name, mode in modes.items()})
         assert modes == PRIVATE
+        # The TCP address file no longer matters to local ctl: the socket is asked.
+        real = (gateway.state / "admin-address").read_text().strip()
+        (gateway.state / "admin-address").write_text(f"127.0.0.1:{free_port()}\n")
+        status = gateway.ctl("status")
+        assert status.exit_code == 0, status.stderr
+        assert "nodes: 1 (1 ready; 1 active)" in status.stdout
+        dashboard = gateway.ctl("dashboard")
+        assert dashboard.stdout.startswith(f"http://127.0.0.1:{real.rsplit(':', 1)[1]}/?token=")
+        assert "a-token-others-could-read" in dashboard.stdout  # the token file was kept, only closed up
     finally:
         gateway.stop()
 
