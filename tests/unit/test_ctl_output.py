@@ -48,16 +48,18 @@ async def ctl(client: TestClient, *args: str):
     return result.stdout
 
 
-@pytest.mark.parametrize("command", ["nodes", "replicas", "models", "status"])
+@pytest.mark.parametrize("command", ["nodes", "replicas", "models", "status", "logs bad-1"])
 async def test_ctl_prints_no_control_sequences(admin, command):
     client, _ = admin
-    out = await ctl(client, command)
-    controls = sorted({hex(ord(c)) for c in out if not c.isprintable() and c not in "\n"})
+    out = await ctl(client, *command.split())
+    controls = sorted({hex(ord(c)) for c in out if not c.isprintable() and c not in "\n\t"})
     assert controls == [], f"{command} printed control characters {controls}"
     if command == "nodes":
         assert "connect failed" in out and "fake line" in out
     if command == "replicas":
         assert "engine exited" in out and "loading" in out
+    if command.startswith("logs"):  # the node cannot be asked here: the shard's recorded tail is shown
+        assert out.splitlines() == ["loading fake line", "CUDA out of memory\ttab kept"]
 
 
 async def test_json_output_keeps_what_the_node_said_escaped(admin):
