@@ -81,6 +81,13 @@ class WeightsSource:
         return f"WeightsSource({str(self)!r})"
 
 
+def redact_weights(value: str | list[str]) -> str | list[str]:
+    """A `weights:` value as written, with every URL's query redacted (`redact_query`)."""
+    if isinstance(value, list):
+        return [redact_weights(v) for v in value]
+    return redact_query(value) if isinstance(value, str) and "://" in value else value
+
+
 def redact_query(url: str) -> str:
     """`https://host/path?<redacted>`: the query of a signed URL is a credential, and so is a
     user:password part; what is fetched keeps both, what is shown or logged has neither."""

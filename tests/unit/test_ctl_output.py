@@ -101,3 +101,17 @@ async def test_listings_show_a_signed_url_without_its_query(admin):
 ])
 def test_printable(raw, shown):
     assert text.printable(raw) == shown
+
+
+async def test_a_model_added_with_a_signed_url_keeps_the_query_out_of_the_audit_trail(admin):
+    client, gateway = admin
+    url = "https://example.com/other.gguf?X-Amz-Signature=an0ther-s3cr3t"
+    answer = await client.post("/api/models", json={"yaml": f"name: signed\nprofile: cpu\nweights: {url}\n"},
+                               headers={"Authorization": f"Bearer {TOKEN}"})
+    assert answer.status == 201, await answer.text()
+    rows = await gateway.store.read(lambda db: (list(db["models"].rows), list(db["audit"].rows)))
+    models, audit = rows
+    assert url in next(m["definition"] for m in models if m["name"] == "signed")  # still what is fetched
+    detail = next(a["detail"] for a in audit if a["target"] == "signed")
+    assert "an0ther-s3cr3t" not in detail and "https://example.com/other.gguf?<redacted>" in detail
+    assert gateway.holder.current.models["signed"].source.urls == (url,)
