@@ -99,9 +99,11 @@ class _UnixHandler(urllib.request.AbstractHTTPHandler):
     unix_response = urllib.request.HTTPErrorProcessor.http_response  # 4xx/5xx raise HTTPError, as for http
 
 
-def _read_token(path: Path, how: str) -> str:
+def _read_token(path: Path, how: str, missing: str | None = None) -> str:
     try:
         token = path.read_text().strip()
+    except FileNotFoundError:
+        raise AdminError(missing or f"no admin token file {path}; {how}") from None
     except PermissionError:
         raise AdminError(f"cannot read the admin token {path}: permission denied; run as the user that runs "
                          f"`llmgw serve`, or {how}") from None
@@ -139,10 +141,9 @@ class AdminClient:
             token = _read_token(Path(os.path.expanduser(token_file)), "pass another --token-file")
         if not token:
             path = directory / TOKEN_FILE
-            if not path.exists():
-                raise AdminError(f"no admin token at {path}: is `llmgw serve` running with this state directory? "
-                                 "Pass --state-dir, or --token-file / LLMGW_ADMIN_TOKEN")
-            token = _read_token(path, "pass --token-file / LLMGW_ADMIN_TOKEN")
+            token = _read_token(path, "pass --token-file / LLMGW_ADMIN_TOKEN",
+                                missing=f"no admin token at {path}: is `llmgw serve` running with this state "
+                                        "directory? Pass --state-dir, or --token-file / LLMGW_ADMIN_TOKEN")
         if address:
             return cls(_base_url(address), token, actor, state_dir=directory)
         return cls(UNIX_BASE, token, actor, state_dir=directory, socket_path=directory / SOCKET_FILE)

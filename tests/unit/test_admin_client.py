@@ -146,3 +146,17 @@ def test_token_help_says_why_it_should_not_be_on_the_command_line():
     assert "--token-file" in out and "LLMGW_ADMIN_TOKEN" in out
     assert "visible to every user" in " ".join(out.split())
 
+
+
+def test_a_token_file_of_another_user_is_a_clear_refusal(tmp_path, monkeypatch):
+    state = stopped_gateway_state(tmp_path, 1)
+
+    def denied(self, *args, **kwargs):  # what a 0700 directory of another user answers (root reads anything)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(type(state), "read_text", denied)
+    with pytest.raises(AdminError, match="permission denied; run as the user that runs `llmgw serve`"):
+        AdminClient.discover(state_dir=state)
+    monkeypatch.undo()
+    with pytest.raises(AdminError, match=f"no admin token at {tmp_path / 'absent' / 'admin-token'}"):
+        AdminClient.discover(state_dir=tmp_path / "absent")
