@@ -13,7 +13,12 @@ import openai
 import pytest
 
 from llmgw.router import Endpoint
-from tests.integration.test_router_support import catalog, free_port, model, start_router  # noqa: F401
+from tests.integration.test_router_support import (  # noqa: F401
+    catalog,
+    free_port,
+    model,
+    start_router,
+)
 
 HELLO = [{"role": "user", "content": "hello"}]
 
