@@ -922,12 +922,18 @@ _HF_REVISION_RE = re.compile(r"[A-Za-z0-9._/-]{1,256}")
 
 
 def redact_url(url):
-    """The URL without any user:password part, fit for a message."""
-    parts = urllib.parse.urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit((parts.scheme, "***@" + host, parts.path, parts.query, parts.fragment))
+    """The URL without any user:password part or query (a signed URL's query is a credential),
+    fit for a message: `https://host/path?<redacted>`."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<redacted>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = "<redacted>" if parts.query or "?" in url else ""
+    fragment = "<redacted>" if parts.fragment else ""
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
 
 
 def _check_https(url, what):
