@@ -13,12 +13,12 @@ from pathlib import Path
 
 from llmgw.config import Inventory, NodeConfig
 from llmgw.fleet.facts import Held, Inventory as InventoryFacts, NodeFacts, ShardStatus, Storage
-from llmgw.fleet.link import READY, NodeLink, make_link
+from llmgw.fleet.link import READY, ConnectGate, NodeLink, make_link
 from llmgw.fleet.session import NodeError
 
 log = logging.getLogger(__name__)
 
-# Unauthenticated connects in flight at once: below sshd's default MaxStartups (10).
+# SSH handshakes (unauthenticated connections) in flight at once: below sshd's default MaxStartups (10).
 CONNECT_GATE = 8
 STORAGE_TIMEOUT = 5.0
 PROBE_TIMEOUT = 2.0
@@ -36,21 +36,22 @@ class Fleet:
         self.facts: dict[str, NodeFacts] = {n.name: NodeFacts() for n in inventory.nodes}
         self.holdings_wanted = holdings_wanted
         self._state_dir = Path(state_dir)
-        self._gate: asyncio.Semaphore | None = None
+        self.gate: ConnectGate | None = None
         self._on_state = on_state
         self.links: dict[str, NodeLink] = {}
 
     async def start(self) -> None:
-        """Create and start every link, staggered so sshd is not flooded with connects (R-1.1)."""
-        self._gate = asyncio.Semaphore(CONNECT_GATE)
-        stagger = self.inventory.ssh.connect_stagger
-        for index, node in enumerate(self.inventory.nodes):
+        """Create and start every link (R-1.1).
+
+        The links' TCP connects all start at once, each bounded by connect_timeout; the SSH
+        handshakes that follow pass the gate: at most CONNECT_GATE at a time, their starts
+        `connect_stagger` apart. A node that does not answer therefore delays no other node."""
+        self.gate = ConnectGate(CONNECT_GATE, spacing=self.inventory.ssh.connect_stagger)
+        for node in self.inventory.nodes:
             link = make_link(node, self.inventory.ssh, local_root=self._state_dir / "node" / node.name,
-                             connect_gate=self._gate, on_state=self._on_state)
+                             connect_gate=self.gate, on_state=self._on_state)
             self.links[node.name] = link
             link.start()
-            if stagger and index + 1 < len(self.inventory.nodes):
-                await asyncio.sleep(stagger)
 
     async def wait_connected(self, timeout: float) -> bool:
         results = await asyncio.gather(*(link.wait_ready(timeout) for link in self.links.values()))
