@@ -186,6 +186,22 @@ class NodeLink:
             raise NodeError(self.name, op, "not connected", self.reason or f"node is {self.state}")
         return session.stream(op, args)
 
+    @property
+    def answering(self) -> bool:
+        """A helper session is open: the node is ready, or unhealthy because of what it answered."""
+        return self._session is not None and not self._session.closed
+
+    def report_answers(self, problem: str | None) -> None:
+        """What the fleet made of the helper's latest answers. A problem (an answer without the
+        protocol's shape) makes the node `unhealthy` with it while the session lasts: placement
+        and the reconciler leave it alone. None makes it ready again."""
+        if not self.answering:
+            return
+        if problem is not None:
+            self._set_state(UNHEALTHY, problem)
+        elif self.state == UNHEALTHY:
+            self._set_state(READY)
+
     def reconnect_now(self) -> None:
         """Skip the rest of the current backoff wait (e.g. after the operator fixed something)."""
         self._wake.set()
