@@ -129,9 +129,12 @@ class Reconciler:
         while True:
             try:
                 await self.fleet.refresh()
+            except Exception:
+                # The pass still runs, on the facts known so far: a failed refresh must not
+                # stop the whole fleet from being reconciled.
+                log.exception("refreshing the fleet's facts failed")
+            try:
                 self.step()
-            except asyncio.CancelledError:
-                raise
             except Exception:
                 log.exception("reconcile pass failed")
             self._wake.clear()

@@ -5,20 +5,28 @@ and one long-lived helper session on it. A single supervisor task per link conne
 helper when it is missing or fails its integrity check, and reconnects with capped exponential
 backoff and jitter when the connection is lost (R-1.1–R-1.3, R-1.7). Only this package knows
 that SSH exists.
+
+States: `connecting` until the first attempt ends, then `ready`, or `unreachable` / `unhealthy`
+with the reason. Retries of a node that stays down do not pass through `connecting` again, and
+`since` is the time it went down (its first failure), not the time of the latest retry.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import hashlib
 import importlib.resources
 import logging
 import os
 import random
 import shlex
+import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -101,6 +109,32 @@ def helper_code() -> HelperCode:
     return HelperCode(text=text, sha256=hashlib.sha256(text).hexdigest())
 
 
+class ConnectGate:
+    """Bounds the SSH handshakes in flight at once and spaces their starts by `spacing` seconds.
+
+    sshd's MaxStartups counts connections that have not authenticated yet, so only the handshake
+    and authentication run inside the gate. The TCP connect runs before it, outside, bounded by
+    its own timeout: a node that swallows SYNs never holds a place that a live node waits for.
+    """
+
+    def __init__(self, limit: int, spacing: float = 0.0):
+        self.limit = limit
+        self.spacing = spacing
+        self._slots = asyncio.Semaphore(limit)
+        self._next_start = 0.0  # loop time at which the next handshake may begin
+
+    @asynccontextmanager
+    async def handshake(self, node: str) -> AsyncIterator[None]:
+        async with self._slots:
+            loop = asyncio.get_running_loop()
+            now = loop.time()
+            start = max(now, self._next_start)
+            self._next_start = start + self.spacing
+            if start > now:
+                await asyncio.sleep(start - now)
+            yield
+
+
 def backoff_delay(attempt: int, base: float = BACKOFF_BASE, cap: float = BACKOFF_CAP) -> float:
     """Capped exponential backoff with jitter: somewhere in the upper half of the step."""
     step = min(cap, base * (2 ** min(attempt, 16)))
@@ -119,6 +153,7 @@ class NodeLink:
         self.since = time.time()
         self.hello: dict | None = None
         self.connects = 0
+        self.failures = 0  # attempts that failed since the node was last ready
         self._session: HelperSession | None = None
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -151,6 +186,22 @@ class NodeLink:
             raise NodeError(self.name, op, "not connected", self.reason or f"node is {self.state}")
         return session.stream(op, args)
 
+    @property
+    def answering(self) -> bool:
+        """A helper session is open: the node is ready, or unhealthy because of what it answered."""
+        return self._session is not None and not self._session.closed
+
+    def report_answers(self, problem: str | None) -> None:
+        """What the fleet made of the helper's latest answers. A problem (an answer without the
+        protocol's shape) makes the node `unhealthy` with it while the session lasts: placement
+        and the reconciler leave it alone. None makes it ready again."""
+        if not self.answering:
+            return
+        if problem is not None:
+            self._set_state(UNHEALTHY, problem)
+        elif self.state == UNHEALTHY:
+            self._set_state(READY)
+
     def reconnect_now(self) -> None:
         """Skip the rest of the current backoff wait (e.g. after the operator fixed something)."""
         self._wake.set()
@@ -163,18 +214,17 @@ class NodeLink:
     # -- supervision -------------------------------------------------------------------------
 
     def _set_state(self, state: str, reason: str | None = None) -> None:
-        if state != self.state or reason != self.reason:
-            if (state == READY) != (self.state == READY):
-                # Since it became ready, or since it is down: the retries of a node that stays
-                # down (connecting, unreachable, connecting...) do not restart the clock, or its
-                # replicas would never outlast the settling window (R-4.5).
-                self.since = time.time()
-            if state == READY:
-                log.info("%s: ready (helper %s)", self.name, (self.hello or {}).get("version"))
-            elif state == CONNECTING:
-                log.debug("%s: connecting", self.name)
-            else:
-                log.warning("%s: %s%s", self.name, state, f": {reason}" if reason else "")
+        if state == self.state and reason == self.reason:
+            return
+        if (state == READY) != (self.state == READY) or self.state == CONNECTING:
+            # Since it became ready, or since it first failed: the retries of a node that stays
+            # down (unreachable, unhealthy, with whatever reason) do not restart the clock, or
+            # its replicas would never outlast the settling window (R-4.5, R-1.1).
+            self.since = time.time()
+        if state == READY:
+            log.info("%s: ready (helper %s)", self.name, (self.hello or {}).get("version"))
+        else:
+            log.warning("%s: %s%s", self.name, state, f": {reason}" if reason else "")
         self.state, self.reason = state, reason
         if state == READY:
             self._ready.set()
@@ -184,26 +234,25 @@ class NodeLink:
             self._on_state(self)
 
     async def _supervise(self) -> None:
-        attempt = 0
         while not self._closed:
             try:
                 session = await self._open()
             except HelperFailed as exc:
+                self.failures += 1
                 self._set_state(UNHEALTHY, exc.reason)
                 await self._teardown()
-                await self._sleep(backoff_delay(attempt + 3))
-                attempt += 1
+                await self._sleep(backoff_delay(self.failures + 2))
                 continue
-            except (OSError, asyncssh.Error, asyncio.TimeoutError, NodeError) as exc:
+            except (OSError, asyncssh.Error, TimeoutError, NodeError) as exc:
+                self.failures += 1
                 self._set_state(UNREACHABLE, _describe(exc))
                 await self._teardown()
-                await self._sleep(backoff_delay(attempt))
-                attempt += 1
+                await self._sleep(backoff_delay(self.failures - 1))
                 continue
             self._session = session
             self.hello = session.hello
             self.connects += 1
-            attempt = 0
+            self.failures = 0
             self._set_state(READY)
             reason = await asyncio.shield(session.lost)
             if self._closed:
@@ -238,7 +287,7 @@ class NodeLink:
 class SSHLink(NodeLink):
     """A node reached over one persistent asyncssh connection (R-1.1, R-1.5)."""
 
-    def __init__(self, node: NodeConfig, ssh: SSHConfig, *, connect_gate: asyncio.Semaphore | None = None,
+    def __init__(self, node: NodeConfig, ssh: SSHConfig, *, connect_gate: ConnectGate | None = None,
                  **kw):
         super().__init__(node.name, **kw)
         self.node = node
@@ -278,16 +327,54 @@ class SSHLink(NodeLink):
         return options
 
     async def _connect(self) -> asyncssh.SSHClientConnection:
-        options = self._connect_options()
         host = self.node.host
         assert host is not None
+        options = self._connect_options()
         try:
-            if self._gate is not None:
-                async with self._gate:
-                    return await asyncssh.connect(host, **options)
-            return await asyncssh.connect(host, **options)
+            # Resolved as asyncssh resolves them (the ssh config's HostName, Port, ProxyJump...),
+            # so that the TCP connect below goes where asyncssh itself would have gone.
+            resolved = await asyncssh.SSHClientConnectionOptions.construct(host=host, **options)
+            if resolved.tunnel or resolved.proxy_command or resolved.canonicalize_hostname:
+                # The connection is not a plain TCP connect of ours: asyncssh makes all of it,
+                # inside the gate.
+                async with self._handshake():
+                    return await self._ssh_handshake(host, options["port"], None, resolved)
+            sock = await self._tcp_connect(resolved.host, resolved.port, resolved.family, resolved.local_addr)
+            try:
+                async with self._handshake():
+                    return await self._ssh_handshake(host, options["port"], sock, resolved)
+            except BaseException:
+                sock.close()
+                raise
         except asyncssh.HostKeyNotVerifiable as exc:
             raise HelperFailed(await self._host_key_message(host, options, exc)) from None
+
+    def _handshake(self):
+        return self._gate.handshake(self.name) if self._gate is not None else contextlib.nullcontext()
+
+    async def _tcp_connect(self, host: str, port: int, family: int, local_addr) -> socket.socket:
+        """A connected TCP socket to the node, within connect_timeout (outside the gate)."""
+        timeout = self.ssh.connect_timeout
+        target = _target(host, port)
+        try:
+            return await asyncio.wait_for(_open_socket(host, port, family, local_addr), timeout)
+        except TimeoutError:
+            raise OSError(errno.ETIMEDOUT, f"TCP connect to {target} timed out after {timeout:g}s") from None
+        except OSError as exc:
+            detail = os.strerror(exc.errno) if exc.errno else (exc.strerror or str(exc))
+            raise OSError(exc.errno, f"TCP connect to {target}: {detail}") from None
+
+    async def _ssh_handshake(self, host: str, port: int, sock: socket.socket | None,
+                             resolved: asyncssh.SSHClientConnectionOptions) -> asyncssh.SSHClientConnection:
+        timeout = self.ssh.connect_timeout
+        try:
+            if sock is None:
+                return await asyncssh.connect(host, port, options=resolved)
+            # host and port again: the host key is looked up under the name the inventory gave.
+            return await asyncssh.connect(host, port, sock=sock, options=resolved)
+        except TimeoutError:
+            raise OSError(errno.ETIMEDOUT, f"SSH handshake with {_target(resolved.host, resolved.port)} did not "
+                                           f"finish within {timeout:g}s") from None
 
     async def _host_key_message(self, host: str, options: dict, exc: Exception) -> str:
         """Name the node and the fingerprint it presented, and say what to do (R-1.5)."""
@@ -315,7 +402,6 @@ class SSHLink(NodeLink):
                 f"{known} (e.g. `ssh-keyscan -p {port} {host}` compared with the node's own key)")
 
     async def _open(self) -> HelperSession:
-        self._set_state(CONNECTING, self.reason)
         self._conn = await self._connect()
         return await self._start_helper()
 
@@ -375,7 +461,6 @@ class LocalLink(NodeLink):
         self._proc: asyncio.subprocess.Process | None = None
 
     async def _open(self) -> HelperSession:
-        self._set_state(CONNECTING, self.reason)
         self.root.parent.mkdir(parents=True, exist_ok=True)  # the bootstrap makes ROOT and ROOT/helper
         return await self._start_helper()
 
@@ -414,20 +499,49 @@ class LocalLink(NodeLink):
                 await proc.wait()
 
 
+async def _open_socket(host: str, port: int, family: int, local_addr) -> socket.socket:
+    """Connect to the first address of `host` that accepts, as asyncio's create_connection does."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, family=family, type=socket.SOCK_STREAM)
+    if not infos:
+        raise OSError(errno.EHOSTUNREACH, f"{host} has no address")
+    error: OSError | None = None
+    for address_family, kind, proto, _, address in infos:
+        sock = socket.socket(address_family, kind, proto)
+        try:
+            sock.setblocking(False)
+            if local_addr:
+                sock.bind(local_addr)
+            await loop.sock_connect(sock, address)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+        except BaseException:
+            sock.close()
+            raise
+    assert error is not None
+    raise error
+
+
+def _target(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
-        return "connection timed out"
     if isinstance(exc, asyncssh.PermissionDenied):
         return f"authentication refused: {exc.reason}"
     if isinstance(exc, asyncssh.Error):
         return exc.reason or type(exc).__name__
-    if isinstance(exc, OSError):
-        return exc.strerror or str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    if isinstance(exc, TimeoutError):
+        return "connection timed out"
     return str(exc)
 
 
 def make_link(node: NodeConfig, ssh: SSHConfig, *, local_root: str | os.PathLike,
-              connect_gate: asyncio.Semaphore | None = None, **kw) -> NodeLink:
+              connect_gate: ConnectGate | None = None, **kw) -> NodeLink:
     if node.connection == "local":
         return LocalLink(node, local_root, **kw)
     return SSHLink(node, ssh, connect_gate=connect_gate, **kw)
