@@ -13,6 +13,7 @@ with the reason. Retries of a node that stays down do not pass through `connecti
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import errno
@@ -50,45 +51,20 @@ EXTRA_CHANNELS = 4
 PREFERRED_CIPHERS = "^aes128-gcm@openssh.com,aes256-gcm@openssh.com"
 
 
-# The helper is started through this bootstrap, which checks the file's hash before Python even
-# parses it: a tampered copy that no longer compiles must still fail its check, not raise a syntax
-# error. A missing or mismatched copy is replaced on the spot: the bootstrap says {"upload": ...},
-# reads the helper from stdin, checks its hash, writes it atomically (temp + rename; directories
-# it creates are 0700, existing ones are left for the helper to judge) and runs it: one process
-# start and no extra channel per deployment. The helper then verifies itself again (R-1.3).
+# The helper is started through its own verifying loader (the LOADER constant of the helper
+# file, read from the shipped copy): it hashes the file before Python parses it, so a tampered
+# copy that no longer compiles still fails its check rather than raising a syntax error, and it
+# runs the very bytes it hashed. A missing or mismatched copy is replaced on the spot: the loader
+# says {"upload": ...}, reads the helper from stdin, checks its hash, writes it atomically (temp +
+# rename; directories it creates are 0700, existing ones are left for the helper to judge) and
+# runs it: one process start and no extra channel per deployment. `python3 -I` (isolated mode)
+# keeps the node's PYTHON* variables, user site-packages and working directory out of it. The
+# helper then verifies itself and its directories again (R-1.3).
 # Exit 96: stdin ended before the upload was complete; 97: the upload's hash was wrong.
-BOOTSTRAP = (
-    "import hashlib,json,os,sys\n"
-    "p,h,n=sys.argv[1],sys.argv[2],int(sys.argv[3])\n"
-    "def say(m):\n"
-    " sys.stdout.write(json.dumps(m)+'\\n');sys.stdout.flush()\n"
-    "try:\n"
-    " d=open(p,'rb').read()\n"
-    "except OSError:\n"
-    " d=None\n"
-    "if d is None or hashlib.sha256(d).hexdigest()!=h:\n"
-    " say({'upload':h,'found':'missing' if d is None else 'mismatch'})\n"
-    " r=sys.stdin.buffer;d=b''\n"
-    " while len(d)<n:\n"
-    "  c=r.read(n-len(d))\n"
-    "  if not c:sys.exit(96)\n"
-    "  d+=c\n"
-    " a=hashlib.sha256(d).hexdigest()\n"
-    " if a!=h:\n"
-    "  say({'fatal':'integrity','expected':h,'actual':a});sys.exit(97)\n"
-    " q=os.path.dirname(p)\n"
-    " for x in (os.path.dirname(q),q):\n"
-    "  if x and not os.path.isdir(x):os.mkdir(x,0o700)\n"
-    " t='%s.%d.tmp'%(p,os.getpid())\n"
-    " with os.fdopen(os.open(t,os.O_WRONLY|os.O_CREAT|os.O_EXCL,0o600),'wb') as o:o.write(d)\n"
-    " os.replace(t,p)\n"
-    "sys.argv=[p]+sys.argv[4:]\n"
-    "exec(compile(d,p,'exec'),{'__name__':'__main__','__file__':p,'__builtins__':__builtins__})\n"
-)
 
 
 def helper_argv(python: str, path: str, code: HelperCode, root: str) -> list[str]:
-    return [python, "-c", BOOTSTRAP, path, code.sha256, str(len(code.text)),
+    return [python, "-I", "-c", code.loader, path, code.sha256, str(len(code.text)),
             "serve", "--expect-sha256", code.sha256, "--root", root]
 
 
@@ -100,6 +76,20 @@ class HelperCode:
     @property
     def filename(self) -> str:
         return f"llmgw_helper-{self.sha256}.py"
+
+    @property
+    def loader(self) -> str:
+        return _loader_of(self.text)
+
+
+@lru_cache(maxsize=4)
+def _loader_of(text: bytes) -> str:
+    """The helper's LOADER constant, read from its source without running any of it."""
+    for statement in ast.parse(text).body:
+        if (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+                and isinstance(statement.targets[0], ast.Name) and statement.targets[0].id == "LOADER"):
+            return ast.literal_eval(statement.value)
+    raise ValueError("the helper defines no LOADER")
 
 
 @lru_cache(maxsize=1)
@@ -461,7 +451,7 @@ class LocalLink(NodeLink):
         self._proc: asyncio.subprocess.Process | None = None
 
     async def _open(self) -> HelperSession:
-        self.root.parent.mkdir(parents=True, exist_ok=True)  # the bootstrap makes ROOT and ROOT/helper
+        self.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the loader makes ROOT and ROOT/helper
         return await self._start_helper()
 
     async def _start_helper(self) -> HelperSession:

@@ -7,9 +7,12 @@ keeps one copy running per node over its SSH connection.
 
 Starting and self-verification (R-1.3)
 --------------------------------------
-``python3 PATH serve --expect-sha256 HEX [--root DIR]``
+``python3 -I -c LOADER PATH HEX SIZE serve --expect-sha256 HEX [--root DIR]`` (or, by hand,
+``python3 PATH serve --expect-sha256 HEX [--root DIR]``)
 
-Before anything else the helper hashes its own file and compares the digest with HEX. The
+Every helper process, the engine supervisor included, is started through LOADER (a constant
+below): it hashes the file, runs exactly the bytes it hashed, and deploys a missing copy from
+stdin; ``-I`` keeps the node's PYTHON* variables and user site-packages out. Before anything else the helper hashes its own file and compares the digest with HEX. The
 expected hash always comes from the command line, never from a constant in this file (a file
 checking itself against its own text proves nothing). On a mismatch it prints one JSON line
 ``{"fatal": "integrity", "expected": HEX, "actual": HEX}`` and exits with EXIT_INTEGRITY (97).
@@ -218,6 +221,53 @@ FETCH_CHUNK = 1 << 20
 PROGRESS_INTERVAL = 0.25
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+# The verifying loader every helper process starts through, as ``python3 -I -c LOADER PATH HEX
+# SIZE ARGS...`` (the control plane reads this constant from this file): it reads the file once,
+# hashes those bytes and runs exactly them, so a copy swapped between the check and the run is
+# never what runs; -I keeps PYTHON* variables, the user's site-packages and the working
+# directory out of the interpreter. With SIZE a number, a missing or different copy is replaced:
+# it says {"upload": HEX, "found"}, reads SIZE bytes from stdin, checks them (exit 97 on a
+# mismatch, 96 when stdin ends early), writes them atomically (directories it creates are 0700)
+# and runs them. With SIZE "-" (the engine supervisor, whose stdin is its spec) nothing is
+# uploaded: a different copy is the fatal integrity line and exit 97.
+LOADER = (
+    "import hashlib,json,os,sys\n"
+    "p,h,n=sys.argv[1],sys.argv[2],sys.argv[3]\n"
+    "def say(m):\n"
+    " sys.stdout.write(json.dumps(m)+'\\n');sys.stdout.flush()\n"
+    "try:\n"
+    " d=open(p,'rb').read()\n"
+    "except OSError:\n"
+    " d=None\n"
+    "a=d and hashlib.sha256(d).hexdigest()\n"
+    "if a!=h and n=='-':\n"
+    " say({'fatal':'integrity','expected':h,'actual':a});sys.exit(97)\n"
+    "if a!=h:\n"
+    " say({'upload':h,'found':'missing' if d is None else 'mismatch'})\n"
+    " r=sys.stdin.buffer;d=b'';n=int(n)\n"
+    " while len(d)<n:\n"
+    "  c=r.read(n-len(d))\n"
+    "  if not c:sys.exit(96)\n"
+    "  d+=c\n"
+    " a=hashlib.sha256(d).hexdigest()\n"
+    " if a!=h:\n"
+    "  say({'fatal':'integrity','expected':h,'actual':a});sys.exit(97)\n"
+    " q=os.path.dirname(p)\n"
+    " for x in (os.path.dirname(q),q):\n"
+    "  if x and not os.path.isdir(x):os.mkdir(x,0o700)\n"
+    " t='%s.%d.tmp'%(p,os.getpid())\n"
+    " with os.fdopen(os.open(t,os.O_WRONLY|os.O_CREAT|os.O_EXCL,0o600),'wb') as o:o.write(d)\n"
+    " os.replace(t,p)\n"
+    "sys.argv=[p]+sys.argv[4:]\n"
+    "exec(compile(d,p,'exec'),{'__name__':'__main__','__file__':p,'__builtins__':__builtins__,"
+    "'__llmgw_loaded__':a})\n"
+)
+
+
+def loader_argv(python, path, sha256, size, args):
+    """The command line that starts this helper's file through LOADER (see above)."""
+    return [python, "-I", "-c", LOADER, path, sha256, str(size)] + list(args)
 
 
 class HelperError(Exception):
@@ -1635,8 +1685,11 @@ class Node(object):
             }
             log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             try:
+                # Through the same verifying loader as this helper: the supervisor runs the bytes
+                # it hashed, or refuses (exit 97, the fatal line in the log).
                 supervisor = subprocess.Popen(
-                    [sys.executable, self.helper_path, "supervise", "--expect-sha256", self.sha256, "--root", self.root],
+                    loader_argv(sys.executable, self.helper_path, self.sha256, "-",
+                                ["supervise", "--expect-sha256", self.sha256, "--root", self.root]),
                     stdin=subprocess.PIPE,
                     stdout=log_fd,
                     stderr=log_fd,
@@ -2302,10 +2355,13 @@ def build_parser():
     return parser
 
 
-def check_integrity(path, expected):
-    """None when the file hashes to expected, else the fatal line to print."""
-    with open(path, "rb") as handle:
-        actual = hashlib.sha256(handle.read()).hexdigest()
+def check_integrity(path, expected, loaded=None):
+    """None when the helper hashes to expected, else the fatal line to print. loaded is the hash
+    of the bytes LOADER ran (they are what runs); without the loader the file is hashed."""
+    actual = loaded
+    if actual is None:
+        with open(path, "rb") as handle:
+            actual = hashlib.sha256(handle.read()).hexdigest()
     if actual != expected.strip().lower():
         return {"fatal": "integrity", "expected": expected, "actual": actual}
     return None
@@ -2342,7 +2398,7 @@ def main(argv=None):
     options = build_parser().parse_args(argv)
     helper_path = os.path.abspath(__file__)
     if options.command in ("serve", "supervise"):
-        fatal = check_integrity(helper_path, options.expect_sha256)
+        fatal = check_integrity(helper_path, options.expect_sha256, globals().get("__llmgw_loaded__"))
         if fatal is not None:
             _print_fatal(fatal)
             return EXIT_INTEGRITY
