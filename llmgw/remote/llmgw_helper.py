@@ -19,7 +19,13 @@ checking itself against its own text proves nothing). On a mismatch it prints on
 It then checks that the directory holding the file is owned by the current uid and not
 accessible to group or others (mode & 0o077 == 0); otherwise it prints
 ``{"fatal": "permissions", "path", "mode": "0755", "owner": UID, "message"}`` and exits with
-EXIT_PERMISSIONS (98). A bad command line exits with 2 (argparse).
+EXIT_PERMISSIONS (98). The same line and exit refuse a ROOT or ROOT/shards that is a link, owned
+by another user or writable by group or others, and any directory above ROOT or the helper's
+directory (as written and as resolved) that is owned by someone other than the user or root, or
+writable by group or others without being sticky (/tmp is fine): as OpenSSH's StrictModes judges
+a home, since whoever can replace a directory there could run code as this user or read engine
+keys. Files under ROOT (state, logs, shard files) are opened through directory fds without
+following links. A bad command line exits with 2 (argparse).
 
 Wire protocol (R-1.2)
 ---------------------
@@ -32,7 +38,8 @@ JSON lines over stdin/stdout, UTF-8, one object per line.
   ``{"id", "ok": false, "error": {"kind": "<machine word>", "message": "<sentence>"}}``.
   Kinds used: bad_request (a line that is not a request), unknown_op, bad_args, internal (an
   unexpected exception; the helper keeps running), cancelled, not_found, alive, identity,
-  port_in_use, launch_failed, disk_full, cache_dir (the cache cannot be written), http, network,
+  port_in_use, launch_failed, permissions (a directory of the helper is a link or open to
+  others), disk_full, cache_dir (the cache cannot be written), http, network,
   empty_source.
 - Streamed event, zero or more before the answer: ``{"id", "event": "<name>", "data": {...}}``.
 
@@ -684,21 +691,41 @@ def _write_private_file(path, text):
     os.replace(temp, path)
 
 
-def _read_json(path):
+_NOFOLLOW_READ = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_below(top, parts, flags=_NOFOLLOW_READ, mode=0o600):
+    """Open top/parts[0]/.../parts[-1] through directory fds, following no symbolic link below
+    top (which was checked when the helper started): a link planted as a state or log file, or
+    as a shard directory, is refused (ELOOP/ENOTDIR), never read or written through."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     try:
-        with open(path, "rb") as handle:
+        for part in parts[:-1]:
+            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        return os.open(parts[-1], flags | os.O_NOFOLLOW, mode, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _read_json(path, opener=None):
+    try:
+        fd = opener() if opener is not None else os.open(path, _NOFOLLOW_READ)
+        with os.fdopen(fd, "rb") as handle:
             value = json.loads(handle.read().decode("utf-8"))
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
 
 
-def tail_lines(path, count, max_bytes=16 << 20):
-    """Last count lines of a file, read backwards in blocks; missing file gives []."""
+def tail_lines(path, count, max_bytes=16 << 20, opener=None):
+    """Last count lines of a file, read backwards in blocks; missing file gives []. The file is
+    opened without following a link (opener, when given, opens it)."""
     if count <= 0:
         return []
     try:
-        handle = open(path, "rb")
+        handle = os.fdopen(opener() if opener is not None else os.open(path, _NOFOLLOW_READ), "rb")
     except OSError:
         return []
     with handle:
@@ -1191,7 +1218,25 @@ class Node(object):
         return os.path.join(self.shards_dir(), shard_id)
 
     def read_state(self, shard_id):
-        return _read_json(os.path.join(self.shard_dir(shard_id), STATE_FILE))
+        return _read_json(None, lambda: self.open_shard_file(shard_id, STATE_FILE))
+
+    def open_shard_file(self, shard_id, name, flags=_NOFOLLOW_READ):
+        return open_below(self.root, ["shards", shard_id, name], flags)
+
+    def shard_log_tail(self, shard_id, count):
+        return tail_lines(None, count, opener=lambda: self.open_shard_file(shard_id, LOG_FILE))
+
+    def private_dir(self, path):
+        """Make path (0700) unless it exists; refuse one that is a link or open to others."""
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise HelperError("permissions", "cannot make %s: %s" % (path, exc.strerror or exc))
+        problem = private_dir_problem(path, os.getuid())
+        if problem is not None:
+            raise HelperError("permissions", problem)
 
     # -- ping, cancel ----------------------------------------------------------------------
 
@@ -1665,8 +1710,8 @@ class Node(object):
                 raise HelperError("alive", "shard %s is already running as pid %s" % (shard_id, previous.get("pid")))
             if port is not None:
                 check_port_free(host, port)
-            os.makedirs(self.shards_dir(), mode=0o700, exist_ok=True)
-            os.makedirs(shard_dir, mode=0o700, exist_ok=True)
+            self.private_dir(self.shards_dir())
+            self.private_dir(shard_dir)
             if os.path.exists(log_path):
                 os.replace(log_path, log_path + ".1")
             if os.path.exists(state_path):
@@ -1683,7 +1728,8 @@ class Node(object):
                 "health_url": health_url,
                 "log_path": log_path,
             }
-            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            log_fd = open_below(self.root, ["shards", shard_id, LOG_FILE],
+                                os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
             try:
                 # Through the same verifying loader as this helper: the supervisor runs the bytes
                 # it hashed, or refuses (exit 97, the fatal line in the log).
@@ -1709,17 +1755,17 @@ class Node(object):
             deadline = time.monotonic() + LAUNCH_TIMEOUT
             state = None
             while time.monotonic() < deadline:
-                state = _read_json(state_path)
+                state = self.read_state(shard_id)
                 if state is not None or supervisor.poll() is not None:
                     break
                 time.sleep(0.005)
             if state is None:
-                state = _read_json(state_path)
+                state = self.read_state(shard_id)
             if state is None and supervisor.returncode is None:
                 # Too late to report a start: end it rather than leave an engine nobody knows of.
                 _signal_groups([supervisor.pid], signal.SIGKILL)
         if state is None:
-            tail = " | ".join(tail_lines(log_path, 5))
+            tail = " | ".join(self.shard_log_tail(shard_id, 5))
             raise HelperError("launch_failed", "the supervisor of %s did not record a start: %s" % (shard_id, tail or "no log"))
         if state.get("pid") is None:
             raise HelperError("launch_failed", "could not start %s: %s" % (shard_id, state.get("error")))
@@ -1749,7 +1795,7 @@ class Node(object):
                 "log_tail": None,
             }
             if not alive:
-                entry["log_tail"] = tail_lines(os.path.join(self.shard_dir(shard_id), LOG_FILE), LOG_TAIL_LINES)
+                entry["log_tail"] = self.shard_log_tail(shard_id, LOG_TAIL_LINES)
             elif probe and isinstance(state.get("health_url"), str):
                 thread, box = _start_bounded(lambda url=state["health_url"]: probe_health(url, timeout))
                 probes.append((entry, thread, box))
@@ -1823,32 +1869,40 @@ class Node(object):
         follow = _arg(args, "follow", (bool,), False)
         if not os.path.isdir(self.shard_dir(shard_id)):
             raise HelperError("not_found", "no shard %s is recorded on this node" % shard_id)
-        path = os.path.join(self.shard_dir(shard_id), LOG_FILE)
         if not follow:
-            return {"lines": tail_lines(path, count)}
-        try:
-            info = os.stat(path)
+            return {"lines": self.shard_log_tail(shard_id, count)}
+
+        def opened():
+            try:
+                return os.fdopen(self.open_shard_file(shard_id, LOG_FILE), "rb")
+            except OSError:
+                return None
+
+        handle = opened()
+        if handle is not None:
+            with handle:
+                info = os.fstat(handle.fileno())
             inode, offset = info.st_ino, info.st_size
-        except OSError:
+        else:
             inode, offset = None, 0
-        ctx.emit("lines", {"lines": tail_lines(path, count)})
+        ctx.emit("lines", {"lines": self.shard_log_tail(shard_id, count)})
         pending = b""
         while not ctx.cancelled.wait(LOG_FOLLOW_INTERVAL):
-            try:
-                info = os.stat(path)
-            except OSError:
+            handle = opened()
+            if handle is None:
                 continue
-            if info.st_ino != inode or info.st_size < offset:
-                # Rotated by a relaunch, or truncated: start over.
-                inode, offset, pending = info.st_ino, 0, b""
-            if info.st_size == offset:
-                continue
-            try:
-                with open(path, "rb") as handle:
+            with handle:
+                info = os.fstat(handle.fileno())
+                if info.st_ino != inode or info.st_size < offset:
+                    # Rotated by a relaunch, or truncated: start over.
+                    inode, offset, pending = info.st_ino, 0, b""
+                if info.st_size == offset:
+                    continue
+                try:
                     handle.seek(offset)
                     chunk = handle.read(min(info.st_size - offset, 4 << 20))
-            except OSError:
-                continue
+                except OSError:
+                    continue
             offset += len(chunk)
             parts = (pending + chunk).split(b"\n")
             pending = parts.pop()
@@ -2380,13 +2434,98 @@ def check_directory(path):
         problems.append("is mode %04o, open to group or others (chmod 700 %s)" % (mode, directory))
     if not problems:
         return None
+    return _permissions_fatal(directory, info, "the helper directory %s %s" % (directory, " and ".join(problems)))
+
+
+def _permissions_fatal(path, info, message):
     return {
         "fatal": "permissions",
-        "path": directory,
-        "mode": "%04o" % mode,
-        "owner": info.st_uid,
-        "message": "the helper directory %s %s" % (directory, " and ".join(problems)),
+        "path": path,
+        "mode": "%04o" % stat.S_IMODE(info.st_mode) if info is not None else None,
+        "owner": info.st_uid if info is not None else None,
+        "message": message,
     }
+
+
+def _ancestors(path):
+    """path's parent, its parent, ... up to /."""
+    found = []
+    while True:
+        parent = os.path.dirname(path)
+        if parent == path:
+            return found
+        found.append(parent)
+        path = parent
+
+
+def unsafe_ancestor(path, uid):
+    """Why a directory above path lets someone else replace what is below it, or None.
+
+    As OpenSSH's StrictModes judges a home directory: each directory above, as written and as
+    resolved, must be owned by this user or root and not writable by group or others, unless it
+    is sticky (like /tmp, where nobody can rename or remove what another user made)."""
+    checked = set()
+    for start in (os.path.abspath(path), os.path.realpath(path)):
+        for directory in _ancestors(start):
+            if directory in checked:
+                continue
+            checked.add(directory)
+            try:
+                info = os.stat(directory)
+            except OSError as exc:
+                return directory, None, "%s cannot be checked: %s" % (directory, exc.strerror or exc)
+            mode = stat.S_IMODE(info.st_mode)
+            if info.st_uid not in (uid, 0):
+                return directory, info, "%s is owned by uid %d, neither uid %d running the helper nor root" % (
+                    directory, info.st_uid, uid)
+            if mode & 0o022 and not mode & stat.S_ISVTX:
+                return directory, info, "%s is mode %04o: others can write into it and not sticky (chmod go-w %s)" % (
+                    directory, mode, directory)
+    return None
+
+
+def private_dir_problem(path, uid, info=None):
+    """Why a directory of the helper's own (ROOT, ROOT/shards) is not safe, or None: it must be a
+    real directory (not a link), owned by this user and not writable by group or others."""
+    if info is None:
+        try:
+            info = os.lstat(path)
+        except OSError as exc:
+            return "%s cannot be checked: %s" % (path, exc.strerror or exc)
+    if stat.S_ISLNK(info.st_mode):
+        return "%s is a symbolic link, not a directory of its own" % path
+    if not stat.S_ISDIR(info.st_mode):
+        return "%s is not a directory" % path
+    if info.st_uid != uid:
+        return "%s is owned by uid %d, not by uid %d running the helper (chown %d %s)" % (
+            path, info.st_uid, uid, uid, path)
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022:
+        return "%s is mode %04o, writable by group or others (chmod 700 %s)" % (path, mode, path)
+    return None
+
+
+def check_root(root, helper_path):
+    """None when ROOT, ROOT/shards, the helper's directory and every directory above them are
+    safe from other users, else the fatal line: someone who can replace a directory there could
+    run code as this user or read engine keys."""
+    uid = os.getuid()
+    for path in (root, os.path.join(root, "shards")):
+        if path != root and not os.path.lexists(path):
+            continue
+        problem = private_dir_problem(path, uid)
+        if problem is not None:
+            try:
+                info = os.lstat(path)
+            except OSError:
+                info = None
+            return _permissions_fatal(path, info, "the helper root: " + problem)
+    for start in (root, os.path.dirname(os.path.abspath(helper_path))):
+        found = unsafe_ancestor(start, uid)
+        if found is not None:
+            directory, info, problem = found
+            return _permissions_fatal(directory, info, "a directory above the helper root: " + problem)
+    return None
 
 
 def _print_fatal(obj):
@@ -2407,6 +2546,14 @@ def main(argv=None):
             _print_fatal(fatal)
             return EXIT_PERMISSIONS
         root = os.path.abspath(os.path.expanduser(options.root))
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        except OSError:
+            pass  # reported by the check below
+        fatal = check_root(root, helper_path)
+        if fatal is not None:
+            _print_fatal(fatal)
+            return EXIT_PERMISSIONS
         if options.command == "supervise":
             return supervise(root, options.expect_sha256.strip().lower())
         node = Node(root, helper_path, options.expect_sha256.strip().lower())

@@ -2,12 +2,15 @@
 helper accepts, which cache entries count as fetched weights (R-1.3, R-1.6, R-5.2, R-5.5)."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from llmgw.fleet.link import helper_argv, helper_code
-from tests.helper.client import HelperClient, load_helper, wait_until
+from tests.helper.client import HelperClient, install_helper, load_helper, wait_until
 from tests.helper.test_helper_engines import _launch
 
 # Imported on start by any Python that is not isolated and has this directory on PYTHONPATH.
@@ -72,3 +75,103 @@ def test_a_supervisor_refuses_a_helper_file_changed_after_the_start(installed, h
     assert answer["ok"] is False and answer["error"]["kind"] == "launch_failed"
     assert '"fatal": "integrity"' in answer["error"]["message"]
     wait_until(lambda: not (installed.root / "shards" / "swapped" / "state.json").exists(), timeout=1)
+
+
+# --------------------------------------------------------------------------------------------
+# The helper root and every directory above it (as OpenSSH's StrictModes judges a home)
+
+
+def _serve(path, sha, root, stdin=b""):
+    return subprocess.run([sys.executable, str(path), "serve", "--expect-sha256", sha, "--root", str(root)],
+                          input=stdin, capture_output=True, timeout=30, check=False)
+
+
+def _installed_under(parent):
+    root = parent / "llmgw"
+    path, sha = install_helper(root)
+    os.chmod(root, 0o700)
+    return root, path, sha
+
+
+def test_a_root_under_a_directory_others_can_write_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    root, path, sha = _installed_under(shared)
+    os.chmod(shared, 0o777)
+    result = _serve(path, sha, root)
+    assert result.returncode == 98, result.stdout
+    fatal = json.loads(result.stdout)
+    assert fatal["fatal"] == "permissions" and fatal["path"] == str(shared)
+    assert fatal["mode"] == "0777" and "chmod go-w" in fatal["message"]
+
+
+def test_a_root_under_a_sticky_directory_like_tmp_runs(tmp_path):
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    root, path, sha = _installed_under(sticky)
+    os.chmod(sticky, 0o1777)
+    result = _serve(path, sha, root)
+    assert result.returncode == 0, result.stdout
+    assert "hello" in json.loads(result.stdout.splitlines()[0])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing owners needs root")
+def test_a_parent_owned_by_another_user_is_refused(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    root, path, sha = _installed_under(theirs)
+    os.chown(theirs, 4242, 4242)
+    result = _serve(path, sha, root)
+    assert result.returncode == 98
+    fatal = json.loads(result.stdout)
+    assert fatal["path"] == str(theirs) and fatal["owner"] == 4242 and "uid 4242" in fatal["message"]
+
+
+@pytest.mark.parametrize("how", ["group-writable-root", "shards-link", "shards-group-writable"])
+def test_root_and_shards_must_be_private(tmp_path, how):
+    root, path, sha = _installed_under(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    if how == "group-writable-root":
+        os.chmod(root, 0o770)
+        expected = root
+    elif how == "shards-link":
+        os.symlink(elsewhere, root / "shards")
+        expected = root / "shards"
+    else:
+        (root / "shards").mkdir()
+        os.chmod(root / "shards", 0o775)
+        expected = root / "shards"
+    result = _serve(path, sha, root)
+    assert result.returncode == 98, result.stdout
+    fatal = json.loads(result.stdout)
+    assert fatal["fatal"] == "permissions" and fatal["path"] == str(expected), fatal
+
+
+def test_state_and_log_files_are_not_followed_through_links(helper, installed, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("an engine key\n")
+    planted = tmp_path / "planted.json"
+    planted.write_text(json.dumps({"shard_id": "p", "pid": 1, "argv": ["x"], "exit_code": 0}))
+    shard = installed.root / "shards" / "p"
+    shard.mkdir(parents=True)
+    os.symlink(planted, shard / "state.json")
+    os.symlink(secret, shard / "engine.log")
+    assert [s["shard_id"] for s in helper.call("status")["shards"]] == []
+    assert helper.call("logs", {"shard_id": "p"}) == {"lines": []}
+    linked = installed.root / "shards" / "q"
+    os.symlink(tmp_path / "elsewhere-shard", linked)
+    (tmp_path / "elsewhere-shard").mkdir()
+    (tmp_path / "elsewhere-shard" / "engine.log").write_text("from elsewhere\n")
+    assert helper.call("logs", {"shard_id": "q"}) == {"lines": []}
+
+
+def test_launch_refuses_a_shard_directory_that_is_a_link(helper, installed, tmp_path, engines):
+    elsewhere = tmp_path / "elsewhere-launch"
+    elsewhere.mkdir(mode=0o700)
+    (installed.root / "shards").mkdir(mode=0o700)
+    os.symlink(elsewhere, installed.root / "shards" / "lnk")
+    answer = helper.request("launch", {"shard_id": "lnk", "argv": engines.argv("sleep_engine.py")}, timeout=60)
+    assert answer["ok"] is False and answer["error"]["kind"] == "permissions", answer
+    assert "symbolic link" in answer["error"]["message"]
+    assert os.listdir(elsewhere) == []
