@@ -14,6 +14,7 @@ from pathlib import Path
 from llmgw.config import Inventory, NodeConfig
 from llmgw.fleet.facts import Inventory as InventoryFacts, Malformed, NodeFacts, Storage, holdings, shard_statuses
 from llmgw.fleet.link import READY, ConnectGate, NodeLink, make_link
+from llmgw.fleet.secret import fleet_secret
 from llmgw.fleet.session import NodeError
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,10 @@ class Fleet:
         handshakes that follow pass the gate: at most CONNECT_GATE at a time, their starts
         `connect_stagger` apart. A node that does not answer therefore delays no other node."""
         self.gate = ConnectGate(CONNECT_GATE, spacing=self.inventory.ssh.connect_stagger)
+        secret = fleet_secret(self._state_dir)
         for node in self.inventory.nodes:
             link = make_link(node, self.inventory.ssh, local_root=self._state_dir / "node" / node.name,
-                             connect_gate=self.gate, on_state=self._on_state)
+                             connect_gate=self.gate, on_state=self._on_state, fleet_secret=secret)
             self.links[node.name] = link
             link.start()
 

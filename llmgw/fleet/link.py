@@ -135,9 +135,10 @@ class NodeLink:
     """A node's link. Subclasses open the transport and start the helper."""
 
     def __init__(self, name: str, *, code: HelperCode | None = None,
-                 on_state: Callable[[NodeLink], None] | None = None):
+                 on_state: Callable[[NodeLink], None] | None = None, fleet_secret: str | None = None):
         self.name = name
         self.code = code or helper_code()
+        self._fleet_secret = fleet_secret
         self.state = CONNECTING
         self.reason: str | None = None
         self.since = time.time()
@@ -267,6 +268,18 @@ class NodeLink:
         if session.uploaded is not None:
             log.info("%s: deploying helper %s (the node's copy was %s)", self.name, self.code.sha256[:12],
                      "missing" if session.uploaded == "missing" else "changed")
+
+    async def _hand_over(self, session: HelperSession) -> None:
+        """Give the started helper the fleet secret it seals and checks cache entries with: in the
+        session only, never in an argv or a log line."""
+        if self._fleet_secret is None:
+            return
+        try:
+            await session.call("fleet_secret", {"secret": self._fleet_secret}, HELLO_TIMEOUT)
+        except NodeError as exc:
+            if exc.kind is None:
+                raise
+            raise HelperFailed(f"the helper cannot keep the fleet secret: {exc.message}") from None
 
     async def _teardown(self) -> None:
         if self._session is not None:
@@ -423,6 +436,7 @@ class SSHLink(NodeLink):
             raise HelperFailed(reason, fatal=exc.fatal, exit_status=status) from None
         self._deployed(session)
         self._process = process
+        await self._hand_over(session)
         return session
 
     async def _teardown(self) -> None:
@@ -474,6 +488,7 @@ class LocalLink(NodeLink):
             raise HelperFailed(reason, fatal=exc.fatal, exit_status=status) from None
         self._deployed(session)
         self._proc = proc
+        await self._hand_over(session)
         return session
 
     async def _teardown(self) -> None:

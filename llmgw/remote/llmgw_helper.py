@@ -12,7 +12,8 @@ Starting and self-verification (R-1.3)
 
 Every helper process, the engine supervisor included, is started through LOADER (a constant
 below): it hashes the file, runs exactly the bytes it hashed, and deploys a missing copy from
-stdin; ``-I`` keeps the node's PYTHON* variables and user site-packages out. Before anything else the helper hashes its own file and compares the digest with HEX. The
+stdin; ``-I`` keeps the node's PYTHON* variables and user site-packages out. Before anything
+else the helper hashes its own file and compares the digest with HEX. The
 expected hash always comes from the command line, never from a constant in this file (a file
 checking itself against its own text proves nothing). On a mismatch it prints one JSON line
 ``{"fatal": "integrity", "expected": HEX, "actual": HEX}`` and exits with EXIT_INTEGRITY (97).
@@ -38,7 +39,7 @@ JSON lines over stdin/stdout, UTF-8, one object per line.
   ``{"id", "ok": false, "error": {"kind": "<machine word>", "message": "<sentence>"}}``.
   Kinds used: bad_request (a line that is not a request), unknown_op, bad_args, internal (an
   unexpected exception; the helper keeps running), cancelled, not_found, alive, identity,
-  port_in_use, launch_failed, permissions (a directory of the helper is a link or open to
+  port_in_use, launch_failed, no_secret, permissions (a directory of the helper is a link or open to
   others), disk_full, cache_dir (the cache cannot be written), http, network,
   empty_source.
 - Streamed event, zero or more before the answer: ``{"id", "event": "<name>", "data": {...}}``.
@@ -73,13 +74,16 @@ storage {"dirs": [{"path", "shared": bool}], "timeout": 5} -> {"filesystems": [{
 holdings {"candidates": {KEY: [path, ...]}, "timeout": 10} -> {"held": {KEY: {"path",
     "bytes"}}, "stuck": [path]}
     The first candidate holding weights: a non-empty regular file, or a directory with at least
-    one regular file; a directory named llmgw-* only with its completion marker (R-2.6).
+    one regular file; a directory named llmgw-* only as a fetched entry llmgw made (R-2.6, see
+    "Cache entries" below).
 
 fetch {"source": {"kind": "https", "urls": [...]} | {"kind": "hf", "repo", "revision",
     "endpoint"}, "cache_dir", "name": "llmgw-<hex>", "token": str|null}
     -> events "progress" {"bytes", "total": int|null}; answer {"path", "bytes"}
-    Written under cache_dir/.tmp-<name>-<random>/, marked complete with .llmgw-complete and
-    renamed to cache_dir/<name> only at the end (R-5.2). Single-flight per cache dir and name:
+    Written under cache_dir/.tmp-<name>-<random>/, marked complete with a sealed .llmgw-complete
+    and renamed to cache_dir/<name> only at the end (R-5.2). A <name> that exists and is not
+    llmgw's (another user's, or unsealed) is never used or removed: the fetch fails (cache_dir).
+    Refused (no_secret) before the control plane has handed over the fleet secret. Single-flight per cache dir and name:
     a second request attaches to the running download (R-5.3). total is known only when every
     file's length is. The token is sent as a bearer header to the source's host only, and is
     never logged or echoed.
@@ -126,6 +130,24 @@ reclaim {"cache_dir", "names": [str]|null, "collect": false} -> {"entries": [{"n
 
 cancel {"target": request id} -> {"cancelled": bool}     ends a log follow or a fetch wait.
 
+fleet_secret {"secret": hex} -> {"stored": true}
+    The control plane's fleet secret, sent right after hello on every start (never in an argv,
+    never echoed, not even in a refusal); kept in ROOT/fleet.key (0600) for later starts and for
+    the one-shot commands.
+
+Cache entries (R-2.6, R-5.2, R-5.5)
+-----------------------------------
+A cache directory may be writable by others (a shared filer, a scratch space), so a directory
+named llmgw-* there counts as fetched weights only when it is a real directory (not a link)
+owned by the helper's user, holds only regular files and directories of that user that nobody
+else can write, and has a completion marker whose "seal" is HMAC-SHA256, keyed by the fleet
+secret, of the cache name and the entry's manifest (every file's relative path and size). So
+weights one node of the fleet fetched onto a shared filer are accepted by the others, and a
+directory someone else planted is never served nor reported as held. A marker from before seals
+(no "seal", name and byte count matching) is sealed once by a serving helper, not fetched
+again. File contents are not hashed (weights are large): the ownership checks keep others from
+changing them.
+
 One-shot mode for operators (R-1.4)
 -----------------------------------
 ``python3 llmgw_helper.py inventory|storage|holdings|status|logs|reclaim ... [--json]`` prints
@@ -137,6 +159,7 @@ reachable only through ``serve --expect-sha256``.
 import argparse
 import errno
 import hashlib
+import hmac
 import json
 import os
 import platform
@@ -155,6 +178,8 @@ import time
 import traceback
 import urllib.parse
 
+http = ssl = None  # imported on the first download (load_web_modules)
+
 HELPER_VERSION = "0.1.0"
 PROTOCOL_VERSION = 1
 
@@ -167,6 +192,10 @@ DEFAULT_ROOT = "~/.llmgw"
 STATE_FILE = "state.json"
 LOG_FILE = "engine.log"
 COMPLETE_MARKER = ".llmgw-complete"
+FLEET_SECRET_FILE = "fleet.key"
+FLEET_SECRET_RE = re.compile(r"[0-9a-f]{32,128}")
+MARKER_FORMAT = 2
+SEAL_CONTEXT = b"llmgw cache entry v2\n"
 
 # Cache entries carry the hash of their canonical source; anything else in a cache directory
 # was put there by someone else and is never touched (R-5.5).
@@ -664,11 +693,12 @@ def group_members(pgid):
     return members
 
 
-def _write_json_atomic(path, obj):
+def _write_json_atomic(path, obj, mode=0o600):
     """Write JSON to path through a temp file and rename, so readers never see half a file."""
     temp = "%s.tmp-%d-%s" % (path, os.getpid(), secrets.token_hex(4))
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as handle:
             json.dump(obj, handle, indent=1, sort_keys=True)
             handle.flush()
@@ -685,7 +715,7 @@ def _write_json_atomic(path, obj):
 def _write_private_file(path, text):
     """Write text readable by this user only (0600), replacing the file atomically."""
     temp = "%s.tmp-%d-%s" % (path, os.getpid(), secrets.token_hex(4))
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
     os.replace(temp, path)
@@ -788,13 +818,16 @@ def _walk_regular_files(top, follow_file_links, limit=WALK_LIMIT, skip_top=()):
     return total, files
 
 
-def weights_bytes(path):
+def weights_bytes(path, secret=None, remark=False):
     """Bytes of weights at path, or None when path holds none (R-2.6).
 
     Weights are a non-empty regular file, or a directory with at least one regular file. A
-    directory named llmgw-* is a fetched cache entry and counts only with its completion
-    marker: a download without it is half-finished.
+    directory named llmgw-* is a fetched cache entry and counts only when cache_entry accepts
+    it (made by this user, sealed by this fleet's llmgw): a download without its marker is
+    half-finished, and a directory someone else made is not llmgw's.
     """
+    if os.path.basename(os.path.normpath(path)).startswith("llmgw-"):
+        return cache_entry(path, secret, remark)[0]
     try:
         info = os.stat(path)
     except (OSError, ValueError):
@@ -803,15 +836,138 @@ def weights_bytes(path):
         return info.st_size if info.st_size > 0 else None
     if not stat.S_ISDIR(info.st_mode):
         return None
-    if os.path.basename(os.path.normpath(path)).startswith("llmgw-"):
-        try:
-            marker = os.stat(os.path.join(path, COMPLETE_MARKER))
-        except OSError:
-            return None
-        if not stat.S_ISREG(marker.st_mode):
-            return None
     total, files = _walk_regular_files(path, follow_file_links=True, skip_top=(COMPLETE_MARKER,))
     return total if files else None
+
+
+def _private_problem(what, info, uid):
+    """Why a file or directory of a cache entry is not this user's alone to change, or None."""
+    if info.st_uid != uid:
+        return "%s is owned by uid %d, not by uid %d running the helper" % (what, info.st_uid, uid)
+    if stat.S_IMODE(info.st_mode) & 0o022:
+        return "%s is writable by group or others (mode %04o)" % (what, stat.S_IMODE(info.st_mode))
+    return None
+
+
+def entry_manifest(path, uid, limit=WALK_LIMIT):
+    """(manifest, bytes, files, problem) of a cache entry, walked without following links.
+
+    The manifest lists "relative/path<TAB>size" of every file, sorted; names at the top that
+    start with .llmgw- (the marker, the lease) are llmgw's own and left out. problem says why
+    the entry cannot be llmgw's: a link or a special file inside, or a file or directory
+    another user owns or can write."""
+    lines = []
+    total = 0
+    stack = [""]
+    seen = 0
+    while stack:
+        relative = stack.pop()
+        directory = os.path.join(path, relative) if relative else path
+        try:
+            iterator = os.scandir(directory)
+        except OSError as exc:
+            return None, None, 0, "%s cannot be read: %s" % (directory, exc.strerror or exc)
+        with iterator:
+            for entry in iterator:
+                seen += 1
+                if seen > limit:
+                    return None, None, 0, "holds more than %d files" % limit
+                if not relative and entry.name.startswith(".llmgw-"):
+                    continue
+                name = relative + "/" + entry.name if relative else entry.name
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except OSError as exc:
+                    return None, None, 0, "%s cannot be read: %s" % (name, exc.strerror or exc)
+                if stat.S_ISDIR(info.st_mode):
+                    stack.append(name)
+                elif not stat.S_ISREG(info.st_mode):
+                    return None, None, 0, "%s is a link or a special file, which llmgw never writes" % name
+                else:
+                    lines.append("%s\t%d" % (name, info.st_size))
+                    total += info.st_size
+                problem = _private_problem(name, info, uid)
+                if problem is not None:
+                    return None, None, 0, problem
+    lines.sort()
+    return "\n".join(lines), total, len(lines), None
+
+
+def entry_seal(secret, name, manifest):
+    """HMAC-SHA256, keyed by the fleet secret, of the cache name and the entry's manifest."""
+    message = SEAL_CONTEXT + name.encode("utf-8") + b"\n" + manifest.encode("utf-8", "surrogateescape")
+    return hmac.new(secret.encode("ascii"), message, hashlib.sha256).hexdigest()
+
+
+def _read_marker(path, uid):
+    """(marker dict, None) or (None, why) for the completion marker of the entry at path."""
+    try:
+        fd = open_below(path, [COMPLETE_MARKER])
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            return None, "incomplete: no completion marker"
+        return None, "its completion marker cannot be read (%s)" % (exc.strerror or exc)
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            return None, "its completion marker is not a regular file"
+        problem = _private_problem("its completion marker", info, uid)
+        if problem is not None:
+            return None, problem
+        try:
+            marker = json.loads(handle.read(1 << 20).decode("utf-8"))
+        except ValueError:
+            marker = None
+    if not isinstance(marker, dict):
+        return None, "its completion marker is not a JSON object"
+    return marker, None
+
+
+def cache_entry(path, secret, remark=False):
+    """(bytes, None) when the directory at path is a fetched entry this fleet's llmgw made, else
+    (None, why). It must be a real directory (not a link) owned by this user, with only this
+    user's files in it, and a completion marker whose seal (entry_seal) matches its name and
+    files. A marker from before seals (no "seal") is accepted once, and sealed on the spot when
+    remark is set, if it names this entry and its byte count matches the files."""
+    uid = os.getuid()
+    name = os.path.basename(os.path.normpath(path))
+    try:
+        info = os.lstat(path)
+    except (OSError, ValueError):
+        return None, "not present"
+    if stat.S_ISLNK(info.st_mode):
+        return None, "a symbolic link, not a cache entry; never followed"
+    if not stat.S_ISDIR(info.st_mode):
+        return None, "not a directory"
+    problem = _private_problem("the entry", info, uid)
+    if problem is not None:
+        return None, "not llmgw's: " + problem
+    marker, problem = _read_marker(path, uid)
+    if problem is not None:
+        return None, problem
+    manifest, total, files, problem = entry_manifest(path, uid)
+    if problem is not None:
+        return None, "not llmgw's: " + problem
+    if not files:
+        return None, "holds no files"
+    if secret is None:
+        return None, "no fleet secret on this node to check its completion marker"
+    expected = entry_seal(secret, name, manifest)
+    seal = marker.get("seal")
+    if isinstance(seal, str):
+        if hmac.compare_digest(seal, expected):
+            return total, None
+        return None, "its completion marker was not sealed by this fleet's llmgw, or its files changed since"
+    if seal is None and marker.get("name") == name and marker.get("bytes") == total and marker.get("files", files) == files:
+        if not remark:
+            return None, "its completion marker predates sealed markers (sealed by the next serving helper)"
+        sealed = dict(marker, format=MARKER_FORMAT, seal=expected)
+        try:
+            _write_json_atomic(os.path.join(path, COMPLETE_MARKER), sealed, mode=stat.S_IMODE(info.st_mode) & 0o644)
+        except OSError as exc:
+            return None, "its old completion marker could not be sealed: %s" % (exc.strerror or exc)
+        return total, None
+    return None, "its completion marker does not match its files"
 
 
 def _same_inode(a, b):
@@ -891,16 +1047,23 @@ def _check_reclaim(cache_dir, name):
         return "not present", None
     if stat.S_ISLNK(info.st_mode):
         return "is a symbolic link; links are never followed when deleting", None
+    if info.st_uid != os.getuid():
+        return (
+            "is owned by uid %d, not by uid %d running the helper; llmgw removes only what it fetched"
+            % (info.st_uid, os.getuid()),
+            None,
+        )
     return None, root_info
 
 
-def reclaim_entries(cache_dir, names, collect, busy=frozenset()):
+def reclaim_entries(cache_dir, names, collect, busy=frozenset(), secret=None):
     """List or remove cache entries (R-5.5); busy holds names a running fetch uses.
 
-    names None lists every llmgw-* entry and every leftover temp dir no running fetch owns.
+    names None lists every llmgw-* entry and every leftover temp dir no running fetch owns;
+    an entry cache_entry does not accept (with secret) is listed with the reason.
     """
     if names is None:
-        return _list_cache(cache_dir, busy)
+        return _list_cache(cache_dir, busy, secret)
     entries = []
     for name in names:
         path = os.path.join(cache_dir, name) if isinstance(name, str) and "\0" not in name else None
@@ -946,7 +1109,7 @@ def _entry_bytes(path):
     return total
 
 
-def _list_cache(cache_dir, busy):
+def _list_cache(cache_dir, busy, secret=None):
     try:
         names = sorted(os.listdir(cache_dir))
     except OSError:
@@ -960,8 +1123,8 @@ def _list_cache(cache_dir, busy):
                 reason = "a symbolic link, not a cache entry; never followed"
             elif name in busy:
                 reason = "download in progress"
-            elif weights_bytes(path) is None:
-                reason = "incomplete: no completion marker"
+            else:
+                reason = cache_entry(path, secret)[1]
         elif TEMP_NAME_RE.fullmatch(name) and not _is_busy(name, busy):
             reason = "leftover of an interrupted download"
         else:
@@ -1035,7 +1198,7 @@ def _safe_relative_path(name):
 def load_web_modules():
     """Import what downloads need on first use: urllib.request, http.client and ssl cost about
     35 ms of start-up, paid by every helper start although most never download anything."""
-    if "ssl" not in globals():
+    if ssl is None:
         import importlib
 
         for name in ("http.client", "ssl", "urllib.error", "urllib.request"):
@@ -1167,6 +1330,7 @@ class Node(object):
         "logs",
         "reclaim",
         "cancel",
+        "fleet_secret",
     )
 
     def __init__(self, root, helper_path, sha256=None):
@@ -1183,6 +1347,7 @@ class Node(object):
         self.launch_lock = threading.Lock()
         self.closing = threading.Event()
         self._opener = None
+        self.secret = self._stored_secret()
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -1213,6 +1378,41 @@ class Node(object):
 
     def shards_dir(self):
         return os.path.join(self.root, "shards")
+
+    # -- the fleet secret: seals cache entries (see cache_entry) ---------------------------
+
+    def _stored_secret(self):
+        """The fleet secret kept in ROOT, or None: only a regular file of this user's that
+        nobody else can read counts."""
+        try:
+            fd = open_below(self.root, [FLEET_SECRET_FILE])
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+                return None
+            text = handle.read(256).decode("ascii", "replace").strip()
+        return text if FLEET_SECRET_RE.fullmatch(text) else None
+
+    def op_fleet_secret(self, args, ctx):
+        if self.sha256 is None:
+            raise bad_args("fleet_secret is only available through serve --expect-sha256")
+        secret = _arg(args, "secret", (str,))
+        if not FLEET_SECRET_RE.fullmatch(secret):
+            # The value is never echoed, not even in a refusal.
+            raise bad_args("secret must be 32 to 128 lowercase hex digits")
+        if secret != self.secret:
+            try:
+                _write_private_file(os.path.join(self.root, FLEET_SECRET_FILE), secret + "\n")
+            except OSError as exc:
+                raise HelperError("permissions", "cannot keep the fleet secret in %s: %s" % (self.root, exc.strerror or exc))
+            self.secret = secret
+        return {"stored": True}
+
+    def entry_bytes(self, path):
+        """weights_bytes with this node's fleet secret; a serving helper seals old markers."""
+        return weights_bytes(path, self.secret, remark=self.sha256 is not None)
 
     def shard_dir(self, shard_id):
         return os.path.join(self.shards_dir(), shard_id)
@@ -1398,7 +1598,7 @@ class Node(object):
                     if given not in stuck:
                         stuck.append(given)
                     continue
-                thread, box = _start_bounded(lambda path=path: weights_bytes(path))
+                thread, box = _start_bounded(lambda path=path: self.entry_bytes(path))
                 thread.join(max(0.0, deadline - time.monotonic()))
                 if thread.is_alive():
                     self._mark_stuck(path, thread)
@@ -1420,7 +1620,9 @@ class Node(object):
             raise bad_args("name %r must be llmgw-<16 to 64 lowercase hex digits>" % name)
         token = _arg(args, "token", (str,), None)
         final = os.path.join(cache_dir, name)
-        size = weights_bytes(final)
+        if self.secret is None:
+            raise HelperError("no_secret", "no fleet secret on this node: a fetched entry could not be sealed (the control plane sends it)")
+        size = self.entry_bytes(final)
         if size is not None:
             return {"path": final, "bytes": size}
         key = (cache_dir, name)
@@ -1483,7 +1685,7 @@ class Node(object):
     def _download(self, job):
         cache_dir = job.cache_dir
         final = os.path.join(cache_dir, job.name)
-        size = weights_bytes(final)
+        size = self.entry_bytes(final)
         if size is not None:  # finished by a job that ended between our check and our start
             return {"path": final, "bytes": size}
         temp = None
@@ -1500,22 +1702,35 @@ class Node(object):
             for url, parts, _ in files:
                 self._download_file(job, url, temp, parts, single=len(files) == 1)
             job.progress(force=True)
+            manifest, total, count, problem = entry_manifest(temp, os.getuid())
+            if problem is not None:
+                raise HelperError("cache_dir", "the download of %s was changed while written: %s" % (job.name, problem))
             marker = {
+                "format": MARKER_FORMAT,
                 "name": job.name,
                 "source": job.source,
-                "bytes": job.bytes,
-                "files": len(files),
+                "bytes": total,
+                "files": count,
                 "finished_at": time.time(),
+                "seal": entry_seal(self.secret, job.name, manifest),
             }
             try:
-                _write_json_atomic(os.path.join(temp, COMPLETE_MARKER), marker)
+                _write_json_atomic(os.path.join(temp, COMPLETE_MARKER), marker, mode=0o644)
                 os.chmod(temp, 0o755)
                 if os.path.lexists(final):
-                    if weights_bytes(final) is not None:
-                        # Another helper on this node finished it first.
+                    size, why = cache_entry(final, self.secret, remark=True)
+                    if size is not None:
+                        # Another helper (of this node or another) finished it first.
                         remove_tree_within(cache_dir, os.path.basename(temp))
-                        return {"path": final, "bytes": weights_bytes(final)}
-                    # Ours by name, and incomplete by definition: nothing may keep its place.
+                        return {"path": final, "bytes": size}
+                    owner = os.lstat(final).st_uid
+                    if owner != os.getuid():
+                        raise HelperError(
+                            "cache_dir",
+                            "%s exists and is not llmgw's (%s); it is never used or removed: remove it or "
+                            "choose another cache directory" % (final, why),
+                        )
+                    # Ours by name and owner, and incomplete: nothing may keep its place.
                     remove_tree_within(cache_dir, job.name)
                 os.rename(temp, final)
             except OSError as exc:
@@ -1922,7 +2137,8 @@ class Node(object):
             raise bad_args("reclaim with collect is only available through serve --expect-sha256")
         if names is not None and not all(isinstance(name, str) for name in names):
             raise bad_args("names must be a list of strings")
-        return {"entries": reclaim_entries(cache_dir, names, collect, busy=self.busy_cache_names(cache_dir))}
+        return {"entries": reclaim_entries(cache_dir, names, collect, busy=self.busy_cache_names(cache_dir),
+                                           secret=self.secret)}
 
 
 def _check_source(source):
@@ -2364,6 +2580,7 @@ operations of the protocol (serve):
   logs      {shard_id, lines, follow}                engine log, followed until cancelled
   reclaim   {cache_dir, names, collect}              list or remove cache entries
   cancel    {target}                                 end a follow or a fetch wait
+  fleet_secret {secret}                              the key cache entries are sealed with
 
 launch, stop, forget, fetch and reclaim with collect are reachable only through
 'serve --expect-sha256 HEX'. The one-shot commands below print what the control plane sees.

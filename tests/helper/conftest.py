@@ -28,10 +28,21 @@ def node_root(tmp_path):
     kill_recorded_engines(root)
 
 
+# The fleet secret the control plane would have handed over, kept where the helper keeps it.
+FLEET_SECRET = "5ec0" * 16
+
+
 @pytest.fixture
 def installed(node_root):
     path, sha = install_helper(node_root)
-    return SimpleNamespace(root=node_root, path=path, sha=sha)
+    keep_fleet_secret(node_root, FLEET_SECRET)
+    return SimpleNamespace(root=node_root, path=path, sha=sha, secret=FLEET_SECRET)
+
+
+def keep_fleet_secret(root, secret):
+    fd = os.open(os.path.join(str(root), "fleet.key"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secret + "\n")
 
 
 @pytest.fixture

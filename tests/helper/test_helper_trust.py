@@ -11,6 +11,7 @@ import pytest
 
 from llmgw.fleet.link import helper_argv, helper_code
 from tests.helper.client import HelperClient, install_helper, load_helper, wait_until
+from tests.helper.conftest import Route, keep_fleet_secret
 from tests.helper.test_helper_engines import _launch
 
 # Imported on start by any Python that is not isolated and has this directory on PYTHONPATH.
@@ -175,3 +176,100 @@ def test_launch_refuses_a_shard_directory_that_is_a_link(helper, installed, tmp_
     assert answer["ok"] is False and answer["error"]["kind"] == "permissions", answer
     assert "symbolic link" in answer["error"]["message"]
     assert os.listdir(elsewhere) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Cache entries: sealed with the fleet secret, accepted only from this user
+
+
+NAME = "llmgw-" + "5eed" * 8
+
+
+def _fetch(server, cache_dir, path="/w.bin", name=NAME, token=None):
+    return {"source": {"kind": "https", "urls": [server.url(path)]}, "cache_dir": str(cache_dir), "name": name,
+            "token": token}
+
+
+def _other_helper(tmp_path, label, secret, env):
+    root = tmp_path / label
+    path, sha = install_helper(root)
+    os.chmod(root, 0o700)
+    keep_fleet_secret(root, secret)
+    client = HelperClient(path, sha, root, env=env)
+    client.wait_hello()
+    return client
+
+
+def test_a_fetched_entry_is_sealed_and_accepted_by_another_node_of_the_fleet(
+        start_helper, installed, tls_env, https_server, tmp_path):
+    https_server.routes["/w.bin"] = Route(os.urandom(64 * 1024))
+    filer = tmp_path / "filer"
+    first = start_helper(env=tls_env)
+    assert first.call("fetch", _fetch(https_server, filer))["bytes"] == 64 * 1024
+    marker = json.loads((filer / NAME / ".llmgw-complete").read_text())
+    manifest = load_helper().entry_manifest(str(filer / NAME), os.getuid())[0]
+    assert marker["seal"] == load_helper().entry_seal(installed.secret, NAME, manifest)
+    same_fleet = _other_helper(tmp_path, "node-b", installed.secret, tls_env)
+    other_fleet = _other_helper(tmp_path, "node-c", "0" * 64, tls_env)
+    try:
+        wanted = {"candidates": {"m": [str(filer / NAME)]}}
+        assert same_fleet.call("holdings", wanted)["held"] == {"m": {"path": str(filer / NAME), "bytes": 64 * 1024}}
+        assert same_fleet.call("fetch", _fetch(https_server, filer))["bytes"] == 64 * 1024
+        assert https_server.gets("/w.bin") == 1, "the other node took the entry, it did not fetch again"
+        assert other_fleet.call("holdings", wanted)["held"] == {}
+    finally:
+        same_fleet.kill()
+        other_fleet.kill()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting files as another user needs root")
+def test_a_directory_planted_on_a_shared_cache_is_never_served_nor_held(start_helper, tls_env, https_server, tmp_path):
+    https_server.routes["/w.bin"] = Route(b"real weights" * 100)
+    shared = tmp_path / "shared-cache"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    planted = shared / NAME
+    planted.mkdir()
+    (planted / "model.gguf").write_bytes(b"poisoned weights")
+    (planted / ".llmgw-complete").write_text(json.dumps({"name": NAME, "bytes": 16, "files": 1}))
+    for path in (planted, planted / "model.gguf", planted / ".llmgw-complete"):
+        os.chown(path, 4242, 4242)
+    helper = start_helper(env=tls_env)
+    assert helper.call("holdings", {"candidates": {"m": [str(planted)]}})["held"] == {}
+    answer = helper.request("fetch", _fetch(https_server, shared), timeout=60)
+    assert answer["ok"] is False and answer["error"]["kind"] == "cache_dir", answer
+    assert "not llmgw's" in answer["error"]["message"] and "uid 4242" in answer["error"]["message"]
+    assert (planted / "model.gguf").read_bytes() == b"poisoned weights", "someone else's files are left alone"
+    assert sorted(os.listdir(shared)) == [NAME], "nothing of ours is left behind"
+    [listed] = helper.call("reclaim", {"cache_dir": str(shared), "names": None})["entries"]
+    assert "uid 4242" in listed["reason"]
+    [refused] = helper.call("reclaim", {"cache_dir": str(shared), "names": [NAME], "collect": True})["entries"]
+    assert refused["action"] == "refused" and "uid 4242" in refused["reason"]
+
+
+def test_an_entry_made_before_seals_is_sealed_once_not_fetched_again(start_helper, tls_env, https_server, tmp_path):
+    https_server.routes["/w.bin"] = Route(b"x" * 4096)
+    cache = tmp_path / "cache"
+    entry = cache / NAME
+    entry.mkdir(parents=True)
+    (entry / "w.bin").write_bytes(b"x" * 4096)
+    (entry / ".llmgw-complete").write_text(json.dumps({"name": NAME, "source": {}, "bytes": 4096, "files": 1}))
+    helper = start_helper(env=tls_env)
+    assert helper.call("holdings", {"candidates": {"m": [str(entry)]}})["held"] == {"m": {"path": str(entry), "bytes": 4096}}
+    assert "seal" in json.loads((entry / ".llmgw-complete").read_text())
+    assert helper.call("fetch", _fetch(https_server, cache))["bytes"] == 4096
+    assert https_server.gets("/w.bin") == 0
+
+
+def test_the_fleet_secret_is_kept_private_in_the_root_and_never_echoed(helper, installed):
+    secret = "a1" * 32
+    assert helper.call("fleet_secret", {"secret": secret}) == {"stored": True}
+    path = installed.root / "fleet.key"
+    assert path.read_text().strip() == secret
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    bad = "not hex " + "b2" * 20
+    answer = helper.request("fleet_secret", {"secret": bad})
+    assert answer["ok"] is False and answer["error"]["kind"] == "bad_args"
+    assert bad not in json.dumps(answer) and path.read_text().strip() == secret
+    assert helper.close() == 0
+    assert secret not in json.dumps(helper.lines) + "".join(helper.stderr_lines)
