@@ -39,7 +39,7 @@ JSON lines over stdin/stdout, UTF-8, one object per line.
   ``{"id", "ok": false, "error": {"kind": "<machine word>", "message": "<sentence>"}}``.
   Kinds used: bad_request (a line that is not a request), unknown_op, bad_args, internal (an
   unexpected exception; the helper keeps running), cancelled, not_found, alive, identity,
-  port_in_use, launch_failed, no_secret, permissions (a directory of the helper is a link or open to
+  port_in_use, launch_failed, no_secret, too_large, stalled, permissions (a directory of the helper is a link or open to
   others), disk_full, cache_dir (the cache cannot be written), http, network,
   empty_source.
 - Streamed event, zero or more before the answer: ``{"id", "event": "<name>", "data": {...}}``.
@@ -78,7 +78,8 @@ holdings {"candidates": {KEY: [path, ...]}, "timeout": 10} -> {"held": {KEY: {"p
     "Cache entries" below).
 
 fetch {"source": {"kind": "https", "urls": [...]} | {"kind": "hf", "repo", "revision",
-    "endpoint"}, "cache_dir", "name": "llmgw-<hex>", "token": str|null}
+    "endpoint"}, "cache_dir", "name": "llmgw-<hex>", "token": str|null, "max_bytes": int|null,
+    "stall_timeout": 60}
     -> events "progress" {"bytes", "total": int|null}; answer {"path", "bytes"}
     Written under cache_dir/.tmp-<name>-<random>/, marked complete with a sealed .llmgw-complete
     and renamed to cache_dir/<name> only at the end (R-5.2). A <name> that exists and is not
@@ -86,7 +87,11 @@ fetch {"source": {"kind": "https", "urls": [...]} | {"kind": "hf", "repo", "revi
     Refused (no_secret) before the control plane has handed over the fleet secret. Single-flight per cache dir and name:
     a second request attaches to the running download (R-5.3). total is known only when every
     file's length is. The token is sent as a bearer header to the source's host only, and is
-    never logged or echoed.
+    never logged or echoed; what it fetched is readable by this user only (directories 0700,
+    files 0600; 0755/0644 without a token, whatever the umask). Bounded: no more than max_bytes
+    in all (DEFAULT_FETCH_LIMIT without it), no file beyond the length its listing entry or
+    Content-Length announced (too_large); a hub listing of at most HUB_LISTING_MAX_BYTES and
+    HUB_LISTING_MAX_FILES; no byte for stall_timeout seconds fails the fetch (stalled).
 
 source_size {"source", "token"} -> {"bytes": int|null, "files": int}
     What a fetch of that source would download, from the hub listing's sizes or HEAD requests;
@@ -253,6 +258,10 @@ LAUNCH_TIMEOUT = 30.0
 KILL_WAIT = 5.0
 WALK_LIMIT = 200000
 HTTP_TIMEOUT = 60.0
+DEFAULT_STALL_TIMEOUT = 60.0  # a download that sends no byte for this long has failed
+DEFAULT_FETCH_LIMIT = 2 * 1000**4  # bytes one fetch may write when the request gives no cap
+HUB_LISTING_MAX_BYTES = 32 << 20
+HUB_LISTING_MAX_FILES = 50000
 FETCH_CHUNK = 1 << 20
 PROGRESS_INTERVAL = 0.25
 
@@ -1235,12 +1244,18 @@ def redirect_handler():
 class FetchJob(object):
     """One download in progress, shared by every request that asked for it (R-5.3)."""
 
-    def __init__(self, key, cache_dir, name, source, token):
+    def __init__(self, key, cache_dir, name, source, token, limit=DEFAULT_FETCH_LIMIT,
+                 stall_timeout=DEFAULT_STALL_TIMEOUT, limit_origin="the helper's default"):
         self.key = key
         self.cache_dir = cache_dir
         self.name = name
         self.source = source
         self.token = token
+        self.limit = limit  # bytes this download may write in all
+        self.limit_origin = limit_origin  # what the limit came from, for the refusal
+        self.stall_timeout = stall_timeout
+        # Weights fetched with a hub token may be gated: readable by this user only.
+        self.private = token is not None
         self.lock = threading.Lock()
         self.listeners = {}
         self.done = threading.Event()
@@ -1619,6 +1634,10 @@ class Node(object):
         if not CACHE_NAME_RE.fullmatch(name):
             raise bad_args("name %r must be llmgw-<16 to 64 lowercase hex digits>" % name)
         token = _arg(args, "token", (str,), None)
+        limit = _arg(args, "max_bytes", (int,), None)
+        if limit is not None and limit <= 0:
+            raise bad_args("max_bytes must be a positive number of bytes, got %r" % limit)
+        stall_timeout = _arg_timeout(args, "stall_timeout", DEFAULT_STALL_TIMEOUT)
         final = os.path.join(cache_dir, name)
         if self.secret is None:
             raise HelperError("no_secret", "no fleet secret on this node: a fetched entry could not be sealed (the control plane sends it)")
@@ -1630,7 +1649,9 @@ class Node(object):
             job = self.fetches.get(key)
             start = job is None or not job.attach(ctx.key, ctx.emit)
             if start:
-                job = FetchJob(key, cache_dir, name, source, token)
+                job = FetchJob(key, cache_dir, name, source, token, stall_timeout=stall_timeout,
+                               limit=limit or DEFAULT_FETCH_LIMIT,
+                               limit_origin="the request's max_bytes" if limit else "the helper's default")
                 self.fetches[key] = job
                 self.running_jobs.add(job)
                 job.attach(ctx.key, ctx.emit)
@@ -1699,8 +1720,11 @@ class Node(object):
                 )
             job.temp_name = os.path.basename(temp)
             files = self._plan_files(job)
-            for url, parts, _ in files:
-                self._download_file(job, url, temp, parts, single=len(files) == 1)
+            if job.total is not None and job.total > job.limit:
+                raise HelperError("too_large", "%s would be %d bytes, more than the %d allowed (%s)"
+                                  % (job.name, job.total, job.limit, job.limit_origin))
+            for url, parts, size in files:
+                self._download_file(job, url, temp, parts, single=len(files) == 1, expected=size)
             job.progress(force=True)
             manifest, total, count, problem = entry_manifest(temp, os.getuid())
             if problem is not None:
@@ -1715,8 +1739,8 @@ class Node(object):
                 "seal": entry_seal(self.secret, job.name, manifest),
             }
             try:
-                _write_json_atomic(os.path.join(temp, COMPLETE_MARKER), marker, mode=0o644)
-                os.chmod(temp, 0o755)
+                _write_json_atomic(os.path.join(temp, COMPLETE_MARKER), marker, mode=0o600 if job.private else 0o644)
+                os.chmod(temp, 0o700 if job.private else 0o755)
                 if os.path.lexists(final):
                     size, why = cache_entry(final, self.secret, remark=True)
                     if size is not None:
@@ -1754,7 +1778,7 @@ class Node(object):
             self._opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context), handler)
         return self._opener
 
-    def _request(self, job, url, method="GET"):
+    def _request(self, job, url, method="GET", timeout=HTTP_TIMEOUT):
         load_web_modules()
         request = urllib.request.Request(
             url, method=method, headers={"User-Agent": "llmgw-helper/" + HELPER_VERSION, "Accept-Encoding": "identity"}
@@ -1763,7 +1787,7 @@ class Node(object):
             request.add_unredirected_header("Authorization", "Bearer " + job.token)
             request.llmgw_token = job.token
         try:
-            return self._opener_for_downloads().open(request, timeout=HTTP_TIMEOUT)
+            return self._opener_for_downloads().open(request, timeout=timeout)
         except urllib.error.HTTPError as exc:
             exc.close()
             hint = ""
@@ -1772,7 +1796,9 @@ class Node(object):
             raise HelperError("http", "HTTP %d %s from %s%s" % (exc.code, exc.reason, redact_url(url), hint))
         except urllib.error.URLError as exc:
             raise HelperError("network", "could not reach %s: %s" % (redact_url(url), exc.reason))
-        except (socket.timeout, http.client.HTTPException, OSError) as exc:
+        except socket.timeout:
+            raise HelperError("stalled", "%s sent nothing for %g s" % (redact_url(url), timeout))
+        except (http.client.HTTPException, OSError) as exc:
             raise HelperError("network", "could not fetch %s: %s" % (redact_url(url), exc))
 
     def _plan_files(self, job):
@@ -1808,12 +1834,21 @@ class Node(object):
         api = "%s/api/models/%s/revision/%s" % (endpoint, repo, revision)
         with self._request(job, api) as response:
             try:
-                listing = json.loads(response.read().decode("utf-8"))
+                body = response.read(HUB_LISTING_MAX_BYTES + 1)
+            except (socket.timeout, OSError, http.client.HTTPException) as exc:
+                raise HelperError("network", "reading the hub listing at %s failed: %s" % (api, exc))
+            if len(body) > HUB_LISTING_MAX_BYTES:
+                raise HelperError("http", "the hub listing at %s is larger than %d bytes; refused" % (api, HUB_LISTING_MAX_BYTES))
+            try:
+                listing = json.loads(body.decode("utf-8"))
             except ValueError:
                 raise HelperError("http", "the hub answered %s with something that is not JSON" % api)
         siblings = listing.get("siblings") if isinstance(listing, dict) else None
         if not isinstance(siblings, list):
             raise HelperError("http", "the hub listing at %s has no siblings" % api)
+        if len(siblings) > HUB_LISTING_MAX_FILES:
+            raise HelperError("http", "the hub listing at %s names %d files, more than the %d a fetch takes"
+                              % (api, len(siblings), HUB_LISTING_MAX_FILES))
         files = []
         for sibling in siblings:
             name = sibling.get("rfilename") if isinstance(sibling, dict) else None
@@ -1835,17 +1870,21 @@ class Node(object):
         except HelperError:
             return None
 
-    def _download_file(self, job, url, temp, parts, single):
-        response = self._request(job, url)
+    def _download_file(self, job, url, temp, parts, single, expected=None):
+        """Write one file of the entry. It may not outgrow its announced length (the listing's
+        size or Content-Length) nor the job's limit; no byte for stall_timeout fails it."""
+        response = self._request(job, url, timeout=job.stall_timeout)
         with response:
             length = _content_length(response)
             if single:
                 job.set_total(length)
-            directory = os.path.join(temp, *parts[:-1])
+            bound = expected if expected is not None else length
+            if length is not None and job.bytes + length > job.limit:
+                raise HelperError("too_large", "%s announces %d bytes: %s would outgrow the %d allowed (%s)"
+                                  % (redact_url(url), length, job.name, job.limit, job.limit_origin))
             written = 0
             try:
-                os.makedirs(directory, exist_ok=True)
-                fd = os.open(os.path.join(directory, parts[-1]), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = _create_below(temp, parts, job.private)
                 with os.fdopen(fd, "wb", buffering=0) as out:
                     while True:
                         if job.abort.is_set():
@@ -1858,10 +1897,26 @@ class Node(object):
                                 "%s closed the connection after %d of %s bytes"
                                 % (redact_url(url), written + len(exc.partial), length),
                             )
-                        except (socket.timeout, OSError, http.client.HTTPException) as exc:
+                        except socket.timeout:
+                            raise HelperError(
+                                "stalled",
+                                "%s sent no byte for %g s (after %d bytes of this file, %d in all); the download "
+                                "of %s was given up" % (redact_url(url), job.stall_timeout, written, job.bytes, job.name),
+                            )
+                        except (OSError, http.client.HTTPException) as exc:
                             raise HelperError("network", "reading %s failed: %s" % (redact_url(url), exc))
                         if not chunk:
                             break
+                        if bound is not None and written + len(chunk) > bound:
+                            raise HelperError(
+                                "too_large", "%s sent more than the %d bytes it announced" % (redact_url(url), bound)
+                            )
+                        if job.bytes + len(chunk) > job.limit:
+                            raise HelperError(
+                                "too_large",
+                                "%s outgrew the %d bytes allowed (%s) while reading %s; stopped"
+                                % (job.name, job.limit, job.limit_origin, redact_url(url)),
+                            )
                         view = memoryview(chunk)
                         while view:
                             count = out.write(view)
@@ -2160,6 +2215,31 @@ def _check_source(source):
         endpoint = _check_https(_arg(source, "endpoint", (str,), "https://huggingface.co"), "source.endpoint")
         return {"kind": "hf", "repo": repo, "revision": revision, "endpoint": endpoint}
     raise bad_args("source.kind must be 'https' or 'hf', got %r" % (kind,))
+
+
+def _create_below(top, parts, private):
+    """Create top/parts... for writing (O_EXCL), through directory fds that follow no link, with
+    the modes set whatever the umask: 0700/0600 when private, else 0755/0644."""
+    dir_mode, file_mode = (0o700, 0o600) if private else (0o755, 0o644)
+    fd = os.open(top, _DIR_FLAGS)
+    try:
+        for part in parts[:-1]:
+            try:
+                os.mkdir(part, dir_mode, dir_fd=fd)
+                made = True
+            except FileExistsError:
+                made = False
+            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            if made:
+                os.fchmod(fd, dir_mode)
+        out = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                      file_mode, dir_fd=fd)
+        os.fchmod(out, file_mode)
+        return out
+    finally:
+        os.close(fd)
 
 
 def _content_length(response):

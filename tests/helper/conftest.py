@@ -169,12 +169,14 @@ def tls_cert(tmp_path_factory):
 
 
 class Route:
-    def __init__(self, body=b"", length=True, status=200, gate=None, redirect=None):
+    def __init__(self, body=b"", length=True, status=200, gate=None, redirect=None, stall_after=None):
         self.body = body
         self.length = length
         self.status = status
         self.gate = gate
         self.redirect = redirect
+        self.stall_after = stall_after  # bytes of the body sent before waiting for stall_gate
+        self.stall_gate = threading.Event()
 
 
 class _FileHandler(http.server.BaseHTTPRequestHandler):
@@ -199,7 +201,7 @@ class _FileHandler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        if route.gate is not None and not head:
+        if route.gate is not None and not head and route.stall_after is None:
             route.gate.wait(30)
         if route.redirect is not None:
             self.send_response(302)
@@ -214,6 +216,11 @@ class _FileHandler(http.server.BaseHTTPRequestHandler):
         if head:
             return
         try:
+            if route.stall_after is not None:
+                self.wfile.write(route.body[: route.stall_after])
+                self.wfile.flush()
+                route.stall_gate.wait(30)
+                return
             for start in range(0, len(route.body), 65536):
                 self.wfile.write(route.body[start : start + 65536])
         except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
@@ -250,6 +257,7 @@ class FileServer:
 
     def close(self):
         for route in self.routes.values():
+            route.stall_gate.set()
             if route.gate is not None:
                 route.gate.set()
         self.httpd.shutdown()

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -273,3 +274,95 @@ def test_the_fleet_secret_is_kept_private_in_the_root_and_never_echoed(helper, i
     assert bad not in json.dumps(answer) and path.read_text().strip() == secret
     assert helper.close() == 0
     assert secret not in json.dumps(helper.lines) + "".join(helper.stderr_lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Downloads are bounded and private when fetched with a token
+
+
+def _modes(top):
+    found = {}
+    for directory, dirs, files in os.walk(top):
+        for name in dirs + files:
+            path = os.path.join(directory, name)
+            found[os.path.relpath(path, top)] = os.lstat(path).st_mode & 0o777
+    found["."] = os.lstat(top).st_mode & 0o777
+    return found
+
+
+def _hub(server, files, sizes=True):
+    siblings = [dict({"rfilename": name}, **({"size": len(body)} if sizes else {})) for name, body in files.items()]
+    server.routes["/api/models/org/m/revision/main"] = Route(json.dumps({"siblings": siblings}).encode())
+    for name, body in files.items():
+        server.routes["/org/m/resolve/main/" + name] = Route(body)
+    return {"kind": "hf", "repo": "org/m", "revision": "main", "endpoint": server.url("")}
+
+
+@pytest.mark.parametrize("token", [pytest.param("hf_" + "9" * 20, id="with-token"), pytest.param(None, id="public")])
+def test_weights_fetched_with_a_token_are_readable_by_this_user_only(start_helper, tls_env, https_server, tmp_path, token):
+    old = os.umask(0o002)  # a permissive umask must not open them either
+    try:
+        helper = start_helper(env=tls_env)
+    finally:
+        os.umask(old)
+    source = _hub(https_server, {"config.json": b"{}", "weights/model.safetensors": b"w" * 4096})
+    cache = tmp_path / "cache"
+    helper.call("fetch", {"source": source, "cache_dir": str(cache), "name": NAME, "token": token})
+    modes = _modes(cache / NAME)
+    dirs, files = (0o700, 0o600) if token else (0o755, 0o644)
+    assert modes == {".": dirs, "weights": dirs, "config.json": files, "weights/model.safetensors": files,
+                     ".llmgw-complete": files}
+
+
+def test_a_download_is_stopped_at_its_cap(start_helper, tls_env, https_server, tmp_path):
+    https_server.routes["/endless.bin"] = Route(b"z" * (3 << 20), length=False)
+    helper = start_helper(env=tls_env)
+    cache = tmp_path / "cache"
+    args = dict(_fetch(https_server, cache, "/endless.bin"), max_bytes=1 << 20)
+    answer = helper.request("fetch", args, timeout=60)
+    assert answer["ok"] is False and answer["error"]["kind"] == "too_large", answer
+    assert "1048576 bytes allowed (the request's max_bytes)" in answer["error"]["message"]
+    assert os.listdir(cache) == []
+
+
+def test_a_length_beyond_the_cap_is_refused_before_reading(start_helper, tls_env, https_server, tmp_path):
+    https_server.routes["/big.bin"] = Route(b"z" * (2 << 20))
+    helper = start_helper(env=tls_env)
+    answer = helper.request("fetch", dict(_fetch(https_server, tmp_path / "cache", "/big.bin"), max_bytes=4096))
+    assert answer["error"]["kind"] == "too_large" and "announces 2097152 bytes" in answer["error"]["message"]
+
+
+def test_a_file_longer_than_the_hub_listing_says_is_refused(start_helper, tls_env, https_server, tmp_path):
+    source = _hub(https_server, {"a.bin": b"a" * 100, "b.bin": b"b" * 100})
+    https_server.routes["/org/m/resolve/main/b.bin"] = Route(b"b" * 5000, length=False)
+    helper = start_helper(env=tls_env)
+    answer = helper.request("fetch", {"source": source, "cache_dir": str(tmp_path / "cache"), "name": NAME})
+    assert answer["error"]["kind"] == "too_large" and "more than the 100 bytes it announced" in answer["error"]["message"]
+
+
+def test_a_hub_listing_is_bounded(start_helper, tls_env, https_server, tmp_path):
+    many = [{"rfilename": "f%d" % i, "size": 1} for i in range(load_helper().HUB_LISTING_MAX_FILES + 1)]
+    https_server.routes["/api/models/org/many/revision/main"] = Route(json.dumps({"siblings": many}).encode())
+    helper = start_helper(env=tls_env)
+    source = {"kind": "hf", "repo": "org/many", "revision": "main", "endpoint": https_server.url("")}
+    answer = helper.request("fetch", {"source": source, "cache_dir": str(tmp_path / "cache"), "name": NAME})
+    assert answer["error"]["kind"] == "http" and "more than the 50000 a fetch takes" in answer["error"]["message"]
+    assert helper.request("source_size", {"source": source})["error"]["kind"] == "http"
+
+
+@pytest.mark.parametrize("stall_after", [pytest.param(64 * 1024, id="mid-body"), pytest.param(0, id="after-headers")])
+def test_a_download_that_stalls_fails_with_that_reason(start_helper, tls_env, https_server, tmp_path, stall_after):
+    https_server.routes["/stuck.bin"] = Route(b"s" * (1 << 20), stall_after=stall_after)
+    helper = start_helper(env=tls_env)
+    cache = tmp_path / "cache"
+    answer = helper.request("fetch", dict(_fetch(https_server, cache, "/stuck.bin"), stall_timeout=1), timeout=60)
+    assert answer["ok"] is False and answer["error"]["kind"] == "stalled", answer
+    assert "sent no byte for 1 s" in answer["error"]["message"]
+    wait_until(lambda: os.listdir(cache) == [], timeout=10, message="the partial download removed")
+
+
+def test_a_server_that_never_answers_stalls_too(start_helper, tls_env, https_server, tmp_path):
+    https_server.routes["/silent.bin"] = Route(b"x", gate=threading.Event())
+    helper = start_helper(env=tls_env)
+    answer = helper.request("fetch", dict(_fetch(https_server, tmp_path / "cache", "/silent.bin"), stall_timeout=1))
+    assert answer["error"]["kind"] == "stalled" and "sent nothing for 1 s" in answer["error"]["message"]
