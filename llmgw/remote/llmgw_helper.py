@@ -131,7 +131,11 @@ reclaim {"cache_dir", "names": [str]|null, "collect": false} -> {"entries": [{"n
     "bytes", "action": "listed"|"removed"|"refused", "reason"}]}
     Every name is checked again on the node (R-5.5): the cache-name pattern, no traversal, the
     cache directory is a real directory, realpath + commonpath inside it and never it, the entry
-    is not a link; removal is fd-relative and never follows a symbolic link.
+    is not a link and is this user's; removal is fd-relative and never follows a symbolic link.
+    A download's temp dir holds a lease (.llmgw-lease: hostname, boot id, pid; its mtime renewed
+    every LEASE_RENEW s): on a cache several nodes share, a temp dir whose lease is alive (this
+    node: the pid still runs; another node: renewed within LEASE_FRESH), or that is younger than
+    LEASE_GRACE without a lease, is neither listed nor removed, nor the entry it is for.
 
 cancel {"target": request id} -> {"cancelled": bool}     ends a log follow or a fetch wait.
 
@@ -197,6 +201,10 @@ DEFAULT_ROOT = "~/.llmgw"
 STATE_FILE = "state.json"
 LOG_FILE = "engine.log"
 COMPLETE_MARKER = ".llmgw-complete"
+LEASE_FILE = ".llmgw-lease"  # in a download's temp dir: who is writing it; renewed while it runs
+LEASE_RENEW = 15.0
+LEASE_FRESH = 300.0  # a lease renewed this recently is a download in progress (generous: clocks of a filer's clients differ)
+LEASE_GRACE = 30.0  # a temp dir this young without a lease may be a download just starting
 FLEET_SECRET_FILE = "fleet.key"
 FLEET_SECRET_RE = re.compile(r"[0-9a-f]{32,128}")
 MARKER_FORMAT = 2
@@ -1065,12 +1073,53 @@ def _check_reclaim(cache_dir, name):
     return None, root_info
 
 
+def lease_record():
+    return {"hostname": socket.gethostname(), "boot_id": read_boot_id(), "pid": os.getpid(), "started_at": time.time()}
+
+
+def download_in_progress(cache_dir, temp_name, now=None):
+    """Who is writing the temp dir cache_dir/temp_name (a sentence), or None when nobody is.
+
+    Its lease names a node, a boot and a pid: on this node and boot the pid must still run; a
+    lease from another node sharing the cache counts while renewed within LEASE_FRESH. A temp
+    dir without a lease counts while younger than LEASE_GRACE (a download just starting)."""
+    now = time.time() if now is None else now
+    try:
+        fd = open_below(cache_dir, [temp_name, LEASE_FILE])
+    except OSError:
+        try:
+            age = now - os.lstat(os.path.join(cache_dir, temp_name)).st_mtime
+        except OSError:
+            return None
+        return "a download just starting (no lease yet)" if age < LEASE_GRACE else None
+    with os.fdopen(fd, "rb") as handle:
+        age = now - os.fstat(handle.fileno()).st_mtime
+        try:
+            lease = json.loads(handle.read(4096).decode("utf-8"))
+        except ValueError:
+            lease = None
+    if not isinstance(lease, dict):
+        lease = {}
+    host, pid = lease.get("hostname"), lease.get("pid")
+    if host == socket.gethostname() and lease.get("boot_id") == read_boot_id() and isinstance(pid, int):
+        info = read_proc_stat(pid) if pid > 0 else None
+        if info is None or info["state"] in ("Z", "X"):
+            return None
+    if age >= LEASE_FRESH:
+        return None
+    return "in use by a download on %s (pid %s, lease renewed %d s ago)" % (host or "an unknown node", pid, max(0, age))
+
+
 def reclaim_entries(cache_dir, names, collect, busy=frozenset(), secret=None):
     """List or remove cache entries (R-5.5); busy holds names a running fetch uses.
 
     names None lists every llmgw-* entry and every leftover temp dir no running fetch owns;
-    an entry cache_entry does not accept (with secret) is listed with the reason.
+    an entry cache_entry does not accept (with secret) is listed with the reason. On a cache
+    shared by several nodes, a temp dir another node is writing (download_in_progress) is
+    neither listed nor removed, nor is the entry it is for.
     """
+    foreign = _foreign_downloads(cache_dir)
+    local, busy = busy, set(busy) | set(foreign)
     if names is None:
         return _list_cache(cache_dir, busy, secret)
     entries = []
@@ -1079,8 +1128,10 @@ def reclaim_entries(cache_dir, names, collect, busy=frozenset(), secret=None):
         entry = {"name": name, "path": path, "bytes": None, "action": "refused", "reason": None}
         entries.append(entry)
         reason, root_info = _check_reclaim(cache_dir, name)
-        if _is_busy(name, busy):
+        if _is_busy(name, local):
             reason = "in use by a running download"
+        elif _is_busy(name, busy):
+            reason = foreign.get(name) or "in use by a running download"
         if reason is not None:
             entry["reason"] = reason
             continue
@@ -1095,6 +1146,22 @@ def reclaim_entries(cache_dir, names, collect, busy=frozenset(), secret=None):
             continue
         entry["action"] = "removed"
     return entries
+
+
+def _foreign_downloads(cache_dir):
+    """{temp dir or the name it is for: who writes it} for the downloads, of this node or
+    another, still writing into cache_dir."""
+    try:
+        names = os.listdir(cache_dir)
+    except OSError:
+        return {}
+    found = {}
+    for name in names:
+        match = TEMP_NAME_RE.fullmatch(name)
+        writer = download_in_progress(cache_dir, name) if match is not None else None
+        if writer is not None:
+            found[name] = found[match.group(1)] = writer
+    return found
 
 
 def _is_busy(name, busy):
@@ -1710,6 +1777,7 @@ class Node(object):
         if size is not None:  # finished by a job that ended between our check and our start
             return {"path": final, "bytes": size}
         temp = None
+        lease = None
         try:
             try:
                 os.makedirs(cache_dir, exist_ok=True)
@@ -1719,6 +1787,7 @@ class Node(object):
                     "cache_dir", "cannot write to the cache directory %s: %s" % (cache_dir, exc.strerror or exc)
                 )
             job.temp_name = os.path.basename(temp)
+            lease = self._hold_lease(job, temp)
             files = self._plan_files(job)
             if job.total is not None and job.total > job.limit:
                 raise HelperError("too_large", "%s would be %d bytes, more than the %d allowed (%s)"
@@ -1756,19 +1825,44 @@ class Node(object):
                         )
                     # Ours by name and owner, and incomplete: nothing may keep its place.
                     remove_tree_within(cache_dir, job.name)
+                lease.set()
                 os.rename(temp, final)
             except OSError as exc:
                 raise _disk_error(exc, cache_dir, job) or HelperError(
                     "cache_dir", "could not finish %s: %s" % (final, exc.strerror or exc)
                 )
             temp = None
+            try:
+                os.unlink(os.path.join(final, LEASE_FILE))
+            except OSError:
+                pass  # left out of the seal and of reclaim's judgement of an entry anyway
             return {"path": final, "bytes": job.bytes}
         finally:
+            if lease is not None:
+                lease.set()
             if temp is not None:
                 try:
                     remove_tree_within(cache_dir, os.path.basename(temp))
                 except OSError:
                     shutil.rmtree(temp, ignore_errors=True)
+
+    def _hold_lease(self, job, temp):
+        """Write the temp dir's lease (this node, boot and pid) and renew its mtime while the
+        download runs, so that reclaim on any node sharing the cache leaves it alone; returns
+        the event that ends the renewal."""
+        _write_json_atomic(os.path.join(temp, LEASE_FILE), lease_record(), mode=0o644)
+        stop = threading.Event()
+        path = os.path.join(temp, LEASE_FILE)
+
+        def renew():
+            while not stop.wait(LEASE_RENEW):
+                try:
+                    os.utime(path)
+                except OSError:
+                    return
+
+        threading.Thread(target=renew, name="llmgw-lease", daemon=True).start()
+        return stop
 
     def _opener_for_downloads(self):
         if self._opener is None:

@@ -366,3 +366,29 @@ def test_a_server_that_never_answers_stalls_too(start_helper, tls_env, https_ser
     helper = start_helper(env=tls_env)
     answer = helper.request("fetch", dict(_fetch(https_server, tmp_path / "cache", "/silent.bin"), stall_timeout=1))
     assert answer["error"]["kind"] == "stalled" and "sent nothing for 1 s" in answer["error"]["message"]
+
+
+def test_reclaim_on_another_node_leaves_a_running_download_on_a_shared_cache(
+        start_helper, installed, tls_env, https_server, tmp_path):
+    gate = threading.Event()
+    body = os.urandom(128 * 1024)
+    https_server.routes["/w.bin"] = Route(body, gate=gate)
+    shared = tmp_path / "filer"
+    downloading = start_helper(env=tls_env)
+    request_id = downloading.send("fetch", _fetch(https_server, shared))
+    wait_until(lambda: https_server.gets("/w.bin") == 1, message="the download started")
+    [temp] = [n for n in os.listdir(shared) if n.startswith(".tmp-")]
+    lease = json.loads((shared / temp / ".llmgw-lease").read_text())
+    assert lease["pid"] == downloading.proc.pid
+    other = _other_helper(tmp_path, "node-b", installed.secret, tls_env)
+    try:
+        assert other.call("reclaim", {"cache_dir": str(shared), "names": None})["entries"] == []
+        collected = other.call("reclaim", {"cache_dir": str(shared), "names": [temp, NAME], "collect": True})
+        assert [e["action"] for e in collected["entries"]] == ["refused", "refused"]
+        assert "pid %d" % downloading.proc.pid in collected["entries"][0]["reason"]
+    finally:
+        other.kill()
+    gate.set()
+    assert downloading.answer(request_id, timeout=60)["ok"]
+    assert (shared / NAME / "w.bin").read_bytes() == body
+    assert sorted(os.listdir(shared / NAME)) == [".llmgw-complete", "w.bin"], "the lease goes with the download"

@@ -2,6 +2,7 @@
 directory, and never follows a symbolic link."""
 
 import os
+import time
 
 import pytest
 
@@ -21,6 +22,12 @@ def _entry(cache, name=NAME, complete=True):
     if complete:
         write_sealed_marker(entry, SECRET)
     return entry
+
+
+def _age(path, seconds=3600):
+    """Make a temp dir look as old as an interrupted download's (a young one may be starting)."""
+    then = time.time() - seconds
+    os.utime(path, (then, then))
 
 
 @pytest.fixture
@@ -202,6 +209,7 @@ def test_listing_shows_cache_entries_and_leftover_temp_dirs_only(layout):
     _entry(cache)
     _entry(cache, "llmgw-" + "a" * 16, complete=False)
     (cache / (".tmp-llmgw-" + "b" * 16 + "-x1y2z3")).mkdir()
+    _age(cache / (".tmp-llmgw-" + "b" * 16 + "-x1y2z3"))
     (cache / "operator-model").mkdir()
     (cache / "README").write_text("hello")
     os.symlink(outside, cache / ("llmgw-" + "c" * 16))
@@ -235,6 +243,7 @@ def test_leftover_temp_dirs_can_be_collected(layout):
     cache, _ = layout
     temp = cache / (".tmp-%s-k2j4h5" % NAME)
     (temp / "part").mkdir(parents=True)
+    _age(temp)
     [entry] = _collect(cache, [temp.name])
     assert entry["action"] == "removed"
     assert not temp.exists()
