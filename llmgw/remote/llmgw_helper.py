@@ -144,6 +144,16 @@ fleet_secret {"secret": hex} -> {"stored": true}
     never echoed, not even in a refusal); kept in ROOT/fleet.key (0600) for later starts and for
     the one-shot commands.
 
+Trust model
+-----------
+The helper trusts only what llmgw made, because a node is shared with other users: the code it
+runs (LOADER runs the bytes it hashed, with -I), the directories it keeps state and keys in
+(ROOT, ROOT/shards and everything above them, judged as StrictModes judges a home; files in
+them opened without following links), and the cache entries it serves or reports (below). A
+directory others can write is therefore never a way to run code as this user, read an engine's
+key, plant weights, or delete another node's download. Downloads are bounded (fetch) and what
+a hub token fetched stays private to this user.
+
 Cache entries (R-2.6, R-5.2, R-5.5)
 -----------------------------------
 A cache directory may be writable by others (a shared filer, a scratch space), so a directory
