@@ -40,7 +40,7 @@ class GatewayConfig(_Strict):
     settling_window: Duration = 30.0
     on_demand_wait: Duration = 120.0
     request_timeout: Duration = 600.0
-    # A download is capped at its declared or learned size plus FETCH_MARGIN; this caps one whose
+    # A download is capped at its declared or learned size plus a margin (reconciler.fetch_cap); this caps one whose
     # size is unknown. No byte for fetch_stall fails it.
     fetch_limit: Size = 2 * 1000**4
     fetch_stall: Duration = 60.0
