@@ -1786,6 +1786,7 @@ class Node(object):
         size = self.entry_bytes(final)
         if size is not None:  # finished by a job that ended between our check and our start
             return {"path": final, "bytes": size}
+        _refuse_foreign_entry(final, self.secret)
         temp = None
         lease = None
         try:
@@ -1821,18 +1822,12 @@ class Node(object):
                 _write_json_atomic(os.path.join(temp, COMPLETE_MARKER), marker, mode=0o600 if job.private else 0o644)
                 os.chmod(temp, 0o700 if job.private else 0o755)
                 if os.path.lexists(final):
-                    size, why = cache_entry(final, self.secret, remark=True)
+                    size = cache_entry(final, self.secret, remark=True)[0]
                     if size is not None:
                         # Another helper (of this node or another) finished it first.
                         remove_tree_within(cache_dir, os.path.basename(temp))
                         return {"path": final, "bytes": size}
-                    owner = os.lstat(final).st_uid
-                    if owner != os.getuid():
-                        raise HelperError(
-                            "cache_dir",
-                            "%s exists and is not llmgw's (%s); it is never used or removed: remove it or "
-                            "choose another cache directory" % (final, why),
-                        )
+                    _refuse_foreign_entry(final, self.secret)
                     # Ours by name and owner, and incomplete: nothing may keep its place.
                     remove_tree_within(cache_dir, job.name)
                 lease.set()
@@ -2319,6 +2314,20 @@ def _check_source(source):
         endpoint = _check_https(_arg(source, "endpoint", (str,), "https://huggingface.co"), "source.endpoint")
         return {"kind": "hf", "repo": repo, "revision": revision, "endpoint": endpoint}
     raise bad_args("source.kind must be 'https' or 'hf', got %r" % (kind,))
+
+
+def _refuse_foreign_entry(final, secret):
+    """A fetch never uses nor removes a directory another user put where its entry goes."""
+    try:
+        owner = os.lstat(final).st_uid
+    except OSError:
+        return
+    if owner != os.getuid():
+        raise HelperError(
+            "cache_dir",
+            "%s exists and is not llmgw's (%s); it is never used or removed: remove it or choose another "
+            "cache directory" % (final, cache_entry(final, secret)[1]),
+        )
 
 
 def _create_below(top, parts, private):

@@ -240,6 +240,7 @@ def test_a_directory_planted_on_a_shared_cache_is_never_served_nor_held(start_he
     answer = helper.request("fetch", _fetch(https_server, shared), timeout=60)
     assert answer["ok"] is False and answer["error"]["kind"] == "cache_dir", answer
     assert "not llmgw's" in answer["error"]["message"] and "uid 4242" in answer["error"]["message"]
+    assert https_server.gets("/w.bin") == 0, "refused before downloading anything"
     assert (planted / "model.gguf").read_bytes() == b"poisoned weights", "someone else's files are left alone"
     assert sorted(os.listdir(shared)) == [NAME], "nothing of ours is left behind"
     [listed] = helper.call("reclaim", {"cache_dir": str(shared), "names": None})["entries"]
