@@ -2323,10 +2323,13 @@ def _refuse_foreign_entry(final, secret):
     except OSError:
         return
     if owner != os.getuid():
+        why = cache_entry(final, secret)[1] or ""
+        if why.startswith("not llmgw's: "):
+            why = why[len("not llmgw's: "):]
         raise HelperError(
             "cache_dir",
             "%s exists and is not llmgw's (%s); it is never used or removed: remove it or choose another "
-            "cache directory" % (final, cache_entry(final, secret)[1]),
+            "cache directory" % (final, why),
         )
 
 

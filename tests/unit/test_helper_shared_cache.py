@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from tests.helper.client import load_helper
+from tests.helper.client import load_helper, wait_until
 
 helper = load_helper()
 NAME = "llmgw-" + "ab12" * 8
@@ -63,3 +63,20 @@ def test_a_temp_dir_just_made_without_a_lease_yet_is_left_alone(tmp_path):
     (tmp_path / TEMP).mkdir()
     [entry] = helper.reclaim_entries(str(tmp_path), [TEMP], collect=True)
     assert entry["action"] == "refused" and "just starting" in entry["reason"]
+
+
+def test_a_lease_is_renewed_while_its_download_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(helper, "LEASE_RENEW", 0.02)
+    node = helper.Node(str(tmp_path / "root"), str(tmp_path / "helper.py"))
+    temp = tmp_path / "cache" / TEMP
+    temp.mkdir(parents=True)
+    stop = node._hold_lease(None, str(temp))
+    try:
+        lease = temp / ".llmgw-lease"
+        record = json.loads(lease.read_text())
+        assert record["pid"] == os.getpid() and record["hostname"] == socket.gethostname()
+        old = time.time() - 1000
+        os.utime(lease, (old, old))
+        wait_until(lambda: lease.stat().st_mtime > old + 500, timeout=10, message="the lease renewed")
+    finally:
+        stop.set()
