@@ -1812,7 +1812,7 @@ class Node(object):
             marker = {
                 "format": MARKER_FORMAT,
                 "name": job.name,
-                "source": job.source,
+                "source": _shown_source(job.source),
                 "bytes": total,
                 "files": count,
                 "finished_at": time.time(),
@@ -2314,6 +2314,13 @@ def _check_source(source):
         endpoint = _check_https(_arg(source, "endpoint", (str,), "https://huggingface.co"), "source.endpoint")
         return {"kind": "hf", "repo": repo, "revision": revision, "endpoint": endpoint}
     raise bad_args("source.kind must be 'https' or 'hf', got %r" % (kind,))
+
+
+def _shown_source(source):
+    """The source as kept in a marker others may read: a signed URL's query is a credential."""
+    if source.get("kind") == "https":
+        return dict(source, urls=[redact_url(url) for url in source["urls"]])
+    return dict(source)
 
 
 def _refuse_foreign_entry(final, secret):

@@ -393,3 +393,13 @@ def test_reclaim_on_another_node_leaves_a_running_download_on_a_shared_cache(
     assert downloading.answer(request_id, timeout=60)["ok"]
     assert (shared / NAME / "w.bin").read_bytes() == body
     assert sorted(os.listdir(shared / NAME)) == [".llmgw-complete", "w.bin"], "the lease goes with the download"
+
+
+def test_a_marker_keeps_no_signed_url_query(start_helper, tls_env, https_server, tmp_path):
+    https_server.routes["/signed.bin"] = Route(b"s" * 1000)
+    helper = start_helper(env=tls_env)
+    cache = tmp_path / "cache"
+    args = _fetch(https_server, cache, "/signed.bin?X-Amz-Signature=s3cr3t")
+    assert helper.call("fetch", args)["bytes"] == 1000
+    marker = (cache / NAME / ".llmgw-complete").read_text()
+    assert "s3cr3t" not in marker and https_server.url("/signed.bin?<redacted>") in marker
