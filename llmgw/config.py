@@ -6,6 +6,7 @@ the line and the field path (`inventory.yaml:42: models[3].scaling.max: ...`).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -16,10 +17,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmgw.units import Duration, PortRange, Size
-from llmgw.weights import WeightsSource, parse_weights
+from llmgw.weights import WeightsSource, parse_weights, redact_query
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 DEFAULT_PORTS = (20000, 20999)
+# A model added at runtime may name only these variables as its endpoints' keys: whoever holds the
+# admin token must not be able to send any other secret of the gateway's environment to a URL of
+# their choice. The inventory file is written by whoever starts `llmgw serve`; it may name any.
+RUNTIME_KEY_ENV_PREFIX = "LLMGW_ENDPOINT_KEY_"
 
 
 class _Strict(BaseModel):
@@ -35,6 +40,10 @@ class GatewayConfig(_Strict):
     settling_window: Duration = 30.0
     on_demand_wait: Duration = 120.0
     request_timeout: Duration = 600.0
+    # A download is capped at its declared or learned size plus a margin (reconciler.fetch_cap); this caps one whose
+    # size is unknown. No byte for fetch_stall fails it.
+    fetch_limit: Size = 2 * 1000**4
+    fetch_stall: Duration = 60.0
 
     @field_validator("listen", "admin")
     @classmethod
@@ -132,7 +141,10 @@ class StaticEndpoint(_Strict):
     @classmethod
     def _http(cls, value: str) -> str:
         if not re.match(r"^https?://[^/\s]+", value):
-            raise ValueError(f"{value!r} is not an http(s) URL")
+            raise ValueError(f"{redact_query(value)!r} is not an http(s) URL")
+        if "?" in value or "#" in value:
+            # Request paths are appended to it; a query would end up inside the path, or carry a secret.
+            raise ValueError(f"{redact_query(value)!r}: an endpoint URL carries no query string or fragment")
         return value.rstrip("/")
 
 
@@ -367,9 +379,26 @@ def load_inventory(path: str | os.PathLike) -> tuple[Inventory, Document]:
 
 
 def parse_model_text(text: str, source: str = "<model>") -> tuple[ModelConfig, Document]:
-    """One model definition, as `ctl model add -f` sends it: the same class as the inventory's."""
+    """One model definition, as `ctl model add -f` sends it: the same class as the inventory's.
+
+    A model added at runtime may name only `LLMGW_ENDPOINT_KEY_*` variables as `api_key_env`.
+    """
     doc = parse_yaml(text, source)
-    return validate_document(doc, ModelConfig), doc
+    model = validate_document(doc, ModelConfig)
+    for index, endpoint in enumerate(model.endpoints or ()):
+        problem = runtime_key_env_problem(endpoint.api_key_env)
+        if problem:
+            raise doc.error(("endpoints", index, "api_key_env"), problem)
+    return model, doc
+
+
+def runtime_key_env_problem(name: str | None) -> str | None:
+    """Why a model added at runtime may not read `name` from the gateway's environment, or None."""
+    if name is None or (name.startswith(RUNTIME_KEY_ENV_PREFIX) and len(name) > len(RUNTIME_KEY_ENV_PREFIX)):
+        return None
+    return (f"{name!r}: a model added at runtime may only name variables that start with "
+            f"{RUNTIME_KEY_ENV_PREFIX} (e.g. {RUNTIME_KEY_ENV_PREFIX}OPENAI), set where `llmgw serve` runs; "
+            "models of the inventory file may name any variable")
 
 
 def split_address(value: str) -> tuple[str, int]:
@@ -377,6 +406,18 @@ def split_address(value: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not (0 <= int(port) <= 65535):
         raise ValueError(f"{value!r} must be HOST:PORT")
     return (host.strip("[]") or "0.0.0.0"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listener bound to `host` is reachable from this machine only (a wildcard is not)."""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return False  # a name that may resolve anywhere
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 def default_state_dir() -> Path:

@@ -50,8 +50,8 @@ class ShardVars:
 @dataclass(frozen=True)
 class LaunchSpec:
     argv: list[str]
-    env: dict[str, str]
-    files: dict[str, str] = field(default_factory=dict)  # name -> content, written 0600 in the shard dir
+    env: dict[str, str] = field(repr=False)  # holds the engine key: never in a repr or a log
+    files: dict[str, str] = field(default_factory=dict, repr=False)  # name -> content, written 0600 in the shard dir
     file_sha256: dict[str, str] = field(default_factory=dict)  # name -> hash the helper checks on disk
     health_path: str | None = "/health"  # None: this shard serves no HTTP (alive is enough)
 

@@ -8,6 +8,8 @@ import logging
 import os
 import secrets
 import signal
+import stat
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog, CatalogHolder
-from llmgw.config import Document, Inventory, load_configuration, resolve_state_dir, split_address
+from llmgw.config import Document, Inventory, is_loopback, load_configuration, resolve_state_dir, split_address
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.service import ControlPlane, load_stored_models
 from llmgw.fleet.fleet import Fleet
@@ -27,6 +29,27 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE = 15.0
 TOKEN_FILE = "admin-token"
 ADMIN_ADDRESS_FILE = "admin-address"
+ADMIN_SOCKET = "admin.sock"
+DATABASE = "state.db"
+# Made 0600 on every start, whatever they were: the database holds engine keys and key hashes.
+PRIVATE_FILES = (DATABASE, DATABASE + "-wal", DATABASE + "-shm", TOKEN_FILE, ADMIN_ADDRESS_FILE)
+
+
+def secure_state_dir(state_dir: Path) -> None:
+    """The state directory 0700 and its files 0600, on every start (R-9.3).
+
+    A directory or database left readable by an earlier version, a restored backup or a
+    hand-made directory is closed up here rather than trusted; symlinks are left alone.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(state_dir, 0o700)
+    for name in PRIVATE_FILES:
+        path = state_dir / name
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                os.chmod(path, 0o600)
+        except FileNotFoundError:
+            pass
 
 
 def admin_token(state_dir: Path) -> str:
@@ -44,6 +67,21 @@ def admin_token(state_dir: Path) -> str:
     with os.fdopen(fd, "w") as handle:
         handle.write(token + "\n")
     return token
+
+
+def warn_exposed_admin(host: str, port: int) -> None:
+    """Say, in the log and on stderr, that the admin listener is reachable from other machines."""
+    message = (f"the admin listener is bound to {host}:{port}, which is not a loopback address: anyone "
+               "who can reach it can try the admin token, and the token travels unencrypted; bind "
+               "127.0.0.1 unless remote ctl clients or a dashboard elsewhere need it")
+    log.warning("%s", message)
+    if not _logs_reach_stderr():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _logs_reach_stderr() -> bool:
+    return log.isEnabledFor(logging.WARNING) and any(
+        getattr(handler, "stream", None) is sys.stderr for handler in logging.getLogger().handlers)
 
 
 def finish_requests_within(app: web.Application, grace: float) -> None:
@@ -96,11 +134,13 @@ class Gateway:
     token: str = field(init=False)
     _runners: list[web.AppRunner] = field(default_factory=list, init=False)
     bound: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)
+    admin_socket: Path | None = field(default=None, init=False)
+    _admin_socket_inode: int | None = field(default=None, init=False)
 
     async def start(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        secure_state_dir(self.state_dir)
         self.token = admin_token(self.state_dir)
-        self.store = Store.open(self.state_dir / "state.db")
+        self.store = Store.open(self.state_dir / DATABASE)
         stored = load_stored_models(self.store)
         catalog = Catalog.from_inventory(self.inventory, self.document, stored=stored)
         self.holder = CatalogHolder(catalog)
@@ -124,9 +164,12 @@ class Gateway:
         await self._listen("router", router_app, self.listen or gateway.listen, RUNNER_OPTIONS)
         admin_app = self._admin_app()
         if admin_app is not None:
-            await self._listen("admin", admin_app, self.admin_listen or gateway.admin)
+            runner = await self._listen("admin", admin_app, self.admin_listen or gateway.admin)
             host, port = self.bound["admin"]
             (self.state_dir / ADMIN_ADDRESS_FILE).write_text(f"{host}:{port}\n")
+            if not is_loopback(host):
+                warn_exposed_admin(host, port)
+            await self._listen_unix(runner, self.state_dir / ADMIN_SOCKET)
         self.reconciler.start()
         # Start-up objects (catalog, config, facts) live for the whole run: keep the collector
         # from walking them on every pass, which made placement latency spiky on large fleets.
@@ -151,7 +194,8 @@ class Gateway:
             return None
         return build_admin_app(self)
 
-    async def _listen(self, name: str, app: web.Application, address: str, options: dict | None = None) -> None:
+    async def _listen(self, name: str, app: web.Application, address: str,
+                      options: dict | None = None) -> web.AppRunner:
         host, port = split_address(address)
         runner = web.AppRunner(app, **{"access_log": None, **(options or {})}, shutdown_timeout=SHUTDOWN_GRACE)
         await runner.setup()
@@ -162,12 +206,39 @@ class Gateway:
         self.bound[name] = (bound[0], bound[1])
         self._runners.append(runner)
         log.info("%s listening on %s:%d", name, bound[0], bound[1])
+        return runner
+
+    async def _listen_unix(self, runner: web.AppRunner, path: Path) -> None:
+        """The admin app on a Unix socket too, for local `llmgw ctl` (R-9.3).
+
+        Only the state directory's owner can reach it (the directory is 0700, the socket 0600),
+        so ctl sends its token there without trusting whoever holds the TCP port: a process that
+        bound that port while `llmgw serve` was down would otherwise receive the token.
+        """
+        site = web.UnixSite(runner, str(path))
+        try:
+            await site.start()  # replaces a socket a previous run left behind
+        except OSError as exc:
+            log.warning("no admin socket at %s (%s): local `llmgw ctl` needs --admin HOST:PORT and the token",
+                        path, exc.strerror or exc)
+            return
+        os.chmod(path, 0o600)
+        self.admin_socket = path
+        self._admin_socket_inode = os.lstat(path).st_ino
+        log.info("admin listening on %s", path)
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish, leave engines running (R-4.5)."""
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
+        if self.admin_socket is not None:
+            try:  # only the socket this run made: a newer one belongs to another run
+                if os.lstat(self.admin_socket).st_ino == self._admin_socket_inode:
+                    os.unlink(self.admin_socket)
+            except FileNotFoundError:
+                pass
+            self.admin_socket = None
         await self.reconciler.close()
         await self.router.close()
         await self.fleet.close()

@@ -6,9 +6,10 @@ import hashlib
 import posixpath
 import re
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 CACHE_PREFIX = "llmgw-"
+REDACTED = "<redacted>"
 CACHE_NAME = re.compile(r"^llmgw-[0-9a-f]{16,64}$")
 _HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _HF_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
@@ -66,11 +67,40 @@ class WeightsSource:
         return [posixpath.join(cache_dir, self.cache_name)] if cache_dir else []
 
     def __str__(self) -> str:
+        """How the source is displayed and logged: a signed URL's query is left out."""
         if self.kind == "path":
             return self.path or ""
         if self.kind == "https":
-            return self.urls[0] if len(self.urls) == 1 else f"{self.urls[0]} (+{len(self.urls) - 1} files)"
+            first = redact_query(self.urls[0])
+            return first if len(self.urls) == 1 else f"{first} (+{len(self.urls) - 1} files)"
         return f"hf:{self.repo}" + ("" if self.revision == "main" else f"@{self.revision}")
+
+    def __repr__(self) -> str:
+        if self.kind == "https":
+            return f"WeightsSource(kind='https', urls={tuple(redact_query(u) for u in self.urls)!r})"
+        return f"WeightsSource({str(self)!r})"
+
+
+def redact_weights(value: str | list[str]) -> str | list[str]:
+    """A `weights:` value as written, with every URL's query redacted (`redact_query`)."""
+    if isinstance(value, list):
+        return [redact_weights(v) for v in value]
+    return redact_query(value) if isinstance(value, str) and "://" in value else value
+
+
+def redact_query(url: str) -> str:
+    """`https://host/path?<redacted>`: the query of a signed URL is a credential, and so is a
+    user:password part; what is fetched keeps both, what is shown or logged has neither."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return REDACTED
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = REDACTED if parts.query or "?" in url else ""
+    fragment = REDACTED if parts.fragment else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
 
 
 def parse_weights(value: object) -> WeightsSource:
@@ -105,5 +135,5 @@ def _https_url(value: object) -> str:
         raise ValueError("a weights URL must be a string")
     parts = urlsplit(value)
     if parts.scheme != "https" or not parts.netloc:
-        raise ValueError(f"{value!r}: weights are fetched over https:// only")
+        raise ValueError(f"{redact_query(value)!r}: weights are fetched over https:// only")
     return value

@@ -129,6 +129,7 @@ def build_admin_app(gateway: Any) -> web.Application:
         web.get("/api/reclaim", api.reclaim_list),
         web.post("/api/reclaim", api.reclaim),
         web.get("/api/usage", api.usage),
+        web.get("/api/listener", api.listener),
         web.get("/metrics", api.metrics),
     ])
     dashboard.add_routes(app, gateway)
@@ -325,6 +326,13 @@ class Api:
         since = _duration(request.query.get("since", DEFAULT_USAGE_SINCE), "since")
         report = await self.gateway.store.read(lambda db: usage_report(db, by, since))
         return _json(report)
+
+    async def listener(self, request: web.Request) -> web.Response:
+        """Where this admin listener is bound: TCP address and the state directory's socket."""
+        bound = getattr(self.gateway, "bound", {}).get("admin")
+        socket_path = getattr(self.gateway, "admin_socket", None)
+        return _json({"address": f"{bound[0]}:{bound[1]}" if bound else None,
+                      "socket": str(socket_path) if socket_path is not None else None})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.gateway.registry)

@@ -1,16 +1,21 @@
 """A small synchronous client of the management API, for `llmgw ctl`.
 
-It finds the admin listener and its token the way an operator expects (R-9.3): flags first,
-then the environment, then the files `llmgw serve` writes into its state directory
-(`admin-address`, `admin-token`). Every failure is an `AdminError` whose message is one line
-saying what to do.
+It finds the admin listener and its token the way an operator expects (R-9.3). Without
+`--admin` / `LLMGW_ADMIN` it talks to the Unix socket `llmgw serve` keeps in its state directory
+(`admin.sock`), never to the TCP port: only the directory's owner can reach that socket, while a
+TCP port can be taken by any local process while the gateway is down, and would then be handed
+the token. The token comes from `--token` / `LLMGW_ADMIN_TOKEN`, `--token-file`, else the
+`admin-token` file of the state directory. Every failure is an `AdminError` whose message is
+one line saying what to do.
 """
 
 from __future__ import annotations
 
 import getpass
+import http.client
 import json
 import os
+import socket
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -22,9 +27,9 @@ from typing import Any
 from llmgw.config import default_state_dir
 
 TOKEN_FILE = "admin-token"
-ADDRESS_FILE = "admin-address"
-DEFAULT_ADDRESS = "127.0.0.1:8081"
+SOCKET_FILE = "admin.sock"
 TIMEOUT = 60.0
+UNIX_BASE = "unix://localhost"
 
 
 class AdminError(Exception):
@@ -62,6 +67,53 @@ def _base_url(address: str) -> str:
     return f"http://{host}:{port}"
 
 
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket; the Host header stays `localhost`."""
+
+    def __init__(self, path: str, timeout: float | None = None):
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class _UnixHandler(urllib.request.AbstractHTTPHandler):
+    """urllib's handler for `unix://localhost/PATH` URLs, all sent to one socket."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.socket_path = path
+
+    def unix_open(self, request: urllib.request.Request):
+        return self.do_open(lambda _host, timeout=None: _UnixConnection(self.socket_path, timeout), request)
+
+    unix_request = urllib.request.AbstractHTTPHandler.do_request_
+    unix_response = urllib.request.HTTPErrorProcessor.http_response  # 4xx/5xx raise HTTPError, as for http
+
+
+def _read_token(path: Path, how: str, missing: str | None = None) -> str:
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        raise AdminError(missing or f"no admin token file {path}; {how}") from None
+    except PermissionError:
+        raise AdminError(f"cannot read the admin token {path}: permission denied; run as the user that runs "
+                         f"`llmgw serve`, or {how}") from None
+    except OSError as exc:
+        raise AdminError(f"cannot read the admin token {path} ({exc.strerror}); {how}") from None
+    if not token:
+        raise AdminError(f"the admin token file {path} is empty; {how}")
+    return token
+
+
 @dataclass
 class AdminClient:
     base_url: str
@@ -69,32 +121,32 @@ class AdminClient:
     actor: str | None = None
     timeout: float = TIMEOUT
     state_dir: Path | None = field(default=None, repr=False)
+    socket_path: Path | None = None  # set: every request goes to this Unix socket
 
     def __repr__(self) -> str:  # the token never reaches a traceback or a log through repr()
-        return f"AdminClient(base_url={self.base_url!r})"
+        return f"AdminClient({self.where})"
+
+    @property
+    def where(self) -> str:
+        return f"unix:{self.socket_path}" if self.socket_path is not None else self.base_url
 
     @classmethod
-    def discover(cls, *, admin: str | None = None, token: str | None = None,
+    def discover(cls, *, admin: str | None = None, token: str | None = None, token_file: str | None = None,
                  state_dir: str | os.PathLike | None = None, actor: str | None = None) -> AdminClient:
         directory = _state_dir(state_dir)
         address = admin or os.environ.get("LLMGW_ADMIN")
-        if not address:
-            try:
-                address = (directory / ADDRESS_FILE).read_text().strip()
-            except OSError:
-                address = DEFAULT_ADDRESS
         token = token or os.environ.get("LLMGW_ADMIN_TOKEN")
+        token_file = token_file or os.environ.get("LLMGW_ADMIN_TOKEN_FILE")
+        if not token and token_file:
+            token = _read_token(Path(os.path.expanduser(token_file)), "pass another --token-file")
         if not token:
             path = directory / TOKEN_FILE
-            try:
-                token = path.read_text().strip()
-            except PermissionError:
-                raise AdminError(f"cannot read the admin token {path}: permission denied; run as the user "
-                                 "that runs `llmgw serve`, or pass --token / LLMGW_ADMIN_TOKEN") from None
-            except OSError:
-                raise AdminError(f"no admin token at {path}: is `llmgw serve` running with this state "
-                                 "directory? Pass --state-dir, or --token / LLMGW_ADMIN_TOKEN") from None
-        return cls(_base_url(address), token, actor, state_dir=directory)
+            token = _read_token(path, "pass --token-file / LLMGW_ADMIN_TOKEN",
+                                missing=f"no admin token at {path}: is `llmgw serve` running with this state "
+                                        "directory? Pass --state-dir, or --token-file / LLMGW_ADMIN_TOKEN")
+        if address:
+            return cls(_base_url(address), token, actor, state_dir=directory)
+        return cls(UNIX_BASE, token, actor, state_dir=directory, socket_path=directory / SOCKET_FILE)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -117,14 +169,30 @@ class AdminClient:
         for key, value in (headers or {}).items():
             request.add_header(key, value)
         try:
+            if self.socket_path is not None:
+                opener = urllib.request.build_opener(_UnixHandler(str(self.socket_path)))
+                return opener.open(request, timeout=timeout or self.timeout)
             return urllib.request.urlopen(request, timeout=timeout or self.timeout)
         except urllib.error.HTTPError as exc:
             raise _api_error(exc) from None
         except urllib.error.URLError as exc:
+            if self.socket_path is not None:
+                raise AdminError(self._socket_unreachable(exc.reason)) from None
             raise AdminError(f"cannot reach the admin listener at {self.base_url} ({exc.reason}); is `llmgw "
                              "serve` running? Pass --admin HOST:PORT or --state-dir otherwise") from None
         except (TimeoutError, OSError) as exc:
-            raise AdminError(f"the admin listener at {self.base_url} did not answer: {exc}") from None
+            raise AdminError(f"the admin listener at {self.where} did not answer: {exc}") from None
+
+    def _socket_unreachable(self, reason: object) -> str:
+        path = self.socket_path
+        if isinstance(reason, FileNotFoundError):
+            why = f"no admin socket at {path}"
+        elif isinstance(reason, ConnectionRefusedError):
+            why = f"nothing answers on the admin socket {path}"
+        else:
+            why = f"cannot reach the admin socket {path} ({getattr(reason, 'strerror', None) or reason})"
+        return (f"{why}: is `llmgw serve` running with this state directory? Pass --state-dir, or --admin "
+                "HOST:PORT to use a TCP admin listener")
 
     def call(self, method: str, path: str, **kwargs) -> Any:
         with self._request(method, path, **kwargs) as response:
@@ -149,7 +217,12 @@ class AdminClient:
                     yield json.loads(line)
 
     def dashboard_url(self, path: str = "/") -> str:
-        return f"{self.base_url}{path}?token={urllib.parse.quote(self.token)}"
+        """The tokenised dashboard address. Through the socket, the running gateway says which TCP
+        address it listens on: an address file could be stale, and its port someone else's."""
+        base = self.base_url
+        if self.socket_path is not None:
+            base = _base_url(self.get("/api/listener")["address"])
+        return f"{base}{path}?token={urllib.parse.quote(self.token)}"
 
 
 def default_actor() -> str:

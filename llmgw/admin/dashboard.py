@@ -1,7 +1,8 @@
 """The read-only dashboard (R-9.6): server-rendered pages from templates shipped in the package.
 
 Pages are `string.Template` files under templates/ filled with HTML fragments built here; every
-value from the gateway goes through `html.escape` on its way in (`esc`, `table`). One
+value from the gateway goes through `html.escape` on its way in (`esc`, `table`), stripped of
+control characters first (a node's reasons may carry terminal escapes). One
 stylesheet, no JavaScript: the Content-Security-Policy forbids scripts outright, and nothing on
 a page changes state or mints a credential (those stay in `llmgw ctl`).
 """
@@ -48,10 +49,10 @@ class Markup(str):
 
 
 def esc(value: Any) -> Markup:
-    """Escaped text; None is unknown and shows as `-` (R-2.7)."""
+    """Escaped text without control characters; None is unknown and shows as `-` (R-2.7)."""
     if isinstance(value, Markup):
         return value
-    return Markup(text.UNKNOWN if value is None else html.escape(str(value)))
+    return Markup(text.UNKNOWN if value is None else html.escape(text.printable(str(value))))
 
 
 def tag(name: str, content: Any = "", cls: str | None = None) -> Markup:

@@ -6,12 +6,41 @@ Functions of the listing documents (llmgw.admin.views) to short strings. Unknown
 
 from __future__ import annotations
 
+import re
 import time
+from typing import Any
 
 from llmgw.units import format_bytes, format_duration
 
 UNKNOWN = "-"
 BAR_WIDTH = 40
+
+# Escape sequences are removed whole — CSI (`ESC [ ... final`), the string sequences OSC, DCS, SOS,
+# PM and APC up to their terminator, and the short ESC ones, in 7- and 8-bit forms — then any
+# control character left but newline and tab: the rest of C0, DEL and C1.
+_ESCAPES = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?"
+                      r"|(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+                      r"|\x1b[ -/]*[0-~]?")
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(value: str) -> str:
+    """`value` without terminal control sequences: what a node reports (logs, reasons, errors) is
+    shown to an operator's terminal, and must not move its cursor, retitle it or rewrite what it shows."""
+    if value.isprintable():
+        return value
+    return _CONTROLS.sub("", _ESCAPES.sub("", value))
+
+
+def printable_document(document: Any) -> Any:
+    """A listing document with every string (keys too) passed through `printable`."""
+    if isinstance(document, str):
+        return printable(document)
+    if isinstance(document, dict):
+        return {printable_document(k): printable_document(v) for k, v in document.items()}
+    if isinstance(document, list | tuple):
+        return [printable_document(v) for v in document]
+    return document
 
 
 def clock(ts: float | None) -> str:

@@ -39,6 +39,9 @@ model_app = typer.Typer(help="Add or remove models at runtime (models of the inv
 ctl.add_typer(model_app, name="model")
 
 JSON_OPTION = typer.Option(False, "--json", help="Print the API's JSON answer instead of tables.")
+TOKEN_FILE_OPTION = typer.Option(None, "--token-file", envvar="LLMGW_ADMIN_TOKEN_FILE", show_envvar=True,
+                                 dir_okay=False, help="File holding the admin token (e.g. a copy of the gateway's "
+                                                      "admin-token), kept out of the command line.")
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Connection:
     token: str | None
     state_dir: Path | None
     inventory: Path | None = None
+    token_file: Path | None = None
     _client: AdminClient | None = None
 
     def client(self) -> AdminClient:
@@ -54,8 +58,9 @@ class Connection:
             state_dir = self.state_dir
             if state_dir is None and self.inventory is not None:
                 state_dir = _inventory_state_dir(self.inventory)
-            self._client = AdminClient.discover(admin=self.admin, token=self.token, state_dir=state_dir,
-                                                actor=default_actor())
+            self._client = AdminClient.discover(admin=self.admin, token=self.token,
+                                                token_file=str(self.token_file) if self.token_file else None,
+                                                state_dir=state_dir, actor=default_actor())
         return self._client
 
 
@@ -74,10 +79,13 @@ def _inventory_state_dir(path: Path) -> Path:
 def connection(
     ctx: typer.Context,
     admin: str | None = typer.Option(None, "--admin", envvar="LLMGW_ADMIN", metavar="URL",
-                                     help="Admin listener, HOST:PORT or URL (default: the address `llmgw serve` "
-                                          "wrote into its state directory, else 127.0.0.1:8081)."),
+                                     help="TCP admin listener, HOST:PORT or URL, for a gateway on another machine "
+                                          "(default: the admin.sock Unix socket of the state directory)."),
     token: str | None = typer.Option(None, "--token", envvar="LLMGW_ADMIN_TOKEN", show_envvar=True,
-                                     help="Admin token (default: the admin-token file of the state directory)."),
+                                     help="Admin token. Prefer the environment variable or --token-file: a "
+                                          "command line is visible to every user of this machine (ps, /proc). "
+                                          "Default: the admin-token file of the state directory."),
+    token_file: Path | None = TOKEN_FILE_OPTION,
     state_dir: Path | None = typer.Option(None, "--state-dir", envvar="LLMGW_STATE_DIR",
                                           help="State directory of the running `llmgw serve` "
                                                "(default: gateway.state_dir of --inventory, else "
@@ -87,7 +95,7 @@ def connection(
                                                "directory."),
 ) -> None:
     """Look at and steer a running gateway through its admin listener."""
-    ctx.obj = Connection(admin, token, state_dir, inventory)
+    ctx.obj = Connection(admin, token, state_dir, inventory, token_file)
 
 
 PIPED_WIDTH = 200
@@ -109,24 +117,27 @@ def _refusals() -> Iterator[None]:
     try:
         yield
     except AdminError as exc:
-        typer.echo(f"error: {exc.message}", err=True)
+        typer.echo(f"error: {words.printable(exc.message)}", err=True)
         extra = [p for p in exc.problems if p != exc.message]
         for problem in extra:
-            typer.echo(f"  {problem}", err=True)
+            typer.echo(f"  {words.printable(str(problem))}", err=True)
         raise typer.Exit(EXIT_REFUSED) from None
 
 
 def _emit(document: Any, as_json: bool, render: Callable[[Any], Any]) -> None:
     if as_json:
-        typer.echo(json.dumps(document, indent=2))
+        typer.echo(json.dumps(document, indent=2))  # JSON escapes control characters itself
         return
-    rendered = render(document)
+    rendered = render(words.printable_document(document))
     if rendered is not None:
         _console().print(rendered)
 
 
 def _t(value: Any, style: str | None = None) -> Text:
-    """A cell: plain text, never rich markup (node output may contain `[GPU is lost]`)."""
+    """A cell: plain text, never rich markup (node output may contain `[GPU is lost]`).
+
+    Documents reach the renderers through `_emit`, which strips terminal control sequences from
+    what nodes report (R-9.4)."""
     return Text(words.UNKNOWN if value is None else str(value), style=style or "")
 
 
@@ -331,11 +342,14 @@ def replicas(
         if console.is_terminal and not as_json:
             from rich.live import Live
 
-            with Live(render_replicas(client.get("/api/replicas")), console=console, auto_refresh=False) as live:
+            def rendered() -> Text:
+                return render_replicas(words.printable_document(client.get("/api/replicas")))
+
+            with Live(rendered(), console=console, auto_refresh=False) as live:
                 try:
                     while True:
                         time.sleep(interval)
-                        live.update(render_replicas(client.get("/api/replicas")), refresh=True)
+                        live.update(rendered(), refresh=True)
                 except KeyboardInterrupt:
                     return
         try:
@@ -596,7 +610,7 @@ def logs(ctx: typer.Context,
                 typer.echo(json.dumps(answer, indent=2))
             else:
                 for line in answer["lines"]:
-                    typer.echo(line)
+                    typer.echo(words.printable(line))
             return
         try:
             for chunk in client.stream(path, shard=shard, lines=lines, follow=1):
@@ -604,7 +618,7 @@ def logs(ctx: typer.Context,
                     typer.echo(json.dumps(chunk))
                 else:
                     for line in chunk["lines"]:
-                        typer.echo(line)
+                        typer.echo(words.printable(line))
                 sys.stdout.flush()
         except KeyboardInterrupt:
             return

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from llmgw.cli.check import check
@@ -19,6 +21,9 @@ app = typer.Typer(
 )
 
 
+PRIVATE_UMASK = 0o077
+
+
 @app.callback()
 def main() -> None:
     """One OpenAI-compatible endpoint for a fleet of GPU and CPU machines reached over SSH."""
@@ -31,5 +36,12 @@ app.add_typer(keys_app, name="keys")
 app.add_typer(ctl, name="ctl")
 
 
-if __name__ == "__main__":  # pragma: no cover
+def run() -> None:
+    """The `llmgw` command. Whatever llmgw creates (state directory, database, token, sockets,
+    the local node's files) is its user's alone, whatever the umask it was started with (R-9.3)."""
+    os.umask(PRIVATE_UMASK)
     app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run()

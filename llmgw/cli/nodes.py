@@ -13,6 +13,7 @@ from rich.table import Table
 
 from llmgw.config import ConfigError, Inventory, NodeConfig
 from llmgw.fleet.link import CONNECTING, READY, UNREACHABLE, NodeLink, make_link
+from llmgw.fleet.secret import SecretError, fleet_secret
 from llmgw.fleet.session import NodeError
 from llmgw.units import format_bytes
 
@@ -20,8 +21,8 @@ helper_app = typer.Typer(help="Run node-helper operations by hand, through the s
                          no_args_is_help=True)
 
 
-def _link(inventory: Inventory, node: NodeConfig, state_dir: Path) -> NodeLink:
-    return make_link(node, inventory.ssh, local_root=state_dir / "node" / node.name)
+def _link(inventory: Inventory, node: NodeConfig, state_dir: Path, fleet_secret: str | None = None) -> NodeLink:
+    return make_link(node, inventory.ssh, local_root=state_dir / "node" / node.name, fleet_secret=fleet_secret)
 
 
 def parse_arg(text: str) -> tuple[str, object]:
@@ -36,7 +37,8 @@ def parse_arg(text: str) -> tuple[str, object]:
 
 async def _run_one(inventory: Inventory, node: NodeConfig, state_dir: Path, op: str, args: dict,
                    timeout: float) -> dict:
-    link = _link(inventory, node, state_dir)
+    # The fleet secret too, as serve hands it over: a fetch here is sealed like any other.
+    link = _link(inventory, node, state_dir, fleet_secret(state_dir))
     link.start()
     try:
         if not await link.wait_ready(timeout):
@@ -72,7 +74,7 @@ def run(
     try:
         result = asyncio.run(_run_one(inventory, target, resolve_state_dir(inventory, state_dir and str(state_dir)),
                                       op, args, timeout))
-    except NodeError as exc:
+    except (NodeError, SecretError) as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(1)
     typer.echo(json.dumps(result, indent=2))

@@ -41,6 +41,8 @@ PORT_ATTEMPTS = 8
 RETIRED_KEEP = 600.0  # how long a failed replica stays visible after it stopped
 LOG_TAIL_LINES = 50
 EXPLAIN_EVERY = 10.0  # seconds between full explanations of a model that does not fit
+FETCH_MARGIN = 0.10  # a download may exceed its declared or learned size by 10 %...
+FETCH_MARGIN_MIN = 64 * 1024**2  # ...and by at least 64 MiB
 
 
 @dataclass
@@ -129,9 +131,12 @@ class Reconciler:
         while True:
             try:
                 await self.fleet.refresh()
+            except Exception:
+                # The pass still runs, on the facts known so far: a failed refresh must not
+                # stop the whole fleet from being reconciled.
+                log.exception("refreshing the fleet's facts failed")
+            try:
                 self.step()
-            except asyncio.CancelledError:
-                raise
             except Exception:
                 log.exception("reconcile pass failed")
             self._wake.clear()
@@ -585,7 +590,10 @@ class Reconciler:
         if cache_dir is None:
             raise NodeError(node.name, "fetch", "paths", "the node's cache directory is not known yet")
         helper_source, token = fetch_source(source)
-        args = {"source": helper_source, "cache_dir": cache_dir, "name": source.cache_name, "token": token}
+        args = {"source": helper_source, "cache_dir": cache_dir, "name": source.cache_name, "token": token,
+                "max_bytes": fetch_cap(model.config.disk_gb, self.learned_sizes.get(source.canonical),
+                                       self.gateway.fetch_limit),
+                "stall_timeout": self.gateway.fetch_stall}
         task = asyncio.current_task()
         async with self.fleet.stream(node.name, "fetch", args) as stream:
             async for event, data in stream:
@@ -785,6 +793,16 @@ class Reconciler:
         if self.store is not None:
             snapshot = Replica(**{**replica.__dict__, "shards": [Shard(**s.__dict__) for s in replica.shards]})
             self.store.submit(lambda db: save_replica(db, snapshot))
+
+
+def fetch_cap(disk_gb: float | None, learned: int | None, limit: int) -> int:
+    """The most bytes one fetch may write: the declared size (disk_gb), else the size learned
+    from the source, plus FETCH_MARGIN of it (at least FETCH_MARGIN_MIN, for a source that
+    changed a little since); the configured limit when neither is known."""
+    size = disk_gb * 1000**3 if disk_gb is not None else learned
+    if size is None:
+        return limit
+    return int(size + max(size * FETCH_MARGIN, FETCH_MARGIN_MIN))
 
 
 def fetch_source(source) -> tuple[dict, str | None]:

@@ -21,6 +21,7 @@ from llmgw.fleet.fleet import Fleet
 from llmgw.fleet.link import READY
 from llmgw.fleet.session import NodeError
 from llmgw.store import Store, audit
+from llmgw.weights import redact_weights
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,12 @@ class ControlPlane:
             self._check_placeable(catalog, config.name)
             row = {"name": config.name, "definition": config.model_dump_json(exclude_unset=True), "actor": actor,
                    "created_at": time.time(), "updated_at": time.time()}
+            # The audit trail is a log: a signed URL's query stays in the definition only.
+            detail = json.loads(row["definition"])
+            if detail.get("weights") is not None:
+                detail["weights"] = redact_weights(detail["weights"])
             await self.store.write(lambda db: (db["models"].insert(row),
-                                               audit(db, actor, "model.add", config.name, json.loads(row["definition"]))))
+                                               audit(db, actor, "model.add", config.name, detail)))
             self.holder.swap(catalog)
         self.reconciler.wake()
         return self.model_summary(config.name)

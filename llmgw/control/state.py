@@ -74,7 +74,7 @@ class Shard:
 class Replica:
     id: str
     model: str
-    api_key: str
+    api_key: str = field(repr=False)  # the engine key: never in a repr, a traceback or a log
     shards: list[Shard]
     created_at: float = field(default_factory=time.time)
     draining: bool = False  # marked for a rolling move: stopped once its replacement serves

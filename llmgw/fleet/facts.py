@@ -1,6 +1,8 @@
 """What nodes report, as typed values (SPEC §2). `None` means the node did not report it.
 
-These are parsed from the helper's JSON answers; nothing here talks to a node.
+These are parsed from the helper's JSON answers; nothing here talks to a node. An answer without
+the protocol's shape (a field of the wrong type, a list where an object belongs) raises
+`Malformed` naming the field, rather than becoming a fact that fails later, far from its node.
 """
 
 from __future__ import annotations
@@ -33,6 +35,59 @@ def gpu_class(name: str | None, memory_total_mib: int | None) -> str | None:
     return f"{model}-{size}gb"
 
 
+class Malformed(ValueError):
+    """A helper answer that does not have the protocol's shape; the message names the field."""
+
+
+_KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+               dict: "an object"}
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return _KIND_NAMES.get(type(value), type(value).__name__)
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise Malformed(f"{where} is {_kind(value)}, not an object")
+    return value
+
+
+def _field(data: dict[str, Any], key: str, kinds: tuple[type, ...], where: str, default: Any = None) -> Any:
+    """data[key] if it is one of `kinds` (a bool is not an integer), `default` when absent or null."""
+    value = data.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        wanted = " or ".join(_KIND_NAMES.get(k, k.__name__) for k in kinds if k is not int or float not in kinds)
+        raise Malformed(f"{where}{key} is {_kind(value)}, not {wanted}")
+    return value
+
+
+def _required(data: dict[str, Any], key: str, kinds: tuple[type, ...], where: str) -> Any:
+    value = _field(data, key, kinds, where)
+    if value is None:
+        raise Malformed(f"{where}{key} is missing")
+    return value
+
+
+def _list(data: dict[str, Any], key: str, where: str) -> list[Any]:
+    return _field(data, key, (list,), where, default=[])
+
+
+def _strings(data: dict[str, Any], key: str, where: str) -> tuple[str, ...]:
+    values = _list(data, key, where)
+    for index, value in enumerate(values):
+        if not isinstance(value, str):
+            raise Malformed(f"{where}{key}[{index}] is {_kind(value)}, not a string")
+    return tuple(values)
+
+
+INT, NUMBER, TEXT, FLAG = (int,), (int, float), (str,), (bool,)
+
+
 @dataclass(frozen=True)
 class GPU:
     index: int
@@ -49,11 +104,15 @@ class GPU:
         return gpu_class(self.name, self.memory_total_mib)
 
     @classmethod
-    def from_helper(cls, data: dict[str, Any]) -> GPU:
-        return cls(index=int(data["index"]), uuid=data.get("uuid"), name=data.get("name"),
-                   memory_total_mib=data.get("memory_total_mib"), memory_used_mib=data.get("memory_used_mib"),
-                   utilization_pct=data.get("utilization_pct"), healthy=bool(data.get("healthy", True)),
-                   reasons=tuple(data.get("reasons") or ()))
+    def from_helper(cls, data: Any, where: str = "") -> GPU:
+        data = _object(data, where.rstrip(".") or "a GPU")
+        return cls(index=_required(data, "index", INT, where), uuid=_field(data, "uuid", TEXT, where),
+                   name=_field(data, "name", TEXT, where),
+                   memory_total_mib=_field(data, "memory_total_mib", INT, where),
+                   memory_used_mib=_field(data, "memory_used_mib", INT, where),
+                   utilization_pct=_field(data, "utilization_pct", INT, where),
+                   healthy=_field(data, "healthy", FLAG, where, default=True),
+                   reasons=_strings(data, "reasons", where))
 
 
 @dataclass(frozen=True)
@@ -67,11 +126,13 @@ class Inventory:
     nvidia_smi_error: str | None = None
 
     @classmethod
-    def from_helper(cls, data: dict[str, Any]) -> Inventory:
-        return cls(hostname=data.get("hostname"), boot_id=data.get("boot_id"), cpus=data.get("cpus"),
-                   memory_bytes=data.get("memory_bytes"),
-                   gpus=tuple(GPU.from_helper(g) for g in data.get("gpus") or ()),
-                   nvidia_smi=data.get("nvidia_smi", "absent"), nvidia_smi_error=data.get("nvidia_smi_error"))
+    def from_helper(cls, data: Any) -> Inventory:
+        data = _object(data, "the answer")
+        return cls(hostname=_field(data, "hostname", TEXT, ""), boot_id=_field(data, "boot_id", TEXT, ""),
+                   cpus=_field(data, "cpus", INT, ""), memory_bytes=_field(data, "memory_bytes", INT, ""),
+                   gpus=tuple(GPU.from_helper(g, f"gpus[{i}].") for i, g in enumerate(_list(data, "gpus", ""))),
+                   nvidia_smi=_field(data, "nvidia_smi", TEXT, "", default="absent"),
+                   nvidia_smi_error=_field(data, "nvidia_smi_error", TEXT, ""))
 
     @property
     def gpu_class(self) -> str | None:
@@ -90,10 +151,13 @@ class Filesystem:
     dirs: tuple[str, ...]
 
     @classmethod
-    def from_helper(cls, data: dict[str, Any]) -> Filesystem:
-        return cls(device=str(data["device"]), fstype=data.get("fstype"), mount_point=data.get("mount_point"),
-                   shared=bool(data.get("shared")), total_bytes=data.get("total_bytes"),
-                   free_bytes=data.get("free_bytes"), dirs=tuple(data.get("dirs") or ()))
+    def from_helper(cls, data: Any, where: str = "") -> Filesystem:
+        data = _object(data, where.rstrip(".") or "a filesystem")
+        return cls(device=_required(data, "device", TEXT, where), fstype=_field(data, "fstype", TEXT, where),
+                   mount_point=_field(data, "mount_point", TEXT, where),
+                   shared=_field(data, "shared", FLAG, where, default=False),
+                   total_bytes=_field(data, "total_bytes", INT, where),
+                   free_bytes=_field(data, "free_bytes", INT, where), dirs=_strings(data, "dirs", where))
 
 
 @dataclass(frozen=True)
@@ -103,9 +167,11 @@ class Storage:
     stuck: tuple[str, ...] = ()
 
     @classmethod
-    def from_helper(cls, data: dict[str, Any]) -> Storage:
-        return cls(filesystems=tuple(Filesystem.from_helper(f) for f in data.get("filesystems") or ()),
-                   missing=tuple(data.get("missing") or ()), stuck=tuple(data.get("stuck") or ()))
+    def from_helper(cls, data: Any) -> Storage:
+        data = _object(data, "the answer")
+        filesystems = _list(data, "filesystems", "")
+        return cls(filesystems=tuple(Filesystem.from_helper(f, f"filesystems[{i}].") for i, f in enumerate(filesystems)),
+                   missing=_strings(data, "missing", ""), stuck=_strings(data, "stuck", ""))
 
     def filesystem_of(self, directory: str | None) -> Filesystem | None:
         if directory is None:
@@ -146,20 +212,41 @@ class ShardStatus:
     log_tail: tuple[str, ...] | None
 
     @classmethod
-    def from_helper(cls, data: dict[str, Any]) -> ShardStatus:
-        health = data.get("health") or {}
-        return cls(shard_id=data["shard_id"], pid=data.get("pid"), start_time=data.get("start_time"),
-                   argv=tuple(data.get("argv") or ()), alive=bool(data.get("alive")),
-                   exit_code=data.get("exit_code"), ended_at=data.get("ended_at"),
-                   started_at=data.get("started_at"), port=data.get("port"),
-                   health_status=health.get("status"), health_error=health.get("error"),
-                   log_tail=tuple(data["log_tail"]) if data.get("log_tail") is not None else None)
+    def from_helper(cls, data: Any, where: str = "") -> ShardStatus:
+        data = _object(data, where.rstrip(".") or "a shard")
+        health = _field(data, "health", (dict,), where, default={})
+        return cls(shard_id=_required(data, "shard_id", TEXT, where), pid=_field(data, "pid", INT, where),
+                   start_time=_field(data, "start_time", INT, where), argv=_strings(data, "argv", where),
+                   alive=_field(data, "alive", FLAG, where, default=False),
+                   exit_code=_field(data, "exit_code", INT, where), ended_at=_field(data, "ended_at", NUMBER, where),
+                   started_at=_field(data, "started_at", NUMBER, where), port=_field(data, "port", INT, where),
+                   health_status=_field(health, "status", INT, f"{where}health."),
+                   health_error=_field(health, "error", TEXT, f"{where}health."),
+                   log_tail=_strings(data, "log_tail", where) if data.get("log_tail") is not None else None)
+
+
+def shard_statuses(answer: Any) -> dict[str, ShardStatus]:
+    """The `status` answer: every shard the node has a record of, by id."""
+    shards = _list(_object(answer, "the answer"), "shards", "")
+    statuses = [ShardStatus.from_helper(s, f"shards[{i}].") for i, s in enumerate(shards)]
+    return {status.shard_id: status for status in statuses}
 
 
 @dataclass(frozen=True)
 class Held:
     path: str
     bytes: int | None
+
+
+def holdings(answer: Any) -> dict[str, Held]:
+    """The `holdings` answer: where the node holds each model's weights, by model name."""
+    held = _field(_object(answer, "the answer"), "held", (dict,), "", default={})
+    found = {}
+    for name, entry in held.items():
+        where = f"held[{name!r}]."
+        entry = _object(entry, where.rstrip("."))
+        found[name] = Held(_required(entry, "path", TEXT, where), _field(entry, "bytes", INT, where))
+    return found
 
 
 @dataclass

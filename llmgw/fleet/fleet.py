@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw.config import Inventory, NodeConfig
-from llmgw.fleet.facts import Held, Inventory as InventoryFacts, NodeFacts, ShardStatus, Storage
-from llmgw.fleet.link import READY, NodeLink, make_link
+from llmgw.fleet.facts import Inventory as InventoryFacts, Malformed, NodeFacts, Storage, holdings, shard_statuses
+from llmgw.fleet.link import READY, ConnectGate, NodeLink, make_link
+from llmgw.fleet.secret import fleet_secret
 from llmgw.fleet.session import NodeError
 
 log = logging.getLogger(__name__)
 
-# Unauthenticated connects in flight at once: below sshd's default MaxStartups (10).
+# SSH handshakes (unauthenticated connections) in flight at once: below sshd's default MaxStartups (10).
 CONNECT_GATE = 8
 STORAGE_TIMEOUT = 5.0
 PROBE_TIMEOUT = 2.0
@@ -36,21 +37,24 @@ class Fleet:
         self.facts: dict[str, NodeFacts] = {n.name: NodeFacts() for n in inventory.nodes}
         self.holdings_wanted = holdings_wanted
         self._state_dir = Path(state_dir)
-        self._gate: asyncio.Semaphore | None = None
+        self.gate: ConnectGate | None = None
         self._on_state = on_state
         self.links: dict[str, NodeLink] = {}
+        self._problems: dict[str, dict[str, str]] = {n.name: {} for n in inventory.nodes}  # node -> op -> why
 
     async def start(self) -> None:
-        """Create and start every link, staggered so sshd is not flooded with connects (R-1.1)."""
-        self._gate = asyncio.Semaphore(CONNECT_GATE)
-        stagger = self.inventory.ssh.connect_stagger
-        for index, node in enumerate(self.inventory.nodes):
+        """Create and start every link (R-1.1).
+
+        The links' TCP connects all start at once, each bounded by connect_timeout; the SSH
+        handshakes that follow pass the gate: at most CONNECT_GATE at a time, their starts
+        `connect_stagger` apart. A node that does not answer therefore delays no other node."""
+        self.gate = ConnectGate(CONNECT_GATE, spacing=self.inventory.ssh.connect_stagger)
+        secret = fleet_secret(self._state_dir)
+        for node in self.inventory.nodes:
             link = make_link(node, self.inventory.ssh, local_root=self._state_dir / "node" / node.name,
-                             connect_gate=self._gate, on_state=self._on_state)
+                             connect_gate=self.gate, on_state=self._on_state, fleet_secret=secret)
             self.links[node.name] = link
             link.start()
-            if stagger and index + 1 < len(self.inventory.nodes):
-                await asyncio.sleep(stagger)
 
     async def wait_connected(self, timeout: float) -> bool:
         results = await asyncio.gather(*(link.wait_ready(timeout) for link in self.links.values()))
@@ -75,40 +79,58 @@ class Fleet:
     # -- facts ---------------------------------------------------------------------------------
 
     async def refresh(self, nodes: Iterable[str] | None = None, *, probe: bool = True) -> None:
-        """Ask every ready node (or the given ones) for all its facts, concurrently."""
-        names = [n for n in (nodes if nodes is not None else self.links) if self.links[n].state == READY]
+        """Ask every node with an open session (or the given ones) for all its facts, concurrently.
+
+        One node's answers never fail the refresh of the others: an answer without the protocol's
+        shape makes that node unhealthy with the reason, until its answers are sound again."""
+        names = [n for n in (nodes if nodes is not None else self.links) if self.links[n].answering]
         await asyncio.gather(*(self._refresh_node(name, probe) for name in names))
 
     async def _refresh_node(self, name: str, probe: bool) -> None:
+        problems = self._problems[name]
+        try:
+            await self._ask_facts(name, probe, problems)
+        except Exception as exc:  # whatever one node's answers provoke stays with that node
+            log.exception("%s: reading its facts failed", name)
+            problems["facts"] = f"its facts could not be read: {type(exc).__name__}: {exc}"
+        else:
+            problems.pop("facts", None)
+        self.links[name].report_answers("; ".join(problems.values()) or None)
+
+    async def _ask_facts(self, name: str, probe: bool, problems: dict[str, str]) -> None:
         node = self.nodes[name]
         wanted = self.holdings_wanted(node) if self.holdings_wanted else {}
         calls = []
         if time.time() - self.facts[name].observed_at.get("inventory", 0.0) >= INVENTORY_EVERY:
             # nvidia-smi costs tens of milliseconds per call on a node: GPUs are asked for on a
             # slower beat than engine status, which every tick needs.
-            calls.append(self._fact(name, "inventory", {}, InventoryFacts.from_helper))
+            calls.append(self._fact(name, "inventory", {}, InventoryFacts.from_helper, problems))
         calls += [
             self._fact(name, "storage", {"dirs": storage_dirs(self.paths(name)), "timeout": STORAGE_TIMEOUT},
-                       Storage.from_helper),
-            self._fact(name, "status", {"probe": probe, "timeout": PROBE_TIMEOUT},
-                       lambda r: {s["shard_id"]: ShardStatus.from_helper(s) for s in r.get("shards") or ()}),
+                       Storage.from_helper, problems),
+            self._fact(name, "status", {"probe": probe, "timeout": PROBE_TIMEOUT}, shard_statuses, problems),
         ]
         if wanted:
-            calls.append(self._fact(name, "holdings", {"candidates": wanted},
-                                    lambda r: {k: Held(v["path"], v.get("bytes")) for k, v in
-                                               (r.get("held") or {}).items()}))
+            calls.append(self._fact(name, "holdings", {"candidates": wanted}, holdings, problems))
         else:
             self.facts[name].holdings = {}
+            problems.pop("holdings", None)
         await asyncio.gather(*calls)
 
-    async def _fact(self, name: str, op: str, args: dict, parse) -> None:
+    async def _fact(self, name: str, op: str, args: dict, parse, problems: dict[str, str]) -> None:
         try:
             result = await self.links[name].call(op, args, timeout=30)
         except NodeError as exc:
             log.debug("%s: %s failed: %s", name, op, exc)
             return
+        try:
+            value = parse(result)
+        except Malformed as exc:
+            # The last sound facts are kept (they go stale); the node is unhealthy meanwhile.
+            problems[op] = f"malformed {op} answer: {exc}"
+            return
+        problems.pop(op, None)
         facts = self.facts[name]
-        value = parse(result)
         setattr(facts, "shards" if op == "status" else op, value)
         facts.observed_at[op] = time.time()
 

@@ -5,20 +5,29 @@ and one long-lived helper session on it. A single supervisor task per link conne
 helper when it is missing or fails its integrity check, and reconnects with capped exponential
 backoff and jitter when the connection is lost (R-1.1–R-1.3, R-1.7). Only this package knows
 that SSH exists.
+
+States: `connecting` until the first attempt ends, then `ready`, or `unreachable` / `unhealthy`
+with the reason. Retries of a node that stays down do not pass through `connecting` again, and
+`since` is the time it went down (its first failure), not the time of the latest retry.
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import contextlib
+import errno
 import hashlib
 import importlib.resources
 import logging
 import os
 import random
 import shlex
+import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -42,45 +51,20 @@ EXTRA_CHANNELS = 4
 PREFERRED_CIPHERS = "^aes128-gcm@openssh.com,aes256-gcm@openssh.com"
 
 
-# The helper is started through this bootstrap, which checks the file's hash before Python even
-# parses it: a tampered copy that no longer compiles must still fail its check, not raise a syntax
-# error. A missing or mismatched copy is replaced on the spot: the bootstrap says {"upload": ...},
-# reads the helper from stdin, checks its hash, writes it atomically (temp + rename; directories
-# it creates are 0700, existing ones are left for the helper to judge) and runs it: one process
-# start and no extra channel per deployment. The helper then verifies itself again (R-1.3).
+# The helper is started through its own verifying loader (the LOADER constant of the helper
+# file, read from the shipped copy): it hashes the file before Python parses it, so a tampered
+# copy that no longer compiles still fails its check rather than raising a syntax error, and it
+# runs the very bytes it hashed. A missing or mismatched copy is replaced on the spot: the loader
+# says {"upload": ...}, reads the helper from stdin, checks its hash, writes it atomically (temp +
+# rename; directories it creates are 0700, existing ones are left for the helper to judge) and
+# runs it: one process start and no extra channel per deployment. `python3 -I` (isolated mode)
+# keeps the node's PYTHON* variables, user site-packages and working directory out of it. The
+# helper then verifies itself and its directories again (R-1.3).
 # Exit 96: stdin ended before the upload was complete; 97: the upload's hash was wrong.
-BOOTSTRAP = (
-    "import hashlib,json,os,sys\n"
-    "p,h,n=sys.argv[1],sys.argv[2],int(sys.argv[3])\n"
-    "def say(m):\n"
-    " sys.stdout.write(json.dumps(m)+'\\n');sys.stdout.flush()\n"
-    "try:\n"
-    " d=open(p,'rb').read()\n"
-    "except OSError:\n"
-    " d=None\n"
-    "if d is None or hashlib.sha256(d).hexdigest()!=h:\n"
-    " say({'upload':h,'found':'missing' if d is None else 'mismatch'})\n"
-    " r=sys.stdin.buffer;d=b''\n"
-    " while len(d)<n:\n"
-    "  c=r.read(n-len(d))\n"
-    "  if not c:sys.exit(96)\n"
-    "  d+=c\n"
-    " a=hashlib.sha256(d).hexdigest()\n"
-    " if a!=h:\n"
-    "  say({'fatal':'integrity','expected':h,'actual':a});sys.exit(97)\n"
-    " q=os.path.dirname(p)\n"
-    " for x in (os.path.dirname(q),q):\n"
-    "  if x and not os.path.isdir(x):os.mkdir(x,0o700)\n"
-    " t='%s.%d.tmp'%(p,os.getpid())\n"
-    " with os.fdopen(os.open(t,os.O_WRONLY|os.O_CREAT|os.O_EXCL,0o600),'wb') as o:o.write(d)\n"
-    " os.replace(t,p)\n"
-    "sys.argv=[p]+sys.argv[4:]\n"
-    "exec(compile(d,p,'exec'),{'__name__':'__main__','__file__':p,'__builtins__':__builtins__})\n"
-)
 
 
 def helper_argv(python: str, path: str, code: HelperCode, root: str) -> list[str]:
-    return [python, "-c", BOOTSTRAP, path, code.sha256, str(len(code.text)),
+    return [python, "-I", "-c", code.loader, path, code.sha256, str(len(code.text)),
             "serve", "--expect-sha256", code.sha256, "--root", root]
 
 
@@ -93,12 +77,52 @@ class HelperCode:
     def filename(self) -> str:
         return f"llmgw_helper-{self.sha256}.py"
 
+    @property
+    def loader(self) -> str:
+        return _loader_of(self.text)
+
+
+@lru_cache(maxsize=4)
+def _loader_of(text: bytes) -> str:
+    """The helper's LOADER constant, read from its source without running any of it."""
+    for statement in ast.parse(text).body:
+        if (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+                and isinstance(statement.targets[0], ast.Name) and statement.targets[0].id == "LOADER"):
+            return ast.literal_eval(statement.value)
+    raise ValueError("the helper defines no LOADER")
+
 
 @lru_cache(maxsize=1)
 def helper_code() -> HelperCode:
     """The helper this control plane ships, read as package data, and its SHA-256."""
     text = importlib.resources.files("llmgw").joinpath("remote/llmgw_helper.py").read_bytes()
     return HelperCode(text=text, sha256=hashlib.sha256(text).hexdigest())
+
+
+class ConnectGate:
+    """Bounds the SSH handshakes in flight at once and spaces their starts by `spacing` seconds.
+
+    sshd's MaxStartups counts connections that have not authenticated yet, so only the handshake
+    and authentication run inside the gate. The TCP connect runs before it, outside, bounded by
+    its own timeout: a node that swallows SYNs never holds a place that a live node waits for.
+    """
+
+    def __init__(self, limit: int, spacing: float = 0.0):
+        self.limit = limit
+        self.spacing = spacing
+        self._slots = asyncio.Semaphore(limit)
+        self._next_start = 0.0  # loop time at which the next handshake may begin
+
+    @asynccontextmanager
+    async def handshake(self, node: str) -> AsyncIterator[None]:
+        async with self._slots:
+            loop = asyncio.get_running_loop()
+            now = loop.time()
+            start = max(now, self._next_start)
+            self._next_start = start + self.spacing
+            if start > now:
+                await asyncio.sleep(start - now)
+            yield
 
 
 def backoff_delay(attempt: int, base: float = BACKOFF_BASE, cap: float = BACKOFF_CAP) -> float:
@@ -111,14 +135,16 @@ class NodeLink:
     """A node's link. Subclasses open the transport and start the helper."""
 
     def __init__(self, name: str, *, code: HelperCode | None = None,
-                 on_state: Callable[[NodeLink], None] | None = None):
+                 on_state: Callable[[NodeLink], None] | None = None, fleet_secret: str | None = None):
         self.name = name
         self.code = code or helper_code()
+        self._fleet_secret = fleet_secret
         self.state = CONNECTING
         self.reason: str | None = None
         self.since = time.time()
         self.hello: dict | None = None
         self.connects = 0
+        self.failures = 0  # attempts that failed since the node was last ready
         self._session: HelperSession | None = None
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -151,6 +177,22 @@ class NodeLink:
             raise NodeError(self.name, op, "not connected", self.reason or f"node is {self.state}")
         return session.stream(op, args)
 
+    @property
+    def answering(self) -> bool:
+        """A helper session is open: the node is ready, or unhealthy because of what it answered."""
+        return self._session is not None and not self._session.closed
+
+    def report_answers(self, problem: str | None) -> None:
+        """What the fleet made of the helper's latest answers. A problem (an answer without the
+        protocol's shape) makes the node `unhealthy` with it while the session lasts: placement
+        and the reconciler leave it alone. None makes it ready again."""
+        if not self.answering:
+            return
+        if problem is not None:
+            self._set_state(UNHEALTHY, problem)
+        elif self.state == UNHEALTHY:
+            self._set_state(READY)
+
     def reconnect_now(self) -> None:
         """Skip the rest of the current backoff wait (e.g. after the operator fixed something)."""
         self._wake.set()
@@ -163,18 +205,17 @@ class NodeLink:
     # -- supervision -------------------------------------------------------------------------
 
     def _set_state(self, state: str, reason: str | None = None) -> None:
-        if state != self.state or reason != self.reason:
-            if (state == READY) != (self.state == READY):
-                # Since it became ready, or since it is down: the retries of a node that stays
-                # down (connecting, unreachable, connecting...) do not restart the clock, or its
-                # replicas would never outlast the settling window (R-4.5).
-                self.since = time.time()
-            if state == READY:
-                log.info("%s: ready (helper %s)", self.name, (self.hello or {}).get("version"))
-            elif state == CONNECTING:
-                log.debug("%s: connecting", self.name)
-            else:
-                log.warning("%s: %s%s", self.name, state, f": {reason}" if reason else "")
+        if state == self.state and reason == self.reason:
+            return
+        if (state == READY) != (self.state == READY) or self.state == CONNECTING:
+            # Since it became ready, or since it first failed: the retries of a node that stays
+            # down (unreachable, unhealthy, with whatever reason) do not restart the clock, or
+            # its replicas would never outlast the settling window (R-4.5, R-1.1).
+            self.since = time.time()
+        if state == READY:
+            log.info("%s: ready (helper %s)", self.name, (self.hello or {}).get("version"))
+        else:
+            log.warning("%s: %s%s", self.name, state, f": {reason}" if reason else "")
         self.state, self.reason = state, reason
         if state == READY:
             self._ready.set()
@@ -184,26 +225,25 @@ class NodeLink:
             self._on_state(self)
 
     async def _supervise(self) -> None:
-        attempt = 0
         while not self._closed:
             try:
                 session = await self._open()
             except HelperFailed as exc:
+                self.failures += 1
                 self._set_state(UNHEALTHY, exc.reason)
                 await self._teardown()
-                await self._sleep(backoff_delay(attempt + 3))
-                attempt += 1
+                await self._sleep(backoff_delay(self.failures + 2))
                 continue
-            except (OSError, asyncssh.Error, asyncio.TimeoutError, NodeError) as exc:
+            except (OSError, asyncssh.Error, TimeoutError, NodeError) as exc:
+                self.failures += 1
                 self._set_state(UNREACHABLE, _describe(exc))
                 await self._teardown()
-                await self._sleep(backoff_delay(attempt))
-                attempt += 1
+                await self._sleep(backoff_delay(self.failures - 1))
                 continue
             self._session = session
             self.hello = session.hello
             self.connects += 1
-            attempt = 0
+            self.failures = 0
             self._set_state(READY)
             reason = await asyncio.shield(session.lost)
             if self._closed:
@@ -229,6 +269,18 @@ class NodeLink:
             log.info("%s: deploying helper %s (the node's copy was %s)", self.name, self.code.sha256[:12],
                      "missing" if session.uploaded == "missing" else "changed")
 
+    async def _hand_over(self, session: HelperSession) -> None:
+        """Give the started helper the fleet secret it seals and checks cache entries with: in the
+        session only, never in an argv or a log line."""
+        if self._fleet_secret is None:
+            return
+        try:
+            await session.call("fleet_secret", {"secret": self._fleet_secret}, HELLO_TIMEOUT)
+        except NodeError as exc:
+            if exc.kind is None:
+                raise
+            raise HelperFailed(f"the helper cannot keep the fleet secret: {exc.message}") from None
+
     async def _teardown(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -238,7 +290,7 @@ class NodeLink:
 class SSHLink(NodeLink):
     """A node reached over one persistent asyncssh connection (R-1.1, R-1.5)."""
 
-    def __init__(self, node: NodeConfig, ssh: SSHConfig, *, connect_gate: asyncio.Semaphore | None = None,
+    def __init__(self, node: NodeConfig, ssh: SSHConfig, *, connect_gate: ConnectGate | None = None,
                  **kw):
         super().__init__(node.name, **kw)
         self.node = node
@@ -278,16 +330,54 @@ class SSHLink(NodeLink):
         return options
 
     async def _connect(self) -> asyncssh.SSHClientConnection:
-        options = self._connect_options()
         host = self.node.host
         assert host is not None
+        options = self._connect_options()
         try:
-            if self._gate is not None:
-                async with self._gate:
-                    return await asyncssh.connect(host, **options)
-            return await asyncssh.connect(host, **options)
+            # Resolved as asyncssh resolves them (the ssh config's HostName, Port, ProxyJump...),
+            # so that the TCP connect below goes where asyncssh itself would have gone.
+            resolved = await asyncssh.SSHClientConnectionOptions.construct(host=host, **options)
+            if resolved.tunnel or resolved.proxy_command or resolved.canonicalize_hostname:
+                # The connection is not a plain TCP connect of ours: asyncssh makes all of it,
+                # inside the gate.
+                async with self._handshake():
+                    return await self._ssh_handshake(host, options["port"], None, resolved)
+            sock = await self._tcp_connect(resolved.host, resolved.port, resolved.family, resolved.local_addr)
+            try:
+                async with self._handshake():
+                    return await self._ssh_handshake(host, options["port"], sock, resolved)
+            except BaseException:
+                sock.close()
+                raise
         except asyncssh.HostKeyNotVerifiable as exc:
             raise HelperFailed(await self._host_key_message(host, options, exc)) from None
+
+    def _handshake(self):
+        return self._gate.handshake(self.name) if self._gate is not None else contextlib.nullcontext()
+
+    async def _tcp_connect(self, host: str, port: int, family: int, local_addr) -> socket.socket:
+        """A connected TCP socket to the node, within connect_timeout (outside the gate)."""
+        timeout = self.ssh.connect_timeout
+        target = _target(host, port)
+        try:
+            return await asyncio.wait_for(_open_socket(host, port, family, local_addr), timeout)
+        except TimeoutError:
+            raise OSError(errno.ETIMEDOUT, f"TCP connect to {target} timed out after {timeout:g}s") from None
+        except OSError as exc:
+            detail = os.strerror(exc.errno) if exc.errno else (exc.strerror or str(exc))
+            raise OSError(exc.errno, f"TCP connect to {target}: {detail}") from None
+
+    async def _ssh_handshake(self, host: str, port: int, sock: socket.socket | None,
+                             resolved: asyncssh.SSHClientConnectionOptions) -> asyncssh.SSHClientConnection:
+        timeout = self.ssh.connect_timeout
+        try:
+            if sock is None:
+                return await asyncssh.connect(host, port, options=resolved)
+            # host and port again: the host key is looked up under the name the inventory gave.
+            return await asyncssh.connect(host, port, sock=sock, options=resolved)
+        except TimeoutError:
+            raise OSError(errno.ETIMEDOUT, f"SSH handshake with {_target(resolved.host, resolved.port)} did not "
+                                           f"finish within {timeout:g}s") from None
 
     async def _host_key_message(self, host: str, options: dict, exc: Exception) -> str:
         """Name the node and the fingerprint it presented, and say what to do (R-1.5)."""
@@ -315,7 +405,6 @@ class SSHLink(NodeLink):
                 f"{known} (e.g. `ssh-keyscan -p {port} {host}` compared with the node's own key)")
 
     async def _open(self) -> HelperSession:
-        self._set_state(CONNECTING, self.reason)
         self._conn = await self._connect()
         return await self._start_helper()
 
@@ -347,6 +436,7 @@ class SSHLink(NodeLink):
             raise HelperFailed(reason, fatal=exc.fatal, exit_status=status) from None
         self._deployed(session)
         self._process = process
+        await self._hand_over(session)
         return session
 
     async def _teardown(self) -> None:
@@ -375,8 +465,7 @@ class LocalLink(NodeLink):
         self._proc: asyncio.subprocess.Process | None = None
 
     async def _open(self) -> HelperSession:
-        self._set_state(CONNECTING, self.reason)
-        self.root.parent.mkdir(parents=True, exist_ok=True)  # the bootstrap makes ROOT and ROOT/helper
+        self.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the loader makes ROOT and ROOT/helper
         return await self._start_helper()
 
     async def _start_helper(self) -> HelperSession:
@@ -399,6 +488,7 @@ class LocalLink(NodeLink):
             raise HelperFailed(reason, fatal=exc.fatal, exit_status=status) from None
         self._deployed(session)
         self._proc = proc
+        await self._hand_over(session)
         return session
 
     async def _teardown(self) -> None:
@@ -414,20 +504,49 @@ class LocalLink(NodeLink):
                 await proc.wait()
 
 
+async def _open_socket(host: str, port: int, family: int, local_addr) -> socket.socket:
+    """Connect to the first address of `host` that accepts, as asyncio's create_connection does."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, family=family, type=socket.SOCK_STREAM)
+    if not infos:
+        raise OSError(errno.EHOSTUNREACH, f"{host} has no address")
+    error: OSError | None = None
+    for address_family, kind, proto, _, address in infos:
+        sock = socket.socket(address_family, kind, proto)
+        try:
+            sock.setblocking(False)
+            if local_addr:
+                sock.bind(local_addr)
+            await loop.sock_connect(sock, address)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+        except BaseException:
+            sock.close()
+            raise
+    assert error is not None
+    raise error
+
+
+def _target(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
-        return "connection timed out"
     if isinstance(exc, asyncssh.PermissionDenied):
         return f"authentication refused: {exc.reason}"
     if isinstance(exc, asyncssh.Error):
         return exc.reason or type(exc).__name__
-    if isinstance(exc, OSError):
-        return exc.strerror or str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    if isinstance(exc, TimeoutError):
+        return "connection timed out"
     return str(exc)
 
 
 def make_link(node: NodeConfig, ssh: SSHConfig, *, local_root: str | os.PathLike,
-              connect_gate: asyncio.Semaphore | None = None, **kw) -> NodeLink:
+              connect_gate: ConnectGate | None = None, **kw) -> NodeLink:
     if node.connection == "local":
         return LocalLink(node, local_root, **kw)
     return SSHLink(node, ssh, connect_gate=connect_gate, **kw)

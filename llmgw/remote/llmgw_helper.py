@@ -7,16 +7,26 @@ keeps one copy running per node over its SSH connection.
 
 Starting and self-verification (R-1.3)
 --------------------------------------
-``python3 PATH serve --expect-sha256 HEX [--root DIR]``
+``python3 -I -c LOADER PATH HEX SIZE serve --expect-sha256 HEX [--root DIR]`` (or, by hand,
+``python3 PATH serve --expect-sha256 HEX [--root DIR]``)
 
-Before anything else the helper hashes its own file and compares the digest with HEX. The
+Every helper process, the engine supervisor included, is started through LOADER (a constant
+below): it hashes the file, runs exactly the bytes it hashed, and deploys a missing copy from
+stdin; ``-I`` keeps the node's PYTHON* variables and user site-packages out. Before anything
+else the helper hashes its own file and compares the digest with HEX. The
 expected hash always comes from the command line, never from a constant in this file (a file
 checking itself against its own text proves nothing). On a mismatch it prints one JSON line
 ``{"fatal": "integrity", "expected": HEX, "actual": HEX}`` and exits with EXIT_INTEGRITY (97).
 It then checks that the directory holding the file is owned by the current uid and not
 accessible to group or others (mode & 0o077 == 0); otherwise it prints
 ``{"fatal": "permissions", "path", "mode": "0755", "owner": UID, "message"}`` and exits with
-EXIT_PERMISSIONS (98). A bad command line exits with 2 (argparse).
+EXIT_PERMISSIONS (98). The same line and exit refuse a ROOT or ROOT/shards that is a link, owned
+by another user or writable by group or others, and any directory above ROOT or the helper's
+directory (as written and as resolved) that is owned by someone other than the user or root, or
+writable by group or others without being sticky (/tmp is fine): as OpenSSH's StrictModes judges
+a home, since whoever can replace a directory there could run code as this user or read engine
+keys. Files under ROOT (state, logs, shard files) are opened through directory fds without
+following links. A bad command line exits with 2 (argparse).
 
 Wire protocol (R-1.2)
 ---------------------
@@ -29,7 +39,8 @@ JSON lines over stdin/stdout, UTF-8, one object per line.
   ``{"id", "ok": false, "error": {"kind": "<machine word>", "message": "<sentence>"}}``.
   Kinds used: bad_request (a line that is not a request), unknown_op, bad_args, internal (an
   unexpected exception; the helper keeps running), cancelled, not_found, alive, identity,
-  port_in_use, engine_missing, integrity, launch_failed, disk_full, cache_dir (the cache cannot be written), http, network,
+  port_in_use, engine_missing, integrity, launch_failed, no_secret, too_large, stalled, permissions (a directory of the helper is a link or open to
+  others), disk_full, cache_dir (the cache cannot be written), http, network,
   empty_source.
 - Streamed event, zero or more before the answer: ``{"id", "event": "<name>", "data": {...}}``.
 
@@ -63,16 +74,24 @@ storage {"dirs": [{"path", "shared": bool}], "timeout": 5} -> {"filesystems": [{
 holdings {"candidates": {KEY: [path, ...]}, "timeout": 10} -> {"held": {KEY: {"path",
     "bytes"}}, "stuck": [path]}
     The first candidate holding weights: a non-empty regular file, or a directory with at least
-    one regular file; a directory named llmgw-* only with its completion marker (R-2.6).
+    one regular file; a directory named llmgw-* only as a fetched entry llmgw made (R-2.6, see
+    "Cache entries" below).
 
 fetch {"source": {"kind": "https", "urls": [...]} | {"kind": "hf", "repo", "revision",
-    "endpoint"}, "cache_dir", "name": "llmgw-<hex>", "token": str|null}
+    "endpoint"}, "cache_dir", "name": "llmgw-<hex>", "token": str|null, "max_bytes": int|null,
+    "stall_timeout": 60}
     -> events "progress" {"bytes", "total": int|null}; answer {"path", "bytes"}
-    Written under cache_dir/.tmp-<name>-<random>/, marked complete with .llmgw-complete and
-    renamed to cache_dir/<name> only at the end (R-5.2). Single-flight per cache dir and name:
+    Written under cache_dir/.tmp-<name>-<random>/, marked complete with a sealed .llmgw-complete
+    and renamed to cache_dir/<name> only at the end (R-5.2). A <name> that exists and is not
+    llmgw's (another user's, or unsealed) is never used or removed: the fetch fails (cache_dir).
+    Refused (no_secret) before the control plane has handed over the fleet secret. Single-flight per cache dir and name:
     a second request attaches to the running download (R-5.3). total is known only when every
     file's length is. The token is sent as a bearer header to the source's host only, and is
-    never logged or echoed.
+    never logged or echoed; what it fetched is readable by this user only (directories 0700,
+    files 0600; 0755/0644 without a token, whatever the umask). Bounded: no more than max_bytes
+    in all (DEFAULT_FETCH_LIMIT without it), no file beyond the length its listing entry or
+    Content-Length announced (too_large); a hub listing of at most HUB_LISTING_MAX_BYTES and
+    HUB_LISTING_MAX_FILES; no byte for stall_timeout seconds fails the fetch (stalled).
 
 source_size {"source", "token"} -> {"bytes": int|null, "files": int}
     What a fetch of that source would download, from the hub listing's sizes or HEAD requests;
@@ -120,9 +139,41 @@ reclaim {"cache_dir", "names": [str]|null, "collect": false} -> {"entries": [{"n
     "bytes", "action": "listed"|"removed"|"refused", "reason"}]}
     Every name is checked again on the node (R-5.5): the cache-name pattern, no traversal, the
     cache directory is a real directory, realpath + commonpath inside it and never it, the entry
-    is not a link; removal is fd-relative and never follows a symbolic link.
+    is not a link and is this user's; removal is fd-relative and never follows a symbolic link.
+    A download's temp dir holds a lease (.llmgw-lease: hostname, boot id, pid; its mtime renewed
+    every LEASE_RENEW s): on a cache several nodes share, a temp dir whose lease is alive (this
+    node: the pid still runs; another node: renewed within LEASE_FRESH), or that is younger than
+    LEASE_GRACE without a lease, is neither listed nor removed, nor the entry it is for.
 
 cancel {"target": request id} -> {"cancelled": bool}     ends a log follow or a fetch wait.
+
+fleet_secret {"secret": hex} -> {"stored": true}
+    The control plane's fleet secret, sent right after hello on every start (never in an argv,
+    never echoed, not even in a refusal); kept in ROOT/fleet.key (0600) for later starts and for
+    the one-shot commands.
+
+Trust model
+-----------
+The helper trusts only what llmgw made, because a node is shared with other users: the code it
+runs (LOADER runs the bytes it hashed, with -I), the directories it keeps state and keys in
+(ROOT, ROOT/shards and everything above them, judged as StrictModes judges a home; files in
+them opened without following links), and the cache entries it serves or reports (below). A
+directory others can write is therefore never a way to run code as this user, read an engine's
+key, plant weights, or delete another node's download. Downloads are bounded (fetch) and what
+a hub token fetched stays private to this user.
+
+Cache entries (R-2.6, R-5.2, R-5.5)
+-----------------------------------
+A cache directory may be writable by others (a shared filer, a scratch space), so a directory
+named llmgw-* there counts as fetched weights only when it is a real directory (not a link)
+owned by the helper's user, holds only regular files and directories of that user that nobody
+else can write, and has a completion marker whose "seal" is HMAC-SHA256, keyed by the fleet
+secret, of the cache name and the entry's manifest (every file's relative path and size). So
+weights one node of the fleet fetched onto a shared filer are accepted by the others, and a
+directory someone else planted is never served nor reported as held. A marker from before seals
+(no "seal", name and byte count matching) is sealed once by a serving helper, not fetched
+again. File contents are not hashed (weights are large): the ownership checks keep others from
+changing them.
 
 One-shot mode for operators (R-1.4)
 -----------------------------------
@@ -135,6 +186,7 @@ reachable only through ``serve --expect-sha256``.
 import argparse
 import errno
 import hashlib
+import hmac
 import json
 import os
 import platform
@@ -153,6 +205,8 @@ import time
 import traceback
 import urllib.parse
 
+http = ssl = None  # imported on the first download (load_web_modules)
+
 HELPER_VERSION = "0.1.0"
 PROTOCOL_VERSION = 1
 
@@ -165,6 +219,14 @@ DEFAULT_ROOT = "~/.llmgw"
 STATE_FILE = "state.json"
 LOG_FILE = "engine.log"
 COMPLETE_MARKER = ".llmgw-complete"
+LEASE_FILE = ".llmgw-lease"  # in a download's temp dir: who is writing it; renewed while it runs
+LEASE_RENEW = 15.0
+LEASE_FRESH = 300.0  # a lease renewed this recently is a download in progress (generous: clocks of a filer's clients differ)
+LEASE_GRACE = 30.0  # a temp dir this young without a lease may be a download just starting
+FLEET_SECRET_FILE = "fleet.key"
+FLEET_SECRET_RE = re.compile(r"[0-9a-f]{32,128}")
+MARKER_FORMAT = 2
+SEAL_CONTEXT = b"llmgw cache entry v2\n"
 
 # Cache entries carry the hash of their canonical source; anything else in a cache directory
 # was put there by someone else and is never touched (R-5.5).
@@ -222,10 +284,61 @@ LAUNCH_TIMEOUT = 30.0
 KILL_WAIT = 5.0
 WALK_LIMIT = 200000
 HTTP_TIMEOUT = 60.0
+DEFAULT_STALL_TIMEOUT = 60.0  # a download that sends no byte for this long has failed
+DEFAULT_FETCH_LIMIT = 2 * 1000**4  # bytes one fetch may write when the request gives no cap
+HUB_LISTING_MAX_BYTES = 32 << 20
+HUB_LISTING_MAX_FILES = 50000
 FETCH_CHUNK = 1 << 20
 PROGRESS_INTERVAL = 0.25
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+# The verifying loader every helper process starts through, as ``python3 -I -c LOADER PATH HEX
+# SIZE ARGS...`` (the control plane reads this constant from this file): it reads the file once,
+# hashes those bytes and runs exactly them, so a copy swapped between the check and the run is
+# never what runs; -I keeps PYTHON* variables, the user's site-packages and the working
+# directory out of the interpreter. With SIZE a number, a missing or different copy is replaced:
+# it says {"upload": HEX, "found"}, reads SIZE bytes from stdin, checks them (exit 97 on a
+# mismatch, 96 when stdin ends early), writes them atomically (directories it creates are 0700)
+# and runs them. With SIZE "-" (the engine supervisor, whose stdin is its spec) nothing is
+# uploaded: a different copy is the fatal integrity line and exit 97.
+LOADER = (
+    "import hashlib,json,os,sys\n"
+    "p,h,n=sys.argv[1],sys.argv[2],sys.argv[3]\n"
+    "def say(m):\n"
+    " sys.stdout.write(json.dumps(m)+'\\n');sys.stdout.flush()\n"
+    "try:\n"
+    " d=open(p,'rb').read()\n"
+    "except OSError:\n"
+    " d=None\n"
+    "a=d and hashlib.sha256(d).hexdigest()\n"
+    "if a!=h and n=='-':\n"
+    " say({'fatal':'integrity','expected':h,'actual':a});sys.exit(97)\n"
+    "if a!=h:\n"
+    " say({'upload':h,'found':'missing' if d is None else 'mismatch'})\n"
+    " r=sys.stdin.buffer;d=b'';n=int(n)\n"
+    " while len(d)<n:\n"
+    "  c=r.read(n-len(d))\n"
+    "  if not c:sys.exit(96)\n"
+    "  d+=c\n"
+    " a=hashlib.sha256(d).hexdigest()\n"
+    " if a!=h:\n"
+    "  say({'fatal':'integrity','expected':h,'actual':a});sys.exit(97)\n"
+    " q=os.path.dirname(p)\n"
+    " for x in (os.path.dirname(q),q):\n"
+    "  if x and not os.path.isdir(x):os.mkdir(x,0o700)\n"
+    " t='%s.%d.tmp'%(p,os.getpid())\n"
+    " with os.fdopen(os.open(t,os.O_WRONLY|os.O_CREAT|os.O_EXCL,0o600),'wb') as o:o.write(d)\n"
+    " os.replace(t,p)\n"
+    "sys.argv=[p]+sys.argv[4:]\n"
+    "exec(compile(d,p,'exec'),{'__name__':'__main__','__file__':p,'__builtins__':__builtins__,"
+    "'__llmgw_loaded__':a})\n"
+)
+
+
+def loader_argv(python, path, sha256, size, args):
+    """The command line that starts this helper's file through LOADER (see above)."""
+    return [python, "-I", "-c", LOADER, path, sha256, str(size)] + list(args)
 
 
 class HelperError(Exception):
@@ -683,11 +796,12 @@ def foreign_listener(port, groups):
     return None
 
 
-def _write_json_atomic(path, obj):
+def _write_json_atomic(path, obj, mode=0o600):
     """Write JSON to path through a temp file and rename, so readers never see half a file."""
     temp = "%s.tmp-%d-%s" % (path, os.getpid(), secrets.token_hex(4))
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as handle:
             json.dump(obj, handle, indent=1, sort_keys=True)
             handle.flush()
@@ -704,37 +818,57 @@ def _write_json_atomic(path, obj):
 def _write_private_file(path, text):
     """Write text readable by this user only (0600), replacing the file atomically."""
     temp = "%s.tmp-%d-%s" % (path, os.getpid(), secrets.token_hex(4))
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
     os.replace(temp, path)
 
 
-def sha256_of_file(path):
-    """Hex SHA-256 of a regular file opened without following a link, or None."""
+def sha256_of_file(opener):
+    """Hex SHA-256 of the file opener() opens (without following a link), or None."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        fd = opener()
     except OSError:
         return None
     with os.fdopen(fd, "rb") as handle:
         return hashlib.sha256(handle.read()).hexdigest()
 
 
-def _read_json(path):
+_NOFOLLOW_READ = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_below(top, parts, flags=_NOFOLLOW_READ, mode=0o600):
+    """Open top/parts[0]/.../parts[-1] through directory fds, following no symbolic link below
+    top (which was checked when the helper started): a link planted as a state or log file, or
+    as a shard directory, is refused (ELOOP/ENOTDIR), never read or written through."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     try:
-        with open(path, "rb") as handle:
+        for part in parts[:-1]:
+            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        return os.open(parts[-1], flags | os.O_NOFOLLOW, mode, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _read_json(path, opener=None):
+    try:
+        fd = opener() if opener is not None else os.open(path, _NOFOLLOW_READ)
+        with os.fdopen(fd, "rb") as handle:
             value = json.loads(handle.read().decode("utf-8"))
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
 
 
-def tail_lines(path, count, max_bytes=16 << 20):
-    """Last count lines of a file, read backwards in blocks; missing file gives []."""
+def tail_lines(path, count, max_bytes=16 << 20, opener=None):
+    """Last count lines of a file, read backwards in blocks; missing file gives []. The file is
+    opened without following a link (opener, when given, opens it)."""
     if count <= 0:
         return []
     try:
-        handle = open(path, "rb")
+        handle = os.fdopen(opener() if opener is not None else os.open(path, _NOFOLLOW_READ), "rb")
     except OSError:
         return []
     with handle:
@@ -825,13 +959,16 @@ def _walk_regular_files(top, follow_file_links, limit=WALK_LIMIT, skip_top=()):
     return total, files
 
 
-def weights_bytes(path):
+def weights_bytes(path, secret=None, remark=False):
     """Bytes of weights at path, or None when path holds none (R-2.6).
 
     Weights are a non-empty regular file, or a directory with at least one regular file. A
-    directory named llmgw-* is a fetched cache entry and counts only with its completion
-    marker: a download without it is half-finished.
+    directory named llmgw-* is a fetched cache entry and counts only when cache_entry accepts
+    it (made by this user, sealed by this fleet's llmgw): a download without its marker is
+    half-finished, and a directory someone else made is not llmgw's.
     """
+    if os.path.basename(os.path.normpath(path)).startswith("llmgw-"):
+        return cache_entry(path, secret, remark)[0]
     try:
         info = os.stat(path)
     except (OSError, ValueError):
@@ -840,15 +977,138 @@ def weights_bytes(path):
         return info.st_size if info.st_size > 0 else None
     if not stat.S_ISDIR(info.st_mode):
         return None
-    if os.path.basename(os.path.normpath(path)).startswith("llmgw-"):
-        try:
-            marker = os.stat(os.path.join(path, COMPLETE_MARKER))
-        except OSError:
-            return None
-        if not stat.S_ISREG(marker.st_mode):
-            return None
     total, files = _walk_regular_files(path, follow_file_links=True, skip_top=(COMPLETE_MARKER,))
     return total if files else None
+
+
+def _private_problem(what, info, uid):
+    """Why a file or directory of a cache entry is not this user's alone to change, or None."""
+    if info.st_uid != uid:
+        return "%s is owned by uid %d, not by uid %d running the helper" % (what, info.st_uid, uid)
+    if stat.S_IMODE(info.st_mode) & 0o022:
+        return "%s is writable by group or others (mode %04o)" % (what, stat.S_IMODE(info.st_mode))
+    return None
+
+
+def entry_manifest(path, uid, limit=WALK_LIMIT):
+    """(manifest, bytes, files, problem) of a cache entry, walked without following links.
+
+    The manifest lists "relative/path<TAB>size" of every file, sorted; names at the top that
+    start with .llmgw- (the marker, the lease) are llmgw's own and left out. problem says why
+    the entry cannot be llmgw's: a link or a special file inside, or a file or directory
+    another user owns or can write."""
+    lines = []
+    total = 0
+    stack = [""]
+    seen = 0
+    while stack:
+        relative = stack.pop()
+        directory = os.path.join(path, relative) if relative else path
+        try:
+            iterator = os.scandir(directory)
+        except OSError as exc:
+            return None, None, 0, "%s cannot be read: %s" % (directory, exc.strerror or exc)
+        with iterator:
+            for entry in iterator:
+                seen += 1
+                if seen > limit:
+                    return None, None, 0, "holds more than %d files" % limit
+                if not relative and entry.name.startswith(".llmgw-"):
+                    continue
+                name = relative + "/" + entry.name if relative else entry.name
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except OSError as exc:
+                    return None, None, 0, "%s cannot be read: %s" % (name, exc.strerror or exc)
+                if stat.S_ISDIR(info.st_mode):
+                    stack.append(name)
+                elif not stat.S_ISREG(info.st_mode):
+                    return None, None, 0, "%s is a link or a special file, which llmgw never writes" % name
+                else:
+                    lines.append("%s\t%d" % (name, info.st_size))
+                    total += info.st_size
+                problem = _private_problem(name, info, uid)
+                if problem is not None:
+                    return None, None, 0, problem
+    lines.sort()
+    return "\n".join(lines), total, len(lines), None
+
+
+def entry_seal(secret, name, manifest):
+    """HMAC-SHA256, keyed by the fleet secret, of the cache name and the entry's manifest."""
+    message = SEAL_CONTEXT + name.encode("utf-8") + b"\n" + manifest.encode("utf-8", "surrogateescape")
+    return hmac.new(secret.encode("ascii"), message, hashlib.sha256).hexdigest()
+
+
+def _read_marker(path, uid):
+    """(marker dict, None) or (None, why) for the completion marker of the entry at path."""
+    try:
+        fd = open_below(path, [COMPLETE_MARKER])
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            return None, "incomplete: no completion marker"
+        return None, "its completion marker cannot be read (%s)" % (exc.strerror or exc)
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            return None, "its completion marker is not a regular file"
+        problem = _private_problem("its completion marker", info, uid)
+        if problem is not None:
+            return None, problem
+        try:
+            marker = json.loads(handle.read(1 << 20).decode("utf-8"))
+        except ValueError:
+            marker = None
+    if not isinstance(marker, dict):
+        return None, "its completion marker is not a JSON object"
+    return marker, None
+
+
+def cache_entry(path, secret, remark=False):
+    """(bytes, None) when the directory at path is a fetched entry this fleet's llmgw made, else
+    (None, why). It must be a real directory (not a link) owned by this user, with only this
+    user's files in it, and a completion marker whose seal (entry_seal) matches its name and
+    files. A marker from before seals (no "seal") is accepted once, and sealed on the spot when
+    remark is set, if it names this entry and its byte count matches the files."""
+    uid = os.getuid()
+    name = os.path.basename(os.path.normpath(path))
+    try:
+        info = os.lstat(path)
+    except (OSError, ValueError):
+        return None, "not present"
+    if stat.S_ISLNK(info.st_mode):
+        return None, "a symbolic link, not a cache entry; never followed"
+    if not stat.S_ISDIR(info.st_mode):
+        return None, "not a directory"
+    problem = _private_problem("the entry", info, uid)
+    if problem is not None:
+        return None, "not llmgw's: " + problem
+    marker, problem = _read_marker(path, uid)
+    if problem is not None:
+        return None, problem
+    manifest, total, files, problem = entry_manifest(path, uid)
+    if problem is not None:
+        return None, "not llmgw's: " + problem
+    if not files:
+        return None, "holds no files"
+    if secret is None:
+        return None, "no fleet secret on this node to check its completion marker"
+    expected = entry_seal(secret, name, manifest)
+    seal = marker.get("seal")
+    if isinstance(seal, str):
+        if hmac.compare_digest(seal, expected):
+            return total, None
+        return None, "its completion marker was not sealed by this fleet's llmgw, or its files changed since"
+    if seal is None and marker.get("name") == name and marker.get("bytes") == total and marker.get("files", files) == files:
+        if not remark:
+            return None, "its completion marker predates sealed markers (sealed by the next serving helper)"
+        sealed = dict(marker, format=MARKER_FORMAT, seal=expected)
+        try:
+            _write_json_atomic(os.path.join(path, COMPLETE_MARKER), sealed, mode=stat.S_IMODE(info.st_mode) & 0o644)
+        except OSError as exc:
+            return None, "its old completion marker could not be sealed: %s" % (exc.strerror or exc)
+        return total, None
+    return None, "its completion marker does not match its files"
 
 
 def _same_inode(a, b):
@@ -928,24 +1188,74 @@ def _check_reclaim(cache_dir, name):
         return "not present", None
     if stat.S_ISLNK(info.st_mode):
         return "is a symbolic link; links are never followed when deleting", None
+    if info.st_uid != os.getuid():
+        return (
+            "is owned by uid %d, not by uid %d running the helper; llmgw removes only what it fetched"
+            % (info.st_uid, os.getuid()),
+            None,
+        )
     return None, root_info
 
 
-def reclaim_entries(cache_dir, names, collect, busy=frozenset()):
+def lease_record():
+    return {"hostname": socket.gethostname(), "boot_id": read_boot_id(), "pid": os.getpid(), "started_at": time.time()}
+
+
+def download_in_progress(cache_dir, temp_name, now=None):
+    """Who is writing the temp dir cache_dir/temp_name (a sentence), or None when nobody is.
+
+    Its lease names a node, a boot and a pid: on this node and boot the pid must still run; a
+    lease from another node sharing the cache counts while renewed within LEASE_FRESH. A temp
+    dir without a lease counts while younger than LEASE_GRACE (a download just starting)."""
+    now = time.time() if now is None else now
+    try:
+        fd = open_below(cache_dir, [temp_name, LEASE_FILE])
+    except OSError:
+        try:
+            age = now - os.lstat(os.path.join(cache_dir, temp_name)).st_mtime
+        except OSError:
+            return None
+        return "a download just starting (no lease yet)" if age < LEASE_GRACE else None
+    with os.fdopen(fd, "rb") as handle:
+        age = now - os.fstat(handle.fileno()).st_mtime
+        try:
+            lease = json.loads(handle.read(4096).decode("utf-8"))
+        except ValueError:
+            lease = None
+    if not isinstance(lease, dict):
+        lease = {}
+    host, pid = lease.get("hostname"), lease.get("pid")
+    if host == socket.gethostname() and lease.get("boot_id") == read_boot_id() and isinstance(pid, int):
+        info = read_proc_stat(pid) if pid > 0 else None
+        if info is None or info["state"] in ("Z", "X"):
+            return None
+    if age >= LEASE_FRESH:
+        return None
+    return "in use by a download on %s (pid %s, lease renewed %d s ago)" % (host or "an unknown node", pid, max(0, age))
+
+
+def reclaim_entries(cache_dir, names, collect, busy=frozenset(), secret=None):
     """List or remove cache entries (R-5.5); busy holds names a running fetch uses.
 
-    names None lists every llmgw-* entry and every leftover temp dir no running fetch owns.
+    names None lists every llmgw-* entry and every leftover temp dir no running fetch owns;
+    an entry cache_entry does not accept (with secret) is listed with the reason. On a cache
+    shared by several nodes, a temp dir another node is writing (download_in_progress) is
+    neither listed nor removed, nor is the entry it is for.
     """
+    foreign = _foreign_downloads(cache_dir)
+    local, busy = busy, set(busy) | set(foreign)
     if names is None:
-        return _list_cache(cache_dir, busy)
+        return _list_cache(cache_dir, busy, secret)
     entries = []
     for name in names:
         path = os.path.join(cache_dir, name) if isinstance(name, str) and "\0" not in name else None
         entry = {"name": name, "path": path, "bytes": None, "action": "refused", "reason": None}
         entries.append(entry)
         reason, root_info = _check_reclaim(cache_dir, name)
-        if _is_busy(name, busy):
+        if _is_busy(name, local):
             reason = "in use by a running download"
+        elif _is_busy(name, busy):
+            reason = foreign.get(name) or "in use by a running download"
         if reason is not None:
             entry["reason"] = reason
             continue
@@ -960,6 +1270,22 @@ def reclaim_entries(cache_dir, names, collect, busy=frozenset()):
             continue
         entry["action"] = "removed"
     return entries
+
+
+def _foreign_downloads(cache_dir):
+    """{temp dir or the name it is for: who writes it} for the downloads, of this node or
+    another, still writing into cache_dir."""
+    try:
+        names = os.listdir(cache_dir)
+    except OSError:
+        return {}
+    found = {}
+    for name in names:
+        match = TEMP_NAME_RE.fullmatch(name)
+        writer = download_in_progress(cache_dir, name) if match is not None else None
+        if writer is not None:
+            found[name] = found[match.group(1)] = writer
+    return found
 
 
 def _is_busy(name, busy):
@@ -983,7 +1309,7 @@ def _entry_bytes(path):
     return total
 
 
-def _list_cache(cache_dir, busy):
+def _list_cache(cache_dir, busy, secret=None):
     try:
         names = sorted(os.listdir(cache_dir))
     except OSError:
@@ -997,8 +1323,8 @@ def _list_cache(cache_dir, busy):
                 reason = "a symbolic link, not a cache entry; never followed"
             elif name in busy:
                 reason = "download in progress"
-            elif weights_bytes(path) is None:
-                reason = "incomplete: no completion marker"
+            else:
+                reason = cache_entry(path, secret)[1]
         elif TEMP_NAME_RE.fullmatch(name) and not _is_busy(name, busy):
             reason = "leftover of an interrupted download"
         else:
@@ -1036,12 +1362,18 @@ _HF_REVISION_RE = re.compile(r"[A-Za-z0-9._/-]{1,256}")
 
 
 def redact_url(url):
-    """The URL without any user:password part, fit for a message."""
-    parts = urllib.parse.urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit((parts.scheme, "***@" + host, parts.path, parts.query, parts.fragment))
+    """The URL without any user:password part or query (a signed URL's query is a credential),
+    fit for a message: `https://host/path?<redacted>`."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<redacted>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = "<redacted>" if parts.query or "?" in url else ""
+    fragment = "<redacted>" if parts.fragment else ""
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
 
 
 def _check_https(url, what):
@@ -1066,7 +1398,7 @@ def _safe_relative_path(name):
 def load_web_modules():
     """Import what downloads need on first use: urllib.request, http.client and ssl cost about
     35 ms of start-up, paid by every helper start although most never download anything."""
-    if "ssl" not in globals():
+    if ssl is None:
         import importlib
 
         for name in ("http.client", "ssl", "urllib.error", "urllib.request"):
@@ -1103,12 +1435,18 @@ def redirect_handler():
 class FetchJob(object):
     """One download in progress, shared by every request that asked for it (R-5.3)."""
 
-    def __init__(self, key, cache_dir, name, source, token):
+    def __init__(self, key, cache_dir, name, source, token, limit=DEFAULT_FETCH_LIMIT,
+                 stall_timeout=DEFAULT_STALL_TIMEOUT, limit_origin="the helper's default"):
         self.key = key
         self.cache_dir = cache_dir
         self.name = name
         self.source = source
         self.token = token
+        self.limit = limit  # bytes this download may write in all
+        self.limit_origin = limit_origin  # what the limit came from, for the refusal
+        self.stall_timeout = stall_timeout
+        # Weights fetched with a hub token may be gated: readable by this user only.
+        self.private = token is not None
         self.lock = threading.Lock()
         self.listeners = {}
         self.done = threading.Event()
@@ -1198,6 +1536,7 @@ class Node(object):
         "logs",
         "reclaim",
         "cancel",
+        "fleet_secret",
     )
 
     def __init__(self, root, helper_path, sha256=None):
@@ -1214,6 +1553,7 @@ class Node(object):
         self.launch_lock = threading.Lock()
         self.closing = threading.Event()
         self._opener = None
+        self.secret = self._stored_secret()
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -1245,11 +1585,64 @@ class Node(object):
     def shards_dir(self):
         return os.path.join(self.root, "shards")
 
+    # -- the fleet secret: seals cache entries (see cache_entry) ---------------------------
+
+    def _stored_secret(self):
+        """The fleet secret kept in ROOT, or None: only a regular file of this user's that
+        nobody else can read counts."""
+        try:
+            fd = open_below(self.root, [FLEET_SECRET_FILE])
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+                return None
+            text = handle.read(256).decode("ascii", "replace").strip()
+        return text if FLEET_SECRET_RE.fullmatch(text) else None
+
+    def op_fleet_secret(self, args, ctx):
+        if self.sha256 is None:
+            raise bad_args("fleet_secret is only available through serve --expect-sha256")
+        secret = _arg(args, "secret", (str,))
+        if not FLEET_SECRET_RE.fullmatch(secret):
+            # The value is never echoed, not even in a refusal.
+            raise bad_args("secret must be 32 to 128 lowercase hex digits")
+        if secret != self.secret:
+            try:
+                _write_private_file(os.path.join(self.root, FLEET_SECRET_FILE), secret + "\n")
+            except OSError as exc:
+                raise HelperError("permissions", "cannot keep the fleet secret in %s: %s" % (self.root, exc.strerror or exc))
+            self.secret = secret
+        return {"stored": True}
+
+    def entry_bytes(self, path):
+        """weights_bytes with this node's fleet secret; a serving helper seals old markers."""
+        return weights_bytes(path, self.secret, remark=self.sha256 is not None)
+
     def shard_dir(self, shard_id):
         return os.path.join(self.shards_dir(), shard_id)
 
     def read_state(self, shard_id):
-        return _read_json(os.path.join(self.shard_dir(shard_id), STATE_FILE))
+        return _read_json(None, lambda: self.open_shard_file(shard_id, STATE_FILE))
+
+    def open_shard_file(self, shard_id, name, flags=_NOFOLLOW_READ):
+        return open_below(self.root, ["shards", shard_id, name], flags)
+
+    def shard_log_tail(self, shard_id, count):
+        return tail_lines(None, count, opener=lambda: self.open_shard_file(shard_id, LOG_FILE))
+
+    def private_dir(self, path):
+        """Make path (0700) unless it exists; refuse one that is a link or open to others."""
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise HelperError("permissions", "cannot make %s: %s" % (path, exc.strerror or exc))
+        problem = private_dir_problem(path, os.getuid())
+        if problem is not None:
+            raise HelperError("permissions", problem)
 
     # -- ping, cancel ----------------------------------------------------------------------
 
@@ -1411,7 +1804,7 @@ class Node(object):
                     if given not in stuck:
                         stuck.append(given)
                     continue
-                thread, box = _start_bounded(lambda path=path: weights_bytes(path))
+                thread, box = _start_bounded(lambda path=path: self.entry_bytes(path))
                 thread.join(max(0.0, deadline - time.monotonic()))
                 if thread.is_alive():
                     self._mark_stuck(path, thread)
@@ -1432,8 +1825,14 @@ class Node(object):
         if not CACHE_NAME_RE.fullmatch(name):
             raise bad_args("name %r must be llmgw-<16 to 64 lowercase hex digits>" % name)
         token = _arg(args, "token", (str,), None)
+        limit = _arg(args, "max_bytes", (int,), None)
+        if limit is not None and limit <= 0:
+            raise bad_args("max_bytes must be a positive number of bytes, got %r" % limit)
+        stall_timeout = _arg_timeout(args, "stall_timeout", DEFAULT_STALL_TIMEOUT)
         final = os.path.join(cache_dir, name)
-        size = weights_bytes(final)
+        if self.secret is None:
+            raise HelperError("no_secret", "no fleet secret on this node: a fetched entry could not be sealed (the control plane sends it)")
+        size = self.entry_bytes(final)
         if size is not None:
             return {"path": final, "bytes": size}
         key = (cache_dir, name)
@@ -1441,7 +1840,9 @@ class Node(object):
             job = self.fetches.get(key)
             start = job is None or not job.attach(ctx.key, ctx.emit)
             if start:
-                job = FetchJob(key, cache_dir, name, source, token)
+                job = FetchJob(key, cache_dir, name, source, token, stall_timeout=stall_timeout,
+                               limit=limit or DEFAULT_FETCH_LIMIT,
+                               limit_origin="the request's max_bytes" if limit else "the helper's default")
                 self.fetches[key] = job
                 self.running_jobs.add(job)
                 job.attach(ctx.key, ctx.emit)
@@ -1496,10 +1897,12 @@ class Node(object):
     def _download(self, job):
         cache_dir = job.cache_dir
         final = os.path.join(cache_dir, job.name)
-        size = weights_bytes(final)
+        size = self.entry_bytes(final)
         if size is not None:  # finished by a job that ended between our check and our start
             return {"path": final, "bytes": size}
+        _refuse_foreign_entry(final, self.secret)
         temp = None
+        lease = None
         try:
             try:
                 os.makedirs(cache_dir, exist_ok=True)
@@ -1509,40 +1912,76 @@ class Node(object):
                     "cache_dir", "cannot write to the cache directory %s: %s" % (cache_dir, exc.strerror or exc)
                 )
             job.temp_name = os.path.basename(temp)
+            lease = self._hold_lease(job, temp)
             files = self._plan_files(job)
-            for url, parts, _ in files:
-                self._download_file(job, url, temp, parts, single=len(files) == 1)
+            if job.total is not None and job.total > job.limit:
+                raise HelperError("too_large", "%s would be %d bytes, more than the %d allowed (%s)"
+                                  % (job.name, job.total, job.limit, job.limit_origin))
+            for url, parts, size in files:
+                self._download_file(job, url, temp, parts, single=len(files) == 1, expected=size)
             job.progress(force=True)
+            manifest, total, count, problem = entry_manifest(temp, os.getuid())
+            if problem is not None:
+                raise HelperError("cache_dir", "the download of %s was changed while written: %s" % (job.name, problem))
             marker = {
+                "format": MARKER_FORMAT,
                 "name": job.name,
-                "source": job.source,
-                "bytes": job.bytes,
-                "files": len(files),
+                "source": _shown_source(job.source),
+                "bytes": total,
+                "files": count,
                 "finished_at": time.time(),
+                "seal": entry_seal(self.secret, job.name, manifest),
             }
             try:
-                _write_json_atomic(os.path.join(temp, COMPLETE_MARKER), marker)
-                os.chmod(temp, 0o755)
+                _write_json_atomic(os.path.join(temp, COMPLETE_MARKER), marker, mode=0o600 if job.private else 0o644)
+                os.chmod(temp, 0o700 if job.private else 0o755)
                 if os.path.lexists(final):
-                    if weights_bytes(final) is not None:
-                        # Another helper on this node finished it first.
+                    size = cache_entry(final, self.secret, remark=True)[0]
+                    if size is not None:
+                        # Another helper (of this node or another) finished it first.
                         remove_tree_within(cache_dir, os.path.basename(temp))
-                        return {"path": final, "bytes": weights_bytes(final)}
-                    # Ours by name, and incomplete by definition: nothing may keep its place.
+                        return {"path": final, "bytes": size}
+                    _refuse_foreign_entry(final, self.secret)
+                    # Ours by name and owner, and incomplete: nothing may keep its place.
                     remove_tree_within(cache_dir, job.name)
+                lease.set()
                 os.rename(temp, final)
             except OSError as exc:
                 raise _disk_error(exc, cache_dir, job) or HelperError(
                     "cache_dir", "could not finish %s: %s" % (final, exc.strerror or exc)
                 )
             temp = None
+            try:
+                os.unlink(os.path.join(final, LEASE_FILE))
+            except OSError:
+                pass  # left out of the seal and of reclaim's judgement of an entry anyway
             return {"path": final, "bytes": job.bytes}
         finally:
+            if lease is not None:
+                lease.set()
             if temp is not None:
                 try:
                     remove_tree_within(cache_dir, os.path.basename(temp))
                 except OSError:
                     shutil.rmtree(temp, ignore_errors=True)
+
+    def _hold_lease(self, job, temp):
+        """Write the temp dir's lease (this node, boot and pid) and renew its mtime while the
+        download runs, so that reclaim on any node sharing the cache leaves it alone; returns
+        the event that ends the renewal."""
+        _write_json_atomic(os.path.join(temp, LEASE_FILE), lease_record(), mode=0o644)
+        stop = threading.Event()
+        path = os.path.join(temp, LEASE_FILE)
+
+        def renew():
+            while not stop.wait(LEASE_RENEW):
+                try:
+                    os.utime(path)
+                except OSError:
+                    return
+
+        threading.Thread(target=renew, name="llmgw-lease", daemon=True).start()
+        return stop
 
     def _opener_for_downloads(self):
         if self._opener is None:
@@ -1552,7 +1991,7 @@ class Node(object):
             self._opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context), handler)
         return self._opener
 
-    def _request(self, job, url, method="GET"):
+    def _request(self, job, url, method="GET", timeout=HTTP_TIMEOUT):
         load_web_modules()
         request = urllib.request.Request(
             url, method=method, headers={"User-Agent": "llmgw-helper/" + HELPER_VERSION, "Accept-Encoding": "identity"}
@@ -1561,7 +2000,7 @@ class Node(object):
             request.add_unredirected_header("Authorization", "Bearer " + job.token)
             request.llmgw_token = job.token
         try:
-            return self._opener_for_downloads().open(request, timeout=HTTP_TIMEOUT)
+            return self._opener_for_downloads().open(request, timeout=timeout)
         except urllib.error.HTTPError as exc:
             exc.close()
             hint = ""
@@ -1570,7 +2009,9 @@ class Node(object):
             raise HelperError("http", "HTTP %d %s from %s%s" % (exc.code, exc.reason, redact_url(url), hint))
         except urllib.error.URLError as exc:
             raise HelperError("network", "could not reach %s: %s" % (redact_url(url), exc.reason))
-        except (socket.timeout, http.client.HTTPException, OSError) as exc:
+        except socket.timeout:
+            raise HelperError("stalled", "%s sent nothing for %g s" % (redact_url(url), timeout))
+        except (http.client.HTTPException, OSError) as exc:
             raise HelperError("network", "could not fetch %s: %s" % (redact_url(url), exc))
 
     def _plan_files(self, job):
@@ -1606,12 +2047,21 @@ class Node(object):
         api = "%s/api/models/%s/revision/%s" % (endpoint, repo, revision)
         with self._request(job, api) as response:
             try:
-                listing = json.loads(response.read().decode("utf-8"))
+                body = response.read(HUB_LISTING_MAX_BYTES + 1)
+            except (socket.timeout, OSError, http.client.HTTPException) as exc:
+                raise HelperError("network", "reading the hub listing at %s failed: %s" % (api, exc))
+            if len(body) > HUB_LISTING_MAX_BYTES:
+                raise HelperError("http", "the hub listing at %s is larger than %d bytes; refused" % (api, HUB_LISTING_MAX_BYTES))
+            try:
+                listing = json.loads(body.decode("utf-8"))
             except ValueError:
                 raise HelperError("http", "the hub answered %s with something that is not JSON" % api)
         siblings = listing.get("siblings") if isinstance(listing, dict) else None
         if not isinstance(siblings, list):
             raise HelperError("http", "the hub listing at %s has no siblings" % api)
+        if len(siblings) > HUB_LISTING_MAX_FILES:
+            raise HelperError("http", "the hub listing at %s names %d files, more than the %d a fetch takes"
+                              % (api, len(siblings), HUB_LISTING_MAX_FILES))
         files = []
         for sibling in siblings:
             name = sibling.get("rfilename") if isinstance(sibling, dict) else None
@@ -1633,17 +2083,21 @@ class Node(object):
         except HelperError:
             return None
 
-    def _download_file(self, job, url, temp, parts, single):
-        response = self._request(job, url)
+    def _download_file(self, job, url, temp, parts, single, expected=None):
+        """Write one file of the entry. It may not outgrow its announced length (the listing's
+        size or Content-Length) nor the job's limit; no byte for stall_timeout fails it."""
+        response = self._request(job, url, timeout=job.stall_timeout)
         with response:
             length = _content_length(response)
             if single:
                 job.set_total(length)
-            directory = os.path.join(temp, *parts[:-1])
+            bound = expected if expected is not None else length
+            if length is not None and job.bytes + length > job.limit:
+                raise HelperError("too_large", "%s announces %d bytes: %s would outgrow the %d allowed (%s)"
+                                  % (redact_url(url), length, job.name, job.limit, job.limit_origin))
             written = 0
             try:
-                os.makedirs(directory, exist_ok=True)
-                fd = os.open(os.path.join(directory, parts[-1]), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = _create_below(temp, parts, job.private)
                 with os.fdopen(fd, "wb", buffering=0) as out:
                     while True:
                         if job.abort.is_set():
@@ -1656,10 +2110,26 @@ class Node(object):
                                 "%s closed the connection after %d of %s bytes"
                                 % (redact_url(url), written + len(exc.partial), length),
                             )
-                        except (socket.timeout, OSError, http.client.HTTPException) as exc:
+                        except socket.timeout:
+                            raise HelperError(
+                                "stalled",
+                                "%s sent no byte for %g s (after %d bytes of this file, %d in all); the download "
+                                "of %s was given up" % (redact_url(url), job.stall_timeout, written, job.bytes, job.name),
+                            )
+                        except (OSError, http.client.HTTPException) as exc:
                             raise HelperError("network", "reading %s failed: %s" % (redact_url(url), exc))
                         if not chunk:
                             break
+                        if bound is not None and written + len(chunk) > bound:
+                            raise HelperError(
+                                "too_large", "%s sent more than the %d bytes it announced" % (redact_url(url), bound)
+                            )
+                        if job.bytes + len(chunk) > job.limit:
+                            raise HelperError(
+                                "too_large",
+                                "%s outgrew the %d bytes allowed (%s) while reading %s; stopped"
+                                % (job.name, job.limit, job.limit_origin, redact_url(url)),
+                            )
                         view = memoryview(chunk)
                         while view:
                             count = out.write(view)
@@ -1734,8 +2204,8 @@ class Node(object):
                 raise HelperError("alive", "shard %s is already running as pid %s" % (shard_id, previous.get("pid")))
             if port is not None:
                 check_port_free(host, port)
-            os.makedirs(self.shards_dir(), mode=0o700, exist_ok=True)
-            os.makedirs(shard_dir, mode=0o700, exist_ok=True)
+            self.private_dir(self.shards_dir())
+            self.private_dir(shard_dir)
             if os.path.exists(log_path):
                 os.replace(log_path, log_path + ".1")
             if os.path.exists(state_path):
@@ -1744,7 +2214,7 @@ class Node(object):
                 _write_private_file(os.path.join(shard_dir, file_name), text)
             for file_name, digest in file_sha256.items():
                 # The bytes the engine will load are the bytes the control plane shipped.
-                actual = sha256_of_file(os.path.join(shard_dir, file_name))
+                actual = sha256_of_file(lambda name=file_name: open_below(self.root, ["shards", shard_id, name]))
                 if actual != digest.lower():
                     raise HelperError("integrity", f"{file_name} in the shard directory has SHA-256 {actual}, "
                                                    f"not {digest}; the engine was not started")
@@ -1758,10 +2228,14 @@ class Node(object):
                 "health_url": health_url,
                 "log_path": log_path,
             }
-            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            log_fd = open_below(self.root, ["shards", shard_id, LOG_FILE],
+                                os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
             try:
+                # Through the same verifying loader as this helper: the supervisor runs the bytes
+                # it hashed, or refuses (exit 97, the fatal line in the log).
                 supervisor = subprocess.Popen(
-                    [sys.executable, self.helper_path, "supervise", "--expect-sha256", self.sha256, "--root", self.root],
+                    loader_argv(sys.executable, self.helper_path, self.sha256, "-",
+                                ["supervise", "--expect-sha256", self.sha256, "--root", self.root]),
                     stdin=subprocess.PIPE,
                     stdout=log_fd,
                     stderr=log_fd,
@@ -1781,17 +2255,17 @@ class Node(object):
             deadline = time.monotonic() + LAUNCH_TIMEOUT
             state = None
             while time.monotonic() < deadline:
-                state = _read_json(state_path)
+                state = self.read_state(shard_id)
                 if state is not None or supervisor.poll() is not None:
                     break
                 time.sleep(0.005)
             if state is None:
-                state = _read_json(state_path)
+                state = self.read_state(shard_id)
             if state is None and supervisor.returncode is None:
                 # Too late to report a start: end it rather than leave an engine nobody knows of.
                 _signal_groups([supervisor.pid], signal.SIGKILL)
         if state is None:
-            tail = " | ".join(tail_lines(log_path, 5))
+            tail = " | ".join(self.shard_log_tail(shard_id, 5))
             raise HelperError("launch_failed", "the supervisor of %s did not record a start: %s" % (shard_id, tail or "no log"))
         if state.get("pid") is None:
             raise HelperError("launch_failed", "could not start %s: %s" % (shard_id, state.get("error")))
@@ -1821,7 +2295,7 @@ class Node(object):
                 "log_tail": None,
             }
             if not alive:
-                entry["log_tail"] = tail_lines(os.path.join(self.shard_dir(shard_id), LOG_FILE), LOG_TAIL_LINES)
+                entry["log_tail"] = self.shard_log_tail(shard_id, LOG_TAIL_LINES)
             elif probe and isinstance(state.get("health_url"), str):
                 thread, box = _start_bounded(lambda st=state: probe_engine(st, timeout))
                 probes.append((entry, thread, box))
@@ -1895,32 +2369,40 @@ class Node(object):
         follow = _arg(args, "follow", (bool,), False)
         if not os.path.isdir(self.shard_dir(shard_id)):
             raise HelperError("not_found", "no shard %s is recorded on this node" % shard_id)
-        path = os.path.join(self.shard_dir(shard_id), LOG_FILE)
         if not follow:
-            return {"lines": tail_lines(path, count)}
-        try:
-            info = os.stat(path)
+            return {"lines": self.shard_log_tail(shard_id, count)}
+
+        def opened():
+            try:
+                return os.fdopen(self.open_shard_file(shard_id, LOG_FILE), "rb")
+            except OSError:
+                return None
+
+        handle = opened()
+        if handle is not None:
+            with handle:
+                info = os.fstat(handle.fileno())
             inode, offset = info.st_ino, info.st_size
-        except OSError:
+        else:
             inode, offset = None, 0
-        ctx.emit("lines", {"lines": tail_lines(path, count)})
+        ctx.emit("lines", {"lines": self.shard_log_tail(shard_id, count)})
         pending = b""
         while not ctx.cancelled.wait(LOG_FOLLOW_INTERVAL):
-            try:
-                info = os.stat(path)
-            except OSError:
+            handle = opened()
+            if handle is None:
                 continue
-            if info.st_ino != inode or info.st_size < offset:
-                # Rotated by a relaunch, or truncated: start over.
-                inode, offset, pending = info.st_ino, 0, b""
-            if info.st_size == offset:
-                continue
-            try:
-                with open(path, "rb") as handle:
+            with handle:
+                info = os.fstat(handle.fileno())
+                if info.st_ino != inode or info.st_size < offset:
+                    # Rotated by a relaunch, or truncated: start over.
+                    inode, offset, pending = info.st_ino, 0, b""
+                if info.st_size == offset:
+                    continue
+                try:
                     handle.seek(offset)
                     chunk = handle.read(min(info.st_size - offset, 4 << 20))
-            except OSError:
-                continue
+                except OSError:
+                    continue
             offset += len(chunk)
             parts = (pending + chunk).split(b"\n")
             pending = parts.pop()
@@ -1940,7 +2422,8 @@ class Node(object):
             raise bad_args("reclaim with collect is only available through serve --expect-sha256")
         if names is not None and not all(isinstance(name, str) for name in names):
             raise bad_args("names must be a list of strings")
-        return {"entries": reclaim_entries(cache_dir, names, collect, busy=self.busy_cache_names(cache_dir))}
+        return {"entries": reclaim_entries(cache_dir, names, collect, busy=self.busy_cache_names(cache_dir),
+                                           secret=self.secret)}
 
 
 def _check_source(source):
@@ -1962,6 +2445,55 @@ def _check_source(source):
         endpoint = _check_https(_arg(source, "endpoint", (str,), "https://huggingface.co"), "source.endpoint")
         return {"kind": "hf", "repo": repo, "revision": revision, "endpoint": endpoint}
     raise bad_args("source.kind must be 'https' or 'hf', got %r" % (kind,))
+
+
+def _shown_source(source):
+    """The source as kept in a marker others may read: a signed URL's query is a credential."""
+    if source.get("kind") == "https":
+        return dict(source, urls=[redact_url(url) for url in source["urls"]])
+    return dict(source)
+
+
+def _refuse_foreign_entry(final, secret):
+    """A fetch never uses nor removes a directory another user put where its entry goes."""
+    try:
+        owner = os.lstat(final).st_uid
+    except OSError:
+        return
+    if owner != os.getuid():
+        why = cache_entry(final, secret)[1] or ""
+        if why.startswith("not llmgw's: "):
+            why = why[len("not llmgw's: "):]
+        raise HelperError(
+            "cache_dir",
+            "%s exists and is not llmgw's (%s); it is never used or removed: remove it or choose another "
+            "cache directory" % (final, why),
+        )
+
+
+def _create_below(top, parts, private):
+    """Create top/parts... for writing (O_EXCL), through directory fds that follow no link, with
+    the modes set whatever the umask: 0700/0600 when private, else 0755/0644."""
+    dir_mode, file_mode = (0o700, 0o600) if private else (0o755, 0o644)
+    fd = os.open(top, _DIR_FLAGS)
+    try:
+        for part in parts[:-1]:
+            try:
+                os.mkdir(part, dir_mode, dir_fd=fd)
+                made = True
+            except FileExistsError:
+                made = False
+            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            if made:
+                os.fchmod(fd, dir_mode)
+        out = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                      file_mode, dir_fd=fd)
+        os.fchmod(out, file_mode)
+        return out
+    finally:
+        os.close(fd)
 
 
 def _content_length(response):
@@ -2407,6 +2939,7 @@ operations of the protocol (serve):
   logs      {shard_id, lines, follow}                engine log, followed until cancelled
   reclaim   {cache_dir, names, collect}              list or remove cache entries
   cancel    {target}                                 end a follow or a fetch wait
+  fleet_secret {secret}                              the key cache entries are sealed with
 
 launch, stop, forget, fetch and reclaim with collect are reachable only through
 'serve --expect-sha256 HEX'. The one-shot commands below print what the control plane sees.
@@ -2452,10 +2985,13 @@ def build_parser():
     return parser
 
 
-def check_integrity(path, expected):
-    """None when the file hashes to expected, else the fatal line to print."""
-    with open(path, "rb") as handle:
-        actual = hashlib.sha256(handle.read()).hexdigest()
+def check_integrity(path, expected, loaded=None):
+    """None when the helper hashes to expected, else the fatal line to print. loaded is the hash
+    of the bytes LOADER ran (they are what runs); without the loader the file is hashed."""
+    actual = loaded
+    if actual is None:
+        with open(path, "rb") as handle:
+            actual = hashlib.sha256(handle.read()).hexdigest()
     if actual != expected.strip().lower():
         return {"fatal": "integrity", "expected": expected, "actual": actual}
     return None
@@ -2474,13 +3010,98 @@ def check_directory(path):
         problems.append("is mode %04o, open to group or others (chmod 700 %s)" % (mode, directory))
     if not problems:
         return None
+    return _permissions_fatal(directory, info, "the helper directory %s %s" % (directory, " and ".join(problems)))
+
+
+def _permissions_fatal(path, info, message):
     return {
         "fatal": "permissions",
-        "path": directory,
-        "mode": "%04o" % mode,
-        "owner": info.st_uid,
-        "message": "the helper directory %s %s" % (directory, " and ".join(problems)),
+        "path": path,
+        "mode": "%04o" % stat.S_IMODE(info.st_mode) if info is not None else None,
+        "owner": info.st_uid if info is not None else None,
+        "message": message,
     }
+
+
+def _ancestors(path):
+    """path's parent, its parent, ... up to /."""
+    found = []
+    while True:
+        parent = os.path.dirname(path)
+        if parent == path:
+            return found
+        found.append(parent)
+        path = parent
+
+
+def unsafe_ancestor(path, uid):
+    """Why a directory above path lets someone else replace what is below it, or None.
+
+    As OpenSSH's StrictModes judges a home directory: each directory above, as written and as
+    resolved, must be owned by this user or root and not writable by group or others, unless it
+    is sticky (like /tmp, where nobody can rename or remove what another user made)."""
+    checked = set()
+    for start in (os.path.abspath(path), os.path.realpath(path)):
+        for directory in _ancestors(start):
+            if directory in checked:
+                continue
+            checked.add(directory)
+            try:
+                info = os.stat(directory)
+            except OSError as exc:
+                return directory, None, "%s cannot be checked: %s" % (directory, exc.strerror or exc)
+            mode = stat.S_IMODE(info.st_mode)
+            if info.st_uid not in (uid, 0):
+                return directory, info, "%s is owned by uid %d, neither uid %d running the helper nor root" % (
+                    directory, info.st_uid, uid)
+            if mode & 0o022 and not mode & stat.S_ISVTX:
+                return directory, info, "%s is mode %04o: others can write into it and not sticky (chmod go-w %s)" % (
+                    directory, mode, directory)
+    return None
+
+
+def private_dir_problem(path, uid, info=None):
+    """Why a directory of the helper's own (ROOT, ROOT/shards) is not safe, or None: it must be a
+    real directory (not a link), owned by this user and not writable by group or others."""
+    if info is None:
+        try:
+            info = os.lstat(path)
+        except OSError as exc:
+            return "%s cannot be checked: %s" % (path, exc.strerror or exc)
+    if stat.S_ISLNK(info.st_mode):
+        return "%s is a symbolic link, not a directory of its own" % path
+    if not stat.S_ISDIR(info.st_mode):
+        return "%s is not a directory" % path
+    if info.st_uid != uid:
+        return "%s is owned by uid %d, not by uid %d running the helper (chown %d %s)" % (
+            path, info.st_uid, uid, uid, path)
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022:
+        return "%s is mode %04o, writable by group or others (chmod 700 %s)" % (path, mode, path)
+    return None
+
+
+def check_root(root, helper_path):
+    """None when ROOT, ROOT/shards, the helper's directory and every directory above them are
+    safe from other users, else the fatal line: someone who can replace a directory there could
+    run code as this user or read engine keys."""
+    uid = os.getuid()
+    for path in (root, os.path.join(root, "shards")):
+        if path != root and not os.path.lexists(path):
+            continue
+        problem = private_dir_problem(path, uid)
+        if problem is not None:
+            try:
+                info = os.lstat(path)
+            except OSError:
+                info = None
+            return _permissions_fatal(path, info, "the helper root: " + problem)
+    for start in (root, os.path.dirname(os.path.abspath(helper_path))):
+        found = unsafe_ancestor(start, uid)
+        if found is not None:
+            directory, info, problem = found
+            return _permissions_fatal(directory, info, "a directory above the helper root: " + problem)
+    return None
 
 
 def _print_fatal(obj):
@@ -2492,7 +3113,7 @@ def main(argv=None):
     options = build_parser().parse_args(argv)
     helper_path = os.path.abspath(__file__)
     if options.command in ("serve", "supervise"):
-        fatal = check_integrity(helper_path, options.expect_sha256)
+        fatal = check_integrity(helper_path, options.expect_sha256, globals().get("__llmgw_loaded__"))
         if fatal is not None:
             _print_fatal(fatal)
             return EXIT_INTEGRITY
@@ -2501,6 +3122,14 @@ def main(argv=None):
             _print_fatal(fatal)
             return EXIT_PERMISSIONS
         root = os.path.abspath(os.path.expanduser(options.root))
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        except OSError:
+            pass  # reported by the check below
+        fatal = check_root(root, helper_path)
+        if fatal is not None:
+            _print_fatal(fatal)
+            return EXIT_PERMISSIONS
         if options.command == "supervise":
             return supervise(root, options.expect_sha256.strip().lower())
         node = Node(root, helper_path, options.expect_sha256.strip().lower())

@@ -32,6 +32,7 @@ from llmgw.router.keys import REFRESH_SECONDS, ApiKey, KeyRing, list_keys
 from llmgw.router.landing import landing_page
 from llmgw.router.metrics import NO_MODEL, RouterMetrics
 from llmgw.router.proxy import Forwarder
+from llmgw.router.streams import ask_for_usage, streaming
 from llmgw.router.usage import UsageMeter
 from llmgw.store import Store
 
@@ -61,7 +62,6 @@ BODY_ENCODINGS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS
 
 _KEY = web.RequestKey("llmgw_key", ApiKey)
 _MODEL = web.RequestKey("llmgw_model", str)
-_STREAM_USAGE = b'{"stream_options": {"include_usage": true}, '
 
 
 class Router:
@@ -269,30 +269,15 @@ class Router:
             raise BadRequest("the request body must be a JSON object")
         name = document.get("model")
         if type(name) is not str or not name:
-            raise BadRequest("'model' is required: a model name from GET /v1/models")
+            raise BadRequest("'model' is required: a model name from GET /v1/models", param="model")
+        how = streaming(document)
         catalog = self.holder.current
         model = self._resolve(catalog, name, key)
         request[_MODEL] = name
-
-        stream = document.get("stream") is True
-        strip_usage = False
-        if stream:
-            options = document.get("stream_options")
-            if options is None:
-                document["stream_options"] = {"include_usage": True}
-                strip_usage = True
-                # Ask the engine for usage without re-encoding the request: the body is a
-                # JSON object without that key, so the key can go first.
-                start = body.find(b"{")
-                if start >= 0 and not body[:start].strip() and json.detect_encoding(body) == "utf-8":
-                    body = _STREAM_USAGE + body[start + 1:]
-                else:  # a byte-order mark or another encoding (UTF-16 and -32 need no mark): re-encode
-                    body = json.dumps(document).encode()
-            elif type(options) is dict and options.get("include_usage") is not True:
-                options["include_usage"] = True
-                body = json.dumps(document).encode()
-                strip_usage = True
-        return await self._route(request, catalog, model, document, body, stream, strip_usage, key.id)
+        if how.stream:  # every stream asks for usage; the client sees the event only if it asked
+            body = ask_for_usage(document, body)
+        return await self._route(request, catalog, model, key, document, body, how.stream,
+                                 not how.client_wants_usage)
 
     # -- choosing an endpoint, retries, fallbacks, on-demand -------------------------------------
 
@@ -304,18 +289,20 @@ class Router:
             return body
         return json.dumps({**document, "model": upstream_name}).encode()
 
-    def _acquire(self, catalog: Catalog, model: Model, now: float, tried: list[Upstream],
+    def _acquire(self, catalog: Catalog, model: Model, key: ApiKey, now: float, tried: list[Upstream],
                  include_ejected: bool = False) -> Upstream | None:
         up = self.balancer.acquire(model.name, now, tried, include_ejected)
         if up is None and model.fallback is not None:
             for fallback in catalog.fallback_chain(model.name):
+                if not key.allows(fallback):  # skipped: a fallback is no way around the key's limits
+                    continue
                 up = self.balancer.acquire(fallback, now, tried, include_ejected)
                 if up is not None:
                     break
         return up
 
-    async def _route(self, request: web.Request, catalog: Catalog, model: Model, document: dict,
-                     body: bytes, stream: bool, strip_usage: bool, key_id: str) -> web.StreamResponse:
+    async def _route(self, request: web.Request, catalog: Catalog, model: Model, key: ApiKey, document: dict,
+                     body: bytes, stream: bool, strip_usage: bool) -> web.StreamResponse:
         path = request.path
         tried: list[Upstream] = []
         waited_since: float | None = None
@@ -325,13 +312,13 @@ class Router:
             if model.on_demand and waited_since is None and not self.balancer.has_endpoints(model.name):
                 self._demand(model.name)
                 waited_since = now
-            up = self._acquire(catalog, model, now, tried)
+            up = self._acquire(catalog, model, key, now, tried)
             if up is None:
                 if model.on_demand and self._on_demand is not None and not self.balancer.has_endpoints(model.name):
                     await self._wait_for(model.name, waited_since or now)
                     continue
                 # Every endpoint is ejected: a recently failed one beats a certain 503.
-                up = self._acquire(catalog, model, now, tried, include_ejected=True)
+                up = self._acquire(catalog, model, key, now, tried, include_ejected=True)
             if up is None:
                 if last_error is not None:
                     raise UpstreamFailed(f"no engine of {model.name!r} could answer after {len(tried)} "
@@ -340,7 +327,7 @@ class Router:
             try:
                 return await self._forwarder.send(
                     request, up, path, self._upstream_body(catalog, up, model.name, document, body),
-                    stream, strip_usage, key_id)
+                    stream, strip_usage, key.id)
             except RouterError as exc:
                 if not exc.retryable_before_first_byte:
                     raise

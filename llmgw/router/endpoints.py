@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from llmgw.catalog import Catalog
+from llmgw.config import runtime_key_env_problem
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ def static_endpoints(catalog: Catalog) -> dict[str, list[Endpoint]]:
 
     Keys come from the environment variable each endpoint names; a variable that is not set is
     reported once and the endpoint is used without a key (the engine will refuse it if it wants one).
+    A model added at runtime reads only `LLMGW_ENDPOINT_KEY_*` variables (config.RUNTIME_KEY_ENV_PREFIX).
     """
     out: dict[str, list[Endpoint]] = {}
     for model in catalog.models.values():
@@ -39,7 +41,11 @@ def static_endpoints(catalog: Catalog) -> dict[str, list[Endpoint]]:
         endpoints = []
         for index, static in enumerate(model.config.endpoints or ()):
             key = None
-            if static.api_key_env:
+            refused = model.declared_in != "file" and runtime_key_env_problem(static.api_key_env)
+            if refused:  # stored before the rule: never read the variable, say so
+                log.warning("model %s: endpoint %s is used without a key: %s", model.name,
+                            static.url, refused)
+            elif static.api_key_env:
                 key = os.environ.get(static.api_key_env)
                 if key is None:
                     log.warning("model %s: endpoint %s names api_key_env %s, which is not set",

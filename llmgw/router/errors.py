@@ -24,10 +24,11 @@ class RouterError(Exception):
     code = "internal_error"
     retryable_before_first_byte = False
 
-    def __init__(self, message: str, *, retry_after: int | None = None):
+    def __init__(self, message: str, *, retry_after: int | None = None, param: str | None = None):
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
+        self.param = param  # the request field at fault, as OpenAI names it ("stream_options.include_usage")
 
 
 # -- the client's mistakes --------------------------------------------------------------------
@@ -54,6 +55,12 @@ class MethodNotAllowed(RouterError):
 
 class BadRequest(RouterError):
     status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class InvalidType(BadRequest):
+    """A request field the router reads has a value of the wrong JSON type."""
+
+    code = "invalid_type"
 
 
 class BodyTooLarge(RouterError):
@@ -118,7 +125,7 @@ class InternalError(RouterError):
 
 def error_body(exc: RouterError) -> bytes:
     return json.dumps({"error": {"message": exc.message, "type": exc.type, "code": exc.code,
-                                 "param": None}}).encode()
+                                 "param": exc.param}}).encode()
 
 
 def error_response(exc: RouterError) -> web.Response:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import aiohttp
@@ -50,8 +51,12 @@ _ENGINE_SILENT = _mid_stream_error("the engine went silent in the middle of the 
 
 
 def _connect_error(up: Upstream, exc: BaseException) -> UpstreamConnectFailed:
-    return UpstreamConnectFailed(f"could not reach the engine of replica {up.replica_id} "
-                                 f"({type(exc).__name__}: {exc})")
+    # aiohttp's and asyncio's messages name the engine's host:port; clients only learn the replica
+    # and the errno's words, the gateway's log keeps the rest.
+    log.info("replica %s: engine %s: %s: %s", up.replica_id, up.endpoint.url, type(exc).__name__, exc)
+    errno = getattr(exc, "errno", None)
+    why = f"{type(exc).__name__}: {os.strerror(errno)}" if isinstance(errno, int) and errno > 0 else type(exc).__name__
+    return UpstreamConnectFailed(f"could not reach the engine of replica {up.replica_id} ({why})")
 
 
 def _timeout(up: Upstream) -> UpstreamTimeout:

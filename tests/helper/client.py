@@ -211,3 +211,17 @@ def kill_recorded_engines(root):
                     os.killpg(group, signal.SIGKILL)
                 except OSError:
                     pass
+
+
+def write_sealed_marker(entry, secret, **extra):
+    """Mark a cache entry complete as the helper does after a fetch: its seal is the HMAC, keyed
+    by the fleet secret, of its name and files. Returns the marker."""
+    module = load_helper()
+    entry = Path(entry)
+    manifest, total, files, problem = module.entry_manifest(str(entry), os.getuid())
+    assert problem is None, problem
+    marker = {"format": 2, "name": entry.name, "bytes": total, "files": files,
+              "seal": module.entry_seal(secret, entry.name, manifest)}
+    marker.update(extra)
+    (entry / ".llmgw-complete").write_text(json.dumps(marker))
+    return marker

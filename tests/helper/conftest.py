@@ -28,10 +28,21 @@ def node_root(tmp_path):
     kill_recorded_engines(root)
 
 
+# The fleet secret the control plane would have handed over, kept where the helper keeps it.
+FLEET_SECRET = "5ec0" * 16
+
+
 @pytest.fixture
 def installed(node_root):
     path, sha = install_helper(node_root)
-    return SimpleNamespace(root=node_root, path=path, sha=sha)
+    keep_fleet_secret(node_root, FLEET_SECRET)
+    return SimpleNamespace(root=node_root, path=path, sha=sha, secret=FLEET_SECRET)
+
+
+def keep_fleet_secret(root, secret):
+    fd = os.open(os.path.join(str(root), "fleet.key"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secret + "\n")
 
 
 @pytest.fixture
@@ -158,12 +169,14 @@ def tls_cert(tmp_path_factory):
 
 
 class Route:
-    def __init__(self, body=b"", length=True, status=200, gate=None, redirect=None):
+    def __init__(self, body=b"", length=True, status=200, gate=None, redirect=None, stall_after=None):
         self.body = body
         self.length = length
         self.status = status
         self.gate = gate
         self.redirect = redirect
+        self.stall_after = stall_after  # bytes of the body sent before waiting for stall_gate
+        self.stall_gate = threading.Event()
 
 
 class _FileHandler(http.server.BaseHTTPRequestHandler):
@@ -188,7 +201,7 @@ class _FileHandler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        if route.gate is not None and not head:
+        if route.gate is not None and not head and route.stall_after is None:
             route.gate.wait(30)
         if route.redirect is not None:
             self.send_response(302)
@@ -203,6 +216,11 @@ class _FileHandler(http.server.BaseHTTPRequestHandler):
         if head:
             return
         try:
+            if route.stall_after is not None:
+                self.wfile.write(route.body[: route.stall_after])
+                self.wfile.flush()
+                route.stall_gate.wait(30)
+                return
             for start in range(0, len(route.body), 65536):
                 self.wfile.write(route.body[start : start + 65536])
         except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
@@ -239,6 +257,7 @@ class FileServer:
 
     def close(self):
         for route in self.routes.values():
+            route.stall_gate.set()
             if route.gate is not None:
                 route.gate.set()
         self.httpd.shutdown()

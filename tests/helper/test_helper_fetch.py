@@ -93,6 +93,18 @@ def test_http_error_leaves_nothing_behind(start_helper, tls_env, https_server, t
     assert _leftovers(cache) == [], "no marker, no temp dir"
 
 
+def test_a_signed_urls_query_is_redacted_in_errors(start_helper, tls_env, https_server, tmp_path):
+    """The query of a signed URL is a credential: reasons are shown and stored, the query never is."""
+    helper = start_helper(env=tls_env)
+    cache = tmp_path / "cache"
+    answer = helper.request("fetch", _fetch_args(https_server, cache, ["/missing.bin?X-Amz-Signature=s3cr3t"]),
+                            timeout=60)
+    assert answer["ok"] is False and "404" in answer["error"]["message"]
+    assert https_server.url("/missing.bin?<redacted>") in answer["error"]["message"]
+    assert "s3cr3t" not in json.dumps(answer)
+    assert https_server.gets("/missing.bin") == 1, "the real URL, query and all, was fetched"
+
+
 def test_disk_full_is_reported_and_cleaned_up(start_helper, tls_env, https_server, small_tmpfs):
     body = os.urandom(3 * 1024 * 1024)
     https_server.routes["/big.bin"] = Route(body)

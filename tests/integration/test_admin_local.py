@@ -451,8 +451,10 @@ def test_embedded_default_serves_this_machine(tmp_path):
     try:
         wait_for(lambda: serve._alive() and (serve.state_dir / "admin-address").exists(), 30, "the admin address")
         assert (serve.state_dir / "admin-address").read_text().strip() == "127.0.0.1:8081"
-        node = wait_for(lambda: next((n for n in serve.ctl_json("nodes")["nodes"] if n["state"] == "ready"), None),
-                        30, "this machine to be ready")
+        # Ready comes with the session; memory with the first inventory, which may follow a tick later.
+        node = wait_for(lambda: next((n for n in serve.ctl_json("nodes")["nodes"]
+                                      if n["state"] == "ready" and n["memory_bytes"] is not None), None),
+                        30, "this machine to be ready and inventoried")
         assert node["name"] == "local" and node["memory_bytes"] > 0
         status = serve.ctl("status")
         assert status.exit_code == 0 and "nodes: 1 (1 ready; 1 active)" in status.stdout

@@ -232,3 +232,24 @@ async def test_node_without_cache_dir_fetches_into_its_default_cache(bed, invent
         assert fleet.facts["cpu1"].storage.filesystem_of(paths.cache_dir) is not None
     finally:
         await fleet.close()
+
+
+async def test_a_helper_root_under_a_home_others_can_write_is_unhealthy(bed, inventory, tmp_path):
+    """R-1.3: StrictModes-like checks above ROOT; the fleet secret reaches the node in the session."""
+    fleet = Fleet(inventory.model_copy(update={"nodes": [inventory.node("cpu1")]}), tmp_path)
+    home = bed["cpu1"].home_dir
+    mode = stat.S_IMODE(os.stat(home).st_mode)
+    await fleet.start()
+    link = fleet.links["cpu1"]
+    try:
+        assert await fleet.wait_connected(30)
+        kept = bed["cpu1"].host_path("/root/.llmgw/fleet.key")
+        assert kept.read_text().strip() == (tmp_path / "fleet.key").read_text().strip()
+        assert stat.S_IMODE(os.stat(kept).st_mode) == 0o600
+        os.chmod(home, 0o777)  # anyone on the node could now swap ~/.llmgw for their own
+        bed.run("cpu1", ["pkill", "-f", "llmgw_helper-.*serve"])
+        await poll(lambda: link.state == UNHEALTHY, 30, "unhealthy helper root")
+        assert "/root" in link.reason and "0777" in link.reason, link.reason
+    finally:
+        os.chmod(home, mode)
+        await fleet.close()

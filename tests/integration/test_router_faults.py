@@ -178,6 +178,53 @@ async def test_r6_7_fallback_not_used_when_model_serves(engines, start_router): 
     assert small.counters()["requests"] == 0
 
 
+async def test_r6_7_a_fallback_the_key_may_not_use_is_skipped(engines, start_router):  # noqa: F811
+    """big -> mid -> small, for a key allowed big and small: mid serves, yet small answers."""
+    mid = engines.start("mid")
+    small = engines.start("small")
+    gw = await start_router(catalog(model("big", fallback="mid"), model("mid", fallback="small"), model("small")),
+                            {"mid": [mid.endpoint()], "small": [small.endpoint()]})
+    secret = gw.key("big-and-small", ["big", "small"])
+    async with gw.client(secret) as client:
+        answer = await client.chat.completions.create(model="big", messages=HELLO)
+    assert answer.model == "small"
+    assert (mid.counters()["requests"], small.counters()["requests"]) == (0, 1)
+
+
+@pytest.mark.parametrize("big_endpoints,status,code", [
+    pytest.param("none", 503, "no_capacity", id="no-replica"),
+    pytest.param("dead", 502, "upstream_unavailable", id="every-endpoint-fails"),
+])
+async def test_r6_7_no_allowed_fallback_left_is_the_models_own_failure(engines, start_router,  # noqa: F811
+                                                                       big_endpoints, status, code):
+    small = engines.start("small")
+    endpoints = {"small": [small.endpoint()]}
+    if big_endpoints == "dead":
+        endpoints["big"] = [dead_endpoint("big")]
+    gw = await start_router(catalog(model("big", fallback="small"), model("small")), endpoints)
+    secret = gw.key("only-big", ["big"])
+    async with gw.client(secret) as client:
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.chat.completions.create(model="big", messages=HELLO)
+    assert (refused.value.status_code, refused.value.code) == (status, code)
+    assert "'big'" in refused.value.message and "small" not in refused.value.message
+    assert small.counters()["requests"] == 0
+
+
+async def test_r6_8_on_demand_waits_rather_than_use_a_fallback_the_key_may_not(engines, start_router):  # noqa: F811
+    small = engines.start("small")
+    asked = []
+    gw = await start_router(catalog(model("lazy", on_demand=True, fallback="small"), model("small")),
+                            {"small": [small.endpoint()]}, on_demand=asked.append,
+                            gateway=GatewayConfig(on_demand_wait=0.2))
+    secret = gw.key("only-lazy", ["lazy"])
+    async with gw.client(secret) as client:
+        with pytest.raises(openai.InternalServerError) as refused:
+            await client.chat.completions.create(model="lazy", messages=HELLO)
+    assert refused.value.code == "model_loading"
+    assert asked == ["lazy"] and small.counters()["requests"] == 0
+
+
 async def test_r6_8_on_demand_request_waits_for_the_replica(engines, start_router):  # noqa: F811
     asked = []
     holder = {}

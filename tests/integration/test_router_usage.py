@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-
 import json
 
 import aiohttp
+import openai
+import pytest
 
 from llmgw.router.keys import list_keys
 from tests.integration.test_router_support import (apoll, catalog, engines, model,  # noqa: F401
@@ -144,6 +145,97 @@ async def test_r6_1_a_stream_in_another_format_is_relayed_as_it_comes(start_rout
                 client_has_first.set()
                 rest = await response.read()
         assert first == b'{"n": 1, "choices": []}\n' and rest == b'{"n": 2}\n'
+
+
+def _tokens(gw, model: str = "m") -> tuple[float | None, float | None]:
+    return tuple(gw.registry.get_sample_value("llmgw_router_tokens_total", {"model": model, "kind": kind})
+                 for kind in ("prompt", "completion"))
+
+
+@pytest.mark.parametrize("fields,streamed", [
+    pytest.param({"stream": True, "stream_options": None}, True, id="stream-options-null"),
+    pytest.param({"stream": True, "stream_options": {}}, True, id="stream-options-empty"),
+    pytest.param({"stream": True, "stream_options": {"include_usage": False}}, True, id="include-usage-false"),
+    pytest.param({"stream": None}, False, id="stream-null"),
+    pytest.param({"stream": False, "stream_options": None}, False, id="not-streamed-options-null"),
+])
+async def test_r6_9_every_accepted_stream_spelling_is_counted(engines, start_router, fields, streamed):  # noqa: F811
+    """Streamed or not, the client's tokens are counted; the usage event reaches it only if it asked."""
+    engine = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [engine.endpoint()]})
+    body = {"model": "m", "messages": HELLO, **fields}
+    if streamed:
+        events = await _sse_events(gw, body)
+        assert events and all(e["choices"] for e in events)
+    else:
+        async with aiohttp.ClientSession() as session, \
+                session.post(gw.url + "/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {gw.secret}"}) as response:
+            assert response.content_type == "application/json"
+            assert (await response.json())["usage"]["completion_tokens"] == 8
+    await apoll(lambda: _tokens(gw) == (3, 8), what="tokens counted")
+    rows = await apoll(gw.usage_rows, what="usage row written")
+    assert [(r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [(1, 3, 8)]
+
+
+async def test_r6_9_openai_client_with_stream_options_none_is_counted(engines, start_router):  # noqa: F811
+    """The official client sends `"stream_options": null` when given None."""
+    engine = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [engine.endpoint()]})
+    async with gw.client() as client:
+        stream = await client.chat.completions.create(model="m", messages=HELLO, stream=True,
+                                                      stream_options=None)
+        chunks = [c async for c in stream]
+    assert chunks and all(c.choices and c.usage is None for c in chunks)
+    await apoll(lambda: _tokens(gw) == (3, 8), what="tokens counted")
+
+
+@pytest.mark.parametrize("fields,param,fragment", [
+    pytest.param({"stream": 1}, "stream", "got a number", id="stream-number"),
+    pytest.param({"stream": "true"}, "stream", "got a string", id="stream-string"),
+    pytest.param({"stream": {}}, "stream", "got an object", id="stream-object"),
+    pytest.param({"stream": True, "stream_options": "include_usage"}, "stream_options", "got a string",
+                 id="stream-options-string"),
+    pytest.param({"stream": True, "stream_options": [True]}, "stream_options", "got an array",
+                 id="stream-options-array"),
+    pytest.param({"stream_options": {"include_usage": True}}, "stream_options", "'stream' is true",
+                 id="stream-options-without-stream"),
+    pytest.param({"stream": False, "stream_options": {}}, "stream_options", "'stream' is true",
+                 id="stream-options-with-stream-false"),
+    pytest.param({"stream": True, "stream_options": {"include_usage": "true"}}, "stream_options.include_usage",
+                 "got a string", id="include-usage-string"),
+    pytest.param({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage",
+                 "got a number", id="include-usage-number"),
+    pytest.param({"stream": True, "stream_options": {"include_usage": None}}, "stream_options.include_usage",
+                 "got null", id="include-usage-null"),
+])
+async def test_r6_1_malformed_stream_fields_are_400_naming_the_field(engines, start_router,  # noqa: F811
+                                                                     fields, param, fragment):
+    engine = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [engine.endpoint()]})
+    async with aiohttp.ClientSession() as session, \
+            session.post(gw.url + "/v1/chat/completions", json={"model": "m", "messages": HELLO, **fields},
+                         headers={"Authorization": f"Bearer {gw.secret}"}) as response:
+        document = await response.json()
+    assert response.status == 400
+    error = document["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert f"'{param.rpartition('.')[2]}'" in error["message"] and fragment in error["message"]
+    assert engine.counters()["requests"] == 0  # refused before any engine saw it
+
+
+async def test_r6_1_openai_client_sees_the_field_of_a_malformed_stream(engines, start_router):  # noqa: F811
+    engine = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [engine.endpoint()]})
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="m", messages=HELLO, extra_body={"stream": "true"})
+        with pytest.raises(openai.BadRequestError) as without_stream:
+            await client.chat.completions.create(model="m", messages=HELLO,
+                                                 stream_options={"include_usage": True})
+    assert (refused.value.param, refused.value.code) == ("stream", "invalid_type")
+    assert without_stream.value.param == "stream_options"
+    assert engine.counters()["requests"] == 0
 
 
 @contextlib.asynccontextmanager

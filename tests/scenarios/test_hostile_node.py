@@ -9,11 +9,15 @@ Three one-GPU nodes each serve one replica of `chat` (min 3). Then:
   B. `tampered` reboots with its helper directory made 0755, and `rekeyed` is reinstalled with
      a new host key. Neither may run anything: both show as unhealthy with the reason in
      `llmgw ctl nodes`, no engine starts on them, and `chat` keeps serving from `good`.
+  C. (two other nodes) a scratch filer anyone can write is both nodes' cache: what one fetched
+     the other takes without downloading again, and a directory another user planted under a
+     model's cache name is never held nor served; the fetch says whose it is.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -23,9 +27,11 @@ from pathlib import Path
 
 import openai
 import pytest
+import yaml
 
+from llmgw.weights import parse_weights
 from tests.integration.gateway import GatewayProcess, wait_for
-from tests.scenarios.operating import Ctl, helper_session_pids, kill_pids, write_inventory
+from tests.scenarios.operating import SCENARIO_GATEWAY, Ctl, helper_session_pids, kill_pids, write_inventory
 from tests.testbed import GPU, NodeSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.testbed]
@@ -207,3 +213,71 @@ def test_hostile_nodes_run_nothing_and_say_why(bed, tmp_path):
             os.chmod(_helper_dir(bed, "tampered"), 0o700)
         except OSError:
             pass
+
+
+@pytest.fixture
+def filer_bed(testbed_factory):
+    tb = testbed_factory([NodeSpec("n1", gpus=None, mem_gb=32), NodeSpec("n2", gpus=None, mem_gb=32)])
+    yield tb
+    tb.close()
+
+
+def test_a_shared_filer_serves_what_the_fleet_fetched_and_never_what_was_planted(filer_bed, tmp_path):
+    """C. Two nodes cache onto one scratch filer anyone can write (R-5.2, R-2.6). Weights one node
+    fetched are taken by the other without a second download (the fleet secret seals them);
+    a directory another user planted under a model's cache name is never held or served."""
+    bed = filer_bed
+    url = bed.weights.add("filer/model.gguf", size=2 << 20)
+    planted_url = bed.weights.add("planted/model.gguf", size=4096)
+    shared = bed.shared_dir
+    os.chmod(shared, 0o1777)
+    planted = shared / parse_weights(planted_url).cache_name
+    planted.mkdir()
+    (planted / "model.gguf").write_bytes(b"poisoned" * 512)
+    (planted / ".llmgw-complete").write_text(json.dumps({"name": planted.name, "bytes": 4096, "files": 1}))
+    for path in (planted, planted / "model.gguf", planted / ".llmgw-complete"):
+        os.chown(path, 4242, 4242)
+    document = {"gateway": dict(SCENARIO_GATEWAY),
+                **bed.inventory(models=[], profiles={"cpu": {"engine": "llama-server", "start_timeout": "60s"}})}
+    for node in document["nodes"]:
+        node["cache_dir"] = str(shared)
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(yaml.safe_dump(document, sort_keys=False))
+    gateway = GatewayProcess(inventory, tmp_path / "state").start()
+    try:
+        ctl = Ctl(gateway)
+
+        def serving(model):
+            return sorted(r["shards"][0]["node"] for r in ctl.json("replicas")["replicas"]
+                          if r["model"] == model and r["serving"] and not r["retired"])
+
+        wait_for(lambda: all(n["state"] == "ready" for n in ctl.json("nodes")["nodes"]), 60, "both nodes ready")
+        (tmp_path / "chat.yaml").write_text(f"name: chat\nprofile: cpu\nweights: {url}\nscaling: {{min: 1}}\n")
+        ctl.ok("model", "add", "-f", str(tmp_path / "chat.yaml"))
+        [first] = wait_for(lambda: serving("chat"), 120, f"chat to serve\n{gateway.log()[-3000:]}")
+        other = "n2" if first == "n1" else "n1"
+        ctl.ok("cordon", first)  # the second replica must go to the other node
+        ctl.ok("scale", "chat", "--min", "2")
+        wait_for(lambda: other in serving("chat"), 120, f"chat to serve on {other}\n{gateway.log()[-3000:]}")
+        fetched = bed.weights.hits(url)
+
+        (tmp_path / "planted.yaml").write_text(f"name: planted\nprofile: cpu\nweights: {planted_url}\n"
+                                               "scaling: {min: 1}\n")
+        ctl.ok("model", "add", "-f", str(tmp_path / "planted.yaml"))
+
+        def refused():
+            return [r for r in ctl.json("replicas")["replicas"] if r["model"] == "planted" and r["state"] == "failed"]
+
+        failures = wait_for(refused, 60, f"the planted model's fetch to be refused\n{gateway.log()[-3000:]}")
+        storage = {n["node"]: sorted(h["model"] for h in n["holdings"] or []) for n in ctl.json("storage")["nodes"]}
+        reason = failures[0]["shards"][0]["reason"] or failures[0]["reason"]
+        print(f"\nC. chat served by {serving('chat')}; GETs of its weights: {fetched}; holdings {storage}")
+        print(f"   planted: {len(failures)} failed replica(s): {reason}; GETs of its source: "
+              f"{bed.weights.hits(planted_url)}")
+        assert fetched == 1, "the second node took the entry the first one fetched"
+        assert storage == {"n1": ["chat"], "n2": ["chat"]}
+        assert "not llmgw's" in reason and "uid 4242" in reason, reason
+        assert serving("planted") == [] and bed.weights.hits(planted_url) == 0
+        assert (planted / "model.gguf").read_bytes() == b"poisoned" * 512
+    finally:
+        gateway.stop()

@@ -50,6 +50,7 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_PORTS = "20000-20099"
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,39}")  # a hostname, a netns name and a path part
 SSH_READY_TIMEOUT = 15.0
+SILENT_MAC = "02:00:00:6c:6c:00"  # locally administered; no port of a testbed bridge has it
 REQUIRED_TOOLS = ("ip", "unshare", "nsenter", "ssh-keygen", "mount", "umount")
 
 _open_testbeds: "set[Testbed]" = set()
@@ -513,6 +514,20 @@ class Testbed:
 
     def restore(self, node: str | Node) -> None:
         run(["ip", "link", "set", self.node(node).veth, "up"])
+
+    def silent_addresses(self, count: int) -> list[str]:
+        """`count` addresses of the testbed network at which nothing answers.
+
+        Packets to them do leave (each has a permanent neighbour entry with a MAC no port has),
+        so a TCP connect hangs until its own timeout, as with a powered-off host behind a switch
+        or a firewall that drops SYNs; no "host unreachable" comes back. Gone with the bridge."""
+        first = 10 + len(self.nodes)
+        if count < 0 or first + count > 255:
+            raise ValueError(f"{count} silent addresses do not fit beside {len(self.nodes)} nodes in a /24")
+        addresses = [f"{self.subnet_prefix}.{first + i}" for i in range(count)]
+        network.ip_batch([f"neigh replace {address} lladdr {SILENT_MAC} dev {self.bridge} nud permanent"
+                          for address in addresses])
+        return addresses
 
     def crash(self, node: str | Node, *, silent: bool = False) -> None:
         """SIGKILL every process of the node, sshd included. Its disks (tmpfs dirs) survive.

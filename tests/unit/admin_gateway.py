@@ -24,6 +24,7 @@ from llmgw.store import Store
 from tests.unit.fake_fleet import FakeFleet
 
 TOKEN = "test-admin-token"
+SIGNED_URL = "https://example.com/w.gguf?X-Amz-Signature=s3cr3t"  # the query is a credential
 GB = 1000**3
 PROFILES = {"one": ProfileConfig(engine="vllm", gpus=1), "pair": ProfileConfig(engine="vllm", gpus=4, nodes=2),
             "cpu": ProfileConfig(engine="llama-server")}
@@ -65,7 +66,7 @@ def make_gateway(tmp_path: Path) -> FakeGateway:
     inventory = Inventory(nodes=nodes, profiles=PROFILES)
     models = [ModelConfig(name="chat", profile="one"),
               ModelConfig(name="big", profile="pair"),
-              ModelConfig(name="fetched", profile="cpu", weights="https://example.com/w.gguf"),
+              ModelConfig(name="fetched", profile="cpu", weights=SIGNED_URL),
               ModelConfig(name="shared", profile="one", weights="shared-model", scaling={"min": 0})]
     holder = CatalogHolder(Catalog.build(file_models=models, profiles=PROFILES))
     fleet = FakeFleet(inventory)

@@ -191,3 +191,77 @@ def test_embedded_vllm_cpu_profile_lets_replicas_share_the_cores():
     assert profile.engine == "vllm" and profile.gpus == 0
     assert profile.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert profile.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+# -- static endpoints: what a model may read from the gateway's environment (R-6.10, R-8.2) --------
+
+RUNTIME_ENDPOINT = "name: ext\nendpoints:\n  - url: https://api.example.com/v1\n    api_key_env: {env}\n"
+
+
+@pytest.mark.parametrize("env", [
+    pytest.param("AWS_SECRET_ACCESS_KEY", id="any-variable"),
+    pytest.param("HF_TOKEN", id="hub-token"),
+    pytest.param("LLMGW_ENDPOINT_KEY_", id="prefix-alone"),
+    pytest.param("llmgw_endpoint_key_x", id="lower-case"),
+])
+def test_a_runtime_model_names_only_endpoint_key_variables(env):
+    with pytest.raises(ConfigError) as info:
+        parse_model_text(RUNTIME_ENDPOINT.format(env=env), "ext.yaml")
+    rendered = str(info.value)
+    assert rendered.startswith("ext.yaml:4: endpoints[0].api_key_env: "), rendered
+    assert "LLMGW_ENDPOINT_KEY_" in rendered
+
+
+def test_a_runtime_model_may_name_an_endpoint_key_variable_and_the_inventory_any():
+    model, _ = parse_model_text(RUNTIME_ENDPOINT.format(env="LLMGW_ENDPOINT_KEY_OPENAI"), "ext.yaml")
+    assert model.endpoints[0].api_key_env == "LLMGW_ENDPOINT_KEY_OPENAI"
+    inventory, _ = load_inventory_text("models:\n  - " + RUNTIME_ENDPOINT.format(env="OPENAI_API_KEY")
+                                       .replace("\n", "\n    ").rstrip() + "\n", "inv.yaml")
+    assert inventory.models[0].endpoints[0].api_key_env == "OPENAI_API_KEY"
+
+
+@pytest.mark.parametrize("url", [
+    pytest.param("https://api.example.com/v1?key=s3cr3t", id="query"),
+    pytest.param("https://api.example.com/v1?", id="empty-query"),
+    pytest.param("https://api.example.com/v1#frag", id="fragment"),
+])
+def test_a_static_endpoint_url_carries_no_query(url):
+    with pytest.raises(ConfigError) as info:
+        parse_model_text(f"name: ext\nendpoints:\n  - url: '{url}'\n", "ext.yaml")
+    rendered = str(info.value)
+    assert rendered.startswith("ext.yaml:3: endpoints[0].url: ") and "no query string" in rendered, rendered
+    assert "s3cr3t" not in rendered
+    with pytest.raises(ConfigError, match="no query string"):
+        load_inventory_text(f"models:\n  - name: ext\n    endpoints:\n      - url: '{url}'\n", "inv.yaml")
+
+
+def test_a_stored_runtime_model_reads_no_other_variable(monkeypatch, caplog):
+    """A model stored before the rule keeps working, without the variable it names."""
+    from llmgw.catalog import StoredModel
+    from llmgw.config import ModelConfig
+    from llmgw.router.endpoints import static_endpoints
+
+    monkeypatch.setenv("SOME_SECRET", "s3cr3t")
+    monkeypatch.setenv("LLMGW_ENDPOINT_KEY_EXT", "endpoint-key")
+    stored = [ModelConfig.model_validate({"name": name, "endpoints": [{"url": "https://api.example.com",
+                                                                       "api_key_env": env}]})
+              for name, env in (("old", "SOME_SECRET"), ("new", "LLMGW_ENDPOINT_KEY_EXT"))]
+    from_file = ModelConfig.model_validate({"name": "file", "endpoints": [{"url": "https://api.example.com",
+                                                                          "api_key_env": "SOME_SECRET"}]})
+    catalog = Catalog.build(file_models=[from_file], stored=[StoredModel(m, "ops") for m in stored])
+    endpoints = static_endpoints(catalog)
+    assert endpoints["old"][0].api_key is None
+    assert endpoints["new"][0].api_key == "endpoint-key"
+    assert endpoints["file"][0].api_key == "s3cr3t"
+    assert "model old: endpoint https://api.example.com is used without a key" in caplog.text
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.0.0.9", True), ("::1", True), ("[::1]", True), ("localhost", True),
+    ("::ffff:127.0.0.1", True), ("0.0.0.0", False), ("::", False), ("10.0.0.7", False),
+    ("gw.example.com", False), ("", False),
+])
+def test_which_admin_addresses_are_loopback(host, loopback):
+    from llmgw.config import is_loopback
+
+    assert is_loopback(host) is loopback

@@ -238,7 +238,7 @@ PROC_NET_TCP = """\
 PROC_NET_TCP6 = """\
   sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
    0: 00000000000000000000000000000000:1F90 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1001        0 5120 1 0 100 0 0 10 0
-"""
+"""  # noqa: E501 (a /proc/net/tcp6 line as the kernel writes it)
 
 
 def test_listen_inodes_are_the_listening_sockets_on_the_port():

@@ -2,12 +2,14 @@
 directory, and never follows a symbolic link."""
 
 import os
+import time
 
 import pytest
 
-from tests.helper.client import load_helper
+from tests.helper.client import load_helper, write_sealed_marker
 
 helper = load_helper()
+SECRET = "cd" * 32
 
 NAME = "llmgw-" + "0123456789abcdef" * 2
 
@@ -18,8 +20,14 @@ def _entry(cache, name=NAME, complete=True):
     (entry / "model.safetensors").write_bytes(b"w" * 1000)
     (entry / "sub" / "config.json").write_bytes(b"{}")
     if complete:
-        (entry / ".llmgw-complete").write_text("{}")
+        write_sealed_marker(entry, SECRET)
     return entry
+
+
+def _age(path, seconds=3600):
+    """Make a temp dir look as old as an interrupted download's (a young one may be starting)."""
+    then = time.time() - seconds
+    os.utime(path, (then, then))
 
 
 @pytest.fixture
@@ -51,10 +59,11 @@ def _collect(cache, names):
 def test_a_legitimate_entry_is_removed(layout):
     cache, outside = layout
     _entry(cache)
+    marker = (cache / NAME / ".llmgw-complete").stat().st_size
     before = _snapshot(outside)
     [entry] = _collect(cache, [NAME])
     assert entry["action"] == "removed" and entry["reason"] is None
-    assert entry["bytes"] == 1000 + 2 + 2
+    assert entry["bytes"] == 1000 + 2 + marker
     assert entry["path"] == str(cache / NAME)
     assert not (cache / NAME).exists()
     assert cache.is_dir(), "the cache root itself stays"
@@ -200,14 +209,16 @@ def test_listing_shows_cache_entries_and_leftover_temp_dirs_only(layout):
     _entry(cache)
     _entry(cache, "llmgw-" + "a" * 16, complete=False)
     (cache / (".tmp-llmgw-" + "b" * 16 + "-x1y2z3")).mkdir()
+    _age(cache / (".tmp-llmgw-" + "b" * 16 + "-x1y2z3"))
     (cache / "operator-model").mkdir()
     (cache / "README").write_text("hello")
     os.symlink(outside, cache / ("llmgw-" + "c" * 16))
-    entries = helper.reclaim_entries(str(cache), None, collect=False)
+    entries = helper.reclaim_entries(str(cache), None, collect=False, secret=SECRET)
     by_name = {e["name"]: e for e in entries}
     assert set(by_name) == {NAME, "llmgw-" + "a" * 16, ".tmp-llmgw-" + "b" * 16 + "-x1y2z3", "llmgw-" + "c" * 16}
     assert all(e["action"] == "listed" for e in entries)
-    assert by_name[NAME]["bytes"] == 1004 and by_name[NAME]["reason"] is None
+    marker = (cache / NAME / ".llmgw-complete").stat().st_size
+    assert by_name[NAME]["bytes"] == 1002 + marker and by_name[NAME]["reason"] is None
     assert "incomplete" in by_name["llmgw-" + "a" * 16]["reason"]
     assert "interrupted" in by_name[".tmp-llmgw-" + "b" * 16 + "-x1y2z3"]["reason"]
     assert by_name["llmgw-" + "c" * 16]["bytes"] is None
@@ -232,6 +243,7 @@ def test_leftover_temp_dirs_can_be_collected(layout):
     cache, _ = layout
     temp = cache / (".tmp-%s-k2j4h5" % NAME)
     (temp / "part").mkdir(parents=True)
+    _age(temp)
     [entry] = _collect(cache, [temp.name])
     assert entry["action"] == "removed"
     assert not temp.exists()

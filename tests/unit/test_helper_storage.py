@@ -5,9 +5,10 @@ import threading
 
 import pytest
 
-from tests.helper.client import load_helper
+from tests.helper.client import load_helper, write_sealed_marker
 
 helper = load_helper()
+SECRET = "ab" * 32
 
 
 @pytest.fixture
@@ -135,8 +136,12 @@ def _write(path, data=b"w" * 100):
         pytest.param(lambda d: (d / "m" / "a" / "b").mkdir(parents=True), None, id="only-empty-dirs"),
         pytest.param(lambda d: _write(d / ("llmgw-" + "1" * 16) / "w.bin"), None, id="download-without-marker"),
         pytest.param(
-            lambda d: (_write(d / ("llmgw-" + "1" * 16) / "w.bin"), _write(d / ("llmgw-" + "1" * 16) / ".llmgw-complete", b"{}")),
+            lambda d: (_write(d / ("llmgw-" + "1" * 16) / "w.bin"), write_sealed_marker(d / ("llmgw-" + "1" * 16), SECRET)),
             100, id="download-with-marker",
+        ),
+        pytest.param(
+            lambda d: (_write(d / ("llmgw-" + "1" * 16) / "w.bin"), _write(d / ("llmgw-" + "1" * 16) / ".llmgw-complete", b"{}")),
+            None, id="download-with-a-marker-that-is-not-llmgw-s",
         ),
         pytest.param(lambda d: _write(d / ("llmgw-" + "1" * 16) / ".llmgw-complete", b"{}"), None, id="marker-only"),
         pytest.param(lambda d: os.symlink(d / "nowhere", d / "m"), None, id="dangling-link"),
@@ -146,7 +151,7 @@ def test_what_counts_as_weights(tmp_path, build, expected):
     build(tmp_path)
     names = [n for n in os.listdir(tmp_path)]
     assert len(names) == 1
-    assert helper.weights_bytes(str(tmp_path / names[0])) == expected
+    assert helper.weights_bytes(str(tmp_path / names[0]), SECRET) == expected
 
 
 def test_hub_cache_snapshots_made_of_links_count(tmp_path):

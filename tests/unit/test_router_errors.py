@@ -36,6 +36,14 @@ def test_r6_1_error_table(error, status, code, retryable):
     assert ("Retry-After" in response.headers) is (status == 503)
 
 
+def test_r6_1_the_field_at_fault_is_named_in_param():
+    response = error_response(errors.InvalidType("'stream' must be a boolean", param="stream"))
+    assert response.status == 400
+    assert json.loads(response.body)["error"] == {"message": "'stream' must be a boolean",
+                                                  "type": "invalid_request_error", "code": "invalid_type",
+                                                  "param": "stream"}
+
+
 def test_r6_1_aiohttp_refusals_are_translated():
     assert from_http_exception(web.HTTPNotFound()).status == 404
     assert from_http_exception(web.HTTPMethodNotAllowed("GET", ["POST"])).code == "method_not_allowed"

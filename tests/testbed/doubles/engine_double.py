@@ -826,7 +826,8 @@ def main(mode, argv, node_dir=None, env=None):
                     engine.nnodes, engine.node_rank, engine.headless, "<redacted>" if engine.keys else None), "utils.py:1")
     elif mode == "sglang":
         # Like the real one, it prints its key among its server arguments (ENGINES.md, SGLang).
-        log.info("server_args=ServerArgs(model_path='%s', served_model_name='%s', host='%s', port=%d, tp_size=%d, nnodes=%d, node_rank=%d, api_key=%s, admin_api_key=None) (engine test double)"
+        log.info("server_args=ServerArgs(model_path='%s', served_model_name='%s', host='%s', port=%d, tp_size=%d, "
+                 "nnodes=%d, node_rank=%d, api_key=%s, admin_api_key=None) (engine test double)"
                  % (engine.model, engine.name, engine.host, engine.port, engine.tp, engine.nnodes, engine.node_rank,
                     repr(engine.keys[0]) if engine.keys else None))
     else:

@@ -1,0 +1,117 @@
+"""What `llmgw ctl` prints of what nodes report, run against the real admin app (R-9.4, R-9.6).
+
+A node controls its reasons, errors and engine log lines: printed as they come, an escape
+sequence in them would rewrite the operator's terminal (clear it, retitle it, hide lines). The
+signed URL of a weights source is a credential: listings show it without its query (R-5.1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from typer.testing import CliRunner
+
+from llmgw.admin import text
+from llmgw.admin.app import build_admin_app
+from llmgw.cli.main import app
+from llmgw.control.state import FAILED, Replica, Shard
+from tests.unit.admin_gateway import TOKEN, make_gateway
+
+HOSTILE = "\x1b]0;owned\x07\x1b[2J\x1b[1A\rfake line\x9b31m\x00\x7f"
+
+
+@pytest.fixture
+async def admin(tmp_path):
+    gateway = make_gateway(tmp_path)
+    gateway.fleet.links["ghost"].reason = f"connect failed {HOSTILE}"
+    shard = Shard("bad-1-0", "bad-1", 0, "gpu3", (2,), state=FAILED, reason=f"engine exited {HOSTILE}",
+                  log_tail=[f"loading {HOSTILE}", "CUDA out of memory\ttab kept"])
+    gateway.reconciler.replicas["bad-1"] = Replica("bad-1", "chat", "k", [shard], retiring=True)
+    client = TestClient(TestServer(build_admin_app(gateway)))
+    await client.start_server()
+    try:
+        yield client, gateway
+    finally:
+        await client.close()
+        gateway.store.close()
+
+
+async def ctl(client: TestClient, *args: str):
+    runner = CliRunner(env={"COLUMNS": "400", "LLMGW_ADMIN_TOKEN": None, "LLMGW_ADMIN": None,
+                            "LLMGW_STATE_DIR": None})
+    address = f"{client.server.host}:{client.server.port}"
+    result = await asyncio.to_thread(runner.invoke, app, ["ctl", "--admin", address, "--token", TOKEN, *args])
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+@pytest.mark.parametrize("command", ["nodes", "replicas", "models", "status", "logs bad-1"])
+async def test_ctl_prints_no_control_sequences(admin, command):
+    client, _ = admin
+    out = await ctl(client, *command.split())
+    controls = sorted({hex(ord(c)) for c in out if not c.isprintable() and c not in "\n\t"})
+    assert controls == [], f"{command} printed control characters {controls}"
+    if command == "nodes":
+        assert "connect failed" in out and "fake line" in out
+    if command == "replicas":
+        assert "engine exited" in out and "loading" in out
+    if command.startswith("logs"):  # the node cannot be asked here: the shard's recorded tail is shown
+        assert out.splitlines() == ["loading fake line", "CUDA out of memory\ttab kept"]
+
+
+async def test_json_output_keeps_what_the_node_said_escaped(admin):
+    client, _ = admin
+    out = await ctl(client, "replicas", "--json")
+    assert "\x1b" not in out and "\\u001b" in out  # JSON escapes it; the terminal never sees ESC
+    bad = next(r for r in json.loads(out)["replicas"] if r["id"] == "bad-1")
+    assert bad["shards"][0]["reason"] == f"engine exited {HOSTILE}"
+
+
+async def test_dashboard_pages_carry_no_control_characters(admin):
+    client, _ = admin
+    for path in ("/nodes", "/replicas"):
+        page = await (await client.get(path, headers={"Authorization": f"Bearer {TOKEN}"})).text()
+        assert not [c for c in page if not c.isprintable() and c not in "\n\t"], path
+        assert "fake line" in page
+
+
+async def test_listings_show_a_signed_url_without_its_query(admin):
+    client, _ = admin
+    out = await ctl(client, "models")
+    assert "https://example.com/w.gguf?<redacted>" in out
+    for path in ("/api/models", "/api/replicas", "/api/status", "/api/storage", "/api/explain/fetched",
+                 "/models", "/replicas"):
+        body = await (await client.get(path, headers={"Authorization": f"Bearer {TOKEN}"})).text()
+        assert "s3cr3t" not in body, path
+
+
+@pytest.mark.parametrize(("raw", "shown"), [
+    pytest.param("\x1b[31mred\x1b[0m", "red", id="csi-colour"),
+    pytest.param("a\x1b]0;title\x07b", "ab", id="osc-title-bel"),
+    pytest.param("a\x1b]8;;https://x\x1b\\link\x1b]8;;\x1b\\b", "alinkb", id="osc-hyperlink-st"),
+    pytest.param("x\r\n\x1b[2Jy", "x\ny", id="carriage-return-and-clear"),
+    pytest.param("c1\x9b31mX\x85y", "c1Xy", id="eight-bit-csi-and-nel"),
+    pytest.param("keep\ttab\nand newline", "keep\ttab\nand newline", id="tab-newline-kept"),
+    pytest.param("[GPU is lost] ünï", "[GPU is lost] ünï", id="plain-text-untouched"),
+    pytest.param("cut\x1b[12", "cut", id="truncated-csi"),
+    pytest.param("x\x1bPdcs\x1b\\y\x1b(B\x7f\x00", "xy", id="dcs-charset-del-nul"),
+])
+def test_printable(raw, shown):
+    assert text.printable(raw) == shown
+
+
+async def test_a_model_added_with_a_signed_url_keeps_the_query_out_of_the_audit_trail(admin):
+    client, gateway = admin
+    url = "https://example.com/other.gguf?X-Amz-Signature=an0ther-s3cr3t"
+    answer = await client.post("/api/models", json={"yaml": f"name: signed\nprofile: cpu\nweights: {url}\n"},
+                               headers={"Authorization": f"Bearer {TOKEN}"})
+    assert answer.status == 201, await answer.text()
+    rows = await gateway.store.read(lambda db: (list(db["models"].rows), list(db["audit"].rows)))
+    models, audit = rows
+    assert url in next(m["definition"] for m in models if m["name"] == "signed")  # still what is fetched
+    detail = next(a["detail"] for a in audit if a["target"] == "signed")
+    assert "an0ther-s3cr3t" not in detail and "https://example.com/other.gguf?<redacted>" in detail
+    assert gateway.holder.current.models["signed"].source.urls == (url,)
