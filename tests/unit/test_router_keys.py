@@ -88,7 +88,7 @@ def test_r6_2_cli_create_list_revoke(tmp_path):
     table = runner.invoke(cli, ["keys", "list", *state])
     assert table.exit_code == 0
     assert "alice" in table.stdout and "m1, m2" in table.stdout and secret not in table.stdout
-    line = next(l for l in table.stdout.splitlines() if l.startswith("alice"))
+    line = next(row for row in table.stdout.splitlines() if row.startswith("alice"))
     assert line.split()[-2:] == ["-", "-"]  # never used, not revoked: `-`, never a made-up time
 
     listed = json.loads(runner.invoke(cli, ["keys", "list", "--json", *state]).stdout)
