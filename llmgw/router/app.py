@@ -399,7 +399,8 @@ class Router:
             path = route.upstream_path(builtin_engine(model.engine), pinned.engine_id if route.model_from == RESPONSE_ID else None)
             return await self._forwarder.send(
                 request, up, path, self._upstream_body(catalog, up, model.name, document, body, pinned),
-                stream, False, key.id, route.method, self._headers(request, route, up, stream, body), route.dialect)
+                stream, False, key.id, route.method, self._headers(request, route, up, stream, body), route.dialect,
+                inference=route.model_from != RESPONSE_ID)
         except RouterError as exc:
             if not exc.retryable_before_first_byte:
                 raise

@@ -153,7 +153,9 @@ class Forwarder:
 
     async def send(self, request: web.Request, up: Upstream, path: str, body, stream: bool,
                    strip_usage: bool, key_id: str, method: str = "POST", headers: dict | None = None,
-                   dialect: str = OPENAI) -> web.StreamResponse:
+                   dialect: str = OPENAI, inference: bool = True) -> web.StreamResponse:
+        """One attempt. `inference` False: a stored answer read back, counted as a request, its
+        usage not counted again."""
         started = time.monotonic()
         resp = None
         finished = False
@@ -211,7 +213,7 @@ class Forwarder:
                 if dialect == RESPONSES:  # the ids clients see name the replica that holds the response
                     answer = response_ids.rewrite(answer, up.model, up.replica_id)
                 if status == 200:
-                    prompt, completion = tokens(usage_from_body(answer))
+                    prompt, completion = tokens(usage_from_body(answer)) if inference else (0, 0)
                     self._count(key_id, up.model, prompt, completion)
                 response = web.Response(body=answer, status=status,
                                         headers={"Content-Type": resp.headers.get("Content-Type",

@@ -91,6 +91,8 @@ async def test_r6_14_follow_ups_go_to_the_replica_that_holds_the_response(engine
             previous = follow.id
         fetched = await client.responses.retrieve(first.id)
         assert fetched.id == first.id and fetched.output_text == first.output_text
+    # five created (3 words, then "and more" on top of all before it), one read back: not counted again
+    assert await usage_of(gw, requests=6) == (3 + 9 + 15 + 21 + 27, 5 * 4)
     # another router (a second worker, or another host) with the same endpoints and no shared state
     other = await start_router(catalog(model("m")), endpoints, store_path=tmp_path / "other.db")
     async with other.client() as client:
