@@ -129,7 +129,7 @@ class Router:
         app.router.add_get("/", self._landing)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/v1/models", self._list_models)
-        app.router.add_get("/v1/models/{model:.+}", self._get_model)
+        app.router.add_get("/v1/models/{model}", self._get_model)
         for route in ROUTES:
             app.router.add_route(route.method, route.path, self._handler(route))
         app.cleanup_ctx.append(self._lifecycle)

@@ -1,0 +1,139 @@
+"""Responses and Anthropic Messages through the router against the real vLLM (CPU, a tiny model) (R-6.12 to R-6.14).
+
+One vLLM start per module, on 127.0.0.1, as llmgw's template starts it (key in VLLM_API_KEY) plus
+VLLM_ENABLE_RESPONSES_API_STORE=1 so stored responses can be followed up. The official `openai`
+and `anthropic` clients talk to the router; what vLLM reported is what the router recorded.
+vLLM reads its key only from `Authorization: Bearer`, so every answer here also shows that the
+router sent the engine's key that way, the Anthropic client's `x-api-key` notwithstanding.
+Skips with the reason when the real vLLM or the tiny model is not there (scripts/engines builds them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import anthropic
+import pytest
+
+from llmgw.router import Endpoint, response_ids
+from llmgw.router.keys import list_keys
+from tests.integration.test_router_support import apoll, catalog, free_port, model, poll, start_router  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+ENGINES_DIR = Path(os.environ.get("LLMGW_ENGINES_DIR", "/opt/llmgw-engines"))
+VLLM = ENGINES_DIR / "vllm-0.32.0" / "bin" / "vllm"
+KEY = "real-vllm-engine-key"
+START_SECONDS = 600  # a first start compiles vLLM's CPU graph; later ones reuse its cache
+
+
+def tiny_model() -> Path:
+    """The tiny chat model the real-engine tests serve: made by tests/testbed/engines.py where that
+    helper is present, else one it already made under ENGINES_DIR/models."""
+    try:
+        from tests.testbed import engines as real_engines
+    except ImportError:
+        real_engines = None
+    if real_engines is not None and hasattr(real_engines, "models"):
+        return Path(real_engines.models()["chat"])
+    for made in sorted(ENGINES_DIR.glob("models/*/made.json")):
+        chat = Path(json.loads(made.read_text()).get("chat", ""))
+        if (chat / "config.json").is_file():
+            return chat
+    pytest.skip(f"no tiny chat model under {ENGINES_DIR}/models (tests/testbed/engines.py makes it)")
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory):
+    if not (VLLM.parent.parent / "ready").is_file() or not os.access(VLLM, os.X_OK):
+        pytest.skip(f"the real vLLM is not built at {VLLM.parent.parent} (run ./scripts/engines as root)")
+    weights = tiny_model()
+    port = free_port()
+    env = {**os.environ, "VLLM_API_KEY": KEY, "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "VLLM_CACHE_ROOT": str(ENGINES_DIR / "cache" / "vllm"),
+           "TORCHINDUCTOR_CACHE_DIR": str(ENGINES_DIR / "cache" / "torchinductor"),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "PYTHONPATH": "",
+           "HOME": str(tmp_path_factory.mktemp("vllm-home"))}
+    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([str(VLLM), "serve", str(weights), "--served-model-name", "m", "--host", "127.0.0.1",
+                                 "--port", str(port), "--max-model-len", "1024"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"vLLM exited with {proc.returncode}:\n" + log_path.read_text()[-4000:])
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+    try:
+        poll(healthy, timeout=START_SECONDS, what="the real vLLM to be healthy")
+        yield url
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=10)
+
+
+async def recorded(gw, requests: int) -> tuple[int, int]:
+    keys = {k.name: k.id for k in gw.store.read_sync(list_keys)}
+
+    async def row():
+        for r in await gw.usage_rows():
+            if r["key_id"] == keys["test-0"] and r["requests"] == requests:
+                return r
+    found = await apoll(row, what=f"{requests} request(s) in the usage table")
+    return found["prompt_tokens"], found["completion_tokens"]
+
+
+async def test_r6_12_responses_on_the_real_vllm(vllm, start_router):  # noqa: F811
+    gw = await start_router(catalog(model("m")), {"m": [Endpoint("real-1", "m", vllm, KEY)]})
+    async with gw.client(timeout=120) as client:
+        reply = await client.responses.create(model="m", input="hello there", max_output_tokens=8)
+        stream = await client.responses.create(model="m", input="one two", max_output_tokens=6, stream=True)
+        events = [event async for event in stream]
+        done = events[-1].response
+        follow = await client.responses.create(model="m", input="and then", previous_response_id=reply.id,
+                                               max_output_tokens=4)
+        fetched = await client.responses.retrieve(reply.id)
+    print("vLLM Responses usage:", reply.usage, done.usage, follow.usage)
+    assert response_ids.decode(reply.id)[:2] == ("m", "real-1")
+    assert events[-1].type == "response.completed" and response_ids.decode(done.id)[1] == "real-1"
+    assert follow.previous_response_id == reply.id and fetched.id == reply.id
+    reported = [(r.usage.input_tokens, r.usage.output_tokens) for r in (reply, done, follow)]
+    assert all(i > 0 and o > 0 for i, o in reported)
+    # the stored response read back is a request, not tokens spent again
+    assert await recorded(gw, 4) == (sum(i for i, _ in reported), sum(o for _, o in reported))
+
+
+async def test_r6_13_anthropic_messages_on_the_real_vllm(vllm, start_router):  # noqa: F811
+    gw = await start_router(catalog(model("m")), {"m": [Endpoint("real-1", "m", vllm, KEY)]})
+    hello = [{"role": "user", "content": "hello there"}]
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key=gw.secret, max_retries=0, timeout=120) as client:
+        message = await client.messages.create(model="m", max_tokens=8, messages=hello)
+        async with client.messages.stream(model="m", max_tokens=6, messages=hello) as stream:
+            async for _ in stream.text_stream:
+                pass
+            final = await stream.get_final_message()
+        with pytest.raises(anthropic.NotFoundError) as unknown:
+            await client.messages.create(model="nope", max_tokens=8, messages=hello)
+    print("vLLM Messages usage:", message.usage, final.usage)
+    assert message.type == "message" and message.usage.output_tokens > 0
+    assert unknown.value.body["type"] == "error"
+
+    def prompt(usage) -> int:
+        return usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+    assert await recorded(gw, 2) == (prompt(message.usage) + prompt(final.usage),
+                                     message.usage.output_tokens + final.usage.output_tokens)
