@@ -462,3 +462,38 @@ async def test_r6_13_comment_pings_keep_a_slow_stream_alive(start_router):  # no
                                 gateway=GatewayConfig(request_timeout=1.0))
         status, _, body = await post(gw, "/v1/chat/completions", {"model": "m", "stream": True, "messages": []})
     assert status == 200 and body == b"".join(pieces)
+
+
+async def test_r6_13_an_anthropic_stream_cut_mid_way_ends_with_an_anthropic_error_event(start_router):  # noqa: F811
+    start = b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1","usage":{"input_tokens":5}}}\n\n'
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(start + b"event: content_block_delta\ndata: {\"type\":")  # then the engine dies
+        request.transport.abort()
+        return response
+    app = web.Application()
+    app.router.add_post("/v1/messages", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        gw = await start_router(catalog(model("m", profile="custom")), {"m": [Endpoint("r", "m", url, None)]})
+        async with aiohttp.ClientSession() as session, \
+                session.post(gw.url + "/v1/messages", json={"model": "m", "stream": True, "max_tokens": 3, "messages": []},
+                             headers={"x-api-key": gw.secret}) as response:
+            body = b""
+            with contextlib.suppress(aiohttp.ClientPayloadError):  # the router cuts the connection too
+                async for chunk in response.content.iter_any():
+                    body += chunk
+    finally:
+        await runner.cleanup()
+    assert body.startswith(start)
+    event = body.rsplit(b"\n\n", 2)[-2].strip()
+    name, data = event.split(b"\n")
+    assert name == b"event: error"
+    error = json.loads(data.removeprefix(b"data: "))
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    assert "incomplete" in error["error"]["message"]
