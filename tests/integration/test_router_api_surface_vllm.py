@@ -10,6 +10,7 @@ Skips with the reason when the real vLLM or the tiny model is not there (scripts
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -48,8 +49,9 @@ def tiny_model() -> Path:
     pytest.skip(f"no tiny chat model under {ENGINES_DIR}/models (tests/testbed/engines.py makes it)")
 
 
-@pytest.fixture(scope="module")
-def vllm(tmp_path_factory):
+@contextlib.contextmanager
+def running_vllm(tmp_path_factory, name: str, *args: str):
+    """A real vLLM serving the tiny model as `name` on 127.0.0.1; yields its URL."""
     if not (VLLM.parent.parent / "ready").is_file() or not os.access(VLLM, os.X_OK):
         pytest.skip(f"the real vLLM is not built at {VLLM.parent.parent} (run ./scripts/engines as root)")
     weights = tiny_model()
@@ -62,8 +64,8 @@ def vllm(tmp_path_factory):
            "HOME": str(tmp_path_factory.mktemp("vllm-home"))}
     log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([str(VLLM), "serve", str(weights), "--served-model-name", "m", "--host", "127.0.0.1",
-                                 "--port", str(port), "--max-model-len", "1024"],
+        proc = subprocess.Popen([str(VLLM), "serve", str(weights), "--served-model-name", name, "--host", "127.0.0.1",
+                                 "--port", str(port), "--max-model-len", "1024", *args],
                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
 
@@ -85,6 +87,19 @@ def vllm(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory):
+    with running_vllm(tmp_path_factory, "m") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def vllm_pooling(tmp_path_factory):
+    """The same weights under vLLM's pooling runner: an embedding model, which vLLM also scores and reranks with."""
+    with running_vllm(tmp_path_factory, "e", "--runner", "pooling") as url:
+        yield url
 
 
 async def recorded(gw, requests: int) -> tuple[int, int]:
@@ -137,3 +152,45 @@ async def test_r6_13_anthropic_messages_on_the_real_vllm(vllm, start_router):  #
         return usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
     assert await recorded(gw, 2) == (prompt(message.usage) + prompt(final.usage),
                                      message.usage.output_tokens + final.usage.output_tokens)
+
+
+async def test_r6_12_tokenize_detokenize_and_count_tokens_on_the_real_vllm(vllm, start_router):  # noqa: F811
+    """/tokenize is outside vLLM's /v1 key check; the router sends the key on it anyway."""
+    import aiohttp
+
+    gw = await start_router(catalog(model("m")), {"m": [Endpoint("real-1", "m", vllm, KEY)]})
+    auth = {"Authorization": f"Bearer {gw.secret}"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.url + "/tokenize", json={"model": "m", "prompt": "hello there"}, headers=auth) as r:
+            tokenized = await r.json()
+        assert r.status == 200 and tokenized["count"] == len(tokenized["tokens"]) > 0, tokenized
+        async with session.post(gw.url + "/detokenize", json={"model": "m", "tokens": tokenized["tokens"]},
+                                headers=auth) as r:
+            detokenized = await r.json()
+        assert r.status == 200 and "hello" in detokenized["prompt"], detokenized
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key=gw.secret, max_retries=0, timeout=120) as client:
+        counted = await client.messages.count_tokens(model="m", messages=[{"role": "user", "content": "hello there"}])
+    print("vLLM tokenize:", tokenized, "count_tokens:", counted.input_tokens)
+    assert counted.input_tokens > 0
+
+
+async def test_r6_12_score_and_rerank_on_the_real_vllm(vllm_pooling, start_router):  # noqa: F811
+    import aiohttp
+
+    gw = await start_router(catalog(model("e")), {"e": [Endpoint("real-e", "e", vllm_pooling, KEY)]})
+    auth = {"Authorization": f"Bearer {gw.secret}"}
+    reported = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.url + "/v1/score", json={"model": "e", "text_1": "hello there",
+                                                             "text_2": ["hello there", "one two"]}, headers=auth) as r:
+            scored = await r.json()
+        assert r.status == 200 and len(scored["data"]) == 2, scored
+        reported.append(scored["usage"]["prompt_tokens"])
+        for path in ("/v1/rerank", "/rerank"):
+            async with session.post(gw.url + path, json={"model": "e", "query": "hello",
+                                                         "documents": ["hello there", "one two"]}, headers=auth) as r:
+                ranked = await r.json()
+            assert r.status == 200 and ranked["results"][0]["index"] == 0, ranked
+            reported.append(ranked["usage"]["prompt_tokens"])
+    print("vLLM score/rerank prompt tokens:", reported)
+    assert await recorded(gw, 3) == (sum(reported), 0)
