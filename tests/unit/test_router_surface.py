@@ -23,6 +23,7 @@ def test_r6_12_the_table_says_which_engine_serves_which_route():
     assert not serves(ROUTE["POST /v1/score"], llama) and serves(ROUTE["POST /v1/score"], sglang)
     assert not serves(ROUTE["GET /v1/responses/{response_id}"], llama)  # it stores nothing
     assert [r.name for r in ROUTES if serves(r, sglang) and r.path.startswith("/v1/audio")] == []
+    assert [r.path for r in ROUTES if serves(r, llama) and r.path.startswith("/v1/audio")] == ["/v1/audio/transcriptions"]
     assert ROUTE["POST /rerank"].upstream_path("sglang") == "/v1/rerank"  # SGLang has no /rerank
     assert ROUTE["POST /v1/responses/{response_id}/cancel"].upstream_path("vllm", "resp_1") == "/v1/responses/resp_1/cancel"
 

@@ -24,8 +24,8 @@ Each engine also serves what it serves for real (`ROUTES` below), and 404s the r
 (streamed with `event:` lines; GET/cancel of a stored response on vLLM only with
 VLLM_ENABLE_RESPONSES_API_STORE=1, always on SGLang, never on llama-server, which stores nothing),
 Anthropic Messages and count_tokens (vLLM, llama-server), rerank, score (vLLM, SGLang),
-tokenize/detokenize, multipart audio transcriptions/translations (vLLM; the text carries the
-file's size and SHA-256).
+tokenize/detokenize, multipart audio transcriptions (vLLM, llama-server) and translations (vLLM);
+the text carries the file's size and SHA-256.
 
 Readiness follows each engine: vLLM binds its port only once loaded (or binds early and hangs
 with the `bind_early` knob); SGLang binds once loaded, then answers 503 during `warmup_delay`;
@@ -425,7 +425,8 @@ ROUTES = {
     "llama-server": dict(_COMMON, **{"/v1/responses": "_responses", "/v1/messages": "_messages",
                                      "/v1/messages/count_tokens": "_count_tokens", "/rerank": "_rerank",
                                      "/reranking": "_rerank", "/v1/rerank": "_rerank", "/v1/reranking": "_rerank",
-                                     "/tokenize": "_tokenize", "/detokenize": "_detokenize"}),
+                                     "/tokenize": "_tokenize", "/detokenize": "_detokenize",
+                                     "/v1/audio/transcriptions": "_audio"}),
 }
 FORM_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations")
 
