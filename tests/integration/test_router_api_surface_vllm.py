@@ -33,20 +33,21 @@ KEY = "real-vllm-engine-key"
 START_SECONDS = 600  # a first start compiles vLLM's CPU graph; later ones reuse its cache
 
 
-def tiny_model() -> Path:
-    """The tiny chat model the real-engine tests serve: made by tests/testbed/engines.py where that
-    helper is present, else one it already made under ENGINES_DIR/models."""
+def tiny_model(kind: str = "chat") -> Path:
+    """The tiny model the real-engine tests serve (`chat`: a Hugging Face folder; `gguf`: the same
+    for llama-server): made by tests/testbed/engines.py where that helper is present, else one it
+    already made under ENGINES_DIR/models."""
     try:
         from tests.testbed import engines as real_engines
     except ImportError:
         real_engines = None
     if real_engines is not None and hasattr(real_engines, "models"):
-        return Path(real_engines.models()["chat"])
+        return Path(real_engines.models()[kind])
     for made in sorted(ENGINES_DIR.glob("models/*/made.json")):
-        chat = Path(json.loads(made.read_text()).get("chat", ""))
-        if (chat / "config.json").is_file():
-            return chat
-    pytest.skip(f"no tiny chat model under {ENGINES_DIR}/models (tests/testbed/engines.py makes it)")
+        path = Path(json.loads(made.read_text()).get(kind, ""))
+        if path.name and path.exists():
+            return path
+    pytest.skip(f"no tiny {kind} model under {ENGINES_DIR}/models (tests/testbed/engines.py makes it)")
 
 
 @contextlib.contextmanager
