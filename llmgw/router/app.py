@@ -10,6 +10,7 @@ every couple of seconds, usage is written about once a second through the store'
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -131,7 +132,7 @@ class Router:
         app.router.add_get("/v1/models", self._list_models)
         app.router.add_get("/v1/models/{model}", self._get_model)
         for route in ROUTES:
-            app.router.add_route(route.method, route.path, self._handler(route))
+            app.router.add_route(route.method, route.path, functools.partial(self._proxy, route=route))
         app.cleanup_ctx.append(self._lifecycle)
         return app
 
@@ -186,7 +187,9 @@ class Router:
         if request.path in EXEMPT_PATHS and request.match_info.http_exception is None:
             return await handler(request)
         try:
-            key = self.keys.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+            headers = request.headers
+            authorization = headers.get("Authorization")
+            key = self.keys.authenticate(authorization, None if authorization else headers.get("x-api-key"))
             request[_KEY] = key
             self.usage.key_used(key.id, time.time())
             response = await handler(request)
@@ -269,11 +272,6 @@ class Router:
                 return plain
             problem = "the data ends early"
         raise BadRequest(f"the request body is not valid {encoding} data ({problem})")
-
-    def _handler(self, route: Route):
-        async def handle(request: web.Request) -> web.StreamResponse:
-            return await self._proxy(request, route)
-        return handle
 
     def _parse_json(self, body: bytes) -> dict:
         try:
@@ -414,6 +412,9 @@ class Router:
                      pinned: Pinned | None = None) -> web.StreamResponse:
         if pinned is not None:
             return await self._pinned_route(request, route, catalog, model, key, document, body, stream, pinned)
+        fixed_path, plain = route.fixed_path, route.plain
+        # A form's `stream` field is not read: whether its answer streams is what the engine's Content-Type says.
+        relay: bool | None = None if route.model_from == FORM else stream
         tried: list[Upstream] = []
         waited_since: float | None = None
         last_error: RouterError | None = None
@@ -434,13 +435,16 @@ class Router:
                     raise UpstreamFailed(f"no engine of {model.name!r} could answer after {len(tried)} "
                                          f"attempts; last: {last_error.message}")
                 raise NoCapacity(f"no replica of {model.name!r} is serving; retry later")
-            served = catalog.models.get(up.model)
-            path = route.upstream_path(builtin_engine(served.engine if served is not None else None))
+            if fixed_path is not None:
+                path = fixed_path
+            else:
+                served = catalog.models.get(up.model)
+                path = route.upstream_path(builtin_engine(served.engine if served is not None else None))
             try:
                 return await self._forwarder.send(
                     request, up, path, self._upstream_body(catalog, up, model.name, document, body, None),
-                    stream, strip_usage, key.id, route.method, self._headers(request, route, up, stream, body),
-                    route.dialect)
+                    relay, strip_usage, key.id, route.method,
+                    None if plain else self._headers(request, route, up, stream, body), route.dialect)
             except RouterError as exc:
                 if isinstance(body, Upload) and body.problem is not None:
                     raise body.problem from None

@@ -151,11 +151,12 @@ class Forwarder:
                 attempt.resp.close()  # the relay loop's read fails: the stream ends with an error
         return len(attempts)
 
-    async def send(self, request: web.Request, up: Upstream, path: str, body, stream: bool,
+    async def send(self, request: web.Request, up: Upstream, path: str, body, stream: bool | None,
                    strip_usage: bool, key_id: str, method: str = "POST", headers: dict | None = None,
                    dialect: str = OPENAI, inference: bool = True) -> web.StreamResponse:
-        """One attempt. `inference` False: a stored answer read back, counted as a request, its
-        usage not counted again."""
+        """One attempt. `stream` None: relay the answer as a stream when the engine sends an event
+        stream. `inference` False: a stored answer read back, counted as a request, its usage not
+        counted again."""
         started = time.monotonic()
         resp = None
         finished = False
@@ -175,8 +176,8 @@ class Forwarder:
                     if status == 401:  # passed on, it would tell the client its own key is wrong
                         raise UpstreamRejectedKey(f"the engine of replica {up.replica_id} refused the "
                                                   "router's engine key; check the replica's api key")
-                    # A form's `stream` field is not read: an event stream is what the engine says it sends.
-                    relay = status == 200 and (stream or resp.content_type == "text/event-stream")
+                    relay = status == 200 and (stream if stream is not None
+                                               else resp.content_type == "text/event-stream")
                     if relay:
                         first = await resp.content.readany()
                         if not first:

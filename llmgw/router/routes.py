@@ -42,6 +42,17 @@ class Route:
     engines: Mapping[str, str]  # built-in engine name -> the path that engine serves it on
     chat_stream: bool = False  # streams carry OpenAI's usage-only event, asked for with include_usage
 
+    @property
+    def fixed_path(self) -> str | None:
+        """The upstream path when every engine takes the router's own path (then no lookup per request)."""
+        same = self.model_from != RESPONSE_ID and all(path == self.path for path in self.engines.values())
+        return self.path if same else None
+
+    @property
+    def plain(self) -> bool:
+        """A JSON body with the upstream's prebuilt headers: nothing per request to add or remove."""
+        return self.model_from == JSON and self.dialect != ANTHROPIC
+
     def upstream_path(self, engine: str | None, response_id: str | None = None) -> str:
         """The path to send to this engine (custom engines: the router's own path)."""
         path = self.engines.get(engine, self.path) if engine is not None else self.path
