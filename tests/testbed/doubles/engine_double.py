@@ -918,7 +918,8 @@ def die(state):
 # ----------------------------------------------------------------------------------- start-up
 
 REFUSALS = {
-    "vllm": "ValueError: Free memory on device (1.2/79.1 GiB) on startup is less than desired GPU memory utilization (0.92, 72.8 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
+    "vllm": ("ValueError: Free memory on device (1.2/79.1 GiB) on startup is less than desired GPU memory utilization "
+             "(0.92, 72.8 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes."),
     "sglang": "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static.",
     "llama-server": "llama_model_load: error loading model: tensor data is not within the file bounds\nmain: exiting due to model loading error",
 }
@@ -978,7 +979,8 @@ def main(mode, argv, node_dir=None, env=None):
                  % (engine.model, engine.name, engine.host or "0.0.0.0", engine.port, engine.tp, engine.pp,
                     engine.nnodes, engine.node_rank, engine.headless, "<redacted>" if engine.keys else None), "utils.py:1")
     elif mode == "sglang":
-        log.info("server_args=ServerArgs(model_path='%s', served_model_name='%s', host='%s', port=%d, tp_size=%d, nnodes=%d, node_rank=%d) (engine test double)"
+        log.info("server_args=ServerArgs(model_path='%s', served_model_name='%s', host='%s', port=%d, tp_size=%d, "
+                 "nnodes=%d, node_rank=%d) (engine test double)"
                  % (engine.model, engine.name, engine.host, engine.port, engine.tp, engine.nnodes, engine.node_rank))
     else:
         log.raw("build: 9999 (engine test double)")
@@ -987,7 +989,9 @@ def main(mode, argv, node_dir=None, env=None):
     for i in range(int(knobs["stderr_lines"])):
         log.error("WARNING engine double start-up line %d of %d" % (i + 1, knobs["stderr_lines"]))
     if knobs["refuse_start"]:
-        message = knobs["refuse_start"] if isinstance(knobs["refuse_start"], str) and knobs["refuse_start"].lower() not in ("1", "true", "yes") else REFUSALS[mode]
+        refusal = knobs["refuse_start"]
+        given = isinstance(refusal, str) and refusal.lower() not in ("1", "true", "yes")
+        message = refusal if given else REFUSALS[mode]
         log.error(message)
         return 1
 
