@@ -4,6 +4,10 @@ An engine is launched, never embedded. Rendering is pure: the shard's variables 
 and an environment out. The engine API key never enters argv (R-1.6): vLLM reads VLLM_API_KEY,
 llama-server LLAMA_API_KEY, and SGLang, which has no such variable, reads it from a 0600
 `--config` file the helper writes into the shard directory. Facts behind each line: ENGINES.md.
+
+The vLLM template leaves vLLM's Responses store off (`VLLM_ENABLE_RESPONSES_API_STORE`): stored
+responses stay in the engine's memory and are never evicted. A profile that wants `GET
+/v1/responses/{id}` and `previous_response_id` sets it in its `env`.
 """
 
 from __future__ import annotations
