@@ -84,6 +84,10 @@ class LineReader:
         scanned = 0
         while True:
             end = self._buffer.find(b"\n", scanned)
+            if end > self._limit:  # over the limit, though it ended within the last chunk read
+                skipped = Overlong(bytes(self._buffer[:min(end + 1, self.HEAD)]), end + 1)
+                del self._buffer[:end + 1]
+                return skipped
             if end >= 0:
                 line = bytes(self._buffer[:end + 1])
                 del self._buffer[:end + 1]

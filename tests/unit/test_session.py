@@ -244,6 +244,15 @@ async def test_line_reader_returns_a_last_line_without_newline_and_then_eof():
     assert await reader.next() == b""
 
 
+async def test_line_reader_skips_an_overlong_line_that_ends_inside_one_chunk():
+    pipe = Pipe()
+    pipe.feed(b"a" * 30 + b"\n" + b"b" * 20 + b"\n" + b"c" * 21 + b"\n")
+    reader = LineReader(pipe, limit=20)
+    assert await reader.next() == Overlong(b"a" * 30 + b"\n", 31)
+    assert await reader.next() == b"b" * 20 + b"\n"
+    assert await reader.next() == Overlong(b"c" * 21 + b"\n", 22)
+
+
 async def test_helper_stderr_is_drained_to_the_log(caplog):
     """A helper that writes a lot to stderr is read (a full pipe would block it), line by line."""
     stderr = Pipe(piece=64 * 1024)
