@@ -47,7 +47,10 @@ def hold_instance_lock(state_dir: Path) -> int:
     The kernel drops the lock when the process ends, however it ends, so a stale file never
     blocks a start. Returns the open descriptor; closing it releases the lock."""
     path = state_dir / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:  # a symlink planted there is refused, not followed
+        raise StartupError(f"cannot open the lock file {path}: {exc.strerror or exc}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
