@@ -240,6 +240,13 @@ class NodeLink:
                 await self._teardown()
                 await self._sleep(backoff_delay(self.failures - 1))
                 continue
+            except Exception as exc:  # a bug or an answer nobody foresaw: this node only, retried
+                log.exception("%s: connecting failed unexpectedly", self.name)
+                self.failures += 1
+                self._set_state(UNHEALTHY, f"connecting failed unexpectedly: {type(exc).__name__}: {exc}")
+                await self._teardown()
+                await self._sleep(backoff_delay(self.failures + 2))
+                continue
             self._session = session
             self.hello = session.hello
             self.connects += 1
