@@ -366,6 +366,11 @@ def validate_document(doc: Document, model: type[BaseModel], prefix: tuple = ())
 
 def load_inventory_text(text: str, source: str = "<inventory>") -> tuple[Inventory, Document]:
     doc = parse_yaml(text, source)
+    if doc.data is None:
+        # A file with nothing in it is a mistake (a truncated copy, the wrong file), not a
+        # gateway with no nodes and no models.
+        raise ConfigError(source, [Problem((), "the file is empty (nothing but comments or null); an inventory "
+                                               "declares at least its nodes (see inventory.example.yaml)")])
     return validate_document(doc, Inventory), doc
 
 

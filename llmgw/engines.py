@@ -6,6 +6,10 @@ llama-server LLAMA_API_KEY, and SGLang, which has no such variable, reads it fro
 `--config` file the helper writes into the shard directory. vLLM's own key check leaves most
 paths open, so it also loads llmgw's guard middleware (remote/llmgw_vllm_guard.py) from the shard
 directory. Facts behind each line: ENGINES.md.
+
+The vLLM template leaves vLLM's Responses store off (`VLLM_ENABLE_RESPONSES_API_STORE`): stored
+responses stay in the engine's memory and are never evicted. A profile that wants `GET
+/v1/responses/{id}` and `previous_response_id` sets it in its `env`.
 """
 
 from __future__ import annotations

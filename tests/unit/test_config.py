@@ -123,6 +123,33 @@ def test_check_command_passes_on_the_example():
     assert "valid" in result.stdout
 
 
+EMPTY = [pytest.param("", id="empty"), pytest.param("\n  \n", id="blank-lines"),
+         pytest.param("# nodes: none yet\n# models: later\n", id="only-comments"),
+         pytest.param("null\n", id="null"), pytest.param("---\n~\n", id="tilde")]
+
+
+@pytest.mark.parametrize("text", EMPTY)
+def test_empty_inventory_is_refused_as_empty(tmp_path, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_checked(path)
+    assert str(info.value).startswith(f"{path}: the file is empty"), str(info.value)
+
+
+@pytest.mark.parametrize("command", [pytest.param(["check", "--no-connect"], id="check"),
+                                     pytest.param(["serve"], id="serve")])
+def test_empty_inventory_exits_2_naming_the_file(tmp_path, command):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# to be filled in\n")
+    result = subprocess.run([sys.executable, "-m", "llmgw.cli.main", *command, "-i", str(path),
+                             "--state-dir", str(tmp_path / "state")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"{path}: the file is empty" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_inventory(tmp_path / "absent.yaml")
