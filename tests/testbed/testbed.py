@@ -583,6 +583,26 @@ class Testbed:
                 pass
         return pids
 
+    def kill_matching(self, node: str | Node, pattern: str, sig: int = signal.SIGTERM) -> list[int]:
+        """Signal the node's processes whose command line matches `pattern` (a regex), as
+        `pkill -f` would, but only inside the node's network namespace: the nodes share the
+        host's pid space, so a `pkill` run on a node would reach every process of the host."""
+        node = self.node(node)
+        regex = re.compile(pattern)
+        pids = []
+        for pid in network.netns_pids(node.netns):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if regex.search(cmdline):
+                try:
+                    os.kill(pid, sig)
+                    pids.append(pid)
+                except ProcessLookupError:
+                    pass
+        return pids
+
     def set_gpus(self, node: str | Node, gpus: Sequence[GPU] | None = None, *, driver_loaded: bool | None = None) -> None:
         """Change what the node's nvidia-smi reports, while it runs. `gpus=None` keeps the list."""
         node = self.node(node)
