@@ -291,7 +291,6 @@ LOG_TAIL_SHOWN = 10
 
 
 def render_replicas(document: dict) -> Text:
-    now = time.time()
     out = Text()
     if not document["replicas"]:
         return Text("no replicas")

@@ -293,7 +293,7 @@ class Reconciler:
             for name, link in links.items())
         if answered or now - self.started_at >= self.gateway.settling_window:
             self.settled = True
-            log.info("fleet settled: %d of %d nodes ready", sum(l.state == READY for l in links.values()), len(links))
+            log.info("fleet settled: %d of %d nodes ready", sum(link.state == READY for link in links.values()), len(links))
         return self.settled
 
     def _reconcile_model(self, model: Model, live: list[Replica], catalog: Catalog, now: float) -> None:

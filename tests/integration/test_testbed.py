@@ -254,7 +254,8 @@ async def test_llama_server_and_sglang_command_lines(fleet):
     fleet.run(node, ["sh", "-c", "printf 'model-path: /ignored\\napi-key: sg-key # secret\\n' > /root/sg.yaml"], check=True)
     async with await fleet.connect(node) as conn:
         loading = await conn.create_process("exec llama-server -m /models/tiny.gguf --alias tiny --host 0.0.0.0 --port 8003 -ngl 99")
-        llama = await conn.create_process("LLAMA_API_KEY=lk exec llama-server -m /models/tiny.gguf --alias tiny,small --host 0.0.0.0 --port 8002 -c 2048")
+        llama = await conn.create_process("LLAMA_API_KEY=lk exec llama-server -m /models/tiny.gguf --alias tiny,small "
+                                          "--host 0.0.0.0 --port 8002 -c 2048")
         sglang = await conn.create_process("exec python3 -m sglang.launch_server --model-path /models/q --served-model-name q "
                                            f"--host {node.address} --port 8004 --tp-size 1 --config /root/sg.yaml")
         try:

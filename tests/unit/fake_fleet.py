@@ -80,7 +80,7 @@ class FakeFleet:
         return node_paths(self.nodes[node], {"root": f"/home/{node}/.llmgw", "home": f"/home/{node}"})
 
     def ready_nodes(self):
-        return [n for n, l in self.links.items() if l.state == READY]
+        return [n for n, link in self.links.items() if link.state == READY]
 
     def stream(self, node, op, args=None):
         self.calls.append((node, op, args or {}))

@@ -10,7 +10,7 @@ import pytest
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, ProfileConfig
 from llmgw.control.reconciler import Reconciler
-from llmgw.control.state import FAILED, SERVING
+from llmgw.control.state import FAILED
 from tests.unit.fake_fleet import FakeFleet
 
 PROFILES = {"one": ProfileConfig(engine="vllm", gpus=1, start_timeout=0.5),
