@@ -426,16 +426,23 @@ def default_state_dir() -> Path:
     return Path(base) / "llmgw"
 
 
+# vLLM's CPU build: by default it pins its OpenMP threads to every CPU but one and takes a 4 GiB
+# KV cache, so a second replica on the same machine would pin the same CPUs. Unpinned threads and
+# a 1 GiB cache let several small replicas share a machine's cores.
+VLLM_CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
 EMBEDDED_PROFILES = {
     "vllm": ProfileConfig(engine="vllm", gpus=1),
     "sglang": ProfileConfig(engine="sglang", gpus=1),
     "llama-server": ProfileConfig(engine="llama-server"),
+    "vllm-cpu": ProfileConfig(engine="vllm", env=VLLM_CPU_ENV),
 }
 
 
 def embedded_inventory() -> Inventory:
     """This machine as a single local node (R-9.2), with one profile per built-in engine so that
-    models can be added at runtime (`llmgw ctl model add -f model.yaml`)."""
+    models can be added at runtime (`llmgw ctl model add -f model.yaml`): `vllm` and `sglang` on
+    one GPU, and `llama-server` and `vllm-cpu` on the CPU, so a machine without GPUs places too."""
     return Inventory(nodes=[NodeConfig(name="local", connection="local")], profiles=EMBEDDED_PROFILES)
 
 
