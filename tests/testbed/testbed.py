@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from . import engines as real_engines
 from . import network
 from .network import PREFIX, RUNS_ROOT, TestbedError, run
 from .specs import GPU, NodeSpec, gpu_state, meminfo_text
@@ -338,7 +339,10 @@ class Testbed:
         for name, mode, real in (("vllm", "vllm", "vLLM"), ("llama-server", "llama-server", "llama.cpp"),
                                  ("sglang", "sglang", "SGLang")):
             path = node.bin_dir / name
-            path.write_text(entry.format(mode=mode, real=real, lib=str(self.lib_dir), node=str(node.dir)))
+            if spec.engines == "real" and name in real_engines.REAL:
+                path.write_text(real_engines.wrapper(name))
+            else:
+                path.write_text(entry.format(mode=mode, real=real, lib=str(self.lib_dir), node=str(node.dir)))
             os.chmod(path, 0o755)
         (node.pylib_dir / "sglang" / "__init__.py").write_text('"""SGLang stub package of the engine test double (not SGLang)."""\n')
         (node.pylib_dir / "sglang" / "launch_server.py").write_text(
@@ -552,7 +556,8 @@ class Testbed:
         self._wait_ssh([node])
 
     def engine_pids(self, node: str | Node) -> list[int]:
-        """Processes of the node started from the engine double (entry points or sglang stub)."""
+        """Engine processes of the node: the double's (entry points or sglang stub) and the main
+        process of each real engine (not the workers a real vLLM starts)."""
         node = self.node(node)
         entries = {str(node.bin_dir / name) for name in ENGINE_ENTRIES}
         pids = []
@@ -562,7 +567,8 @@ class Testbed:
             except OSError:
                 continue
             args = [a.decode(errors="replace") for a in cmdline[:4]]
-            if any(a in entries for a in args) or "sglang.launch_server" in args:
+            if any(a in entries for a in args) or "sglang.launch_server" in args \
+                    or real_engines.is_engine_process(args):
                 pids.append(pid)
         return pids
 
