@@ -150,8 +150,8 @@ class Forwarder:
         try:
             try:
                 async with asyncio.timeout(self.read_timeout):
-                    resp = await self.session.post(up.endpoint.url + path, data=body,
-                                                   headers=up.stream_headers if stream else up.headers)
+                    resp = await self._post(up.endpoint.url + path, body,
+                                            up.stream_headers if stream else up.headers)
                     status = resp.status
                     self.metrics.upstream_latency(up.model, time.monotonic() - started)
                     if status == 502 or status == 503:
@@ -207,6 +207,17 @@ class Forwarder:
                     resp.release()
                 else:
                     resp.close()  # the engine sees the connection go: cancels its work
+
+    async def _post(self, url: str, body: bytes, headers) -> aiohttp.ClientResponse:
+        try:
+            return await self.session.post(url, data=body, headers=headers)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                raise  # no connection could be made: the engine is not there
+            # A pooled keep-alive connection the engine closed as it was taken: llama-server
+            # drops connections without `Connection: close` (after a stream, and under load).
+            # Nothing was answered: once more, on another connection.
+            return await self.session.post(url, data=body, headers=headers)
 
     async def _relay_stream(self, request: web.Request, resp: aiohttp.ClientResponse, up: Upstream,
                             chunk: bytes, strip: bool, key_id: str, headers: dict) -> web.StreamResponse:
