@@ -163,7 +163,7 @@ class Load:
                     assert finish is not None, "stream ended without a finish reason"
             except Exception as exc:  # noqa: BLE001 - every failure is counted with its reason
                 with self._lock:
-                    self.failures.append(f"{type(exc).__name__}: {exc}")
+                    self.failures.append(f"{time.strftime('%H:%M:%S')} {type(exc).__name__}: {exc}")
             else:
                 with self._lock:
                     self.ok += 1
