@@ -260,6 +260,11 @@ class Forwarder:
                 if pending:
                     await write(pending)
         except (aiohttp.ClientError, ConnectionError) as exc:
+            # Usage the engine reported before the break is counted all the same: llama-server
+            # may close the connection after its last event without ending the chunked body.
+            found = usage if usage is not None else find_usage(oldest + older + old)
+            if found is not None:
+                self._count(key_id, up.model, *tokens(found))
             transport = request.transport
             if transport is None or transport.is_closing():
                 # The client went away: returning closes the engine's connection.
