@@ -71,10 +71,16 @@ def key_usage(gateway: GatewayProcess, key_name: str) -> dict | None:
 def wait_usage(gateway: GatewayProcess, key_name: str, expected: dict, timeout: float = 30) -> dict:
     """The gateway's counters for a key, once they reach what the client saw (they are flushed
     in the background); then they must be exactly that."""
+    seen = []
+
     def reached():
         row = key_usage(gateway, key_name)
+        seen[:] = [row]
         return row if row and row["requests"] >= expected["requests"] else None
-    row = wait_for(reached, timeout, f"usage of key {key_name} to reach {expected}")
+    try:
+        row = wait_for(reached, timeout, f"usage of key {key_name} to reach {expected}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; recorded: {seen[0] if seen else None}") from None
     got = {k: row[k] for k in expected}
     assert got == expected, f"recorded {got}, the engine reported {expected}"
     return row

@@ -90,6 +90,7 @@ def test_built_in_template_serves_chat_streams_and_completions_with_usage(bed, g
     assert reply.choices[0].finish_reason in ("length", "stop")
     assert reply.usage.prompt_tokens > 0 and 0 < reply.usage.completion_tokens <= 8
     counted.add(reply.usage)
+    rt.wait_usage(gateway, KEY, counted.as_dict())
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a stream"}],
                                                  max_tokens=8, stream=True, stream_options={"include_usage": True}))
@@ -97,6 +98,7 @@ def test_built_in_template_serves_chat_streams_and_completions_with_usage(bed, g
     assert len(usage) == 1 and chunks[-1].usage is not None and not chunks[-1].choices
     assert any(c.choices and c.choices[0].finish_reason for c in chunks)
     counted.add(usage[0])
+    rt.wait_usage(gateway, KEY, counted.as_dict())
 
     done = client.completions.create(model=MODEL, prompt="the model server", max_tokens=6)
     assert done.choices[0].text is not None and done.usage.completion_tokens <= 6
