@@ -259,6 +259,13 @@ class Forwarder:
                     watch.progress += 1
                 if pending:
                     await write(pending)
+        except asyncio.CancelledError:
+            # The client left: after `data: [DONE]` the openai client closes at once, while
+            # llama-server may not yet have ended its body. Usage already relayed still counts.
+            found = usage if usage is not None else find_usage(oldest + older + old)
+            if found is not None:
+                self._count(key_id, up.model, *tokens(found))
+            raise
         except (aiohttp.ClientError, ConnectionError) as exc:
             # Usage the engine reported before the break is counted all the same: llama-server
             # may close the connection after its last event without ending the chunked body.
