@@ -292,37 +292,3 @@ def test_which_admin_addresses_are_loopback(host, loopback):
     from llmgw.config import is_loopback
 
     assert is_loopback(host) is loopback
-
-
-# ---------------------------------------------------------------------------------------------
-# The embedded default (R-9.2)
-
-
-@pytest.mark.parametrize("profile", ["llama-server", "vllm-cpu"])
-def test_embedded_default_places_a_model_on_a_machine_without_gpus(profile):
-    """A model added at runtime with a CPU profile of the embedded default lands on a node
-    without GPUs; the GPU profiles do not."""
-    from llmgw.catalog import Catalog
-    from llmgw.config import ModelConfig, embedded_inventory
-    from llmgw.control.placement import NodeView, place
-
-    inventory = embedded_inventory()
-    machine = NodeView(name="local", state="ready", fabric=None, gpu_class=None, gpus=(),
-                       memory_bytes=16 * 1000**3, cache_free_bytes=100 * 1000**3, holds=frozenset())
-    catalog = Catalog.build(file_models=[ModelConfig(name="m", profile=profile, weights="hf:org/m", disk_gb=1)],
-                            profiles=dict(inventory.profiles))
-    plan = place(catalog.models["m"], [machine], {})
-    assert plan is not None and [s.node for s in plan.shards] == ["local"]
-    gpu_only = Catalog.build(file_models=[ModelConfig(name="g", profile="vllm", weights="hf:org/g", disk_gb=1)],
-                             profiles=dict(inventory.profiles))
-    assert place(gpu_only.models["g"], [machine], {}) is None
-
-
-def test_embedded_vllm_cpu_profile_lets_replicas_share_the_cores():
-    """vllm-cpu runs the vllm template with unpinned OpenMP threads and a small KV cache."""
-    from llmgw.config import embedded_inventory
-
-    profile = embedded_inventory().profiles["vllm-cpu"]
-    assert profile.engine == "vllm" and profile.gpus == 0
-    assert profile.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
-    assert profile.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
