@@ -131,6 +131,17 @@ class _Attempt:
         self.abandoned = False
 
 
+# How many times an Anthropic stream that begins without message_start is asked for again.
+ANTHROPIC_RESENDS = 3
+
+
+def _lacks_message_start(first: bytes) -> bool:
+    """An Anthropic stream whose first event is another named event (comments are let through)."""
+    head = first.lstrip()
+    return head.startswith(b"event:") and not head.startswith(b"event: message_start") \
+        and not head.startswith(b"event:message_start")
+
+
 class Forwarder:
     """Sends one attempt to one endpoint and relays its answer."""
 
@@ -185,6 +196,19 @@ class Forwarder:
                                                else resp.content_type == "text/event-stream")
                     if relay:
                         first = await resp.content.readany()
+                        for _ in range(ANTHROPIC_RESENDS):
+                            if dialect != ANTHROPIC or not _lacks_message_start(first):
+                                break
+                            # llama-server now and then starts an Anthropic stream past its
+                            # message_start, which clients need (and which carries the prompt's
+                            # tokens). Nothing has reached the client: ask the engine again.
+                            log.info("replica %s began an Anthropic stream without message_start; asking again",
+                                     up.replica_id)
+                            resp.close()
+                            resp = await self._request(method, up.endpoint.url + path, body, headers)
+                            if resp.status != 200:
+                                raise UpstreamRefused(f"the engine of replica {up.replica_id} answered {resp.status}")
+                            first = await resp.content.readany()
                         if not first:
                             raise UpstreamConnectFailed(f"the engine of replica {up.replica_id} ended the "
                                                         "stream before sending anything")
