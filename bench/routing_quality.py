@@ -223,6 +223,8 @@ async def vllm_counters(session, url: str, key: str) -> tuple[float, float]:
 
 async def run_vllm(requests: list[Request], policy: str, urls: list[str], key: str, model: str,
                    concurrency: int) -> dict:
+    """The requests sent for real, each message salted with the policy's name: the same shapes and
+    lengths, and nothing either policy can take from the engines' caches of the other's run."""
     import aiohttp
     balancer = Balancer()
     balancer.replace({"m": [Endpoint(f"vllm-{i}", "m", url, key) for i, url in enumerate(urls)]}, {"m": policy})
@@ -244,6 +246,8 @@ async def run_vllm(requests: list[Request], policy: str, urls: list[str], key: s
             while not queue.empty():
                 for request in queue.get_nowait():
                     document = request.document()
+                    for message in document["messages"]:
+                        message["content"] = f"[{policy}] " + message["content"]
                     up = balancer.acquire("m", time.monotonic(),
                                           key=affinity_key(document, {}) if policy == PREFIX else None)
                     body = {**document, "model": model, "max_tokens": request.output, "stream": True,
@@ -303,7 +307,8 @@ def main() -> None:
     parser.add_argument("--vllm", help="comma-separated base URLs of two running vLLM engines")
     parser.add_argument("--key", default="", help="their API key (sent as Authorization: Bearer)")
     parser.add_argument("--model", default="chat", help="the engines' served model name")
-    parser.add_argument("--system-tokens", type=int, default=1500, help="real part: system prompt words")
+    parser.add_argument("--system-words", type=int, default=250,
+                        help="real part: words of each tenant's system prompt (about 5 tokens each with the tiny model)")
     args = parser.parse_args()
 
     scale = 1 if args.quick else 3
@@ -339,9 +344,10 @@ def main() -> None:
         for request in real:  # the real engines tokenise the text: make the system prompts long
             system = request.messages[0]
             tenant = system.text.split()[1]
-            system.text = words(random.Random(f"{args.seed}-{tenant}"), args.system_tokens, f"tenant {tenant} system prompt")
+            system.text = words(random.Random(f"{args.seed}-{tenant}"), args.system_words, f"tenant {tenant} system prompt")
         print(f"\nREAL vLLM: {len(urls)} engines {urls}; shared workload: 4 tenants x {2 * scale} conversations x "
-              f"3 turns, system prompts of {args.system_tokens} words, 2 conversations at a time")
+              f"3 turns (+12 user words, +40 output tokens a turn), system prompts of {args.system_words} words, "
+              "2 conversations at a time, streamed")
         rows = {}
         for policy in POLICIES:
             rows[policy] = asyncio.run(run_vllm(real, policy, urls, args.key, args.model, concurrency=2))
@@ -349,8 +355,8 @@ def main() -> None:
               [("hit rate", "hit_rate", ".3f"), ("TTFT p50 s", "ttft_p50", ".3f"),
                ("TTFT p90 s", "ttft_p90", ".3f"), ("req/s", "rps", ".2f"), ("failures", "failures", "d")])
         print("  " + ratios(rows, ["hit_rate", "ttft_p50", "rps"]))
-        print("  note: the policies run one after the other on the same engines; the second starts with "
-              "the first's cache, so a cold-cache comparison needs the engines restarted between them")
+        print("  the policies run one after the other on the same engines, each with its own salted text: "
+              "neither finds the other's prompts in cache")
     print(json.dumps({"quick": args.quick, "seed": args.seed}))
 
 
