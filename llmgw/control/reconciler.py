@@ -293,7 +293,7 @@ class Reconciler:
             for name, link in links.items())
         if answered or now - self.started_at >= self.gateway.settling_window:
             self.settled = True
-            log.info("fleet settled: %d of %d nodes ready", sum(l.state == READY for l in links.values()), len(links))
+            log.info("fleet settled: %d of %d nodes ready", sum(link.state == READY for link in links.values()), len(links))
         return self.settled
 
     def _reconcile_model(self, model: Model, live: list[Replica], catalog: Catalog, now: float) -> None:
@@ -405,7 +405,8 @@ class Reconciler:
                 reason = "engine is gone (no exit status recorded)"
             else:
                 reason = "a different process now has the engine's id"
-            shard.log_tail = list(status.log_tail) if status is not None and status.log_tail else shard.log_tail
+            if status is not None and status.log_tail:
+                shard.log_tail = replica.without_key(status.log_tail)
             shard.set_state(FAILED, reason)
             self._save(replica)
             return
@@ -536,6 +537,8 @@ class Reconciler:
             raise
         except NodeError as exc:
             self._fail_replica(replica, _node_error_reason(exc))
+        except EngineMissing as exc:
+            self._fail_replica(replica, str(exc))
         except Exception as exc:  # a bug must fail the replica visibly, not hang it
             log.exception("launching %s failed", replica.id)
             self._fail_replica(replica, f"launch failed: {exc}")
@@ -639,6 +642,7 @@ class Reconciler:
             shard.set_state(STARTING)
             self._save(replica)
             args = {"shard_id": shard.id, "argv": spec.argv, "env": spec.env, "files": spec.files,
+                    "file_sha256": spec.file_sha256,
                     "port": port if shard.serves_http else None, "host": variables.host,
                     "health_url": f"http://127.0.0.1:{port}{spec.health_path}" if spec.health_path else None,
                     "gpus": list(shard.gpus)}
@@ -648,6 +652,8 @@ class Reconciler:
                 if exc.kind == "port_in_use":
                     tried.add(port)
                     continue
+                if exc.kind == "engine_missing":
+                    raise EngineMissing(model.engine.missing_reason(shard.node, exc.message)) from exc
                 raise
             shard.pid, shard.start_time = result.get("pid"), result.get("start_time")
             shard.argv = result.get("argv") or spec.argv
@@ -735,7 +741,7 @@ class Reconciler:
                                            timeout=30)
         except NodeError:
             return
-        shard.log_tail = list(answer.get("lines") or [])
+        shard.log_tail = replica.without_key(answer.get("lines") or [])
         health = self.health.get(replica.model)
         if health is not None and health.last_log_tail is None:
             health.last_log_tail = shard.log_tail
@@ -825,6 +831,10 @@ def _engine_path(source, held_path: str) -> str:
         # The helper saves a URL's file under the last segment of its path, unquoted.
         return posixpath.join(held_path, unquote(urlsplit(source.urls[0]).path.rsplit("/", 1)[-1]))
     return held_path
+
+
+class EngineMissing(Exception):
+    """The node lacks the engine's program; the message says which and how to install it."""
 
 
 def _node_error_reason(exc: NodeError) -> str:

@@ -230,20 +230,20 @@ class ControlPlane:
             raise ServiceError(404, f"no replica named {replica_id!r}", code="replica_not_found")
         if not 0 <= rank < len(replica.shards):
             raise ServiceError(400, f"{replica_id} has shards 0-{len(replica.shards) - 1}")
-        return replica.shards[rank]
+        return replica, replica.shards[rank]
 
     async def logs(self, replica_id: str, rank: int = 0, lines: int = 100) -> list[str]:
-        shard = self._shard(replica_id, rank)
+        replica, shard = self._shard(replica_id, rank)
         try:
             result = await self.fleet.call(shard.node, "logs", {"shard_id": shard.id, "lines": lines})
         except NodeError as exc:
             if shard.log_tail:
                 return list(shard.log_tail)
             raise ServiceError(502, f"could not read the log: {exc}", code="node_error") from None
-        return result["lines"]
+        return replica.without_key(result["lines"])
 
     async def follow_logs(self, replica_id: str, rank: int = 0, lines: int = 100) -> AsyncIterator[list[str]]:
-        shard = self._shard(replica_id, rank)
+        replica, shard = self._shard(replica_id, rank)
         try:
             stream = self.fleet.stream(shard.node, "logs", {"shard_id": shard.id, "lines": lines,
                                                                   "follow": True})
@@ -252,4 +252,4 @@ class ControlPlane:
         async with stream:
             async for event, data in stream:
                 if event == "lines":
-                    yield data.get("lines") or []
+                    yield replica.without_key(data.get("lines") or [])

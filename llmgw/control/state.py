@@ -87,6 +87,11 @@ class Replica:
     def leader(self) -> Shard:
         return self.shards[0]
 
+    def without_key(self, lines) -> list[str]:
+        """Engine log lines with this replica's engine key replaced, should the engine print it."""
+        return [line.replace(self.api_key, "***") if self.api_key and self.api_key in line else line
+                for line in lines]
+
     @property
     def state(self) -> str:
         states = {s.state for s in self.shards}

@@ -240,6 +240,13 @@ class NodeLink:
                 await self._teardown()
                 await self._sleep(backoff_delay(self.failures - 1))
                 continue
+            except Exception as exc:  # a bug or an answer nobody foresaw: this node only, retried
+                log.exception("%s: connecting failed unexpectedly", self.name)
+                self.failures += 1
+                self._set_state(UNHEALTHY, f"connecting failed unexpectedly: {type(exc).__name__}: {exc}")
+                await self._teardown()
+                await self._sleep(backoff_delay(self.failures + 2))
+                continue
             self._session = session
             self.hello = session.hello
             self.connects += 1
@@ -413,7 +420,7 @@ class SSHLink(NodeLink):
         python = self.node.python or self.ssh.python
         command = shlex.join(helper_argv(python, self.helper_path, self.code, self.remote_dir))
         process = await self._conn.create_process(command, encoding=None)
-        session = HelperSession(self.name, process.stdout, process.stdin)
+        session = HelperSession(self.name, process.stdout, process.stdin, stderr=process.stderr)
         try:
             await session.start(HELLO_TIMEOUT, upload=self.code.text)
         except HelperFailed as exc:
@@ -474,7 +481,7 @@ class LocalLink(NodeLink):
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, limit=64 * 1024 * 1024, start_new_session=True)
         assert proc.stdout is not None and proc.stdin is not None
-        session = HelperSession(self.name, proc.stdout, proc.stdin)
+        session = HelperSession(self.name, proc.stdout, proc.stdin, stderr=proc.stderr)
         try:
             await session.start(HELLO_TIMEOUT, upload=self.code.text)
         except HelperFailed as exc:

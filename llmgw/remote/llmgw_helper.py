@@ -39,7 +39,7 @@ JSON lines over stdin/stdout, UTF-8, one object per line.
   ``{"id", "ok": false, "error": {"kind": "<machine word>", "message": "<sentence>"}}``.
   Kinds used: bad_request (a line that is not a request), unknown_op, bad_args, internal (an
   unexpected exception; the helper keeps running), cancelled, not_found, alive, identity,
-  port_in_use, launch_failed, no_secret, too_large, stalled, permissions (a directory of the helper is a link or open to
+  port_in_use, engine_missing, integrity, launch_failed, no_secret, too_large, stalled, permissions (a directory of the helper is a link or open to
   others), disk_full, cache_dir (the cache cannot be written), http, network,
   empty_source.
 - Streamed event, zero or more before the answer: ``{"id", "event": "<name>", "data": {...}}``.
@@ -97,17 +97,20 @@ source_size {"source", "token"} -> {"bytes": int|null, "files": int}
     What a fetch of that source would download, from the hub listing's sizes or HEAD requests;
     null when any length is unknown (R-5.1: the size is learned before placement).
 
-launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus", "files"} -> {"shard_id",
-    "pid", "pgid", "start_time", "argv", "log_path", "started_at"}
+launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus", "files",
+    "file_sha256"} -> {"shard_id", "pid", "pgid", "start_time", "argv", "log_path", "started_at"}
     The engine runs under a supervisor (this file in supervise mode) in a new session; the
     supervisor records ROOT/shards/<shard_id>/state.json atomically, and the exit code
     (negative signal number when killed) and end time when the engine exits (R-4.4). env
     (secrets included) travels through the supervisor's stdin and reaches only the engine's
     environment, never an argv (R-1.6). gpus sets CUDA_VISIBLE_DEVICES. files {NAME: text} are
     written 0600 into the shard directory first (an engine that takes its key only from a config
-    file); "{shard_dir}" inside an argv element is replaced by that directory, and the answer's
-    argv is the one really started. A port in use is refused (port_in_use), a live shard too
-    (alive).
+    file, a module the engine loads), and file_sha256 {NAME: HEX} is checked against the bytes
+    written (integrity when they differ; nothing is started); "{shard_dir}" inside an argv
+    element or an env value is replaced by that directory, and the answer's argv is the one
+    really started. A port in use is refused (port_in_use), a live shard too
+    (alive), and an argv[0] that is not an executable found with the launch env's PATH
+    (engine_missing, naming the program and the PATH searched).
 
 status {"probe": false, "timeout": 2} -> {"shards": [{"shard_id", "pid", "pgid", "start_time",
     "argv", "gpus", "port", "health_url", "started_at", "alive", "exit_code", "ended_at",
@@ -115,7 +118,10 @@ status {"probe": false, "timeout": 2} -> {"shards": [{"shard_id", "pid", "pgid",
     alive means identity holds: same boot, same pid start time (field 22 of /proc/PID/stat),
     and the command line recorded when the engine started (or the recorded supervisor is still
     its parent); a pid alone is never trusted (R-4.4). health only with probe, for live shards
-    with a health URL (R-4.7). log_tail (last 50 lines) only for shards that are not alive.
+    with a health URL (R-4.7); an answer counts only when every LISTEN socket on the URL's port
+    is held by a process of the engine's group (/proc/net/tcp{,6} inodes against
+    /proc/PID/fd), else status is null and error says the port is held by another process.
+    log_tail (last 50 lines) only for shards that are not alive.
 
 stop {"shard_id", "grace": 10} -> {"was_alive", "stopped"}
     Identity first: on a mismatch the answer is kind identity and nothing is signalled. TERM to
@@ -124,6 +130,8 @@ stop {"shard_id", "grace": 10} -> {"was_alive", "stopped"}
 forget {"shard_id"} -> {}      removes the shard's state directory; refused (alive) while live.
 
 logs {"shard_id", "lines": 100, "follow": false} -> {"lines": [str]}
+    Here and in status's log_tail, API key values an engine printed (SGLang logs its server
+    arguments, api_key included) are replaced by ***.
     With follow: event "lines" {"lines": [...]} with the last N, then with new lines as they
     are written, until cancelled; then the answer {"lines": []}.
 
@@ -720,6 +728,74 @@ def group_members(pgid):
     return members
 
 
+def parse_listen_inodes(text, port):
+    """Socket inodes of the LISTEN entries on a port in /proc/net/tcp or /proc/net/tcp6 text.
+
+    Columns: sl, local_address (hex ADDR:PORT), rem_address, st (0A is LISTEN), tx:rx,
+    tr:when, retrnsmt, uid, timeout, inode.
+    """
+    inodes = set()
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 10 or fields[3] != "0A":
+            continue
+        try:
+            if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(int(fields[9]))
+        except (IndexError, ValueError):
+            continue
+    return inodes
+
+
+def listen_inodes(port):
+    inodes = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        text = _read_text(name)
+        if text:
+            inodes |= parse_listen_inodes(text, port)
+    return inodes
+
+
+def socket_inodes(pids):
+    """Inodes of the sockets the processes hold open (fds this user may read)."""
+    inodes = set()
+    for pid in pids:
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            names = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for name in names:
+            try:
+                target = os.readlink(os.path.join(fd_dir, name))
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target.endswith("]"):
+                try:
+                    inodes.add(int(target[8:-1]))
+                except ValueError:
+                    pass
+    return inodes
+
+
+def foreign_listener(port, groups):
+    """Why the listener on port is not the engine's (its process groups), or None when it is.
+
+    Another user's process may have bound the port first; its 200 must not count as the
+    engine's health (R-4.7), so every LISTEN socket on the port must be held open by a process
+    of the engine's groups.
+    """
+    listening = listen_inodes(port)
+    if not listening:
+        return None  # nothing listens: the probe itself reports the refused connection
+    members = []
+    for group in groups:
+        members.extend(group_members(group))
+    if listening - socket_inodes(members):
+        return f"port {port} is held by a process that is not this engine; its answers do not count"
+    return None
+
+
 def _write_json_atomic(path, obj, mode=0o600):
     """Write JSON to path through a temp file and rename, so readers never see half a file."""
     temp = "%s.tmp-%d-%s" % (path, os.getpid(), secrets.token_hex(4))
@@ -746,6 +822,16 @@ def _write_private_file(path, text):
     with os.fdopen(fd, "w") as handle:
         handle.write(text)
     os.replace(temp, path)
+
+
+def sha256_of_file(opener):
+    """Hex SHA-256 of the file opener() opens (without following a link), or None."""
+    try:
+        fd = opener()
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        return hashlib.sha256(handle.read()).hexdigest()
 
 
 _NOFOLLOW_READ = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
@@ -803,8 +889,36 @@ def tail_lines(path, count, max_bytes=16 << 20, opener=None):
     return [_decode_line(line) for line in lines[-count:]]
 
 
+# An engine that prints its arguments prints its key: SGLang logs `ServerArgs(..., api_key='...')`.
+# Names ending in api_key / api-key / apikey (admin_api_key too), then = or : and a value, a
+# quoted one or a list; and a --api-key VALUE command line.
+_KEY_ASSIGNMENT = re.compile(
+    r"""(?i)(\b[\w-]*api[_-]?keys?['"]?\s*[:=]\s*)(\[[^\]]*\]|'[^']*'|"[^"]*"|[^\s,;)}\]]+)""")
+_KEY_OPTION = re.compile(r"(?i)(--(?:admin-)?api-key\s+)(\S+)")
+_NO_KEY = frozenset(["none", "null", "''", '""', "[]", "[none]"])
+REDACTED = "***"
+
+
+def _redact_key_value(match):
+    value = match.group(2)
+    if value.lower() in _NO_KEY:
+        return match.group(0)
+    quote = value[0] if value[0] in "'\"" else ""
+    if value.startswith("["):
+        return match.group(1) + "['" + REDACTED + "']"
+    return match.group(1) + quote + REDACTED + quote
+
+
+def scrub_secrets(line):
+    """The line with API key values replaced by ***, before any log text leaves the node."""
+    if "key" not in line.lower():
+        return line
+    line = _KEY_ASSIGNMENT.sub(_redact_key_value, line)
+    return _KEY_OPTION.sub(lambda m: m.group(1) + REDACTED, line)
+
+
 def _decode_line(raw):
-    return raw.decode("utf-8", "replace").rstrip("\r")
+    return scrub_secrets(raw.decode("utf-8", "replace").rstrip("\r"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -2069,8 +2183,19 @@ class Node(object):
         for file_name, text in files.items():
             if not SHARD_FILE_RE.fullmatch(file_name) or file_name in (STATE_FILE, LOG_FILE) or not isinstance(text, str):
                 raise bad_args("files must map plain file names (not %s or %s) to text; %r does not" % (STATE_FILE, LOG_FILE, file_name))
+        file_sha256 = _arg(args, "file_sha256", (dict,), {})
+        for file_name, digest in file_sha256.items():
+            if file_name not in files or not isinstance(digest, str):
+                raise bad_args(f"file_sha256 must map names of files to hex digests; {file_name!r} does not")
         shard_dir = self.shard_dir(shard_id)
         argv = [part.replace(SHARD_DIR_PLACEHOLDER, shard_dir) for part in argv]
+        env = {key: value.replace(SHARD_DIR_PLACEHOLDER, shard_dir) for key, value in env.items()}
+        search_path = env.get("PATH", os.environ.get("PATH", os.defpath))
+        if find_program(argv[0], search_path) is None:
+            # Found now rather than by the supervisor's exec failing: the operator learns which
+            # program is missing and where it was looked for.
+            where = "is not an executable file" if "/" in argv[0] else "is not on PATH=" + search_path
+            raise HelperError("engine_missing", f"{argv[0]} {where} on this node")
         state_path = os.path.join(shard_dir, STATE_FILE)
         log_path = os.path.join(shard_dir, LOG_FILE)
         with self.launch_lock:
@@ -2087,6 +2212,12 @@ class Node(object):
                 os.unlink(state_path)
             for file_name, text in files.items():
                 _write_private_file(os.path.join(shard_dir, file_name), text)
+            for file_name, digest in file_sha256.items():
+                # The bytes the engine will load are the bytes the control plane shipped.
+                actual = sha256_of_file(lambda name=file_name: open_below(self.root, ["shards", shard_id, name]))
+                if actual != digest.lower():
+                    raise HelperError("integrity", f"{file_name} in the shard directory has SHA-256 {actual}, "
+                                                   f"not {digest}; the engine was not started")
             spec = {
                 "shard_id": shard_id,
                 "argv": argv,
@@ -2166,7 +2297,7 @@ class Node(object):
             if not alive:
                 entry["log_tail"] = self.shard_log_tail(shard_id, LOG_TAIL_LINES)
             elif probe and isinstance(state.get("health_url"), str):
-                thread, box = _start_bounded(lambda url=state["health_url"]: probe_health(url, timeout))
+                thread, box = _start_bounded(lambda st=state: probe_engine(st, timeout))
                 probes.append((entry, thread, box))
             shards.append(entry)
         # A port that accepts and never answers must time out, not hang (R-4.7).
@@ -2463,6 +2594,13 @@ def _signal_groups(groups, signum):
             pass
 
 
+def find_program(program, search_path):
+    """The file exec would run for argv[0] with this PATH (as subprocess looks it up), or None."""
+    if "/" in program:
+        return program if os.path.isfile(program) and os.access(program, os.X_OK) else None
+    return shutil.which(program, path=search_path)
+
+
 def check_port_free(host, port):
     """Refuse (port_in_use) when something listens on host:port: try to bind it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -2479,6 +2617,24 @@ def check_port_free(host, port):
         raise HelperError("port_in_use", "cannot bind port %d on %s: %s" % (port, host, exc.strerror or exc))
     finally:
         sock.close()
+
+
+def probe_engine(state, timeout):
+    """probe_health of a recorded engine, counted only when the engine itself listens."""
+    url = state["health_url"]
+    try:
+        port = urllib.parse.urlsplit(url).port
+    except ValueError:
+        port = None
+    if port is not None:
+        groups = [state["pgid"]] if isinstance(state.get("pgid"), int) and state["pgid"] > 1 else []
+        info = read_proc_stat(state["pid"]) if isinstance(state.get("pid"), int) else None
+        if info is not None and info["pgid"] not in groups:
+            groups.append(info["pgid"])  # the engine left the group it was started in
+        why = foreign_listener(port, groups)
+        if why is not None:
+            return {"status": None, "error": why}
+    return probe_health(url, timeout)
 
 
 def probe_health(url, timeout):

@@ -10,6 +10,7 @@ every couple of seconds, usage is written about once a second through the store'
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -27,14 +28,18 @@ from llmgw.router.affinity import affinity_key
 from llmgw.router.balancer import PREFIX, Balancer, Upstream
 from llmgw.router.endpoints import Endpoint, static_endpoints
 from llmgw.router.engineload import EnginePoller
-from llmgw.router.errors import (BadRequest, BodyTooLarge, InternalError, ModelLoading, ModelNotAllowed,
-                                 ModelNotFound, NoCapacity, RouterError, UnsupportedEncoding, UpstreamFailed,
-                                 error_response, from_http_exception)
+from llmgw.router import response_ids
+from llmgw.router.errors import (BadRequest, BodyTooLarge, InternalError, InvalidType, ModelLoading, ModelNotAllowed,
+                                 ModelNotFound, NoCapacity, ResponseNotFound, RouteNotServed, RouterError,
+                                 UnsupportedEncoding, UpstreamFailed, UploadNotReplayed, error_response,
+                                 from_http_exception)
 from llmgw.router.keys import REFRESH_SECONDS, ApiKey, KeyRing, list_keys
 from llmgw.router.landing import landing_page
 from llmgw.router.metrics import NO_MODEL, RouterMetrics
 from llmgw.router.proxy import Forwarder
+from llmgw.router.routes import ANTHROPIC, FORM, RESPONSE_ID, RESPONSES, ROUTES, Route, builtin_engine, serves
 from llmgw.router.streams import ask_for_usage, streaming
+from llmgw.router.uploads import Upload, read_upload
 from llmgw.router.usage import UsageMeter
 from llmgw.store import Store
 
@@ -64,6 +69,16 @@ BODY_ENCODINGS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS
 
 _KEY = web.RequestKey("llmgw_key", ApiKey)
 _MODEL = web.RequestKey("llmgw_model", str)
+ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")  # passed on to engines that read them
+
+
+class Pinned:
+    """A follow-up of a stored response: the replica that holds it and the engine's own id."""
+
+    __slots__ = ("model", "replica_id", "engine_id", "client_id")
+
+    def __init__(self, model: str, replica_id: str, engine_id: str, client_id: str):
+        self.model, self.replica_id, self.engine_id, self.client_id = model, replica_id, engine_id, client_id
 
 
 class Router:
@@ -122,8 +137,8 @@ class Router:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/v1/models", self._list_models)
         app.router.add_get("/v1/models/{model}", self._get_model)
-        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
-            app.router.add_post(path, self._proxy)
+        for route in ROUTES:
+            app.router.add_route(route.method, route.path, functools.partial(self._proxy, route=route))
         app.cleanup_ctx.append(self._lifecycle)
         return app
 
@@ -179,17 +194,20 @@ class Router:
         if request.path in EXEMPT_PATHS and request.match_info.http_exception is None:
             return await handler(request)
         try:
-            key = self.keys.authenticate(request.headers.get("Authorization"))
+            headers = request.headers
+            authorization = headers.get("Authorization")
+            key = self.keys.authenticate(authorization, None if authorization else headers.get("x-api-key"))
             request[_KEY] = key
             self.usage.key_used(key.id, time.time())
             response = await handler(request)
         except RouterError as exc:
-            response = error_response(exc)
+            response = error_response(exc, _anthropic(request))
         except web.HTTPException as exc:
-            response = error_response(from_http_exception(exc))
+            response = error_response(from_http_exception(exc), _anthropic(request))
         except Exception:
             log.exception("unexpected error answering %s %s", request.method, request.path)
-            response = error_response(InternalError("internal error in the router; its log has the details"))
+            response = error_response(InternalError("internal error in the router; its log has the details"),
+                                      _anthropic(request))
         self.metrics.request(request.get(_MODEL, NO_MODEL), response.status)
         return response
 
@@ -262,9 +280,7 @@ class Router:
             problem = "the data ends early"
         raise BadRequest(f"the request body is not valid {encoding} data ({problem})")
 
-    async def _proxy(self, request: web.Request) -> web.StreamResponse:
-        key: ApiKey = request[_KEY]
-        body = await self._read_body(request)
+    def _parse_json(self, body: bytes) -> dict:
         try:
             document = json.loads(body)
         except ValueError:
@@ -274,71 +290,178 @@ class Router:
             raise BadRequest("the request body nests JSON arrays or objects too deeply") from None
         if type(document) is not dict:
             raise BadRequest("the request body must be a JSON object")
-        name = document.get("model")
-        if type(name) is not str or not name:
-            raise BadRequest("'model' is required: a model name from GET /v1/models", param="model")
-        how = streaming(document)
+        return document
+
+    def _pinned(self, response_id: str, param: str | None = None) -> Pinned:
+        found = response_ids.decode(response_id)
+        if found is None:
+            raise ResponseNotFound(f"response {response_id!r} was not made through this gateway (its ids "
+                                   "start with 'resp_' and name the replica that holds the response)", param=param)
+        return Pinned(*found, client_id=response_id)
+
+    async def _proxy(self, request: web.Request, route: Route) -> web.StreamResponse:
+        key: ApiKey = request[_KEY]
+        document: dict | None = None
+        body: bytes | Upload | None = None
+        pinned: Pinned | None = None
+        stream = strip_usage = False
+        if route.model_from == RESPONSE_ID:
+            pinned = self._pinned(request.match_info["response_id"])
+            name = pinned.model
+        elif route.model_from == FORM:
+            body = await read_upload(request, self._max_body)
+            name = body.model
+            if not name:
+                raise BadRequest("'model' is required: a model name from GET /v1/models", param="model")
+        else:
+            body = await self._read_body(request)
+            document = self._parse_json(body)
+            name = document.get("model")
+            if type(name) is not str or not name:
+                raise BadRequest("'model' is required: a model name from GET /v1/models", param="model")
+            how = streaming(document)
+            stream = how.stream
+            if route.dialect == RESPONSES:
+                pinned = self._previous(document, name)
+            if stream and route.chat_stream:  # every stream asks for usage; the client sees it only if it asked (R-6.9)
+                body = ask_for_usage(document, body)
+                strip_usage = not how.client_wants_usage
         catalog = self.holder.current
         model = self._resolve(catalog, name, key)
         request[_MODEL] = name
-        if how.stream:  # every stream asks for usage; the client sees the event only if it asked (R-6.9)
-            body = ask_for_usage(document, body)
-        return await self._route(request, catalog, model, key, document, body, how.stream,
-                                 not how.client_wants_usage)
+        if not serves(route, model.engine):
+            served = ", ".join(sorted(route.engines)) or "no built-in engine"
+            raise RouteNotServed(f"model {name!r} runs on {builtin_engine(model.engine)}, which does not serve "
+                                 f"{route.name} (served by: {served})")
+        return await self._route(request, route, catalog, model, key, document, body, stream, strip_usage, pinned)
+
+    def _previous(self, document: dict, name: str) -> Pinned | None:
+        """The stored response a Responses request continues, when it names one (previous_response_id)."""
+        previous = document.get("previous_response_id")
+        if previous is None:
+            return None
+        if type(previous) is not str:
+            raise InvalidType("'previous_response_id' must be a string", param="previous_response_id")
+        pinned = self._pinned(previous, "previous_response_id")
+        if pinned.model != name:
+            raise BadRequest(f"previous_response_id {previous!r} was made by model {pinned.model!r}, which "
+                             f"holds it; continue it with model {pinned.model!r}", param="previous_response_id")
+        document["previous_response_id"] = pinned.engine_id
+        return pinned
 
     # -- choosing an endpoint, retries, fallbacks, on-demand -------------------------------------
 
-    def _upstream_body(self, catalog: Catalog, up: Upstream, asked: str, document: dict, body: bytes) -> bytes:
+    def _upstream_body(self, catalog: Catalog, up: Upstream, asked: str, document: dict | None,
+                       body: bytes | Upload | None, pinned: Pinned | None):
         """The body for this endpoint: `model` rewritten only when the engine knows another name."""
+        if body is None:
+            return None
         served = catalog.models.get(up.model)
         upstream_name = (served.config.served_name or served.name) if served is not None else up.model
-        if upstream_name == asked:
+        if isinstance(body, Upload):
+            return body.chunks(upstream_name)
+        if upstream_name == asked and pinned is None:
             return body
         return json.dumps({**document, "model": upstream_name}).encode()
 
-    def _acquire(self, catalog: Catalog, model: Model, key: ApiKey, now: float, tried: list[Upstream],
+    def _acquire(self, catalog: Catalog, route: Route, model: Model, key: ApiKey, now: float, tried: list[Upstream],
                  include_ejected: bool = False, affinity: bytes | None = None) -> Upstream | None:
         up = self.balancer.acquire(model.name, now, tried, include_ejected, affinity)
         if up is None and model.fallback is not None:
             for fallback in catalog.fallback_chain(model.name):  # R-6.7
                 if not key.allows(fallback):  # skipped: a fallback is no way around the key's limits
                     continue
+                served = catalog.models.get(fallback)
+                if served is not None and not serves(route, served.engine):  # nor one that lacks the route
+                    continue
                 up = self.balancer.acquire(fallback, now, tried, include_ejected)
                 if up is not None:
                     break
         return up
 
-    async def _route(self, request: web.Request, catalog: Catalog, model: Model, key: ApiKey, document: dict,
-                     body: bytes, stream: bool, strip_usage: bool) -> web.StreamResponse:
-        path = request.path
+    def _headers(self, request: web.Request, route: Route, up: Upstream, stream: bool, body) -> dict:
+        """Headers for the engine: always its key as Bearer (every engine reads that), never the client's."""
+        headers = up.stream_headers if stream else up.headers
+        if route.dialect == ANTHROPIC:
+            passed = {name: request.headers[name] for name in ANTHROPIC_HEADERS if name in request.headers}
+            if passed:
+                headers = {**headers, **passed}
+        elif isinstance(body, Upload):
+            headers = {**headers, "Content-Type": body.content_type}
+        elif body is None:
+            headers = {name: value for name, value in headers.items() if name != "Content-Type"}
+        return headers
+
+    async def _pinned_route(self, request: web.Request, route: Route, catalog: Catalog, model: Model, key: ApiKey,
+                            document: dict | None, body, stream: bool, pinned: Pinned) -> web.StreamResponse:
+        """A follow-up of a stored response goes to the replica that holds it, or nowhere (R-6.6 does not apply)."""
+        up = self.balancer.acquire_replica(pinned.replica_id, model.name, time.monotonic())
+        if up is None:
+            raise ResponseNotFound(f"response {pinned.client_id!r} is held by replica {pinned.replica_id} of "
+                                   f"{model.name!r}, which no longer serves (stopped, replaced or its node is "
+                                   "gone); the stored response went with it")
+        try:
+            path = route.upstream_path(builtin_engine(model.engine), pinned.engine_id if route.model_from == RESPONSE_ID else None)
+            return await self._forwarder.send(
+                request, up, path, self._upstream_body(catalog, up, model.name, document, body, pinned),
+                stream, False, key.id, route.method, self._headers(request, route, up, stream, body), route.dialect,
+                inference=route.model_from != RESPONSE_ID)
+        except RouterError as exc:
+            if not exc.retryable_before_first_byte:
+                raise
+            raise UpstreamFailed(f"replica {pinned.replica_id}, which holds response {pinned.client_id!r}, could "
+                                 f"not answer: {exc.message}") from None
+        finally:
+            self.balancer.release(up)
+
+    async def _route(self, request: web.Request, route: Route, catalog: Catalog, model: Model, key: ApiKey,
+                     document: dict | None, body, stream: bool, strip_usage: bool,
+                     pinned: Pinned | None = None) -> web.StreamResponse:
+        if pinned is not None:
+            return await self._pinned_route(request, route, catalog, model, key, document, body, stream, pinned)
+        fixed_path, plain = route.fixed_path, route.plain
+        # A form's `stream` field is not read: whether its answer streams is what the engine's Content-Type says.
+        relay: bool | None = None if route.model_from == FORM else stream
         tried: list[Upstream] = []
         waited_since: float | None = None
         last_error: RouterError | None = None
-        affinity = affinity_key(document, request.headers) if self.balancer.policy(model.name) == PREFIX else None
+        affinity = (affinity_key(document, request.headers)
+                    if document is not None and self.balancer.policy(model.name) == PREFIX else None)
         while True:
             now = time.monotonic()
             if model.on_demand and waited_since is None and not self.balancer.has_endpoints(model.name):
                 self._demand(model.name)
                 waited_since = now
-            up = self._acquire(catalog, model, key, now, tried, affinity=affinity)
+            up = self._acquire(catalog, route, model, key, now, tried, affinity=affinity)
             if up is None:
                 if model.on_demand and self._on_demand is not None and not self.balancer.has_endpoints(model.name):
                     await self._wait_for(model.name, waited_since or now)
                     continue
                 # Every endpoint is ejected: a recently failed one beats a certain 503.
-                up = self._acquire(catalog, model, key, now, tried, include_ejected=True, affinity=affinity)
+                up = self._acquire(catalog, route, model, key, now, tried, include_ejected=True, affinity=affinity)
             if up is None:
                 if last_error is not None:
                     raise UpstreamFailed(f"no engine of {model.name!r} could answer after {len(tried)} "
                                          f"attempts; last: {last_error.message}")
                 raise NoCapacity(f"no replica of {model.name!r} is serving; retry later")
+            if fixed_path is not None:
+                path = fixed_path
+            else:
+                served = catalog.models.get(up.model)
+                path = route.upstream_path(builtin_engine(served.engine if served is not None else None))
             try:
                 return await self._forwarder.send(
-                    request, up, path, self._upstream_body(catalog, up, model.name, document, body),
-                    stream, strip_usage, key.id)
+                    request, up, path, self._upstream_body(catalog, up, model.name, document, body, None),
+                    relay, strip_usage, key.id, route.method,
+                    None if plain else self._headers(request, route, up, stream, body), route.dialect)
             except RouterError as exc:
+                if isinstance(body, Upload) and body.problem is not None:
+                    raise body.problem from None
                 if not exc.retryable_before_first_byte:
                     raise
+                if isinstance(body, Upload) and not body.replayable:
+                    raise UploadNotReplayed(f"the engine of replica {up.replica_id} failed while the upload was "
+                                            f"being sent ({exc.message}); an upload is not resent, send it again") from None
                 last_error = exc
                 tried.append(up)
                 if up.ejected_until <= now:
@@ -431,3 +554,8 @@ class Router:
             await self.store.write(write)
         except Exception:
             log.exception("writing usage failed; %s", "these counts are lost")
+
+
+def _anthropic(request: web.Request) -> bool:
+    """Anthropic's clients read errors in Anthropic's shape on its Messages routes."""
+    return request.path.startswith("/v1/messages")

@@ -162,6 +162,15 @@ class Balancer:
             self._last_used[best.replica_id] = now  # R-7.1: noted on the request path, cheaply
         return best
 
+    def acquire_replica(self, replica_id: str, model: str, now: float) -> Upstream | None:
+        """That replica's endpoint for `model` (ejected or not: no other replica would do), now counted as busy."""
+        for up in self._by_replica.get(replica_id, ()):
+            if up.model == model:
+                up.outstanding += 1
+                self._last_used[replica_id] = now
+                return up
+        return None
+
     @staticmethod
     def _on_ring(pool: Pool, key: bytes, now: float, exclude: Iterable[Upstream],
                  include_ejected: bool) -> Upstream | None:

@@ -12,6 +12,8 @@ import json
 
 from aiohttp import web
 
+from llmgw.router.routes import served_list
+
 RETRY_AFTER_NO_CAPACITY = 5  # seconds; a replica may come back or be placed elsewhere soon
 RETRY_AFTER_LOADING = 15  # seconds; an on-demand model that is still loading takes longer
 
@@ -47,6 +49,18 @@ class ModelNotFound(RouterError):
 
 class NotFound(RouterError):
     status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class RouteNotServed(RouterError):
+    """The model's built-in engine does not serve this route (llmgw/router/routes.py)."""
+
+    status, type, code = 404, "invalid_request_error", "route_not_served"
+
+
+class ResponseNotFound(RouterError):
+    """A response id this router did not issue, or whose replica no longer serves."""
+
+    status, type, code = 404, "invalid_request_error", "response_not_found"
 
 
 class MethodNotAllowed(RouterError):
@@ -113,6 +127,12 @@ class UpstreamFailed(RouterError):
     status, type, code = 502, "upstream_error", "upstream_unavailable"
 
 
+class UploadNotReplayed(RouterError):
+    """An engine failed after the streamed upload had started: the router holds no copy to resend."""
+
+    status, type, code = 502, "upstream_error", "upstream_unavailable"
+
+
 class UpstreamTimeout(RouterError):
     """The engine accepted the request but went silent: retrying would double its load."""
 
@@ -128,9 +148,21 @@ def error_body(exc: RouterError) -> bytes:
                                  "param": exc.param}}).encode()
 
 
-def error_response(exc: RouterError) -> web.Response:
-    """The OpenAI-shaped answer for a RouterError (R-6.1)."""
-    response = web.Response(status=exc.status, body=error_body(exc), content_type="application/json")
+# Anthropic's error types by status (its SDK picks the exception class by status, the type says why).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
+                   429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(exc: RouterError) -> bytes:
+    kind = ANTHROPIC_TYPES.get(exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
+    return json.dumps({"type": "error", "error": {"type": kind, "message": exc.message}}).encode()
+
+
+def error_response(exc: RouterError, anthropic: bool = False) -> web.Response:
+    """The answer for a RouterError: OpenAI's shape (R-6.1), or Anthropic's on its Messages routes."""
+    body = anthropic_error_body(exc) if anthropic else error_body(exc)
+    response = web.Response(status=exc.status, body=body, content_type="application/json")
     if exc.retry_after is not None:
         response.headers["Retry-After"] = str(exc.retry_after)
     return response
@@ -139,8 +171,7 @@ def error_response(exc: RouterError) -> web.Response:
 def from_http_exception(exc: web.HTTPException) -> RouterError:
     """aiohttp's own refusals (unknown path, wrong method, body too large) in our terms."""
     if exc.status == 404:
-        return NotFound("no such endpoint; this server offers GET /v1/models, POST "
-                        "/v1/chat/completions, /v1/completions and /v1/embeddings")
+        return NotFound(f"no such endpoint; this server offers {served_list()}")
     if exc.status == 405:
         return MethodNotAllowed(f"method not allowed here ({exc.reason})")
     if exc.status == 413:

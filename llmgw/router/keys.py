@@ -132,14 +132,18 @@ class KeyRing:
     def __len__(self) -> int:
         return len(self._by_hash)
 
-    def authenticate(self, authorization: str | None) -> ApiKey:
-        """The key an `Authorization: Bearer ...` header carries; raises InvalidKey otherwise."""
-        if not authorization:
-            raise InvalidKey("no API key: send it as 'Authorization: Bearer sk-llmgw-...' "
-                             f"({CREATE_HINT})")
-        scheme, _, secret = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not secret.strip():
-            raise InvalidKey("the Authorization header must be 'Bearer <key>'")
+    def authenticate(self, authorization: str | None, x_api_key: str | None = None) -> ApiKey:
+        """The key an `Authorization: Bearer ...` header carries, or else an `x-api-key` header
+        (as Anthropic's clients send it); raises InvalidKey otherwise."""
+        if authorization:
+            scheme, _, secret = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not secret.strip():
+                raise InvalidKey("the Authorization header must be 'Bearer <key>'")
+        elif x_api_key and x_api_key.strip():
+            secret = x_api_key
+        else:
+            raise InvalidKey("no API key: send it as 'Authorization: Bearer sk-llmgw-...' or "
+                             f"'x-api-key: sk-llmgw-...' ({CREATE_HINT})")
         try:
             digest = hash_secret(secret.strip())
         except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as surrogates: no key looks like that

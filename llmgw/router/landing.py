@@ -51,7 +51,7 @@ PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>llmgw</title>
 <meta name="viewport" content="width=device-width, initial-scale=1"></head>
 <body style="font-family: system-ui, sans-serif; max-width: 46rem; margin: 2rem auto; padding: 0 1rem; color: #222; line-height: 1.5">
-<h1 style="font-size: 1.4rem">An OpenAI-compatible endpoint</h1>
+<h1 style="font-size: 1.4rem">An OpenAI- and Anthropic-compatible endpoint</h1>
 <p>Use any OpenAI client with this base URL and an API key from your operator
 (who creates one with <code>llmgw keys create NAME</code>).</p>
 <p style="font-size: 1.1rem"><code style="background: #f2f2f2; padding: .2rem .4rem">{base}/v1</code></p>
@@ -69,8 +69,18 @@ print([m.id for m in client.models.list()])  # the models your key may use
 reply = client.chat.completions.create(
     model="MODEL", messages=[{{"role": "user", "content": "Hello"}}])
 print(reply.choices[0].message.content)</pre>
-<p>Streaming (<code>"stream": true</code>), <code>/v1/completions</code> and
-<code>/v1/embeddings</code> work the same way.</p>
+<p>Streaming (<code>"stream": true</code>) works the same way, and so do, where the model's
+engine serves them: <code>/v1/completions</code>, <code>/v1/embeddings</code>,
+<code>/v1/responses</code> (with <code>GET /v1/responses/ID</code> and <code>previous_response_id</code>),
+<code>/v1/rerank</code>, <code>/v1/score</code>, <code>/tokenize</code>, <code>/detokenize</code> and
+<code>/v1/audio/transcriptions</code> and <code>/translations</code> (multipart, the
+<code>model</code> field before the file).</p>
+<h2 style="font-size: 1.1rem">Anthropic clients</h2>
+<pre style="background: #f6f6f6; padding: 1rem; overflow-x: auto">from anthropic import Anthropic
+
+client = Anthropic(base_url="{base}", api_key="sk-llmgw-...")  # POST /v1/messages
+reply = client.messages.create(model="MODEL", max_tokens=256,
+                               messages=[{{"role": "user", "content": "Hello"}}])</pre>
 </body></html>
 """
 

@@ -26,11 +26,13 @@ import time
 import aiohttp
 from aiohttp import web
 
+from llmgw.router import response_ids
 from llmgw.router.balancer import Upstream
 from llmgw.router.errors import UpstreamConnectFailed, UpstreamRefused, UpstreamRejectedKey, UpstreamTimeout
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.usage import (UsageMeter, complete_events_end, find_usage, strip_usage_event, tokens,
-                                usage_from_body)
+from llmgw.router.routes import ANTHROPIC, OPENAI, RESPONSES
+from llmgw.router.usage import (UsageMeter, anthropic_stream_usage, complete_events_end, find_usage,
+                                strip_usage_event, tokens, usage_from_body)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,21 @@ _ENGINE_STOPPED = _mid_stream_error("the engine stopped in the middle of the ans
                                     "upstream_interrupted")
 _ENGINE_SILENT = _mid_stream_error("the engine went silent in the middle of the answer (gateway.request_timeout); "
                                    "the answer is incomplete", "upstream_timeout")
+HEAD_BYTES = 16384  # an Anthropic stream's message_start (its input counts) is within this
+
+
+def _anthropic_mid_stream_error(message: str) -> bytes:
+    # Anthropic's clients raise on an `error` event; the blank line first ends a half-written event.
+    return (b'\n\nevent: error\ndata: {"type": "error", "error": {"type": "api_error", "message": "'
+            + message.encode() + b'"}}\n\n')
+
+
+_CUTS = {
+    ANTHROPIC: (_anthropic_mid_stream_error("the engine stopped in the middle of the answer; the answer is incomplete"),
+                _anthropic_mid_stream_error("the engine went silent in the middle of the answer "
+                                            "(gateway.request_timeout); the answer is incomplete")),
+}
+_OPENAI_CUTS = (_ENGINE_STOPPED, _ENGINE_SILENT)
 
 
 def _connect_error(up: Upstream, exc: BaseException) -> UpstreamConnectFailed:
@@ -139,8 +156,12 @@ class Forwarder:
                 attempt.resp.close()  # the relay loop's read fails: the stream ends with an error
         return len(attempts)
 
-    async def send(self, request: web.Request, up: Upstream, path: str, body: bytes, stream: bool,
-                   strip_usage: bool, key_id: str) -> web.StreamResponse:
+    async def send(self, request: web.Request, up: Upstream, path: str, body, stream: bool | None,
+                   strip_usage: bool, key_id: str, method: str = "POST", headers: dict | None = None,
+                   dialect: str = OPENAI, inference: bool = True) -> web.StreamResponse:
+        """One attempt. `stream` None: relay the answer as a stream when the engine sends an event
+        stream. `inference` False: a stored answer read back, counted as a request, its usage not
+        counted again."""
         started = time.monotonic()
         resp = None
         finished = False
@@ -150,8 +171,9 @@ class Forwarder:
         try:
             try:
                 async with asyncio.timeout(self.read_timeout):
-                    resp = await self.session.post(up.endpoint.url + path, data=body,
-                                                   headers=up.stream_headers if stream else up.headers)
+                    if headers is None:
+                        headers = up.stream_headers if stream else up.headers
+                    resp = await self.session.request(method, up.endpoint.url + path, data=body, headers=headers)
                     status = resp.status
                     self.metrics.upstream_latency(up.model, time.monotonic() - started)
                     if status == 502 or status == 503:
@@ -159,7 +181,8 @@ class Forwarder:
                     if status == 401:  # passed on, it would tell the client its own key is wrong
                         raise UpstreamRejectedKey(f"the engine of replica {up.replica_id} refused the "
                                                   "router's engine key; check the replica's api key")
-                    relay = stream and status == 200
+                    relay = status == 200 and (stream if stream is not None
+                                               else resp.content_type == "text/event-stream")
                     if relay:
                         first = await resp.content.readany()
                         if not first:
@@ -186,12 +209,17 @@ class Forwarder:
             if relay:
                 # Only SSE is edited; any other streamed format is relayed exactly as it comes.
                 sse = resp.content_type == "text/event-stream"
-                response = await self._relay_stream(request, resp, up, first, strip_usage and sse, key_id,
-                                                    SSE_HEADERS if sse else {**SSE_HEADERS,
-                                                                             "Content-Type": resp.content_type})
+                relay_headers = SSE_HEADERS if sse else {**SSE_HEADERS, "Content-Type": resp.content_type}
+                if sse and dialect != OPENAI:
+                    response = await self._relay_events(request, resp, up, first, key_id, relay_headers, dialect)
+                else:
+                    response = await self._relay_stream(request, resp, up, first, strip_usage and sse, key_id,
+                                                        relay_headers)
             else:
+                if dialect == RESPONSES:  # the ids clients see name the replica that holds the response
+                    answer = response_ids.rewrite(answer, up.model, up.replica_id)
                 if status == 200:
-                    prompt, completion = tokens(usage_from_body(answer))
+                    prompt, completion = tokens(usage_from_body(answer)) if inference else (0, 0)
                     self._count(key_id, up.model, prompt, completion)
                 response = web.Response(body=answer, status=status,
                                         headers={"Content-Type": resp.headers.get("Content-Type",
@@ -262,6 +290,57 @@ class Forwarder:
             self.watchdog.forget(watch)
         if usage is None:
             usage = find_usage(oldest + older + old)
+        prompt, completion = tokens(usage)
+        self._count(key_id, up.model, prompt, completion)
+        return response
+
+    async def _relay_events(self, request: web.Request, resp: aiohttp.ClientResponse, up: Upstream, chunk: bytes,
+                            key_id: str, headers: dict, dialect: str) -> web.StreamResponse:
+        """A Responses or Anthropic stream: whole events relayed as they complete, comments and
+        named events untouched; Responses ids rewritten to name their replica; usage from
+        `response.completed`, or from Anthropic's message_start and message_delta."""
+        response = web.StreamResponse(status=200, headers=headers)
+        await response.prepare(request)
+        readany = resp.content.readany
+        watch = self.watchdog.watch(resp)
+        rewrite = dialect == RESPONSES
+        head = b""
+        oldest = older = old = b""
+        pending = b""
+        stopped, silent = _CUTS.get(dialect, _OPENAI_CUTS)
+        try:
+            while chunk:
+                if pending:
+                    chunk, pending = pending + chunk, b""
+                end = len(chunk) if chunk.endswith(b"\n\n") else complete_events_end(chunk)
+                if end or len(chunk) > MAX_PENDING:
+                    if end:
+                        chunk, pending = chunk[:end], chunk[end:]
+                    if rewrite:
+                        chunk = response_ids.rewrite(chunk, up.model, up.replica_id)
+                    await response.write(chunk)
+                    if len(head) < HEAD_BYTES:
+                        head += chunk[:HEAD_BYTES]
+                    oldest, older, old = older, old, chunk
+                else:
+                    pending = chunk
+                chunk = await readany()
+                watch.progress += 1
+            if pending:
+                await response.write(pending)
+                oldest, older, old = older, old, pending
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                return response
+            log.warning("replica %s %s a stream after its first byte: %s", up.replica_id,
+                        "went silent in" if watch.expired else "broke", type(exc).__name__)
+            await self._cut(request, response, silent if watch.expired else stopped)
+            return response
+        finally:
+            self.watchdog.forget(watch)
+        tail = oldest + older + old
+        usage = anthropic_stream_usage(head, tail) if dialect == ANTHROPIC else find_usage(tail)
         prompt, completion = tokens(usage)
         self._count(key_id, up.model, prompt, completion)
         return response

@@ -1,7 +1,8 @@
 """Token usage per key and model (R-6.9): found in the engine's answer, counted in memory, written in batches.
 
 Answers are never parsed whole on the hot path: `usage` sits at the end of an OpenAI answer and in
-the last event of a stream, so it is looked for in the tail. For a stream the router asks the
+the last event of a stream (Responses: `response.completed`; Anthropic: `message_delta`, with the
+input counts also in `message_start` at the head), so it is looked for in the tail. For a stream the router asks the
 engine for `stream_options.include_usage` and, when the client did not ask for it, removes the
 usage-only event (`"choices": []` with `usage`) before it reaches the client.
 """
@@ -39,7 +40,8 @@ def find_usage(data: bytes, start: int = 0) -> dict | None:
             value, _ = _decoder.raw_decode(text[1:].lstrip())
         except ValueError:
             continue
-        if isinstance(value, dict) and "prompt_tokens" in value:
+        if isinstance(value, dict) and ("prompt_tokens" in value or "input_tokens" in value
+                                        or "output_tokens" in value):
             return value
 
 
@@ -84,12 +86,41 @@ def strip_usage_event(data: bytes) -> tuple[bytes, dict | None]:
     return b"\n\n".join(kept), usage
 
 
+def _count(value: object) -> int:
+    return value if type(value) is int else 0
+
+
 def tokens(usage: dict | None) -> tuple[int, int]:
+    """(prompt, completion) from OpenAI's usage, or from Responses' and Anthropic's.
+
+    Anthropic's `input_tokens` leaves out the prompt tokens read from or written to its cache
+    (vLLM subtracts them from its prompt tokens), so those are added back: the prompt is counted
+    the same in every dialect.
+    """
     if not usage:
         return 0, 0
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens")
-    return (prompt if type(prompt) is int else 0), (completion if type(completion) is int else 0)
+    if "prompt_tokens" in usage or "completion_tokens" in usage:
+        return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+    prompt = _count(usage.get("input_tokens")) + _count(usage.get("cache_read_input_tokens")) \
+        + _count(usage.get("cache_creation_input_tokens"))
+    return prompt, _count(usage.get("output_tokens"))
+
+
+def anthropic_stream_usage(head: bytes, tail: bytes) -> dict | None:
+    """An Anthropic stream's usage: message_start's (in the head), updated by message_delta's (in the tail).
+
+    message_delta's counts are cumulative and win; its input counts may be absent, then
+    message_start's stand.
+    """
+    at = head.find(b"message_start")
+    start = None
+    if at >= 0:
+        end = head.find(b"\n\n", at)
+        start = find_usage(head[at:end if end >= 0 else len(head)])
+    end = find_usage(tail)
+    if start is None:
+        return end
+    return {**start, **(end or {})}
 
 
 class UsageMeter:

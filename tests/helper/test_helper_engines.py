@@ -1,9 +1,12 @@
 """Engines through the helper: launch detached, identity, stop, status, logs (R-1.6, R-4.4,
 R-4.6-R-4.8)."""
 
+import hashlib
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -205,10 +208,24 @@ def test_files_and_shard_dir_placeholder(helper, installed, engines):
     assert _shard(helper, "cfg")["alive"] is True
 
 
-def test_launch_of_a_missing_program_fails_with_the_reason(helper):
+def test_launch_of_a_missing_program_fails_with_the_reason(helper, installed):
     answer = helper.request("launch", {"shard_id": "bad", "argv": ["/nonexistent/engine-binary"]})
-    assert answer["ok"] is False and answer["error"]["kind"] == "launch_failed"
-    assert "No such file" in answer["error"]["message"]
+    assert answer["ok"] is False and answer["error"]["kind"] == "engine_missing"
+    assert answer["error"]["message"] == "/nonexistent/engine-binary is not an executable file on this node"
+    assert not (installed.root / "shards" / "bad").exists(), "nothing is started or recorded"
+
+
+def test_the_engine_program_is_looked_up_on_the_launch_path(helper, engines, tmp_path):
+    bin_dir = tmp_path / "engine-bin"
+    bin_dir.mkdir()
+    program = bin_dir / "fake-engine"
+    program.write_text(f"#!/bin/sh\nexec {sys.executable} {engines.dir / 'sleep_engine.py'}\n")
+    program.chmod(0o755)
+    answer = helper.request("launch", {"shard_id": "nopath", "argv": ["fake-engine"], "env": {"PATH": "/usr/bin:/bin"}})
+    assert answer["ok"] is False and answer["error"]["kind"] == "engine_missing"
+    assert answer["error"]["message"] == "fake-engine is not on PATH=/usr/bin:/bin on this node"
+    result = _launch(helper, "onpath", ["fake-engine"], env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert _shard(helper, "onpath")["alive"] is True and result["pid"]
 
 
 def test_a_live_shard_is_not_launched_twice(helper, engines):
@@ -255,3 +272,80 @@ def test_probe_of_a_closed_port_reports_the_error(helper, engines):
     _launch(helper, "closed", engines.argv("sleep_engine.py"), health_url="http://127.0.0.1:%d/health" % port)
     health = _shard(helper, "closed", probe=True, timeout=1)["health"]
     assert health["status"] is None and "refused" in health["error"].lower()
+
+
+def test_a_squatter_on_the_engine_port_does_not_make_it_healthy(helper, engines):
+    # Another process binds the port before the engine does and answers 200 on /health: the
+    # probe must not count it as the engine's health (R-4.7).
+    port = free_port()
+    _launch(helper, "late", engines.argv("sleep_engine.py"), port=port, host="127.0.0.1",
+            health_url=f"http://127.0.0.1:{port}/health")
+    squatter = subprocess.Popen(engines.argv("listen_engine.py", port), stdout=subprocess.PIPE)
+    try:
+        assert squatter.stdout.readline().startswith(b"engine listening")
+        health = _shard(helper, "late", probe=True, timeout=2)["health"]
+        assert health["status"] is None, health
+        assert "held by a process that is not this engine" in health["error"]
+    finally:
+        squatter.kill()
+        squatter.wait()
+
+
+def test_the_listener_of_an_engine_worker_counts_as_the_engine(helper, engines):
+    # vLLM's API server may be a child of the launched process: same group, so its socket counts.
+    port = free_port()
+    script = ("import subprocess, sys, time\n"
+              f"subprocess.Popen([sys.executable, {str(engines.dir / 'listen_engine.py')!r}, {str(port)!r}])\n"
+              "time.sleep(3600)\n")
+    _launch(helper, "parent", [sys.executable, "-c", script], port=port, host="0.0.0.0",
+            health_url=f"http://127.0.0.1:{port}/health")
+    def healthy():
+        shard = _shard(helper, "parent", probe=True, timeout=2)
+        return shard if shard["health"]["status"] == 200 else None
+
+    assert wait_until(healthy, message="health 200 from the engine's worker")["health"]["error"] is None
+
+
+def test_api_keys_an_engine_prints_are_scrubbed_from_every_log_answer(helper, installed, engines, tmp_path):
+    # SGLang prints its server arguments at start, api_key included.
+    key = "sk-" + os.urandom(8).hex()
+    script = tmp_path / "chatty_engine.py"
+    script.write_text(
+        "import sys, time\n"
+        f"print(\"server_args=ServerArgs(model_path='/m', api_key='{key}', admin_api_key=None, port=30000)\", flush=True)\n"
+        f"print('launch: sglang --api-key {key} --port 30000', flush=True)\n"
+        "if sys.argv[1] == 'exit':\n    sys.exit(1)\n"
+        "time.sleep(3600)\n")
+    _launch(helper, "talks", [sys.executable, str(script), "stay"])
+    log = installed.root / "shards" / "talks" / "engine.log"
+    wait_until(lambda: b"--api-key" in log.read_bytes(), message="the engine's arguments in its log")
+    assert key.encode() in log.read_bytes(), "the file on the node is the engine's own"
+    expected = ["server_args=ServerArgs(model_path='/m', api_key='***', admin_api_key=None, port=30000)",
+                "launch: sglang --api-key *** --port 30000"]
+    assert helper.call("logs", {"shard_id": "talks", "lines": 10}) == {"lines": expected}
+    follow = helper.send("logs", {"shard_id": "talks", "lines": 10, "follow": True})
+    assert helper.wait_events(follow, lambda events: events) == [("lines", {"lines": expected})]
+    with open(log, "a") as handle:
+        handle.write(f"again api_key='{key}'\n")
+    events = helper.wait_events(follow, lambda events: len(events) >= 2)
+    assert events == [("lines", {"lines": expected}), ("lines", {"lines": ["again api_key='***'"]})]
+    helper.call("cancel", {"target": follow})
+    _launch(helper, "dies", [sys.executable, str(script), "exit"])
+    wait_until(lambda: _shard(helper, "dies")["exit_code"] is not None, message="exit recorded")
+    shard = _shard(helper, "dies")
+    assert shard["log_tail"][:2] == expected
+    assert key not in json.dumps(shard)
+
+
+def test_shipped_files_are_checked_by_hash_and_found_through_the_env(helper, installed, engines):
+    text = "GUARD = 'llmgw'\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    answer = helper.request("launch", {"shard_id": "tampered", "argv": engines.argv("sleep_engine.py"),
+                                       "files": {"guard.py": text}, "file_sha256": {"guard.py": "0" * 64}})
+    assert answer["ok"] is False and answer["error"]["kind"] == "integrity"
+    assert f"guard.py in the shard directory has SHA-256 {digest}, not {'0' * 64}" in answer["error"]["message"]
+    assert not (installed.root / "shards" / "tampered" / "state.json").exists(), "nothing was started"
+    result = _launch(helper, "shipped", engines.argv("sleep_engine.py"), files={"guard.py": text},
+                     file_sha256={"guard.py": digest}, env={"PYTHONPATH": "{shard_dir}:/elsewhere"})
+    shard_dir = installed.root / "shards" / "shipped"
+    assert f"PYTHONPATH={shard_dir}:/elsewhere".encode() in _read_proc(result["pid"], "environ").split(b"\0")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helper.client import HELPER_PATH, HelperClient, install_helper, sha256_of, wait_until
+from tests.helper.client import HELPER_PATH, install_helper, sha256_of, wait_until
 
 
 def test_hello_is_the_first_line(helper, installed):

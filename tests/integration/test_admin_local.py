@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.cookiejar
 import json
-import os
 import signal
 import socket
 import sqlite3

@@ -57,7 +57,7 @@ async def test_facts_from_every_node(bed, inventory, tmp_path):
     fleet = Fleet(inventory, tmp_path)
     await fleet.start()
     try:
-        assert await fleet.wait_connected(30), {n: (l.state, l.reason) for n, l in fleet.links.items()}
+        assert await fleet.wait_connected(30), {n: (link.state, link.reason) for n, link in fleet.links.items()}
         await fleet.refresh()
         gpu1, gpu2, cpu1 = (fleet.facts[n] for n in ("gpu1", "gpu2", "cpu1"))
         assert len(gpu1.inventory.gpus) == 8 and all(g.healthy for g in gpu1.inventory.gpus)
@@ -106,13 +106,13 @@ async def test_tampered_helper_is_replaced_and_bad_directory_is_unhealthy(bed, i
         data[len(data) // 2] ^= 0x01
         remote.write_bytes(bytes(data))
         connects = link.connects
-        bed.run("cpu1", ["pkill", "-f", "llmgw_helper-.*serve"])  # the session drops; the link reconnects
+        assert bed.kill_matching("cpu1", r"llmgw_helper-.*serve")  # the session drops; the link reconnects
         await poll(lambda: link.connects > connects and link.state == READY, 30, "reconnect after tampering")
         assert remote.read_bytes() == code.text
         assert (await link.call("ping"))["time"] > 0
 
         os.chmod(remote.parent, 0o755)  # a helper directory others can read: refused, not fixed silently
-        bed.run("cpu1", ["pkill", "-f", "llmgw_helper-.*serve"])
+        assert bed.kill_matching("cpu1", r"llmgw_helper-.*serve")
         await poll(lambda: link.state == UNHEALTHY, 30, "unhealthy helper directory")
         assert "0755" in link.reason or "permission" in link.reason.lower()
         with pytest.raises(NodeError, match="not connected"):
@@ -197,7 +197,7 @@ async def test_engine_survives_the_link_dropping_and_is_seen_again(bed, inventor
             "env": {"VLLM_API_KEY": "k"}, "port": 20050, "host": "0.0.0.0",
             "health_url": "http://127.0.0.1:20050/health", "gpus": [0]})
         connects = link.connects
-        bed.run("l40s1", ["pkill", "-f", "sshd: root@notty"])  # the SSH session is gone, helper with it
+        assert bed.kill_matching("l40s1", r"sshd: root@notty")  # the SSH session is gone, helper with it
         await poll(lambda: link.connects > connects and link.state == READY, 30, "reconnect")
         deadline = time.monotonic() + 30
         while True:
@@ -247,7 +247,7 @@ async def test_a_helper_root_under_a_home_others_can_write_is_unhealthy(bed, inv
         assert kept.read_text().strip() == (tmp_path / "fleet.key").read_text().strip()
         assert stat.S_IMODE(os.stat(kept).st_mode) == 0o600
         os.chmod(home, 0o777)  # anyone on the node could now swap ~/.llmgw for their own
-        bed.run("cpu1", ["pkill", "-f", "llmgw_helper-.*serve"])
+        assert bed.kill_matching("cpu1", r"llmgw_helper-.*serve")
         await poll(lambda: link.state == UNHEALTHY, 30, "unhealthy helper root")
         assert "/root" in link.reason and "0777" in link.reason, link.reason
     finally:

@@ -25,13 +25,15 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog, CatalogHolder
-from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig, ScalingConfig
+from llmgw.config import EngineConfig, GatewayConfig, ModelConfig, ProfileConfig, ScalingConfig
 from llmgw.router import RUNNER_OPTIONS, Endpoint, Router
 from llmgw.router.keys import create_key
 from llmgw.store import Store
 
 DOUBLES = Path(__file__).resolve().parents[1] / "testbed" / "doubles"
-PROFILES = {"p": ProfileConfig(engine="vllm")}
+PROFILES = {"p": ProfileConfig(engine="vllm"), "sglang": ProfileConfig(engine="sglang"),
+            "llama": ProfileConfig(engine="llama-server"), "custom": ProfileConfig(engine="custom")}
+ENGINES = {"custom": EngineConfig(command=["my-engine", "--port", "{port}"])}
 DEADLINE = 15.0
 
 
@@ -68,7 +70,7 @@ async def apoll(condition, timeout: float = DEADLINE, what: str = "condition"):
 
 @dataclass
 class EngineDouble:
-    """One engine double serving `name` as vLLM would, on 127.0.0.1:port."""
+    """One engine double serving `name` as vLLM (or `mode`: sglang, llama-server) would, on 127.0.0.1:port."""
 
     name: str
     port: int
@@ -76,6 +78,8 @@ class EngineDouble:
     log_path: Path
     knobs: dict = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    mode: str = "vllm"
+    env: dict = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -86,15 +90,23 @@ class EngineDouble:
                         url=self.url, api_key=self.key)
 
     def start(self, healthy: bool = True) -> EngineDouble:
-        env = dict(os.environ, VLLM_API_KEY=self.key, PYTHONPATH=str(DOUBLES),
-                   HOME=str(self.log_path.parent))
+        env = dict(os.environ, PYTHONPATH=str(DOUBLES), HOME=str(self.log_path.parent), **self.env)
         for knob, value in self.knobs.items():
             env["ENGINE_DOUBLE_" + knob.upper()] = str(value)
+        where = ["--host", "127.0.0.1", "--port", str(self.port)]
+        if self.mode == "vllm":
+            env["VLLM_API_KEY"] = self.key
+            args = ["serve", f"/weights/{self.name}", "--served-model-name", self.name, *where]
+        elif self.mode == "llama-server":
+            env["LLAMA_API_KEY"] = self.key
+            args = ["-m", f"/weights/{self.name}.gguf", "--alias", self.name, *where]
+        else:
+            args = ["--model-path", f"/weights/{self.name}", "--served-model-name", self.name, *where,
+                    "--api-key", self.key]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import engine_double; engine_double.entry_point('vllm', None)",
-             "serve", f"/weights/{self.name}", "--served-model-name", self.name, "--host", "127.0.0.1",
-             "--port", str(self.port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+            [sys.executable, "-c", f"import engine_double; engine_double.entry_point({self.mode!r}, None)", *args],
+            env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         poll(self.healthy if healthy else self.listening, what=f"engine double {self.name} on port {self.port}")
         return self
@@ -138,12 +150,12 @@ class Engines:
         self.started: list[EngineDouble] = []
 
     def start(self, name: str, port: int | None = None, key: str | None = None, healthy: bool = True,
-              **knobs) -> EngineDouble:
+              mode: str = "vllm", env: dict | None = None, **knobs) -> EngineDouble:
         port = port or free_port()
         home = self.directory / f"engine-{name}-{port}"
         home.mkdir(parents=True, exist_ok=True)
         engine = EngineDouble(name=name, port=port, key=key or f"engine-key-{name}-{port}",
-                              log_path=home / "engine.log", knobs=knobs)
+                              log_path=home / "engine.log", knobs=knobs, mode=mode, env=env or {})
         self.started.append(engine)
         return engine.start(healthy)
 
@@ -166,13 +178,13 @@ def shared_engines(tmp_path_factory):
     pool.close()
 
 
-def model(name: str, *, fallback: str | None = None, on_demand: bool = False, **kw) -> ModelConfig:
+def model(name: str, *, fallback: str | None = None, on_demand: bool = False, profile: str = "p", **kw) -> ModelConfig:
     scaling = ScalingConfig(min=0, max=1) if on_demand else ScalingConfig()
-    return ModelConfig(name=name, profile="p", fallback=fallback, scaling=scaling, **kw)
+    return ModelConfig(name=name, profile=profile, fallback=fallback, scaling=scaling, **kw)
 
 
 def catalog(*models: ModelConfig) -> Catalog:
-    return Catalog.build(file_models=list(models), profiles=PROFILES)
+    return Catalog.build(file_models=list(models), profiles=PROFILES, engines=ENGINES)
 
 
 @dataclass

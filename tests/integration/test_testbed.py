@@ -208,7 +208,7 @@ async def test_vllm_double_serves_the_openai_api(fleet):
     base = f"http://{node.address}:8001"
     async with await fleet.connect(node) as conn:
         engine = await conn.create_process(
-            "VLLM_API_KEY=sekrit exec vllm serve m --port 8001 --served-model-name m -tp 2 --gpu-memory-utilization 0.9 --some-new-flag x")
+            "VLLM_API_KEY=sekrit exec vllm serve m --port 8001 --served-model-name m -tp 2 --gpu-memory-utilization 0.9")
         try:
             assert await poll(lambda: http_status(base + "/health")) == (200, "")
             client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sekrit", max_retries=0)
@@ -254,7 +254,8 @@ async def test_llama_server_and_sglang_command_lines(fleet):
     fleet.run(node, ["sh", "-c", "printf 'model-path: /ignored\\napi-key: sg-key # secret\\n' > /root/sg.yaml"], check=True)
     async with await fleet.connect(node) as conn:
         loading = await conn.create_process("exec llama-server -m /models/tiny.gguf --alias tiny --host 0.0.0.0 --port 8003 -ngl 99")
-        llama = await conn.create_process("LLAMA_API_KEY=lk exec llama-server -m /models/tiny.gguf --alias tiny,small --host 0.0.0.0 --port 8002 -c 2048")
+        llama = await conn.create_process("LLAMA_API_KEY=lk exec llama-server -m /models/tiny.gguf --alias tiny,small "
+                                          "--host 0.0.0.0 --port 8002 -c 2048")
         sglang = await conn.create_process("exec python3 -m sglang.launch_server --model-path /models/q --served-model-name q "
                                            f"--host {node.address} --port 8004 --tp-size 1 --config /root/sg.yaml")
         try:
@@ -325,6 +326,10 @@ def test_engine_knobs(fleet):
         fleet.set_engine_knobs(node)
         usage = fleet.run(node, ["vllm", "serve"], timeout=20)
         assert usage.returncode == 2 and "model_tag" in usage.stderr
+        # A flag the real vLLM does not have is refused as vLLM refuses it (flags/README.md).
+        unknown = fleet.run(node, ["vllm", "serve", "m", "--port", "8010", "--some-new-flag", "x"], timeout=20)
+        assert unknown.returncode == 2
+        assert "vllm serve: error: unrecognized arguments: --some-new-flag" in unknown.stderr
     finally:
         fleet.set_engine_knobs(node)
 

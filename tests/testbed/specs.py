@@ -55,6 +55,8 @@ class NodeSpec:
     `models_mb` and `cache_mb` size the tmpfs behind its model and cache directories, `tmp_mb`
     its private /tmp.
     `shared=True` lists the testbed's shared directory in the node's inventory entry.
+    `engines="real"` puts the real vLLM and llama-server (built by scripts/engines, see
+    engines.py) on its PATH instead of the engine double; SGLang stays the double there.
     """
 
     name: str
@@ -68,8 +70,11 @@ class NodeSpec:
     shared: bool = False
     driver_loaded: bool = True
     driver_version: str = DEFAULT_DRIVER_VERSION
+    engines: str = "double"
 
     def __post_init__(self):
+        if self.engines not in ("double", "real"):
+            raise ValueError(f"engines must be 'double' or 'real', not {self.engines!r}")
         if self.gpus is not None:
             object.__setattr__(self, "gpus", tuple(self.gpus))
         object.__setattr__(self, "labels", dict(self.labels))

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from . import engines as real_engines
 from . import network
 from .network import PREFIX, RUNS_ROOT, TestbedError, run
 from .specs import GPU, NodeSpec, gpu_state, meminfo_text
@@ -250,6 +251,7 @@ class Testbed:
         self.lib_dir.mkdir()
         self.shared_dir.mkdir()
         shutil.copy(DOUBLES / "engine_double.py", self.lib_dir / "engine_double.py")
+        shutil.copytree(DOUBLES / "flags", self.lib_dir / "flags")  # the real engines' flags
 
         with network.host_lock():
             self.subnet = network.choose_subnet(os.getpid())
@@ -338,7 +340,10 @@ class Testbed:
         for name, mode, real in (("vllm", "vllm", "vLLM"), ("llama-server", "llama-server", "llama.cpp"),
                                  ("sglang", "sglang", "SGLang")):
             path = node.bin_dir / name
-            path.write_text(entry.format(mode=mode, real=real, lib=str(self.lib_dir), node=str(node.dir)))
+            if spec.engines == "real" and name in real_engines.REAL:
+                path.write_text(real_engines.wrapper(name))
+            else:
+                path.write_text(entry.format(mode=mode, real=real, lib=str(self.lib_dir), node=str(node.dir)))
             os.chmod(path, 0o755)
         (node.pylib_dir / "sglang" / "__init__.py").write_text('"""SGLang stub package of the engine test double (not SGLang)."""\n')
         (node.pylib_dir / "sglang" / "launch_server.py").write_text(
@@ -552,7 +557,8 @@ class Testbed:
         self._wait_ssh([node])
 
     def engine_pids(self, node: str | Node) -> list[int]:
-        """Processes of the node started from the engine double (entry points or sglang stub)."""
+        """Engine processes of the node: the double's (entry points or sglang stub) and the main
+        process of each real engine (not the workers a real vLLM starts)."""
         node = self.node(node)
         entries = {str(node.bin_dir / name) for name in ENGINE_ENTRIES}
         pids = []
@@ -562,7 +568,8 @@ class Testbed:
             except OSError:
                 continue
             args = [a.decode(errors="replace") for a in cmdline[:4]]
-            if any(a in entries for a in args) or "sglang.launch_server" in args:
+            if any(a in entries for a in args) or "sglang.launch_server" in args \
+                    or real_engines.is_engine_process(args):
                 pids.append(pid)
         return pids
 
@@ -574,6 +581,26 @@ class Testbed:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
+        return pids
+
+    def kill_matching(self, node: str | Node, pattern: str, sig: int = signal.SIGTERM) -> list[int]:
+        """Signal the node's processes whose command line matches `pattern` (a regex), as
+        `pkill -f` would, but only inside the node's network namespace: the nodes share the
+        host's pid space, so a `pkill` run on a node would reach every process of the host."""
+        node = self.node(node)
+        regex = re.compile(pattern)
+        pids = []
+        for pid in network.netns_pids(node.netns):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if regex.search(cmdline):
+                try:
+                    os.kill(pid, sig)
+                    pids.append(pid)
+                except ProcessLookupError:
+                    pass
         return pids
 
     def set_gpus(self, node: str | Node, gpus: Sequence[GPU] | None = None, *, driver_loaded: bool | None = None) -> None:

@@ -61,6 +61,7 @@ class FakeFleet:
         self.calls: list[tuple[str, str, dict]] = []
         self.holdings_wanted = None
         self.crash_on_launch = False
+        self.missing_program: dict[str, str] = {}  # node -> the helper's engine_missing message
         self.source_bytes = 10**9
         self._pids = itertools.count(1000)
         for name in self.nodes:
@@ -79,7 +80,7 @@ class FakeFleet:
         return node_paths(self.nodes[node], {"root": f"/home/{node}/.llmgw", "home": f"/home/{node}"})
 
     def ready_nodes(self):
-        return [n for n, l in self.links.items() if l.state == READY]
+        return [n for n, link in self.links.items() if link.state == READY]
 
     def stream(self, node, op, args=None):
         self.calls.append((node, op, args or {}))
@@ -94,13 +95,15 @@ class FakeFleet:
                 shard_id=sid, pid=r["pid"], start_time=r["start_time"], argv=tuple(r["argv"]), alive=r["alive"],
                 exit_code=r.get("exit_code"), ended_at=None, started_at=r["started_at"], port=r["port"],
                 health_status=200 if r["alive"] and r.get("healthy", True) else None, health_error=None,
-                log_tail=("boom",) if not r["alive"] else None) for sid, r in records.items()}
+                log_tail=r.get("log_tail", ("boom",)) if not r["alive"] else None) for sid, r in records.items()}
             self.facts[name].observed_at["status"] = now
 
     async def call(self, node, op, args=None, timeout=None):
         self.calls.append((node, op, args or {}))
         if self.links[node].state != READY:
             raise NodeError(node, op, "not connected", "cut")
+        if op == "launch" and node in self.missing_program:
+            raise NodeError(node, op, "remote", self.missing_program[node], kind="engine_missing")
         if op == "launch":
             pid = next(self._pids)
             self.engines[node][args["shard_id"]] = {"pid": pid, "start_time": pid * 10, "argv": args["argv"],
@@ -122,7 +125,8 @@ class FakeFleet:
             return {}
         raise NodeError(node, op, "remote", "not simulated", kind="unknown_op")
 
-    def crash_engine(self, node, shard_id, code=1):
+    def crash_engine(self, node, shard_id, code=1, log_tail=("boom",)):
         record = self.engines[node][shard_id]
         record["alive"] = False
         record["exit_code"] = code
+        record["log_tail"] = tuple(log_tail)

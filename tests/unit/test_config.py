@@ -123,6 +123,33 @@ def test_check_command_passes_on_the_example():
     assert "valid" in result.stdout
 
 
+EMPTY = [pytest.param("", id="empty"), pytest.param("\n  \n", id="blank-lines"),
+         pytest.param("# nodes: none yet\n# models: later\n", id="only-comments"),
+         pytest.param("null\n", id="null"), pytest.param("---\n~\n", id="tilde")]
+
+
+@pytest.mark.parametrize("text", EMPTY)
+def test_empty_inventory_is_refused_as_empty(tmp_path, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_checked(path)
+    assert str(info.value).startswith(f"{path}: the file is empty"), str(info.value)
+
+
+@pytest.mark.parametrize("command", [pytest.param(["check", "--no-connect"], id="check"),
+                                     pytest.param(["serve"], id="serve")])
+def test_empty_inventory_exits_2_naming_the_file(tmp_path, command):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# to be filled in\n")
+    result = subprocess.run([sys.executable, "-m", "llmgw.cli.main", *command, "-i", str(path),
+                             "--state-dir", str(tmp_path / "state")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"{path}: the file is empty" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_inventory(tmp_path / "absent.yaml")
@@ -157,6 +184,40 @@ def test_port_ranges():
     assert parse_port_range(8000) == (8000, 8000)
     with pytest.raises(ValueError):
         parse_port_range("http")
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedded default (R-9.2)
+
+
+@pytest.mark.parametrize("profile", ["llama-server", "vllm-cpu"])
+def test_embedded_default_places_a_model_on_a_machine_without_gpus(profile):
+    """A model added at runtime with a CPU profile of the embedded default lands on a node
+    without GPUs; the GPU profiles do not."""
+    from llmgw.catalog import Catalog
+    from llmgw.config import ModelConfig, embedded_inventory
+    from llmgw.control.placement import NodeView, place
+
+    inventory = embedded_inventory()
+    machine = NodeView(name="local", state="ready", fabric=None, gpu_class=None, gpus=(),
+                       memory_bytes=16 * 1000**3, cache_free_bytes=100 * 1000**3, holds=frozenset())
+    catalog = Catalog.build(file_models=[ModelConfig(name="m", profile=profile, weights="hf:org/m", disk_gb=1)],
+                            profiles=dict(inventory.profiles))
+    plan = place(catalog.models["m"], [machine], {})
+    assert plan is not None and [s.node for s in plan.shards] == ["local"]
+    gpu_only = Catalog.build(file_models=[ModelConfig(name="g", profile="vllm", weights="hf:org/g", disk_gb=1)],
+                             profiles=dict(inventory.profiles))
+    assert place(gpu_only.models["g"], [machine], {}) is None
+
+
+def test_embedded_vllm_cpu_profile_lets_replicas_share_the_cores():
+    """vllm-cpu runs the vllm template with unpinned OpenMP threads and a small KV cache."""
+    from llmgw.config import embedded_inventory
+
+    profile = embedded_inventory().profiles["vllm-cpu"]
+    assert profile.engine == "vllm" and profile.gpus == 0
+    assert profile.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert profile.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
 # -- static endpoints: what a model may read from the gateway's environment (R-6.10, R-8.2) --------

@@ -227,3 +227,38 @@ def test_reference_mountinfo_parses(path):
     for mount in mounts:
         assert mount["mount_point"].startswith("/") and mount["fstype"]
         assert "\\040" not in mount["mount_point"]
+
+
+PROC_NET_TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 4711 1 0 100 0 0 10 0
+   1: 0100007F:1F90 0100007F:E032 01 00000000:00000000 00:00000000 00000000  1000        0 4712 1 0 20 4 30 10 -1
+   2: 0100007F:1F91 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4713 1 0 100 0 0 10 0
+"""
+PROC_NET_TCP6 = """\
+  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000000000000:1F90 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1001        0 5120 1 0 100 0 0 10 0
+"""  # noqa: E501 (a /proc/net/tcp6 line as the kernel writes it)
+
+
+def test_listen_inodes_are_the_listening_sockets_on_the_port():
+    assert helper.parse_listen_inodes(PROC_NET_TCP, 8080) == {4711}  # not the established one
+    assert helper.parse_listen_inodes(PROC_NET_TCP, 8081) == {4713}
+    assert helper.parse_listen_inodes(PROC_NET_TCP6, 8080) == {5120}
+    assert helper.parse_listen_inodes(PROC_NET_TCP, 9000) == set()
+
+
+@pytest.mark.parametrize("line, expected", [
+    pytest.param("server_args=ServerArgs(model_path='/m', api_key='sk-1', admin_api_key=None, port=3)",
+                 "server_args=ServerArgs(model_path='/m', api_key='***', admin_api_key=None, port=3)", id="sglang"),
+    pytest.param("non-default args: {'api_key': ['k1', 'k2'], 'port': 8000}",
+                 "non-default args: {'api_key': ['***'], 'port': 8000}", id="list"),
+    pytest.param('{"api_key": "abc", "x": 1}', '{"api_key": "***", "x": 1}', id="json"),
+    pytest.param("argv: sglang --api-key hunter2 --port 1", "argv: sglang --api-key *** --port 1", id="option"),
+    pytest.param("--admin-api-key=hunter3", "--admin-api-key=***", id="option="),
+    pytest.param("api-key: from-yaml", "api-key: ***", id="yaml"),
+    pytest.param("LLAMA_API_KEY=llk started", "LLAMA_API_KEY=*** started", id="env"),
+    pytest.param("api_key=None, keys: 3, max_tokens=16", "api_key=None, keys: 3, max_tokens=16", id="nothing-to-hide"),
+])
+def test_api_keys_in_log_lines_are_scrubbed(line, expected):
+    assert helper.scrub_secrets(line) == expected

@@ -10,7 +10,7 @@ import pytest
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, ProfileConfig
 from llmgw.control.reconciler import Reconciler
-from llmgw.control.state import FAILED, SERVING
+from llmgw.control.state import FAILED
 from tests.unit.fake_fleet import FakeFleet
 
 PROFILES = {"one": ProfileConfig(engine="vllm", gpus=1, start_timeout=0.5),
@@ -98,6 +98,29 @@ async def test_backoff_grows_while_every_start_fails():
         health.next_attempt = 0  # skip the wait in the test; the growth is what is checked
     assert delays[0] < delays[2]
     assert "exited with status 1" in reconciler.health["m"].last_failure
+
+
+async def test_a_node_without_the_engine_fails_the_replica_at_once_saying_how_to_install_it():
+    reconciler, fleet, _, _ = build([{"name": "m"}], nodes=("a",))
+    fleet.missing_program["a"] = "vllm is not on PATH=/usr/bin:/bin on this node"
+    await until(lambda: reconciler.health.get("m") and reconciler.health["m"].failures == 1,
+                reconciler, fleet, what="the first failure")
+    reason = reconciler.health["m"].last_failure
+    assert reason.startswith("engine vllm is not installed on a: vllm is not on PATH=/usr/bin:/bin on this node; "
+                             "install vLLM on the node (`pip install vllm`"), reason
+    failed = [r for r in [*reconciler.replicas.values(), *(r for _, r in reconciler.retired)] if r.model == "m"]
+    assert failed and all(s.state == FAILED and s.reason == reason for r in failed for s in r.shards)
+    assert fleet.engines["a"] == {}
+
+
+async def test_a_stored_log_tail_never_carries_the_engine_key():
+    reconciler, fleet, _, _ = build([{"name": "m"}])
+    await settle(reconciler, fleet)
+    replica = serving(reconciler, "m")[0]
+    fleet.crash_engine(replica.leader.node, replica.leader.id, log_tail=[f"Bearer {replica.api_key} refused", "bye"])
+    await settle(reconciler, fleet, 1)
+    assert replica.leader.log_tail == ["Bearer *** refused", "bye"]
+    assert reconciler.health["m"].last_log_tail == ["Bearer *** refused", "bye"]
 
 
 async def test_surplus_and_removed_models_are_stopped():

@@ -88,7 +88,7 @@ def test_r6_2_cli_create_list_revoke(tmp_path):
     table = runner.invoke(cli, ["keys", "list", *state])
     assert table.exit_code == 0
     assert "alice" in table.stdout and "m1, m2" in table.stdout and secret not in table.stdout
-    line = next(l for l in table.stdout.splitlines() if l.startswith("alice"))
+    line = next(row for row in table.stdout.splitlines() if row.startswith("alice"))
     assert line.split()[-2:] == ["-", "-"]  # never used, not revoked: `-`, never a made-up time
 
     listed = json.loads(runner.invoke(cli, ["keys", "list", "--json", *state]).stdout)
@@ -115,3 +115,17 @@ def test_r6_2_cli_state_dir_from_environment(tmp_path, monkeypatch):
 def test_r6_2_help_says_how_to_create_the_first_key():
     result = CliRunner().invoke(cli, ["keys", "--help"])
     assert "llmgw keys create NAME" in " ".join(result.stdout.split())
+
+
+def test_r6_13_authenticate_takes_x_api_key_as_anthropic_clients_send_it(db):
+    _, secret = create_key(db, "alice")
+    _, revoked = create_key(db, "bob")
+    revoke_key(db, "bob")
+    ring = KeyRing(list_keys(db))
+    assert ring.authenticate(None, secret).name == "alice"
+    assert ring.authenticate(f"Bearer {secret}", "ignored").name == "alice"  # Authorization, when sent, decides
+    for authorization, x_api_key, message in [(None, "", "no API key"), (None, " ", "no API key"),
+                                              (None, secret + "x", "invalid API key"), (None, revoked, "revoked"),
+                                              ("Basic abc", secret, "must be 'Bearer")]:
+        with pytest.raises(InvalidKey, match=message):
+            ring.authenticate(authorization, x_api_key)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import stat
 import threading
@@ -91,3 +90,64 @@ async def test_async_write_does_not_block_the_loop(tmp_path):
                           "prompt_tokens": 13, "completion_tokens": 7}]
     finally:
         store.close()
+
+
+OPENERS = 8
+
+
+def _open_and_write(path: str, barrier, index: int) -> None:
+    barrier.wait()  # every opener meets the fresh file at the same moment
+    store = Store.open(path)
+    try:
+        store.write_sync(lambda db: db["audit"].insert({"ts": 0.0, "actor": "t", "action": "open",
+                                                        "target": str(index)}))
+    finally:
+        store.close()
+
+
+def _open_in_processes(path: str) -> list[int | None]:
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(OPENERS)
+    processes = [context.Process(target=_open_and_write, args=(path, barrier, i)) for i in range(OPENERS)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(120)
+    return [process.exitcode for process in processes]
+
+
+def _open_in_threads(path: str) -> list[int | None]:
+    barrier = threading.Barrier(OPENERS)
+    codes: list[int | None] = [None] * OPENERS
+
+    def run(index: int) -> None:
+        try:
+            _open_and_write(path, barrier, index)
+            codes[index] = 0
+        except Exception as exc:
+            print(f"opener {index}: {type(exc).__name__}: {exc}")
+            codes[index] = 1
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(OPENERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return codes
+
+
+@pytest.mark.parametrize("open_all", [pytest.param(_open_in_processes, id="processes"),
+                                      pytest.param(_open_in_threads, id="threads")])
+def test_concurrent_first_use_of_a_fresh_state_database(tmp_path, open_all):
+    """`serve` and `keys create` may open a new state directory together: each one waits for the
+    other's migration and none fails ("database is locked", "table already exists")."""
+    for attempt in range(3):  # a fresh file each time: the race is in the first use
+        path = str(tmp_path / f"state-{attempt}.db")
+        assert open_all(path) == [0] * OPENERS
+        db = sqlite_utils.Database(path)
+        assert schema_version(db) == SCHEMA_VERSION
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert sorted(int(row["target"]) for row in db["audit"].rows) == list(range(OPENERS))
+        db.close()

@@ -5,7 +5,9 @@ This is not an inference engine. Testbed nodes get thin entry points (`vllm`, `l
 llmgw can launch "engines" with the real command lines (see ENGINES.md) and talk to them over
 HTTP. Standard library only; runs under the node's /usr/bin/python3.
 
-Command lines accepted (unknown flags are tolerated, as `--flag value` or `--flag=value`):
+Command lines accepted (as `--flag value` or `--flag=value`; a flag the real engine's CLI does not
+have is refused with exit 2, as the real one would: the flag sets are captured from the real
+engines in flags/, see flags/README.md):
   vllm serve MODEL [--served-model-name N] [--host H] [--port P] [--api-key K] [-tp N]
        [-pp N] [--nnodes N] [--node-rank R] [--master-addr A] [--master-port P] [--headless]
        [--config YAML] ...                            key also from env VLLM_API_KEY
@@ -19,7 +21,15 @@ HTTP (HTTP/1.1, keep-alive): GET /health, GET /v1/models, GET /metrics, POST
 /v1/chat/completions, /v1/completions, /v1/embeddings (SSE when `stream: true`; a usage chunk only
 with `stream_options.include_usage`). The reply is deterministic: "<model> heard <N> words" padded
 with "la" to `max_tokens` tokens (default 8). /v1/* needs `Authorization: Bearer KEY` when a key
-is set; /health and /metrics stay open.
+is set (never `x-api-key`, which vLLM ignores); /health and /metrics stay open. vLLM started with
+llmgw's guard (`--middleware llmgw_vllm_guard.EngineKeyGuard`, the module on PYTHONPATH) needs
+the key on every path but GET /health, as the real one then does.
+Each engine also serves what it serves for real (`ROUTES` below), and 404s the rest: Responses
+(streamed with `event:` lines; GET/cancel of a stored response on vLLM only with
+VLLM_ENABLE_RESPONSES_API_STORE=1, always on SGLang, never on llama-server, which stores nothing),
+Anthropic Messages and count_tokens (vLLM, llama-server), rerank, score (vLLM, SGLang),
+tokenize/detokenize, multipart audio transcriptions (vLLM, llama-server) and translations (vLLM);
+the text carries the file's size and SHA-256.
 
 Readiness follows each engine: vLLM binds its port only once loaded (or binds early and hangs
 with the `bind_early` knob); SGLang binds once loaded, then answers 503 during `warmup_delay`;
@@ -80,6 +90,65 @@ BOOLEAN_FLAGS = {
 
 class UsageError(Exception):
     pass
+
+
+# The flags each real engine's command line accepts, captured from the engines (see flags/README.md).
+FLAGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flags")
+FLAG_FILES = {"vllm": "vllm-0.32.0.txt", "sglang": "sglang-0.5.23.txt", "llama-server": "llama-server.txt"}
+PROGRAMS = {"vllm": "vllm serve", "sglang": "launch_server.py", "llama-server": "llama-server"}
+
+
+GUARD_MIDDLEWARE = "llmgw_vllm_guard.EngineKeyGuard"
+
+
+def _guard_importable(env):
+    """The guard module is where vLLM would import it from (PYTHONPATH), else vLLM fails to start."""
+    for directory in (env.get("PYTHONPATH") or "").split(":"):
+        if directory and os.path.isfile(os.path.join(directory, "llmgw_vllm_guard.py")):
+            return True
+    raise UsageError("ModuleNotFoundError: No module named 'llmgw_vllm_guard'")
+
+
+def known_flags(mode):
+    with open(os.path.join(FLAGS_DIR, FLAG_FILES[mode])) as f:
+        return frozenset(line.strip() for line in f if line.strip() and not line.startswith("#"))
+
+
+def flag_name(mode, arg):
+    """The option an argv element names as its engine's parser sees it (None: not an option)."""
+    if not arg.startswith("-") or arg == "-" or _is_number(arg):
+        return None
+    name = arg.split("=", 1)[0]
+    if mode == "vllm":
+        # vLLM's parser takes --max_model_len for --max-model-len, and --json-arg.key for a key.
+        name = name.split(".", 1)[0]
+        if name.startswith("--"):
+            name = name.replace("_", "-")
+    return name
+
+
+ARGPARSE_ENGINES = ("vllm", "sglang")  # Python argparse: a unique prefix of a long option counts
+
+
+def is_known_flag(mode, name, known):
+    if name in known:
+        return True
+    if mode in ARGPARSE_ENGINES and name.startswith("--"):
+        return len([flag for flag in known if flag.startswith(name)]) == 1
+    return False
+
+
+def unknown_flags(mode, argv):
+    known = known_flags(mode)
+    return [arg for arg in argv
+            if flag_name(mode, arg) is not None and not is_known_flag(mode, flag_name(mode, arg), known)]
+
+
+def check_flags(mode, argv):
+    """Refuse, as the real engine would, a flag its command line does not have."""
+    unknown = unknown_flags(mode, argv)
+    if unknown:
+        raise UsageError(f"{PROGRAMS[mode]}: error: unrecognized arguments: {' '.join(unknown)}")
 
 
 # ----------------------------------------------------------------------------------- arguments
@@ -144,6 +213,8 @@ class Engine:
     def __init__(self, mode, argv, env):
         self.mode = mode
         self.argv = list(argv)
+        if mode in FLAG_FILES:
+            check_flags(mode, argv[1:] if mode == "vllm" or (argv and argv[0] == "serve") else argv)
         if mode == "vllm":
             self._parse_vllm(argv, env)
         elif mode == "sglang":
@@ -182,6 +253,11 @@ class Engine:
         self.embeddings_only = False
         self.max_model_len = int(pick(options, "--max-model-len", default=4096))
         self.served_http = not self.headless
+        # llmgw's guard middleware (llmgw/remote/llmgw_vllm_guard.py) as the real vLLM loads it:
+        # then every path but GET /health needs the key, not just vLLM's own prefixes.
+        self.guarded = GUARD_MIDDLEWARE in argv and _guard_importable(env)
+        # vLLM keeps Responses (for GET and previous_response_id) only with this set, in process memory.
+        self.store_responses = env.get("VLLM_ENABLE_RESPONSES_API_STORE", "0") == "1"
 
     def _parse_sglang(self, argv):
         if argv and argv[0] == "serve":
@@ -210,6 +286,7 @@ class Engine:
         self.embeddings_only = False
         self.max_model_len = int(pick(options, "--context-length", default=4096))
         self.served_http = True
+        self.store_responses = True
 
     def _parse_llama(self, argv, env):
         options, _ = split_options(argv)
@@ -232,6 +309,9 @@ class Engine:
         self.embeddings_only = bool(pick(options, "--embeddings", "--embedding", default=False))
         self.max_model_len = int(pick(options, "-c", "--ctx-size", default=4096))
         self.served_http = True
+        self.store_responses = False  # its Responses API keeps nothing
+
+    guarded = False
 
     @property
     def name(self):
@@ -322,6 +402,8 @@ class State:
         self.dead = False
         self.lock = threading.Lock()
         self.counter = 0
+        self.stored = {}  # response id -> the response, when the engine stores them
+        self.store_responses = engine.store_responses
         self.requests = 0
         self.aborted = 0
         self.running = 0
@@ -373,8 +455,50 @@ def embedding_of(item):
     return [round(v / norm, 6) for v in vec]
 
 
+def anthropic_error(message, kind="invalid_request_error"):
+    return dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+
+
+def parse_form(content_type, body):
+    """name -> bytes of a multipart/form-data body, or None when it is not one."""
+    if not content_type.lower().startswith("multipart/form-data") or "boundary=" not in content_type:
+        return None
+    boundary = content_type.split("boundary=", 1)[1].split(";", 1)[0].strip().strip('"').encode()
+    fields = {}
+    for part in body.split(b"--" + boundary)[1:]:
+        if part.startswith(b"--"):
+            break
+        headers, _, value = part.partition(b"\r\n\r\n")
+        marker = headers.find(b' name="')
+        if marker < 0:
+            continue
+        name = headers[marker + 7:headers.index(b'"', marker + 7)].decode()
+        fields[name] = value[:-2] if value.endswith(b"\r\n") else value
+    return fields
+
+
 def error_body(status, message, kind):
     return dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+
+
+# Routes each engine serves (from their sources; see llmgw/router/routes.py): path -> handler.
+_COMMON = {"/v1/chat/completions": "_chat", "/v1/completions": "_completion", "/v1/embeddings": "_embeddings"}
+ROUTES = {
+    "vllm": dict(_COMMON, **{"/v1/responses": "_responses", "responses/{id}": "", "/v1/messages": "_messages",
+                             "/v1/messages/count_tokens": "_count_tokens", "/v1/rerank": "_rerank", "/rerank": "_rerank",
+                             "/v2/rerank": "_rerank", "/v1/score": "_score", "/score": "_score",
+                             "/tokenize": "_tokenize", "/detokenize": "_detokenize",
+                             "/v1/audio/transcriptions": "_audio", "/v1/audio/translations": "_audio"}),
+    "sglang": dict(_COMMON, **{"/v1/responses": "_responses", "responses/{id}": "", "/v1/rerank": "_rerank",
+                               "/v1/score": "_score", "/tokenize": "_tokenize", "/v1/tokenize": "_tokenize",
+                               "/detokenize": "_detokenize", "/v1/detokenize": "_detokenize"}),
+    "llama-server": dict(_COMMON, **{"/v1/responses": "_responses", "/v1/messages": "_messages",
+                                     "/v1/messages/count_tokens": "_count_tokens", "/rerank": "_rerank",
+                                     "/reranking": "_rerank", "/v1/rerank": "_rerank", "/v1/reranking": "_rerank",
+                                     "/tokenize": "_tokenize", "/detokenize": "_detokenize",
+                                     "/v1/audio/transcriptions": "_audio"}),
+}
+FORM_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations")
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -419,11 +543,13 @@ class Handler(BaseHTTPRequestHandler):
     def _authorized(self):
         keys = self.state.engine.keys
         if not keys:
-            return True
+            return not self.state.engine.guarded  # llmgw's guard refuses all when it has no key
         auth = self.headers.get("authorization", "")
         return auth.startswith("Bearer ") and auth[7:] in keys
 
     def _needs_auth(self, path):
+        if self.state.engine.guarded:
+            return True  # only GET /health, answered before this check, is open
         if self.state.engine.mode == "vllm":
             return path.startswith(("/v1", "/v2", "/inference", "/cohere"))
         return not (path.startswith("/health") or path in ("/ready", "/metrics", "/ping"))
@@ -440,7 +566,12 @@ class Handler(BaseHTTPRequestHandler):
         state = self.state
         engine = state.engine
         path = self.path.split("?", 1)[0]
-        if path in ("/health", "/v1/health", "/health_generate", "/ping") or (path == "/ready" and engine.mode == "sglang"):
+        if engine.guarded and (self.command, path) == ("GET", "/health"):
+            status, payload = state.health()
+            return self._send(status, payload)
+        if engine.guarded:
+            pass  # every other path needs the key, below
+        elif path in ("/health", "/v1/health", "/health_generate", "/ping") or (path == "/ready" and engine.mode == "sglang"):
             status, payload = state.health()
             return self._send(status, payload)
         if self._needs_auth(path) and not self._authorized():
@@ -453,28 +584,38 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(404, error_body(404, "Not Found", "NotFoundError"))
         if engine.mode == "llama-server" and not state.loaded.is_set():
             return self._send(503, b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}')
-        if path.startswith("/v1/") and (state.knobs["fail_requests"] or state.dead):
+        if (path.startswith("/v1/") or path in ROUTES[engine.mode]) and (state.knobs["fail_requests"] or state.dead):
             return self._send(503, error_body(503, "The engine is unavailable", "ServiceUnavailableError"))
         if path == "/v1/models" and body is None:
             return self._send(200, self._models())
-        routes = {"/v1/chat/completions": self._chat, "/v1/completions": self._completion,
-                  "/v1/embeddings": self._embeddings}
+        stored = path.startswith("/v1/responses/") and "responses/{id}" in ROUTES[engine.mode]
+        if stored:
+            return self._stored_response(path, body)
+        routes = {route: getattr(self, handler) for route, handler in ROUTES[engine.mode].items() if handler}
         if path not in routes or body is None:
             return self._send(404, error_body(404, "Not Found", "NotFoundError"))
+        if path in FORM_ROUTES:
+            return self._counted(self._audio, path, body)
         try:
             request = json.loads(body or b"null")
             if not isinstance(request, dict):
                 raise ValueError("the body must be a JSON object")
         except ValueError as exc:
             return self._send(400, error_body(400, "invalid JSON body: %s" % exc, "BadRequestError"))
+        if path in ("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize") and "model" not in request:
+            request["model"] = engine.name  # the tokenizer routes take the model as optional
         model = request.get("model")
         if engine.mode == "vllm" and model not in engine.names:
             return self._send(404, error_body(404, "The model `%s` does not exist." % model, "NotFoundError"))
+        self._counted(routes[path], request)
+
+    def _counted(self, handler, *args):
+        state = self.state
         with state.lock:
             state.requests += 1
             state.running += 1
         try:
-            routes[path](request)
+            handler(*args)
         finally:
             with state.lock:
                 state.running -= 1
@@ -563,6 +704,172 @@ class Handler(BaseHTTPRequestHandler):
                   "data": [{"object": "embedding", "index": i, "embedding": embedding_of(item)} for i, item in enumerate(items)],
                   "usage": {"prompt_tokens": max(1, words), "total_tokens": max(1, words)}}
         self._send(200, dumps(answer).encode())
+
+    # -- the other API surfaces: Responses, Anthropic Messages, rerank, score, tokenize, audio
+
+    def _responses(self, request):
+        state = self.state
+        previous = request.get("previous_response_id")
+        history = 0
+        if previous is not None:
+            with state.lock:
+                earlier = state.stored.get(previous)
+            if earlier is None:
+                return self._send(404, error_body(404, "Response with id '%s' not found." % previous, "invalid_request_error"))
+            history = earlier["usage"]["input_tokens"] + earlier["usage"]["output_tokens"]
+        request = dict(request, max_tokens=request.get("max_output_tokens"))
+        tokens, usage, finish = self._generation(request, words_of(request.get("input")) + history)
+        rid = "resp_%d%06d" % (os.getpid(), state.next_id())
+        created, model = int(time.time()), self._model_name(request)
+        usage = {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+                 "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": usage["total_tokens"]}
+        message = {"type": "message", "id": "msg_%s" % rid[5:], "status": "completed", "role": "assistant",
+                   "content": [{"type": "output_text", "text": "".join(tokens), "annotations": []}]}
+
+        def response(status, output, usage_now):
+            return {"id": rid, "object": "response", "created_at": created, "model": model, "status": status,
+                    "output": output, "previous_response_id": previous, "parallel_tool_calls": True,
+                    "tool_choice": "auto", "tools": [], "usage": usage_now}
+        done = response("completed" if finish == "stop" else "incomplete", [message], usage)
+        if state.store_responses and request.get("store", True):
+            with state.lock:
+                state.stored[rid] = done
+        if not request.get("stream"):
+            return self._send(200, dumps(done).encode())
+        events = [("response.created", {"response": response("in_progress", [], None)})]
+        events += [("response.output_text.delta", {"item_id": message["id"], "output_index": 0, "content_index": 0,
+                                                   "delta": tok}) for tok in tokens]
+        events.append(("response.completed", {"response": done}))
+        self._named_stream([(name, dict(data, type=name, sequence_number=i)) for i, (name, data) in enumerate(events)], rid)
+
+    def _stored_response(self, path, body):
+        """GET /v1/responses/ID and POST /v1/responses/ID/cancel: only with the store enabled, as vLLM."""
+        rid, _, action = path[len("/v1/responses/"):].partition("/")
+        if (body is None) != (action == "") or action not in ("", "cancel"):
+            return self._send(404, error_body(404, "Not Found", "NotFoundError"))
+        with self.state.lock:
+            found = self.state.stored.get(rid)
+        if found is None:
+            return self._send(404, error_body(404, "Response with id '%s' not found." % rid, "invalid_request_error"))
+        if action == "cancel":
+            return self._send(400, error_body(400, "Cannot cancel a synchronous response.", "invalid_request_error"))
+        self._send(200, dumps(found).encode())
+
+    def _messages(self, request):
+        messages = request.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return self._send(400, anthropic_error("messages: Field required"))
+        if not isinstance(request.get("max_tokens"), int):
+            return self._send(400, anthropic_error("max_tokens: Field required"))
+        prompt_words = words_of(messages) + words_of(request.get("system") or "")
+        tokens, usage, finish = self._generation(request, prompt_words)
+        mid, model = "msg_%d%06d" % (os.getpid(), self.state.next_id()), self._model_name(request)
+        stop = "max_tokens" if finish == "length" else "end_turn"
+        start_usage = {"input_tokens": usage["prompt_tokens"], "output_tokens": 0}
+        end_usage = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}
+        if not request.get("stream"):
+            return self._send(200, dumps({"id": mid, "type": "message", "role": "assistant", "model": model,
+                                          "content": [{"type": "text", "text": "".join(tokens)}],
+                                          "stop_reason": stop, "stop_sequence": None, "usage": end_usage}).encode())
+        if self.state.engine.mode == "llama-server":
+            end_usage = {"output_tokens": usage["completion_tokens"]}  # as Anthropic: input counts only at the start
+        events = [("message_start", {"message": {"id": mid, "type": "message", "role": "assistant", "model": model,
+                                                 "content": [], "stop_reason": None, "stop_sequence": None,
+                                                 "usage": start_usage}}),
+                  ("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+                  ("ping", {})]
+        events += [("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": tok}}) for tok in tokens]
+        events += [("content_block_stop", {"index": 0}),
+                   ("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None}, "usage": end_usage}),
+                   ("message_stop", {})]
+        self._named_stream([(name, dict(data, type=name)) for name, data in events], mid)
+
+    def _count_tokens(self, request):
+        messages = request.get("messages")
+        if not isinstance(messages, list):
+            return self._send(400, anthropic_error("messages: Field required"))
+        self._send(200, dumps({"input_tokens": max(1, words_of(messages) + words_of(request.get("system") or ""))}).encode())
+
+    def _rerank(self, request):
+        query, documents = request.get("query"), request.get("documents")
+        if not isinstance(query, str) or not isinstance(documents, list):
+            return self._send(400, error_body(400, "query and documents are required", "BadRequestError"))
+        words = words_of(query) * len(documents) + words_of(documents)
+        results = sorted(({"index": i, "document": {"text": d}, "relevance_score": self._similarity(query, d)}
+                          for i, d in enumerate(documents)), key=lambda r: -r["relevance_score"])
+        top_n = request.get("top_n")
+        self._send(200, dumps({"id": "rerank-%d" % self.state.next_id(), "model": self._model_name(request),
+                               "usage": {"prompt_tokens": max(1, words), "total_tokens": max(1, words)},
+                               "results": results[:top_n] if isinstance(top_n, int) else results}).encode())
+
+    def _score(self, request):
+        first = request.get("text_1", request.get("queries"))
+        second = request.get("text_2", request.get("documents", request.get("items")))
+        if first is None or second is None:
+            return self._send(400, error_body(400, "text_1 and text_2 are required", "BadRequestError"))
+        seconds = second if isinstance(second, list) else [second]
+        firsts = first if isinstance(first, list) else [first] * len(seconds)
+        words = words_of(firsts) + words_of(seconds)
+        self._send(200, dumps({"id": "score-%d" % self.state.next_id(), "object": "list", "created": int(time.time()),
+                               "model": self._model_name(request),
+                               "data": [{"index": i, "object": "score", "score": self._similarity(a, b)}
+                                        for i, (a, b) in enumerate(zip(firsts, seconds))],
+                               "usage": {"prompt_tokens": max(1, words), "total_tokens": max(1, words)}}).encode())
+
+    @staticmethod
+    def _similarity(a, b):
+        left, right = set(str(a).lower().split()), set(str(b).lower().split())
+        return round(len(left & right) / (len(left | right) or 1), 6)
+
+    def _tokenize(self, request):
+        text = request.get("prompt", request.get("content"))
+        if text is None and isinstance(request.get("messages"), list):
+            text = " ".join(str(m.get("content", "")) for m in request["messages"] if isinstance(m, dict))
+        if not isinstance(text, str):
+            return self._send(400, error_body(400, "prompt is required", "BadRequestError"))
+        ids = [int.from_bytes(hashlib.sha256(w.encode()).digest()[:2], "big") for w in text.split()]
+        self._send(200, dumps({"count": len(ids), "max_model_len": self.state.engine.max_model_len, "tokens": ids}).encode())
+
+    def _detokenize(self, request):
+        ids = request.get("tokens")
+        if not isinstance(ids, list):
+            return self._send(400, error_body(400, "tokens is required", "BadRequestError"))
+        self._send(200, dumps({"prompt": " ".join("t%d" % i for i in ids)}).encode())
+
+    def _audio(self, path, body):
+        """Multipart audio: the file's size and SHA-256 in the text, so a test can check the bytes that came."""
+        fields = parse_form(self.headers.get("content-type", ""), body)
+        if fields is None or "file" not in fields or "model" not in fields:
+            return self._send(400, error_body(400, "file and model are required form fields", "BadRequestError"))
+        if fields["model"].decode() not in self.state.engine.names:
+            return self._send(404, error_body(404, "The model `%s` does not exist." % fields["model"].decode(), "NotFoundError"))
+        audio = fields["file"]
+        verb = "heard" if path.endswith("transcriptions") else "translated"
+        self._send(200, dumps({"text": "%s %s %d bytes sha256 %s" % (self.state.engine.name, verb, len(audio),
+                                                                        hashlib.sha256(audio).hexdigest()),
+                               "usage": {"type": "duration", "seconds": 1}}).encode())
+
+    def _named_stream(self, events, rid):
+        """SSE with `event:` lines, as vLLM sends Responses and Anthropic streams; no [DONE]."""
+        head = ("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                "cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n")
+        delay = self.state.knobs["token_delay"]
+        try:
+            self.wfile.write(head.encode())
+            for i, (name, event) in enumerate(events):
+                if delay and 0 < i < len(events) - 1:
+                    time.sleep(delay)
+                data = b"event: " + name.encode() + b"\ndata: " + dumps(event).encode() + b"\n\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            with self.state.lock:
+                self.state.aborted += 1
+            self.close_connection = True
+            self.state.log.info("Aborted request %s." % rid, "async_llm.py:1")
+            return
+        self.state.log.access(self._client(), self.command, self.path, 200)
 
     def _stream(self, request, events, rid, created, model, usage, kind):
         """SSE over chunked transfer encoding, one write per event, `token_delay` between tokens."""
@@ -688,7 +995,8 @@ def die(state):
 # ----------------------------------------------------------------------------------- start-up
 
 REFUSALS = {
-    "vllm": "ValueError: Free memory on device (1.2/79.1 GiB) on startup is less than desired GPU memory utilization (0.92, 72.8 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
+    "vllm": ("ValueError: Free memory on device (1.2/79.1 GiB) on startup is less than desired GPU memory utilization "
+             "(0.92, 72.8 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes."),
     "sglang": "RuntimeError: Not enough memory. Please try to increase --mem-fraction-static.",
     "llama-server": "llama_model_load: error loading model: tensor data is not within the file bounds\nmain: exiting due to model loading error",
 }
@@ -748,8 +1056,11 @@ def main(mode, argv, node_dir=None, env=None):
                  % (engine.model, engine.name, engine.host or "0.0.0.0", engine.port, engine.tp, engine.pp,
                     engine.nnodes, engine.node_rank, engine.headless, "<redacted>" if engine.keys else None), "utils.py:1")
     elif mode == "sglang":
-        log.info("server_args=ServerArgs(model_path='%s', served_model_name='%s', host='%s', port=%d, tp_size=%d, nnodes=%d, node_rank=%d) (engine test double)"
-                 % (engine.model, engine.name, engine.host, engine.port, engine.tp, engine.nnodes, engine.node_rank))
+        # Like the real one, it prints its key among its server arguments (ENGINES.md, SGLang).
+        log.info("server_args=ServerArgs(model_path='%s', served_model_name='%s', host='%s', port=%d, tp_size=%d, "
+                 "nnodes=%d, node_rank=%d, api_key=%s, admin_api_key=None) (engine test double)"
+                 % (engine.model, engine.name, engine.host, engine.port, engine.tp, engine.nnodes, engine.node_rank,
+                    repr(engine.keys[0]) if engine.keys else None))
     else:
         log.raw("build: 9999 (engine test double)")
         log.raw("main: loading model")
@@ -757,7 +1068,9 @@ def main(mode, argv, node_dir=None, env=None):
     for i in range(int(knobs["stderr_lines"])):
         log.error("WARNING engine double start-up line %d of %d" % (i + 1, knobs["stderr_lines"]))
     if knobs["refuse_start"]:
-        message = knobs["refuse_start"] if isinstance(knobs["refuse_start"], str) and knobs["refuse_start"].lower() not in ("1", "true", "yes") else REFUSALS[mode]
+        refusal = knobs["refuse_start"]
+        given = isinstance(refusal, str) and refusal.lower() not in ("1", "true", "yes")
+        message = refusal if given else REFUSALS[mode]
         log.error(message)
         return 1
 

