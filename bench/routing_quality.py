@@ -23,6 +23,18 @@ Workloads:
 
     .venv/bin/python bench/routing_quality.py --quick
     .venv/bin/python bench/routing_quality.py --vllm http://127.0.0.1:8001,http://127.0.0.1:8002 --key K
+
+The two engines for the real part, each started as (port 8001, then 8002; the tiny model of
+/opt/llmgw-engines/models; a KV cache of 160 blocks of 32 tokens, so that a replica holds a few
+conversations and not the whole workload, as a loaded production engine does):
+
+    VLLM_API_KEY=K VLLM_CPU_KVCACHE_SPACE=1 VLLM_TARGET_DEVICE=cpu \
+      /opt/llmgw-engines/vllm-0.32.0/bin/vllm serve MODEL_DIR --served-model-name chat \
+      --host 127.0.0.1 --port 8001 --max-model-len 2048 --block-size 32 --num-gpu-blocks-override 160
+
+They run on this machine; the replica is chosen in this process by the router's own Balancer
+and affinity key, and requests go straight to the engines (the router's own cost is
+bench/router_overhead.py's, with --routing prefix).
 """
 
 from __future__ import annotations
@@ -309,6 +321,8 @@ def main() -> None:
     parser.add_argument("--model", default="chat", help="the engines' served model name")
     parser.add_argument("--system-words", type=int, default=250,
                         help="real part: words of each tenant's system prompt (about 5 tokens each with the tiny model)")
+    parser.add_argument("--tenants", type=int, default=4, help="real part: tenants (one system prompt each)")
+    parser.add_argument("--concurrency", type=int, default=2, help="real part: conversations at a time")
     args = parser.parse_args()
 
     scale = 1 if args.quick else 3
@@ -340,17 +354,20 @@ def main() -> None:
     if args.vllm:
         urls = [u.rstrip("/") for u in args.vllm.split(",")]
         rng = random.Random(args.seed + 2)
-        real = shared_workload(rng, tenants=4, conversations=2 * scale, turns=3, system_tokens=0, rate=1.0, gap=0.0)
+        real = shared_workload(rng, tenants=args.tenants, conversations=2 * scale, turns=3, system_tokens=0,
+                               rate=1.0, gap=0.0)
         for request in real:  # the real engines tokenise the text: make the system prompts long
             system = request.messages[0]
             tenant = system.text.split()[1]
             system.text = words(random.Random(f"{args.seed}-{tenant}"), args.system_words, f"tenant {tenant} system prompt")
-        print(f"\nREAL vLLM: {len(urls)} engines {urls}; shared workload: 4 tenants x {2 * scale} conversations x "
+        print(f"\nREAL vLLM: {len(urls)} engines {urls}; shared workload: {args.tenants} tenants x {2 * scale} "
+              "conversations x "
               f"3 turns (+12 user words, +40 output tokens a turn), system prompts of {args.system_words} words, "
-              "2 conversations at a time, streamed")
+              f"{args.concurrency} conversations at a time, streamed")
         rows = {}
         for policy in POLICIES:
-            rows[policy] = asyncio.run(run_vllm(real, policy, urls, args.key, args.model, concurrency=2))
+            rows[policy] = asyncio.run(run_vllm(real, policy, urls, args.key, args.model,
+                                                   concurrency=args.concurrency))
         table("real vLLM, shared-prefix workload (engines' own prefix-cache counters)", rows,
               [("hit rate", "hit_rate", ".3f"), ("TTFT p50 s", "ttft_p50", ".3f"),
                ("TTFT p90 s", "ttft_p90", ".3f"), ("req/s", "rps", ".2f"), ("failures", "failures", "d")])
