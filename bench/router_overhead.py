@@ -133,7 +133,7 @@ def run_bare_proxy(port: int, engine_url: str) -> None:
 # ------------------------------------------------------------------------------ the router process
 
 async def run_router(port: int, engine_url: str, state_dir: str, profile: str | None,
-                     request_timeout: float) -> None:
+                     request_timeout: float, routing: str = "least-outstanding") -> None:
     from prometheus_client import CollectorRegistry
 
     from llmgw.catalog import Catalog, CatalogHolder
@@ -144,7 +144,7 @@ async def run_router(port: int, engine_url: str, state_dir: str, profile: str | 
 
     store = Store.open(Path(state_dir) / "state.db")
     _, secret = store.write_sync(lambda db: create_key(db, "bench"))
-    catalog = Catalog.build(file_models=[ModelConfig(name=MODEL, profile="p")],
+    catalog = Catalog.build(file_models=[ModelConfig(name=MODEL, profile="p", routing=routing)],
                             profiles={"p": ProfileConfig(engine="vllm")})
     router = Router(CatalogHolder(catalog), store, GatewayConfig(request_timeout=request_timeout),
                     registry=CollectorRegistry())
@@ -466,7 +466,7 @@ async def bench(args) -> None:
         router_port = free_port()
         state = tempfile.mkdtemp(prefix="llmgw-bench-")
         router_argv = [sys.executable, __file__, "_router", "--port", str(router_port), "--engine-url", engine_url,
-                       "--state", state, "--request-timeout", str(args.request_timeout)]
+                       "--state", state, "--request-timeout", str(args.request_timeout), "--routing", args.routing]
         if args.profile:
             router_argv += ["--profile", args.profile]
         router = start_process(router_argv, env=dict(os.environ, PYTHONPATH=str(ROOT)), reads_stdout=True)
@@ -579,8 +579,10 @@ def main() -> None:
         parser.add_argument("--state", required=True)
         parser.add_argument("--profile")
         parser.add_argument("--request-timeout", type=float, default=600.0)
+        parser.add_argument("--routing", default="least-outstanding")
         args = parser.parse_args()
-        asyncio.run(run_router(args.port, args.engine_url, args.state, args.profile, args.request_timeout))
+        asyncio.run(run_router(args.port, args.engine_url, args.state, args.profile, args.request_timeout,
+                               args.routing))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=["aiohttp", "double", "vllm"], default="aiohttp")
@@ -593,6 +595,8 @@ def main() -> None:
     parser.add_argument("--profile", help="write a cProfile of the router process to this file")
     parser.add_argument("--request-timeout", type=float, default=600.0,
                         help="the router's gateway.request_timeout (an engine silent this long is a 504)")
+    parser.add_argument("--routing", choices=["least-outstanding", "prefix"], default="least-outstanding",
+                        help="the model's routing policy (prefix: every request's affinity key is hashed)")
     args = parser.parse_args()
     real = args.engine == "vllm"
     args.count = args.count or (100 if real else 500)

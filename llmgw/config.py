@@ -159,6 +159,9 @@ class ModelConfig(_Strict):
     fallback: str | None = None
     served_name: str | None = None
     endpoints: list[StaticEndpoint] | None = None
+    # least-outstanding balances by load alone; prefix keeps a conversation's (or a shared
+    # prompt's) requests on one replica, within a load bound, so the engine's prefix cache serves.
+    routing: Literal["least-outstanding", "prefix"] = "least-outstanding"
 
     @field_validator("weights")
     @classmethod

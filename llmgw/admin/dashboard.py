@@ -178,10 +178,10 @@ def nodes_page(snapshot: Snapshot) -> Markup:
 
 def models_page(snapshot: Snapshot) -> Markup:
     rows = [[m["name"], m["state"], f"{m['replicas']['serving']} / {m['replicas']['total']}",
-             text.scaling(m["scaling"]), m["profile"], m["engine"], m["weights"], m["fallback"],
+             text.scaling(m["scaling"]), m["routing"], m["profile"], m["engine"], m["weights"], m["fallback"],
              m["declared_in"] + (f" by {m['actor']}" if m["actor"] else ""),
              m["unplaceable"] or m["last_failure"]] for m in snapshot.models()]
-    listing = table(["model", "state", "serving / replicas", "scaling", "profile", "engine", "weights",
+    listing = table(["model", "state", "serving / replicas", "scaling", "routing", "profile", "engine", "weights",
                      "fallback", "declared", "problem"], rows, empty="the catalog has no models")
     return Markup(template("models.html").substitute(models=listing))
 
@@ -201,8 +201,10 @@ def replicas_page(snapshot: Snapshot) -> Markup:
             " (draining)" if replica["draining"] and replica["state"] != "draining" else "")
         rows.append([replica["id"], replica["model"], state, Markup("".join(shards)),
                      text.ago(replica["serving_since"], now) if replica["serving_since"] else "-",
-                     text.idle_for(replica), replica["reason"]])
-    listing = table(["replica", "model", "state", "shards", "serving since", "unasked-for", "reason"], rows,
+                     text.idle_for(replica), "-" if replica.get("in_flight") is None else replica["in_flight"],
+                     text.engine_load(replica), replica["reason"]])
+    listing = table(["replica", "model", "state", "shards", "serving since", "unasked-for", "in flight",
+                     "engine load", "reason"], rows,
                     empty="no replicas", cls="replicas")
     return Markup(template("replicas.html").substitute(replicas=listing))
 

@@ -153,6 +153,18 @@ def idle_for(entry: dict) -> str:
     return UNKNOWN if entry["idle_seconds"] is None else format_duration(entry["idle_seconds"])
 
 
+def engine_load(replica: dict) -> str:
+    """`queue 3 · running 2 · KV 41%` from the engine's own report; `-` for each figure it did not give."""
+    engine = replica.get("engine") or {}
+
+    def figure(name: str) -> str:
+        value = engine.get(name)
+        return UNKNOWN if value is None else str(value)
+    kv = engine.get("kv_cache")
+    return (f"queue {figure('waiting')} · running {figure('running')} · "
+            f"KV {UNKNOWN if kv is None else f'{kv * 100:.0f}%'}")
+
+
 def shard_line(shard: dict) -> str:
     """`shard 0 on gpu1 (GPUs 0,1) port 20000: serving since 12:00:01`, with the reason if any."""
     gpus = "GPUs " + ",".join(str(g) for g in shard["gpus"]) if shard["gpus"] else "no GPUs"

@@ -178,6 +178,8 @@ class Snapshot:
 
     def _replica(self, replica: Replica, *, retired: bool) -> dict:
         last_used = self.reconciler.last_used.get(replica.id)  # absent: unknown, not idle
+        router = getattr(self.gateway, "router", None)
+        engine = router.engine_load(replica.id) if router is not None else None
         shards = []
         for shard in replica.shards:
             progress = None
@@ -197,6 +199,9 @@ class Snapshot:
             "serving_since": replica.serving_since, "last_used": last_used,
             "idle_seconds": None if last_used is None else max(0.0, self.now - last_used),
             "nodes": replica.nodes, "shards": shards,
+            "in_flight": router.outstanding(replica.id) if router is not None else None,
+            # The engine's own load as the router last polled it; None: it did not say.
+            "engine": engine.as_dict() if engine is not None else None,
         }
 
     # -- models --------------------------------------------------------------------------------
@@ -243,6 +248,7 @@ class Snapshot:
             "scaling": {"min": model.min_replicas, "max": model.max_replicas, "on_demand": model.on_demand,
                         "idle_timeout": model.idle_timeout},
             "fallback": model.fallback,
+            "routing": model.config.routing,
             "static": model.static,
             "replicas": {"total": len(live), "serving": serving},
             "unplaceable": unplaceable.summary if unplaceable is not None else None,

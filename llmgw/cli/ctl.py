@@ -261,8 +261,8 @@ def nodes(ctx: typer.Context, as_json: bool = JSON_OPTION) -> None:
 
 
 def render_models(document: dict) -> Table:
-    table = _table("MODEL", "STATE", "SERVING", "SCALING", "PROFILE", "ENGINE", "WEIGHTS", "FALLBACK", "DECLARED",
-                   "PROBLEM")
+    table = _table("MODEL", "STATE", "SERVING", "SCALING", "ROUTING", "PROFILE", "ENGINE", "WEIGHTS", "FALLBACK",
+                   "DECLARED", "PROBLEM")
     for model in document["models"]:
         declared = model["declared_in"] + (f" by {model['actor']}" if model["actor"] else "")
         problem = model["unplaceable"] or model["last_failure"]
@@ -270,7 +270,8 @@ def render_models(document: dict) -> Table:
             problem = f"{problem} (next attempt in {format_duration(model['retry_in'])})"
         table.add_row(_t(model["name"], "bold"), _t(model["state"]),
                       _t(f"{model['replicas']['serving']}/{model['replicas']['total']}"),
-                      _t(words.scaling(model["scaling"])), _t(model["profile"]), _t(model["engine"]),
+                      _t(words.scaling(model["scaling"])), _t(model.get("routing")), _t(model["profile"]),
+                      _t(model["engine"]),
                       _t(model["weights"]), _t(model["fallback"]), _t(declared), _t(problem))
     return table
 
@@ -279,7 +280,7 @@ def render_models(document: dict) -> Table:
 def models(ctx: typer.Context, as_json: bool = JSON_OPTION) -> None:
     """The catalog in force.
 
-    State, serving replicas, scaling, profile, weights, where each model is declared.
+    State, serving replicas, scaling, routing policy, profile, weights, where each model is declared.
     """
     with _refusals():
         _emit(_client(ctx).get("/api/models"), as_json, render_models)
@@ -306,6 +307,9 @@ def render_replicas(document: dict) -> Text:
             details.append(f"serving since {words.clock(replica['serving_since'])}")
         if replica["serving"]:
             details.append(f"unasked-for {words.idle_for(replica)}")
+            in_flight = replica.get("in_flight")
+            details.append(f"in flight {'-' if in_flight is None else in_flight}")
+            details.append(f"engine {words.engine_load(replica)}")
         if replica["reason"]:
             details.append(replica["reason"])
         out.append("  " + " · ".join(details) + "\n")

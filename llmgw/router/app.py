@@ -24,8 +24,10 @@ from aiohttp import web
 
 from llmgw.catalog import Catalog, CatalogHolder, Model
 from llmgw.config import GatewayConfig, split_address
-from llmgw.router.balancer import Balancer, Upstream
+from llmgw.router.affinity import affinity_key
+from llmgw.router.balancer import PREFIX, Balancer, Upstream
 from llmgw.router.endpoints import Endpoint, static_endpoints
+from llmgw.router.engineload import EnginePoller
 from llmgw.router import response_ids
 from llmgw.router.errors import (BadRequest, BodyTooLarge, InternalError, InvalidType, ModelLoading, ModelNotAllowed,
                                  ModelNotFound, NoCapacity, ResponseNotFound, RouteNotServed, RouterError,
@@ -90,7 +92,7 @@ class Router:
         self.gateway = gateway
         self.keys = KeyRing()
         self.balancer = Balancer()
-        self.metrics = RouterMetrics(registry, self.balancer.outstanding_by_model)
+        self.metrics = RouterMetrics(registry, self.balancer.outstanding_by_model, self.balancer.upstreams)
         self.usage = UsageMeter()
         self._on_demand = on_demand
         self._max_body = int(gateway.max_body)
@@ -123,6 +125,10 @@ class Router:
     def outstanding(self, replica_id: str) -> int:
         """Requests in flight to a replica, still counted after it left the lists (for draining)."""
         return self.balancer.outstanding(replica_id)
+
+    def engine_load(self, replica_id: str):
+        """The replica's engine load as last polled (engineload.EngineLoad), None when unknown."""
+        return self.balancer.engine_load(replica_id)
 
     def web_app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=self._max_body,
@@ -165,7 +171,7 @@ class Router:
 
     def _catalog_changed(self, catalog: Catalog) -> None:
         static = static_endpoints(catalog)
-        self._on_loop(lambda: self._set_static(static))
+        self._on_loop(lambda: self._set_static(static))  # also installs each model's routing policy
 
     def _set_static(self, static: dict[str, list[Endpoint]]) -> None:
         self._static = static
@@ -173,7 +179,8 @@ class Router:
 
     def _install(self) -> None:
         merged = {**self._pushed, **self._static}
-        self.balancer.replace(merged)
+        models = self.holder.current.models
+        self.balancer.replace(merged, {name: model.config.routing for name, model in models.items()})
         for model, members in merged.items():
             if members:
                 event = self._arrivals.pop(model, None)
@@ -358,8 +365,8 @@ class Router:
         return json.dumps({**document, "model": upstream_name}).encode()
 
     def _acquire(self, catalog: Catalog, route: Route, model: Model, key: ApiKey, now: float, tried: list[Upstream],
-                 include_ejected: bool = False) -> Upstream | None:
-        up = self.balancer.acquire(model.name, now, tried, include_ejected)
+                 include_ejected: bool = False, affinity: bytes | None = None) -> Upstream | None:
+        up = self.balancer.acquire(model.name, now, tried, include_ejected, affinity)
         if up is None and model.fallback is not None:
             for fallback in catalog.fallback_chain(model.name):  # R-6.7
                 if not key.allows(fallback):  # skipped: a fallback is no way around the key's limits
@@ -418,18 +425,20 @@ class Router:
         tried: list[Upstream] = []
         waited_since: float | None = None
         last_error: RouterError | None = None
+        affinity = (affinity_key(document, request.headers)
+                    if document is not None and self.balancer.policy(model.name) == PREFIX else None)
         while True:
             now = time.monotonic()
             if model.on_demand and waited_since is None and not self.balancer.has_endpoints(model.name):
                 self._demand(model.name)
                 waited_since = now
-            up = self._acquire(catalog, route, model, key, now, tried)
+            up = self._acquire(catalog, route, model, key, now, tried, affinity=affinity)
             if up is None:
                 if model.on_demand and self._on_demand is not None and not self.balancer.has_endpoints(model.name):
                     await self._wait_for(model.name, waited_since or now)
                     continue
                 # Every endpoint is ejected: a recently failed one beats a certain 503.
-                up = self._acquire(catalog, route, model, key, now, tried, include_ejected=True)
+                up = self._acquire(catalog, route, model, key, now, tried, include_ejected=True, affinity=affinity)
             if up is None:
                 if last_error is not None:
                     raise UpstreamFailed(f"no engine of {model.name!r} could answer after {len(tried)} "
@@ -506,7 +515,8 @@ class Router:
         if self.store is not None:
             await self._refresh_keys()
         tasks = [asyncio.create_task(self._every(USAGE_FLUSH_SECONDS, self._flush_usage)),
-                 asyncio.create_task(self._forwarder.watchdog.run())]
+                 asyncio.create_task(self._forwarder.watchdog.run()),
+                 asyncio.create_task(EnginePoller(self.balancer, session).run())]
         if self.store is not None:
             tasks.append(asyncio.create_task(self._every(REFRESH_SECONDS, self._refresh_keys)))
         try:

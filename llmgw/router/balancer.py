@@ -1,29 +1,53 @@
-"""Choosing an endpoint: least outstanding requests, ties round-robin (R-6.5), ejection (R-6.6).
+"""Choosing an endpoint (R-6.5): least loaded, ties round-robin, or prefix affinity with bounded
+load; ejection (R-6.6).
+
+An endpoint's load is the requests llmgw has in flight to it plus the engine's own waiting queue
+as last polled (llmgw.router.engineload); an engine that does not report a queue adds nothing.
+
+`routing: prefix` places each replica at RING_POINTS points of a hash ring, from its replica id
+alone, so every router worker and host builds the same ring; a request's affinity key
+(llmgw.router.affinity) hashes onto it and takes the first replica clockwise whose load stays
+within PREFIX_BOUND times the mean (consistent hashing with bounded loads). A replica joining or
+leaving moves only the keys whose first choice it is. Routers agree while loads are within the
+bound; near it, each sees its own in-flight counts and the queue as of its last poll, so two
+routers may spill the same key to different replicas.
 
 Runs on the event loop only, on every request: plain attributes and integer counters, no locks.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from llmgw.router.endpoints import Endpoint
 
 EJECT_SECONDS = 5.0  # long enough to stop hammering a dead engine, short enough to notice it is back
+LEAST_OUTSTANDING = "least-outstanding"
+PREFIX = "prefix"
+PREFIX_BOUND = 1.25  # a replica takes a key while its load + 1 <= ceil(bound * mean after adding it)
+RING_POINTS = 64  # per replica: enough that shares stay within a few percent of even
+
+
+def ring_hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
 class Upstream:
     """The router's live view of one endpoint: what is in flight to it and whether it is ejected."""
 
-    __slots__ = ("endpoint", "replica_id", "model", "outstanding", "ejected_until", "headers",
-                 "stream_headers")
+    __slots__ = ("endpoint", "replica_id", "model", "outstanding", "queued", "engine", "ejected_until",
+                 "headers", "stream_headers")
 
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
         self.replica_id = endpoint.replica_id
         self.model = endpoint.model
         self.outstanding = 0
+        self.queued = 0  # the engine's waiting queue as last polled; 0 while it is not known
+        self.engine = None  # engineload.EngineLoad as last polled, None while unknown
         self.ejected_until = 0.0
         # Built once: the request path reuses these mappings for every request to this endpoint.
         headers = {"Content-Type": "application/json"}
@@ -37,11 +61,19 @@ class Upstream:
 
 
 class Pool:
-    __slots__ = ("members", "next")
+    __slots__ = ("members", "next", "policy", "points", "owners")
 
-    def __init__(self, members: list[Upstream]):
+    def __init__(self, members: list[Upstream], policy: str = LEAST_OUTSTANDING):
         self.members = members
         self.next = 0
+        self.policy = policy
+        self.points: list[int] = []  # sorted ring positions (prefix policy only)
+        self.owners: list[Upstream] = []  # owners[i] holds points[i]
+        if policy == PREFIX:
+            ring = sorted((ring_hash(f"{up.replica_id}#{i}".encode()), up.replica_id, index)
+                          for index, up in enumerate(members) for i in range(RING_POINTS))
+            self.points = [point for point, _, _ in ring]
+            self.owners = [members[index] for _, _, index in ring]
 
 
 class Balancer:
@@ -54,8 +86,10 @@ class Balancer:
         self._retired: list[Upstream] = []  # taken off the lists with requests still in flight
         self._last_used: dict[str, float] = {}  # replica_id -> time.monotonic() of the last acquire
 
-    def replace(self, endpoints: Mapping[str, Sequence[Endpoint]]) -> None:
-        """Install a full new set of endpoints; an endpoint that stays keeps its counters and ejection."""
+    def replace(self, endpoints: Mapping[str, Sequence[Endpoint]],
+                policies: Mapping[str, str] | None = None) -> None:
+        """Install a full new set of endpoints; an endpoint that stays keeps its counters, ejection and
+        engine load. `policies` names each model's routing policy; absent means least-outstanding."""
         previous = {(up.replica_id, up.endpoint.url, up.endpoint.api_key): up
                     for pool in self._pools.values() for up in pool.members}
         pools = {}
@@ -66,7 +100,7 @@ class Balancer:
                 if up is None or up.endpoint.model != endpoint.model:
                     up = Upstream(endpoint)
                 ups.append(up)
-            pools[model] = Pool(ups)
+            pools[model] = Pool(ups, (policies or {}).get(model, LEAST_OUTSTANDING))
         self._pools = pools
         by_replica: dict[str, list[Upstream]] = {}
         for pool in pools.values():
@@ -87,9 +121,15 @@ class Balancer:
         pool = self._pools.get(model)
         return pool is not None and bool(pool.members)
 
+    def policy(self, model: str) -> str:
+        pool = self._pools.get(model)
+        return pool.policy if pool is not None else LEAST_OUTSTANDING
+
     def acquire(self, model: str, now: float, exclude: Iterable[Upstream] = (),
-                include_ejected: bool = False) -> Upstream | None:
-        """The endpoint with the fewest requests in flight (ties: round-robin), now counted as busy.
+                include_ejected: bool = False, key: bytes | None = None) -> Upstream | None:
+        """The endpoint with the least load (ties: round-robin), now counted as busy; for a model
+        routed by prefix and a request with an affinity `key`, the key's replica on the ring
+        within the load bound.
 
         Ejected endpoints and those in `exclude` (already tried by this request) are skipped,
         unless `include_ejected` asks for a last resort when every endpoint is ejected.
@@ -101,6 +141,12 @@ class Balancer:
         count = len(members)
         if count == 0:
             return None
+        if key is not None and pool.points:
+            best = self._on_ring(pool, key, now, exclude, include_ejected)
+            if best is not None:
+                best.outstanding += 1
+                self._last_used[best.replica_id] = now
+            return best
         start = pool.next
         pool.next = start + 1 if start + 1 < count else 0
         best = None
@@ -109,7 +155,7 @@ class Balancer:
             up = members[index if index < count else index - count]
             if (up.ejected_until > now and not include_ejected) or (exclude and up in exclude):
                 continue
-            if best is None or up.outstanding < best.outstanding:
+            if best is None or up.outstanding + up.queued < best.outstanding + best.queued:
                 best = up
         if best is not None:
             best.outstanding += 1
@@ -126,6 +172,35 @@ class Balancer:
         return None
 
     @staticmethod
+    def _on_ring(pool: Pool, key: bytes, now: float, exclude: Iterable[Upstream],
+                 include_ejected: bool) -> Upstream | None:
+        """Walk the ring clockwise from the key's hash: the first eligible replica within the bound,
+        else the least loaded eligible one (only when every eligible one is over the bound)."""
+        eligible = [up for up in pool.members
+                    if not ((up.ejected_until > now and not include_ejected) or (exclude and up in exclude))]
+        if not eligible:
+            return None
+        total = sum(up.outstanding + up.queued for up in eligible)
+        # Bounded loads: capacity ceil(c * (total + 1) / n), never below 1.
+        capacity = -(-PREFIX_BOUND * (total + 1) // len(eligible))
+        points, owners = pool.points, pool.owners
+        size = len(points)
+        start = bisect.bisect_left(points, ring_hash(key))
+        seen: set[int] = set()
+        allowed = {id(up) for up in eligible}
+        for step in range(size):
+            up = owners[(start + step) % size]
+            marker = id(up)
+            if marker in seen:
+                continue
+            seen.add(marker)
+            if marker in allowed and up.outstanding + up.queued + 1 <= capacity:
+                return up
+            if len(seen) >= len(pool.members):
+                break
+        return min(eligible, key=lambda up: up.outstanding + up.queued)
+
+    @staticmethod
     def release(up: Upstream) -> None:
         up.outstanding -= 1
 
@@ -136,6 +211,20 @@ class Balancer:
         """Requests in flight to a replica, including after it was taken off the lists (drain)."""
         return sum(up.outstanding for up in self._by_replica.get(replica_id, ())) + \
             sum(up.outstanding for up in self._retired if up.replica_id == replica_id)
+
+    def upstreams(self) -> list[Upstream]:
+        """Every listed endpoint, once: what the engine-load poller reads."""
+        return [up for members in self._by_replica.values() for up in members]
+
+    def engine_load(self, replica_id: str):
+        """The replica's engine load as last polled (engineload.EngineLoad), None when unknown."""
+        for up in self._by_replica.get(replica_id, ()):
+            if up.engine is not None:
+                return up.engine
+        return None
+
+    def policies(self) -> dict[str, str]:
+        return {model: pool.policy for model, pool in self._pools.items()}
 
     def outstanding_by_model(self) -> dict[str, int]:
         return {model: sum(up.outstanding for up in pool.members) for model, pool in self._pools.items()}

@@ -30,13 +30,15 @@ class RouterMetrics:
     """Counters kept as plain numbers, exposed through a collector registered on `registry`."""
 
     def __init__(self, registry: CollectorRegistry | None = None,
-                 outstanding: Callable[[], dict[str, int]] | None = None):
+                 outstanding: Callable[[], dict[str, int]] | None = None,
+                 upstreams: Callable[[], list] | None = None):
         self.requests: dict[tuple[str, str], int] = {}
         self.tokens: dict[tuple[str, str], int] = {}
         self.retries: dict[str, int] = {}
         self.ejections: dict[str, int] = {}
         self.latency: dict[str, _Histogram] = {}
         self._outstanding = outstanding
+        self._upstreams = upstreams
         if registry is not None:
             registry.register(self)
 
@@ -115,3 +117,20 @@ class RouterMetrics:
             for model, value in self._outstanding().items():
                 outstanding.add_metric([model], value)
             yield outstanding
+
+        if self._upstreams is not None:
+            # Engine-reported load (R-6.5): a replica whose engine did not say has no sample.
+            families = {field: GaugeMetricFamily(name, text, labels=["model", "replica"])
+                        for field, name, text in (
+                            ("waiting", "llmgw_engine_waiting", "Requests waiting in the engine's queue"),
+                            ("running", "llmgw_engine_running", "Requests the engine is running"),
+                            ("kv_cache", "llmgw_engine_kv_cache_usage", "Fraction of the engine's KV cache in use"))}
+            for up in self._upstreams():
+                load = up.engine
+                if load is None:
+                    continue
+                for field, family in families.items():
+                    value = getattr(load, field)
+                    if value is not None:
+                        family.add_metric([up.model, up.replica_id], value)
+            yield from families.values()

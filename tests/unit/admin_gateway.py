@@ -47,6 +47,20 @@ FILER = dict(device="0:51", fstype="nfs4", mount_point="/mnt/filer", shared=True
              free_bytes=400 * GB, dirs=("/mnt/filer/models",))
 
 
+class FakeRouter:
+    """What the admin reads of the router: requests in flight and engine loads per replica."""
+
+    def __init__(self):
+        self.in_flight: dict[str, int] = {}
+        self.loads: dict = {}
+
+    def outstanding(self, replica_id: str) -> int:
+        return self.in_flight.get(replica_id, 0)
+
+    def engine_load(self, replica_id: str):
+        return self.loads.get(replica_id)
+
+
 @dataclass
 class FakeGateway:
     holder: CatalogHolder
@@ -56,6 +70,7 @@ class FakeGateway:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     token: str = TOKEN
     control: ControlPlane | None = None
+    router: FakeRouter = field(default_factory=FakeRouter)
 
 
 def make_gateway(tmp_path: Path) -> FakeGateway:

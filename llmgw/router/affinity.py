@@ -1,0 +1,66 @@
+"""The affinity key of a request routed by prefix (R-6.5): what its engine can reuse from cache.
+
+An explicit key wins, first found in this order: the body's `prompt_cache_key` (OpenAI's field for
+exactly this), the `X-Session-ID` header, the body's `user`. Without one, the key is taken from
+the content every request of a conversation starts with:
+
+- chat: the system (or developer) messages before the first user message, and that first user
+  message; every turn of a conversation repeats them;
+- completions and embeddings: the prompt's (input's) leading bytes.
+
+Each part is cut to KEY_BYTES bytes, so hashing stays cheap whatever the prompt's length. A
+request with none of these has no key and is balanced by load alone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+KEY_BYTES = 2048
+SESSION_HEADER = "X-Session-ID"
+_LEADING_ROLES = ("system", "developer")
+
+
+def _text(content: object) -> bytes:
+    if isinstance(content, str):
+        return content.encode()[:KEY_BYTES]
+    if content is None:
+        return b""
+    return json.dumps(content, separators=(",", ":"), ensure_ascii=False).encode()[:KEY_BYTES]
+
+
+def affinity_key(document: Mapping, headers: Mapping[str, str]) -> bytes | None:
+    explicit = document.get("prompt_cache_key")
+    if isinstance(explicit, str) and explicit:
+        return b"k\0" + explicit.encode()[:KEY_BYTES]
+    session = headers.get(SESSION_HEADER)
+    if session:
+        return b"s\0" + session.encode()[:KEY_BYTES]
+    user = document.get("user")
+    if isinstance(user, str) and user:
+        return b"u\0" + user.encode()[:KEY_BYTES]
+    messages = document.get("messages")
+    if isinstance(messages, list):
+        parts = [b"c"]
+        for message in messages:
+            if not isinstance(message, dict):
+                break
+            role = message.get("role")
+            if role in _LEADING_ROLES:
+                parts.append(_text(message.get("content")))
+            elif role == "user":
+                parts.append(_text(message.get("content")))
+                return b"\0".join(parts)
+            else:
+                break
+        return b"\0".join(parts) if len(parts) > 1 else None
+    for field in ("prompt", "input"):
+        prompt = document.get(field)
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch: its first prompt
+        if isinstance(prompt, list):
+            prompt = prompt[:KEY_BYTES // 4]  # token ids: a bounded count of them
+        if prompt:
+            return b"p\0" + _text(prompt)
+    return None

@@ -1,0 +1,186 @@
+"""Each engine's own load, polled about once a second off the request path (R-6.5, R-7.x).
+
+The router polls every endpoint it routes to, over HTTP to the engine's port with the replica's
+key as `Authorization: Bearer` (engine ports refuse anything else): the router already holds both
+for the request path, it works the same for static endpoints with no control plane, and the
+figure is at most a poll old where it is used. The engine kind is recognised from what answers:
+
+- vLLM `/metrics`: `vllm:num_requests_waiting`, `vllm:num_requests_running`,
+  `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before 0.9), prefix-cache counters;
+- llama-server `/metrics` (with `--metrics`): `llamacpp:requests_deferred`,
+  `llamacpp:requests_processing`, `llamacpp:kv_cache_usage_ratio`; without it, `/slots` gives
+  the busy slots and no queue;
+- SGLang `/metrics` (with `--enable-metrics`): `sglang:num_queue_reqs`, `sglang:num_running_reqs`,
+  `sglang:token_usage`.
+
+What the engine does not say stays None (unknown), never 0; an answer that does not parse, or no
+answer, makes the whole reading unknown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 1.0
+POLL_TIMEOUT = 1.0
+MAX_METRICS_BYTES = 4 << 20  # a /metrics page bigger than this is not an engine's
+
+# metric name -> (field, scale); samples of one name are summed over their labels
+_METRICS = {
+    "vllm:num_requests_waiting": ("waiting", 1),
+    "vllm:num_requests_running": ("running", 1),
+    "vllm:kv_cache_usage_perc": ("kv_cache", 1),
+    "vllm:gpu_cache_usage_perc": ("kv_cache", 1),
+    "vllm:prefix_cache_hits_total": ("prefix_hits", 1),
+    "vllm:prefix_cache_queries_total": ("prefix_queries", 1),
+    "llamacpp:requests_deferred": ("waiting", 1),
+    "llamacpp:requests_processing": ("running", 1),
+    "llamacpp:kv_cache_usage_ratio": ("kv_cache", 1),
+    "sglang:num_queue_reqs": ("waiting", 1),
+    "sglang:num_running_reqs": ("running", 1),
+    "sglang:token_usage": ("kv_cache", 1),
+}
+_COUNTS = ("waiting", "running", "prefix_hits", "prefix_queries")
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """One reading of an engine's load; None where the engine does not say."""
+
+    source: str  # "vllm", "llama-server", "sglang"
+    waiting: int | None = None
+    running: int | None = None
+    kv_cache: float | None = None  # fraction of the KV cache in use, 0..1
+    prefix_hits: int | None = None  # cumulative, tokens (vLLM)
+    prefix_queries: int | None = None
+    at: float | None = None  # time.time() of the reading
+
+    def as_dict(self) -> dict:
+        return {"source": self.source, "waiting": self.waiting, "running": self.running,
+                "kv_cache": self.kv_cache, "prefix_hits": self.prefix_hits,
+                "prefix_queries": self.prefix_queries, "at": self.at}
+
+
+class Malformed(ValueError):
+    pass
+
+
+def _sample(line: str) -> tuple[str, float]:
+    """name and value of one exposition line: `name{labels} value [timestamp]`."""
+    if "{" in line:
+        name, _, rest = line.partition("{")
+        labels, brace, rest = rest.rpartition("}")
+        if not brace:
+            raise Malformed(f"unclosed labels: {line[:80]!r}")
+    else:
+        name, _, rest = line.partition(" ")
+    fields = rest.split()
+    if not name or not fields:
+        raise Malformed(f"no value: {line[:80]!r}")
+    try:
+        value = float(fields[0])
+    except ValueError:
+        raise Malformed(f"value is not a number: {line[:80]!r}") from None
+    if math.isnan(value) or value < 0:
+        raise Malformed(f"value is not a load: {line[:80]!r}")
+    return name.strip(), value
+
+
+def parse_metrics(text: str, at: float | None = None) -> EngineLoad | None:
+    """The load in a Prometheus text page of vLLM, llama-server or SGLang; None when it names no
+    metric of theirs. Raises Malformed when a line of one of their metrics does not parse."""
+    found: dict[str, float] = {}
+    source = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        spec = _METRICS.get(name)
+        if spec is None:
+            continue
+        _, value = _sample(line)
+        field = spec[0]
+        found[field] = found.get(field, 0.0) + value
+        source = source or {"vllm": "vllm", "llamacpp": "llama-server", "sglang": "sglang"}[name.split(":")[0]]
+    if source is None:
+        return None
+    values = {field: (int(v) if field in _COUNTS else v) for field, v in found.items()}
+    if "kv_cache" in values:
+        values["kv_cache"] = min(values["kv_cache"], 1.0)
+    return EngineLoad(source=source, at=at, **values)
+
+
+def parse_slots(text: str, at: float | None = None) -> EngineLoad:
+    """llama-server's `/slots`: the busy slots are what it runs; its queue is not shown (None)."""
+    try:
+        slots = json.loads(text)
+    except ValueError:
+        raise Malformed("/slots is not JSON") from None
+    if not isinstance(slots, list) or not all(isinstance(s, dict) for s in slots):
+        raise Malformed("/slots is not a list of slots")
+    busy = 0
+    for slot in slots:
+        processing = slot.get("is_processing")
+        if processing is None and "state" in slot:  # older builds: state 0 idle, 1 processing
+            processing = slot["state"] != 0
+        if not isinstance(processing, bool):
+            raise Malformed("a slot does not say whether it is processing")
+        busy += processing
+    return EngineLoad(source="llama-server", running=busy, at=at)
+
+
+class EnginePoller:
+    """Reads every listed endpoint's engine load once a second and stores it on its Upstream."""
+
+    def __init__(self, balancer, session: aiohttp.ClientSession, interval: float = POLL_SECONDS):
+        self.balancer = balancer
+        self.session = session
+        self.interval = interval
+        self._path: dict[str, str] = {}  # url -> the path that answered last time
+
+    async def run(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.interval)
+
+    async def poll_once(self) -> None:
+        ups = self.balancer.upstreams()
+        readings = await asyncio.gather(*(self._read(up) for up in ups), return_exceptions=True)
+        for up, reading in zip(ups, readings, strict=True):
+            if isinstance(reading, BaseException):
+                reading = None
+            up.engine = reading
+            up.queued = reading.waiting if reading is not None and reading.waiting is not None else 0
+
+    async def _read(self, up) -> EngineLoad | None:
+        url = up.endpoint.url
+        headers = {"Authorization": "Bearer " + up.endpoint.api_key} if up.endpoint.api_key else {}
+        paths = ("/slots",) if self._path.get(url) == "/slots" else ("/metrics", "/slots")
+        for path in paths:
+            try:
+                async with asyncio.timeout(POLL_TIMEOUT):
+                    async with self.session.get(url + path, headers=headers) as resp:
+                        if resp.status != 200:
+                            continue
+                        body = await resp.content.read(MAX_METRICS_BYTES)
+                text = body.decode("utf-8", "replace")
+                now = time.time()
+                reading = parse_metrics(text, now) if path == "/metrics" else parse_slots(text, now)
+            except (aiohttp.ClientError, TimeoutError, Malformed, OSError) as exc:
+                log.debug("replica %s: engine load from %s: %s", up.replica_id, path, exc)
+                continue
+            if reading is not None:
+                self._path[url] = path
+                return reading
+        self._path.pop(url, None)
+        return None

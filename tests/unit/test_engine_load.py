@@ -1,0 +1,149 @@
+"""Engine-reported load (R-6.5): parsed from the engines' own pages, unknown when they do not say.
+
+The fixtures were read from the engines in /opt/llmgw-engines: vLLM 0.32.0 `/metrics` idle after
+two chat requests (prefix-cache counters non-zero) and while running twelve completions;
+llama-server `/metrics` (`--metrics`) and `/slots` with two slots.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from llmgw.router.balancer import Balancer
+from llmgw.router.endpoints import Endpoint
+from llmgw.router.engineload import EnginePoller, Malformed, parse_metrics, parse_slots
+from llmgw.router.metrics import RouterMetrics
+
+FIXTURES = Path(__file__).parent / "fixtures" / "engine_load"
+
+
+def fixture(name: str) -> str:
+    return (FIXTURES / name).read_text()
+
+
+def test_r6_5_vllm_metrics_idle():
+    load = parse_metrics(fixture("vllm_metrics.txt"))
+    assert load.source == "vllm"
+    assert (load.waiting, load.running, load.kv_cache) == (0, 0, 0.0)
+    assert (load.prefix_hits, load.prefix_queries) == (384, 862)
+
+
+def test_r6_5_vllm_metrics_busy():
+    load = parse_metrics(fixture("vllm_metrics_busy.txt"))
+    assert (load.waiting, load.running) == (0, 12)
+    assert 0.0 < load.kv_cache < 0.05
+
+
+def test_r6_5_llama_server_metrics_say_no_cache_use():
+    load = parse_metrics(fixture("llama_server_metrics.txt"))
+    assert load.source == "llama-server"
+    assert (load.waiting, load.running) == (0, 0)
+    assert load.kv_cache is None  # this build exports no KV-cache use: unknown, not 0
+
+
+def test_r6_5_llama_server_slots_give_no_queue():
+    load = parse_slots(fixture("llama_server_slots.json"))
+    assert (load.source, load.running, load.waiting, load.kv_cache) == ("llama-server", 0, None, None)
+    busy = parse_slots('[{"id":0,"is_processing":true},{"id":1,"is_processing":false}]')
+    assert busy.running == 1
+
+
+def test_r6_5_sglang_metrics():
+    text = ('# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs{model_name="m"} 7.0\n'
+            'sglang:num_running_reqs{model_name="m"} 3.0\nsglang:token_usage{model_name="m"} 0.42\n')
+    load = parse_metrics(text)
+    assert (load.source, load.waiting, load.running, load.kv_cache) == ("sglang", 7, 3, 0.42)
+
+
+def test_r6_5_samples_are_summed_over_labels():
+    text = ('vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+            'vllm:num_requests_waiting{engine="1",model_name="m"} 3.0\n')
+    load = parse_metrics(text)
+    assert (load.waiting, load.running, load.kv_cache) == (5, None, None)
+
+
+@pytest.mark.parametrize("text", [
+    'vllm:num_requests_waiting{engine="0" 2.0\n',
+    "vllm:num_requests_waiting\n",
+    "vllm:num_requests_waiting lots\n",
+    "vllm:num_requests_waiting NaN\n",
+    "vllm:num_requests_waiting -4\n",
+])
+def test_r6_5_malformed_metrics_are_refused(text):
+    with pytest.raises(Malformed):
+        parse_metrics(text)
+
+
+def test_r6_5_a_page_without_engine_metrics_is_unknown():
+    assert parse_metrics("# HELP x\nprocess_cpu_seconds_total 3.0\n") is None
+    assert parse_metrics("") is None
+
+
+@pytest.mark.parametrize("text", ["not json", '{"slots": []}', '[{"id": 0}]', '[1, 2]'])
+def test_r6_5_malformed_slots_are_refused(text):
+    with pytest.raises(Malformed):
+        parse_slots(text)
+
+
+async def engine(pages: dict[str, tuple[int, str]], seen: list):
+    async def handler(request: web.Request) -> web.Response:
+        seen.append((request.path, request.headers.get("Authorization")))
+        status, body = pages.get(request.path, (404, "not found"))
+        return web.Response(status=status, text=body)
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_r6_5_poller_reads_with_the_key_and_keeps_unknown_unknown():
+    seen: list = []
+    vllm, vllm_url = await engine({"/metrics": (200, fixture("vllm_metrics_busy.txt"))}, seen)
+    llama, llama_url = await engine({"/metrics": (404, ""), "/slots": (200, fixture("llama_server_slots.json"))},
+                                    seen)
+    bad, bad_url = await engine({"/metrics": (200, "vllm:num_requests_waiting oops\n")}, seen)
+    b = Balancer()
+    b.replace({"m": [Endpoint("v", "m", vllm_url, "vkey"), Endpoint("l", "m", llama_url, "lkey"),
+                     Endpoint("x", "m", bad_url, "xkey"), Endpoint("gone", "m", "http://127.0.0.1:9", "gkey")]})
+    metrics = RouterMetrics(None, b.outstanding_by_model, b.upstreams)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await EnginePoller(b, session).poll_once()
+    finally:
+        for runner in (vllm, llama, bad):
+            await runner.cleanup()
+    assert b.engine_load("v").running == 12
+    assert b.engine_load("l").running == 0 and b.engine_load("l").waiting is None
+    assert b.engine_load("x") is None and b.engine_load("gone") is None
+    assert all(up.queued == 0 for up in b.upstreams())
+    assert {auth for _, auth in seen} == {"Bearer vkey", "Bearer lkey", "Bearer xkey"}
+    exported = {(family.name, tuple(sample.labels.values())): sample.value
+                for family in metrics.collect() for sample in family.samples
+                if family.name.startswith("llmgw_engine")}
+    assert exported[("llmgw_engine_running", ("m", "v"))] == 12
+    assert exported[("llmgw_engine_running", ("m", "l"))] == 0
+    assert ("llmgw_engine_waiting", ("m", "l")) not in exported  # unknown: no sample, never 0
+    assert not any(labels[1] in ("x", "gone") for _, labels in exported)
+
+
+async def test_r6_5_poller_queue_feeds_the_balancer():
+    seen: list = []
+    page = 'vllm:num_requests_waiting{engine="0"} 9.0\nvllm:num_requests_running{engine="0"} 4.0\n'
+    busy, busy_url = await engine({"/metrics": (200, page)}, seen)
+    b = Balancer()
+    b.replace({"m": [Endpoint("busy", "m", busy_url, "k"), Endpoint("idle", "m", "http://127.0.0.1:9", "k")]})
+    try:
+        async with aiohttp.ClientSession() as session:
+            await EnginePoller(b, session).poll_once()
+    finally:
+        await busy.cleanup()
+    assert [up.queued for up in b.upstreams()] == [9, 0]
+    assert all(b.acquire("m", 1.0).replica_id == "idle" for _ in range(5))

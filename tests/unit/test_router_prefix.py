@@ -1,0 +1,175 @@
+"""Prefix affinity with bounded load (R-6.5): the ring, the bound, the affinity key."""
+
+from __future__ import annotations
+
+import math
+
+from llmgw.router.affinity import KEY_BYTES, affinity_key
+from llmgw.router.balancer import LEAST_OUTSTANDING, PREFIX, PREFIX_BOUND, Balancer
+from llmgw.router.endpoints import Endpoint
+
+
+def endpoints(count: int, model: str = "m") -> list[Endpoint]:
+    return [Endpoint(f"r-{i}", model, f"http://10.0.0.{i}:20000", f"key-{i}") for i in range(count)]
+
+
+def prefix_balancer(count: int, members: list[Endpoint] | None = None) -> Balancer:
+    b = Balancer(eject_seconds=5)
+    b.replace({"m": members if members is not None else endpoints(count)}, {"m": PREFIX})
+    return b
+
+
+def keys(count: int) -> list[bytes]:
+    return [f"conversation {i}".encode() for i in range(count)]
+
+
+def pick(b: Balancer, key: bytes) -> str:
+    up = b.acquire("m", 1.0, key=key)
+    b.release(up)
+    return up.replica_id
+
+
+def test_r6_5_same_key_same_replica_while_within_bound():
+    b = prefix_balancer(4)
+    chosen = {key: pick(b, key) for key in keys(200)}
+    for key, replica in chosen.items():
+        assert pick(b, key) == replica
+    spread = {replica: list(chosen.values()).count(replica) for replica in set(chosen.values())}
+    print("keys per replica:", spread)
+    assert len(spread) == 4  # the ring spreads keys over every replica
+
+
+def test_r6_5_overloaded_replica_spills_to_the_next_on_the_ring():
+    b = prefix_balancer(4)
+    key = b"a long shared system prompt"
+    home = b.acquire("m", 1.0, key=key)
+    held = [home]
+    # Keep sending the same key while holding every request: the home replica takes it while
+    # its load stays within the bound over the mean, then the next replica on the ring does.
+    while True:
+        up = b.acquire("m", 1.0, key=key)
+        held.append(up)
+        if up is not home:
+            break
+    total = len(held) - 1  # in flight before the spilled request, all on the home replica
+    print("home took", total, "requests before one spilled")
+    assert total >= 1
+    assert total + 1 > math.ceil(PREFIX_BOUND * (total + 1) / 4)  # the spilled one was over the bound
+    assert total <= math.ceil(PREFIX_BOUND * total / 4)  # the one before it was within
+    spill = up
+    assert spill is not home
+    # The next one on the ring, deterministically: a second balancer in the same state agrees.
+    other = prefix_balancer(4)
+    for _ in range(home.outstanding):
+        other.acquire("m", 1.0, key=key)
+    assert other.acquire("m", 1.0, key=key).replica_id == spill.replica_id
+    for up in held:
+        b.release(up)
+    assert b.acquire("m", 1.0, key=key) is home  # back within the bound: home again
+
+
+def test_r6_5_engine_queue_counts_toward_the_bound():
+    b = prefix_balancer(3)
+    key = b"tenant A"
+    home = b.acquire("m", 1.0, key=key)
+    b.release(home)
+    home.queued = 50  # the engine reports a long queue llmgw did not send
+    assert b.acquire("m", 1.0, key=key) is not home
+
+
+def test_r6_5_removed_replica_remaps_only_its_keys():
+    members = endpoints(5)
+    b = prefix_balancer(5, members)
+    before = {key: pick(b, key) for key in keys(500)}
+    b.replace({"m": [e for e in members if e.replica_id != "r-2"]}, {"m": PREFIX})
+    after = {key: pick(b, key) for key in keys(500)}
+    moved = [key for key in before if before[key] != after[key]]
+    assert moved and all(before[key] == "r-2" for key in moved)
+    assert len(moved) == sum(1 for r in before.values() if r == "r-2")
+    # And joining again moves back exactly those keys.
+    b.replace({"m": members}, {"m": PREFIX})
+    assert {key: pick(b, key) for key in keys(500)} == before
+
+
+def test_r6_5_two_router_instances_pick_the_same_replica():
+    # Two routers get the endpoints in different orders (and other models beside): same choice.
+    one, two = Balancer(), Balancer()
+    members = endpoints(6)
+    one.replace({"m": members}, {"m": PREFIX})
+    two.replace({"m": list(reversed(members)), "n": endpoints(2, "n")}, {"m": PREFIX})
+    for key in keys(300):
+        a, b = one.acquire("m", 1.0, key=key), two.acquire("m", 1.0, key=key)
+        assert a.replica_id == b.replica_id
+        one.release(a)
+        two.release(b)
+
+
+def test_r6_5_ejected_and_tried_replicas_are_skipped():
+    b = prefix_balancer(3)
+    key = b"k"
+    home = b.acquire("m", 1.0, key=key)
+    b.release(home)
+    b.eject(home, 1.0)
+    second = b.acquire("m", 2.0, key=key)
+    assert second is not home
+    b.release(second)
+    third = b.acquire("m", 2.0, [second], key=key)
+    assert third not in (home, second)
+    b.release(third)
+    assert b.acquire("m", 2.0, [second, third], key=key) is None
+    assert b.acquire("m", 2.0, [second, third], include_ejected=True, key=key) is home
+
+
+def test_r6_5_least_outstanding_stays_the_default_and_ignores_keys():
+    b = Balancer()
+    b.replace({"m": endpoints(3)})
+    assert b.policy("m") == LEAST_OUTSTANDING
+    picked = []
+    for _ in range(6):
+        up = b.acquire("m", 1.0, key=b"same key")
+        picked.append(up.replica_id)
+        b.release(up)
+    assert picked == ["r-0", "r-1", "r-2", "r-0", "r-1", "r-2"]
+
+
+def test_r6_5_least_outstanding_counts_the_engine_queue():
+    b = Balancer()
+    b.replace({"m": endpoints(2)})
+    first = b.acquire("m", 1.0)
+    b.release(first)
+    first.queued = 3
+    assert all(b.acquire("m", 1.0) is not first for _ in range(3))
+
+
+# -- the affinity key --------------------------------------------------------------------------
+
+SYSTEM = {"role": "system", "content": "You are a tax assistant. " * 40}
+
+
+def test_r6_5_turns_of_a_conversation_share_their_key():
+    first = {"messages": [SYSTEM, {"role": "user", "content": "hello"}]}
+    later = {"messages": [SYSTEM, {"role": "user", "content": "hello"},
+                          {"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]}
+    other = {"messages": [SYSTEM, {"role": "user", "content": "another question"}]}
+    assert affinity_key(first, {}) == affinity_key(later, {})
+    assert affinity_key(first, {}) != affinity_key(other, {})
+
+
+def test_r6_5_explicit_keys_win_in_their_order():
+    body = {"messages": [{"role": "user", "content": "x"}], "user": "alice", "prompt_cache_key": "c1"}
+    session = {"X-Session-ID": "s1"}
+    assert affinity_key(body, session) == affinity_key({"prompt_cache_key": "c1"}, {})
+    without_cache_key = {k: v for k, v in body.items() if k != "prompt_cache_key"}
+    assert affinity_key(without_cache_key, session) == affinity_key({}, session)
+    assert affinity_key(without_cache_key, {}) == affinity_key({"user": "alice"}, {})
+    assert affinity_key({"user": "alice"}, {}) != affinity_key({}, {"X-Session-ID": "alice"})
+
+
+def test_r6_5_key_is_bounded_and_prompts_have_one():
+    huge = {"messages": [{"role": "system", "content": "s" * 10**6}, {"role": "user", "content": "u" * 10**6}]}
+    assert len(affinity_key(huge, {})) <= 2 * KEY_BYTES + 8
+    assert affinity_key({"prompt": "p" * 10**5}, {}) == affinity_key({"prompt": "p" * 10**5 + "tail"}, {})
+    assert affinity_key({"prompt": ["first", "second"]}, {}) == affinity_key({"prompt": "first"}, {})
+    assert affinity_key({"prompt": [1, 2, 3]}, {}) is not None
+    assert affinity_key({"messages": [{"role": "assistant", "content": "x"}]}, {}) is None
+    assert affinity_key({"prompt_cache_key": 5, "messages": "bad"}, {}) is None
