@@ -7,12 +7,14 @@ environment (tests/testbed/engines.py: no thread pinning, so two engines share t
 Checked: placement, launch, readiness (vLLM binds its port before it serves), the official `openai`
 client through the router — chat, a stream with usage, completions, embeddings — usage recorded
 as the engine reported it, the engine's own log, adoption across a control-plane restart, and
-stop. Killing and draining are checked on llama-server (test_real_llama.py), which restarts in
-half a second.
+stop; then, with the chat engine alone, `kill -9` (the replica is replaced, none of the killed
+engine's processes is left) and a drain under traffic (the replica moves with no failed request).
+Each of those two waits for a new vLLM to load, a minute or more on 2 cores.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import pytest
 
 from tests.integration import real_engines as rt
 from tests.integration.gateway import wait_for
+from tests.scenarios.operating import Ctl
 from tests.testbed import NodeSpec
 from tests.testbed import engines as real
 
@@ -150,6 +153,45 @@ def test_stop_leaves_no_process_and_frees_the_port(bed, gateway):
     wait_for(lambda: not _group_members(group), 60, "every process of the engine (its workers too) to end")
     assert rt.port_free(bed, node, host, port)
     assert rt.serving(gateway, CHAT)  # the other engine is untouched
+
+
+def test_killed_engine_is_replaced(bed, gateway, client):
+    """R-4.1: `kill -9` of vLLM's API server fails its replica; none of its processes (vLLM's
+    engine-core workers included) outlives it, and a new replica is launched and serves."""
+    replica, node, pid, _ = _engine(bed, gateway, CHAT)
+    group = _process_group(pid)
+    assert bed.kill_engines(node, signal.SIGKILL) == [pid]
+
+    def replaced():
+        found = [r for r in rt.serving(gateway, CHAT) if r["id"] != replica["id"]]
+        return found or None
+    wait_for(replaced, START_TIMEOUT * 2, f"a replacement replica\n{gateway.log()[-3000:]}", interval=1)
+    wait_for(lambda: not _group_members(group), 60, "every process of the killed engine to end")
+    reply = client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert reply.choices
+
+
+def test_drain_moves_the_replica_with_no_failed_request(bed, gateway):
+    """R-9.5: a drained node's vLLM replica is replaced on the other node before it stops; the
+    traffic meanwhile sees no failed request."""
+    replica, victim, pid, _ = _engine(bed, gateway, CHAT)
+    spare = next(n for n in NODES if n != victim)
+    _, key = rt.new_client(gateway, "vllm-drain")
+    ctl = Ctl(gateway)
+    with rt.Load(gateway.url + "/v1", key, CHAT, workers=2) as load:
+        load.wait_ok(5, 120)
+        done = ctl.run("drain", victim)
+        assert done.code == 0, done.stderr
+
+        def moved():
+            found = rt.serving(gateway, CHAT)
+            return found if [r["shards"][0]["node"] for r in found] == [spare] and not bed.engine_pids(victim) else None
+        wait_for(moved, START_TIMEOUT * 2, f"the replica to move to {spare}\n{gateway.log()[-3000:]}", interval=1)
+        settled = load.ok
+        load.wait_ok(settled + 5, 120)
+    print(f"vLLM drain under load: {load.ok} requests answered, {len(load.failures)} failed")
+    assert load.failures == [], "\n".join(load.failures) + "\n" + gateway.log()[-6000:]
+    assert ctl.run("uncordon", victim).code == 0
 
 
 def _process_group(pid: int) -> int:

@@ -1,7 +1,8 @@
 """Responses and Anthropic Messages through the router against the real vLLM (CPU, a tiny model) (R-6.12 to R-6.14).
 
-One vLLM start per module, on 127.0.0.1, as llmgw's template starts it (key in VLLM_API_KEY) plus
-VLLM_ENABLE_RESPONSES_API_STORE=1 so stored responses can be followed up. The official `openai`
+One vLLM start per module, on 127.0.0.1, started directly (not through the helper, so without
+the engine-port guard that tests/real_engines checks) with its key in VLLM_API_KEY as llmgw's
+template passes it, plus VLLM_ENABLE_RESPONSES_API_STORE=1 so stored responses can be followed up. The official `openai`
 and `anthropic` clients talk to the router; what vLLM reported is what the router recorded.
 vLLM reads its key only from `Authorization: Bearer`, so every answer here also shows that the
 router sent the engine's key that way, the Anthropic client's `x-api-key` notwithstanding.
