@@ -178,7 +178,7 @@ def test_drain_moves_the_replica_with_no_failed_request(bed, gateway):
     spare = next(n for n in NODES if n != victim)
     _, key = rt.new_client(gateway, "vllm-drain")
     ctl = Ctl(gateway)
-    with rt.Load(gateway.url + "/v1", key, CHAT, workers=2) as load:
+    with rt.Load(gateway.url + "/v1", key, CHAT, workers=2, max_requests=50_000, max_seconds=600) as load:
         load.wait_ok(5, 120)
         done = ctl.run("drain", victim)
         assert done.code == 0, done.stderr
