@@ -526,6 +526,7 @@ class Router:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await session.close()
+            await self._forwarder.close()
             await self.close()
 
     @staticmethod

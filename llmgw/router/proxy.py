@@ -148,6 +148,7 @@ class Forwarder:
     def __init__(self, session: aiohttp.ClientSession, metrics: RouterMetrics, usage: UsageMeter,
                  read_timeout: float):
         self.session = session
+        self._fresh: aiohttp.ClientSession | None = None  # for resends: never a pooled connection
         self.metrics = metrics
         self.usage = usage
         self.read_timeout = read_timeout
@@ -270,8 +271,22 @@ class Forwarder:
                 raise  # a streamed upload may have sent part of the client's file: not again
             # A pooled keep-alive connection the engine closed as it was taken: llama-server
             # drops connections without `Connection: close` (after a stream, and under load).
-            # Nothing was answered: once more, on another connection.
-            return await self.session.request(method, url, data=body, headers=headers)
+            # Nothing was answered: once more, on a connection made for it (the pool may hold
+            # more connections the engine has dropped).
+            return await self.fresh_session().request(method, url, data=body, headers=headers)
+
+    def fresh_session(self) -> aiohttp.ClientSession:
+        """A session like the pooled one whose connections are never reused."""
+        if self._fresh is None or self._fresh.closed:
+            self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0),
+                                                timeout=self.session.timeout,
+                                                skip_auto_headers=("Accept-Encoding", "User-Agent"))
+        return self._fresh
+
+    async def close(self) -> None:
+        if self._fresh is not None:
+            await self._fresh.close()
+            self._fresh = None
 
     async def _relay_stream(self, request: web.Request, resp: aiohttp.ClientResponse, up: Upstream,
                             chunk: bytes, strip: bool, key_id: str, headers: dict) -> web.StreamResponse:
