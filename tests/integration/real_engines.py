@@ -177,3 +177,26 @@ class Load:
 
     def wait_ok(self, count: int, timeout: float) -> None:
         wait_for(lambda: self.ok >= count, timeout, f"{count} answered requests (failures: {self.failures[:5]})")
+
+
+def drain_under_load(bed, gateway, model: str, victim: str, spare: str, *, key_name: str,
+                     move_timeout: float, after: int = 10) -> Load:
+    """Drain `victim` while two clients send requests to `model`, until its replica serves from
+    `spare` alone and the victim runs no engine, then `after` more answers; no request may fail
+    (R-9.5). Uncordons the victim again; returns the load with its counts."""
+    _, key = new_client(gateway, key_name)
+    ctl = Ctl(gateway)
+    with Load(gateway.url + "/v1", key, model, workers=2, max_requests=50_000, max_seconds=600) as load:
+        load.wait_ok(after, 120)
+        done = ctl.run("drain", victim)
+        assert done.code == 0, done.stderr
+
+        def moved():
+            found = serving(gateway, model)
+            return found if [r["shards"][0]["node"] for r in found] == [spare] and not bed.engine_pids(victim) else None
+        wait_for(moved, move_timeout, f"the replica to move to {spare}\n{gateway.log()[-3000:]}", interval=0.5)
+        load.wait_ok(load.ok + after, 120)
+    print(f"{model}: drain under load, {load.ok} requests answered, {len(load.failures)} failed")
+    assert load.failures == [], "\n".join(load.failures) + "\n" + gateway.log()[-6000:]
+    assert ctl.run("uncordon", victim).code == 0
+    return load

@@ -20,7 +20,6 @@ import pytest
 
 from tests.integration import real_engines as rt
 from tests.integration.gateway import wait_for
-from tests.scenarios.operating import Ctl
 from tests.testbed import NodeSpec
 from tests.testbed import engines as real
 
@@ -164,23 +163,8 @@ def test_drain_moves_the_replica_with_no_failed_request(bed, gateway, client):
     """R-9.5: a drained node's replica is replaced elsewhere before it stops; traffic sees no error."""
     replica, victim, pid, _ = _engine(bed, gateway)
     spare = next(n for n in NODES if n != victim)
-    _, key = rt.new_client(gateway, "llama-drain")
-    ctl = Ctl(gateway)
-    with rt.Load(gateway.url + "/v1", key, MODEL, workers=2) as load:
-        load.wait_ok(10, 60)
-        done = ctl.run("drain", victim)
-        assert done.code == 0, done.stderr
-
-        def moved():
-            found = rt.serving(gateway, MODEL)
-            return found if [r["shards"][0]["node"] for r in found] == [spare] and not bed.engine_pids(victim) else None
-        wait_for(moved, START_TIMEOUT * 2, f"the replica to move to {spare}\n{gateway.log()[-3000:]}", interval=0.5)
-        settled = load.ok
-        load.wait_ok(settled + 10, 60)
-    print(f"drain under load: {load.ok} requests answered, {len(load.failures)} failed")
-    assert load.failures == [], "\n".join(load.failures) + "\n" + gateway.log()[-6000:]
+    rt.drain_under_load(bed, gateway, MODEL, victim, spare, key_name="llama-drain", move_timeout=START_TIMEOUT * 2)
     assert pid not in bed.engine_pids(spare)
-    assert ctl.run("uncordon", victim).code == 0
 
 
 def test_stop_leaves_no_process_and_frees_the_port(bed, gateway):

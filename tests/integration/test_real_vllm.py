@@ -22,7 +22,6 @@ import pytest
 
 from tests.integration import real_engines as rt
 from tests.integration.gateway import wait_for
-from tests.scenarios.operating import Ctl
 from tests.testbed import NodeSpec
 from tests.testbed import engines as real
 
@@ -174,24 +173,9 @@ def test_killed_engine_is_replaced(bed, gateway, client):
 def test_drain_moves_the_replica_with_no_failed_request(bed, gateway):
     """R-9.5: a drained node's vLLM replica is replaced on the other node before it stops; the
     traffic meanwhile sees no failed request."""
-    replica, victim, pid, _ = _engine(bed, gateway, CHAT)
+    _, victim, _, _ = _engine(bed, gateway, CHAT)
     spare = next(n for n in NODES if n != victim)
-    _, key = rt.new_client(gateway, "vllm-drain")
-    ctl = Ctl(gateway)
-    with rt.Load(gateway.url + "/v1", key, CHAT, workers=2, max_requests=50_000, max_seconds=600) as load:
-        load.wait_ok(5, 120)
-        done = ctl.run("drain", victim)
-        assert done.code == 0, done.stderr
-
-        def moved():
-            found = rt.serving(gateway, CHAT)
-            return found if [r["shards"][0]["node"] for r in found] == [spare] and not bed.engine_pids(victim) else None
-        wait_for(moved, START_TIMEOUT * 2, f"the replica to move to {spare}\n{gateway.log()[-3000:]}", interval=1)
-        settled = load.ok
-        load.wait_ok(settled + 5, 120)
-    print(f"vLLM drain under load: {load.ok} requests answered, {len(load.failures)} failed")
-    assert load.failures == [], "\n".join(load.failures) + "\n" + gateway.log()[-6000:]
-    assert ctl.run("uncordon", victim).code == 0
+    rt.drain_under_load(bed, gateway, CHAT, victim, spare, key_name="vllm-drain", move_timeout=START_TIMEOUT * 2)
 
 
 def _process_group(pid: int) -> int:
