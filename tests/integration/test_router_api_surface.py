@@ -23,7 +23,7 @@ from llmgw.router import Endpoint, response_ids
 from llmgw.router.keys import list_keys
 from llmgw.router.routes import ROUTES
 from tests.integration.test_router_support import (apoll, catalog, engines, free_port, model,  # noqa: F401
-                                                   start_router)
+                                                   scripted_engine, start_router)
 
 STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 
@@ -253,15 +253,8 @@ async def recording_engine():
         seen.append({"method": request.method, "path": request.path, "headers": dict(request.headers), "body": body})
         return web.json_response({"id": "resp_engine1", "path": request.path, "object": "x",
                                   "usage": {"prompt_tokens": 2, "completion_tokens": 1}})
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", seen
-    finally:
-        await runner.cleanup()
+    async with scripted_engine(answer, "/{tail:.*}", "*") as url:
+        yield url, seen
 
 
 def _request_for(route, model_name: str, replica: str) -> tuple[str, dict]:
@@ -338,15 +331,8 @@ async def streaming_engine(path: str, pieces: list[bytes]):
             await response.write(piece)
             await asyncio.sleep(0.01)  # each piece its own read at the router, events cut where they are
         return response
-    app = web.Application()
-    app.router.add_post(path, answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with scripted_engine(answer, path) as url:
+        yield url
 
 
 async def test_r6_13_comments_and_named_events_pass_through_untouched(start_router):  # noqa: F811
@@ -449,15 +435,8 @@ async def test_r6_13_comment_pings_keep_a_slow_stream_alive(start_router):  # no
                 await response.write(piece)
                 await asyncio.sleep(0.2)
             return response
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", answer)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        try:
-            yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-        finally:
-            await runner.cleanup()
+        async with scripted_engine(answer) as url:
+            yield url
 
     async with pinging_engine() as url:
         gw = await start_router(catalog(model("m", profile="custom")), {"m": [Endpoint("r", "m", url, None)]},
@@ -475,13 +454,7 @@ async def test_r6_13_an_anthropic_stream_cut_mid_way_ends_with_an_anthropic_erro
         await response.write(start + b"event: content_block_delta\ndata: {\"type\":")  # then the engine dies
         request.transport.abort()
         return response
-    app = web.Application()
-    app.router.add_post("/v1/messages", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with scripted_engine(answer, "/v1/messages") as url:
         gw = await start_router(catalog(model("m", profile="custom")), {"m": [Endpoint("r", "m", url, None)]})
         async with aiohttp.ClientSession() as session, \
                 session.post(gw.url + "/v1/messages", json={"model": "m", "stream": True, "max_tokens": 3, "messages": []},
@@ -490,8 +463,6 @@ async def test_r6_13_an_anthropic_stream_cut_mid_way_ends_with_an_anthropic_erro
             with contextlib.suppress(aiohttp.ClientPayloadError):  # the router cuts the connection too
                 async for chunk in response.content.iter_any():
                     body += chunk
-    finally:
-        await runner.cleanup()
     assert body.startswith(start)
     event = body.rsplit(b"\n\n", 2)[-2].strip()
     name, data = event.split(b"\n")
@@ -524,21 +495,13 @@ async def test_r6_13_an_anthropic_stream_begun_without_message_start_is_asked_fo
         await response.prepare(request)
         await response.write(rest if len(served) == 1 else start + rest)
         return response
-    app = web.Application()
-    app.router.add_post("/v1/messages", answer)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with scripted_engine(answer, "/v1/messages") as url:
         gw = await start_router(catalog(model("m", profile="custom")), {"m": [Endpoint("r", "m", url, None)]})
         async with anthropic_client(gw) as client, client.messages.stream(
                 model="m", max_tokens=3, messages=[{"role": "user", "content": "hello"}]) as stream:
             async for _ in stream.text_stream:
                 pass
             final = await stream.get_final_message()
-    finally:
-        await runner.cleanup()
     assert len(served) == 2
     assert final.usage.input_tokens == 5 and final.usage.output_tokens == 2
     assert await usage_of(gw) == (5, 2)

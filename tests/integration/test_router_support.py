@@ -8,6 +8,7 @@ is the real app on an aiohttp runner, reached with the official `openai` client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import socket
@@ -269,3 +270,17 @@ async def raw_request(url: str, method: str, path: str, headers: dict | None = N
             rest = rest[size + 2:]
         rest = body_out
     return int(status_line.split()[1]), response_headers, rest
+
+
+@contextlib.asynccontextmanager
+async def scripted_engine(answer, path: str = "/v1/chat/completions", method: str = "POST"):
+    """An engine of one route whose answers the test scripts (an aiohttp handler); yields its URL."""
+    engine = web.Application()
+    engine.router.add_route(method, path, answer)
+    runner = web.AppRunner(engine)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

@@ -11,7 +11,7 @@ import pytest
 
 from llmgw.router.keys import list_keys
 from tests.integration.test_router_support import (apoll, catalog, engines, model,  # noqa: F401
-                                                   start_router)
+                                                   scripted_engine, start_router)
 
 HELLO = [{"role": "user", "content": "one two three"}]  # the double counts 3 prompt tokens
 
@@ -236,22 +236,6 @@ async def test_r6_1_openai_client_sees_the_field_of_a_malformed_stream(engines, 
     assert (refused.value.param, refused.value.code) == ("stream", "invalid_type")
     assert without_stream.value.param == "stream_options"
     assert engine.counters()["requests"] == 0
-
-
-@contextlib.asynccontextmanager
-async def scripted_engine(chat):
-    """A one-route engine whose chat/completions answer the test scripts byte by byte; yields its URL."""
-    from aiohttp import web
-
-    engine = web.Application()
-    engine.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(engine)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
 
 
 async def test_r6_9_usage_reported_before_the_engine_drops_the_stream_is_counted(start_router):  # noqa: F811
