@@ -9,9 +9,6 @@ real llama-server or the tiny GGUF is not there (scripts/engines builds them).
 from __future__ import annotations
 
 import os
-import subprocess
-import urllib.error
-import urllib.request
 
 import aiohttp
 import anthropic
@@ -19,7 +16,7 @@ import openai
 import pytest
 
 from llmgw.router import Endpoint, response_ids
-from tests.integration.test_router_api_surface_vllm import ENGINES_DIR, recorded, tiny_model
+from tests.integration.test_router_api_surface_vllm import ENGINES_DIR, recorded, running_engine, tiny_model
 from tests.integration.test_router_support import catalog, free_port, model, poll, start_router  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -34,32 +31,11 @@ def llama(tmp_path_factory):
         pytest.skip(f"the real llama-server is not built at {LLAMA.parent.parent} (run ./scripts/engines as root)")
     weights = tiny_model("gguf")
     port = free_port()
-    log_path = tmp_path_factory.mktemp("llama") / "llama.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([str(LLAMA), "-m", str(weights), "--alias", "m", "--host", "127.0.0.1",
-                                 "--port", str(port), "-c", "1024", "-t", "1"],
-                                env={**os.environ, "LLAMA_API_KEY": KEY}, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"llama-server exited with {proc.returncode}:\n" + log_path.read_text()[-4000:])
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-    try:
-        poll(healthy, timeout=120, what="the real llama-server to be healthy")
+    argv = [str(LLAMA), "-m", str(weights), "--alias", "m", "--host", "127.0.0.1", "--port", str(port),
+            "-c", "1024", "-t", "1"]
+    env = {**os.environ, "LLAMA_API_KEY": KEY}
+    with running_engine("llama-server", argv, env, tmp_path_factory.mktemp("llama") / "llama.log", port, 120) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(timeout=10)
 
 
 async def test_r6_13_anthropic_messages_on_the_real_llama_server(llama, start_router):  # noqa: F811

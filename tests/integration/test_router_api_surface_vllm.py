@@ -64,23 +64,30 @@ def running_vllm(tmp_path_factory, name: str, *args: str):
            "TORCHINDUCTOR_CACHE_DIR": str(ENGINES_DIR / "cache" / "torchinductor"),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "PYTHONPATH": "",
            "HOME": str(tmp_path_factory.mktemp("vllm-home"))}
-    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    argv = [str(VLLM), "serve", str(weights), "--served-model-name", name, "--host", "127.0.0.1",
+            "--port", str(port), "--max-model-len", "1024", *args]
+    with running_engine("vLLM", argv, env, tmp_path_factory.mktemp("vllm") / "vllm.log", port, START_SECONDS) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def running_engine(what: str, argv: list[str], env: dict, log_path: Path, port: int, timeout: float):
+    """`argv` started in a session of its own, its output in `log_path`, until its /health
+    answers 200 on 127.0.0.1:`port`; yields its URL, then ends its process group."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([str(VLLM), "serve", str(weights), "--served-model-name", name, "--host", "127.0.0.1",
-                                 "--port", str(port), "--max-model-len", "1024", *args],
-                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
         if proc.poll() is not None:
-            raise AssertionError(f"vLLM exited with {proc.returncode}:\n" + log_path.read_text()[-4000:])
+            raise AssertionError(f"{what} exited with {proc.returncode}:\n" + log_path.read_text()[-4000:])
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as response:
                 return response.status == 200
         except (urllib.error.URLError, OSError):
             return False
     try:
-        poll(healthy, timeout=START_SECONDS, what="the real vLLM to be healthy")
+        poll(healthy, timeout=timeout, what=f"the real {what} to be healthy")
         yield url
     finally:
         os.killpg(proc.pid, 15)
