@@ -393,7 +393,13 @@ class Forwarder:
             if pending:
                 await response.write(pending)
                 oldest, older, old = older, old, pending
+        except asyncio.CancelledError:
+            # The client left (after the last event, at times before the engine ended its body):
+            # usage already relayed still counts, as on chat streams.
+            self._count_events(key_id, up.model, dialect, head, oldest + older + old, broken=True)
+            raise
         except (aiohttp.ClientError, ConnectionError) as exc:
+            self._count_events(key_id, up.model, dialect, head, oldest + older + old, broken=True)
             transport = request.transport
             if transport is None or transport.is_closing():
                 return response
@@ -403,11 +409,16 @@ class Forwarder:
             return response
         finally:
             self.watchdog.forget(watch)
-        tail = oldest + older + old
-        usage = anthropic_stream_usage(head, tail) if dialect == ANTHROPIC else find_usage(tail)
-        prompt, completion = tokens(usage)
-        self._count(key_id, up.model, prompt, completion)
+        self._count_events(key_id, up.model, dialect, head, oldest + older + old, broken=False)
         return response
+
+    def _count_events(self, key_id: str, model: str, dialect: str, head: bytes, tail: bytes, *, broken: bool) -> None:
+        """Usage of a Responses or Anthropic stream from its first and last events. A stream that
+        broke counts only if it carried usage; a whole one counts as a request in any case."""
+        usage = anthropic_stream_usage(head, tail) if dialect == ANTHROPIC else find_usage(tail)
+        if broken and usage is None:
+            return
+        self._count(key_id, model, *tokens(usage))
 
     @staticmethod
     async def _cut(request: web.Request, response: web.StreamResponse, event: bytes) -> None:

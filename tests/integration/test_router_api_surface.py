@@ -505,3 +505,30 @@ async def test_r6_13_an_anthropic_stream_begun_without_message_start_is_asked_fo
     assert len(served) == 2
     assert final.usage.input_tokens == 5 and final.usage.output_tokens == 2
     assert await usage_of(gw) == (5, 2)
+
+
+async def test_r6_9_usage_of_an_anthropic_stream_the_engine_drops_after_its_last_event_is_counted(start_router):  # noqa: F811
+    """An engine that closes its connection after message_stop without ending its body (as
+    llama-server may): the usage it reported is counted, as on chat streams."""
+    events = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1","usage":'
+              b'{"input_tokens":5,"output_tokens":0}}}\n\n'
+              b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+              b'"usage":{"output_tokens":3}}\n\n'
+              b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(events)
+        await asyncio.sleep(0.05)
+        request.transport.abort()  # no final chunk
+        return response
+    async with scripted_engine(answer, "/v1/messages") as url:
+        gw = await start_router(catalog(model("m", profile="custom")), {"m": [Endpoint("r", "m", url, None)]})
+        async with aiohttp.ClientSession() as session, \
+                session.post(gw.url + "/v1/messages", json={"model": "m", "stream": True, "max_tokens": 3, "messages": []},
+                             headers={"x-api-key": gw.secret}) as response:
+            with contextlib.suppress(aiohttp.ClientPayloadError):
+                async for _ in response.content.iter_any():
+                    pass
+    assert await usage_of(gw) == (5, 3)
