@@ -237,6 +237,21 @@ async def test_r6_1_openai_client_sees_the_field_of_a_malformed_stream(engines, 
     assert without_stream.value.param == "stream_options"
     assert engine.counters()["requests"] == 0
 
+# A chat stream that reports usage (4 + 6 tokens), event by event.
+USAGE_STREAM = [b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}\n\n',
+                b'data: {"id": "x", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 6}}\n\n',
+                b"data: [DONE]\n\n"]
+
+
+async def _start_chunked_stream(reader, writer) -> None:
+    """Read one request, then answer the head of a chunked event stream (raw HTTP: the tests
+    decide how the body ends)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    await reader.readexactly(length)
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+
 
 async def test_r6_9_usage_reported_before_the_engine_drops_the_stream_is_counted(start_router):  # noqa: F811
     """llama-server may close its connection after the last event without ending the chunked body:
@@ -245,17 +260,10 @@ async def test_r6_9_usage_reported_before_the_engine_drops_the_stream_is_counted
 
     from llmgw.router import Endpoint
 
-    events = [b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}\n\n',
-              b'data: {"id": "x", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 6}}\n\n',
-              b"data: [DONE]\n\n"]
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:"))
-        await reader.readexactly(length)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for event in events:
+        await _start_chunked_stream(reader, writer)
+        for event in USAGE_STREAM:
             writer.write(b"%x\r\n%s\r\n" % (len(event), event))
             await writer.drain()
             await asyncio.sleep(0.02)
@@ -288,17 +296,10 @@ async def test_r6_9_usage_relayed_before_the_client_leaves_is_counted(start_rout
 
     from llmgw.router import Endpoint
 
-    events = [b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]}\n\n',
-              b'data: {"id": "x", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 6}}\n\n',
-              b"data: [DONE]\n\n"]
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:"))
-        await reader.readexactly(length)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for event in events:
+        await _start_chunked_stream(reader, writer)
+        for event in USAGE_STREAM:
             writer.write(b"%x\r\n%s\r\n" % (len(event), event))
             await writer.drain()
         await asyncio.sleep(3)  # the body's end comes late
