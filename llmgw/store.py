@@ -197,14 +197,10 @@ class Store:
                         results.append((future, None, exc))
         except sqlite3.Error as exc:
             for _, future in work:
-                if not future.done():
-                    future.set_exception(exc)
+                _settle(future, None, exc)
             return
         for future, value, exc in results:
-            if exc is not None:
-                future.set_exception(exc)
-            else:
-                future.set_result(value)
+            _settle(future, value, exc)
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -228,6 +224,19 @@ class Store:
         self._queue.put(_STOP)
         self._thread.join(timeout=30)
         self._writer_db.conn.close()
+
+
+def _settle(future: concurrent.futures.Future, value: Any, exc: BaseException | None) -> None:
+    """Hand a write's outcome to its caller. A caller that was cancelled while its write waited
+    (a client gone, a shutdown) has cancelled its future: the write still ran, and nobody waits
+    for the outcome any more. The writer thread must never die of that."""
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 # -- typed helpers used by several parts --------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import threading
@@ -151,3 +152,23 @@ def test_concurrent_first_use_of_a_fresh_state_database(tmp_path, open_all):
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert sorted(int(row["target"]) for row in db["audit"].rows) == list(range(OPENERS))
         db.close()
+
+
+async def test_a_write_whose_caller_was_cancelled_still_runs_and_the_writer_lives_on(tmp_path):
+    """A caller cancelled while its write waits (a client gone, a shutdown) cancels only its own
+    wait: the write still runs, and the writer thread keeps serving the writes after it."""
+    store = Store.open(tmp_path / "state.db")
+    try:
+        gate = threading.Event()
+        store.submit(lambda db: gate.wait(10))  # holds the writer while the next write is queued
+        waiting = asyncio.ensure_future(store.write(lambda db: db["audit"].insert(
+            {"ts": 1.0, "actor": "t", "action": "cancelled-caller", "target": "x"})))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        await asyncio.sleep(0.05)
+        gate.set()
+        # The writer is still alive: a dead one would leave this write waiting forever.
+        assert await asyncio.wait_for(store.write(lambda db: db["audit"].count), 30) == 1
+        assert [row["action"] for row in store.read_sync(lambda db: list(db["audit"].rows))] == ["cancelled-caller"]
+    finally:
+        store.close()
