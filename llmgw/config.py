@@ -145,6 +145,10 @@ class StaticEndpoint(_Strict):
         if "?" in value or "#" in value:
             # Request paths are appended to it; a query would end up inside the path, or carry a secret.
             raise ValueError(f"{redact_query(value)!r}: an endpoint URL carries no query string or fragment")
+        if "@" in value.split("://", 1)[1].split("/", 1)[0]:
+            # The URL is shown by ctl, the dashboard and logs; the key belongs in api_key_env.
+            raise ValueError(f"{redact_query(value)!r}: an endpoint URL carries no user:password@ part; "
+                             "give the endpoint's key with api_key_env")
         return value.rstrip("/")
 
 

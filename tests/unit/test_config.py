@@ -262,6 +262,23 @@ def test_a_static_endpoint_url_carries_no_query(url):
         load_inventory_text(f"models:\n  - name: ext\n    endpoints:\n      - url: '{url}'\n", "inv.yaml")
 
 
+@pytest.mark.parametrize("url", [
+    pytest.param("https://user:s3cr3t@api.example.com/v1", id="user-password"),
+    pytest.param("https://s3cr3t@api.example.com", id="user-only"),
+])
+def test_a_static_endpoint_url_carries_no_credentials(url):
+    with pytest.raises(ConfigError) as info:
+        parse_model_text(f"name: ext\nendpoints:\n  - url: '{url}'\n", "ext.yaml")
+    rendered = str(info.value)
+    assert rendered.startswith("ext.yaml:3: endpoints[0].url: ") and "api_key_env" in rendered, rendered
+    assert "s3cr3t" not in rendered
+
+
+def test_a_static_endpoint_url_may_carry_an_at_sign_in_its_path():
+    model, _ = parse_model_text("name: ext\nendpoints:\n  - url: 'https://api.example.com/@team/v1'\n", "ext.yaml")
+    assert model.endpoints[0].url == "https://api.example.com/@team/v1"
+
+
 def test_a_stored_runtime_model_reads_no_other_variable(monkeypatch, caplog):
     """A model stored before the rule keeps working, without the variable it names."""
     from llmgw.catalog import StoredModel
