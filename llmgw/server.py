@@ -48,15 +48,30 @@ def secure_state_dir(state_dir: Path) -> None:
     A directory or database left readable by an earlier version, a restored backup or a
     hand-made directory is closed up here rather than trusted; symlinks are left alone.
     """
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(state_dir, 0o700)
-    for name in PRIVATE_FILES:
-        path = state_dir / name
-        try:
-            if stat.S_ISREG(os.lstat(path).st_mode):
-                os.chmod(path, 0o600)
-        except FileNotFoundError:
-            pass
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(state_dir, 0o700)
+        for name in PRIVATE_FILES:
+            path = state_dir / name
+            try:
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    os.chmod(path, 0o600)
+            except FileNotFoundError:
+                pass
+    except PermissionError as exc:
+        # Another user's directory (or one inside it): serve runs as the user who owns its state.
+        raise StartupError(f"cannot make the state directory private: {exc.strerror}: {exc.filename} "
+                           f"(owner uid {_owner(exc.filename)}, this process runs as uid {os.geteuid()}); "
+                           "run llmgw serve as its owner or give --state-dir") from None
+
+
+def _owner(path) -> str:
+    try:
+        return str(os.stat(path).st_uid)
+    except (OSError, TypeError):
+        return "-"
+
+
 LOCK_FILE = "serve.lock"
 
 
