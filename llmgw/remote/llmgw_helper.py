@@ -37,7 +37,7 @@ JSON lines over stdin/stdout, UTF-8, one object per line.
 - Request: ``{"id": <int or str>, "op": "<name>", "args": {...}}``.
 - Answer: ``{"id", "ok": true, "result": {...}}`` or
   ``{"id", "ok": false, "error": {"kind": "<machine word>", "message": "<sentence>"}}``.
-  Kinds used: bad_request (a line that is not a request), unknown_op, bad_args, internal (an
+  Kinds (ERROR_KINDS): bad_request (a line that is not a request), unknown_op, bad_args, internal (an
   unexpected exception; the helper keeps running), cancelled, not_found, alive, identity,
   port_in_use, engine_missing, integrity, launch_failed, no_secret, too_large, stalled, permissions (a directory of the helper is a link or open to
   others), disk_full, cache_dir (the cache cannot be written), http, network,
@@ -341,8 +341,18 @@ def loader_argv(python, path, sha256, size, args):
     return [python, "-I", "-c", LOADER, path, sha256, str(size)] + list(args)
 
 
+# Every kind of error an answer can carry (the docstring says what each means); the control
+# plane maps each to its own exception class.
+ERROR_KINDS = (
+    "bad_request", "unknown_op", "bad_args", "internal", "cancelled", "not_found", "alive", "identity",
+    "port_in_use", "engine_missing", "integrity", "launch_failed", "no_secret", "too_large", "stalled",
+    "permissions", "disk_full", "cache_dir", "http", "network", "empty_source",
+)
+
+
 class HelperError(Exception):
-    """A failure the caller is told about: kind is a machine word, message a sentence."""
+    """A failure the caller is told about: kind is a machine word (one of ERROR_KINDS), message
+    a sentence."""
 
     def __init__(self, kind, message):
         Exception.__init__(self, message)
