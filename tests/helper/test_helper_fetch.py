@@ -1,4 +1,4 @@
-"""fetch through a real helper from a local HTTPS server (R-5.1-R-5.4)."""
+"""fetch through a real helper from a local HTTPS server (R-5.1-R-5.4), by hand and typed."""
 
 import hashlib
 import json
@@ -7,8 +7,13 @@ import threading
 
 import pytest
 
+from llmgw.config import NodeConfig
+from llmgw.fleet.errors import SourceHTTPError
+from llmgw.fleet.link import LocalLink
+from llmgw.fleet.ops import FetchProgress, FetchRequest, HoldingsRequest
+from llmgw.fleet.secret import fleet_secret
 from tests.helper.client import wait_until
-from tests.helper.conftest import Route
+from tests.helper.conftest import PROXY_VARIABLES, Route
 
 NAME = "llmgw-" + hashlib.sha256(b"https://example.test/model.gguf").hexdigest()[:32]
 
@@ -294,3 +299,39 @@ def test_reclaim_refuses_an_entry_being_downloaded(start_helper, tls_env, https_
     collected = helper.call("reclaim", {"cache_dir": str(cache), "names": [NAME], "collect": True})
     assert collected["entries"][0]["action"] == "removed"
     assert _leftovers(cache) == []
+
+
+async def test_a_typed_fetch_over_a_link_streams_progress_and_names_its_file(
+        https_server, tls_cert, tmp_path, monkeypatch):
+    """The control plane's side: NodeOps over a real link (a local helper, the SSH protocol)."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SSL_CERT_FILE", str(tls_cert.cert))  # inherited by the helper the link starts
+    body = os.urandom(1024 * 1024 + 3)
+    https_server.routes["/m/models/"] = Route(body)
+    link = LocalLink(NodeConfig(name="local", connection="local"), tmp_path / "node",
+                     fleet_secret=fleet_secret(tmp_path / "state"))
+    link.start()
+    cache = str(tmp_path / "cache")
+    try:
+        assert await link.wait_ready(60), link.reason
+        request = FetchRequest({"kind": "https", "urls": [https_server.url("/m/models/")]}, cache, NAME,
+                               max_bytes=2 * len(body))
+        async with link.ops.fetch(request) as stream:
+            progress = [event async for event in stream]
+        assert progress and all(isinstance(p, FetchProgress) for p in progress)
+        assert progress[-1] == FetchProgress(len(body), len(body))
+        fetched = stream.result
+        assert (fetched.path, fetched.bytes) == (os.path.join(cache, NAME), len(body))
+        assert fetched.file == os.path.join(cache, NAME, "download")  # the URL names no file
+        assert open(fetched.file, "rb").read() == body
+        holdings = await link.ops.holdings(HoldingsRequest({"m": [fetched.path]}))
+        assert holdings.held["m"].file == fetched.file
+        missing = FetchRequest({"kind": "https", "urls": [https_server.url("/m/missing.gguf")]}, cache,
+                               "llmgw-" + "1" * 32)
+        with pytest.raises(SourceHTTPError, match="404"):
+            async with link.ops.fetch(missing) as stream:
+                async for _ in stream:
+                    pass
+    finally:
+        await link.close()
