@@ -14,7 +14,7 @@ from rich.table import Table
 from llmgw.config import ConfigError, Inventory, NodeConfig
 from llmgw.fleet.link import CONNECTING, READY, UNREACHABLE, NodeLink, make_link
 from llmgw.fleet.secret import SecretError, fleet_secret
-from llmgw.fleet.session import NodeError
+from llmgw.fleet.errors import NodeError, NodeUnavailable
 from llmgw.units import format_bytes
 
 helper_app = typer.Typer(help="Run node-helper operations by hand, through the same code path as serve.",
@@ -42,7 +42,8 @@ async def _run_one(inventory: Inventory, node: NodeConfig, state_dir: Path, op: 
     link.start()
     try:
         if not await link.wait_ready(timeout):
-            raise NodeError(node.name, op, link.state, link.reason or "not ready in time")
+            raise NodeUnavailable(node.name, op, link.state, link.reason or "not ready in time")
+        # Any operation by name, its answer printed as the helper sent it: the untyped call.
         return await link.call(op, args, timeout=None if op in ("fetch", "logs") else 120)
     finally:
         await link.close()
@@ -94,10 +95,9 @@ async def reach_all(inventory: Inventory, state_dir: Path, timeout: float) -> li
                     state = UNREACHABLE if link.state == CONNECTING else link.state
                     return {"node": node.name, "ok": False, "state": state,
                             "problem": link.reason or f"did not answer within {timeout:g}s"}
-                facts = await link.call("inventory", {}, timeout=60)
-                return {"node": node.name, "ok": True, "state": READY, "python": (link.hello or {}).get("python"),
-                        "gpus": len(facts.get("gpus") or []), "memory_bytes": facts.get("memory_bytes"),
-                        "problem": facts.get("nvidia_smi_error")}
+                facts = await link.ops.inventory(timeout=60)
+                return {"node": node.name, "ok": True, "state": READY, "python": link.hello.python if link.hello else None,
+                        "gpus": len(facts.gpus), "memory_bytes": facts.memory_bytes, "problem": facts.nvidia_smi_error}
             except NodeError as exc:
                 return {"node": node.name, "ok": False, "state": link.state, "problem": str(exc)}
             finally:

@@ -19,7 +19,8 @@ from llmgw.control import placement
 from llmgw.control.reconciler import Reconciler
 from llmgw.fleet.fleet import Fleet
 from llmgw.fleet.link import READY
-from llmgw.fleet.session import NodeError
+from llmgw.fleet.errors import NodeError
+from llmgw.fleet.ops import LogsRequest, ReclaimRequest
 from llmgw.store import Store, audit
 from llmgw.weights import redact_weights
 
@@ -200,16 +201,14 @@ class ControlPlane:
             if cache is None:
                 entry["error"] = "the node's cache directory is not known yet"
                 return
+            ops = self.fleet.ops(name)
             try:
-                listing = await self.fleet.call(name, "reclaim", {"cache_dir": cache, "names": None, "collect": False})
-                unwanted = [e for e in listing["entries"]
-                            if e["name"] not in wanted and (name, e["name"]) not in in_use]
+                listing = await ops.reclaim(ReclaimRequest(cache))
+                unwanted = [e for e in listing.entries if e.name not in wanted and (name, e.name) not in in_use]
                 if collect and unwanted:
-                    answer = await self.fleet.call(name, "reclaim", {"cache_dir": cache, "collect": True,
-                                                                     "names": [e["name"] for e in unwanted]})
-                    entry["entries"] = answer["entries"]
-                else:
-                    entry["entries"] = unwanted
+                    unwanted = list((await ops.reclaim(ReclaimRequest(cache, [e.name for e in unwanted],
+                                                                      collect=True))).entries)
+                entry["entries"] = [dataclasses.asdict(e) for e in unwanted]
             except NodeError as exc:
                 entry["error"] = str(exc)
 
@@ -235,21 +234,19 @@ class ControlPlane:
     async def logs(self, replica_id: str, rank: int = 0, lines: int = 100) -> list[str]:
         replica, shard = self._shard(replica_id, rank)
         try:
-            result = await self.fleet.call(shard.node, "logs", {"shard_id": shard.id, "lines": lines})
+            result = await self.fleet.ops(shard.node).logs(LogsRequest(shard.id, lines))
         except NodeError as exc:
             if shard.log_tail:
                 return list(shard.log_tail)
             raise ServiceError(502, f"could not read the log: {exc}", code="node_error") from None
-        return replica.without_key(result["lines"])
+        return replica.without_key(result.lines)
 
     async def follow_logs(self, replica_id: str, rank: int = 0, lines: int = 100) -> AsyncIterator[list[str]]:
         replica, shard = self._shard(replica_id, rank)
         try:
-            stream = self.fleet.stream(shard.node, "logs", {"shard_id": shard.id, "lines": lines,
-                                                                  "follow": True})
+            stream = self.fleet.ops(shard.node).follow_logs(LogsRequest(shard.id, lines))
         except NodeError as exc:
             raise ServiceError(502, f"could not read the log: {exc}", code="node_error") from None
         async with stream:
-            async for event, data in stream:
-                if event == "lines":
-                    yield replica.without_key(data.get("lines") or [])
+            async for event in stream:
+                yield replica.without_key(event.lines)

@@ -236,6 +236,7 @@ def shard_statuses(answer: Any) -> dict[str, ShardStatus]:
 class Held:
     path: str
     bytes: int | None
+    file: str | None = None  # a cache entry's one file (a fetched URL's), as the helper named it
 
 
 def holdings(answer: Any) -> dict[str, Held]:
@@ -245,7 +246,8 @@ def holdings(answer: Any) -> dict[str, Held]:
     for name, entry in held.items():
         where = f"held[{name!r}]."
         entry = _object(entry, where.rstrip("."))
-        found[name] = Held(_required(entry, "path", TEXT, where), _field(entry, "bytes", INT, where))
+        found[name] = Held(_required(entry, "path", TEXT, where), _field(entry, "bytes", INT, where),
+                           _field(entry, "file", TEXT, where))
     return found
 
 

@@ -7,15 +7,16 @@ import logging
 import os
 import posixpath
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw.config import Inventory, NodeConfig
-from llmgw.fleet.facts import Inventory as InventoryFacts, Malformed, NodeFacts, Storage, holdings, shard_statuses
+from llmgw.fleet.errors import MalformedAnswer, NodeError
+from llmgw.fleet.facts import NodeFacts
 from llmgw.fleet.link import READY, ConnectGate, NodeLink, make_link
+from llmgw.fleet.ops import HoldingsRequest, Hello, NodeOps, StatusRequest, StorageDir, StorageRequest
 from llmgw.fleet.secret import fleet_secret
-from llmgw.fleet.session import NodeError
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,12 @@ class Fleet:
     def link(self, node: str) -> NodeLink:
         return self.links[node]
 
+    def ops(self, node: str) -> NodeOps:
+        """The node's helper operations, typed: `await fleet.ops(node).launch(LaunchRequest(...))`."""
+        return NodeOps(node, self.links[node])
+
     async def call(self, node: str, op: str, args: dict | None = None, timeout: float | None = 30.0):
+        """One operation by name with its answer untyped: the transport under `ops`."""
         return await self.links[node].call(op, args, timeout)
 
     def paths(self, node: str) -> NodePaths:
@@ -99,39 +105,40 @@ class Fleet:
 
     async def _ask_facts(self, name: str, probe: bool, problems: dict[str, str]) -> None:
         node = self.nodes[name]
+        ops = self.ops(name)
         wanted = self.holdings_wanted(node) if self.holdings_wanted else {}
         calls = []
         if time.time() - self.facts[name].observed_at.get("inventory", 0.0) >= INVENTORY_EVERY:
             # nvidia-smi costs tens of milliseconds per call on a node: GPUs are asked for on a
             # slower beat than engine status, which every tick needs.
-            calls.append(self._fact(name, "inventory", {}, InventoryFacts.from_helper, problems))
+            calls.append(self._fact(name, "inventory", ops.inventory(), problems))
+        dirs = tuple(StorageDir(d["path"], d["shared"]) for d in storage_dirs(self.paths(name)))
         calls += [
-            self._fact(name, "storage", {"dirs": storage_dirs(self.paths(name)), "timeout": STORAGE_TIMEOUT},
-                       Storage.from_helper, problems),
-            self._fact(name, "status", {"probe": probe, "timeout": PROBE_TIMEOUT}, shard_statuses, problems),
+            self._fact(name, "storage", ops.storage(StorageRequest(dirs, STORAGE_TIMEOUT)), problems),
+            self._fact(name, "status", ops.status(StatusRequest(probe, PROBE_TIMEOUT)), problems),
         ]
         if wanted:
-            calls.append(self._fact(name, "holdings", {"candidates": wanted}, holdings, problems))
+            calls.append(self._fact(name, "holdings", ops.holdings(HoldingsRequest(wanted)), problems,
+                                    lambda answer: answer.held))
         else:
             self.facts[name].holdings = {}
             problems.pop("holdings", None)
         await asyncio.gather(*calls)
 
-    async def _fact(self, name: str, op: str, args: dict, parse, problems: dict[str, str]) -> None:
+    async def _fact(self, name: str, op: str, answer: Awaitable, problems: dict[str, str],
+                    value: Callable = lambda answer: answer) -> None:
         try:
-            result = await self.links[name].call(op, args, timeout=30)
+            result = await answer
+        except MalformedAnswer as exc:
+            # The last sound facts are kept (they go stale); the node is unhealthy meanwhile.
+            problems[op] = exc.message
+            return
         except NodeError as exc:
             log.debug("%s: %s failed: %s", name, op, exc)
             return
-        try:
-            value = parse(result)
-        except Malformed as exc:
-            # The last sound facts are kept (they go stale); the node is unhealthy meanwhile.
-            problems[op] = f"malformed {op} answer: {exc}"
-            return
         problems.pop(op, None)
         facts = self.facts[name]
-        setattr(facts, "shards" if op == "status" else op, value)
+        setattr(facts, "shards" if op == "status" else op, value(result))
         facts.observed_at[op] = time.time()
 
     async def close(self) -> None:
@@ -147,12 +154,12 @@ class NodePaths:
     cache_dir: str | None
 
 
-def node_paths(node: NodeConfig, hello: dict | None) -> NodePaths:
+def node_paths(node: NodeConfig, hello: Hello | None) -> NodePaths:
     """Resolve `~` against the node's home and default the cache to ROOT/cache (ROOT is the
     helper's state directory): the helper takes absolute paths only, and only the node knows
     where its home is."""
-    home = (hello or {}).get("home")
-    root = (hello or {}).get("root")
+    home = hello.home if hello is not None else None
+    root = hello.root if hello is not None else None
 
     def resolve(path: str) -> str | None:
         if path == "~" or path.startswith("~/"):

@@ -1,4 +1,5 @@
-"""NodeLink: the one way the rest of llmgw reaches a node (`await link.call(op, args)`).
+"""NodeLink: the one way the rest of llmgw reaches a node (`await link.ops.status()`, typed, over
+`await link.call(op, args)`).
 
 A link owns one transport (an asyncssh connection, or a local subprocess for `connection: local`)
 and one long-lived helper session on it. A single supervisor task per link connects, deploys the
@@ -37,6 +38,8 @@ import asyncssh
 
 from llmgw.aio import cancel_and_wait
 from llmgw.config import NodeConfig, SSHConfig
+from llmgw.fleet.errors import NodeUnavailable, RemoteError
+from llmgw.fleet.ops import FleetSecretRequest, Hello, NodeOps
 from llmgw.fleet.session import HelperFailed, HelperSession, NodeError, Stream
 
 log = logging.getLogger(__name__)
@@ -142,7 +145,7 @@ class NodeLink:
         self.state = CONNECTING
         self.reason: str | None = None
         self.since = time.time()
-        self.hello: dict | None = None
+        self.hello: Hello | None = None
         self.connects = 0
         self.failures = 0  # attempts that failed since the node was last ready
         self._session: HelperSession | None = None
@@ -166,16 +169,23 @@ class NodeLink:
         return True
 
     async def call(self, op: str, args: dict | None = None, timeout: float | None = 30.0) -> Any:
+        """One helper operation by name, its answer as the helper sent it: the transport under
+        the typed operations (`ops`)."""
         session = self._session
         if session is None or session.closed:
-            raise NodeError(self.name, op, "not connected", self.reason or f"node is {self.state}")
+            raise NodeUnavailable(self.name, op, "not connected", self.reason or f"node is {self.state}")
         return await session.call(op, args, timeout)
 
     def stream(self, op: str, args: dict | None = None) -> Stream:
         session = self._session
         if session is None or session.closed:
-            raise NodeError(self.name, op, "not connected", self.reason or f"node is {self.state}")
+            raise NodeUnavailable(self.name, op, "not connected", self.reason or f"node is {self.state}")
         return session.stream(op, args)
+
+    @property
+    def ops(self) -> NodeOps:
+        """The node's helper operations, typed (ops.py)."""
+        return NodeOps(self.name, self)
 
     @property
     def answering(self) -> bool:
@@ -213,7 +223,7 @@ class NodeLink:
             # its replicas would never outlast the settling window (R-4.5, R-1.1).
             self.since = time.time()
         if state == READY:
-            log.info("%s: ready (helper %s)", self.name, (self.hello or {}).get("version"))
+            log.info("%s: ready (helper %s)", self.name, self.hello.version if self.hello else None)
         else:
             log.warning("%s: %s%s", self.name, state, f": {reason}" if reason else "")
         self.state, self.reason = state, reason
@@ -282,10 +292,8 @@ class NodeLink:
         if self._fleet_secret is None:
             return
         try:
-            await session.call("fleet_secret", {"secret": self._fleet_secret}, HELLO_TIMEOUT)
-        except NodeError as exc:
-            if exc.kind is None:
-                raise
+            await NodeOps(self.name, session).fleet_secret(FleetSecretRequest(self._fleet_secret), timeout=HELLO_TIMEOUT)
+        except RemoteError as exc:  # refused: retrying the same helper would not help
             raise HelperFailed(f"the helper cannot keep the fleet secret: {exc.message}") from None
 
     async def _teardown(self) -> None:
@@ -435,7 +443,7 @@ class SSHLink(NodeLink):
             text = stderr.decode(errors="replace").strip()
             if exc.fatal is None and status is None:
                 # No exit status at all is a lost connection, not a result (R-1.1).
-                raise NodeError(self.name, "helper", "start", "connection lost while starting the helper")
+                raise NodeUnavailable(self.name, "helper", "start", "connection lost while starting the helper")
             reason = exc.reason if exc.fatal else (
                 f"helper exited with status {status}: {text[-300:] or 'no output'}")
             if exc.fatal is None and status == 127:

@@ -9,7 +9,9 @@ longer than the channel's window (about 2 MiB) back in pieces, and asyncio's rai
 line fails the request it answers, and the session goes on. What the helper sends is checked
 before it is used: a line that is not a JSON object, or a message without an integer id, ends
 the session (the other end is not speaking the protocol); a malformed answer or event fails
-its request.
+its request. Failures are `NodeError` subclasses (errors.py): a refusal of the helper is the
+class of its kind, a session that is gone `NodeUnavailable`, no answer in time `NodeTimeout`,
+an unusable answer `BadAnswer`. The typed operations on top of `call` and `stream` are ops.py.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from llmgw.aio import cancel_and_wait
+from llmgw.fleet.errors import BadAnswer, NodeError, NodeTimeout, NodeUnavailable, RemoteError
+from llmgw.fleet.facts import Malformed
+from llmgw.fleet.ops import Hello
+
+__all__ = ["HelperFailed", "HelperSession", "LineReader", "NodeError", "Overlong", "Stream"]
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +43,6 @@ MAX_LINE = 64 * 1024 * 1024  # one answer or event; the largest legitimate ones 
 MAX_STDERR_LINE = 4096  # what one log record of the helper's stderr carries
 READ_CHUNK = 256 * 1024
 STDERR_GRACE = 1.0  # after the helper's output ended, for its last words on stderr
-
-
-class NodeError(Exception):
-    """A node operation failed. Carries the node, the operation and the phase it failed in."""
-
-    def __init__(self, node: str, op: str, phase: str, message: str, kind: str | None = None):
-        self.node, self.op, self.phase, self.kind, self.message = node, op, phase, kind, message
-        super().__init__(f"{node}: {op}: {phase}: {message}")
 
 
 class HelperFailed(Exception):
@@ -205,7 +204,7 @@ class HelperSession:
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[str, asyncio.Future]] = {}
         self._streams: dict[int, Stream] = {}
-        self.hello: dict | None = None
+        self.hello: Hello | None = None
         self.uploaded: str | None = None  # "missing" or "mismatch" when this start deployed the helper
         self.closed = False
         self.lost: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -213,7 +212,7 @@ class HelperSession:
         self._encoder = json.JSONEncoder(separators=(",", ":"))
         self._outgoing: list[bytes] = []
 
-    async def start(self, timeout: float, upload: bytes | None = None) -> dict:
+    async def start(self, timeout: float, upload: bytes | None = None) -> Hello:
         """Wait for the hello line; a fatal line or EOF raises HelperFailed. When the bootstrap
         asks for the helper (missing or mismatched copy on the node), `upload` is sent first.
         Once the helper said hello, its stderr (when given) is drained to the log."""
@@ -228,7 +227,10 @@ class HelperSession:
             raise HelperFailed(_fatal_reason(message), fatal=message)
         if not isinstance(message.get("hello"), dict):
             raise HelperFailed(f"the helper's first line is not a hello: {line[:200]!r}")
-        self.hello = message["hello"]
+        try:
+            self.hello = Hello.from_helper(message["hello"])
+        except Malformed as exc:
+            raise HelperFailed(f"the helper's hello is malformed: {exc}: {line[:200]!r}") from None
         self._task = asyncio.create_task(self._read_loop(), name=f"helper-read-{self.node}")
         if self._stderr is not None:
             self._stderr_task = asyncio.create_task(drain_to_log(self.node, self._stderr),
@@ -296,11 +298,11 @@ class HelperSession:
         """One request fails on this side of the wire; a stream is also cancelled on the node."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.queue.put_nowait(("abort", NodeError(self.node, stream.op, phase, message)))
+            stream.queue.put_nowait(("abort", BadAnswer(self.node, stream.op, phase, message)))
             return
         entry = self._pending.pop(request_id, None)
         if entry is not None and not entry[1].done():
-            entry[1].set_exception(NodeError(self.node, entry[0], phase, message))
+            entry[1].set_exception(BadAnswer(self.node, entry[0], phase, message))
 
     def _dispatch(self, message: dict) -> None:
         request_id = message["id"]
@@ -328,7 +330,7 @@ class HelperSession:
         error = message.get("error") or {}
         op = stream.op if stream is not None else (entry[0] if entry else "?")
         kind = error.get("kind") if isinstance(error.get("kind"), str) else None
-        exc = NodeError(self.node, op, "remote", str(error.get("message") or "failed"), kind=kind)
+        exc = RemoteError(self.node, op, "remote", str(error.get("message") or "failed"), kind=kind)
         if stream is not None:
             stream.queue.put_nowait(("error", exc))
         elif entry is not None and not entry[1].done():
@@ -340,10 +342,10 @@ class HelperSession:
         self.closed = True
         for op, future in self._pending.values():
             if not future.done():
-                future.set_exception(NodeError(self.node, op, phase, reason))
+                future.set_exception(NodeUnavailable(self.node, op, phase, reason))
         self._pending.clear()
         for stream in self._streams.values():
-            stream.queue.put_nowait(("error", NodeError(self.node, stream.op, phase, reason)))
+            stream.queue.put_nowait(("error", NodeUnavailable(self.node, stream.op, phase, reason)))
         if not self.lost.done():
             self.lost.set_result(reason)
 
@@ -353,7 +355,7 @@ class HelperSession:
         Over SSH every write is an encrypted packet (asyncssh adds a padding packet to each), so
         64 concurrent calls cost one packet instead of 64."""
         if self.closed:
-            raise NodeError(self.node, op, "not connected", "the helper session is closed")
+            raise NodeUnavailable(self.node, op, "not connected", "the helper session is closed")
         if not self._outgoing:
             asyncio.get_running_loop().call_soon(self._flush)
         self._outgoing.append(self._encoder.encode({"id": request_id, "op": op, "args": args or {}}).encode() + b"\n")
@@ -378,14 +380,14 @@ class HelperSession:
             raise
         except Exception as exc:
             self._pending.pop(request_id, None)
-            raise NodeError(self.node, op, "send", str(exc)) from exc
+            raise NodeUnavailable(self.node, op, "send", str(exc)) from exc
         try:
             if timeout is None:
                 return await future
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             self._pending.pop(request_id, None)
-            raise NodeError(self.node, op, "timeout", f"no answer within {timeout:g}s") from None
+            raise NodeTimeout(self.node, op, "timeout", f"no answer within {timeout:g}s") from None
 
     def stream(self, op: str, args: dict | None = None) -> Stream:
         request_id = next(self._ids)

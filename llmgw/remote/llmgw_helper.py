@@ -37,7 +37,7 @@ JSON lines over stdin/stdout, UTF-8, one object per line.
 - Request: ``{"id": <int or str>, "op": "<name>", "args": {...}}``.
 - Answer: ``{"id", "ok": true, "result": {...}}`` or
   ``{"id", "ok": false, "error": {"kind": "<machine word>", "message": "<sentence>"}}``.
-  Kinds used: bad_request (a line that is not a request), unknown_op, bad_args, internal (an
+  Kinds (ERROR_KINDS): bad_request (a line that is not a request), unknown_op, bad_args, internal (an
   unexpected exception; the helper keeps running), cancelled, not_found, alive, identity,
   port_in_use, engine_missing, integrity, launch_failed, no_secret, too_large, stalled, permissions (a directory of the helper is a link or open to
   others), disk_full, cache_dir (the cache cannot be written), http, network,
@@ -72,15 +72,18 @@ storage {"dirs": [{"path", "shared": bool}], "timeout": 5} -> {"filesystems": [{
     returns. shared: network filesystem types or a directory the request marked shared (R-2.5).
 
 holdings {"candidates": {KEY: [path, ...]}, "timeout": 10} -> {"held": {KEY: {"path",
-    "bytes"}}, "stuck": [path]}
+    "bytes", "file"}}, "stuck": [path]}
     The first candidate holding weights: a non-empty regular file, or a directory with at least
     one regular file; a directory named llmgw-* only as a fetched entry llmgw made (R-2.6, see
-    "Cache entries" below).
+    "Cache entries" below). file only for such an entry: its only file, as fetch reports it, or
+    null when it holds more.
 
 fetch {"source": {"kind": "https", "urls": [...]} | {"kind": "hf", "repo", "revision",
     "endpoint"}, "cache_dir", "name": "llmgw-<hex>", "token": str|null, "max_bytes": int|null,
     "stall_timeout": 60}
-    -> events "progress" {"bytes", "total": int|null}; answer {"path", "bytes"}
+    -> events "progress" {"bytes", "total": int|null}; answer {"path", "bytes", "file": str|null}
+    file: the path of the entry's only file when it holds one (a single URL's, saved under the
+    unquoted last segment of its path, or "download" when that is empty or unsafe), else null.
     Written under cache_dir/.tmp-<name>-<random>/, marked complete with a sealed .llmgw-complete
     and renamed to cache_dir/<name> only at the end (R-5.2). A <name> that exists and is not
     llmgw's (another user's, or unsealed) is never used or removed: the fetch fails (cache_dir).
@@ -341,8 +344,18 @@ def loader_argv(python, path, sha256, size, args):
     return [python, "-I", "-c", LOADER, path, sha256, str(size)] + list(args)
 
 
+# Every kind of error an answer can carry (the docstring says what each means); the control
+# plane maps each to its own exception class.
+ERROR_KINDS = (
+    "bad_request", "unknown_op", "bad_args", "internal", "cancelled", "not_found", "alive", "identity",
+    "port_in_use", "engine_missing", "integrity", "launch_failed", "no_secret", "too_large", "stalled",
+    "permissions", "disk_full", "cache_dir", "http", "network", "empty_source",
+)
+
+
 class HelperError(Exception):
-    """A failure the caller is told about: kind is a machine word, message a sentence."""
+    """A failure the caller is told about: kind is a machine word (one of ERROR_KINDS), message
+    a sentence."""
 
     def __init__(self, kind, message):
         Exception.__init__(self, message)
@@ -1111,6 +1124,31 @@ def cache_entry(path, secret, remark=False):
     return None, "its completion marker does not match its files"
 
 
+def entry_file(path):
+    """The path of the only file in the cache entry at path (a fetched URL's file, saved under
+    whatever name the fetch gave it), or None when the entry holds more than one file, or none.
+    llmgw's own names at its top (.llmgw-*) are not counted; links are never followed."""
+    found = None
+    stack = [path]
+    while stack:
+        directory = stack.pop()
+        try:
+            with os.scandir(directory) as iterator:
+                entries = list(iterator)
+        except OSError:
+            return None
+        for entry in entries:
+            if directory == path and entry.name.startswith(".llmgw-"):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+            elif found is not None:
+                return None
+            else:
+                found = entry.path
+    return found
+
+
 def _same_inode(a, b):
     return a.st_dev == b.st_dev and a.st_ino == b.st_ino
 
@@ -1620,6 +1658,15 @@ class Node(object):
         """weights_bytes with this node's fleet secret; a serving helper seals old markers."""
         return weights_bytes(path, self.secret, remark=self.sha256 is not None)
 
+    def holding(self, path):
+        """{"bytes"} of the weights at path, and "file" for a cache entry; None when none."""
+        size = self.entry_bytes(path)
+        if size is None:
+            return None
+        if not os.path.basename(os.path.normpath(path)).startswith("llmgw-"):
+            return {"bytes": size}
+        return {"bytes": size, "file": entry_file(path)}
+
     def shard_dir(self, shard_id):
         return os.path.join(self.shards_dir(), shard_id)
 
@@ -1804,15 +1851,17 @@ class Node(object):
                     if given not in stuck:
                         stuck.append(given)
                     continue
-                thread, box = _start_bounded(lambda path=path: self.entry_bytes(path))
+                thread, box = _start_bounded(lambda path=path: self.holding(path))
                 thread.join(max(0.0, deadline - time.monotonic()))
                 if thread.is_alive():
                     self._mark_stuck(path, thread)
                     stuck.append(given)
                     continue
-                size = box.get("value")
-                if size is not None:
-                    held[key] = {"path": given, "bytes": size}
+                found = box.get("value")
+                if found is not None:
+                    held[key] = dict(found, path=given)
+                    if found.get("file"):
+                        held[key]["file"] = os.path.join(given, os.path.relpath(found["file"], path))
                     break
         return {"held": held, "stuck": stuck}
 
@@ -1834,7 +1883,7 @@ class Node(object):
             raise HelperError("no_secret", "no fleet secret on this node: a fetched entry could not be sealed (the control plane sends it)")
         size = self.entry_bytes(final)
         if size is not None:
-            return {"path": final, "bytes": size}
+            return {"path": final, "bytes": size, "file": entry_file(final)}
         key = (cache_dir, name)
         with self.fetch_lock:
             job = self.fetches.get(key)
@@ -1857,7 +1906,7 @@ class Node(object):
             job.detach(ctx.key)
         if job.error is not None:
             raise HelperError(job.error.kind, job.error.message)
-        return dict(job.result)
+        return dict(job.result, file=entry_file(job.result["path"]))
 
     def op_source_size(self, args, ctx):
         """How many bytes a source would download, from the hub listing or HEAD requests; null

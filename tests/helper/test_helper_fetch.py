@@ -1,4 +1,4 @@
-"""fetch through a real helper from a local HTTPS server (R-5.1-R-5.4)."""
+"""fetch through a real helper from a local HTTPS server (R-5.1-R-5.4), by hand and typed."""
 
 import hashlib
 import json
@@ -7,8 +7,13 @@ import threading
 
 import pytest
 
+from llmgw.config import NodeConfig
+from llmgw.fleet.errors import SourceHTTPError
+from llmgw.fleet.link import LocalLink
+from llmgw.fleet.ops import FetchProgress, FetchRequest, HoldingsRequest
+from llmgw.fleet.secret import fleet_secret
 from tests.helper.client import wait_until
-from tests.helper.conftest import Route
+from tests.helper.conftest import PROXY_VARIABLES, Route
 
 NAME = "llmgw-" + hashlib.sha256(b"https://example.test/model.gguf").hexdigest()[:32]
 
@@ -40,7 +45,7 @@ def test_fetch_writes_a_complete_entry_with_progress(start_helper, tls_env, http
     answer = helper.answer(request_id, timeout=60)
     assert answer["ok"], answer
     final = cache / NAME
-    assert answer["result"] == {"path": str(final), "bytes": len(body)}
+    assert answer["result"] == {"path": str(final), "bytes": len(body), "file": str(final / "model.gguf")}
     assert (final / "model.gguf").read_bytes() == body
     assert (final / ".llmgw-complete").is_file()
     assert _leftovers(cache) == [NAME], "no temp dir left behind"
@@ -59,6 +64,35 @@ def test_fetch_writes_a_complete_entry_with_progress(start_helper, tls_env, http
     assert marker["bytes"] == len(body)
 
 
+@pytest.mark.parametrize("path,saved_as", [
+    pytest.param("/m/model.gguf", "model.gguf", id="plain"),
+    pytest.param("/m/a%2Fb.gguf", "a/b.gguf", id="quoted-slash"),
+    pytest.param("/m/model.gguf?x=1&sig=s", "model.gguf", id="query"),
+    pytest.param("/m/models/", "download", id="trailing-slash"),
+    pytest.param("/m/%2E%2E", "download", id="quoted-dot-dot"),
+    pytest.param("/m/..%2F..%2Fescape.gguf", "download", id="quoted-traversal"),
+    pytest.param("/m/a%2F%2Fb.gguf", "download", id="empty-part"),
+    pytest.param("/m/sp%20ace%20caf%C3%A9.gguf", "sp ace caf\u00e9.gguf", id="space-and-utf8"),
+])
+def test_a_single_url_fetch_reports_the_file_it_saved(start_helper, tls_env, https_server, tmp_path, path, saved_as):
+    """Whatever the URL's name, the answer and the holdings say where the one file is: the
+    control plane hands that path to the engine instead of guessing the helper's naming."""
+    body = os.urandom(4096)
+    https_server.routes[path.split("?", 1)[0]] = Route(body)
+    helper = start_helper(env=tls_env)
+    cache = tmp_path / "cache"
+    result = helper.call("fetch", _fetch_args(https_server, cache, [path]))
+    final = cache / NAME
+    assert result["path"] == str(final)
+    assert result["file"] == str(final / saved_as)
+    assert os.path.isfile(result["file"]) and open(result["file"], "rb").read() == body
+    assert os.path.realpath(result["file"]).startswith(str(final) + os.sep), "inside the entry"
+    held = helper.call("holdings", {"candidates": {"m": [str(final)]}})["held"]
+    assert held == {"m": {"path": str(final), "bytes": len(body), "file": result["file"]}}
+    assert helper.call("fetch", _fetch_args(https_server, cache, [path]))["file"] == result["file"], \
+        "answered from the disk, the same file"
+
+
 def test_two_concurrent_fetches_of_one_name_download_once(start_helper, tls_env, https_server, tmp_path):
     gate = threading.Event()
     body = os.urandom(256 * 1024)
@@ -73,7 +107,8 @@ def test_two_concurrent_fetches_of_one_name_download_once(start_helper, tls_env,
     gate.set()
     answers = [helper.answer(first, timeout=60), helper.answer(second, timeout=60)]
     assert answers[0]["ok"] and answers[1]["ok"]
-    assert answers[0]["result"] == answers[1]["result"] == {"path": str(cache / NAME), "bytes": len(body)}
+    assert answers[0]["result"] == answers[1]["result"] == {"path": str(cache / NAME), "bytes": len(body),
+                                                            "file": str(cache / NAME / "w.bin")}
     assert https_server.gets("/w.bin") == 1, "exactly one download"
     assert _progress(helper.events_of(second))[-1] == {"bytes": len(body), "total": len(body)}
     # Already complete: answered from the disk, no new download.
@@ -203,7 +238,7 @@ def test_hugging_face_source_with_token(start_helper, tls_env, https_server, tmp
     answer = helper.answer(request_id, timeout=60)
     assert answer["ok"], answer
     total = len(config) + len(weights)
-    assert answer["result"] == {"path": str(cache / NAME), "bytes": total}
+    assert answer["result"] == {"path": str(cache / NAME), "bytes": total, "file": None}  # two files
     assert (cache / NAME / "config.json").read_bytes() == config
     assert (cache / NAME / "weights" / "model.safetensors").read_bytes() == weights
     # Every file's length was known beforehand, so the total is too.
@@ -264,3 +299,39 @@ def test_reclaim_refuses_an_entry_being_downloaded(start_helper, tls_env, https_
     collected = helper.call("reclaim", {"cache_dir": str(cache), "names": [NAME], "collect": True})
     assert collected["entries"][0]["action"] == "removed"
     assert _leftovers(cache) == []
+
+
+async def test_a_typed_fetch_over_a_link_streams_progress_and_names_its_file(
+        https_server, tls_cert, tmp_path, monkeypatch):
+    """The control plane's side: NodeOps over a real link (a local helper, the SSH protocol)."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SSL_CERT_FILE", str(tls_cert.cert))  # inherited by the helper the link starts
+    body = os.urandom(1024 * 1024 + 3)
+    https_server.routes["/m/models/"] = Route(body)
+    link = LocalLink(NodeConfig(name="local", connection="local"), tmp_path / "node",
+                     fleet_secret=fleet_secret(tmp_path / "state"))
+    link.start()
+    cache = str(tmp_path / "cache")
+    try:
+        assert await link.wait_ready(60), link.reason
+        request = FetchRequest({"kind": "https", "urls": [https_server.url("/m/models/")]}, cache, NAME,
+                               max_bytes=2 * len(body))
+        async with link.ops.fetch(request) as stream:
+            progress = [event async for event in stream]
+        assert progress and all(isinstance(p, FetchProgress) for p in progress)
+        assert progress[-1] == FetchProgress(len(body), len(body))
+        fetched = stream.result
+        assert (fetched.path, fetched.bytes) == (os.path.join(cache, NAME), len(body))
+        assert fetched.file == os.path.join(cache, NAME, "download")  # the URL names no file
+        assert open(fetched.file, "rb").read() == body
+        holdings = await link.ops.holdings(HoldingsRequest({"m": [fetched.path]}))
+        assert holdings.held["m"].file == fetched.file
+        missing = FetchRequest({"kind": "https", "urls": [https_server.url("/m/missing.gguf")]}, cache,
+                               "llmgw-" + "1" * 32)
+        with pytest.raises(SourceHTTPError, match="404"):
+            async with link.ops.fetch(missing) as stream:
+                async for _ in stream:
+                    pass
+    finally:
+        await link.close()

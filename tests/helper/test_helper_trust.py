@@ -214,7 +214,8 @@ def test_a_fetched_entry_is_sealed_and_accepted_by_another_node_of_the_fleet(
     other_fleet = _other_helper(tmp_path, "node-c", "0" * 64, tls_env)
     try:
         wanted = {"candidates": {"m": [str(filer / NAME)]}}
-        assert same_fleet.call("holdings", wanted)["held"] == {"m": {"path": str(filer / NAME), "bytes": 64 * 1024}}
+        assert same_fleet.call("holdings", wanted)["held"] == {"m": {"path": str(filer / NAME), "bytes": 64 * 1024,
+                                                                     "file": str(filer / NAME / "w.bin")}}
         assert same_fleet.call("fetch", _fetch(https_server, filer))["bytes"] == 64 * 1024
         assert https_server.gets("/w.bin") == 1, "the other node took the entry, it did not fetch again"
         assert other_fleet.call("holdings", wanted)["held"] == {}
@@ -257,7 +258,8 @@ def test_an_entry_made_before_seals_is_sealed_once_not_fetched_again(start_helpe
     (entry / "w.bin").write_bytes(b"x" * 4096)
     (entry / ".llmgw-complete").write_text(json.dumps({"name": NAME, "source": {}, "bytes": 4096, "files": 1}))
     helper = start_helper(env=tls_env)
-    assert helper.call("holdings", {"candidates": {"m": [str(entry)]}})["held"] == {"m": {"path": str(entry), "bytes": 4096}}
+    assert helper.call("holdings", {"candidates": {"m": [str(entry)]}})["held"] == {
+        "m": {"path": str(entry), "bytes": 4096, "file": str(entry / "w.bin")}}
     assert "seal" in json.loads((entry / ".llmgw-complete").read_text())
     assert helper.call("fetch", _fetch(https_server, cache))["bytes"] == 4096
     assert https_server.gets("/w.bin") == 0

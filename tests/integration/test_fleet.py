@@ -88,7 +88,7 @@ async def test_helper_deployed_under_its_hash_in_a_private_directory(bed, invent
         remote = bed["cpu1"].host_path(f"/root/.llmgw/helper/{code.filename}")
         assert remote.read_bytes() == code.text
         assert stat.S_IMODE(os.stat(remote.parent).st_mode) == 0o700
-        assert fleet.links["cpu1"].hello["sha256"] == code.sha256
+        assert fleet.links["cpu1"].hello.sha256 == code.sha256
     finally:
         await fleet.close()
 

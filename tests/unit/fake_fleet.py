@@ -15,6 +15,7 @@ from pathlib import Path
 from llmgw.config import Inventory, NodeConfig
 from llmgw.fleet.facts import GPU, Filesystem, Inventory as InventoryFacts, NodeFacts, ShardStatus, Storage
 from llmgw.fleet.link import READY, UNREACHABLE
+from llmgw.fleet.ops import Hello, NodeOps
 from llmgw.fleet.session import NodeError
 
 
@@ -77,7 +78,10 @@ class FakeFleet:
 
     def paths(self, node):
         from llmgw.fleet.fleet import node_paths
-        return node_paths(self.nodes[node], {"root": f"/home/{node}/.llmgw", "home": f"/home/{node}"})
+        return node_paths(self.nodes[node], Hello(root=f"/home/{node}/.llmgw", home=f"/home/{node}"))
+
+    def ops(self, node):
+        return NodeOps(node, _NodeCalls(self, node))
 
     def ready_nodes(self):
         return [n for n, link in self.links.items() if link.state == READY]
@@ -130,3 +134,16 @@ class FakeFleet:
         record["alive"] = False
         record["exit_code"] = code
         record["log_tail"] = tuple(log_tail)
+
+
+class _NodeCalls:
+    """One node's calls of the fake fleet: what the typed operations (NodeOps) run over."""
+
+    def __init__(self, fleet: FakeFleet, node: str):
+        self.fleet, self.node = fleet, node
+
+    async def call(self, op, args=None, timeout=None):
+        return await self.fleet.call(self.node, op, args, timeout)
+
+    def stream(self, op, args=None):
+        return self.fleet.stream(self.node, op, args)

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from llmgw.fleet.errors import BadAnswer, BadArguments, NodeTimeout, NodeUnavailable
 from llmgw.fleet.session import HelperFailed, HelperSession, LineReader, NodeError, Overlong
 
 HELLO = {"hello": {"protocol": 1, "version": "test", "root": "/r", "home": "/h"}}
@@ -90,6 +91,38 @@ async def test_a_first_line_that_is_not_hello_fails_the_start_with_the_line(firs
     assert expected in info.value.reason and json.dumps(first, separators=(",", ":"))[:5] in info.value.reason
 
 
+async def test_a_hello_with_a_field_of_the_wrong_type_fails_the_start_naming_it():
+    out = Pipe()
+    session = HelperSession("n1", out, Requests())
+    out.feed(line({"hello": {"protocol": 1, "root": ["/r"], "home": "/h"}}))
+    with pytest.raises(HelperFailed, match=r"the helper's hello is malformed: root is a list, not a string"):
+        await session.start(timeout=5)
+
+
+async def test_the_hello_is_typed():
+    session, out, requests = await started()
+    try:
+        assert (session.hello.protocol, session.hello.root, session.hello.home, session.hello.sha256) == (1, "/r", "/h", None)
+    finally:
+        await session.close()
+
+
+async def test_no_answer_in_time_is_a_timeout_and_a_lost_session_fails_what_waits():
+    session, out, requests = await started()
+    try:
+        with pytest.raises(NodeTimeout) as info:
+            await session.call("status", timeout=0.01)
+        assert info.value.phase == "timeout" and info.value.op == "status"
+        waiting = asyncio.create_task(session.call("ping", timeout=30))
+        await requests.next_id(2)
+        out.close()
+        with pytest.raises(NodeUnavailable) as info:
+            await asyncio.wait_for(waiting, 10)
+        assert info.value.phase == "connection lost" and isinstance(info.value, NodeError)
+    finally:
+        await session.close()
+
+
 async def test_answers_and_events_are_routed_by_id():
     session, out, requests = await started()
     try:
@@ -99,7 +132,7 @@ async def test_answers_and_events_are_routed_by_id():
         out.feed(line({"id": ids[1], "ok": True, "result": {"which": 2}}) +
                  line({"id": ids[0], "ok": False, "error": {"kind": "bad_args", "message": "no"}}))
         assert await second == {"which": 2}
-        with pytest.raises(NodeError) as info:
+        with pytest.raises(BadArguments) as info:  # the class of the helper's kind
             await first
         assert (info.value.op, info.value.phase, info.value.kind, info.value.message) == ("ping", "remote", "bad_args", "no")
     finally:
@@ -121,13 +154,13 @@ async def test_a_message_that_names_no_request_ends_the_session_with_a_clear_err
         waiting = asyncio.create_task(session.call("ping", timeout=30))
         await requests.next_id()
         out.feed(text)
-        with pytest.raises(NodeError) as info:
+        with pytest.raises(NodeUnavailable) as info:
             await asyncio.wait_for(waiting, 10)  # a hang check: the call must not wait for its timeout
         assert info.value.phase == "protocol"
         assert "broke the protocol" in info.value.message and text.strip()[:20].decode() in info.value.message
         assert session.closed
         assert "broke the protocol" in await asyncio.wait_for(session.lost, 5)
-        with pytest.raises(NodeError, match="closed"):
+        with pytest.raises(NodeUnavailable, match="closed"):
             await session.call("ping")
     finally:
         await session.close()
@@ -146,7 +179,7 @@ async def test_a_malformed_answer_fails_its_request_and_the_session_goes_on(answ
         bad = asyncio.create_task(session.call("storage", timeout=30))
         (bad_id,) = await requests.next_id()
         out.feed(line({"id": bad_id, **answer}))
-        with pytest.raises(NodeError) as info:
+        with pytest.raises(BadAnswer) as info:
             await asyncio.wait_for(bad, 10)
         assert info.value.op == "storage" and info.value.phase == "protocol" and problem in info.value.message
         good = asyncio.create_task(session.call("ping"))
@@ -172,7 +205,7 @@ async def test_a_malformed_event_fails_its_stream():
 
         answering = asyncio.create_task(answer_the_cancel())
         seen = []
-        with pytest.raises(NodeError, match="event name"):
+        with pytest.raises(BadAnswer, match="event name"):
             async with stream:
                 async for event in stream:
                     seen.append(event)
@@ -209,7 +242,7 @@ async def test_a_line_over_the_limit_fails_that_request_only():
         big_id, small_id = await requests.next_id(2)
         out.feed(line({"id": big_id, "ok": True, "result": {"lines": ["y" * 1024] * 5 * 1024}}) +
                  line({"id": small_id, "ok": True, "result": {"time": 2.0}}))
-        with pytest.raises(NodeError) as info:
+        with pytest.raises(BadAnswer) as info:
             await asyncio.wait_for(big, 10)
         assert info.value.op == "logs" and info.value.phase == "answer"
         assert "5.0 MiB, over the 1.0 MiB limit" in info.value.message

@@ -2,6 +2,7 @@
 
 from llmgw.config import NodeConfig
 from llmgw.fleet.fleet import node_paths, storage_dirs
+from llmgw.fleet.ops import Hello
 from llmgw.weights import parse_weights
 
 
@@ -9,7 +10,7 @@ def test_node_paths_resolve_home_and_default_cache():
     node = NodeConfig(name="n", host="h", model_dirs=["~/models", "/srv/models"], shared_dirs=["/mnt/filer"])
     unknown = node_paths(node, None)
     assert unknown.cache_dir is None and unknown.model_dirs == ("/srv/models",)  # ~ unknown before hello
-    paths = node_paths(node, {"home": "/home/ops", "root": "/home/ops/.llmgw"})
+    paths = node_paths(node, Hello(home="/home/ops", root="/home/ops/.llmgw"))
     assert paths.model_dirs == ("/home/ops/models", "/srv/models")
     assert paths.cache_dir == "/home/ops/.llmgw/cache"
     assert storage_dirs(paths) == [{"path": "/home/ops/models", "shared": False},

@@ -1,0 +1,533 @@
+"""The helper's operations as typed calls: one request type and one answer type per operation.
+
+`NodeOps(node, transport)` runs them over anything that carries op names and argument dicts
+(`NodeLink`, `HelperSession`; `Fleet.ops(node)` gives the one for a node): the request builds the
+arguments the helper's docstring documents, and the answer is parsed and type-checked the way
+`facts.py` parses facts, so a malformed answer fails the call where it arrives, as a
+`MalformedAnswer` that names the field. Streamed operations (a fetch, a log follow) give an `OpStream`: typed
+events while it runs, a typed `result` once it ended.
+
+A request's repr never shows what is secret in it (engine environment and files, a hub token,
+the fleet secret): requests end up in logs and tracebacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+from llmgw.fleet.errors import MalformedAnswer
+from llmgw.fleet.facts import (
+    FLAG,
+    INT,
+    NUMBER,
+    TEXT,
+    Held,
+    Inventory,
+    Malformed,
+    ShardStatus,
+    Storage,
+    _field,
+    _object,
+    _required,
+    _strings,
+    holdings,
+    shard_statuses,
+)
+
+DEFAULT_ANSWER_WITHIN = 30.0  # seconds a call waits for its answer unless its request says otherwise
+
+
+class Transport(Protocol):
+    """What carries a request to one helper: `NodeLink` and `HelperSession` both do."""
+
+    async def call(self, op: str, args: dict | None = None, timeout: float | None = 30.0) -> Any: ...
+
+    def stream(self, op: str, args: dict | None = None) -> Any: ...
+
+
+class Request:
+    """One helper operation's arguments. `OP` names the operation; `answer_within` bounds the
+    wait for its answer (a request may compute it: a stop waits out its grace)."""
+
+    OP: ClassVar[str]
+    answer_within: ClassVar[float] = DEFAULT_ANSWER_WITHIN
+
+    def args(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+A = TypeVar("A")
+E = TypeVar("E")
+
+
+def _parse(node: str, op: str, what: str, parse: Callable[[Any], A], value: Any) -> A:
+    try:
+        return parse(value)
+    except Malformed as exc:
+        raise MalformedAnswer(node, op, "answer", f"malformed {op} {what}: {exc}") from None
+
+
+# -- the hello line -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The helper's first line: who it is and where it keeps its state (root) on the node."""
+
+    protocol: int | None = None
+    version: str | None = None
+    sha256: str | None = None
+    python: str | None = None
+    hostname: str | None = None
+    boot_id: str | None = None
+    pid: int | None = None
+    root: str | None = None  # the absolute state directory
+    home: str | None = None  # the helper's ~, which the node's paths are resolved against
+
+    @classmethod
+    def from_helper(cls, data: Any) -> Hello:
+        data = _object(data, "the hello")
+        return cls(protocol=_field(data, "protocol", INT, ""), version=_field(data, "version", TEXT, ""),
+                   sha256=_field(data, "sha256", TEXT, ""), python=_field(data, "python", TEXT, ""),
+                   hostname=_field(data, "hostname", TEXT, ""), boot_id=_field(data, "boot_id", TEXT, ""),
+                   pid=_field(data, "pid", INT, ""), root=_field(data, "root", TEXT, ""),
+                   home=_field(data, "home", TEXT, ""))
+
+
+# -- requests and answers -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PingRequest(Request):
+    OP = "ping"
+
+    def args(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class Pong:
+    time: float  # the node's clock, unix seconds
+
+    @classmethod
+    def from_helper(cls, data: Any) -> Pong:
+        return cls(_required(_object(data, "the answer"), "time", NUMBER, ""))
+
+
+@dataclass(frozen=True)
+class InventoryRequest(Request):
+    """GPUs, memory, CPUs; the answer is `facts.Inventory`."""
+
+    OP = "inventory"
+
+    def args(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class StorageDir:
+    path: str
+    shared: bool = False
+
+
+@dataclass(frozen=True)
+class StorageRequest(Request):
+    """Filesystems under the given directories; the answer is `facts.Storage`."""
+
+    OP = "storage"
+    dirs: Sequence[StorageDir]
+    timeout: float = 5.0  # on the node: how long one directory may take before it counts as stuck
+
+    def args(self) -> dict[str, Any]:
+        return {"dirs": [{"path": d.path, "shared": d.shared} for d in self.dirs], "timeout": self.timeout}
+
+
+@dataclass(frozen=True)
+class StatusRequest(Request):
+    """Every shard the node has a record of; the answer is `facts.ShardStatus` by shard id."""
+
+    OP = "status"
+    probe: bool = False  # also ask each live engine's health URL
+    timeout: float = 2.0  # on the node: per health probe
+
+    def args(self) -> dict[str, Any]:
+        return {"probe": self.probe, "timeout": self.timeout}
+
+
+@dataclass(frozen=True)
+class HoldingsRequest(Request):
+    """Where the node holds weights: for each key, the first of its candidate paths that does."""
+
+    OP = "holdings"
+    candidates: Mapping[str, Sequence[str]]
+
+    def args(self) -> dict[str, Any]:
+        return {"candidates": {key: list(paths) for key, paths in self.candidates.items()}}
+
+
+@dataclass(frozen=True)
+class Holdings:
+    held: dict[str, Held]  # by key; Held.file is the one file of a one-file cache entry
+    stuck: tuple[str, ...] = ()  # candidates whose filesystem did not answer
+
+    @classmethod
+    def from_helper(cls, data: Any) -> Holdings:
+        return cls(holdings(data), _strings(_object(data, "the answer"), "stuck", ""))
+
+
+@dataclass(frozen=True)
+class FetchRequest(Request):
+    """Download a source into cache_dir/name (single-flight per name on the node)."""
+
+    OP = "fetch"
+    source: Mapping[str, Any]  # the helper's source: {"kind": "https", "urls"} or {"kind": "hf", ...}
+    cache_dir: str
+    name: str  # llmgw-<hex>
+    token: str | None = field(default=None, repr=False)
+    max_bytes: int | None = None
+    stall_timeout: float | None = None  # None: the helper's default
+
+    def args(self) -> dict[str, Any]:
+        args = {"source": dict(self.source), "cache_dir": self.cache_dir, "name": self.name, "token": self.token,
+                "max_bytes": self.max_bytes}
+        if self.stall_timeout is not None:
+            args["stall_timeout"] = self.stall_timeout
+        return args
+
+
+@dataclass(frozen=True)
+class FetchProgress:
+    """Bytes written so far; total only when every file's length is known (never invented)."""
+
+    bytes: int
+    total: int | None
+
+    @classmethod
+    def from_helper(cls, data: Any) -> FetchProgress:
+        data = _object(data, "the event")
+        return cls(_required(data, "bytes", INT, ""), _field(data, "total", INT, ""))
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """The finished entry: its directory, its size, and the path of its file when it holds exactly
+    one (a fetched URL's file, saved under the name the helper chose for it)."""
+
+    path: str
+    bytes: int | None
+    file: str | None = None
+
+    @classmethod
+    def from_helper(cls, data: Any) -> Fetched:
+        data = _object(data, "the answer")
+        return cls(_required(data, "path", TEXT, ""), _field(data, "bytes", INT, ""), _field(data, "file", TEXT, ""))
+
+
+@dataclass(frozen=True)
+class SourceSizeRequest(Request):
+    """What a fetch of the source would download, asked of the source (R-5.1)."""
+
+    OP = "source_size"
+    answer_within = 60.0
+    source: Mapping[str, Any]
+    token: str | None = field(default=None, repr=False)
+
+    def args(self) -> dict[str, Any]:
+        return {"source": dict(self.source), "token": self.token}
+
+
+@dataclass(frozen=True)
+class SourceSize:
+    bytes: int | None  # None when any file's length is unknown
+    files: int | None
+
+    @classmethod
+    def from_helper(cls, data: Any) -> SourceSize:
+        data = _object(data, "the answer")
+        return cls(_field(data, "bytes", INT, ""), _field(data, "files", INT, ""))
+
+
+@dataclass(frozen=True)
+class LaunchRequest(Request):
+    """Start one shard's engine under the helper's supervisor."""
+
+    OP = "launch"
+    answer_within = 60.0
+    shard_id: str
+    argv: Sequence[str]
+    env: Mapping[str, str] = field(default_factory=dict, repr=False)  # holds the engine's key
+    files: Mapping[str, str] = field(default_factory=dict, repr=False)  # may hold it too
+    file_sha256: Mapping[str, str] = field(default_factory=dict)
+    port: int | None = None  # checked free before the start; None for an engine without HTTP
+    host: str | None = None
+    health_url: str | None = None
+    gpus: Sequence[int] = ()
+
+    def args(self) -> dict[str, Any]:
+        return {"shard_id": self.shard_id, "argv": list(self.argv), "env": dict(self.env), "files": dict(self.files),
+                "file_sha256": dict(self.file_sha256), "port": self.port, "host": self.host,
+                "health_url": self.health_url, "gpus": list(self.gpus)}
+
+
+@dataclass(frozen=True)
+class Launched:
+    """The started engine as the supervisor recorded it; argv is the one really started."""
+
+    shard_id: str | None
+    pid: int
+    pgid: int | None
+    start_time: int | None
+    argv: tuple[str, ...]
+    log_path: str | None
+    started_at: float | None
+
+    @classmethod
+    def from_helper(cls, data: Any) -> Launched:
+        data = _object(data, "the answer")
+        return cls(shard_id=_field(data, "shard_id", TEXT, ""), pid=_required(data, "pid", INT, ""),
+                   pgid=_field(data, "pgid", INT, ""), start_time=_field(data, "start_time", INT, ""),
+                   argv=_strings(data, "argv", ""), log_path=_field(data, "log_path", TEXT, ""),
+                   started_at=_field(data, "started_at", NUMBER, ""))
+
+
+@dataclass(frozen=True)
+class StopRequest(Request):
+    """TERM to the engine's group, KILL after the grace; refused when its identity does not hold."""
+
+    OP = "stop"
+    shard_id: str
+    grace: float = 10.0
+
+    @property
+    def answer_within(self) -> float:  # type: ignore[override]
+        return self.grace + DEFAULT_ANSWER_WITHIN
+
+    def args(self) -> dict[str, Any]:
+        return {"shard_id": self.shard_id, "grace": self.grace}
+
+
+@dataclass(frozen=True)
+class Stopped:
+    was_alive: bool
+    stopped: bool  # nothing of the engine runs any more
+
+    @classmethod
+    def from_helper(cls, data: Any) -> Stopped:
+        data = _object(data, "the answer")
+        return cls(_required(data, "was_alive", FLAG, ""), _required(data, "stopped", FLAG, ""))
+
+
+@dataclass(frozen=True)
+class ForgetRequest(Request):
+    """Remove a shard's record from the node; refused while its engine runs."""
+
+    OP = "forget"
+    shard_id: str
+
+    def args(self) -> dict[str, Any]:
+        return {"shard_id": self.shard_id}
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    @classmethod
+    def from_helper(cls, data: Any) -> Forgotten:
+        _object(data, "the answer")
+        return cls()
+
+
+@dataclass(frozen=True)
+class LogsRequest(Request):
+    """The last lines of a shard's log (engine keys already masked by the helper)."""
+
+    OP = "logs"
+    shard_id: str
+    lines: int = 100
+
+    def args(self) -> dict[str, Any]:
+        return {"shard_id": self.shard_id, "lines": self.lines}
+
+
+@dataclass(frozen=True)
+class LogLines:
+    """Lines of a log: the answer to a read, or one event of a follow."""
+
+    lines: tuple[str, ...]
+
+    @classmethod
+    def from_helper(cls, data: Any) -> LogLines:
+        return cls(_strings(_object(data, "the answer"), "lines", ""))
+
+
+@dataclass(frozen=True)
+class ReclaimRequest(Request):
+    """List the cache entries of cache_dir (names None: all), or remove the named ones (collect)."""
+
+    OP = "reclaim"
+    cache_dir: str
+    names: Sequence[str] | None = None
+    collect: bool = False
+
+    def args(self) -> dict[str, Any]:
+        return {"cache_dir": self.cache_dir, "names": list(self.names) if self.names is not None else None,
+                "collect": self.collect}
+
+
+@dataclass(frozen=True)
+class ReclaimEntry:
+    name: str
+    path: str | None
+    bytes: int | None
+    action: str  # "listed", "removed" or "refused"
+    reason: str | None
+
+    @classmethod
+    def from_helper(cls, data: Any, where: str) -> ReclaimEntry:
+        data = _object(data, where.rstrip("."))
+        return cls(name=_required(data, "name", TEXT, where), path=_field(data, "path", TEXT, where),
+                   bytes=_field(data, "bytes", INT, where), action=_required(data, "action", TEXT, where),
+                   reason=_field(data, "reason", TEXT, where))
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    entries: tuple[ReclaimEntry, ...]
+
+    @classmethod
+    def from_helper(cls, data: Any) -> Reclaimed:
+        data = _object(data, "the answer")
+        entries = _field(data, "entries", (list,), "", default=[])
+        return cls(tuple(ReclaimEntry.from_helper(e, f"entries[{i}].") for i, e in enumerate(entries)))
+
+
+@dataclass(frozen=True)
+class FleetSecretRequest(Request):
+    """Hand the helper the fleet secret it seals and checks cache entries with."""
+
+    OP = "fleet_secret"
+    secret: str = field(repr=False)
+
+    def args(self) -> dict[str, Any]:
+        return {"secret": self.secret}
+
+
+@dataclass(frozen=True)
+class SecretStored:
+    stored: bool
+
+    @classmethod
+    def from_helper(cls, data: Any) -> SecretStored:
+        return cls(_required(_object(data, "the answer"), "stored", FLAG, ""))
+
+
+# -- streams ------------------------------------------------------------------------------------
+
+R = TypeVar("R")
+
+
+class OpStream(Generic[E, R]):
+    """The typed side of one streamed request: `async with` it, iterate its events, then read
+    `result`. Leaving the block before the stream ended cancels the request on the node. An
+    event this side does not know (a newer helper's) is skipped; a malformed one ends the stream
+    with a `MalformedAnswer`."""
+
+    def __init__(self, node: str, op: str, raw: Any, events: Mapping[str, Callable[[Any], E]],
+                 answer: Callable[[Any], R]):
+        self._node, self._op, self._raw = node, op, raw
+        self._events, self._answer = events, answer
+        self._result: R | None = None
+        self._ended = False
+
+    @property
+    def result(self) -> R:
+        if not self._ended:
+            raise RuntimeError(f"the {self._op} stream has not ended yet")
+        return self._result  # type: ignore[return-value]
+
+    async def __aenter__(self) -> OpStream[E, R]:
+        await self._raw.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._raw.__aexit__(*exc)
+
+    def __aiter__(self) -> AsyncIterator[E]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[E]:
+        async for name, data in self._raw:
+            parse = self._events.get(name)
+            if parse is not None:
+                yield _parse(self._node, self._op, f"{name} event", parse, data)
+        self._result = _parse(self._node, self._op, "answer", self._answer, self._raw.result)
+        self._ended = True
+
+
+# -- the calls ----------------------------------------------------------------------------------
+
+
+class NodeOps:
+    """One node's helper operations, typed. Failures raise `NodeError` subclasses (errors.py);
+    `timeout` overrides the request's own `answer_within`."""
+
+    def __init__(self, node: str, transport: Transport):
+        self.node = node
+        self._transport = transport
+
+    async def _call(self, request: Request, answer: Callable[[Any], A], timeout: float | None) -> A:
+        value = await self._transport.call(request.OP, request.args(),
+                                           timeout if timeout is not None else request.answer_within)
+        return _parse(self.node, request.OP, "answer", answer, value)
+
+    async def ping(self, request: PingRequest = PingRequest(), *, timeout: float | None = None) -> Pong:
+        return await self._call(request, Pong.from_helper, timeout)
+
+    async def inventory(self, request: InventoryRequest = InventoryRequest(), *,
+                        timeout: float | None = None) -> Inventory:
+        return await self._call(request, Inventory.from_helper, timeout)
+
+    async def storage(self, request: StorageRequest, *, timeout: float | None = None) -> Storage:
+        return await self._call(request, Storage.from_helper, timeout)
+
+    async def status(self, request: StatusRequest = StatusRequest(), *,
+                     timeout: float | None = None) -> dict[str, ShardStatus]:
+        return await self._call(request, shard_statuses, timeout)
+
+    async def holdings(self, request: HoldingsRequest, *, timeout: float | None = None) -> Holdings:
+        return await self._call(request, Holdings.from_helper, timeout)
+
+    def fetch(self, request: FetchRequest) -> OpStream[FetchProgress, Fetched]:
+        """Events: FetchProgress; result: Fetched. Not bounded by a time: a download takes what
+        it takes, and the helper fails one that stalls."""
+        return OpStream(self.node, request.OP, self._transport.stream(request.OP, request.args()),
+                        {"progress": FetchProgress.from_helper}, Fetched.from_helper)
+
+    async def source_size(self, request: SourceSizeRequest, *, timeout: float | None = None) -> SourceSize:
+        return await self._call(request, SourceSize.from_helper, timeout)
+
+    async def launch(self, request: LaunchRequest, *, timeout: float | None = None) -> Launched:
+        return await self._call(request, Launched.from_helper, timeout)
+
+    async def stop(self, request: StopRequest, *, timeout: float | None = None) -> Stopped:
+        return await self._call(request, Stopped.from_helper, timeout)
+
+    async def forget(self, request: ForgetRequest, *, timeout: float | None = None) -> Forgotten:
+        return await self._call(request, Forgotten.from_helper, timeout)
+
+    async def logs(self, request: LogsRequest, *, timeout: float | None = None) -> LogLines:
+        return await self._call(request, LogLines.from_helper, timeout)
+
+    def follow_logs(self, request: LogsRequest) -> OpStream[LogLines, LogLines]:
+        """Events: LogLines, the last `lines` first, then new lines as they are written, until
+        the stream is left (which cancels the follow on the node)."""
+        args = {**request.args(), "follow": True}
+        return OpStream(self.node, request.OP, self._transport.stream(request.OP, args),
+                        {"lines": LogLines.from_helper}, LogLines.from_helper)
+
+    async def reclaim(self, request: ReclaimRequest, *, timeout: float | None = None) -> Reclaimed:
+        return await self._call(request, Reclaimed.from_helper, timeout)
+
+    async def fleet_secret(self, request: FleetSecretRequest, *, timeout: float | None = None) -> SecretStored:
+        return await self._call(request, SecretStored.from_helper, timeout)
