@@ -21,7 +21,7 @@ from aiohttp import web
 
 from llmgw.admin import text
 from llmgw.admin.usage import usage_report
-from llmgw.admin.views import Snapshot
+from llmgw.admin.views import Listings, explanation_json, listings
 from llmgw.units import format_bytes, parse_duration
 
 STYLESHEET_PATH = "/static/style.css"
@@ -117,7 +117,7 @@ def refused() -> web.Response:
 # -- pages ---------------------------------------------------------------------------------------
 
 
-def overview(snapshot: Snapshot) -> Markup:
+def overview(snapshot: Listings) -> Markup:
     status = snapshot.status()
     capacity = table(["GPU class", "nodes", "used / free / unhealthy", "used", "free", "unhealthy"],
                      [[c["gpu_class"] or "unrecognised", c["nodes"], bar(c["used"], c["free"], c["unhealthy"]),
@@ -156,7 +156,7 @@ def _counts(mapping: dict[str, int]) -> str:
     return ", ".join(f"{count} {state}" for state, count in mapping.items() if count) or "-"
 
 
-def nodes_page(snapshot: Snapshot) -> Markup:
+def nodes_page(snapshot: Listings) -> Markup:
     now = snapshot.now
     rows = []
     for node in snapshot.nodes():
@@ -176,7 +176,7 @@ def nodes_page(snapshot: Snapshot) -> Markup:
     return Markup(template("nodes.html").substitute(nodes=listing))
 
 
-def models_page(snapshot: Snapshot) -> Markup:
+def models_page(snapshot: Listings) -> Markup:
     rows = [[m["name"], m["state"], f"{m['replicas']['serving']} / {m['replicas']['total']}",
              text.scaling(m["scaling"]), m["routing"], m["profile"], m["engine"], m["weights"], m["fallback"],
              m["declared_in"] + (f" by {m['actor']}" if m["actor"] else ""),
@@ -186,7 +186,7 @@ def models_page(snapshot: Snapshot) -> Markup:
     return Markup(template("models.html").substitute(models=listing))
 
 
-def replicas_page(snapshot: Snapshot) -> Markup:
+def replicas_page(snapshot: Listings) -> Markup:
     now = snapshot.now
     rows = []
     for replica in snapshot.replicas():
@@ -209,10 +209,10 @@ def replicas_page(snapshot: Snapshot) -> Markup:
     return Markup(template("replicas.html").substitute(replicas=listing))
 
 
-def placement_page(snapshot: Snapshot) -> Markup:
+def placement_page(snapshot: Listings, explain: Callable[[str], dict]) -> Markup:
     sections = []
     for entry in snapshot.status()["unplaceable"]:
-        explanation = snapshot.explain(entry["model"])
+        explanation = explain(entry["model"])
         verdicts = table(["node", "verdict", "free GPUs", "holds weights", "reasons"],
                          [[v["node"], "fits" if v["fits"] else "rejected", v["free_gpus"],
                            text.holds(v["holds_weights"]), lines(v["reasons"])] for v in explanation["verdicts"]],
@@ -224,7 +224,7 @@ def placement_page(snapshot: Snapshot) -> Markup:
     return Markup(template("placement.html").substitute(failures=content))
 
 
-def usage_page(snapshot: Snapshot, by_model: dict, by_key: dict, period: str) -> Markup:
+def usage_page(snapshot: Listings, by_model: dict, by_key: dict, period: str) -> Markup:
     periods = "".join(_link(f"/usage?since={p}", p, p == period) for p in USAGE_PERIODS)
 
     def listing(report: dict, what: str) -> Markup:
@@ -237,11 +237,15 @@ def usage_page(snapshot: Snapshot, by_model: dict, by_key: dict, period: str) ->
 
 
 def add_routes(app: web.Application, gateway: Any) -> None:
-    def simple(path: str, render: Callable[[Snapshot], Markup]):
+    def simple(path: str, render: Callable[[Listings], Markup]):
         async def handler(request: web.Request) -> web.Response:
-            snapshot = Snapshot(gateway)
+            snapshot = listings(gateway)
             return page(path, render(snapshot), snapshot.now)
         return handler
+
+    def placement(snapshot: Listings) -> Markup:
+        # Explanations are computed by the control plane, on the fleet as it is now.
+        return placement_page(snapshot, lambda model: explanation_json(gateway.control.explain(model)))
 
     async def usage(request: web.Request) -> web.Response:
         period = request.query.get("since", "24h")
@@ -249,7 +253,7 @@ def add_routes(app: web.Application, gateway: Any) -> None:
             seconds = parse_duration(period)
         except ValueError:
             period, seconds = "24h", parse_duration("24h")
-        snapshot = Snapshot(gateway)
+        snapshot = listings(gateway)
         by_model = await gateway.store.read(lambda db: usage_report(db, "model", seconds, snapshot.now))
         by_key = await gateway.store.read(lambda db: usage_report(db, "key", seconds, snapshot.now))
         return page("/usage", usage_page(snapshot, by_model, by_key, period), snapshot.now)
@@ -263,7 +267,7 @@ def add_routes(app: web.Application, gateway: Any) -> None:
         web.get("/nodes", simple("/nodes", nodes_page)),
         web.get("/models", simple("/models", models_page)),
         web.get("/replicas", simple("/replicas", replicas_page)),
-        web.get("/placement", simple("/placement", placement_page)),
+        web.get("/placement", simple("/placement", placement)),
         web.get("/usage", usage),
         web.get(STYLESHEET_PATH, style),
     ])

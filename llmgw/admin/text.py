@@ -1,7 +1,8 @@
 """Words and figures shared by `llmgw ctl` and the dashboard, so both say the same thing.
 
-Functions of the listing documents (llmgw.admin.views) to short strings. Unknown renders as `-`
-(R-2.3, R-2.7), through units.format_bytes / format_duration.
+Functions of the listing documents (llmgw.admin.views) to short strings: every phrase both print
+is made here, and the renderers (llmgw.admin.render for ctl, llmgw.admin.dashboard) only lay them
+out. Unknown renders as `-` (R-2.3, R-2.7), through units.format_bytes / format_duration.
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def printable_document(document: Any) -> Any:
     if isinstance(document, list | tuple):
         return [printable_document(v) for v in document]
     return document
+
+
+def progress_line(done: int, total: int | None) -> str:
+    """`downloading 1.2 GB of 4.0 GB (30%)`, or `downloading 1.2 GB so far` without a length.
+
+    A percentage is only ever computed from a length the server sent (R-5.4).
+    """
+    if total:
+        percent = min(100, done * 100 // total)
+        return f"downloading {format_bytes(done)} of {format_bytes(total)} ({percent}%)"
+    return f"downloading {format_bytes(done)} so far"
 
 
 def clock(ts: float | None) -> str:

@@ -22,7 +22,7 @@ from llmgw.catalog import Catalog, CatalogHolder, Model
 from llmgw.config import GatewayConfig, NodeConfig
 from llmgw.contracts.backoff import backoff_delay
 from llmgw.contracts.endpoints import Endpoint
-from llmgw.control import placement
+from llmgw.control import placement, publish
 from llmgw.control.state import (ENDED, FAILED, FETCHING, PENDING, SERVING, STARTING, STOPPED, STOPPING,
                                  Replica, Shard, delete_replica, load_replicas, new_engine_key,
                                  new_replica_id, save_replica)
@@ -99,6 +99,7 @@ class Reconciler:
         self._explained_at: dict[str, float] = {}
         self.learned_sizes: dict[str, int | None] = {}  # canonical source -> bytes (None: not said)
         self._sizing: dict[str, asyncio.Task] = {}
+        self.view = publish.publish(self)  # what the admin, /metrics and ctl read (llmgw.control.publish)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -281,6 +282,7 @@ class Reconciler:
         self._pass_views = None
         self._cleanup_retired(now)
         self._push()
+        self.view = publish.publish(self)
 
     def _settled(self, now: float) -> bool:
         """Place nothing until every node has answered once (or the settling window is over):

@@ -100,6 +100,7 @@ async def test_pages_render_without_javascript(admin, path):
 async def test_pages_show_unknown_as_dash_and_escape_what_nodes_report(admin):
     client, gateway = admin
     gateway.fleet.links["ghost"].reason = "<img src=x onerror=alert(1)>"
+    gateway.publish()
     page = await (await client.get("/nodes", headers=AUTH)).text()
     assert "<img src=x" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
     row = re.search(r"<tr><td>ghost</td>(.*?)</tr>", page).group(1)

@@ -1,7 +1,8 @@
 """The import graph between llmgw's parts, read from the source (ast), so a crossing cannot creep in.
 
-The control plane and the router meet only in `llmgw.contracts` (endpoints, backoff), which imports
-neither; `llmgw ctl` speaks to the admin API only. Imports inside
+The control plane and the router meet only in `llmgw.contracts` (endpoints, backoff, views), which
+imports neither; the admin renders published views and calls the control plane's service, never
+the reconciler, placement or the fleet; `llmgw ctl` speaks to the admin API only. Imports inside
 functions count; imports under `if TYPE_CHECKING:` do not (they are never executed).
 """
 
@@ -19,6 +20,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "llmgw"
 # (catalog swaps pushed to subscribers, API keys and usage through the shared SQLite); the
 # data-plane split replaces them with the router feed. None of it is control, fleet or admin.
 ROUTER_TODAY = {"llmgw.catalog", "llmgw.config", "llmgw.engines", "llmgw.store"}
+# What the admin may import of the control plane and the router: the service's refusal type,
+# the names of shard states, and the hour the router counts usage in.
+ADMIN_MAY_IMPORT = {"llmgw.control.service", "llmgw.control.state", "llmgw.router.usage"}
 
 
 def _module(path: Path) -> str:
@@ -109,6 +113,12 @@ def test_router_imports_only_what_it_does_today():
                                     "llmgw.server"])
 def test_contracts_import_neither_side(target):
     assert _crossings("llmgw.contracts", target) == {}
+
+
+def test_admin_reads_views_and_calls_the_service_only():
+    imported = {name for module, names in GRAPH.items() if _inside(module, "llmgw.admin") for name in names
+                if _inside(name, "llmgw.control", "llmgw.fleet", "llmgw.router") and name in GRAPH}
+    assert imported <= ADMIN_MAY_IMPORT, sorted(imported - ADMIN_MAY_IMPORT)
 
 
 def test_ctl_speaks_to_the_admin_api_only():

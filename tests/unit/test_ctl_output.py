@@ -30,6 +30,7 @@ async def admin(tmp_path):
     shard = Shard("bad-1-0", "bad-1", 0, "gpu3", (2,), state=FAILED, reason=f"engine exited {HOSTILE}",
                   log_tail=[f"loading {HOSTILE}", "CUDA out of memory\ttab kept"])
     gateway.reconciler.replicas["bad-1"] = Replica("bad-1", "chat", "k", [shard], retiring=True)
+    gateway.publish()
     client = TestClient(TestServer(build_admin_app(gateway)))
     await client.start_server()
     try:
