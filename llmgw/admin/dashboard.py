@@ -120,7 +120,7 @@ def refused() -> web.Response:
 def overview(snapshot: Listings) -> Markup:
     status = snapshot.status()
     capacity = table(["GPU class", "nodes", "used / free / unhealthy", "used", "free", "unhealthy"],
-                     [[c["gpu_class"] or "unrecognised", c["nodes"], bar(c["used"], c["free"], c["unhealthy"]),
+                     [[text.gpu_class_name(c["gpu_class"]), c["nodes"], bar(c["used"], c["free"], c["unhealthy"]),
                        c["used"], c["free"], c["unhealthy"]] for c in status["capacity"]],
                      empty="no GPUs reported")
     if status["gpus_unknown"]:
@@ -136,24 +136,22 @@ def overview(snapshot: Listings) -> Markup:
     ])
     unplaceable = table(["model", "why it cannot be placed"],
                         [[u["model"], u["reason"]] for u in status["unplaceable"]],
-                        empty="every model that wants a replica can be placed")
+                        empty=text.ALL_PLACEABLE)
     idle = table(["replica", "model", "nodes", "unasked-for"],
                  [[i["replica"], i["model"], ", ".join(i["nodes"]), text.idle_for(i)] for i in status["idle"]],
                  empty="no serving replica")
     fabrics = table(["fabric", "nodes", "models held (no cross-fabric copy)", "shared filers (counted once)",
                      "local free"],
-                    [[f["fabric"] or "(no fabric)", ", ".join(f["nodes"]),
-                      lines(m["model"] + (" (shared filer)" if m["on_shared"] else f" on {', '.join(m['nodes'])}")
-                            for m in f["models"]) if f["models"] else "-",
-                      lines(f"{fs['mount_point']}: {text.free_of(fs['free_bytes'], fs['total_bytes'])}"
-                            for fs in f["shared_filers"]) if f["shared_filers"] else "-",
+                    [[text.fabric_name(f["fabric"]), ", ".join(f["nodes"]),
+                      lines(text.held_in_fabric(m) for m in f["models"]) if f["models"] else "-",
+                      lines(text.filer_free(fs) for fs in f["shared_filers"]) if f["shared_filers"] else "-",
                       format_bytes(f["local_free_bytes"])] for f in status["fabrics"]])
     return Markup(template("overview.html").substitute(capacity=capacity, whole=whole, counts=counts,
                                                        unplaceable=unplaceable, idle=idle, fabrics=fabrics))
 
 
 def _counts(mapping: dict[str, int]) -> str:
-    return ", ".join(f"{count} {state}" for state, count in mapping.items() if count) or "-"
+    return text.counts(mapping) or text.UNKNOWN
 
 
 def nodes_page(snapshot: Listings) -> Markup:
@@ -179,8 +177,7 @@ def nodes_page(snapshot: Listings) -> Markup:
 def models_page(snapshot: Listings) -> Markup:
     rows = [[m["name"], m["state"], f"{m['replicas']['serving']} / {m['replicas']['total']}",
              text.scaling(m["scaling"]), m["routing"], m["profile"], m["engine"], m["weights"], m["fallback"],
-             m["declared_in"] + (f" by {m['actor']}" if m["actor"] else ""),
-             m["unplaceable"] or m["last_failure"]] for m in snapshot.models()]
+             text.declared(m), text.model_problem(m)] for m in snapshot.models()]
     listing = table(["model", "state", "serving / replicas", "scaling", "routing", "profile", "engine", "weights",
                      "fallback", "declared", "problem"], rows, empty="the catalog has no models")
     return Markup(template("models.html").substitute(models=listing))
@@ -197,15 +194,13 @@ def replicas_page(snapshot: Listings) -> Markup:
                 shards.append(tag("div", shard["progress"]["line"], "progress"))
             if shard["log_tail"]:
                 shards.append(tag("pre", "\n".join(shard["log_tail"][-20:]), "log"))
-        state = replica["state"] + (" (retired)" if replica["retired"] else "") + (
-            " (draining)" if replica["draining"] and replica["state"] != "draining" else "")
-        rows.append([replica["id"], replica["model"], state, Markup("".join(shards)),
+        rows.append([replica["id"], replica["model"], text.replica_state(replica), Markup("".join(shards)),
                      text.ago(replica["serving_since"], now) if replica["serving_since"] else "-",
                      text.idle_for(replica), "-" if replica.get("in_flight") is None else replica["in_flight"],
                      text.engine_load(replica), replica["reason"]])
     listing = table(["replica", "model", "state", "shards", "serving since", "unasked-for", "in flight",
                      "engine load", "reason"], rows,
-                    empty="no replicas", cls="replicas")
+                    empty=text.NO_REPLICAS, cls="replicas")
     return Markup(template("replicas.html").substitute(replicas=listing))
 
 
@@ -214,13 +209,12 @@ def placement_page(snapshot: Listings, explain: Callable[[str], dict]) -> Markup
     for entry in snapshot.status()["unplaceable"]:
         explanation = explain(entry["model"])
         verdicts = table(["node", "verdict", "free GPUs", "holds weights", "reasons"],
-                         [[v["node"], "fits" if v["fits"] else "rejected", v["free_gpus"],
+                         [[v["node"], text.verdict(v), v["free_gpus"],
                            text.holds(v["holds_weights"]), lines(v["reasons"])] for v in explanation["verdicts"]],
                          empty="no nodes")
         sections.append(Markup(f"<section><h2>{esc(entry['model'])}</h2>"
                                f"{tag('p', explanation['summary'], 'summary')}{verdicts}</section>"))
-    content = Markup("".join(sections)) if sections else tag("p", "every model that wants a replica can be "
-                                                                  "placed", "empty")
+    content = Markup("".join(sections)) if sections else tag("p", text.ALL_PLACEABLE, "empty")
     return Markup(template("placement.html").substitute(failures=content))
 
 
@@ -230,8 +224,8 @@ def usage_page(snapshot: Listings, by_model: dict, by_key: dict, period: str) ->
     def listing(report: dict, what: str) -> Markup:
         return table([what, "requests", "prompt tokens", "completion tokens", "total tokens"],
                      [[r["name"], r["requests"], r["prompt_tokens"], r["completion_tokens"], r["total_tokens"]]
-                      for r in report["rows"]], empty="no requests in this period")
-    start = time.strftime("%Y-%m-%d %H:%M", time.localtime(by_model["from"]))
+                      for r in report["rows"]], empty=text.NO_REQUESTS)
+    start = text.period_start(by_model)
     return Markup(template("usage.html").substitute(
         periods=Markup(periods), start=esc(start), by_model=listing(by_model, "model"), by_key=listing(by_key, "key")))
 

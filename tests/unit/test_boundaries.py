@@ -123,3 +123,13 @@ def test_admin_reads_views_and_calls_the_service_only():
 
 def test_ctl_speaks_to_the_admin_api_only():
     assert _crossings("llmgw.cli.ctl", "llmgw.control", "llmgw.fleet", "llmgw.router", "llmgw.server") == {}
+
+
+def test_ctl_holds_commands_and_the_renderers_live_in_the_admin():
+    path = PACKAGE / "cli" / "ctl.py"
+    tree = ast.parse(path.read_text())
+    functions = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    assert not {name for name in functions if name.startswith("render_")}
+    assert "rich.table" not in GRAPH["llmgw.cli.ctl"] and not any(
+        isinstance(node, ast.ImportFrom) and node.module == "rich.table" for node in ast.walk(tree))
+    assert "llmgw.admin.render" in GRAPH["llmgw.cli.ctl"]
