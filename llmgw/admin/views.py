@@ -67,6 +67,7 @@ class Listings:
         self.router = router
         self.now = time.time() if now is None else now
         self.catalog = view.catalog
+        self._nodes = {node.name: node for node in view.nodes}
         self._cache: dict[str, Any] = {}
 
     def _once(self, key: str, build):
@@ -300,7 +301,7 @@ class Listings:
                                                     "total_bytes": fs["total_bytes"], "free_bytes": fs["free_bytes"],
                                                     "nodes": []})
                     filer["nodes"].append(node["name"])
-                held = self.view.node(node["name"]).holdings or {}
+                held = self._nodes[node["name"]].holdings or {}
                 for model, where in held.items():
                     if model not in self.catalog.models:
                         continue
