@@ -22,6 +22,7 @@ from aiohttp import web
 from llmgw.admin import text
 from llmgw.admin.usage import usage_report
 from llmgw.admin.views import Listings, explanation_json, listings
+from llmgw.control.service import ServiceError
 from llmgw.units import format_bytes, parse_duration
 
 STYLESHEET_PATH = "/static/style.css"
@@ -204,10 +205,12 @@ def replicas_page(snapshot: Listings) -> Markup:
     return Markup(template("replicas.html").substitute(replicas=listing))
 
 
-def placement_page(snapshot: Listings, explain: Callable[[str], dict]) -> Markup:
+def placement_page(snapshot: Listings, explain: Callable[[str], dict | None]) -> Markup:
     sections = []
     for entry in snapshot.status()["unplaceable"]:
         explanation = explain(entry["model"])
+        if explanation is None:
+            continue  # removed from the catalog since the view was published
         verdicts = table(["node", "verdict", "free GPUs", "holds weights", "reasons"],
                          [[v["node"], text.verdict(v), v["free_gpus"],
                            text.holds(v["holds_weights"]), lines(v["reasons"])] for v in explanation["verdicts"]],
@@ -238,8 +241,13 @@ def add_routes(app: web.Application, gateway: Any) -> None:
         return handler
 
     def placement(snapshot: Listings) -> Markup:
-        # Explanations are computed by the control plane, on the fleet as it is now.
-        return placement_page(snapshot, lambda model: explanation_json(gateway.control.explain(model)))
+        def explain(model: str) -> dict | None:
+            # Computed by the control plane, on the fleet as it is now.
+            try:
+                return explanation_json(gateway.control.explain(model))
+            except ServiceError:
+                return None
+        return placement_page(snapshot, explain)
 
     async def usage(request: web.Request) -> web.Response:
         period = request.query.get("since", "24h")
