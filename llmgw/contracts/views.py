@@ -124,7 +124,7 @@ class ModelState:
 
     name: str
     failures: int  # consecutive failed replicas; 0 once one serves
-    next_attempt: float | None  # no replacement is launched before this time (backoff); None: no wait
+    next_attempt: float | None  # no replacement is launched before this time (backoff); None: no failure
     last_failure: str | None
     last_log_tail: tuple[str, ...] | None
     launches: int
