@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmgw.router.affinity import affinity_key  # noqa: E402
 from llmgw.router.balancer import LEAST_OUTSTANDING, PREFIX, PREFIX_BOUND, Balancer  # noqa: E402
-from llmgw.router.endpoints import Endpoint  # noqa: E402
+from llmgw.contracts.endpoints import Endpoint  # noqa: E402
 
 POLICIES = (LEAST_OUTSTANDING, PREFIX)
 TENANTS = 32

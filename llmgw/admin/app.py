@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from llmgw.admin import dashboard
 from llmgw.admin.metrics import FleetCollector
 from llmgw.admin.usage import BY, usage_report
-from llmgw.admin.views import Snapshot
+from llmgw.admin.views import Listings, explanation_json, listings
 from llmgw.control.service import ServiceError
 from llmgw.units import parse_duration
 
@@ -112,7 +112,7 @@ def build_admin_app(gateway: Any) -> web.Application:
     app[GATEWAY] = gateway
     app[TOKEN] = gateway.token
     app[FOLLOWS] = set()
-    gateway.registry.register(FleetCollector(lambda: Snapshot(gateway)))
+    gateway.registry.register(FleetCollector(lambda: listings(gateway)))
     api = Api(gateway)
     app.add_routes([
         web.get("/api/status", api.status),
@@ -186,13 +186,13 @@ def _duration(value: Any, name: str) -> float:
 
 
 class Api:
-    """Handlers of the management API; they read views and call the control plane, nothing more."""
+    """Handlers of the management API: they render the published view and call the control plane."""
 
     def __init__(self, gateway: Any):
         self.gateway = gateway
 
-    def snapshot(self) -> Snapshot:
-        return Snapshot(self.gateway)
+    def snapshot(self) -> Listings:
+        return listings(self.gateway)
 
     async def status(self, request: web.Request) -> web.Response:
         return _json(self.snapshot().status())
@@ -210,10 +210,7 @@ class Api:
         return _json(self.snapshot().storage())
 
     async def explain(self, request: web.Request) -> web.Response:
-        name = request.match_info["model"]
-        if name not in self.gateway.holder.current.models:
-            raise ServiceError(404, f"no model named {name!r}", code="model_not_found")
-        return _json(self.snapshot().explain(name))
+        return _json(explanation_json(self.gateway.control.explain(request.match_info["model"])))
 
     async def node_admin(self, request: web.Request) -> web.Response:
         """Cordon, uncordon and drain: one endpoint, the action in the body (R-9.4)."""

@@ -21,7 +21,8 @@ from aiohttp import web
 
 from llmgw.admin import text
 from llmgw.admin.usage import usage_report
-from llmgw.admin.views import Snapshot
+from llmgw.admin.views import Listings, explanation_json, listings
+from llmgw.control.service import ServiceError
 from llmgw.units import format_bytes, parse_duration
 
 STYLESHEET_PATH = "/static/style.css"
@@ -117,10 +118,10 @@ def refused() -> web.Response:
 # -- pages ---------------------------------------------------------------------------------------
 
 
-def overview(snapshot: Snapshot) -> Markup:
+def overview(snapshot: Listings) -> Markup:
     status = snapshot.status()
     capacity = table(["GPU class", "nodes", "used / free / unhealthy", "used", "free", "unhealthy"],
-                     [[c["gpu_class"] or "unrecognised", c["nodes"], bar(c["used"], c["free"], c["unhealthy"]),
+                     [[text.gpu_class_name(c["gpu_class"]), c["nodes"], bar(c["used"], c["free"], c["unhealthy"]),
                        c["used"], c["free"], c["unhealthy"]] for c in status["capacity"]],
                      empty="no GPUs reported")
     if status["gpus_unknown"]:
@@ -136,27 +137,25 @@ def overview(snapshot: Snapshot) -> Markup:
     ])
     unplaceable = table(["model", "why it cannot be placed"],
                         [[u["model"], u["reason"]] for u in status["unplaceable"]],
-                        empty="every model that wants a replica can be placed")
+                        empty=text.ALL_PLACEABLE)
     idle = table(["replica", "model", "nodes", "unasked-for"],
                  [[i["replica"], i["model"], ", ".join(i["nodes"]), text.idle_for(i)] for i in status["idle"]],
                  empty="no serving replica")
     fabrics = table(["fabric", "nodes", "models held (no cross-fabric copy)", "shared filers (counted once)",
                      "local free"],
-                    [[f["fabric"] or "(no fabric)", ", ".join(f["nodes"]),
-                      lines(m["model"] + (" (shared filer)" if m["on_shared"] else f" on {', '.join(m['nodes'])}")
-                            for m in f["models"]) if f["models"] else "-",
-                      lines(f"{fs['mount_point']}: {text.free_of(fs['free_bytes'], fs['total_bytes'])}"
-                            for fs in f["shared_filers"]) if f["shared_filers"] else "-",
+                    [[text.fabric_name(f["fabric"]), ", ".join(f["nodes"]),
+                      lines(text.held_in_fabric(m) for m in f["models"]) if f["models"] else "-",
+                      lines(text.filer_free(fs) for fs in f["shared_filers"]) if f["shared_filers"] else "-",
                       format_bytes(f["local_free_bytes"])] for f in status["fabrics"]])
     return Markup(template("overview.html").substitute(capacity=capacity, whole=whole, counts=counts,
                                                        unplaceable=unplaceable, idle=idle, fabrics=fabrics))
 
 
 def _counts(mapping: dict[str, int]) -> str:
-    return ", ".join(f"{count} {state}" for state, count in mapping.items() if count) or "-"
+    return text.counts(mapping) or text.UNKNOWN
 
 
-def nodes_page(snapshot: Snapshot) -> Markup:
+def nodes_page(snapshot: Listings) -> Markup:
     now = snapshot.now
     rows = []
     for node in snapshot.nodes():
@@ -176,17 +175,16 @@ def nodes_page(snapshot: Snapshot) -> Markup:
     return Markup(template("nodes.html").substitute(nodes=listing))
 
 
-def models_page(snapshot: Snapshot) -> Markup:
+def models_page(snapshot: Listings) -> Markup:
     rows = [[m["name"], m["state"], f"{m['replicas']['serving']} / {m['replicas']['total']}",
              text.scaling(m["scaling"]), m["routing"], m["profile"], m["engine"], m["weights"], m["fallback"],
-             m["declared_in"] + (f" by {m['actor']}" if m["actor"] else ""),
-             m["unplaceable"] or m["last_failure"]] for m in snapshot.models()]
+             text.declared(m), text.model_problem(m)] for m in snapshot.models()]
     listing = table(["model", "state", "serving / replicas", "scaling", "routing", "profile", "engine", "weights",
                      "fallback", "declared", "problem"], rows, empty="the catalog has no models")
     return Markup(template("models.html").substitute(models=listing))
 
 
-def replicas_page(snapshot: Snapshot) -> Markup:
+def replicas_page(snapshot: Listings) -> Markup:
     now = snapshot.now
     rows = []
     for replica in snapshot.replicas():
@@ -197,51 +195,59 @@ def replicas_page(snapshot: Snapshot) -> Markup:
                 shards.append(tag("div", shard["progress"]["line"], "progress"))
             if shard["log_tail"]:
                 shards.append(tag("pre", "\n".join(shard["log_tail"][-20:]), "log"))
-        state = replica["state"] + (" (retired)" if replica["retired"] else "") + (
-            " (draining)" if replica["draining"] and replica["state"] != "draining" else "")
-        rows.append([replica["id"], replica["model"], state, Markup("".join(shards)),
+        rows.append([replica["id"], replica["model"], text.replica_state(replica), Markup("".join(shards)),
                      text.ago(replica["serving_since"], now) if replica["serving_since"] else "-",
                      text.idle_for(replica), "-" if replica.get("in_flight") is None else replica["in_flight"],
                      text.engine_load(replica), replica["reason"]])
     listing = table(["replica", "model", "state", "shards", "serving since", "unasked-for", "in flight",
                      "engine load", "reason"], rows,
-                    empty="no replicas", cls="replicas")
+                    empty=text.NO_REPLICAS, cls="replicas")
     return Markup(template("replicas.html").substitute(replicas=listing))
 
 
-def placement_page(snapshot: Snapshot) -> Markup:
+def placement_page(snapshot: Listings, explain: Callable[[str], dict | None]) -> Markup:
     sections = []
     for entry in snapshot.status()["unplaceable"]:
-        explanation = snapshot.explain(entry["model"])
+        explanation = explain(entry["model"])
+        if explanation is None:
+            continue  # removed from the catalog since the view was published
         verdicts = table(["node", "verdict", "free GPUs", "holds weights", "reasons"],
-                         [[v["node"], "fits" if v["fits"] else "rejected", v["free_gpus"],
+                         [[v["node"], text.verdict(v), v["free_gpus"],
                            text.holds(v["holds_weights"]), lines(v["reasons"])] for v in explanation["verdicts"]],
                          empty="no nodes")
         sections.append(Markup(f"<section><h2>{esc(entry['model'])}</h2>"
                                f"{tag('p', explanation['summary'], 'summary')}{verdicts}</section>"))
-    content = Markup("".join(sections)) if sections else tag("p", "every model that wants a replica can be "
-                                                                  "placed", "empty")
+    content = Markup("".join(sections)) if sections else tag("p", text.ALL_PLACEABLE, "empty")
     return Markup(template("placement.html").substitute(failures=content))
 
 
-def usage_page(snapshot: Snapshot, by_model: dict, by_key: dict, period: str) -> Markup:
+def usage_page(snapshot: Listings, by_model: dict, by_key: dict, period: str) -> Markup:
     periods = "".join(_link(f"/usage?since={p}", p, p == period) for p in USAGE_PERIODS)
 
     def listing(report: dict, what: str) -> Markup:
         return table([what, "requests", "prompt tokens", "completion tokens", "total tokens"],
                      [[r["name"], r["requests"], r["prompt_tokens"], r["completion_tokens"], r["total_tokens"]]
-                      for r in report["rows"]], empty="no requests in this period")
-    start = time.strftime("%Y-%m-%d %H:%M", time.localtime(by_model["from"]))
+                      for r in report["rows"]], empty=text.NO_REQUESTS)
+    start = text.period_start(by_model)
     return Markup(template("usage.html").substitute(
         periods=Markup(periods), start=esc(start), by_model=listing(by_model, "model"), by_key=listing(by_key, "key")))
 
 
 def add_routes(app: web.Application, gateway: Any) -> None:
-    def simple(path: str, render: Callable[[Snapshot], Markup]):
+    def simple(path: str, render: Callable[[Listings], Markup]):
         async def handler(request: web.Request) -> web.Response:
-            snapshot = Snapshot(gateway)
+            snapshot = listings(gateway)
             return page(path, render(snapshot), snapshot.now)
         return handler
+
+    def placement(snapshot: Listings) -> Markup:
+        def explain(model: str) -> dict | None:
+            # Computed by the control plane, on the fleet as it is now.
+            try:
+                return explanation_json(gateway.control.explain(model))
+            except ServiceError:
+                return None
+        return placement_page(snapshot, explain)
 
     async def usage(request: web.Request) -> web.Response:
         period = request.query.get("since", "24h")
@@ -249,7 +255,7 @@ def add_routes(app: web.Application, gateway: Any) -> None:
             seconds = parse_duration(period)
         except ValueError:
             period, seconds = "24h", parse_duration("24h")
-        snapshot = Snapshot(gateway)
+        snapshot = listings(gateway)
         by_model = await gateway.store.read(lambda db: usage_report(db, "model", seconds, snapshot.now))
         by_key = await gateway.store.read(lambda db: usage_report(db, "key", seconds, snapshot.now))
         return page("/usage", usage_page(snapshot, by_model, by_key, period), snapshot.now)
@@ -263,7 +269,7 @@ def add_routes(app: web.Application, gateway: Any) -> None:
         web.get("/nodes", simple("/nodes", nodes_page)),
         web.get("/models", simple("/models", models_page)),
         web.get("/replicas", simple("/replicas", replicas_page)),
-        web.get("/placement", simple("/placement", placement_page)),
+        web.get("/placement", simple("/placement", placement)),
         web.get("/usage", usage),
         web.get(STYLESHEET_PATH, style),
     ])

@@ -1,4 +1,4 @@
-"""Fleet metrics for /metrics (R-9.7), computed at scrape time from the same snapshot as the listings.
+"""Fleet metrics for /metrics (R-9.7), rendered at scrape time from the listings of the published view.
 
 A node's gauge is absent when the node has not reported the value, never 0 (R-2.7): a scrape
 that finds no `llmgw_node_memory_bytes{node="gpu3"}` means "unknown", which alerting can tell
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from llmgw.admin.views import Snapshot
+from llmgw.admin.views import Listings
 from llmgw.control.state import SHARD_STATES
 
 NODE_STATES = ("connecting", "ready", "unreachable", "unhealthy")
@@ -20,9 +20,9 @@ ADMIN_STATES = ("active", "cordoned", "draining")
 
 
 class FleetCollector:
-    """A prometheus_client collector over a gateway; register it on the gateway's registry."""
+    """A prometheus_client collector over the gateway's listings; register it on the gateway's registry."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot]):
+    def __init__(self, snapshot: Callable[[], Listings]):
         self._snapshot = snapshot
 
     def describe(self) -> list:

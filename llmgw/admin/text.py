@@ -1,7 +1,8 @@
 """Words and figures shared by `llmgw ctl` and the dashboard, so both say the same thing.
 
-Functions of the listing documents (llmgw.admin.views) to short strings. Unknown renders as `-`
-(R-2.3, R-2.7), through units.format_bytes / format_duration.
+Functions of the listing documents (llmgw.admin.views) to short strings: every phrase both print
+is made here, and the renderers (llmgw.admin.render for ctl, llmgw.admin.dashboard) only lay them
+out. Unknown renders as `-` (R-2.3, R-2.7), through units.format_bytes / format_duration.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from llmgw.units import format_bytes, format_duration
 
 UNKNOWN = "-"
 BAR_WIDTH = 40
+NO_REPLICAS = "no replicas"
+NO_REQUESTS = "no requests in this period"
+ALL_PLACEABLE = "every model that wants a replica can be placed"
 
 # Escape sequences are removed whole — CSI (`ESC [ ... final`), the string sequences OSC, DCS, SOS,
 # PM and APC up to their terminator, and the short ESC ones, in 7- and 8-bit forms — then any
@@ -41,6 +45,17 @@ def printable_document(document: Any) -> Any:
     if isinstance(document, list | tuple):
         return [printable_document(v) for v in document]
     return document
+
+
+def progress_line(done: int, total: int | None) -> str:
+    """`downloading 1.2 GB of 4.0 GB (30%)`, or `downloading 1.2 GB so far` without a length.
+
+    A percentage is only ever computed from a length the server sent (R-5.4).
+    """
+    if total:
+        percent = min(100, done * 100 // total)
+        return f"downloading {format_bytes(done)} of {format_bytes(total)} ({percent}%)"
+    return f"downloading {format_bytes(done)} so far"
 
 
 def clock(ts: float | None) -> str:
@@ -171,6 +186,59 @@ def shard_line(shard: dict) -> str:
     port = f" port {shard['port']}" if shard["port"] else ""
     line = f"shard {shard['rank']} on {shard['node']} ({gpus}){port}: {shard['state']} since {clock(shard['state_since'])}"
     return line + (f": {shard['reason']}" if shard["reason"] else "")
+
+
+def counts(mapping: dict[str, int]) -> str:
+    """`3 ready, 1 unreachable`: the non-zero counts of a by-state mapping; empty when none."""
+    return ", ".join(f"{count} {state}" for state, count in mapping.items() if count)
+
+
+def gpu_class_name(gpu_class: str | None) -> str:
+    return gpu_class or "unrecognised"
+
+
+def fabric_name(fabric: str | None) -> str:
+    return fabric or "(no fabric)"
+
+
+def held_in_fabric(entry: dict) -> str:
+    """`chat (shared filer)` or `chat on gpu1, gpu2`: where a fabric holds a model's weights."""
+    return entry["model"] + (" (shared filer)" if entry["on_shared"] else f" on {', '.join(entry['nodes'])}")
+
+
+def filer_free(fs: dict) -> str:
+    """`/mnt/filer: 400.0 GB / 1.0 TB`: a shared filer's free and total, counted once (R-2.5)."""
+    return f"{fs['mount_point']}: {free_of(fs['free_bytes'], fs['total_bytes'])}"
+
+
+def declared(model: dict) -> str:
+    """`file`, or `store by alice`: where a model is declared, and who added it at runtime."""
+    return model["declared_in"] + (f" by {model['actor']}" if model["actor"] else "")
+
+
+def model_problem(model: dict) -> str | None:
+    """Why the model cannot be placed, else its last failure with the wait before the next attempt."""
+    problem = model["unplaceable"] or model["last_failure"]
+    if problem is not None and model.get("retry_in") is not None:
+        problem = f"{problem} (next attempt in {format_duration(model['retry_in'])})"
+    return problem
+
+
+def replica_state(replica: dict) -> str:
+    """`serving (draining)`, `failed (retired)`: the state with the marks the state does not say."""
+    state = replica["state"] + (" (retired)" if replica["retired"] else "")
+    if replica["draining"] and replica["state"] != "draining":
+        state += " (draining)"
+    return state
+
+
+def verdict(entry: dict) -> str:
+    return "fits" if entry["fits"] else "rejected"
+
+
+def period_start(report: dict) -> str:
+    """Where a usage report's period starts (counters are per hour, so at an hour)."""
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(report["from"]))
 
 
 def holds(value: bool | None) -> str:

@@ -1,9 +1,12 @@
-"""What the operator sees: the JSON of every admin listing, derived from the running gateway.
+"""What the operator sees: the JSON of every admin listing, derived from a published ControlView.
 
-This module is the one place where status, nodes, models, replicas, storage and placement
-explanations are computed. The management API returns these documents as they are, `llmgw ctl`
-renders them, the dashboard renders them, and /metrics reads them; `status` is a summary of the
-other listings taken from the same snapshot, so it cannot disagree with them (R-7.2).
+This module is the one place where the status, nodes, models, replicas and storage documents
+are made, from the control plane's latest published view (llmgw.contracts.views) and the
+router's own figures per replica; it never reads the reconciler's or the fleet's records. The
+management API returns these documents as they are, `llmgw ctl` renders them, the dashboard
+renders them, and /metrics reads them; `status` is a summary of the other listings taken from
+the same view, so it cannot disagree with them (R-7.2). Placement explanations are computed by
+the control plane (`ControlPlane.explain`); `explanation_json` is their document.
 
 Unknown is `None` (JSON null) everywhere, never 0 (R-2.3, R-2.7): a node that has not reported
 its GPUs has `gpus: null`, one that reported none has a count of 0.
@@ -13,27 +16,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from llmgw.control import placement
-from llmgw.control.state import ENDED, FAILED, SHARD_STATES, STOPPED, Replica
-from llmgw.units import format_bytes
+from llmgw.admin.text import progress_line
+from llmgw.contracts.views import ControlView, NodeState, ReplicaState
+from llmgw.control.state import FAILED, SHARD_STATES, STOPPED
 
-IDLE_LISTED = 5
-_PROGRESS_ORDER = {state: rank for rank, state in enumerate(SHARD_STATES)}  # replicas listed as "unasked-for longest" in status
-READY = "ready"
+if TYPE_CHECKING:
+    from llmgw.control.placement import Explanation
+
+IDLE_LISTED = 5  # replicas listed as "unasked-for longest" in status
+_PROGRESS_ORDER = {state: rank for rank, state in enumerate(SHARD_STATES)}
 
 
-def progress_line(done: int, total: int | None) -> str:
-    """`downloading 1.2 GB of 4.0 GB (30%)`, or `downloading 1.2 GB so far` without a length.
+class DataPlane(Protocol):
+    """What the listings read of the router: its own figures per replica, as of now."""
 
-    A percentage is only ever computed from a length the server sent (R-5.4).
-    """
-    if total:
-        percent = min(100, done * 100 // total)
-        return f"downloading {format_bytes(done)} of {format_bytes(total)} ({percent}%)"
-    return f"downloading {format_bytes(done)} so far"
+    def outstanding(self, replica_id: str) -> int: ...
+
+    def engine_load(self, replica_id: str) -> Any: ...  # an object with as_dict(), or None: unknown
 
 
 def _filesystem(fs) -> dict:
@@ -53,21 +54,20 @@ def _filer_key(fs: dict) -> tuple:
     return (fs["fstype"], fs["mount_point"] or fs["device"])
 
 
-@dataclass
-class Snapshot:
-    """One consistent reading of the gateway's state; every listing of a request comes from it."""
+def listings(gateway: Any) -> Listings:
+    """The listings of the control plane's latest published view, with the router's figures."""
+    return Listings(gateway.control.view(), getattr(gateway, "router", None))
 
-    gateway: Any
-    now: float = field(default_factory=time.time)
 
-    def __post_init__(self) -> None:
-        reconciler = self.gateway.reconciler
-        self.catalog = self.gateway.holder.current
-        self.fleet = self.gateway.fleet
-        self.reconciler = reconciler
-        self.views = {view.name: view for view in reconciler.node_views()}
-        self.allocated = reconciler.allocated()
-        self.live: list[Replica] = sorted(reconciler.replicas.values(), key=lambda r: (r.model, r.id))
+class Listings:
+    """The documents of one published ControlView; every listing of a request comes from it."""
+
+    def __init__(self, view: ControlView, router: DataPlane | None = None, now: float | None = None):
+        self.view = view
+        self.router = router
+        self.now = time.time() if now is None else now
+        self.catalog = view.catalog
+        self._nodes = {node.name: node for node in view.nodes}
         self._cache: dict[str, Any] = {}
 
     def _once(self, key: str, build):
@@ -78,76 +78,62 @@ class Snapshot:
     # -- nodes ---------------------------------------------------------------------------------
 
     def nodes(self) -> list[dict]:
-        return self._once("nodes", lambda: [self._node(name) for name in self.fleet.nodes])
+        return self._once("nodes", lambda: [self._node(node) for node in self.view.nodes])
 
-    def _node(self, name: str) -> dict:
-        config = self.fleet.nodes[name]
-        view = self.views[name]
-        link = self.fleet.links.get(name)
-        facts = self.fleet.facts[name]
-        admin = self.reconciler.admin.get(name)
-        observed = max(facts.observed_at.values()) if facts.observed_at else None
-        entry: dict[str, Any] = {
-            "name": name,
-            "host": "local" if config.connection == "local" else config.host,
-            "fabric": config.fabric,
-            "labels": dict(config.labels),
-            "state": view.state,
-            "state_reason": view.state_reason,
-            "since": link.since if link is not None else None,
+    def _node(self, node: NodeState) -> dict:
+        inventory = node.inventory
+        return {
+            "name": node.name,
+            "host": node.host,
+            "fabric": node.fabric,
+            "labels": dict(node.labels),
+            "state": node.state,
+            "state_reason": node.state_reason,
+            "since": node.since,
             # What a node that is not ready last reported is kept, but it is marked stale (R-1.1).
-            "stale": view.state != READY and observed is not None,
-            "observed_at": observed,
-            "admin": {"state": admin.state if admin else "active",
-                      "grace_until": admin.grace_until if admin else None,
-                      "actor": admin.actor if admin else None},
-            "gpu_class": view.gpu_class,
-            "gpus": self._gpus(name, view, facts),
-            "memory_bytes": view.memory_bytes,
-            "cpus": facts.inventory.cpus if facts.inventory is not None else None,
-            "disk": self._disk(facts),
-            "replicas": sorted({r.id for r in self.live for s in r.shards
-                                if s.node == name and s.state not in ENDED}),
-            "unknown_engines": list(self.reconciler.unknown_engines.get(name, [])),
+            "stale": node.stale,
+            "observed_at": node.observed_at,
+            "admin": {"state": node.admin.state, "grace_until": node.admin.grace_until, "actor": node.admin.actor},
+            "gpu_class": node.gpu_class,
+            "gpus": self._gpus(node),
+            "memory_bytes": node.memory_bytes,
+            "cpus": inventory.cpus if inventory is not None else None,
+            "disk": self._disk(node),
+            "replicas": list(node.replicas),
+            "unknown_engines": list(node.unknown_engines),
         }
-        return entry
 
-    def _gpus(self, name: str, view, facts) -> dict | None:
+    @staticmethod
+    def _gpus(node: NodeState) -> dict | None:
         """Counts and devices; an unhealthy GPU is neither used nor free (R-2.2, R-7.2)."""
-        if facts.inventory is None:
+        inventory = node.inventory
+        if inventory is None:
             return None
-        free = set(placement.free_gpus(view, self.allocated) or ())
-        taken = self.allocated.get(name, frozenset())
-        holders: dict[int, str] = {}
-        for replica in self.live:
-            for shard in replica.shards:
-                if shard.node == name and shard.state not in ENDED:
-                    for index in shard.gpus:
-                        holders[index] = replica.id
+        free = set(node.free_gpus or ())
         devices = []
-        for gpu in facts.inventory.gpus:
+        for gpu in inventory.gpus:
             devices.append({
                 "index": gpu.index, "name": gpu.name, "uuid": gpu.uuid, "gpu_class": gpu.gpu_class,
                 "memory_total_mib": gpu.memory_total_mib, "memory_used_mib": gpu.memory_used_mib,
                 "utilization_pct": gpu.utilization_pct, "healthy": gpu.healthy, "reasons": list(gpu.reasons),
                 "state": "unhealthy" if not gpu.healthy else "free" if gpu.index in free else "used",
-                "replica": holders.get(gpu.index),
+                "replica": node.gpu_holders.get(gpu.index),
             })
         healthy = [d for d in devices if d["healthy"]]
         return {
             "total": len(devices),
-            "used": sum(1 for d in healthy if d["index"] in taken),
+            "used": sum(1 for d in healthy if d["index"] in node.allocated),
             "free": len(free),
             "unhealthy": len(devices) - len(healthy),
-            "nvidia_smi": facts.inventory.nvidia_smi,
-            "nvidia_smi_error": facts.inventory.nvidia_smi_error,
+            "nvidia_smi": inventory.nvidia_smi,
+            "nvidia_smi_error": inventory.nvidia_smi_error,
             "devices": devices,
         }
 
     @staticmethod
-    def _disk(facts) -> dict | None:
+    def _disk(node: NodeState) -> dict | None:
         """Free/total per filesystem, the node's own disks apart from shared filers (R-2.4, R-2.5)."""
-        storage = facts.storage
+        storage = node.storage
         if storage is None:
             return None
         local = [_filesystem(fs) for fs in storage.local]
@@ -164,21 +150,11 @@ class Snapshot:
     # -- replicas ------------------------------------------------------------------------------
 
     def replicas(self) -> list[dict]:
-        def build() -> list[dict]:
-            listed = [self._replica(r, retired=False) for r in self.live]
-            seen = {r.id for r in self.live}
-            # A failed replica leaves the live set once its engines are stopped; it stays listed
-            # for a while so that its error and log tail can be read.
-            for _, replica in reversed(self.reconciler.retired):
-                if replica.id not in seen and replica.state == FAILED:
-                    seen.add(replica.id)
-                    listed.append(self._replica(replica, retired=True))
-            return listed
-        return self._once("replicas", build)
+        return self._once("replicas", lambda: [self._replica(r) for r in (*self.view.replicas, *self.view.retired)])
 
-    def _replica(self, replica: Replica, *, retired: bool) -> dict:
-        last_used = self.reconciler.last_used.get(replica.id)  # absent: unknown, not idle (R-7.1)
-        router = getattr(self.gateway, "router", None)
+    def _replica(self, replica: ReplicaState) -> dict:
+        last_used = replica.last_used  # None: unknown, not idle (R-7.1)
+        router = self.router
         engine = router.engine_load(replica.id) if router is not None else None
         shards = []
         for shard in replica.shards:
@@ -194,11 +170,11 @@ class Snapshot:
             })
         return {
             "id": replica.id, "model": replica.model, "state": replica.state, "serving": replica.serving,
-            "draining": replica.draining, "retiring": replica.retiring, "retired": retired,
+            "draining": replica.draining, "retiring": replica.retiring, "retired": replica.retired,
             "replaces": replica.replaces, "reason": replica.reason, "created_at": replica.created_at,
             "serving_since": replica.serving_since, "last_used": last_used,
             "idle_seconds": None if last_used is None else max(0.0, self.now - last_used),
-            "nodes": replica.nodes, "shards": shards,
+            "nodes": list(replica.nodes), "shards": shards,
             "in_flight": router.outstanding(replica.id) if router is not None else None,
             # The engine's own load as the router last polled it (R-6.5); None: it did not say.
             "engine": engine.as_dict() if engine is not None else None,
@@ -211,13 +187,13 @@ class Snapshot:
                                                                              key=lambda m: m.name)])
 
     def _model(self, model) -> dict:
-        live = [r for r in self.live if r.model == model.name and not r.retiring]
+        live = [r for r in self.view.replicas if r.model == model.name and not r.retiring]
         serving = sum(1 for r in live if r.serving)
-        health = self.reconciler.health.get(model.name)
-        unplaceable = self.reconciler.unplaceable.get(model.name)
+        known = self.view.models.get(model.name)
+        unplaceable = known.unplaceable if known is not None else None
         retry_in = None
-        if health is not None and health.failures and health.next_attempt > self.now:
-            retry_in = health.next_attempt - self.now
+        if known is not None and known.next_attempt is not None and known.next_attempt > self.now:
+            retry_in = known.next_attempt - self.now
         if model.static:
             state = "static endpoints"
         elif unplaceable is not None:
@@ -252,8 +228,8 @@ class Snapshot:
             "static": model.static,
             "replicas": {"total": len(live), "serving": serving},
             "unplaceable": unplaceable.summary if unplaceable is not None else None,
-            "failures": health.failures if health is not None else 0,
-            "last_failure": health.last_failure if health is not None else None,
+            "failures": known.failures if known is not None else 0,
+            "last_failure": known.last_failure if known is not None else None,
             "retry_in": retry_in,
         }
 
@@ -296,7 +272,7 @@ class Snapshot:
             "generated_at": self.now,
             "capacity": sorted(capacity.values(), key=lambda c: (c["gpu_class"] is None, c["gpu_class"] or "")),
             "gpus_unknown": gpus_unknown,
-            "free_whole_nodes": placement.free_whole_nodes(list(self.views.values()), self.allocated),
+            "free_whole_nodes": dict(self.view.free_whole_nodes),
             "nodes": {"total": len(nodes), "by_state": node_states, "by_admin": admin_states},
             "replicas": {"total": len(live), "serving": len(serving), "by_state": by_state,
                          "failed_recently": sum(1 for r in replicas if r["retired"])},
@@ -325,7 +301,7 @@ class Snapshot:
                                                     "total_bytes": fs["total_bytes"], "free_bytes": fs["free_bytes"],
                                                     "nodes": []})
                     filer["nodes"].append(node["name"])
-                held = self.fleet.facts[node["name"]].holdings or {}
+                held = self._nodes[node["name"]].holdings or {}
                 for model, where in held.items():
                     if model not in self.catalog.models:
                         continue
@@ -344,22 +320,14 @@ class Snapshot:
             })
         return out
 
-    # -- placement (R-3.5) ---------------------------------------------------------------------
-
-    def explain(self, model: str) -> dict:
-        explanation = self.reconciler.explain(model)
-        return explanation_json(explanation)
-
     # -- storage (R-2.4, R-2.5) ----------------------------------------------------------------
 
     def storage(self) -> dict:
         nodes = []
         filers: dict[tuple, dict] = {}
-        for node in self.nodes():
+        for state, node in zip(self.view.nodes, self.nodes()):
             name = node["name"]
-            facts = self.fleet.facts[name]
-            config = self.fleet.nodes[name]
-            held = facts.holdings
+            held = state.holdings
             disk = node["disk"]
             for fs in (disk["shared"] if disk is not None else []):
                 filer = filers.setdefault(_filer_key(fs), {"fstype": fs["fstype"], "mount_point": fs["mount_point"],
@@ -368,8 +336,8 @@ class Snapshot:
                 filer["nodes"].append(name)
             nodes.append({
                 "node": name, "state": node["state"], "stale": node["stale"], "fabric": node["fabric"],
-                "cache_dir": self.reconciler.cache_dir(config),
-                "model_dirs": list(config.model_dirs), "shared_dirs": list(config.shared_dirs),
+                "cache_dir": state.cache_dir,
+                "model_dirs": list(state.model_dirs), "shared_dirs": list(state.shared_dirs),
                 "disk": disk,
                 "holdings": None if held is None else [
                     {"model": model, "path": where.path, "bytes": where.bytes} for model, where in sorted(held.items())],
@@ -377,7 +345,8 @@ class Snapshot:
         return {"nodes": nodes, "shared_filers": list(filers.values())}
 
 
-def explanation_json(explanation: placement.Explanation) -> dict:
+def explanation_json(explanation: Explanation) -> dict:
+    """explain-placement's document (R-3.5): every node's verdict and the plan, if any."""
     plan = explanation.plan
     return {
         "model": explanation.model,

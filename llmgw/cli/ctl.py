@@ -1,7 +1,8 @@
 """`llmgw ctl`: the operator's commands against a running gateway's admin listener (R-9.1, R-9.4).
 
-Commands call the management API and render its answer; they hold no logic of their own (the
-listings are computed once, in llmgw.admin.views). `--json` prints the API's answer as it is.
+Commands call the management API and print its answer; they hold no logic of their own (the
+listings are computed once, in llmgw.admin.views, and laid out for the terminal by
+llmgw.admin.render). `--json` prints the API's answer as it is.
 A refusal from the API is one line on stderr and exit code 1.
 """
 
@@ -18,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console, Group
-from rich.table import Table
+from rich.console import Console
 from rich.text import Text
 
+from llmgw.admin import render
 from llmgw.admin import text as words
 from llmgw.admin.client import AdminClient, AdminError, default_actor
-from llmgw.units import format_bytes, format_duration
 
 EXIT_REFUSED = 1
 WATCH_INTERVAL = 2.0
@@ -124,92 +124,17 @@ def _refusals() -> Iterator[None]:
         raise typer.Exit(EXIT_REFUSED) from None
 
 
-def _emit(document: Any, as_json: bool, render: Callable[[Any], Any]) -> None:
+def _emit(document: Any, as_json: bool, layout: Callable[[Any], Any]) -> None:
+    """Print an API answer: as JSON, or laid out by one of llmgw.admin.render's functions."""
     if as_json:
         typer.echo(json.dumps(document, indent=2))  # JSON escapes control characters itself
         return
-    rendered = render(words.printable_document(document))
+    rendered = layout(words.printable_document(document))
     if rendered is not None:
         _console().print(rendered)
 
 
-def _t(value: Any, style: str | None = None) -> Text:
-    """A cell: plain text, never rich markup (node output may contain `[GPU is lost]`).
-
-    Documents reach the renderers through `_emit`, which strips terminal control sequences from
-    what nodes report (R-9.4)."""
-    return Text(words.UNKNOWN if value is None else str(value), style=style or "")
-
-
-def _table(*headers: str, title: str | None = None) -> Table:
-    table = Table(title=title, title_justify="left", title_style="bold", header_style="bold", box=None,
-                  pad_edge=False, padding=(0, 2, 0, 0))
-    for header in headers:
-        table.add_column(header, overflow="fold")
-    return table
-
-
-def _lines(values) -> Text:
-    values = list(values)
-    return Text("\n".join(values)) if values else _t(None)
-
-
 # -- status ------------------------------------------------------------------------------------------
-
-
-def _bar(used: int, free: int, unhealthy: int) -> Text:
-    cells = words.bar_cells(used, free, unhealthy)
-    bar = Text()
-    bar.append("█" * cells[0], style="blue")
-    bar.append("░" * cells[1], style="green")
-    bar.append("✗" * cells[2], style="red")
-    return bar
-
-
-def render_status(status: dict) -> Group:
-    parts: list[Any] = []
-    capacity = _table("GPU CLASS", "USED/FREE/UNHEALTHY", "USED", "FREE", "UNHEALTHY", "NODES",
-                      title="GPU capacity (an unhealthy GPU is neither used nor free)")
-    for row in status["capacity"]:
-        capacity.add_row(_t(row["gpu_class"] or "unrecognised"), _bar(row["used"], row["free"], row["unhealthy"]),
-                         _t(row["used"]), _t(row["free"]), _t(row["unhealthy"]), _t(row["nodes"]))
-    parts.append(capacity if status["capacity"] else Text("GPU capacity: no GPUs reported"))
-    if status["gpus_unknown"]:
-        parts.append(Text("GPUs not reported yet: " + ", ".join(status["gpus_unknown"])))
-    whole = status["free_whole_nodes"]
-    parts.append(Text("free whole nodes per fabric: " + (
-        ", ".join(f"{fabric} {count}" for fabric, count in sorted(whole.items())) or "no node belongs to a fabric")))
-    nodes, replicas, models = status["nodes"], status["replicas"], status["models"]
-    parts.append(Text(f"nodes: {nodes['total']} ({_counts(nodes['by_state'])}; {_counts(nodes['by_admin'])})"))
-    parts.append(Text(f"replicas: {replicas['total']} ({_counts(replicas['by_state']) or 'none'})"
-                      + (f"; {replicas['failed_recently']} failed recently" if replicas["failed_recently"] else "")))
-    parts.append(Text(f"models: {models['total']} ({_counts(models['by_state']) or 'none'})"))
-    if status["unplaceable"]:
-        table = _table("MODEL", "WHY IT CANNOT BE PLACED", title="Models that cannot be placed")
-        for entry in status["unplaceable"]:
-            table.add_row(_t(entry["model"]), _t(entry["reason"]))
-        parts += [Text(""), table]
-    if status["idle"]:
-        table = _table("REPLICA", "MODEL", "NODES", "UNASKED-FOR", title="Replicas unasked-for longest")
-        for entry in status["idle"]:
-            table.add_row(_t(entry["replica"]), _t(entry["model"]), _t(", ".join(entry["nodes"])),
-                          _t(words.idle_for(entry)))
-        parts += [Text(""), table]
-    table = _table("FABRIC", "NODES", "MODELS HELD (NO CROSS-FABRIC COPY)", "SHARED FILERS (COUNTED ONCE)",
-                   "LOCAL FREE", title="What each fabric holds")
-    for fabric in status["fabrics"]:
-        held = [m["model"] + (" (shared filer)" if m["on_shared"] else f" on {', '.join(m['nodes'])}")
-                for m in fabric["models"]]
-        filers = [f"{fs['mount_point']}: {words.free_of(fs['free_bytes'], fs['total_bytes'])}"
-                  for fs in fabric["shared_filers"]]
-        table.add_row(_t(fabric["fabric"] or "(no fabric)"), _t(", ".join(fabric["nodes"])), _lines(held),
-                      _lines(filers), _t(format_bytes(fabric["local_free_bytes"])))
-    parts += [Text(""), table]
-    return Group(*parts)
-
-
-def _counts(mapping: dict[str, int]) -> str:
-    return ", ".join(f"{count} {state}" for state, count in mapping.items() if count)
 
 
 @ctl.command()
@@ -221,28 +146,10 @@ def status(ctx: typer.Context, as_json: bool = JSON_OPTION) -> None:
     unasked-for longest, and what each fabric holds.
     """
     with _refusals():
-        _emit(_client(ctx).get("/api/status"), as_json, render_status)
+        _emit(_client(ctx).get("/api/status"), as_json, render.status)
 
 
 # -- nodes -------------------------------------------------------------------------------------------
-
-
-def render_nodes(document: dict) -> Table:
-    now = time.time()
-    table = _table("NODE", "STATE", "ADMIN", "FABRIC", "LABELS", "GPUS", "USED", "FREE", "UNHEALTHY", "MEM",
-                   "DISK FREE/TOTAL", "SHARED FREE/TOTAL")
-    for node in document["nodes"]:
-        used, free, unhealthy = words.gpu_counts(node["gpus"])
-        disk = node["disk"]
-        local = [words.filesystem(fs) for fs in disk["local"]] if disk else []
-        shared = [words.filesystem(fs) for fs in disk["shared"]] if disk else []
-        state_style = None if node["state"] == "ready" else "red"
-        table.add_row(_t(node["name"], "bold"), _t(words.node_state(node, now), state_style),
-                      _t(words.admin_state(node, now), None if node["admin"]["state"] == "active" else "yellow"),
-                      _t(node["fabric"]), _t(words.labels(node["labels"])), _t(words.gpu_summary(node)),
-                      _t(used), _t(free), _lines([unhealthy, *words.unhealthy_reasons(node["gpus"])]),
-                      _t(format_bytes(node["memory_bytes"])), _lines(local), _lines(shared))
-    return table
 
 
 @ctl.command()
@@ -254,26 +161,10 @@ def nodes(ctx: typer.Context, as_json: bool = JSON_OPTION) -> None:
     `-` is unknown: the node did not report it.
     """
     with _refusals():
-        _emit(_client(ctx).get("/api/nodes"), as_json, render_nodes)
+        _emit(_client(ctx).get("/api/nodes"), as_json, render.nodes)
 
 
 # -- models ------------------------------------------------------------------------------------------
-
-
-def render_models(document: dict) -> Table:
-    table = _table("MODEL", "STATE", "SERVING", "SCALING", "ROUTING", "PROFILE", "ENGINE", "WEIGHTS", "FALLBACK",
-                   "DECLARED", "PROBLEM")
-    for model in document["models"]:
-        declared = model["declared_in"] + (f" by {model['actor']}" if model["actor"] else "")
-        problem = model["unplaceable"] or model["last_failure"]
-        if model["retry_in"] is not None:
-            problem = f"{problem} (next attempt in {format_duration(model['retry_in'])})"
-        table.add_row(_t(model["name"], "bold"), _t(model["state"]),
-                      _t(f"{model['replicas']['serving']}/{model['replicas']['total']}"),
-                      _t(words.scaling(model["scaling"])), _t(model.get("routing")), _t(model["profile"]),
-                      _t(model["engine"]),
-                      _t(model["weights"]), _t(model["fallback"]), _t(declared), _t(problem))
-    return table
 
 
 @ctl.command()
@@ -283,46 +174,10 @@ def models(ctx: typer.Context, as_json: bool = JSON_OPTION) -> None:
     State, serving replicas, scaling, routing policy, profile, weights, where each model is declared.
     """
     with _refusals():
-        _emit(_client(ctx).get("/api/models"), as_json, render_models)
+        _emit(_client(ctx).get("/api/models"), as_json, render.models)
 
 
 # -- replicas ----------------------------------------------------------------------------------------
-
-LOG_TAIL_SHOWN = 10
-
-
-def render_replicas(document: dict) -> Text:
-    out = Text()
-    if not document["replicas"]:
-        return Text("no replicas")
-    for replica in document["replicas"]:
-        state = replica["state"] + (" (retired)" if replica["retired"] else "")
-        if replica["draining"] and replica["state"] != "draining":
-            state += " (draining)"
-        out.append(replica["id"], style="bold")
-        out.append(f"  {replica['model']}  ")
-        out.append(state, style="green" if replica["serving"] else "red" if replica["state"] == "failed" else "yellow")
-        details = []
-        if replica["serving_since"] is not None:
-            details.append(f"serving since {words.clock(replica['serving_since'])}")
-        if replica["serving"]:
-            details.append(f"unasked-for {words.idle_for(replica)}")
-            in_flight = replica.get("in_flight")
-            details.append(f"in flight {'-' if in_flight is None else in_flight}")
-            details.append(f"engine {words.engine_load(replica)}")
-        if replica["reason"]:
-            details.append(replica["reason"])
-        out.append("  " + " · ".join(details) + "\n")
-        for shard in replica["shards"]:
-            out.append(f"  {words.shard_line(shard)}\n")
-            if shard["progress"] is not None:
-                # Progress is a line under the replica, not a column (R-5.4).
-                out.append(f"    {shard['progress']['line']}\n", style="cyan")
-            for log_line in (shard["log_tail"] or [])[-LOG_TAIL_SHOWN:]:
-                out.append(f"    | {log_line}\n", style="dim")
-    out.rstrip()
-    return out
-
 
 @ctl.command()
 def replicas(
@@ -339,14 +194,14 @@ def replicas(
     with _refusals():
         client = _client(ctx)
         if not watch:
-            _emit(client.get("/api/replicas"), as_json, render_replicas)
+            _emit(client.get("/api/replicas"), as_json, render.replicas)
             return
         console = _console()
         if console.is_terminal and not as_json:
             from rich.live import Live
 
             def rendered() -> Text:
-                return render_replicas(words.printable_document(client.get("/api/replicas")))
+                return render.replicas(words.printable_document(client.get("/api/replicas")))
 
             with Live(rendered(), console=console, auto_refresh=False) as live:
                 try:
@@ -357,7 +212,7 @@ def replicas(
                     return
         try:
             while True:
-                _emit(client.get("/api/replicas"), as_json, render_replicas)
+                _emit(client.get("/api/replicas"), as_json, render.replicas)
                 if not as_json:
                     typer.echo(f"--- {time.strftime('%H:%M:%S')}")
                 sys.stdout.flush()
@@ -369,22 +224,6 @@ def replicas(
 # -- placement ---------------------------------------------------------------------------------------
 
 
-def render_explanation(document: dict) -> Group:
-    summary = Text(f"{document['model']}: {document['summary']}", style="bold")
-    plan = document["plan"]
-    parts: list[Any] = [summary, Text("plan: " + words.plan_line(plan))]
-    if plan is not None and plan["reasons"]:
-        parts.append(Text("why: " + "; ".join(plan["reasons"])))
-    table = _table("NODE", "VERDICT", "FREE GPUS", "HOLDS WEIGHTS", "REASONS")
-    for verdict in document["verdicts"]:
-        table.add_row(_t(verdict["node"], "bold"),
-                      _t("fits" if verdict["fits"] else "rejected", "green" if verdict["fits"] else "red"),
-                      _t(verdict["free_gpus"]), _t(words.holds(verdict["holds_weights"])),
-                      _lines(verdict["reasons"]))
-    parts += [Text(""), table]
-    return Group(*parts)
-
-
 @ctl.command("explain-placement")
 def explain_placement(ctx: typer.Context, model: str = typer.Argument(..., help="Model name."),
                       as_json: bool = JSON_OPTION) -> None:
@@ -393,7 +232,7 @@ def explain_placement(ctx: typer.Context, model: str = typer.Argument(..., help=
     Every node considered, with its verdict and reasons, and the plan placement would make.
     """
     with _refusals():
-        _emit(_client(ctx).get(f"/api/explain/{_quote(model)}"), as_json, render_explanation)
+        _emit(_client(ctx).get(f"/api/explain/{_quote(model)}"), as_json, render.explanation)
 
 
 def _quote(value: str) -> str:
@@ -405,25 +244,12 @@ def _quote(value: str) -> str:
 # -- node admin --------------------------------------------------------------------------------------
 
 
-def render_node_admin(answer: dict) -> Text:
-    node, state = answer["node"], answer["admin"]
-    if state == "cordoned":
-        return Text(f"{node}: cordoned — nothing new is placed there; its replicas keep serving")
-    if state == "draining":
-        line = (f"{node}: draining — its replicas move elsewhere, each stopped once its replacement serves")
-        if answer.get("grace_until") is not None:
-            left = max(0.0, answer["grace_until"] - time.time())
-            line += f"; grace until {words.clock(answer['grace_until'])} ({format_duration(left)})"
-        return Text(line)
-    return Text(f"{node}: active — placement may use it again")
-
-
 def _node_admin(ctx: typer.Context, node: str, action: str, grace: str | None, as_json: bool) -> None:
     with _refusals():
         body: dict[str, Any] = {"action": action}
         if grace is not None:
             body["grace"] = grace
-        _emit(_client(ctx).post(f"/api/nodes/{_quote(node)}/admin", body), as_json, render_node_admin)
+        _emit(_client(ctx).post(f"/api/nodes/{_quote(node)}/admin", body), as_json, render.node_admin)
 
 
 @ctl.command()
@@ -455,13 +281,6 @@ def drain(ctx: typer.Context, node: str = typer.Argument(..., help="Node name.")
 # -- catalog changes ---------------------------------------------------------------------------------
 
 
-def render_model_summary(verb: str) -> Callable[[dict], Text]:
-    def render(answer: dict) -> Text:
-        scaling = answer["scaling"]
-        return Text(f"{verb} {answer['name']} (profile {answer['profile'] or '-'}; {words.scaling(scaling)})")
-    return render
-
-
 @model_app.command("add")
 def model_add(ctx: typer.Context,
               file: Path = typer.Option(..., "-f", "--file", exists=True, dir_okay=False, readable=True,
@@ -479,7 +298,7 @@ def model_add(ctx: typer.Context,
             raise AdminError(f"{file} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
         # The file's name rides in the JSON body: an HTTP header cannot carry every name a file can have.
         answer = _client(ctx).post("/api/models", {"yaml": text, "source": file.name})
-        _emit(answer, as_json, render_model_summary("added"))
+        _emit(answer, as_json, render.model_summary("added"))
 
 
 @model_app.command("remove")
@@ -491,7 +310,7 @@ def model_remove(ctx: typer.Context, name: str = typer.Argument(..., help="Model
     """
     with _refusals():
         answer = _client(ctx).call("DELETE", f"/api/models/{_quote(name)}")
-        _emit(answer, as_json, lambda a: Text(f"removed {a['removed']}; its replicas are being stopped"))
+        _emit(answer, as_json, render.removed)
 
 
 @ctl.command()
@@ -512,44 +331,10 @@ def scale(ctx: typer.Context,
     """
     with _refusals():
         answer = _client(ctx).post(f"/api/models/{_quote(model)}/scale", {"min": minimum, "max": maximum})
-
-        def render(answer: dict) -> Text:
-            scaling = answer["scaling"]
-            line = f"{answer['name']}: scaling in force: min {scaling['min']}, max {scaling['max']}"
-            if maximum is None:
-                line += " (max filled in by the catalog)"
-            if scaling["on_demand"]:
-                line += "; on demand: one replica is loaded when asked, however high the max"
-            else:
-                line += f"; runs exactly {scaling['min']} (nothing scales it up under load)"
-            return Text(line)
-        _emit(answer, as_json, render)
+        _emit(answer, as_json, lambda a: render.scaled(a, max_given=maximum is not None))
 
 
 # -- storage and reclaim -----------------------------------------------------------------------------
-
-
-def render_storage(document: dict) -> Group:
-    table = _table("NODE", "STATE", "CACHE DIR", "LOCAL FREE/TOTAL", "SHARED FREE/TOTAL", "HOLDS")
-    for node in document["nodes"]:
-        disk = node["disk"]
-        local = [words.filesystem(fs) for fs in disk["local"]] if disk else []
-        shared = [words.filesystem(fs) for fs in disk["shared"]] if disk else []
-        if disk:
-            local += [f"not there: {path}" for path in disk["missing"]] + [f"stuck: {path}" for path in disk["stuck"]]
-        holds = None if node["holdings"] is None else [
-            f"{h['model']} ({format_bytes(h['bytes'])}) {h['path']}" for h in node["holdings"]]
-        state = node["state"] + (" (stale)" if node["stale"] else "")
-        held = _t(None) if holds is None else _lines(holds) if holds else _t("none")
-        table.add_row(_t(node["node"], "bold"), _t(state), _t(node["cache_dir"]), _lines(local), _lines(shared), held)
-    parts: list[Any] = [table]
-    if document["shared_filers"]:
-        filers = _table("MOUNT POINT", "TYPE", "FREE/TOTAL", "MOUNTED BY", title="Shared filers (each counted once)")
-        for fs in document["shared_filers"]:
-            filers.add_row(_t(fs["mount_point"]), _t(fs["fstype"]), _t(words.free_of(fs["free_bytes"], fs["total_bytes"])),
-                           _t(", ".join(fs["nodes"])))
-        parts += [Text(""), filers]
-    return Group(*parts)
 
 
 @ctl.command()
@@ -559,23 +344,7 @@ def storage(ctx: typer.Context, as_json: bool = JSON_OPTION) -> None:
     Free/total per filesystem, shared filers apart and counted once.
     """
     with _refusals():
-        _emit(_client(ctx).get("/api/storage"), as_json, render_storage)
-
-
-def render_reclaim(answer: dict) -> Group:
-    table = _table("NODE", "ENTRY", "SIZE", "ACTION", "REASON")
-    for node in answer["nodes"]:
-        if node["error"]:
-            table.add_row(_t(node["node"], "bold"), _t(None), _t(None), _t("error", "red"), _t(node["error"]))
-        for entry in node["entries"]:
-            table.add_row(_t(node["node"], "bold"), _t(entry.get("path") or entry["name"]),
-                          _t(format_bytes(entry.get("bytes"))), _t(entry.get("action") or "listed"),
-                          _t(entry.get("reason")))
-    parts: list[Any] = []
-    if table.row_count:
-        parts += [table, Text("")]
-    parts.append(Text(words.reclaim_summary(answer)))
-    return Group(*parts)
+        _emit(_client(ctx).get("/api/storage"), as_json, render.storage)
 
 
 @ctl.command()
@@ -590,7 +359,7 @@ def reclaim(ctx: typer.Context,
     with _refusals():
         client = _client(ctx)
         answer = client.post("/api/reclaim", {"collect": True}) if collect else client.get("/api/reclaim")
-        _emit(answer, as_json, render_reclaim)
+        _emit(answer, as_json, render.reclaim)
 
 
 # -- logs and usage ----------------------------------------------------------------------------------
@@ -628,20 +397,6 @@ def logs(ctx: typer.Context,
         typer.echo("the log stream ended: the gateway closed it (stopping or restarting?)", err=True)
 
 
-def render_usage(report: dict) -> Group:
-    what = "MODEL" if report["by"] == "model" else "KEY"
-    table = _table(what, "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS", "TOTAL TOKENS")
-    for row in report["rows"]:
-        table.add_row(_t(row["name"], "bold"), _t(row["requests"]), _t(row["prompt_tokens"]),
-                      _t(row["completion_tokens"]), _t(row["total_tokens"]))
-    totals = report["totals"]
-    start = time.strftime("%Y-%m-%d %H:%M", time.localtime(report["from"]))
-    parts: list[Any] = [table] if report["rows"] else [Text("no requests in this period")]
-    parts.append(Text(f"since {start} (counted per hour): {totals['requests']} requests, "
-                      f"{totals['prompt_tokens']} prompt + {totals['completion_tokens']} completion tokens"))
-    return Group(*parts)
-
-
 @ctl.command()
 def usage(ctx: typer.Context,
           by: str = typer.Option("model", "--by", help="Group by `model` or `key`."),
@@ -652,7 +407,7 @@ def usage(ctx: typer.Context,
         typer.echo("error: --by must be `model` or `key`", err=True)
         raise typer.Exit(EXIT_REFUSED)
     with _refusals():
-        _emit(_client(ctx).get("/api/usage", by=by, since=since), as_json, render_usage)
+        _emit(_client(ctx).get("/api/usage", by=by, since=since), as_json, render.usage)
 
 
 @ctl.command()

@@ -20,15 +20,16 @@ from urllib.parse import unquote, urlsplit
 from llmgw.aio import cancel_and_wait
 from llmgw.catalog import Catalog, CatalogHolder, Model
 from llmgw.config import GatewayConfig, NodeConfig
-from llmgw.control import placement
+from llmgw.contracts.backoff import backoff_delay
+from llmgw.contracts.endpoints import Endpoint
+from llmgw.control import placement, publish
 from llmgw.control.state import (ENDED, FAILED, FETCHING, PENDING, SERVING, STARTING, STOPPED, STOPPING,
                                  Replica, Shard, delete_replica, load_replicas, new_engine_key,
                                  new_replica_id, save_replica)
 from llmgw.engines import ShardVars
 from llmgw.fleet.fleet import Fleet
-from llmgw.fleet.link import READY, backoff_delay
+from llmgw.fleet.link import READY
 from llmgw.fleet.session import NodeError
-from llmgw.router.endpoints import Endpoint
 from llmgw.store import Store, audit
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Reconciler:
         self._explained_at: dict[str, float] = {}
         self.learned_sizes: dict[str, int | None] = {}  # canonical source -> bytes (None: not said)
         self._sizing: dict[str, asyncio.Task] = {}
+        self.view = publish.publish(self)  # what the admin, /metrics and ctl read (llmgw.control.publish)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -280,6 +282,7 @@ class Reconciler:
         self._pass_views = None
         self._cleanup_retired(now)
         self._push()
+        self.view = publish.publish(self)
 
     def _settled(self, now: float) -> bool:
         """Place nothing until every node has answered once (or the settling window is over):
@@ -777,7 +780,7 @@ class Reconciler:
             host = "127.0.0.1" if node.connection == "local" else node.host
             table.setdefault(replica.model, []).append(
                 Endpoint(replica_id=replica.id, model=replica.model, url=f"http://{_url_host(host)}:{leader.port}",
-                         api_key=replica.api_key))
+                         api_key=replica.api_key, draining=replica.draining))
         for endpoints in table.values():
             endpoints.sort(key=lambda e: e.replica_id)
         return table

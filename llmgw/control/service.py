@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 
 from llmgw.catalog import Catalog, CatalogHolder, StoredModel
 from llmgw.config import ConfigError, Document, Inventory, ModelConfig, parse_model_text
-from llmgw.control import placement
+from llmgw.contracts.views import ControlView
+from llmgw.control import placement, publish
 from llmgw.control.reconciler import Reconciler
 from llmgw.fleet.fleet import Fleet
 from llmgw.fleet.link import READY
@@ -51,6 +52,22 @@ class ControlPlane:
         self.fleet = fleet
         self.inventory_source = inventory_source
         self._lock = asyncio.Lock()
+
+    # -- what the operator reads ---------------------------------------------------------------
+
+    def view(self) -> ControlView:
+        """The latest published view of the control plane (llmgw.control.publish)."""
+        return self.reconciler.view.get()
+
+    def publish(self) -> None:
+        """Publish now, so that what an operator just changed shows at once, not at the next pass."""
+        self.reconciler.view = publish.publish(self.reconciler)
+
+    def explain(self, name: str) -> placement.Explanation:
+        """Why the model goes where it goes, or nowhere, on the fleet as it is now (R-3.5)."""
+        if name not in self.holder.current.models:
+            raise ServiceError(404, f"no model named {name!r}", code="model_not_found")
+        return self.reconciler.explain(name)
 
     # -- catalog changes (R-8.1–R-8.4) ---------------------------------------------------------
 
@@ -115,6 +132,7 @@ class ControlPlane:
             await self.store.write(lambda db: (db["models"].insert(row),
                                                audit(db, actor, "model.add", config.name, detail)))
             self.holder.swap(catalog)
+        self.publish()
         self.reconciler.wake()
         return self.model_summary(config.name)
 
@@ -136,6 +154,7 @@ class ControlPlane:
             await self.store.write(lambda db: (db["models"].delete_where("name = ?", [name]),
                                                audit(db, actor, "model.remove", name)))
             self.holder.swap(catalog)
+        self.publish()
         self.reconciler.wake()
         return {"removed": name}
 
@@ -162,6 +181,7 @@ class ControlPlane:
                 db["models"].update(name, {"definition": definition, "updated_at": time.time()}),
                 audit(db, actor, "model.scale", name, {"min": minimum, "max": maximum})))
             self.holder.swap(catalog)
+        self.publish()
         self.reconciler.wake()
         return self.model_summary(name)
 
@@ -182,6 +202,7 @@ class ControlPlane:
         if node not in self.fleet.nodes:
             raise ServiceError(404, f"no node named {node!r}", code="node_not_found")
         admin = self.reconciler.set_admin(node, states[action], grace if action == "drain" else None, actor)
+        self.publish()
         return {"node": node, "admin": admin.state, "grace_until": admin.grace_until}
 
     # -- storage and reclaim (R-5.5) -----------------------------------------------------------

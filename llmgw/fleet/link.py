@@ -22,7 +22,6 @@ import hashlib
 import importlib.resources
 import logging
 import os
-import random
 import shlex
 import socket
 import sys
@@ -38,6 +37,7 @@ import asyncssh
 
 from llmgw.aio import cancel_and_wait
 from llmgw.config import NodeConfig, SSHConfig
+from llmgw.contracts.backoff import backoff_delay
 from llmgw.fleet.errors import NodeUnavailable, RemoteError
 from llmgw.fleet.ops import FleetSecretRequest, Hello, NodeOps
 from llmgw.fleet.session import HelperFailed, HelperSession, NodeError, Stream
@@ -126,12 +126,6 @@ class ConnectGate:
             if start > now:
                 await asyncio.sleep(start - now)
             yield
-
-
-def backoff_delay(attempt: int, base: float = BACKOFF_BASE, cap: float = BACKOFF_CAP) -> float:
-    """Capped exponential backoff with jitter: somewhere in the upper half of the step."""
-    step = min(cap, base * (2 ** min(attempt, 16)))
-    return random.uniform(step / 2, step)
 
 
 class NodeLink:
@@ -242,20 +236,20 @@ class NodeLink:
                 self.failures += 1
                 self._set_state(UNHEALTHY, exc.reason)
                 await self._teardown()
-                await self._sleep(backoff_delay(self.failures + 2))
+                await self._sleep(backoff_delay(self.failures + 2, BACKOFF_BASE, BACKOFF_CAP))
                 continue
             except (OSError, asyncssh.Error, TimeoutError, NodeError) as exc:
                 self.failures += 1
                 self._set_state(UNREACHABLE, _describe(exc))
                 await self._teardown()
-                await self._sleep(backoff_delay(self.failures - 1))
+                await self._sleep(backoff_delay(self.failures - 1, BACKOFF_BASE, BACKOFF_CAP))
                 continue
             except Exception as exc:  # a bug or an answer nobody foresaw: this node only, retried
                 log.exception("%s: connecting failed unexpectedly", self.name)
                 self.failures += 1
                 self._set_state(UNHEALTHY, f"connecting failed unexpectedly: {type(exc).__name__}: {exc}")
                 await self._teardown()
-                await self._sleep(backoff_delay(self.failures + 2))
+                await self._sleep(backoff_delay(self.failures + 2, BACKOFF_BASE, BACKOFF_CAP))
                 continue
             self._session = session
             self.hello = session.hello
@@ -268,7 +262,7 @@ class NodeLink:
             self._session = None
             self._set_state(UNREACHABLE, f"connection lost: {reason}")
             await self._teardown()
-            await self._sleep(backoff_delay(0))
+            await self._sleep(backoff_delay(0, BACKOFF_BASE, BACKOFF_CAP))
 
     async def _sleep(self, seconds: float) -> None:
         self._wake.clear()

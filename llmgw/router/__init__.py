@@ -1,7 +1,7 @@
 """The client-facing OpenAI-compatible gateway (SPEC §6): auth, balancing, proxying, usage."""
 
 from llmgw.router.app import RUNNER_OPTIONS, Router
-from llmgw.router.endpoints import Endpoint
+from llmgw.contracts.endpoints import Endpoint
 from llmgw.router.errors import RouterError
 from llmgw.router.keys import ApiKey, KeyRing
 

@@ -26,7 +26,7 @@ from llmgw.catalog import Catalog, CatalogHolder, Model
 from llmgw.config import GatewayConfig, split_address
 from llmgw.router.affinity import affinity_key
 from llmgw.router.balancer import PREFIX, Balancer, Upstream
-from llmgw.router.endpoints import Endpoint, static_endpoints
+from llmgw.contracts.endpoints import Endpoint, static_endpoints
 from llmgw.router.engineload import EnginePoller
 from llmgw.router import response_ids
 from llmgw.router.errors import (BadRequest, BodyTooLarge, InternalError, InvalidType, ModelLoading, ModelNotAllowed,

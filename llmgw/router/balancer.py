@@ -22,7 +22,7 @@ import hashlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from llmgw.router.endpoints import Endpoint
+from llmgw.contracts.endpoints import Endpoint
 
 EJECT_SECONDS = 5.0  # long enough to stop hammering a dead engine, short enough to notice it is back
 LEAST_OUTSTANDING = "least-outstanding"

@@ -12,10 +12,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from types import SimpleNamespace
 
 import llmgw.fleet.fleet as fleet_module
-from llmgw.admin.views import Snapshot
+from llmgw.admin.views import Listings
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import GatewayConfig, Inventory, NodeConfig
 from llmgw.control.reconciler import Reconciler
@@ -84,8 +83,7 @@ async def test_malformed_facts_make_only_that_node_unhealthy(tmp_path, monkeypat
 
         reason = "malformed status answer: shards[0].shard_id is missing"
         assert bad.reason == reason
-        listed = {n["name"]: n for n in Snapshot(SimpleNamespace(holder=holder, fleet=fleet,
-                                                                 reconciler=reconciler)).nodes()}
+        listed = {n["name"]: n for n in Listings(reconciler.view.get()).nodes()}
         assert (listed["bad"]["state"], listed["bad"]["state_reason"]) == (UNHEALTHY, reason)
         assert listed["good"]["state"] == READY
         assert reconciler.node_view("bad").state == UNHEALTHY  # what placement goes by

@@ -15,13 +15,12 @@ import asyncio
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import pytest
 import yaml
 
 import llmgw.fleet.fleet as fleet_module
-from llmgw.admin.views import Snapshot
+from llmgw.admin.views import Listings
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import GatewayConfig, load_inventory
 from llmgw.control.reconciler import Reconciler
@@ -177,4 +176,4 @@ def admin_nodes(fleet: Fleet) -> list[dict]:
     """The node listing as the admin API and `ctl nodes` give it."""
     holder = CatalogHolder(Catalog.build(file_models=[], profiles={}))
     reconciler = Reconciler(holder, fleet, None, GatewayConfig())
-    return Snapshot(SimpleNamespace(holder=holder, fleet=fleet, reconciler=reconciler)).nodes()
+    return Listings(reconciler.view.get()).nodes()

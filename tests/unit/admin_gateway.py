@@ -72,6 +72,10 @@ class FakeGateway:
     control: ControlPlane | None = None
     router: FakeRouter = field(default_factory=FakeRouter)
 
+    def publish(self) -> None:
+        """What the reconciler does at the end of a pass: the admin shows what was set since."""
+        self.control.publish()
+
 
 def make_gateway(tmp_path: Path) -> FakeGateway:
     nodes = [NodeConfig(name="gpu1", host="10.0.0.1", fabric="ib-a", labels={"zone": "a"}),
@@ -112,4 +116,6 @@ def make_gateway(tmp_path: Path) -> FakeGateway:
         holder.current.models["big"], reconciler.node_views(), reconciler.allocated())
     store = Store.open(tmp_path / "state.db")
     control = ControlPlane(inventory, None, holder, store, reconciler, fleet, "inventory.yaml")
-    return FakeGateway(holder, fleet, reconciler, store, control=control)
+    gateway = FakeGateway(holder, fleet, reconciler, store, control=control)
+    gateway.publish()
+    return gateway

@@ -100,6 +100,7 @@ async def test_pages_render_without_javascript(admin, path):
 async def test_pages_show_unknown_as_dash_and_escape_what_nodes_report(admin):
     client, gateway = admin
     gateway.fleet.links["ghost"].reason = "<img src=x onerror=alert(1)>"
+    gateway.publish()
     page = await (await client.get("/nodes", headers=AUTH)).text()
     assert "<img src=x" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
     row = re.search(r"<tr><td>ghost</td>(.*?)</tr>", page).group(1)
@@ -192,3 +193,17 @@ async def test_metrics_are_absent_when_unknown(admin):
     assert value("llmgw_replicas", model="chat", state="serving") == 2
     assert value("llmgw_replicas", model="fetched", state="fetching") == 1
     assert value("llmgw_model_unplaceable", model="big") == 1
+
+
+async def test_placement_page_skips_a_model_removed_since_the_view_was_published(admin):
+    from llmgw.catalog import Catalog
+    from tests.unit.admin_gateway import PROFILES
+
+    client, gateway = admin
+    assert "big" in gateway.control.view().models  # the view is built, with big unplaceable
+    current = gateway.holder.current
+    kept = [m.config for m in current.models.values() if m.name != "big"]
+    gateway.holder.swap(Catalog.build(file_models=kept, profiles=PROFILES, version=current.version + 1))
+    response = await client.get("/placement", headers=AUTH)  # the published view still lists big
+    assert response.status == 200
+    assert "<h2>big</h2>" not in await response.text()

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from llmgw.admin import text
-from llmgw.admin.views import Snapshot, progress_line
+from llmgw.admin.text import progress_line
+from llmgw.admin.views import explanation_json, listings
 from llmgw.control.state import FAILED, Replica, Shard
 from tests.unit.admin_gateway import GB, make_gateway
 
@@ -34,7 +35,7 @@ def test_progress_line(done, total, line):
 
 
 def test_unhealthy_gpu_is_neither_used_nor_free(gateway):
-    gpu1 = by_name(Snapshot(gateway).nodes())["gpu1"]["gpus"]
+    gpu1 = by_name(listings(gateway).nodes())["gpu1"]["gpus"]
     assert (gpu1["total"], gpu1["used"], gpu1["free"], gpu1["unhealthy"]) == (4, 1, 2, 1)
     assert text.unhealthy_reasons(gpu1) == ["GPU 3: 2 uncorrected ECC errors"]
     device = gpu1["devices"][0]
@@ -42,7 +43,7 @@ def test_unhealthy_gpu_is_neither_used_nor_free(gateway):
 
 
 def test_unknown_is_null_not_zero(gateway):
-    nodes = by_name(Snapshot(gateway).nodes())
+    nodes = by_name(listings(gateway).nodes())
     assert nodes["gpu2"]["memory_bytes"] is None
     ghost = nodes["ghost"]
     assert (ghost["gpus"], ghost["memory_bytes"], ghost["disk"], ghost["cpus"]) == (None, None, None, None)
@@ -53,23 +54,24 @@ def test_unknown_is_null_not_zero(gateway):
 
 def test_stale_facts_of_an_unreachable_node_are_kept_and_marked(gateway):
     gateway.fleet.links["gpu3"].cut()
-    gpu3 = by_name(Snapshot(gateway).nodes())["gpu3"]
+    gateway.publish()
+    gpu3 = by_name(listings(gateway).nodes())["gpu3"]
     assert gpu3["stale"] and gpu3["gpus"]["total"] == 4
     assert "stale facts from" in text.node_state(gpu3, time.time())
 
 
 def test_shared_filers_are_apart_and_never_in_a_nodes_own_total(gateway):
-    gpu2 = by_name(Snapshot(gateway).nodes())["gpu2"]["disk"]
+    gpu2 = by_name(listings(gateway).nodes())["gpu2"]["disk"]
     assert [fs["mount_point"] for fs in gpu2["shared"]] == ["/mnt/filer"]
     assert gpu2["local_free_bytes"] == 50 * GB and gpu2["local_total_bytes"] == 200 * GB
-    storage = Snapshot(gateway).storage()
+    storage = listings(gateway).storage()
     # Mounted by two nodes (with different device numbers): one filer.
     assert [(f["mount_point"], f["free_bytes"], f["nodes"]) for f in storage["shared_filers"]] == [
         ("/mnt/filer", 400 * GB, ["gpu2", "gpu3"])]
 
 
 def test_status_agrees_with_the_other_listings(gateway):
-    snapshot = Snapshot(gateway)
+    snapshot = listings(gateway)
     status, nodes, replicas = snapshot.status(), snapshot.nodes(), snapshot.replicas()
     capacity = status["capacity"][0]
     known = [n["gpus"] for n in nodes if n["gpus"]]
@@ -86,14 +88,14 @@ def test_status_agrees_with_the_other_listings(gateway):
 
 
 def test_unasked_for_longest_first_and_unknown_last_use_apart(gateway):
-    idle = Snapshot(gateway).status()["idle"]
+    idle = listings(gateway).status()["idle"]
     assert [i["replica"] for i in idle] == ["chat-0", "chat-1"]
     assert idle[0]["idle_seconds"] == pytest.approx(300, abs=5)
     assert idle[1]["last_used"] is None and text.idle_for(idle[1]) == "-"
 
 
 def test_fabric_holdings_count_a_shared_filer_once(gateway):
-    fabrics = by_name(Snapshot(gateway).status()["fabrics"], "fabric")
+    fabrics = by_name(listings(gateway).status()["fabrics"], "fabric")
     assert [(m["model"], m["on_shared"]) for m in fabrics["ib-a"]["models"]] == [("shared", True)]
     assert [f["mount_point"] for f in fabrics["ib-b"]["shared_filers"]] == ["/mnt/filer"]
     assert fabrics["ib-a"]["local_free_bytes"] == 170 * GB
@@ -101,10 +103,10 @@ def test_fabric_holdings_count_a_shared_filer_once(gateway):
 
 
 def test_progress_rides_on_the_shard(gateway):
-    fetched = by_name(Snapshot(gateway).replicas(), "id")["fetched-1"]
+    fetched = by_name(listings(gateway).replicas(), "id")["fetched-1"]
     assert fetched["shards"][0]["progress"] == {"bytes": 1_200_000_000, "total": 4_000_000_000,
                                                 "line": "downloading 1.2 GB of 4.0 GB (30%)"}
-    models = by_name(Snapshot(gateway).models())
+    models = by_name(listings(gateway).models())
     assert models["fetched"]["state"] == "fetching"
     assert models["big"]["state"] == "cannot be placed"
     assert models["shared"]["state"] == "idle (on demand)"
@@ -114,19 +116,20 @@ def test_a_failed_replica_stays_listed_with_its_log_tail(gateway):
     shard = Shard("bad-1-0", "bad-1", 0, "gpu3", (2,), state=FAILED, reason="engine exited with status 1",
                   log_tail=["loading", "CUDA out of memory"])
     gateway.reconciler.retired.append((time.time(), Replica("bad-1", "chat", "k", [shard], retiring=True)))
-    listed = by_name(Snapshot(gateway).replicas(), "id")["bad-1"]
+    gateway.publish()
+    listed = by_name(listings(gateway).replicas(), "id")["bad-1"]
     assert listed["retired"] and listed["state"] == "failed"
     assert listed["shards"][0]["log_tail"] == ["loading", "CUDA out of memory"]
-    assert Snapshot(gateway).status()["replicas"]["failed_recently"] == 1
+    assert listings(gateway).status()["replicas"]["failed_recently"] == 1
 
 
 def test_explanation_names_every_node(gateway):
-    explained = Snapshot(gateway).explain("big")
+    explained = explanation_json(gateway.control.explain("big"))
     assert explained["plan"] is None and not explained["placeable"]
     verdicts = by_name(explained["verdicts"], "node")
     assert set(verdicts) == {"gpu1", "gpu2", "gpu3", "ghost"}
     assert "2 of 4 GPUs free (1 unhealthy: 2 uncorrected ECC errors), needs 4" in verdicts["gpu1"]["reasons"]
-    chat = Snapshot(gateway).explain("chat")
+    chat = explanation_json(gateway.control.explain("chat"))
     assert chat["plan"]["shards"][0]["node"] in {"gpu1", "gpu2", "gpu3"}
     assert text.plan_line(chat["plan"]).startswith("would place: ")
 
@@ -166,5 +169,6 @@ def test_a_model_below_its_minimum_is_partly_serving(gateway):
     configs = [m.config if m.name != "chat" else ModelConfig(name="chat", profile="one", scaling={"min": 3})
                for m in current.models.values()]
     gateway.holder.swap(Catalog.build(file_models=configs, profiles=PROFILES, version=current.version + 1))
-    chat = by_name(Snapshot(gateway).models())["chat"]
+    gateway.publish()
+    chat = by_name(listings(gateway).models())["chat"]
     assert chat["state"] == "partly serving" and chat["replicas"] == {"total": 2, "serving": 2}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -17,6 +18,7 @@ from typer.testing import CliRunner
 from llmgw.admin import text
 from llmgw.admin.app import build_admin_app
 from llmgw.cli.main import app
+from llmgw.control.reconciler import ModelHealth
 from llmgw.control.state import FAILED, Replica, Shard
 from tests.unit.admin_gateway import TOKEN, make_gateway
 
@@ -30,6 +32,7 @@ async def admin(tmp_path):
     shard = Shard("bad-1-0", "bad-1", 0, "gpu3", (2,), state=FAILED, reason=f"engine exited {HOSTILE}",
                   log_tail=[f"loading {HOSTILE}", "CUDA out of memory\ttab kept"])
     gateway.reconciler.replicas["bad-1"] = Replica("bad-1", "chat", "k", [shard], retiring=True)
+    gateway.publish()
     client = TestClient(TestServer(build_admin_app(gateway)))
     await client.start_server()
     try:
@@ -115,3 +118,25 @@ async def test_a_model_added_with_a_signed_url_keeps_the_query_out_of_the_audit_
     detail = next(a["detail"] for a in audit if a["target"] == "signed")
     assert "an0ther-s3cr3t" not in detail and "https://example.com/other.gguf?<redacted>" in detail
     assert gateway.holder.current.models["signed"].source.urls == (url,)
+
+
+async def test_ctl_and_the_dashboard_say_the_same_words(admin):
+    client, gateway = admin
+    gateway.reconciler.replicas["fetched-1"].draining = True  # still fetching: the mark says it
+    health = gateway.reconciler.health.setdefault("fetched", ModelHealth())
+    health.failures, health.last_failure = 2, "engine exited with status 1"
+    health.next_attempt = time.time() + 600
+    gateway.publish()
+    replicas = json.loads(await ctl(client, "replicas", "--json"))["replicas"]
+    models = json.loads(await ctl(client, "models", "--json"))["models"]
+    state = text.replica_state(next(r for r in replicas if r["id"] == "fetched-1"))
+    problem = text.model_problem(next(m for m in models if m["name"] == "fetched"))
+    assert state == "fetching (draining)" and problem.startswith("engine exited with status 1 (next attempt in ")
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    shown = {"replicas": await ctl(client, "replicas"), "models": await ctl(client, "models"),
+             "/replicas": await (await client.get("/replicas", headers=headers)).text(),
+             "/models": await (await client.get("/models", headers=headers)).text()}
+    for where in ("replicas", "/replicas"):
+        assert state in shown[where], where
+    for where in ("models", "/models"):
+        assert problem.split(" (next attempt in ")[0] + " (next attempt in " in shown[where], where

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from llmgw.router.balancer import Balancer
-from llmgw.router.endpoints import Endpoint
+from llmgw.contracts.endpoints import Endpoint
 from llmgw.router.engineload import EnginePoller, Malformed, parse_metrics, parse_slots
 from llmgw.router.metrics import RouterMetrics
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from llmgw.router.balancer import Balancer
-from llmgw.router.endpoints import Endpoint
+from llmgw.contracts.endpoints import Endpoint
 
 
 def endpoints(model: str, count: int) -> list[Endpoint]:

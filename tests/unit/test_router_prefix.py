@@ -6,7 +6,7 @@ import math
 
 from llmgw.router.affinity import KEY_BYTES, affinity_key
 from llmgw.router.balancer import LEAST_OUTSTANDING, PREFIX, PREFIX_BOUND, Balancer
-from llmgw.router.endpoints import Endpoint
+from llmgw.contracts.endpoints import Endpoint
 
 
 def endpoints(count: int, model: str = "m") -> list[Endpoint]:

@@ -1,10 +1,14 @@
-"""Where a model can be reached: the endpoints pushed by the control plane or written in the catalog."""
+"""Where a model can be reached: the endpoints the control plane publishes, or written in the catalog.
+
+The contract between control plane and router: the reconciler makes `Endpoint`s of serving
+replicas, the router balances over them, and models with static `endpoints:` make theirs here.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmgw.catalog import Catalog
 from llmgw.config import runtime_key_env_problem
@@ -14,17 +18,17 @@ log = logging.getLogger(__name__)
 STATIC_PREFIX = "static:"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Endpoint:
     """One serving replica of a model, as the router reaches it."""
 
     replica_id: str
     model: str  # catalog model name
     url: str  # base URL of the engine, e.g. "http://10.213.7.10:20001" (no trailing /)
-    api_key: str | None  # the replica's engine key, sent upstream as Authorization: Bearer
-
-    def __repr__(self) -> str:  # the key never reaches a log line through repr()
-        return f"Endpoint(replica_id={self.replica_id!r}, model={self.model!r}, url={self.url!r})"
+    # The replica's engine key, sent upstream as Authorization: Bearer; never in a repr, so never
+    # in a log line or a traceback through one (R-4.6).
+    api_key: str | None = field(repr=False)
+    draining: bool = False  # marked for a rolling move: still serving until its replacement does (R-9.5)
 
 
 def static_endpoints(catalog: Catalog) -> dict[str, list[Endpoint]]:

@@ -1,0 +1,263 @@
+"""What `llmgw ctl` prints: rich tables and lines built from the admin API's documents.
+
+One function per document (`status`, `nodes`, `models`, `replicas`, ...). The phrases are made in
+llmgw.admin.text, which the dashboard uses too, so both say the same thing; here they are only
+laid out for a terminal. Every cell is plain text, never rich markup. The documents reach these
+functions with terminal control sequences already removed (`text.printable_document`, R-9.4).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from llmgw.admin import text as words
+from llmgw.units import format_bytes, format_duration
+
+LOG_TAIL_SHOWN = 10
+
+def _t(value: Any, style: str | None = None) -> Text:
+    """A cell: plain text, never rich markup (node output may contain `[GPU is lost]`).
+
+    Documents reach the renderers through `_emit`, which strips terminal control sequences from
+    what nodes report (R-9.4)."""
+    return Text(words.UNKNOWN if value is None else str(value), style=style or "")
+
+
+def _table(*headers: str, title: str | None = None) -> Table:
+    table = Table(title=title, title_justify="left", title_style="bold", header_style="bold", box=None,
+                  pad_edge=False, padding=(0, 2, 0, 0))
+    for header in headers:
+        table.add_column(header, overflow="fold")
+    return table
+
+
+def _lines(values) -> Text:
+    values = list(values)
+    return Text("\n".join(values)) if values else _t(None)
+
+
+# -- status ------------------------------------------------------------------------------------------
+
+
+def _bar(used: int, free: int, unhealthy: int) -> Text:
+    cells = words.bar_cells(used, free, unhealthy)
+    bar = Text()
+    bar.append("█" * cells[0], style="blue")
+    bar.append("░" * cells[1], style="green")
+    bar.append("✗" * cells[2], style="red")
+    return bar
+
+
+def status(status: dict) -> Group:
+    parts: list[Any] = []
+    capacity = _table("GPU CLASS", "USED/FREE/UNHEALTHY", "USED", "FREE", "UNHEALTHY", "NODES",
+                      title="GPU capacity (an unhealthy GPU is neither used nor free)")
+    for row in status["capacity"]:
+        capacity.add_row(_t(words.gpu_class_name(row["gpu_class"])), _bar(row["used"], row["free"], row["unhealthy"]),
+                         _t(row["used"]), _t(row["free"]), _t(row["unhealthy"]), _t(row["nodes"]))
+    parts.append(capacity if status["capacity"] else Text("GPU capacity: no GPUs reported"))
+    if status["gpus_unknown"]:
+        parts.append(Text("GPUs not reported yet: " + ", ".join(status["gpus_unknown"])))
+    whole = status["free_whole_nodes"]
+    parts.append(Text("free whole nodes per fabric: " + (
+        ", ".join(f"{fabric} {count}" for fabric, count in sorted(whole.items())) or "no node belongs to a fabric")))
+    nodes, replicas, models = status["nodes"], status["replicas"], status["models"]
+    parts.append(Text(f"nodes: {nodes['total']} ({words.counts(nodes['by_state'])}; {words.counts(nodes['by_admin'])})"))
+    parts.append(Text(f"replicas: {replicas['total']} ({words.counts(replicas['by_state']) or 'none'})"
+                      + (f"; {replicas['failed_recently']} failed recently" if replicas["failed_recently"] else "")))
+    parts.append(Text(f"models: {models['total']} ({words.counts(models['by_state']) or 'none'})"))
+    if status["unplaceable"]:
+        table = _table("MODEL", "WHY IT CANNOT BE PLACED", title="Models that cannot be placed")
+        for entry in status["unplaceable"]:
+            table.add_row(_t(entry["model"]), _t(entry["reason"]))
+        parts += [Text(""), table]
+    if status["idle"]:
+        table = _table("REPLICA", "MODEL", "NODES", "UNASKED-FOR", title="Replicas unasked-for longest")
+        for entry in status["idle"]:
+            table.add_row(_t(entry["replica"]), _t(entry["model"]), _t(", ".join(entry["nodes"])),
+                          _t(words.idle_for(entry)))
+        parts += [Text(""), table]
+    table = _table("FABRIC", "NODES", "MODELS HELD (NO CROSS-FABRIC COPY)", "SHARED FILERS (COUNTED ONCE)",
+                   "LOCAL FREE", title="What each fabric holds")
+    for fabric in status["fabrics"]:
+        held = [words.held_in_fabric(m) for m in fabric["models"]]
+        filers = [words.filer_free(fs) for fs in fabric["shared_filers"]]
+        table.add_row(_t(words.fabric_name(fabric["fabric"])), _t(", ".join(fabric["nodes"])), _lines(held),
+                      _lines(filers), _t(format_bytes(fabric["local_free_bytes"])))
+    parts += [Text(""), table]
+    return Group(*parts)
+
+
+def nodes(document: dict) -> Table:
+    now = time.time()
+    table = _table("NODE", "STATE", "ADMIN", "FABRIC", "LABELS", "GPUS", "USED", "FREE", "UNHEALTHY", "MEM",
+                   "DISK FREE/TOTAL", "SHARED FREE/TOTAL")
+    for node in document["nodes"]:
+        used, free, unhealthy = words.gpu_counts(node["gpus"])
+        disk = node["disk"]
+        local = [words.filesystem(fs) for fs in disk["local"]] if disk else []
+        shared = [words.filesystem(fs) for fs in disk["shared"]] if disk else []
+        state_style = None if node["state"] == "ready" else "red"
+        table.add_row(_t(node["name"], "bold"), _t(words.node_state(node, now), state_style),
+                      _t(words.admin_state(node, now), None if node["admin"]["state"] == "active" else "yellow"),
+                      _t(node["fabric"]), _t(words.labels(node["labels"])), _t(words.gpu_summary(node)),
+                      _t(used), _t(free), _lines([unhealthy, *words.unhealthy_reasons(node["gpus"])]),
+                      _t(format_bytes(node["memory_bytes"])), _lines(local), _lines(shared))
+    return table
+
+
+def models(document: dict) -> Table:
+    table = _table("MODEL", "STATE", "SERVING", "SCALING", "ROUTING", "PROFILE", "ENGINE", "WEIGHTS", "FALLBACK",
+                   "DECLARED", "PROBLEM")
+    for model in document["models"]:
+        declared, problem = words.declared(model), words.model_problem(model)
+        table.add_row(_t(model["name"], "bold"), _t(model["state"]),
+                      _t(f"{model['replicas']['serving']}/{model['replicas']['total']}"),
+                      _t(words.scaling(model["scaling"])), _t(model.get("routing")), _t(model["profile"]),
+                      _t(model["engine"]),
+                      _t(model["weights"]), _t(model["fallback"]), _t(declared), _t(problem))
+    return table
+
+
+def replicas(document: dict) -> Text:
+    out = Text()
+    if not document["replicas"]:
+        return Text(words.NO_REPLICAS)
+    for replica in document["replicas"]:
+        state = words.replica_state(replica)
+        out.append(replica["id"], style="bold")
+        out.append(f"  {replica['model']}  ")
+        out.append(state, style="green" if replica["serving"] else "red" if replica["state"] == "failed" else "yellow")
+        details = []
+        if replica["serving_since"] is not None:
+            details.append(f"serving since {words.clock(replica['serving_since'])}")
+        if replica["serving"]:
+            details.append(f"unasked-for {words.idle_for(replica)}")
+            in_flight = replica.get("in_flight")
+            details.append(f"in flight {'-' if in_flight is None else in_flight}")
+            details.append(f"engine {words.engine_load(replica)}")
+        if replica["reason"]:
+            details.append(replica["reason"])
+        out.append("  " + " · ".join(details) + "\n")
+        for shard in replica["shards"]:
+            out.append(f"  {words.shard_line(shard)}\n")
+            if shard["progress"] is not None:
+                # Progress is a line under the replica, not a column (R-5.4).
+                out.append(f"    {shard['progress']['line']}\n", style="cyan")
+            for log_line in (shard["log_tail"] or [])[-LOG_TAIL_SHOWN:]:
+                out.append(f"    | {log_line}\n", style="dim")
+    out.rstrip()
+    return out
+
+
+def explanation(document: dict) -> Group:
+    summary = Text(f"{document['model']}: {document['summary']}", style="bold")
+    plan = document["plan"]
+    parts: list[Any] = [summary, Text("plan: " + words.plan_line(plan))]
+    if plan is not None and plan["reasons"]:
+        parts.append(Text("why: " + "; ".join(plan["reasons"])))
+    table = _table("NODE", "VERDICT", "FREE GPUS", "HOLDS WEIGHTS", "REASONS")
+    for verdict in document["verdicts"]:
+        table.add_row(_t(verdict["node"], "bold"),
+                      _t(words.verdict(verdict), "green" if verdict["fits"] else "red"),
+                      _t(verdict["free_gpus"]), _t(words.holds(verdict["holds_weights"])),
+                      _lines(verdict["reasons"]))
+    parts += [Text(""), table]
+    return Group(*parts)
+
+
+def node_admin(answer: dict) -> Text:
+    node, state = answer["node"], answer["admin"]
+    if state == "cordoned":
+        return Text(f"{node}: cordoned — nothing new is placed there; its replicas keep serving")
+    if state == "draining":
+        line = (f"{node}: draining — its replicas move elsewhere, each stopped once its replacement serves")
+        if answer.get("grace_until") is not None:
+            left = max(0.0, answer["grace_until"] - time.time())
+            line += f"; grace until {words.clock(answer['grace_until'])} ({format_duration(left)})"
+        return Text(line)
+    return Text(f"{node}: active — placement may use it again")
+
+
+def model_summary(verb: str) -> Callable[[dict], Text]:
+    def render(answer: dict) -> Text:
+        scaling = answer["scaling"]
+        return Text(f"{verb} {answer['name']} (profile {answer['profile'] or '-'}; {words.scaling(scaling)})")
+    return render
+
+
+def storage(document: dict) -> Group:
+    table = _table("NODE", "STATE", "CACHE DIR", "LOCAL FREE/TOTAL", "SHARED FREE/TOTAL", "HOLDS")
+    for node in document["nodes"]:
+        disk = node["disk"]
+        local = [words.filesystem(fs) for fs in disk["local"]] if disk else []
+        shared = [words.filesystem(fs) for fs in disk["shared"]] if disk else []
+        if disk:
+            local += [f"not there: {path}" for path in disk["missing"]] + [f"stuck: {path}" for path in disk["stuck"]]
+        holds = None if node["holdings"] is None else [
+            f"{h['model']} ({format_bytes(h['bytes'])}) {h['path']}" for h in node["holdings"]]
+        state = node["state"] + (" (stale)" if node["stale"] else "")
+        held = _t(None) if holds is None else _lines(holds) if holds else _t("none")
+        table.add_row(_t(node["node"], "bold"), _t(state), _t(node["cache_dir"]), _lines(local), _lines(shared), held)
+    parts: list[Any] = [table]
+    if document["shared_filers"]:
+        filers = _table("MOUNT POINT", "TYPE", "FREE/TOTAL", "MOUNTED BY", title="Shared filers (each counted once)")
+        for fs in document["shared_filers"]:
+            filers.add_row(_t(fs["mount_point"]), _t(fs["fstype"]), _t(words.free_of(fs["free_bytes"], fs["total_bytes"])),
+                           _t(", ".join(fs["nodes"])))
+        parts += [Text(""), filers]
+    return Group(*parts)
+
+
+def reclaim(answer: dict) -> Group:
+    table = _table("NODE", "ENTRY", "SIZE", "ACTION", "REASON")
+    for node in answer["nodes"]:
+        if node["error"]:
+            table.add_row(_t(node["node"], "bold"), _t(None), _t(None), _t("error", "red"), _t(node["error"]))
+        for entry in node["entries"]:
+            table.add_row(_t(node["node"], "bold"), _t(entry.get("path") or entry["name"]),
+                          _t(format_bytes(entry.get("bytes"))), _t(entry.get("action") or "listed"),
+                          _t(entry.get("reason")))
+    parts: list[Any] = []
+    if table.row_count:
+        parts += [table, Text("")]
+    parts.append(Text(words.reclaim_summary(answer)))
+    return Group(*parts)
+
+
+def usage(report: dict) -> Group:
+    what = "MODEL" if report["by"] == "model" else "KEY"
+    table = _table(what, "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS", "TOTAL TOKENS")
+    for row in report["rows"]:
+        table.add_row(_t(row["name"], "bold"), _t(row["requests"]), _t(row["prompt_tokens"]),
+                      _t(row["completion_tokens"]), _t(row["total_tokens"]))
+    totals = report["totals"]
+    start = words.period_start(report)
+    parts: list[Any] = [table] if report["rows"] else [Text(words.NO_REQUESTS)]
+    parts.append(Text(f"since {start} (counted per hour): {totals['requests']} requests, "
+                      f"{totals['prompt_tokens']} prompt + {totals['completion_tokens']} completion tokens"))
+    return Group(*parts)
+
+
+
+def removed(answer: dict) -> Text:
+    return Text(f"removed {answer['removed']}; its replicas are being stopped")
+
+
+def scaled(answer: dict, max_given: bool) -> Text:
+    """The scaling now in force, and what it means for the model's replicas."""
+    scaling = answer["scaling"]
+    line = f"{answer['name']}: scaling in force: min {scaling['min']}, max {scaling['max']}"
+    if not max_given:
+        line += " (max filled in by the catalog)"
+    if scaling["on_demand"]:
+        line += "; on demand: one replica is loaded when asked, however high the max"
+    else:
+        line += f"; runs exactly {scaling['min']} (nothing scales it up under load)"
+    return Text(line)

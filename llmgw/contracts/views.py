@@ -1,0 +1,154 @@
+"""The read model the control plane publishes: typed, frozen values of one moment of its state.
+
+The reconciler publishes a `ControlView` at the end of every pass (and the control plane after an
+operator action that must show at once); the admin API, the dashboard, /metrics and `llmgw ctl`
+render from it and never from the reconciler's or the fleet's own records. Its `endpoints` are
+what the router is given: a router's endpoint table is derived from them, never defined again.
+
+Every value is immutable: dataclasses frozen with slots, tuples, read-only mappings. What a node
+reports is kept as the fleet's fact values (themselves frozen); None is unknown, never zero
+(R-2.3, R-2.7). Nothing here is imported from the control plane, the fleet or the router at run
+time: both sides of the contract import this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from llmgw.contracts.endpoints import Endpoint
+
+if TYPE_CHECKING:  # the value types of what nodes report and of placement, named for readers only
+    from llmgw.catalog import Catalog
+    from llmgw.control.placement import Explanation, NodeView
+    from llmgw.fleet.facts import Held, Inventory, Storage
+
+READY = "ready"
+ACTIVE = "active"
+EMPTY: Mapping = MappingProxyType({})
+
+
+def frozen_mapping(items) -> Mapping:
+    """A read-only copy of a mapping (or of key/value pairs)."""
+    return MappingProxyType(dict(items))
+
+
+@dataclass(frozen=True, slots=True)
+class NodeAdminState:
+    """What the operator set on a node (R-9.4): active, cordoned or draining."""
+
+    state: str = ACTIVE
+    grace_until: float | None = None
+    actor: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    """One node as the control plane sees it: its link, its admin state and what it reported."""
+
+    name: str
+    host: str  # "local" for a node reached without SSH
+    fabric: str | None
+    labels: Mapping[str, str]
+    state: str  # the link: connecting | ready | unreachable | unhealthy
+    state_reason: str | None
+    since: float | None  # when the link entered its state (for a node down: its first failure)
+    admin: NodeAdminState
+    gpu_class: str | None  # normalised, the inventory's override applied
+    inventory: Inventory | None  # GPUs, memory, CPUs as last reported; None: never reported
+    storage: Storage | None
+    holdings: Mapping[str, Held] | None  # model -> where the node holds its weights
+    observed_at: float | None  # the latest report of any kind
+    allocated: frozenset[int]  # GPU indices that live shards hold
+    gpu_holders: Mapping[int, str]  # GPU index -> replica id
+    free_gpus: tuple[int, ...] | None  # healthy and held by no replica; None: GPUs unknown
+    replicas: tuple[str, ...]  # live replicas with a shard here
+    unknown_engines: tuple[str, ...]  # engines running there that llmgw has no record of
+    cache_dir: str | None  # absolute on the node; None until it said hello
+    model_dirs: tuple[str, ...]
+    shared_dirs: tuple[str, ...]
+    placement: NodeView  # what placement sees of this node
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return self.inventory.memory_bytes if self.inventory is not None else None
+
+    @property
+    def stale(self) -> bool:
+        """What a node that is not ready last reported is kept, but marked stale (R-1.1)."""
+        return self.state != READY and self.observed_at is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ShardState:
+    rank: int
+    node: str
+    gpus: tuple[int, ...]
+    port: int | None
+    dist_port: int | None
+    state: str
+    state_since: float
+    reason: str | None
+    log_tail: tuple[str, ...] | None
+    progress: tuple[int, int | None] | None  # bytes fetched so far, total when the source said (R-5.4)
+    pid: int | None
+    created_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    id: str
+    model: str
+    state: str
+    serving: bool
+    draining: bool  # marked for a rolling move, still serving until its replacement does (R-9.5)
+    retiring: bool  # being stopped (surplus, model gone, failed, drained)
+    retired: bool  # stopped already: a failed replica kept for a while for its error and log
+    replaces: str | None
+    reason: str | None
+    created_at: float
+    serving_since: float | None
+    last_used: float | None  # None: the router never reported it used (unknown, not idle; R-7.1)
+    shards: tuple[ShardState, ...]
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(s.node for s in self.shards)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelState:
+    """What the control plane knows of one catalog model beyond its definition."""
+
+    name: str
+    failures: int  # consecutive failed replicas; 0 once one serves
+    next_attempt: float | None  # no replacement is launched before this time (backoff); None: no failure
+    last_failure: str | None
+    last_log_tail: tuple[str, ...] | None
+    launches: int
+    unplaceable: Explanation | None  # why a wanted replica fits no node (R-3.5, R-7.2)
+    demand: float | None  # when an on-demand model was last asked for without a replica (R-6.8)
+    learned_size: int | None  # bytes of weights learned from the source (R-5.1); None: not learned
+
+
+@dataclass(frozen=True, slots=True)
+class ControlView:
+    """The whole published state: one pass's nodes, replicas, models and endpoints."""
+
+    pass_number: int  # the reconcile pass that published it (0: before the first pass)
+    published_at: float
+    catalog: Catalog  # the catalog in force (itself immutable)
+    nodes: tuple[NodeState, ...]  # inventory order
+    replicas: tuple[ReplicaState, ...]  # live, by model then id
+    retired: tuple[ReplicaState, ...]  # failed recently and stopped, newest first
+    models: Mapping[str, ModelState]
+    endpoints: Mapping[str, tuple[Endpoint, ...]]  # model -> serving replicas: the router's input
+    free_whole_nodes: Mapping[str, int]  # fabric -> ready nodes with every healthy GPU free
+
+    def node(self, name: str) -> NodeState | None:
+        return next((n for n in self.nodes if n.name == name), None)
+
+    def replica(self, replica_id: str) -> ReplicaState | None:
+        return next((r for r in (*self.replicas, *self.retired) if r.id == replica_id), None)

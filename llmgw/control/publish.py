@@ -1,0 +1,128 @@
+"""Publishing the control plane's state as a `ControlView` (llmgw.contracts.views).
+
+`control_view` is a pure function of the reconciler's and the fleet's public state: it reads the
+reconciler's records (replicas, retired, admin, health, demand, last_used, unplaceable,
+unknown_engines, learned_sizes, node_views(), allocated(), endpoints()) and the fleet's links,
+facts and node configurations, and copies them into frozen values.
+
+The reconciler publishes at the end of every pass, and the control plane after an operator
+action that must show at once (cordon, drain, model add, remove, scale). A publication is cheap:
+its view is built when first read and then kept, the same object for every reader until the
+next publication. A pass over a large fleet therefore pays nothing for it (placement's node views
+of 2,000 nodes cost more than a whole pass with nothing to do), and a view is built at most once
+per publication, from the state of the moment it is first read.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from llmgw.contracts.views import (ControlView, ModelState, NodeAdminState, NodeState, ReplicaState, ShardState,
+                                   frozen_mapping)
+from llmgw.control import placement
+from llmgw.control.state import ENDED, FAILED, Replica
+
+if TYPE_CHECKING:
+    from llmgw.control.reconciler import Reconciler
+
+
+class Published:
+    """One publication: the pass that made it, when, and its view, built on first read."""
+
+    __slots__ = ("pass_number", "published_at", "_reconciler", "_view")
+
+    def __init__(self, reconciler: Reconciler):
+        self.pass_number: int = reconciler.passes
+        self.published_at = time.time()
+        self._reconciler: Reconciler | None = reconciler
+        self._view: ControlView | None = None
+
+    def get(self) -> ControlView:
+        if self._view is None:
+            assert self._reconciler is not None
+            self._view = control_view(self._reconciler, self.pass_number, self.published_at)
+            self._reconciler = None  # built once: nothing more is read through this publication
+        return self._view
+
+
+def publish(reconciler: Reconciler) -> Published:
+    return Published(reconciler)
+
+
+def control_view(reconciler: Reconciler, pass_number: int, published_at: float) -> ControlView:
+    """The ControlView of the reconciler's and fleet's state now."""
+    fleet = reconciler.fleet
+    catalog = reconciler.holder.current
+    views = reconciler.node_views()
+    allocated = reconciler.allocated()
+    live = sorted(reconciler.replicas.values(), key=lambda r: (r.model, r.id))
+    holders: dict[str, dict[int, str]] = {}
+    on_node: dict[str, set[str]] = {}
+    for replica in live:
+        for shard in replica.shards:
+            if shard.state not in ENDED:
+                on_node.setdefault(shard.node, set()).add(replica.id)
+                for index in shard.gpus:
+                    holders.setdefault(shard.node, {})[index] = replica.id
+    nodes = []
+    for view in views:
+        name = view.name
+        config = fleet.nodes[name]
+        link = fleet.links.get(name)
+        facts = fleet.facts[name]
+        admin = reconciler.admin.get(name)
+        paths = fleet.paths(name)
+        nodes.append(NodeState(
+            name=name, host="local" if config.connection == "local" else config.host, fabric=config.fabric,
+            labels=frozen_mapping(config.labels), state=view.state, state_reason=view.state_reason,
+            since=link.since if link is not None else None,
+            admin=NodeAdminState(admin.state, admin.grace_until, admin.actor) if admin else NodeAdminState(),
+            gpu_class=view.gpu_class, inventory=facts.inventory, storage=facts.storage,
+            holdings=frozen_mapping(facts.holdings) if facts.holdings is not None else None,
+            observed_at=max(facts.observed_at.values()) if facts.observed_at else None,
+            allocated=allocated.get(name, frozenset()), gpu_holders=frozen_mapping(holders.get(name, {})),
+            free_gpus=placement.free_gpus(view, allocated),
+            replicas=tuple(sorted(on_node.get(name, ()))),
+            unknown_engines=tuple(reconciler.unknown_engines.get(name, ())),
+            cache_dir=paths.cache_dir, model_dirs=tuple(config.model_dirs), shared_dirs=tuple(config.shared_dirs),
+            placement=view))
+    seen = {r.id for r in live}
+    retired = []
+    # A failed replica leaves the live set once its engines are stopped; it stays listed for a
+    # while so that its error and log tail can be read.
+    for _, replica in reversed(reconciler.retired):
+        if replica.id not in seen and replica.state == FAILED:
+            seen.add(replica.id)
+            retired.append(_replica(replica, reconciler.last_used.get(replica.id), retired=True))
+    models = {}
+    for model in catalog.models.values():
+        health = reconciler.health.get(model.name)
+        source = model.source
+        models[model.name] = ModelState(
+            name=model.name, failures=health.failures if health else 0,
+            next_attempt=health.next_attempt if health and health.failures else None,
+            last_failure=health.last_failure if health else None,
+            last_log_tail=tuple(health.last_log_tail) if health and health.last_log_tail else None,
+            launches=health.launches if health else 0, unplaceable=reconciler.unplaceable.get(model.name),
+            demand=reconciler.demand.get(model.name),
+            learned_size=reconciler.learned_sizes.get(source.canonical) if source is not None else None)
+    return ControlView(
+        pass_number=pass_number, published_at=published_at, catalog=catalog, nodes=tuple(nodes),
+        replicas=tuple(_replica(r, reconciler.last_used.get(r.id), retired=False) for r in live),
+        retired=tuple(retired), models=frozen_mapping(models),
+        endpoints=frozen_mapping((m, tuple(e)) for m, e in sorted(reconciler.endpoints().items())),
+        free_whole_nodes=frozen_mapping(placement.free_whole_nodes(views, allocated)))
+
+
+def _replica(replica: Replica, last_used: float | None, *, retired: bool) -> ReplicaState:
+    return ReplicaState(
+        id=replica.id, model=replica.model, state=replica.state, serving=replica.serving,
+        draining=replica.draining, retiring=replica.retiring, retired=retired, replaces=replica.replaces,
+        reason=replica.reason, created_at=replica.created_at, serving_since=replica.serving_since,
+        last_used=last_used,
+        shards=tuple(ShardState(rank=s.rank, node=s.node, gpus=tuple(s.gpus), port=s.port, dist_port=s.dist_port,
+                                state=s.state, state_since=s.state_since, reason=s.reason,
+                                log_tail=tuple(s.log_tail) if s.log_tail is not None else None,
+                                progress=s.progress, pid=s.pid, created_at=s.created_at)
+                     for s in replica.shards))

@@ -1,0 +1,135 @@
+"""The import graph between llmgw's parts, read from the source (ast), so a crossing cannot creep in.
+
+The control plane and the router meet only in `llmgw.contracts` (endpoints, backoff, views), which
+imports neither; the admin renders published views and calls the control plane's service, never
+the reconciler, placement or the fleet; `llmgw ctl` speaks to the admin API only. Imports inside
+functions count; imports under `if TYPE_CHECKING:` do not (they are never executed).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "llmgw"
+
+# What router modules import from the rest of llmgw today, besides the contracts and the router
+# itself. The catalog holder and the store are the router's in-process ties to the control plane
+# (catalog swaps pushed to subscribers, API keys and usage through the shared SQLite); the
+# data-plane split replaces them with the router feed. None of it is control, fleet or admin.
+ROUTER_TODAY = {"llmgw.catalog", "llmgw.config", "llmgw.engines", "llmgw.store"}
+# What the admin may import of the control plane and the router: the service's refusal type,
+# the names of shard states, and the hour the router counts usage in.
+ADMIN_MAY_IMPORT = {"llmgw.control.service", "llmgw.control.state", "llmgw.router.usage"}
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST, package: str) -> set[str]:
+    """Every llmgw module a module imports when it runs (`from llmgw.x import y` counts y too)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against the importing package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {name for name in found if name == "llmgw" or name.startswith("llmgw.")}
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "remote" in path.relative_to(PACKAGE).parts:
+            continue  # package data run on nodes (stdlib only), not modules of llmgw
+        module = _module(path)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        graph[module] = _imports(ast.parse(path.read_text(), str(path)), package)
+    return graph
+
+
+GRAPH = _graph()
+
+
+def _inside(name: str, *packages: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _crossings(source: str, *targets: str) -> dict[str, list[str]]:
+    crossings = {}
+    for module, imported in GRAPH.items():
+        if _inside(module, source):
+            bad = sorted(name for name in imported if _inside(name, *targets))
+            if bad:
+                crossings[module] = bad
+    return crossings
+
+
+def test_the_graph_is_read():
+    assert "llmgw.control.reconciler" in GRAPH and "llmgw.router.app" in GRAPH
+    assert "llmgw.control.placement" in GRAPH["llmgw.control.reconciler"]  # the parser sees imports
+
+
+def test_control_imports_nothing_from_the_router():
+    assert _crossings("llmgw.control", "llmgw.router") == {}
+
+
+def test_router_imports_nothing_from_control_fleet_or_admin():
+    assert _crossings("llmgw.router", "llmgw.control", "llmgw.fleet", "llmgw.admin", "llmgw.server") == {}
+
+
+def test_router_imports_only_what_it_does_today():
+    outside = {name for module, imported in GRAPH.items() if _inside(module, "llmgw.router")
+               for name in imported if not _inside(name, "llmgw.router", "llmgw.contracts")}
+    # `from llmgw.x import name` records llmgw.x.name too; compare the modules.
+    assert {name for name in outside if name in GRAPH} <= ROUTER_TODAY
+
+
+@pytest.mark.parametrize("target", ["llmgw.control", "llmgw.fleet", "llmgw.router", "llmgw.admin", "llmgw.cli",
+                                    "llmgw.server"])
+def test_contracts_import_neither_side(target):
+    assert _crossings("llmgw.contracts", target) == {}
+
+
+def test_admin_reads_views_and_calls_the_service_only():
+    imported = {name for module, names in GRAPH.items() if _inside(module, "llmgw.admin") for name in names
+                if _inside(name, "llmgw.control", "llmgw.fleet", "llmgw.router") and name in GRAPH}
+    assert imported <= ADMIN_MAY_IMPORT, sorted(imported - ADMIN_MAY_IMPORT)
+
+
+def test_ctl_speaks_to_the_admin_api_only():
+    assert _crossings("llmgw.cli.ctl", "llmgw.control", "llmgw.fleet", "llmgw.router", "llmgw.server") == {}
+
+
+def test_ctl_holds_commands_and_the_renderers_live_in_the_admin():
+    path = PACKAGE / "cli" / "ctl.py"
+    tree = ast.parse(path.read_text())
+    functions = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    assert not {name for name in functions if name.startswith("render_")}
+    assert "rich.table" not in GRAPH["llmgw.cli.ctl"] and not any(
+        isinstance(node, ast.ImportFrom) and node.module == "rich.table" for node in ast.walk(tree))
+    assert "llmgw.admin.render" in GRAPH["llmgw.cli.ctl"]
