@@ -8,6 +8,7 @@ import pytest
 
 from llmgw.admin import text
 from llmgw.admin.views import Snapshot, progress_line
+from llmgw.contracts.states import ReplicaPhase
 from llmgw.control.state import FAILED, Replica, Shard
 from tests.unit.admin_gateway import GB, make_gateway
 
@@ -113,7 +114,7 @@ def test_progress_rides_on_the_shard(gateway):
 def test_a_failed_replica_stays_listed_with_its_log_tail(gateway):
     shard = Shard("bad-1-0", "bad-1", 0, "gpu3", (2,), state=FAILED, reason="engine exited with status 1",
                   log_tail=["loading", "CUDA out of memory"])
-    gateway.reconciler.retired.append((time.time(), Replica("bad-1", "chat", "k", [shard], retiring=True)))
+    gateway.reconciler.retired.append((time.time(), Replica("bad-1", "chat", "k", [shard], phase=ReplicaPhase.RETIRING)))
     listed = by_name(Snapshot(gateway).replicas(), "id")["bad-1"]
     assert listed["retired"] and listed["state"] == "failed"
     assert listed["shards"][0]["log_tail"] == ["loading", "CUDA out of memory"]

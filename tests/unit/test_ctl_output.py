@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from llmgw.admin import text
 from llmgw.admin.app import build_admin_app
 from llmgw.cli.main import app
+from llmgw.contracts.states import ReplicaPhase
 from llmgw.control.state import FAILED, Replica, Shard
 from tests.unit.admin_gateway import TOKEN, make_gateway
 
@@ -29,7 +30,7 @@ async def admin(tmp_path):
     gateway.fleet.links["ghost"].reason = f"connect failed {HOSTILE}"
     shard = Shard("bad-1-0", "bad-1", 0, "gpu3", (2,), state=FAILED, reason=f"engine exited {HOSTILE}",
                   log_tail=[f"loading {HOSTILE}", "CUDA out of memory\ttab kept"])
-    gateway.reconciler.replicas["bad-1"] = Replica("bad-1", "chat", "k", [shard], retiring=True)
+    gateway.reconciler.replicas["bad-1"] = Replica("bad-1", "chat", "k", [shard], phase=ReplicaPhase.RETIRING)
     client = TestClient(TestServer(build_admin_app(gateway)))
     await client.start_server()
     try:

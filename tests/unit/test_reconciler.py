@@ -9,6 +9,7 @@ import pytest
 
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, ProfileConfig
+from llmgw.contracts import states
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.state import FAILED
 from tests.unit.fake_fleet import FakeFleet
@@ -16,6 +17,14 @@ from tests.unit.fake_fleet import FakeFleet
 PROFILES = {"one": ProfileConfig(engine="vllm", gpus=1, start_timeout=0.5),
             "whole": ProfileConfig(engine="vllm", gpus=8),
             "pair": ProfileConfig(engine="vllm", gpus=8, nodes=2)}
+
+
+@pytest.fixture(autouse=True)
+def no_refused_transitions():
+    """Every state change the reconciler makes is one the transition table allows."""
+    states.refused.clear()
+    yield
+    assert not states.refused, f"transitions refused: {dict(states.refused)}"
 
 
 def build(models: list[dict], nodes=("a", "b", "c"), fabric="ib", **gateway):

@@ -27,7 +27,7 @@ def test_candidates_and_cache_names():
 
 
 def test_a_single_fetched_file_is_handed_to_the_engine_as_the_file():
-    from llmgw.control.reconciler import _engine_path
+    from llmgw.control.actions import _engine_path
 
     one = parse_weights("https://x.example/q%20models/tiny%2Bq4.gguf?download=1")
     assert _engine_path(one, "/c/llmgw-0123456789abcdef") == "/c/llmgw-0123456789abcdef/tiny+q4.gguf"
