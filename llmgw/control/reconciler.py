@@ -299,9 +299,11 @@ class Reconciler:
         pass: a launch whose weights' size is still being learned (R-5.1)."""
         if isinstance(action, plan.Retire):
             replica = self.replicas[action.replica_id]
+            reason = action.reason
             if action.failed:
-                self._record_failure(replica, now)
-            self._retire(replica, replica.reason or action.reason if action.failed else action.reason)
+                self._record_failure(replica, now)  # the backoff grows; the reason is the failed shard's
+                reason = replica.reason or reason
+            self._retire(replica, reason)
         elif isinstance(action, plan.MarkDraining):
             replica = self.replicas[action.replica_id]
             if replica.set_phase(ReplicaPhase.DRAINING):
