@@ -12,10 +12,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from llmgw.contracts.states import LinkState, ShardState
-from llmgw.control.state import Replica, Shard
+from llmgw.control.state import RETIRING_PHASE, SERVING, STARTING, Replica, Shard
 from llmgw.fleet.facts import NodeFacts
 
 UNHEALTHY_PROBES = 3  # consecutive failed health probes before a serving shard is failed
+READY = LinkState.READY  # read for every shard in every pass: a module constant is the cheap lookup
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,33 +32,52 @@ class Judgement:
     failed_probes: int | None = None  # failed health probes in a row after this report; None: unchanged
 
 
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One pass's reading of the fleet: the judgements, and per node that reported its shards
+    the live engines no replica has (reported, left alone)."""
+
+    judgements: list[Judgement]
+    unknown_engines: dict[str, list[str]]
+
+
 def observe(replicas: Iterable[Replica], links: Mapping[str, object], facts: Mapping[str, NodeFacts],
             now: float, *, settling_window: float, start_timeout: Callable[[str], float],
-            failed_probes: Mapping[str, int]) -> list[Judgement]:
-    """Judge every starting or serving shard of the replicas not being retired."""
+            failed_probes: Mapping[str, int]) -> Observation:
+    """Judge every starting or serving shard of the replicas not being retired, and find the
+    engines nobody knows. `start_timeout` gives a model's start timeout by its name."""
     judgements = []
+    known: dict[str, set[str]] = {}
     for replica in replicas:
-        if replica.retiring:
-            continue
+        retiring = replica.phase is RETIRING_PHASE
         for shard in replica.shards:
-            if shard.state == ShardState.STARTING or shard.state == ShardState.SERVING:
+            known.setdefault(shard.node, set()).add(shard.id)
+            if retiring:
+                continue
+            if shard.state == SERVING or shard.state == STARTING:
                 judgement = judge(replica, shard, links.get(shard.node), facts.get(shard.node), now,
                                   settling_window=settling_window,
-                                  start_timeout=start_timeout(replica.model),
+                                  start_timeout=start_timeout(replica.model) if shard.state == STARTING else None,
                                   failed_probes=failed_probes.get(shard.id, 0))
                 if judgement is not None:
                     judgements.append(judgement)
-    return judgements
+    unknown = {}
+    for name, node_facts in facts.items():
+        if node_facts.shards is not None:
+            unknown[name] = sorted(sid for sid, status in node_facts.shards.items()
+                                   if status.alive and sid not in known.get(name, ()))
+    return Observation(judgements, unknown)
 
 
 def judge(replica: Replica, shard: Shard, link, facts: NodeFacts | None, now: float, *,
-          settling_window: float, start_timeout: float, failed_probes: int = 0) -> Judgement | None:
+          settling_window: float, start_timeout: float | None, failed_probes: int = 0) -> Judgement | None:
     """One starting or serving shard judged; None when nothing changes.
 
-    `link` is the node's link (its `state` and `since`), None once the node left the inventory."""
+    `link` is the node's link (its `state` and `since`), None once the node left the inventory;
+    `start_timeout` is needed for a starting shard only."""
     if link is None:
         return Judgement(replica.id, shard.rank, ShardState.FAILED, f"node {shard.node} is no longer in the inventory")
-    if link.state != LinkState.READY:
+    if link.state != READY:
         if now - link.since > settling_window:
             since = time.strftime('%H:%M:%S', time.localtime(link.since))
             return Judgement(replica.id, shard.rank, ShardState.FAILED, f"node {shard.node} {link.state} since {since}",
@@ -80,11 +100,11 @@ def judge(replica: Replica, shard: Shard, link, facts: NodeFacts | None, now: fl
         return Judgement(replica.id, shard.rank, ShardState.FAILED, reason, log_tail=tail)
     healthy = (not shard.serves_http) or status.health_status == 200
     last_health = status.health_status or status.health_error
-    if shard.state == ShardState.STARTING:
+    if shard.state == STARTING:
         if healthy:
             return Judgement(replica.id, shard.rank, ShardState.SERVING)
         # Counted from the launch: download progress never resets it (R-4.3).
-        if now - shard.launched_at > start_timeout:
+        if start_timeout is not None and now - shard.launched_at > start_timeout:
             return Judgement(replica.id, shard.rank, ShardState.FAILED,
                              f"did not become ready within {start_timeout:.0f}s (last health: {last_health})")
         return None
@@ -95,17 +115,3 @@ def judge(replica: Replica, shard: Shard, link, facts: NodeFacts | None, now: fl
         return Judgement(replica.id, shard.rank, ShardState.FAILED, f"health check failing: {last_health}",
                          failed_probes=count)
     return Judgement(replica.id, shard.rank, failed_probes=count)
-
-
-def unknown_engines(replicas: Iterable[Replica], facts: Mapping[str, NodeFacts]) -> dict[str, list[str]]:
-    """Per node that reported its shards: the live engines no replica of ours has (left alone)."""
-    known: dict[str, set[str]] = {}
-    for replica in replicas:
-        for shard in replica.shards:
-            known.setdefault(shard.node, set()).add(shard.id)
-    strangers = {}
-    for name, node_facts in facts.items():
-        if node_facts.shards is not None:
-            strangers[name] = sorted(sid for sid, status in node_facts.shards.items()
-                                     if status.alive and sid not in known.get(name, ()))
-    return strangers

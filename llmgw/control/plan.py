@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from llmgw.catalog import Model
 from llmgw.contracts.states import AdminState
-from llmgw.control.state import FAILED, ModelHealth, NodeAdmin, Replica
+from llmgw.control.state import ACTIVE_PHASE, DRAINING_PHASE, FAILED, RETIRING_PHASE, ModelHealth, NodeAdmin, Replica
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,7 @@ def sweep(replicas: Iterable[Replica], models: Mapping[str, Model]) -> list[Reti
     URL now), or they failed (R-4.1)."""
     retire = []
     for replica in replicas:
-        if replica.retiring:
+        if replica.phase is RETIRING_PHASE:
             continue
         model = models.get(replica.model)
         if model is None or model.static:
@@ -73,11 +73,12 @@ def sweep(replicas: Iterable[Replica], models: Mapping[str, Model]) -> list[Reti
 
 def drain_marks(replicas: Iterable[Replica], admin: Mapping[str, NodeAdmin]) -> list[MarkDraining]:
     """Replicas on a draining node that are not marked yet (R-9.5)."""
-    draining = {node for node, a in admin.items() if a.state == AdminState.DRAINING}
+    wanted = AdminState.DRAINING
+    draining = {node for node, a in admin.items() if a.state == wanted}
     if not draining:
         return []
     return [MarkDraining(r.id) for r in replicas
-            if not r.retiring and not r.draining and any(node in draining for node in r.nodes)]
+            if r.phase is ACTIVE_PHASE and any(s.node in draining for s in r.shards)]
 
 
 def desired(model: Model, active: list[Replica], now: float, *, demand: float | None,
@@ -112,7 +113,7 @@ def plan_model(model: Model, live: list[Replica], now: float, *, health: ModelHe
 
     A launch waits out the model's failure backoff, and while it waits nothing else is decided
     for the model, draining replicas included (they keep serving)."""
-    active = [r for r in live if not r.draining]
+    active = [r for r in live if r.phase is not DRAINING_PHASE]
     count, forget = desired(model, active, now, demand=demand, last_used=last_used, started_at=started_at)
     actions: list[Action] = [ForgetDemand(model.name)] if forget else []
     missing = count - len(active)
@@ -127,12 +128,13 @@ def plan_model(model: Model, live: list[Replica], now: float, *, health: ModelHe
         actions.extend(Retire(r.id, "surplus: more replicas than wanted") for r in surplus)
     else:
         actions.append(Enough(model.name))
+    draining = [r for r in live if r.phase is DRAINING_PHASE]
+    if not draining:
+        return actions
     # Rolling move (R-9.5): a draining replica stops once enough others serve, or at the grace.
     retired = {r.id for r in surplus}
     serving_active = sum(1 for r in active if r.serving and r.id not in retired)
-    for replica in live:
-        if not replica.draining:
-            continue
+    for replica in draining:
         grace_over = any(admin[n].state == AdminState.DRAINING and admin[n].grace_until is not None
                          and now >= admin[n].grace_until for n in replica.nodes if n in admin)
         if serving_active >= count or grace_over or not replica.serving:

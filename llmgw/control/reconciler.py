@@ -23,8 +23,8 @@ from llmgw.config import GatewayConfig, NodeConfig
 from llmgw.contracts.states import AdminState, ReplicaPhase, transition
 from llmgw.control import observe, placement, plan
 from llmgw.control.actions import Actions
-from llmgw.control.state import (ENDED, FAILED, FETCHING, PENDING, SERVING, STOPPED, ModelHealth, NodeAdmin, Replica,
-                                 Shard, delete_replica, load_replicas, new_engine_key, new_replica_id, save_replica)
+from llmgw.control.state import (ENDED, FAILED, FETCHING, PENDING, RETIRING_PHASE, SERVING, STOPPED, ModelHealth, NodeAdmin,
+                                 Replica, Shard, delete_replica, load_replicas, new_engine_key, new_replica_id, save_replica)
 from llmgw.fleet.fleet import Fleet
 from llmgw.fleet.link import READY, backoff_delay
 from llmgw.router.endpoints import Endpoint
@@ -227,18 +227,18 @@ class Reconciler:
         if self.last_used_source is not None:
             self.last_used.update(self.last_used_source())
         # Observe: every live shard judged from the fleet's latest facts.
-        judgements = observe.observe(self.replicas.values(), self.fleet.links, self.fleet.facts, now,
-                                     settling_window=self.gateway.settling_window,
-                                     start_timeout=self._start_timeout, failed_probes=self._probe_failures)
-        for judgement in judgements:
+        observed = observe.observe(self.replicas.values(), self.fleet.links, self.fleet.facts, now,
+                                   settling_window=self.gateway.settling_window,
+                                   start_timeout=self._start_timeout, failed_probes=self._probe_failures)
+        for judgement in observed.judgements:
             self._apply(judgement, now)
-        self._note_unknown_engines()
+        self._note_unknown_engines(observed.unknown_engines)
         # Plan and act: replicas nothing wants any more, drain marks, then each model.
         for action in plan.sweep(self.replicas.values(), catalog.models):
             self._act(action, now)
         by_model: dict[str, list[Replica]] = {}
         for replica in self.replicas.values():
-            if not replica.retiring:
+            if replica.phase is not RETIRING_PHASE:
                 by_model.setdefault(replica.model, []).append(replica)
         for action in plan.drain_marks(self.replicas.values(), self.admin):
             self._act(action, now)
@@ -287,8 +287,8 @@ class Reconciler:
             self.demand.pop(replica.model, None)
             log.info("replica %s of %s serving on %s", replica.id, replica.model, ", ".join(replica.nodes))
 
-    def _note_unknown_engines(self) -> None:
-        for name, strangers in observe.unknown_engines(self.replicas.values(), self.fleet.facts).items():
+    def _note_unknown_engines(self, unknown: dict[str, list[str]]) -> None:
+        for name, strangers in unknown.items():
             if strangers != self.unknown_engines.get(name, []):
                 if strangers:
                     log.warning("%s runs engines llmgw has no record of (left alone): %s", name, ", ".join(strangers))
@@ -297,7 +297,9 @@ class Reconciler:
     def _act(self, action: plan.Action, now: float, model: Model | None = None) -> bool:
         """Carry out one action. False when the model's later actions must wait for the next
         pass: a launch whose weights' size is still being learned (R-5.1)."""
-        if isinstance(action, plan.Retire):
+        if isinstance(action, plan.Enough):  # the common case: most models need nothing
+            self.unplaceable.pop(action.model, None)
+        elif isinstance(action, plan.Retire):
             replica = self.replicas[action.replica_id]
             reason = action.reason
             if action.failed:
@@ -318,8 +320,6 @@ class Reconciler:
                     break
         elif isinstance(action, plan.ForgetDemand):
             self.demand.pop(action.model, None)
-        elif isinstance(action, plan.Enough):
-            self.unplaceable.pop(action.model, None)
         return True
 
     def _settled(self, now: float) -> bool:

@@ -19,6 +19,9 @@ PENDING, FETCHING, STARTING, SERVING = ShardState.PENDING, ShardState.FETCHING, 
 DRAINING, STOPPING, STOPPED, FAILED = ShardState.DRAINING, ShardState.STOPPING, ShardState.STOPPED, ShardState.FAILED
 SHARD_STATES = tuple(ShardState)
 ENDED = frozenset({STOPPED, FAILED})
+# Module constants, because every pass reads them for every replica and an enum's class
+# attribute costs a descriptor lookup each time.
+ACTIVE_PHASE, DRAINING_PHASE, RETIRING_PHASE = ReplicaPhase.ACTIVE, ReplicaPhase.DRAINING, ReplicaPhase.RETIRING
 
 
 @dataclass
@@ -93,12 +96,12 @@ class Replica:
     @property
     def draining(self) -> bool:
         """Marked for a rolling move: stopped once enough others serve (R-9.5)."""
-        return self.phase == ReplicaPhase.DRAINING
+        return self.phase is DRAINING_PHASE
 
     @property
     def retiring(self) -> bool:
         """Being torn down (surplus, model gone, failed, drained)."""
-        return self.phase == ReplicaPhase.RETIRING
+        return self.phase is RETIRING_PHASE
 
     def set_phase(self, phase: ReplicaPhase) -> bool:
         """Move to `phase` if the transition table allows it; True when the phase changed."""
@@ -123,10 +126,10 @@ class Replica:
             return FAILED
         if states == {STOPPED}:
             return STOPPED
-        if STOPPING in states or (self.retiring and states - ENDED):
+        if STOPPING in states or (self.phase is RETIRING_PHASE and states - ENDED):
             return STOPPING
         if states == {SERVING}:
-            return DRAINING if self.draining else SERVING
+            return DRAINING if self.phase is DRAINING_PHASE else SERVING
         for state in (PENDING, FETCHING, STARTING):
             if state in states:
                 return state
@@ -134,7 +137,7 @@ class Replica:
 
     @property
     def serving(self) -> bool:
-        return all(s.state == SERVING for s in self.shards) and not self.retiring
+        return self.phase is not RETIRING_PHASE and all(s.state == SERVING for s in self.shards)
 
     @property
     def nodes(self) -> list[str]:

@@ -128,17 +128,22 @@ def test_observe_judges_only_live_shards_of_replicas_not_retiring():
     other.set_phase(ReplicaPhase.RETIRING)
     stopping, stopping_shard, _, _ = case("ready", "newer", "exited", "200", "within", ShardState.STOPPING)
     stopping.id = "m-3"
-    judgements = observe.observe([replica, other, stopping], {"a": link}, {"a": facts}, NOW,
-                                 settling_window=SETTLING, start_timeout=lambda model: START_TIMEOUT,
-                                 failed_probes={})
-    assert [(j.replica_id, j.state) for j in judgements] == [("m-1", ShardState.FAILED)]
+    observed = observe.observe([replica, other, stopping], {"a": link}, {"a": facts}, NOW,
+                               settling_window=SETTLING, start_timeout=lambda model: START_TIMEOUT,
+                               failed_probes={})
+    assert [(j.replica_id, j.state) for j in observed.judgements] == [("m-1", ShardState.FAILED)]
 
 
 def test_unknown_engines_are_the_live_ones_no_replica_has():
-    replica, shard, _, facts = case("ready", "newer", "same", "200", "within", ShardState.SERVING)
+    replica, shard, link, facts = case("ready", "newer", "same", "200", "within", ShardState.SERVING)
     stranger = ShardStatus(shard_id="x-0", pid=5, start_time=50, argv=("x",), alive=True, exit_code=None,
                            ended_at=None, started_at=0.0, port=1, health_status=None, health_error=None, log_tail=None)
     dead = ShardStatus(**{**stranger.__dict__, "shard_id": "y-0", "alive": False})
     facts.shards.update({"x-0": stranger, "y-0": dead})
     silent = NodeFacts(inventory=None, storage=None, holdings=None, shards=None, observed_at={})
-    assert observe.unknown_engines([replica], {"a": facts, "b": silent}) == {"a": ["x-0"]}
+    retiring = Replica(id="r-1", model="m", api_key=KEY, phase=ReplicaPhase.RETIRING,
+                       shards=[Shard(id="r-1-0", replica_id="r-1", rank=0, node="a", gpus=(1,))])
+    facts.shards["r-1-0"] = ShardStatus(**{**stranger.__dict__, "shard_id": "r-1-0"})
+    observed = observe.observe([replica, retiring], {"a": link, "b": link}, {"a": facts, "b": silent}, NOW,
+                               settling_window=SETTLING, start_timeout=lambda model: START_TIMEOUT, failed_probes={})
+    assert observed.unknown_engines == {"a": ["x-0"]}  # a retiring replica's engine is still known
