@@ -1,5 +1,5 @@
-"""The observe step: each live shard judged from its node's latest report, and the engines no
-replica has found (R-4.2–R-4.5, R-4.7).
+"""The observe step: each live shard judged from its node's latest report, and the engines a
+node runs that no replica has (R-4.2–R-4.5, R-4.7).
 
 Pure: a judgement is a function of the shard, its replica, the node's link and facts, and the
 clock. Nothing is read from a node and nothing is changed here; the reconciler applies the
