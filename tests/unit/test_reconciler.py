@@ -273,3 +273,12 @@ async def test_undeclared_size_is_learned_before_placement():
     reconciler.learned_sizes.clear()  # (a new catalog with another source would be asked afresh)
     await settle(reconciler, fleet)
     assert serving(reconciler, "m")
+
+
+async def test_shards_waiting_for_the_same_weights_on_a_node_share_one_fetch():
+    """R-5.3: one download per node and weights, however many shards wait for it."""
+    reconciler, fleet, _, _ = build([{"name": "m", "scaling": {"min": 2}}], nodes=("a",))
+    await settle(reconciler, fleet)
+    assert len(serving(reconciler, "m")) == 2
+    assert len([c for c in fleet.calls if c[1] == "fetch"]) == 1
+    assert not reconciler.actions.fetches  # the job is gone once its download ended
