@@ -17,7 +17,7 @@ from llmgw.control.state import RETIRING_PHASE, SERVING, STARTING, Replica, Shar
 from llmgw.fleet.facts import NodeFacts
 
 UNHEALTHY_PROBES = 3  # consecutive failed health probes before a serving shard is failed
-READY = LinkState.READY  # read for every shard in every pass: a module constant is the cheap lookup
+READY = LinkState.READY  # read for every shard in every pass: a module global is the cheaper lookup
 
 
 @dataclass(frozen=True, slots=True)

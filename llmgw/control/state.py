@@ -19,8 +19,8 @@ PENDING, FETCHING, STARTING, SERVING = ShardState.PENDING, ShardState.FETCHING, 
 DRAINING, STOPPING, STOPPED, FAILED = ShardState.DRAINING, ShardState.STOPPING, ShardState.STOPPED, ShardState.FAILED
 SHARD_STATES = tuple(ShardState)
 ENDED = frozenset({STOPPED, FAILED})
-# Module constants, because every pass reads them for every replica and an enum's class
-# attribute costs a descriptor lookup each time.
+# Module constants: every pass reads them for every replica, and a module global is a cheaper
+# lookup than an attribute of the enum class.
 ACTIVE_PHASE, DRAINING_PHASE, RETIRING_PHASE = ReplicaPhase.ACTIVE, ReplicaPhase.DRAINING, ReplicaPhase.RETIRING
 
 
@@ -92,6 +92,9 @@ class Replica:
     replaces: str | None = None
     reason: str | None = None
     serving_since: float | None = None
+
+    def __post_init__(self) -> None:
+        self.phase = ReplicaPhase(self.phase)  # a member, so that it compares by identity
 
     @property
     def draining(self) -> bool:
