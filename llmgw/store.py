@@ -27,7 +27,7 @@ import sqlite_utils
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # How long an opener waits for another process's write transaction before giving up.
 BUSY_TIMEOUT = 30.0
 
@@ -55,7 +55,14 @@ def _migrate_1(db: sqlite_utils.Database) -> None:
                         "detail": str}, pk="id")
 
 
-MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _migrate_1}
+def _migrate_2(db: sqlite_utils.Database) -> None:
+    """Shards get their launch time. Before, a launched shard's `state_since` was reset at
+    launch, so for one that has a process it is the best value there is."""
+    db["shards"].add_column("launched_at", float)
+    db.execute("UPDATE shards SET launched_at = state_since WHERE pid IS NOT NULL")
+
+
+MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _migrate_1, 2: _migrate_2}
 
 
 def schema_version(db: sqlite_utils.Database) -> int:

@@ -13,10 +13,15 @@ from dataclasses import dataclass, field
 
 import sqlite_utils
 
-PENDING, FETCHING, STARTING, SERVING = "pending", "fetching", "starting", "serving"
-DRAINING, STOPPING, STOPPED, FAILED = "draining", "stopping", "stopped", "failed"
-SHARD_STATES = (PENDING, FETCHING, STARTING, SERVING, DRAINING, STOPPING, STOPPED, FAILED)
+from llmgw.contracts.states import AdminState, ReplicaPhase, ShardState, transition
+
+PENDING, FETCHING, STARTING, SERVING = ShardState.PENDING, ShardState.FETCHING, ShardState.STARTING, ShardState.SERVING
+DRAINING, STOPPING, STOPPED, FAILED = ShardState.DRAINING, ShardState.STOPPING, ShardState.STOPPED, ShardState.FAILED
+SHARD_STATES = tuple(ShardState)
 ENDED = frozenset({STOPPED, FAILED})
+# Module constants: every pass reads them for every replica, and a module global is a cheaper
+# lookup than an attribute of the enum class.
+ACTIVE_PHASE, DRAINING_PHASE, RETIRING_PHASE = ReplicaPhase.ACTIVE, ReplicaPhase.DRAINING, ReplicaPhase.RETIRING
 
 
 @dataclass
@@ -28,8 +33,9 @@ class Shard:
     gpus: tuple[int, ...]
     port: int | None = None
     dist_port: int | None = None
-    state: str = PENDING
+    state: ShardState = PENDING
     state_since: float = field(default_factory=time.time)
+    launched_at: float | None = None  # when the node answered the launch: reports older say nothing of it
     reason: str | None = None
     log_tail: list[str] | None = None
     argv: list[str] | None = None
@@ -39,9 +45,12 @@ class Shard:
     progress: tuple[int, int | None] | None = None  # bytes so far, total when known (R-5.4)
     created_at: float = field(default_factory=time.time)
 
-    def set_state(self, state: str, reason: str | None = None) -> bool:
-        """A real transition: new timestamp, and the progress line goes (R-5.4)."""
+    def set_state(self, state: ShardState, reason: str | None = None) -> bool:
+        """A real transition: new timestamp, and the progress line goes (R-5.4). A move the
+        transition table does not allow is refused (False, logged)."""
         if state == self.state and reason == self.reason:
+            return False
+        if not transition(self.state, state, f"shard {self.id}"):
             return False
         if state != self.state:
             self.state_since = time.time()
@@ -57,14 +66,16 @@ class Shard:
                 "argv": json.dumps(self.argv) if self.argv is not None else None, "pid": self.pid,
                 "start_time": self.start_time, "reason": self.reason,
                 "log_tail": json.dumps(self.log_tail) if self.log_tail is not None else None,
-                "state_since": self.state_since, "created_at": self.created_at, "updated_at": time.time()}
+                "state_since": self.state_since, "launched_at": self.launched_at, "created_at": self.created_at,
+                "updated_at": time.time()}
 
     @classmethod
     def from_row(cls, row: dict) -> Shard:
         return cls(id=row["id"], replica_id=row["replica_id"], rank=row["rank"], node=row["node"],
                    gpus=tuple(json.loads(row["gpus"] or "[]")), port=row["port"], dist_port=row["dist_port"],
-                   serves_http=bool(row["serves_http"] if row["serves_http"] is not None else 1), state=row["state"],
-                   state_since=row["state_since"] or time.time(), reason=row["reason"],
+                   serves_http=bool(row["serves_http"] if row["serves_http"] is not None else 1),
+                   state=_shard_state(row["state"]), state_since=row["state_since"] or time.time(),
+                   launched_at=row.get("launched_at"), reason=row["reason"],
                    log_tail=json.loads(row["log_tail"]) if row["log_tail"] else None,
                    argv=json.loads(row["argv"]) if row["argv"] else None, pid=row["pid"],
                    start_time=row["start_time"], created_at=row["created_at"] or time.time())
@@ -77,11 +88,30 @@ class Replica:
     api_key: str = field(repr=False)  # the engine key: never in a repr, a traceback or a log (R-4.6)
     shards: list[Shard]
     created_at: float = field(default_factory=time.time)
-    draining: bool = False  # marked for a rolling move: stopped once its replacement serves
+    phase: ReplicaPhase = ReplicaPhase.ACTIVE
     replaces: str | None = None
-    retiring: bool = False  # being torn down (surplus, model gone, failed, drained)
     reason: str | None = None
     serving_since: float | None = None
+
+    def __post_init__(self) -> None:
+        self.phase = ReplicaPhase(self.phase)  # a member, so that it compares by identity
+
+    @property
+    def draining(self) -> bool:
+        """Marked for a rolling move: stopped once enough others serve (R-9.5)."""
+        return self.phase is DRAINING_PHASE
+
+    @property
+    def retiring(self) -> bool:
+        """Being torn down (surplus, model gone, failed, drained)."""
+        return self.phase is RETIRING_PHASE
+
+    def set_phase(self, phase: ReplicaPhase) -> bool:
+        """Move to `phase` if the transition table allows it; True when the phase changed."""
+        if phase == self.phase or not transition(self.phase, phase, f"replica {self.id}"):
+            return False
+        self.phase = phase
+        return True
 
     @property
     def leader(self) -> Shard:
@@ -99,10 +129,10 @@ class Replica:
             return FAILED
         if states == {STOPPED}:
             return STOPPED
-        if STOPPING in states or (self.retiring and states - ENDED):
+        if STOPPING in states or (self.phase is RETIRING_PHASE and states - ENDED):
             return STOPPING
         if states == {SERVING}:
-            return DRAINING if self.draining else SERVING
+            return DRAINING if self.phase is DRAINING_PHASE else SERVING
         for state in (PENDING, FETCHING, STARTING):
             if state in states:
                 return state
@@ -110,7 +140,7 @@ class Replica:
 
     @property
     def serving(self) -> bool:
-        return all(s.state == SERVING for s in self.shards) and not self.retiring
+        return self.phase is not RETIRING_PHASE and all(s.state == SERVING for s in self.shards)
 
     @property
     def nodes(self) -> list[str]:
@@ -118,6 +148,7 @@ class Replica:
 
     def row(self) -> dict:
         return {"id": self.id, "model": self.model, "api_key": self.api_key, "state": self.state,
+                # The phase is stored as the draining flag alone: retiring is not kept.
                 "reason": self.reason, "replaces": self.replaces, "draining": int(self.draining),
                 "created_at": self.created_at, "updated_at": time.time()}
 
@@ -149,5 +180,33 @@ def load_replicas(db: sqlite_utils.Database) -> list[Replica]:
     for row in db["replicas"].rows:
         replicas.append(Replica(id=row["id"], model=row["model"], api_key=row["api_key"],
                                 shards=shards.get(row["id"], []), created_at=row["created_at"],
-                                draining=bool(row["draining"]), replaces=row["replaces"], reason=row["reason"]))
+                                phase=ReplicaPhase.DRAINING if row["draining"] else ReplicaPhase.ACTIVE,
+                                replaces=row["replaces"], reason=row["reason"]))
     return [r for r in replicas if r.shards]
+
+
+def _shard_state(value: str) -> ShardState | str:
+    """A stored state as its member; a value this llmgw does not know is kept as it was."""
+    try:
+        return ShardState(value)
+    except ValueError:
+        return value
+
+
+@dataclass
+class NodeAdmin:
+    state: AdminState = AdminState.ACTIVE
+    grace_until: float | None = None
+    actor: str | None = None
+
+
+@dataclass
+class ModelHealth:
+    """A model's launch record: failures in a row and when the next attempt may start."""
+
+    failures: int = 0
+    next_attempt: float = 0.0
+    last_failure: str | None = None
+    last_log_tail: list[str] | None = None
+    launches: int = 0
+    failed_on: tuple[str, ...] = ()

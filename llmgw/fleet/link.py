@@ -38,13 +38,14 @@ import asyncssh
 from llmgw.aio import cancel_and_wait
 from llmgw.config import NodeConfig, SSHConfig
 from llmgw.contracts.backoff import backoff_delay
+from llmgw.contracts.states import LinkState
 from llmgw.fleet.errors import NodeUnavailable, RemoteError
 from llmgw.fleet.ops import FleetSecretRequest, Hello, NodeOps
 from llmgw.fleet.session import HelperFailed, HelperSession, NodeError, Stream
 
 log = logging.getLogger(__name__)
 
-CONNECTING, READY, UNREACHABLE, UNHEALTHY = "connecting", "ready", "unreachable", "unhealthy"
+CONNECTING, READY, UNREACHABLE, UNHEALTHY = LinkState.CONNECTING, LinkState.READY, LinkState.UNREACHABLE, LinkState.UNHEALTHY
 HELLO_TIMEOUT = 20.0
 BACKOFF_BASE = 0.5
 BACKOFF_CAP = 30.0

@@ -9,6 +9,7 @@ import pytest
 from llmgw.admin import text
 from llmgw.admin.text import progress_line
 from llmgw.admin.views import explanation_json, listings
+from llmgw.contracts.states import ReplicaPhase
 from llmgw.control.state import FAILED, Replica, Shard
 from tests.unit.admin_gateway import GB, make_gateway
 
@@ -115,7 +116,7 @@ def test_progress_rides_on_the_shard(gateway):
 def test_a_failed_replica_stays_listed_with_its_log_tail(gateway):
     shard = Shard("bad-1-0", "bad-1", 0, "gpu3", (2,), state=FAILED, reason="engine exited with status 1",
                   log_tail=["loading", "CUDA out of memory"])
-    gateway.reconciler.retired.append((time.time(), Replica("bad-1", "chat", "k", [shard], retiring=True)))
+    gateway.reconciler.retired.append((time.time(), Replica("bad-1", "chat", "k", [shard], phase=ReplicaPhase.RETIRING)))
     gateway.publish()
     listed = by_name(listings(gateway).replicas(), "id")["bad-1"]
     assert listed["retired"] and listed["state"] == "failed"

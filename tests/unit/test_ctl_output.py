@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from llmgw.admin import text
 from llmgw.admin.app import build_admin_app
 from llmgw.cli.main import app
+from llmgw.contracts.states import ReplicaPhase
 from llmgw.control.reconciler import ModelHealth
 from llmgw.control.state import FAILED, Replica, Shard
 from tests.unit.admin_gateway import TOKEN, make_gateway
@@ -31,7 +32,7 @@ async def admin(tmp_path):
     gateway.fleet.links["ghost"].reason = f"connect failed {HOSTILE}"
     shard = Shard("bad-1-0", "bad-1", 0, "gpu3", (2,), state=FAILED, reason=f"engine exited {HOSTILE}",
                   log_tail=[f"loading {HOSTILE}", "CUDA out of memory\ttab kept"])
-    gateway.reconciler.replicas["bad-1"] = Replica("bad-1", "chat", "k", [shard], retiring=True)
+    gateway.reconciler.replicas["bad-1"] = Replica("bad-1", "chat", "k", [shard], phase=ReplicaPhase.RETIRING)
     gateway.publish()
     client = TestClient(TestServer(build_admin_app(gateway)))
     await client.start_server()
@@ -122,7 +123,7 @@ async def test_a_model_added_with_a_signed_url_keeps_the_query_out_of_the_audit_
 
 async def test_ctl_and_the_dashboard_say_the_same_words(admin):
     client, gateway = admin
-    gateway.reconciler.replicas["fetched-1"].draining = True  # still fetching: the mark says it
+    gateway.reconciler.replicas["fetched-1"].set_phase(ReplicaPhase.DRAINING)  # still fetching: the mark says it
     health = gateway.reconciler.health.setdefault("fetched", ModelHealth())
     health.failures, health.last_failure = 2, "engine exited with status 1"
     health.next_attempt = time.time() + 600

@@ -2,7 +2,7 @@
 plus a margin, else the configured limit."""
 
 from llmgw.config import GatewayConfig
-from llmgw.control.reconciler import FETCH_MARGIN_MIN, fetch_cap
+from llmgw.control.actions import FETCH_MARGIN_MIN, fetch_cap
 
 
 def test_a_declared_size_wins_over_a_learned_one():

@@ -9,6 +9,7 @@ import pytest
 
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, ProfileConfig
+from llmgw.contracts import states
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.state import FAILED
 from tests.unit.fake_fleet import FakeFleet
@@ -16,6 +17,14 @@ from tests.unit.fake_fleet import FakeFleet
 PROFILES = {"one": ProfileConfig(engine="vllm", gpus=1, start_timeout=0.5),
             "whole": ProfileConfig(engine="vllm", gpus=8),
             "pair": ProfileConfig(engine="vllm", gpus=8, nodes=2)}
+
+
+@pytest.fixture(autouse=True)
+def no_refused_transitions():
+    """Every state change the reconciler makes is one the transition table allows."""
+    states.refused.clear()
+    yield
+    assert not states.refused, f"transitions refused: {dict(states.refused)}"
 
 
 def build(models: list[dict], nodes=("a", "b", "c"), fabric="ib", **gateway):
@@ -264,3 +273,12 @@ async def test_undeclared_size_is_learned_before_placement():
     reconciler.learned_sizes.clear()  # (a new catalog with another source would be asked afresh)
     await settle(reconciler, fleet)
     assert serving(reconciler, "m")
+
+
+async def test_shards_waiting_for_the_same_weights_on_a_node_share_one_fetch():
+    """R-5.3: one download per node and weights, however many shards wait for it."""
+    reconciler, fleet, _, _ = build([{"name": "m", "scaling": {"min": 2}}], nodes=("a",))
+    await settle(reconciler, fleet)
+    assert len(serving(reconciler, "m")) == 2
+    assert len([c for c in fleet.calls if c[1] == "fetch"]) == 1
+    assert not reconciler.actions.fetches  # the job is gone once its download ended

@@ -10,7 +10,8 @@ import threading
 import pytest
 import sqlite_utils
 
-from llmgw.store import SCHEMA_VERSION, Store, add_usage, migrate, schema_version
+from llmgw.control.state import STARTING, load_replicas
+from llmgw.store import MIGRATIONS, SCHEMA_VERSION, Store, add_usage, migrate, schema_version
 
 
 def test_migration_from_an_empty_database(tmp_path):
@@ -20,6 +21,28 @@ def test_migration_from_an_empty_database(tmp_path):
     assert schema_version(db) == SCHEMA_VERSION
     assert {"models", "node_admin", "replicas", "shards", "api_keys", "usage", "audit"} <= set(db.table_names())
     assert migrate(db) == SCHEMA_VERSION  # idempotent
+
+
+def test_a_version_1_database_is_adopted_with_launch_times(tmp_path):
+    """Schema 2 gives shards `launched_at`; a launched shard of an older database gets its
+    `state_since` (reset at launch then), one never launched gets none."""
+    path = tmp_path / "v1.db"
+    db = sqlite_utils.Database(path)
+    MIGRATIONS[1](db)
+    db.execute("PRAGMA user_version = 1")
+    db["replicas"].insert({"id": "m-1", "model": "m", "api_key": "k", "state": "starting", "draining": 1})
+    shard = {"replica_id": "m-1", "node": "a", "gpus": "[0]", "serves_http": 1, "created_at": 1.0}
+    db["shards"].insert_all([{**shard, "id": "m-1-0", "rank": 0, "state": "starting", "pid": 7, "start_time": 70,
+                              "state_since": 1234.5},
+                             {**shard, "id": "m-1-1", "rank": 1, "state": "pending", "state_since": 1200.0}])
+    db.conn.close()
+    store = Store.open(path)
+    try:
+        [replica] = store.read_sync(load_replicas)
+    finally:
+        store.close()
+    assert [s.launched_at for s in replica.shards] == [1234.5, None]
+    assert replica.shards[0].state == STARTING and replica.draining and not replica.retiring
 
 
 def test_newer_schema_is_refused(tmp_path):

@@ -27,11 +27,14 @@ def test_candidates_and_cache_names():
     assert parse_weights("https://x.example/a.gguf").cache_name.startswith("llmgw-")
 
 
-def test_a_single_fetched_file_is_handed_to_the_engine_as_the_file():
-    from llmgw.control.reconciler import _engine_path
+def test_a_single_fetched_file_is_handed_to_the_engine_as_the_file_the_helper_saved():
+    from llmgw.control.actions import _engine_path
 
-    one = parse_weights("https://x.example/q%20models/tiny%2Bq4.gguf?download=1")
-    assert _engine_path(one, "/c/llmgw-0123456789abcdef") == "/c/llmgw-0123456789abcdef/tiny+q4.gguf"
+    one = parse_weights("https://x.example/q%20models/..%2F..%2Fescape.gguf?download=1")
+    entry = "/c/llmgw-0123456789abcdef"
+    # The helper names the file it saved; its naming rule is not re-derived from the URL here.
+    assert _engine_path(one, entry, entry + "/download") == entry + "/download"
+    assert _engine_path(one, entry, None) == entry  # a one-URL entry whose file was not reported
     repo = parse_weights("hf:org/model")
-    assert _engine_path(repo, "/c/llmgw-0123456789abcdef") == "/c/llmgw-0123456789abcdef"
-    assert _engine_path(parse_weights("llama/7b"), "/models/llama/7b") == "/models/llama/7b"
+    assert _engine_path(repo, entry, entry + "/config.json") == entry  # a repository is its directory
+    assert _engine_path(parse_weights("llama/7b"), "/models/llama/7b", None) == "/models/llama/7b"

@@ -1,0 +1,356 @@
+"""The act step: the tasks that talk to nodes for the reconciler — fetch, launch, stop, log
+tails and sizing (R-4.2–R-4.8, R-5.1–R-5.4).
+
+Each task is started by the reconciler's pass and runs on its own; what it learns it writes to
+the replica it was given (through the transition table) and then wakes the reconciler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from llmgw.catalog import Model
+from llmgw.config import GatewayConfig, NodeConfig
+from llmgw.control.state import ENDED, FAILED, FETCHING, PENDING, STARTING, STOPPED, STOPPING, ModelHealth, Replica, Shard
+from llmgw.engines import ShardVars
+from llmgw.fleet.fleet import Fleet
+from llmgw.contracts.backoff import backoff_delay
+from llmgw.fleet.link import READY
+from llmgw.fleet.errors import DiskFull, EngineProgramMissing, IdentityMismatch, NodeError, PortInUse, ShardNotFound
+from llmgw.fleet.ops import FetchRequest, Fetched, ForgetRequest, LaunchRequest, LogsRequest, SourceSizeRequest, StopRequest
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE = 10.0
+PORT_ATTEMPTS = 8
+LOG_TAIL_LINES = 50
+FETCH_MARGIN = 0.10  # a download may exceed its declared or learned size by 10 %...
+FETCH_MARGIN_MIN = 64 * 1024**2  # ...and by at least 64 MiB
+
+
+@dataclass(eq=False)
+class FetchJob:
+    """One download of a model's weights onto a node, shared by every shard waiting for it."""
+
+    node: str
+    cache_name: str
+    watchers: list[Shard] = field(default_factory=list)  # their status carries the progress
+    task: asyncio.Task | None = None
+
+    def progress(self, done: int, total: int | None) -> None:
+        # Progress rides on the shard status; it is not a state transition (R-5.4).
+        for shard in self.watchers:
+            shard.progress = (done, total)
+
+
+class Actions:
+    """The running node tasks, by what they are for, and how to start each."""
+
+    def __init__(self, fleet: Fleet, gateway: GatewayConfig, *, replicas: Mapping[str, Replica],
+                 health: Mapping[str, ModelHealth], learned_sizes: dict[str, int | None],
+                 save: Callable[[Replica], None], wake: Callable[[], None],
+                 stopped: Callable[[Replica], None], outstanding: Callable[[str], int] | None = None):
+        self.fleet = fleet
+        self.gateway = gateway
+        self.replicas = replicas  # read for the ports in use
+        self.health = health
+        self.learned_sizes = learned_sizes
+        self.save = save
+        self.wake = wake
+        self.stopped = stopped  # called once a retired replica's engines are all stopped
+        self.outstanding = outstanding
+        self.launches: dict[str, asyncio.Task] = {}  # replica id ->
+        self.stops: dict[str, asyncio.Task] = {}  # replica id ->
+        self.fetches: dict[tuple[str, str], FetchJob] = {}  # (node, cache name) ->
+        self.sizing: dict[str, asyncio.Task] = {}  # canonical source ->
+
+    def tasks(self) -> Iterator[asyncio.Task]:
+        yield from self.launches.values()
+        yield from self.stops.values()
+        yield from (job.task for job in self.fetches.values() if job.task is not None)
+        yield from self.sizing.values()
+
+    # -- starting tasks ------------------------------------------------------------------------
+
+    def launch(self, replica: Replica, model: Model) -> None:
+        self.launches[replica.id] = asyncio.create_task(self._launch(replica, model), name=f"launch-{replica.id}")
+
+    def cancel_launch(self, replica_id: str) -> None:
+        task = self.launches.pop(replica_id, None)
+        if task is not None:
+            task.cancel()
+
+    def stop(self, replica: Replica) -> None:
+        self.stops[replica.id] = asyncio.create_task(self._stop_replica(replica), name=f"stop-{replica.id}")
+
+    def learn_size(self, model: Model) -> bool:
+        """Ask a node for the size of the model's weights unless that is under way; False when
+        no node is ready to ask."""
+        key = model.source.canonical
+        if key not in self.sizing:
+            if not self.fleet.ready_nodes():
+                return False
+            self.sizing[key] = asyncio.create_task(self._learn_size(model), name=f"size-{model.name}")
+        return True
+
+    # -- sizing (R-5.1) ------------------------------------------------------------------------
+
+    async def _learn_size(self, model: Model) -> None:
+        key = model.source.canonical
+        size = None
+        try:
+            for node in self.fleet.ready_nodes()[:2]:
+                try:
+                    source, token = fetch_source(model.source)
+                    size = (await self.fleet.ops(node).source_size(SourceSizeRequest(source, token))).bytes
+                    break
+                except NodeError as exc:
+                    log.info("could not learn the size of %s's weights from %s: %s", model.name, node, exc)
+        finally:
+            self.learned_sizes[key] = size
+            self.sizing.pop(key, None)
+            if size is not None:
+                log.info("%s's weights are %.2f GB (learned from the source)", model.name, size / 1000**3)
+            self.wake()
+
+    # -- launching -----------------------------------------------------------------------------
+
+    async def _launch(self, replica: Replica, model: Model) -> None:
+        try:
+            leader = replica.leader
+            leader_node = self.fleet.nodes[leader.node]
+            if len(replica.shards) > 1:
+                leader.dist_port = self._free_port(leader.node, exclude=set())
+            paths = await asyncio.gather(*(self._weights(replica, shard, model) for shard in replica.shards))
+            await asyncio.gather(*(self._start_shard(replica, shard, model, path, leader_node)
+                                   for shard, path in zip(replica.shards, paths)))
+        except asyncio.CancelledError:
+            raise
+        except NodeError as exc:
+            self._fail_replica(replica, _node_error_reason(exc))
+        except EngineMissing as exc:
+            self._fail_replica(replica, str(exc))
+        except Exception as exc:  # a bug must fail the replica visibly, not hang it
+            log.exception("launching %s failed", replica.id)
+            self._fail_replica(replica, f"launch failed: {exc}")
+        finally:
+            self.launches.pop(replica.id, None)
+            self.wake()
+
+    def _fail_replica(self, replica: Replica, reason: str) -> None:
+        for shard in replica.shards:
+            if shard.state not in ENDED:
+                shard.set_state(FAILED, reason)
+        self.save(replica)
+
+    async def _weights(self, replica: Replica, shard: Shard, model: Model) -> str:
+        """The weights path on the shard's node, fetching them first when needed (R-5.1–R-5.3)."""
+        node = self.fleet.nodes[shard.node]
+        source = model.source
+        if source is None:
+            return model.name
+        held = (self.fleet.facts[shard.node].holdings or {}).get(model.name)
+        if held is not None:
+            return _engine_path(source, held.path, held.file)
+        if not source.fetched:
+            paths = self.fleet.paths(node.name)
+            candidates = source.candidates([*paths.model_dirs, *paths.shared_dirs], paths.cache_dir)
+            return candidates[0] if candidates else source.path
+        shard.set_state(FETCHING)
+        self.save(replica)
+        key = (shard.node, source.cache_name)
+        job = self.fetches.get(key)
+        if job is None:
+            job = self.fetches[key] = FetchJob(shard.node, source.cache_name)
+            job.task = asyncio.create_task(self._fetch(node, model, job), name=f"fetch-{shard.node}-{source.cache_name}")
+            job.task.add_done_callback(lambda _: self.fetches.pop(key, None))
+        job.watchers.append(shard)
+        try:
+            fetched = await asyncio.shield(job.task)
+        finally:
+            job.watchers.remove(shard)
+        return _engine_path(source, fetched.path, fetched.file)
+
+    async def _fetch(self, node: NodeConfig, model: Model, job: FetchJob) -> Fetched:
+        source = model.source
+        assert source is not None and source.fetched
+        cache_dir = self.fleet.paths(node.name).cache_dir
+        if cache_dir is None:
+            raise NodeError(node.name, "fetch", "paths", "the node's cache directory is not known yet")
+        helper_source, token = fetch_source(source)
+        request = FetchRequest(helper_source, cache_dir, source.cache_name, token=token,
+                               max_bytes=fetch_cap(model.config.disk_gb, self.learned_sizes.get(source.canonical),
+                                                   self.gateway.fetch_limit),
+                               stall_timeout=self.gateway.fetch_stall)
+        async with self.fleet.ops(node.name).fetch(request) as stream:
+            async for progress in stream:
+                job.progress(progress.bytes, progress.total)
+        return stream.result
+
+    def _used_ports(self, node: str) -> set[int]:
+        ports = set()
+        for replica in self.replicas.values():
+            for shard in replica.shards:
+                if shard.node == node and shard.state not in ENDED:
+                    ports.update(p for p in (shard.port, shard.dist_port) if p is not None)
+        return ports
+
+    def _free_port(self, node: str, exclude: set[int]) -> int:
+        low, high = self.fleet.nodes[node].ports
+        used = self._used_ports(node) | exclude
+        for port in range(low, high + 1):
+            if port not in used:
+                return port
+        raise NodeError(node, "launch", "ports", f"no free port left in {low}-{high}")
+
+    async def _start_shard(self, replica: Replica, shard: Shard, model: Model, weights: str,
+                           leader_node: NodeConfig) -> None:
+        node = self.fleet.nodes[shard.node]
+        profile = model.profile
+        assert profile is not None and model.engine is not None
+        local = node.connection == "local"
+        tried: set[int] = set()
+        for _ in range(PORT_ATTEMPTS):
+            port = self._free_port(shard.node, tried)
+            shard.port = port
+            leader_addr = "127.0.0.1" if leader_node.connection == "local" else (leader_node.host or "127.0.0.1")
+            variables = ShardVars(
+                model=weights, name=model.config.served_name or model.name,
+                host="127.0.0.1" if local else "0.0.0.0", port=port, gpus_per_node=profile.gpus,
+                nnodes=profile.nodes, node_rank=shard.rank, leader_addr=leader_addr,
+                leader_port=replica.leader.dist_port or 0,
+                python=node.python or self.fleet.inventory.ssh.python if not local else "python3")
+            spec = model.engine.render(variables, profile.args, profile.env, replica.api_key)
+            shard.serves_http = spec.health_path is not None
+            shard.argv = spec.argv
+            shard.set_state(STARTING)
+            self.save(replica)
+            request = LaunchRequest(
+                shard.id, spec.argv, env=spec.env, files=spec.files, file_sha256=spec.file_sha256,
+                port=port if shard.serves_http else None, host=variables.host,
+                health_url=f"http://127.0.0.1:{port}{spec.health_path}" if spec.health_path else None,
+                gpus=shard.gpus)
+            try:
+                launched = await self.fleet.ops(shard.node).launch(request)
+            except PortInUse:
+                tried.add(port)
+                continue
+            except EngineProgramMissing as exc:
+                raise EngineMissing(model.engine.missing_reason(shard.node, exc.message)) from exc
+            shard.pid, shard.start_time = launched.pid, launched.start_time
+            shard.argv = list(launched.argv) or spec.argv
+            shard.launched_at = time.time()
+            self.save(replica)
+            self.wake()
+            return
+        raise NodeError(shard.node, "launch", "ports", f"ports {sorted(tried)} were all in use")
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    async def _stop_replica(self, replica: Replica) -> None:
+        try:
+            if self.outstanding is not None:
+                deadline = time.monotonic() + 30
+                while self.outstanding(replica.id) > 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+            await asyncio.gather(*(self._stop_shard(replica, s) for s in replica.shards))
+        finally:
+            self.stops.pop(replica.id, None)
+        self.stopped(replica)
+
+    async def _stop_shard(self, replica: Replica, shard: Shard) -> None:
+        failed = shard.state == FAILED
+        if shard.state == STOPPED:
+            return
+        if shard.pid is None and shard.state in (PENDING, FETCHING):
+            if not failed:
+                shard.set_state(STOPPED)
+            return
+        if not failed:
+            shard.set_state(STOPPING)
+            self.save(replica)
+        attempt = 0
+        while True:
+            link = self.fleet.links.get(shard.node)
+            if link is None:
+                break
+            if link.state == READY:
+                if failed and shard.log_tail is None:
+                    await self._keep_log_tail(replica, shard)
+                ops = self.fleet.ops(shard.node)
+                try:
+                    await ops.stop(StopRequest(shard.id, STOP_GRACE))
+                    await ops.forget(ForgetRequest(shard.id))
+                    break
+                except IdentityMismatch as exc:
+                    log.warning("%s: not stopping %s: %s", shard.node, shard.id, exc.message)
+                    break
+                except ShardNotFound:
+                    break
+                except NodeError as exc:
+                    log.info("%s: stopping %s failed (%s); will retry", shard.node, shard.id, exc)
+            # A node that is unreachable now is asked again when it returns: its engines must not
+            # outlive the replica (no duplicates after a partition heals).
+            await asyncio.sleep(min(backoff_delay(attempt, base=1.0, cap=10.0), 10.0))
+            attempt += 1
+        if not failed:
+            shard.set_state(STOPPED)
+        self.save(replica)
+
+    async def _keep_log_tail(self, replica: Replica, shard: Shard) -> None:
+        """A shard failed while its engine still ran (e.g. start timeout): read its log before
+        stopping it, so the failure carries the tail like an engine that exited (R-4.2, R-4.8)."""
+        try:
+            answer = await self.fleet.ops(shard.node).logs(LogsRequest(shard.id, LOG_TAIL_LINES))
+        except NodeError:
+            return
+        shard.log_tail = replica.without_key(answer.lines)
+        health = self.health.get(replica.model)
+        if health is not None and health.last_log_tail is None:
+            health.last_log_tail = shard.log_tail
+        self.save(replica)
+
+
+def fetch_cap(disk_gb: float | None, learned: int | None, limit: int) -> int:
+    """The most bytes one fetch may write: the declared size (disk_gb), else the size learned
+    from the source, plus FETCH_MARGIN of it (at least FETCH_MARGIN_MIN, for a source that
+    changed a little since); the configured limit when neither is known."""
+    size = disk_gb * 1000**3 if disk_gb is not None else learned
+    if size is None:
+        return limit
+    return int(size + max(size * FETCH_MARGIN, FETCH_MARGIN_MIN))
+
+
+def fetch_source(source) -> tuple[dict, str | None]:
+    """The helper's `source` argument and the hub token for it. The token comes from this
+    process's environment and travels in the request, never in argv or logs (R-1.6)."""
+    helper_source = source.helper_source()
+    token = None
+    if source.kind == "hf":
+        token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+        if os.environ.get("HF_ENDPOINT"):
+            helper_source["endpoint"] = os.environ["HF_ENDPOINT"]
+    return helper_source, token
+
+
+def _engine_path(source, path: str, file: str | None) -> str:
+    """A single fetched file (a GGUF, say) is handed to the engine as the file the helper says
+    it saved, not the entry's directory (the helper's naming rule stays the helper's)."""
+    if source.kind == "https" and len(source.urls) == 1 and file is not None:
+        return file
+    return path
+
+
+class EngineMissing(Exception):
+    """The node lacks the engine's program; the message says which and how to install it."""
+
+
+def _node_error_reason(exc: NodeError) -> str:
+    if isinstance(exc, DiskFull):
+        return f"not enough disk space: {exc.message}"
+    return f"{exc.op} on {exc.node} failed ({exc.phase}): {exc.message}"

@@ -1,0 +1,143 @@
+"""The plan step: what to launch, retire and mark draining, as small actions (R-4.1, R-6.8, R-9.5).
+
+Pure: a plan is a function of the catalog's models, the live replicas, the clock and the
+records the reconciler keeps (demand, last use, health, node admin). The reconciler carries the
+actions out, in the order given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from llmgw.catalog import Model
+from llmgw.contracts.states import AdminState
+from llmgw.control.state import ACTIVE_PHASE, DRAINING_PHASE, FAILED, RETIRING_PHASE, ModelHealth, NodeAdmin, Replica
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Place and start `count` more replicas of the model (as many as fit)."""
+
+    model: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Retire:
+    """Take a replica out of service and stop its engines."""
+
+    replica_id: str
+    reason: str
+    failed: bool = False  # a failure: counted toward the model's backoff first
+
+
+@dataclass(frozen=True, slots=True)
+class MarkDraining:
+    """Mark a replica for a rolling move: it serves until it is retired (R-9.5)."""
+
+    replica_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetDemand:
+    """An on-demand model's demand is answered or gone idle: it no longer asks for a replica."""
+
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Enough:
+    """The model has as many replicas as wanted: a 'cannot place' explanation no longer holds."""
+
+    model: str
+
+
+Action = Launch | Retire | MarkDraining | ForgetDemand | Enough
+
+
+def sweep(replicas: Iterable[Replica], models: Mapping[str, Model]) -> list[Retire]:
+    """Replicas nothing wants any more: their model left the catalog (or serves from a fixed
+    URL now), or they failed (R-4.1)."""
+    retire = []
+    for replica in replicas:
+        if replica.phase is RETIRING_PHASE:
+            continue
+        model = models.get(replica.model)
+        if model is None or model.static:
+            retire.append(Retire(replica.id, "model removed from the catalog"))
+        elif replica.state == FAILED:
+            retire.append(Retire(replica.id, replica.reason or "failed", failed=True))
+    return retire
+
+
+def drain_marks(replicas: Iterable[Replica], admin: Mapping[str, NodeAdmin]) -> list[MarkDraining]:
+    """Replicas on a draining node that are not marked yet (R-9.5)."""
+    wanted = AdminState.DRAINING
+    draining = {node for node, a in admin.items() if a.state == wanted}
+    if not draining:
+        return []
+    return [MarkDraining(r.id) for r in replicas
+            if r.phase is ACTIVE_PHASE and any(s.node in draining for s in r.shards)]
+
+
+def desired(model: Model, active: list[Replica], now: float, *, demand: float | None,
+            last_used: Mapping[str, float], started_at: float) -> tuple[int, bool]:
+    """How many replicas the model wants, and whether its demand is to be forgotten.
+
+    On demand: one replica while there is demand or recent use, however high max is (R-6.8)."""
+    if not model.on_demand:
+        return model.min_replicas, False
+    if demand is not None and not active:
+        return 1, False
+    if not active:
+        return 0, False
+    timeout = model.idle_timeout
+    if timeout is None:
+        return 1, False
+    for replica in active:
+        if not replica.serving:
+            return 1, False
+        used = last_used.get(replica.id)
+        # Unknown last use (router just started) is not idle: the clock starts at that start.
+        reference = max(filter(None, [used, replica.serving_since, started_at, demand]))
+        if now - reference < timeout:
+            return 1, False
+    return 0, True
+
+
+def plan_model(model: Model, live: list[Replica], now: float, *, health: ModelHealth | None,
+               admin: Mapping[str, NodeAdmin], demand: float | None, last_used: Mapping[str, float],
+               started_at: float) -> list[Action]:
+    """The actions for one model, from its live (not retiring) replicas.
+
+    A launch waits out the model's failure backoff, and while it waits nothing else is decided
+    for the model, draining replicas included (they keep serving)."""
+    active = [r for r in live if r.phase is not DRAINING_PHASE]
+    count, forget = desired(model, active, now, demand=demand, last_used=last_used, started_at=started_at)
+    actions: list[Action] = [ForgetDemand(model.name)] if forget else []
+    missing = count - len(active)
+    surplus: list[Replica] = []
+    if missing > 0:
+        if health is not None and now < health.next_attempt:
+            return actions
+        actions.append(Launch(model.name, missing))
+    elif missing < 0:
+        # Surplus: stop the least useful first — not serving, then the newest.
+        surplus = sorted(active, key=lambda r: (r.serving, -r.created_at))[:-missing]
+        actions.extend(Retire(r.id, "surplus: more replicas than wanted") for r in surplus)
+    else:
+        actions.append(Enough(model.name))
+    draining = [r for r in live if r.phase is DRAINING_PHASE]
+    if not draining:
+        return actions
+    # Rolling move (R-9.5): a draining replica stops once enough others serve, or at the grace.
+    retired = {r.id for r in surplus}
+    serving_active = sum(1 for r in active if r.serving and r.id not in retired)
+    for replica in draining:
+        grace_over = any(admin[n].state == AdminState.DRAINING and admin[n].grace_until is not None
+                         and now >= admin[n].grace_until for n in replica.nodes if n in admin)
+        if serving_active >= count or grace_over or not replica.serving:
+            actions.append(Retire(replica.id, "drained" if serving_active >= count else
+                                  "drained: grace period over" if grace_over else "drained before it served"))
+    return actions
