@@ -95,7 +95,7 @@ def _loader_of(text: bytes) -> str:
 @lru_cache(maxsize=1)
 def helper_code() -> HelperCode:
     """The helper this control plane ships, read as package data, and its SHA-256."""
-    text = importlib.resources.files("llmgw").joinpath("remote/llmgw_helper.py").read_bytes()
+    text = importlib.resources.files("llmgw.remote").joinpath("llmgw_helper.py").read_bytes()
     return HelperCode(text=text, sha256=hashlib.sha256(text).hexdigest())
 
 

@@ -5,6 +5,7 @@ thread, and files every line under the request id it names: events in order, the
 """
 
 import hashlib
+import importlib.resources
 import importlib.util
 import itertools
 import json
@@ -17,8 +18,9 @@ import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-HELPER_PATH = REPO_ROOT / "llmgw" / "remote" / "llmgw_helper.py"
+# The file the control plane ships (llmgw.fleet.link.helper_code reads the same one): remote/ in
+# the source tree, mapped to the package llmgw.remote.
+HELPER_PATH = Path(importlib.resources.files("llmgw.remote").joinpath("llmgw_helper.py"))
 
 _loaded = {}
 

@@ -97,8 +97,3 @@ def test_exit_codes_are_documented_constants():
     docstring = ast.get_docstring(TREE)
     for word in ("EXIT_INTEGRITY", "EXIT_PERMISSIONS", '"hello"', '"event"', '"ok"', "unknown_op", "bad_args"):
         assert word in docstring, word
-
-
-def test_there_is_no_package_init_beside_it():
-    # The helper ships as package data, not as an importable module.
-    assert not (HELPER_PATH.parent / "__init__.py").exists()
