@@ -45,9 +45,8 @@ CONNECTING, READY, UNREACHABLE, UNHEALTHY = "connecting", "ready", "unreachable"
 HELLO_TIMEOUT = 20.0
 BACKOFF_BASE = 0.5
 BACKOFF_CAP = 30.0
-# sshd allows MaxSessions (10) channels per connection: the helper session uses one, and the rare
-# extra ones (helper upload over SFTP) are kept well below the limit.
-EXTRA_CHANNELS = 4
+# sshd allows MaxSessions (10) channels per connection; a link opens one, the helper's process,
+# whose stdin also carries the helper when the node lacks it.
 PREFERRED_CIPHERS = "^aes128-gcm@openssh.com,aes256-gcm@openssh.com"
 
 
@@ -305,7 +304,6 @@ class SSHLink(NodeLink):
         self._conn: asyncssh.SSHClientConnection | None = None
         self._process: asyncssh.SSHClientProcess | None = None
         self._gate = connect_gate
-        self._channels = asyncio.Semaphore(EXTRA_CHANNELS)
         remote = ssh.remote_dir
         # Relative paths resolve against the login directory: no shell expansion is needed.
         self.remote_dir = remote[2:] if remote.startswith("~/") else remote

@@ -26,7 +26,8 @@ _loaded = {}
 
 
 def load_helper():
-    """The helper file imported as a module (it is package data, not a package module)."""
+    """The helper file imported as a module of its own name, for tests that call its functions
+    (llmgw never imports it: it is data the control plane sends)."""
     if "module" not in _loaded:
         spec = importlib.util.spec_from_file_location("llmgw_helper_under_test", HELPER_PATH)
         module = importlib.util.module_from_spec(spec)
