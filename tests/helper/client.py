@@ -77,8 +77,8 @@ def process_running(pid):
 class HelperClient:
     """One running helper process and the lines it has written, by request id."""
 
-    def __init__(self, path, sha, root, env=None, extra_args=()):
-        self.argv = [sys.executable, str(path), "serve", "--expect-sha256", sha, "--root", str(root)]
+    def __init__(self, path, sha, root, env=None, extra_args=(), python=None):
+        self.argv = [python or sys.executable, str(path), "serve", "--expect-sha256", sha, "--root", str(root)]
         self.argv += list(extra_args)
         self.proc = subprocess.Popen(
             self.argv,
