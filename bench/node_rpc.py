@@ -51,7 +51,7 @@ from llmgw.config import SSHConfig, load_inventory  # noqa: E402
 from llmgw.fleet.fleet import CONNECT_GATE, Fleet, storage_dirs  # noqa: E402
 from llmgw.fleet.link import helper_argv, helper_code  # noqa: E402
 from llmgw.fleet.session import NodeError  # noqa: E402
-from llmgw.remote.llmgw_helper import COMPUTE_APPS_FIELDS, GPU_QUERY_FIELDS  # noqa: E402
+from tests.helper.client import load_helper  # noqa: E402
 from tests.testbed.testbed import Testbed, default_specs, requirements_missing  # noqa: E402
 
 PHASE_TIMEOUT = 300.0  # no phase of a healthy run comes near this; a stuck one stops the bench
@@ -237,8 +237,9 @@ async def run_checked(conn: asyncssh.SSHClientConnection, command: str, expect: 
 def shell_facts_command(tb: Testbed, node: str) -> str:
     """What the helper's inventory, storage, status and holdings read, as one shell command."""
     host = tb.nodes[node]
-    query = ",".join(GPU_QUERY_FIELDS)
-    apps = ",".join(COMPUTE_APPS_FIELDS)
+    helper = load_helper()  # the helper is package data, loaded from its file
+    query = ",".join(helper.GPU_QUERY_FIELDS)
+    apps = ",".join(helper.COMPUTE_APPS_FIELDS)
     return "; ".join([
         "hostname", "cat /proc/sys/kernel/random/boot_id", "nproc", "cat /proc/meminfo",
         "if command -v nvidia-smi >/dev/null; then "

@@ -88,7 +88,7 @@ class ShippedFile:
 @cache
 def vllm_guard() -> ShippedFile:
     """The ASGI guard vLLM loads with --middleware: its own key check leaves most paths open."""
-    data = importlib.resources.files("llmgw").joinpath(f"remote/{VLLM_GUARD_FILE}").read_bytes()
+    data = importlib.resources.files("llmgw.remote").joinpath(VLLM_GUARD_FILE).read_bytes()
     return ShippedFile(data.decode("utf-8"), hashlib.sha256(data).hexdigest())
 
 

@@ -49,9 +49,8 @@ CONNECTING, READY, UNREACHABLE, UNHEALTHY = LinkState.CONNECTING, LinkState.READ
 HELLO_TIMEOUT = 20.0
 BACKOFF_BASE = 0.5
 BACKOFF_CAP = 30.0
-# sshd allows MaxSessions (10) channels per connection: the helper session uses one, and the rare
-# extra ones (helper upload over SFTP) are kept well below the limit.
-EXTRA_CHANNELS = 4
+# sshd allows MaxSessions (10) channels per connection; a link opens one, the helper's process,
+# whose stdin also carries the helper when the node lacks it (R-1.1, R-1.2).
 PREFERRED_CIPHERS = "^aes128-gcm@openssh.com,aes256-gcm@openssh.com"
 
 
@@ -99,7 +98,7 @@ def _loader_of(text: bytes) -> str:
 @lru_cache(maxsize=1)
 def helper_code() -> HelperCode:
     """The helper this control plane ships, read as package data, and its SHA-256."""
-    text = importlib.resources.files("llmgw").joinpath("remote/llmgw_helper.py").read_bytes()
+    text = importlib.resources.files("llmgw.remote").joinpath("llmgw_helper.py").read_bytes()
     return HelperCode(text=text, sha256=hashlib.sha256(text).hexdigest())
 
 
@@ -308,7 +307,6 @@ class SSHLink(NodeLink):
         self._conn: asyncssh.SSHClientConnection | None = None
         self._process: asyncssh.SSHClientProcess | None = None
         self._gate = connect_gate
-        self._channels = asyncio.Semaphore(EXTRA_CHANNELS)
         remote = ssh.remote_dir
         # Relative paths resolve against the login directory: no shell expansion is needed.
         self.remote_dir = remote[2:] if remote.startswith("~/") else remote

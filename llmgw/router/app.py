@@ -1,9 +1,12 @@
 """The client-facing listener: routes, authentication, the choice of endpoint, retries (SPEC §6).
 
 The control plane pushes endpoint lists (`set_endpoints`) and catalogs (through the
-CatalogHolder); the router never asks for them per request (R-8.1). It hands back two things:
-`take_last_used()` once a tick (R-7.1) and `on_demand(model)` when an on-demand model is asked
-for and has no replica (R-6.8). SQLite is touched only off the request path: keys are reloaded
+CatalogHolder); the router never asks for them per request (R-8.1). The control plane calls
+`take_last_used()` once a tick (R-7.1), `outstanding(replica)` while a drain waits for the
+requests in flight to end (R-4.2), and `abandon(replica)` for a replica it gave up (attempts
+waiting for their first byte go elsewhere); the router calls `on_demand(model)` when an
+on-demand model is asked for and has no replica (R-6.8). The admin views read `outstanding` and
+`engine_load` (R-6.5f). SQLite is touched only off the request path: keys are reloaded
 every couple of seconds, usage is written about once a second through the store's writer.
 """
 

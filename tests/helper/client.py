@@ -5,6 +5,7 @@ thread, and files every line under the request id it names: events in order, the
 """
 
 import hashlib
+import importlib.resources
 import importlib.util
 import itertools
 import json
@@ -17,14 +18,16 @@ import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-HELPER_PATH = REPO_ROOT / "llmgw" / "remote" / "llmgw_helper.py"
+# The file the control plane ships (llmgw.fleet.link.helper_code reads the same one): remote/ in
+# the source tree, mapped to the package llmgw.remote.
+HELPER_PATH = Path(importlib.resources.files("llmgw.remote").joinpath("llmgw_helper.py"))
 
 _loaded = {}
 
 
 def load_helper():
-    """The helper file imported as a module (it is package data, not a package module)."""
+    """The helper file imported as a module of its own name, for tests that call its functions
+    (llmgw never imports it: it is data the control plane sends)."""
     if "module" not in _loaded:
         spec = importlib.util.spec_from_file_location("llmgw_helper_under_test", HELPER_PATH)
         module = importlib.util.module_from_spec(spec)
@@ -74,8 +77,8 @@ def process_running(pid):
 class HelperClient:
     """One running helper process and the lines it has written, by request id."""
 
-    def __init__(self, path, sha, root, env=None, extra_args=()):
-        self.argv = [sys.executable, str(path), "serve", "--expect-sha256", sha, "--root", str(root)]
+    def __init__(self, path, sha, root, env=None, extra_args=(), python=None):
+        self.argv = [python or sys.executable, str(path), "serve", "--expect-sha256", sha, "--root", str(root)]
         self.argv += list(extra_args)
         self.proc = subprocess.Popen(
             self.argv,

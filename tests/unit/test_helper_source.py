@@ -99,6 +99,28 @@ def test_exit_codes_are_documented_constants():
         assert word in docstring, word
 
 
-def test_there_is_no_package_init_beside_it():
-    # The helper ships as package data, not as an importable module.
-    assert not (HELPER_PATH.parent / "__init__.py").exists()
+# Each part of the protocol is its own section of the file, one class each; Node joins them.
+PARTS = {
+    "NodeCore": {"ping", "cancel", "fleet_secret"},
+    "InventoryOps": {"inventory"},
+    "StorageOps": {"storage", "holdings"},
+    "FetchOps": {"fetch", "source_size"},
+    "ProcessOps": {"launch", "status", "stop", "forget", "logs"},
+    "ReclaimOps": {"reclaim"},
+}
+
+
+def test_each_part_of_the_protocol_is_its_own_class():
+    classes = {node.name: node for node in TREE.body if isinstance(node, ast.ClassDef)}
+    defined = {}
+    for name in PARTS:
+        operations = {item.name[3:] for item in classes[name].body
+                      if isinstance(item, ast.FunctionDef) and item.name.startswith("op_")}
+        defined[name] = operations
+    assert defined == PARTS
+    node = classes["Node"]
+    assert [base.id for base in node.bases] == list(PARTS)
+    assert not [item for item in node.body if isinstance(item, ast.FunctionDef)], "Node only joins the parts"
+    (listed,) = [item.value for item in node.body if isinstance(item, ast.Assign) and item.targets[0].id == "OPERATIONS"]
+    assert set(ast.literal_eval(listed)) == set().union(*PARTS.values())
+    assert TREE.body[0].lineno == 2 and ast.get_docstring(TREE).startswith("llmgw node helper"), "the protocol stays on top"

@@ -16,7 +16,7 @@ KEY = "llmgw-engine-0123456789abcdef"
 
 def _guard_module():
     """The guard loaded from the package file the template ships (the bytes its hash names)."""
-    with importlib.resources.as_file(importlib.resources.files("llmgw") / "remote" / VLLM_GUARD_FILE) as path:
+    with importlib.resources.as_file(importlib.resources.files("llmgw.remote") / VLLM_GUARD_FILE) as path:
         assert hashlib.sha256(path.read_bytes()).hexdigest() == vllm_guard().sha256
         spec = importlib.util.spec_from_file_location("llmgw_vllm_guard", path)
         module = importlib.util.module_from_spec(spec)

@@ -253,7 +253,7 @@ class Engine:
         self.embeddings_only = False
         self.max_model_len = int(pick(options, "--max-model-len", default=4096))
         self.served_http = not self.headless
-        # llmgw's guard middleware (llmgw/remote/llmgw_vllm_guard.py) as the real vLLM loads it:
+        # llmgw's guard middleware (remote/llmgw_vllm_guard.py) as the real vLLM loads it:
         # then every path but GET /health needs the key, not just vLLM's own prefixes.
         self.guarded = GUARD_MIDDLEWARE in argv and _guard_importable(env)
         # vLLM keeps Responses (for GET and previous_response_id) only with this set, in process memory.

@@ -1557,25 +1557,9 @@ class Context(object):
             self._send({"id": self.id, "event": event, "data": data})
 
 
-class Node(object):
-    """The operations of the protocol; each is op_<name>(args, ctx) -> result dict."""
-
-    OPERATIONS = (
-        "ping",
-        "inventory",
-        "storage",
-        "holdings",
-        "fetch",
-        "source_size",
-        "launch",
-        "status",
-        "stop",
-        "forget",
-        "logs",
-        "reclaim",
-        "cancel",
-        "fleet_secret",
-    )
+class NodeCore(object):
+    """What every part of the protocol shares: ROOT and the shard files in it, the fleet secret,
+    the requests running (what cancel reaches); and the operations ping, cancel, fleet_secret."""
 
     def __init__(self, root, helper_path, sha256=None):
         self.root = os.path.abspath(os.path.expanduser(root))
@@ -1707,7 +1691,13 @@ class Node(object):
         victim.cancelled.set()
         return {"cancelled": True}
 
-    # -- inventory -------------------------------------------------------------------------
+
+# --------------------------------------------------------------------------------------------
+# Inventory: what the machine is and which GPUs are usable (R-2.1, R-2.2).
+
+
+class InventoryOps(object):
+    """inventory: a part of Node (below)."""
 
     def op_inventory(self, args, ctx):
         meminfo = _read_text("/proc/meminfo")
@@ -1752,7 +1742,42 @@ class Node(object):
                     sessions.add(info["session"])
         return sessions
 
-    # -- storage ---------------------------------------------------------------------------
+
+
+def _session_of(pid):
+    info = read_proc_stat(pid)
+    return info["session"] if info is not None else None
+
+
+def _run_nvidia_smi(exe, arguments):
+    """(stdout, error): error is None on success, else a sentence with nvidia-smi's message."""
+    try:
+        proc = subprocess.run(
+            [exe] + arguments,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            timeout=NVIDIA_SMI_TIMEOUT,
+        )
+    except subprocess.TimeoutExpired:
+        return None, "nvidia-smi did not answer within %g s" % NVIDIA_SMI_TIMEOUT
+    except OSError as exc:
+        return None, "could not run nvidia-smi: %s" % exc
+    out = proc.stdout.decode("utf-8", "replace")
+    if proc.returncode != 0:
+        message = proc.stderr.decode("utf-8", "replace").strip() or out.strip()
+        message = " ".join(message.split())[:1000]
+        return out, "nvidia-smi exited with status %d: %s" % (proc.returncode, message or "no message")
+    return out, None
+
+
+# --------------------------------------------------------------------------------------------
+# Storage: free space per filesystem, and the weights a node already holds (R-2.4 to R-2.6).
+# A directory that hangs (a dead filer) is probed on a thread and skipped until it answers.
+
+
+class StorageOps(object):
+    """storage, holdings: a part of Node (below)."""
 
     def _stuck_paths(self, paths):
         """Which of paths still have a probe hanging from an earlier call; finished probes
@@ -1865,7 +1890,27 @@ class Node(object):
                     break
         return {"held": held, "stuck": stuck}
 
-    # -- fetch -----------------------------------------------------------------------------
+
+
+def _probe_directory(path):
+    """(realpath, "MAJ:MIN", total bytes, free bytes) of a directory; raises when missing."""
+    real = os.path.realpath(path)
+    info = os.stat(real)
+    if not stat.S_ISDIR(info.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
+    vfs = os.statvfs(real)
+    device = "%d:%d" % (os.major(info.st_dev), os.minor(info.st_dev))
+    # f_bavail: what an unprivileged writer (the engine, the fetch) can really use.
+    return real, device, vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
+
+
+# --------------------------------------------------------------------------------------------
+# Fetch: downloads into a cache directory, single-flight, bounded, sealed (R-5.1 to R-5.3).
+
+
+class FetchOps(object):
+    """fetch, source_size: a part of Node (below). A download runs as a FetchJob on its own
+    thread; requests for the same entry attach to it."""
 
     def op_fetch(self, args, ctx):
         source = _check_source(_arg(args, "source", (dict,)))
@@ -2195,7 +2240,101 @@ class Node(object):
                     "network", "%s sent %d bytes, announced %d" % (redact_url(url), written, length)
                 )
 
-    # -- engines: launch, status, stop, forget, logs ---------------------------------------
+
+
+def _check_source(source):
+    kind = source.get("kind")
+    if kind == "https":
+        urls = _arg(source, "urls", (list,))
+        if not urls:
+            raise bad_args("source.urls must list at least one URL")
+        for url in urls:
+            _check_https(url, "source URL")
+        return {"kind": "https", "urls": list(urls)}
+    if kind == "hf":
+        repo = _arg(source, "repo", (str,))
+        if not _HF_REPO_RE.fullmatch(repo) or ".." in repo:
+            raise bad_args("source.repo must look like org/name, got %r" % repo)
+        revision = _arg(source, "revision", (str,), "main")
+        if not _HF_REVISION_RE.fullmatch(revision) or ".." in revision:
+            raise bad_args("source.revision %r is not a branch, tag or commit" % revision)
+        endpoint = _check_https(_arg(source, "endpoint", (str,), "https://huggingface.co"), "source.endpoint")
+        return {"kind": "hf", "repo": repo, "revision": revision, "endpoint": endpoint}
+    raise bad_args("source.kind must be 'https' or 'hf', got %r" % (kind,))
+
+
+def _shown_source(source):
+    """The source as kept in a marker others may read: a signed URL's query is a credential."""
+    if source.get("kind") == "https":
+        return dict(source, urls=[redact_url(url) for url in source["urls"]])
+    return dict(source)
+
+
+def _refuse_foreign_entry(final, secret):
+    """A fetch never uses nor removes a directory another user put where its entry goes."""
+    try:
+        owner = os.lstat(final).st_uid
+    except OSError:
+        return
+    if owner != os.getuid():
+        why = cache_entry(final, secret)[1] or ""
+        if why.startswith("not llmgw's: "):
+            why = why[len("not llmgw's: "):]
+        raise HelperError(
+            "cache_dir",
+            "%s exists and is not llmgw's (%s); it is never used or removed: remove it or choose another "
+            "cache directory" % (final, why),
+        )
+
+
+def _create_below(top, parts, private):
+    """Create top/parts... for writing (O_EXCL), through directory fds that follow no link, with
+    the modes set whatever the umask: 0700/0600 when private, else 0755/0644."""
+    dir_mode, file_mode = (0o700, 0o600) if private else (0o755, 0o644)
+    fd = os.open(top, _DIR_FLAGS)
+    try:
+        for part in parts[:-1]:
+            try:
+                os.mkdir(part, dir_mode, dir_fd=fd)
+                made = True
+            except FileExistsError:
+                made = False
+            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+            if made:
+                os.fchmod(fd, dir_mode)
+        out = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                      file_mode, dir_fd=fd)
+        os.fchmod(out, file_mode)
+        return out
+    finally:
+        os.close(fd)
+
+
+def _content_length(response):
+    value = response.headers.get("Content-Length")
+    if value is None or not value.strip().isdigit():
+        return None
+    return int(value.strip())
+
+
+def _disk_error(exc, cache_dir, job):
+    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return HelperError(
+            "disk_full",
+            "no space left in the cache directory %s after writing %d bytes of %s; free space or reclaim old entries"
+            % (cache_dir, job.bytes, job.name),
+        )
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Processes: engines launched under the supervisor, watched, stopped, their logs (R-4.4, R-4.7).
+
+
+class ProcessOps(object):
+    """launch, status, stop, forget, logs: a part of Node (below)."""
 
     def _all_states(self):
         try:
@@ -2459,146 +2598,6 @@ class Node(object):
                 ctx.emit("lines", {"lines": [_decode_line(part) for part in parts]})
         return {"lines": []}
 
-    # -- reclaim ---------------------------------------------------------------------------
-
-    def op_reclaim(self, args, ctx):
-        cache_dir = _arg_path(args, "cache_dir")
-        names = _arg(args, "names", (list,), None)
-        collect = _arg(args, "collect", (bool,), False)
-        if collect and names is None:
-            raise bad_args("collect needs the exact list of names to remove")
-        if collect and self.sha256 is None:
-            raise bad_args("reclaim with collect is only available through serve --expect-sha256")
-        if names is not None and not all(isinstance(name, str) for name in names):
-            raise bad_args("names must be a list of strings")
-        return {"entries": reclaim_entries(cache_dir, names, collect, busy=self.busy_cache_names(cache_dir),
-                                           secret=self.secret)}
-
-
-def _check_source(source):
-    kind = source.get("kind")
-    if kind == "https":
-        urls = _arg(source, "urls", (list,))
-        if not urls:
-            raise bad_args("source.urls must list at least one URL")
-        for url in urls:
-            _check_https(url, "source URL")
-        return {"kind": "https", "urls": list(urls)}
-    if kind == "hf":
-        repo = _arg(source, "repo", (str,))
-        if not _HF_REPO_RE.fullmatch(repo) or ".." in repo:
-            raise bad_args("source.repo must look like org/name, got %r" % repo)
-        revision = _arg(source, "revision", (str,), "main")
-        if not _HF_REVISION_RE.fullmatch(revision) or ".." in revision:
-            raise bad_args("source.revision %r is not a branch, tag or commit" % revision)
-        endpoint = _check_https(_arg(source, "endpoint", (str,), "https://huggingface.co"), "source.endpoint")
-        return {"kind": "hf", "repo": repo, "revision": revision, "endpoint": endpoint}
-    raise bad_args("source.kind must be 'https' or 'hf', got %r" % (kind,))
-
-
-def _shown_source(source):
-    """The source as kept in a marker others may read: a signed URL's query is a credential."""
-    if source.get("kind") == "https":
-        return dict(source, urls=[redact_url(url) for url in source["urls"]])
-    return dict(source)
-
-
-def _refuse_foreign_entry(final, secret):
-    """A fetch never uses nor removes a directory another user put where its entry goes."""
-    try:
-        owner = os.lstat(final).st_uid
-    except OSError:
-        return
-    if owner != os.getuid():
-        why = cache_entry(final, secret)[1] or ""
-        if why.startswith("not llmgw's: "):
-            why = why[len("not llmgw's: "):]
-        raise HelperError(
-            "cache_dir",
-            "%s exists and is not llmgw's (%s); it is never used or removed: remove it or choose another "
-            "cache directory" % (final, why),
-        )
-
-
-def _create_below(top, parts, private):
-    """Create top/parts... for writing (O_EXCL), through directory fds that follow no link, with
-    the modes set whatever the umask: 0700/0600 when private, else 0755/0644."""
-    dir_mode, file_mode = (0o700, 0o600) if private else (0o755, 0o644)
-    fd = os.open(top, _DIR_FLAGS)
-    try:
-        for part in parts[:-1]:
-            try:
-                os.mkdir(part, dir_mode, dir_fd=fd)
-                made = True
-            except FileExistsError:
-                made = False
-            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = child
-            if made:
-                os.fchmod(fd, dir_mode)
-        out = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-                      file_mode, dir_fd=fd)
-        os.fchmod(out, file_mode)
-        return out
-    finally:
-        os.close(fd)
-
-
-def _content_length(response):
-    value = response.headers.get("Content-Length")
-    if value is None or not value.strip().isdigit():
-        return None
-    return int(value.strip())
-
-
-def _disk_error(exc, cache_dir, job):
-    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-        return HelperError(
-            "disk_full",
-            "no space left in the cache directory %s after writing %d bytes of %s; free space or reclaim old entries"
-            % (cache_dir, job.bytes, job.name),
-        )
-    return None
-
-
-def _probe_directory(path):
-    """(realpath, "MAJ:MIN", total bytes, free bytes) of a directory; raises when missing."""
-    real = os.path.realpath(path)
-    info = os.stat(real)
-    if not stat.S_ISDIR(info.st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
-    vfs = os.statvfs(real)
-    device = "%d:%d" % (os.major(info.st_dev), os.minor(info.st_dev))
-    # f_bavail: what an unprivileged writer (the engine, the fetch) can really use.
-    return real, device, vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
-
-
-def _session_of(pid):
-    info = read_proc_stat(pid)
-    return info["session"] if info is not None else None
-
-
-def _run_nvidia_smi(exe, arguments):
-    """(stdout, error): error is None on success, else a sentence with nvidia-smi's message."""
-    try:
-        proc = subprocess.run(
-            [exe] + arguments,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            timeout=NVIDIA_SMI_TIMEOUT,
-        )
-    except subprocess.TimeoutExpired:
-        return None, "nvidia-smi did not answer within %g s" % NVIDIA_SMI_TIMEOUT
-    except OSError as exc:
-        return None, "could not run nvidia-smi: %s" % exc
-    out = proc.stdout.decode("utf-8", "replace")
-    if proc.returncode != 0:
-        message = proc.stderr.decode("utf-8", "replace").strip() or out.strip()
-        message = " ".join(message.split())[:1000]
-        return out, "nvidia-smi exited with status %d: %s" % (proc.returncode, message or "no message")
-    return out, None
 
 
 def _identity(state):
@@ -2723,6 +2722,53 @@ def probe_health(url, timeout):
     if len(fields) < 2 or not fields[0].startswith(b"HTTP/") or not fields[1].isdigit():
         return {"status": None, "error": "not an HTTP answer: %r" % data[:80]}
     return {"status": int(fields[1]), "error": None}
+
+
+# --------------------------------------------------------------------------------------------
+# Reclaim: list and remove cache entries, every name checked again here (R-5.5).
+
+
+class ReclaimOps(object):
+    """reclaim: a part of Node (below)."""
+
+    def op_reclaim(self, args, ctx):
+        cache_dir = _arg_path(args, "cache_dir")
+        names = _arg(args, "names", (list,), None)
+        collect = _arg(args, "collect", (bool,), False)
+        if collect and names is None:
+            raise bad_args("collect needs the exact list of names to remove")
+        if collect and self.sha256 is None:
+            raise bad_args("reclaim with collect is only available through serve --expect-sha256")
+        if names is not None and not all(isinstance(name, str) for name in names):
+            raise bad_args("names must be a list of strings")
+        return {"entries": reclaim_entries(cache_dir, names, collect, busy=self.busy_cache_names(cache_dir),
+                                           secret=self.secret)}
+
+
+# --------------------------------------------------------------------------------------------
+# The node: every part together.
+
+
+class Node(NodeCore, InventoryOps, StorageOps, FetchOps, ProcessOps, ReclaimOps):
+    """The operations of the protocol; each is op_<name>(args, ctx) -> result dict, defined in
+    the section of its part."""
+
+    OPERATIONS = (
+        "ping",
+        "inventory",
+        "storage",
+        "holdings",
+        "fetch",
+        "source_size",
+        "launch",
+        "status",
+        "stop",
+        "forget",
+        "logs",
+        "reclaim",
+        "cancel",
+        "fleet_secret",
+    )
 
 
 # --------------------------------------------------------------------------------------------
