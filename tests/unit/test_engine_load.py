@@ -66,6 +66,16 @@ def test_r6_5_samples_are_summed_over_labels():
     assert (load.waiting, load.running, load.kv_cache) == (5, None, None)
 
 
+def test_r6_5_only_the_metric_itself_is_read_not_one_its_name_begins():
+    text = ('# HELP vllm:num_requests_waiting Requests waiting\r\n'
+            'vllm:num_requests_waiting_by_reason{reason="capacity"} 40.0\r\n'
+            'vllm:num_requests_waiting{engine="0"} 2.0\r\n'
+            'vllm:num_requests_waiting{engine="1"} 1.0\r\n'
+            'vllm:num_requests_running 3\r\n')
+    load = parse_metrics(text)
+    assert (load.waiting, load.running) == (3, 3)
+
+
 @pytest.mark.parametrize("text", [
     'vllm:num_requests_waiting{engine="0" 2.0\n',
     "vllm:num_requests_waiting\n",
