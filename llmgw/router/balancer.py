@@ -1,8 +1,11 @@
 """Choosing an endpoint (R-6.5): least loaded, ties round-robin, or prefix affinity with bounded
 load; ejection (R-6.6).
 
-An endpoint's load is the requests llmgw has in flight to it plus the engine's own waiting queue
-as last polled (llmgw.router.engineload); an engine that does not report a queue adds nothing.
+An endpoint's load is the requests llmgw has in flight to it plus those its engine holds beyond
+them: the engine's running and waiting requests as last polled, less llmgw's own at that poll
+(llmgw.router.engineload.others), since the engine counts ours too. So the load is the engine's
+own count as of the poll, kept current with llmgw's requests since; an engine that does not
+report a queue adds nothing.
 
 `routing: prefix` places each replica at RING_POINTS points of a hash ring, from its replica id
 alone, so every router worker and host builds the same ring; a request's affinity key
@@ -60,7 +63,7 @@ class Upstream:
         self.replica_id = endpoint.replica_id
         self.model = endpoint.model
         self.outstanding = 0
-        self.queued = 0  # the engine's waiting queue as last polled; 0 while it is not known
+        self.queued = 0  # requests the engine held beyond ours at the last poll; 0 while not known
         self.engine = None  # engineload.EngineLoad as last polled, None while unknown
         self.ejected_until = 0.0
         # Built once: the request path reuses these mappings for every request to this endpoint.

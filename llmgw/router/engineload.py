@@ -165,6 +165,14 @@ def parse_slots(text: str, at: float | None = None) -> EngineLoad:
     return EngineLoad(source="llama-server", running=busy, at=at)
 
 
+def others(reading: EngineLoad | None, outstanding: int) -> int:
+    """Requests the engine holds beyond llmgw's own in flight to it: its running and waiting
+    requests as reported, less ours (which it counts too); 0 when it reports no queue."""
+    if reading is None or reading.waiting is None:
+        return 0
+    return max(0, (reading.running or 0) + reading.waiting - outstanding)
+
+
 class EnginePoller:
     """Reads every listed endpoint's engine load once a second and stores it on its Upstream."""
 
@@ -186,7 +194,8 @@ class EnginePoller:
             if isinstance(reading, BaseException):
                 reading = None
             up.engine = reading
-            up.queued = reading.waiting if reading is not None and reading.waiting is not None else 0
+            up.queued = others(reading, up.outstanding)
+
 
     async def _read(self, up) -> EngineLoad | None:
         url = up.endpoint.url
