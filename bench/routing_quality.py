@@ -10,7 +10,7 @@ Two parts, one run:
    Reported: prefix-cache hit rate (cached prompt tokens / prompt tokens), TTFT p50/p90, and load
    imbalance: at each arrival, just after the choice, max / mean of the requests in flight per
    replica (the new one counted), averaged over arrivals, beside the least any placement could
-   give there (ceil(m / n) / (m / n)), at two loads (about 1.6 and about 4 requests in flight per
+   give there (ceil(m / n) / (m / n)), at two loads (about 1 and about 4 requests in flight per
    replica, as measured and printed).
 
 2. REAL vLLM (with --fleet; root): two testbed nodes (real sshd hosts, tests/testbed) with the
@@ -86,7 +86,7 @@ POLICIES = (LEAST_OUTSTANDING, PREFIX)
 TENANT_KEY = "prefix, tenant key"  # prefix routing with each request's `prompt_cache_key` set to its tenant
 VARIANTS = ((LEAST_OUTSTANDING, LEAST_OUTSTANDING, False), (PREFIX, PREFIX, False), (TENANT_KEY, PREFIX, True))
 TENANTS = 32
-CONVERSATION_RATE = 6.0
+CONVERSATION_RATE = 3.5
 UNIQUE_RATE = 20.0
 BLOCK = 16
 
@@ -501,7 +501,7 @@ def main() -> None:
           f"the arrivals where max/mean > max({PREFIX_BOUND}, ceil(m/n)/(m/n)) (requests that ended lowered the "
           "mean), 'over cap' the choices that put a replica over the bound")
     rng = random.Random(args.seed)
-    # Conversations start at `rate` a second, 4 turns 8 s apart: about 1.6 and 4 requests in flight per
+    # Conversations start at `rate` a second, 4 turns 8 s apart: about 1 and 4 requests in flight per
     # replica (printed as measured); the higher load has more conversations, so that most of the run
     # is at that load rather than ramping up to it.
     for label, rate, conversations in (("about 1 request in flight per replica", CONVERSATION_RATE, 8 * scale),
