@@ -651,13 +651,19 @@ class Handler(BaseHTTPRequestHandler):
                 "engine_double_aborted_total %d\n" % (name, s.running, s.requests, s.aborted)).encode()
 
     def _llama_metrics(self):
-        """llama-server's page (with --metrics): its queue and busy slots, by its own names."""
+        """llama-server's page (with --metrics): its queue and busy slots, by its own names, and
+        the double's own counters."""
+        s = self.state
         return ("# HELP llamacpp:requests_processing Number of requests processing\n"
                 "# TYPE llamacpp:requests_processing gauge\n"
                 "llamacpp:requests_processing %d\n"
                 "# HELP llamacpp:requests_deferred Number of requests deferred\n"
                 "# TYPE llamacpp:requests_deferred gauge\n"
-                "llamacpp:requests_deferred 0\n" % self.state.running).encode()
+                "llamacpp:requests_deferred 0\n"
+                "# TYPE engine_double_requests_total counter\n"
+                "engine_double_requests_total %d\n"
+                "# TYPE engine_double_aborted_total counter\n"
+                "engine_double_aborted_total %d\n" % (s.running, s.requests, s.aborted)).encode()
 
     def _generation(self, request, prompt_words):
         max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
