@@ -8,13 +8,47 @@ Two parts, one run:
    requests served at once. The router's real `Balancer` and affinity key choose the replica;
    time is simulated (events in order), so the figures do not depend on this machine's load.
    Reported: prefix-cache hit rate (cached prompt tokens / prompt tokens), TTFT p50/p90, and load
-   imbalance (max / mean requests in flight over replicas, sampled at each arrival).
+   imbalance: at each arrival, just after the choice, max / mean of the requests in flight per
+   replica (the new one counted), averaged over arrivals, beside the least any placement could
+   give there (ceil(m / n) / (m / n)), at two loads (about 1 and about 4 requests in flight per
+   replica, as measured and printed).
 
-2. REAL vLLM (with --vllm URL,URL --key KEY): two running vLLM engines, the same shared-prefix
-   workload sent for real (streamed chat completions), the replica chosen by the same Balancer
-   and affinity key in this process. Reported: the engines' own prefix-cache hit rate (deltas of
-   vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total), TTFT p50/p90, completed
-   requests/s.
+2. REAL vLLM (with --fleet; root): two testbed nodes (real sshd hosts, tests/testbed) with the
+   real vLLM, an `llmgw serve` over them, and for each policy in turn a model added at runtime
+   with that `routing:` and two replicas, one on each node (the first node is cordoned while the
+   second replica is placed); the requests go through llmgw's router with the official openai
+   client, streamed. Each policy gets engines started for it, so neither finds the other's
+   prompts in cache. Reported: the engines' own prefix-cache hit rate (deltas of
+   vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total, read from each engine's
+   /metrics with its key), TTFT p50/p90, completed requests/s. About 8 minutes on 2 cores.
+
+   Three rows: least-outstanding; prefix with the key taken from the content (the system prompt
+   and the conversation's first user message: each conversation on one replica, but a tenant's
+   conversations hash on their own, so both engines still see every tenant's system prompt);
+   prefix with each request's `prompt_cache_key` set to its tenant (each tenant on one replica).
+
+   The KV cache is sized so that the cache matters, as on a loaded production engine: more
+   tenants than one replica's cache holds, fewer than two replicas' caches hold between them.
+   With the tiny model a word of the system prompt is about 4.8 tokens, so 300 words plus the
+   chat template are about 1,440 tokens, 45 blocks of 32 tokens; 7 tenants are 315 blocks. Each
+   engine gets 240 blocks (--num-gpu-blocks-override 240 --block-size 32: 7,680 tokens; the
+   bench prints the engine's own "KV cache size" line). A request under way holds its whole
+   prompt, up to 1,760 tokens (55 blocks), and with 8 requests at a time about 4 run on each
+   engine. Sent to an engine that has its tenant's prompt cached, a request adds only its own
+   turns (about 10 blocks); sent to one that has not, all 55. Least-outstanding sends every
+   tenant to both engines: each would need 315 blocks for the prompts alone, more than its 240,
+   and with the tenants in rotation LRU evicts a prompt before it comes back. Keyed by tenant,
+   a 4 / 3 split of the 7 tenants puts 180 blocks of prompts on the busier engine plus 4 x 10
+   for the turns under way, which fits. How the ring splits 7 keys over 2 replicas depends on
+   the replicas' ids, new in every run: over 20 random pairs of ids, 4 / 3 11 times, 5 / 2 4
+   times, 6 / 1 5 times (a 6 / 1 split does not fit, and the bound spills the busy one's keys).
+   The prompt tokens each engine was asked for are printed beside its hit rate.
+   --max-model-len 2048 is the tiny model's limit (max_position_embeddings).
+
+   8 at a time, because with m requests in flight over two replicas the bound allows
+   max(1.25 * m / 2, ceil(m / 2)) on one: up to m = 4 that is the even split, so a replica
+   takes a second request of its keys only when the other holds as many; at m = 8 it may hold
+   5 of the 8.
 
 Workloads:
   shared  several tenants, each with a long system prompt shared by all its conversations; each
@@ -22,19 +56,9 @@ Workloads:
   unique  one-turn requests with no prefix in common (no regression expected from prefix routing).
 
     .venv/bin/python bench/routing_quality.py --quick
-    .venv/bin/python bench/routing_quality.py --vllm http://127.0.0.1:8001,http://127.0.0.1:8002 --key K
+    sudo .venv/bin/python bench/routing_quality.py --fleet
 
-The two engines for the real part, each started as (port 8001, then 8002; the tiny model of
-/opt/llmgw-engines/models; a KV cache of 160 blocks of 32 tokens, so that a replica holds a few
-conversations and not the whole workload, as a loaded production engine does):
-
-    VLLM_API_KEY=K VLLM_CPU_KVCACHE_SPACE=1 VLLM_TARGET_DEVICE=cpu \
-      /opt/llmgw-engines/vllm-0.32.0/bin/vllm serve MODEL_DIR --served-model-name chat \
-      --host 127.0.0.1 --port 8001 --max-model-len 2048 --block-size 32 --num-gpu-blocks-override 160
-
-They run on this machine; the replica is chosen in this process by the router's own Balancer
-and affinity key, and requests go straight to the engines (the router's own cost is
-bench/router_overhead.py's, with --routing prefix).
+The router's own cost with prefix hashing is bench/router_overhead.py's, with --routing prefix.
 """
 
 from __future__ import annotations
@@ -46,6 +70,8 @@ import heapq
 import json
 import math
 import random
+import shutil
+import signal
 import statistics
 import sys
 import time
@@ -56,12 +82,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmgw.router.affinity import affinity_key  # noqa: E402
-from llmgw.router.balancer import LEAST_OUTSTANDING, PREFIX, PREFIX_BOUND, Balancer  # noqa: E402
+from llmgw.router.balancer import LEAST_OUTSTANDING, PREFIX, PREFIX_BOUND, Balancer, bound_capacity  # noqa: E402
 from llmgw.contracts.endpoints import Endpoint  # noqa: E402
 
 POLICIES = (LEAST_OUTSTANDING, PREFIX)
+TENANT_KEY = "prefix, tenant key"  # prefix routing with each request's `prompt_cache_key` set to its tenant
+VARIANTS = ((LEAST_OUTSTANDING, LEAST_OUTSTANDING, False), (PREFIX, PREFIX, False), (TENANT_KEY, PREFIX, True))
 TENANTS = 32
-CONVERSATION_RATE = 6.0
+CONVERSATION_RATE = 3.5
 UNIQUE_RATE = 20.0
 BLOCK = 16
 
@@ -82,9 +110,13 @@ class Request:
     output: int
     conversation: int = -1
     turn: int = 0
+    tenant: int = -1
 
-    def document(self) -> dict:
-        return {"model": "m", "messages": [{"role": m.role, "content": m.text} for m in self.messages]}
+    def document(self, tenant_key: bool = False) -> dict:
+        document = {"model": "m", "messages": [{"role": m.role, "content": m.text} for m in self.messages]}
+        if tenant_key:
+            document["prompt_cache_key"] = f"tenant-{self.tenant}"
+        return document
 
     def token_ids(self) -> list[int]:
         ids = []
@@ -108,7 +140,7 @@ def shared_workload(rng: random.Random, tenants: int, conversations: int, turns:
         history = [systems[c % tenants]]
         for turn in range(turns):
             history = [*history, Message("user", words(rng, 12, f"conversation {c} turn {turn}"), 80)]
-            requests.append(Request(start + turn * gap, list(history), 40, c, turn))
+            requests.append(Request(start + turn * gap, list(history), 40, c, turn, c % tenants))
             history = [*history, Message("assistant", words(rng, 8, f"answer {c} {turn}"), 40)]
     return sorted(requests, key=lambda r: r.at)
 
@@ -166,37 +198,42 @@ class SimEngine:
         return first, end
 
 
-def simulate(requests: list[Request], policy: str, replicas: int, **engine) -> dict:
+def simulate(requests: list[Request], policy: str, replicas: int, tenant_key: bool = False, **engine) -> dict:
     balancer = Balancer()
     endpoints = [Endpoint(f"sim-{i}", "m", f"sim://{i}", None) for i in range(replicas)]
     balancer.replace({"m": endpoints}, {"m": policy})
     ups = {up.replica_id: up for up in balancer.endpoints("m")}
     engines = {rid: SimEngine(**engine) for rid in ups}
     ends: list[tuple[float, int, object]] = []
-    ttfts, imbalance = [], []
-    over_bound = 0
+    ttfts, imbalance, floors, per_replica = [], [], [], []
+    over_bound = over_capacity = 0
     for n, request in enumerate(requests):
         while ends and ends[0][0] <= request.at:
             _, _, up = heapq.heappop(ends)
             balancer.release(up)
-        loads = [up.outstanding for up in ups.values()]
-        total = sum(loads)
-        if total:
-            imbalance.append(max(loads) / (total / len(loads)))
-        key = affinity_key(request.document(), {}) if policy == PREFIX else None
+        total = sum(up.outstanding for up in ups.values())
+        key = affinity_key(request.document(tenant_key), {}) if policy == PREFIX else None
         up = balancer.acquire("m", request.at, key=key)
-        # The bound in its own terms: the chosen replica, with this request, within
-        # ceil(bound * (in flight + 1) / replicas) at the moment of the choice.
-        over_bound += up.outstanding > math.ceil(PREFIX_BOUND * (total + 1) / len(loads))
+        # Sampled at each arrival, just after the choice: requests in flight per replica, this
+        # one counted. The least max/mean any placement could have here is ceil(m / n) / (m / n).
+        loads = [u.outstanding for u in ups.values()]
+        placed, count = total + 1, len(loads)
+        mean = placed / count
+        imbalance.append(max(loads) / mean)
+        floor = math.ceil(placed / count) / mean
+        floors.append(floor)
+        per_replica.append(mean)
+        over_bound += max(loads) / mean > max(PREFIX_BOUND, floor) + 1e-9
+        over_capacity += up.outstanding > bound_capacity(total, count) + 1e-9
         first, end = engines[up.replica_id].serve(request.token_ids(), request.output, request.at)
         ttfts.append(first - request.at)
         heapq.heappush(ends, (end, n, up))
     hits = sum(e.hits for e in engines.values())
     queries = sum(e.queries for e in engines.values())
     return {"hit_rate": hits / queries, "ttft_p50": percentile(ttfts, 50), "ttft_p90": percentile(ttfts, 90),
-            "imbalance_mean": statistics.fmean(imbalance) if imbalance else None,
-            "imbalance_p99": percentile(imbalance, 99) if imbalance else None, "over_bound": over_bound,
-            "requests": len(requests)}
+            "in_flight": statistics.fmean(per_replica), "imbalance_mean": statistics.fmean(imbalance),
+            "imbalance_p99": percentile(imbalance, 99), "floor_mean": statistics.fmean(floors),
+            "over_bound": over_bound / len(requests), "over_capacity": over_capacity, "requests": len(requests)}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -219,11 +256,21 @@ def choice_cost(requests: list[Request], rounds: int = 3) -> float:
     return best
 
 
-# -- the real vLLM part ----------------------------------------------------------------------------
+# -- the real vLLM part: two replicas on two testbed nodes, through llmgw -----------------------------
 
-async def vllm_counters(session, url: str, key: str) -> tuple[float, float]:
-    async with session.get(url + "/metrics", headers={"Authorization": "Bearer " + key}) as resp:
-        text = await resp.text()
+FLEET_NODES = ("cpu1", "cpu2")
+FLEET_START_TIMEOUT = 300.0  # a vLLM loading on a busy 2-core machine
+FLEET_BLOCK = 32  # tokens per KV-cache block
+FLEET_BLOCKS = 240  # per engine: 7,680 tokens, see the module docstring
+FLEET_MAX_LEN = 2048  # the tiny model's max_position_embeddings
+
+
+def engine_counters(url: str, key: str) -> tuple[float, float]:
+    """vllm:prefix_cache_hits_total and vllm:prefix_cache_queries_total of one engine, in tokens."""
+    import urllib.request
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": "Bearer " + key})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        text = response.read().decode()
     hits = queries = 0.0
     for line in text.splitlines():
         if line.startswith("vllm:prefix_cache_hits_total"):
@@ -233,61 +280,174 @@ async def vllm_counters(session, url: str, key: str) -> tuple[float, float]:
     return hits, queries
 
 
-async def run_vllm(requests: list[Request], policy: str, urls: list[str], key: str, model: str,
-                   concurrency: int) -> dict:
-    """The requests sent for real, each message salted with the policy's name: the same shapes and
-    lengths, and nothing either policy can take from the engines' caches of the other's run."""
-    import aiohttp
-    balancer = Balancer()
-    balancer.replace({"m": [Endpoint(f"vllm-{i}", "m", url, key) for i, url in enumerate(urls)]}, {"m": policy})
-    headers = {"Authorization": "Bearer " + key, "Content-Type": "application/json"}
+def fleet_engines(bed, gateway, name: str) -> list[tuple[str, str, str]]:
+    """(node, engine URL, engine key) of each serving replica of `name`; the keys are read from the
+    gateway's own state database, as the router holds them."""
+    import sqlite3
+
+    from tests.integration import real_engines as rt
+    replicas = rt.serving(gateway, name)
+    db = sqlite3.connect(gateway.state_dir / "state.db")
+    try:
+        keys = dict(db.execute("SELECT id, api_key FROM replicas").fetchall())
+    finally:
+        db.close()
+    found = []
+    for replica in replicas:
+        shard = replica["shards"][0]
+        found.append((shard["node"], f"http://{bed.node(shard['node']).address}:{shard['port']}", keys[replica["id"]]))
+    return sorted(found)
+
+
+def fleet_up(bed, gateway, name: str, policy: str, weights: str) -> list[tuple[str, str, str]]:
+    """`name` added at runtime with `routing: policy`, one replica on each testbed node: the first
+    replica is placed, its node cordoned while the model scales to two, then uncordoned."""
+    from tests.integration import real_engines as rt
+    definition = (f"name: {name}\nprofile: vllm-fleet\nweights: {weights}\nrouting: {policy}\n"
+                  "scaling:\n  min: 1\n  max: 2\n  idle_timeout: 1h\n")
+    status, answer = gateway.admin("/api/models", "POST", definition.encode())
+    assert status == 201, answer
+    first = rt.wait_serving(gateway, name, FLEET_START_TIMEOUT + 60)[0]["shards"][0]["node"]
+    status, answer = gateway.admin(f"/api/nodes/{first}/admin", "POST", {"action": "cordon"})
+    assert status == 200, answer
+    status, answer = gateway.admin(f"/api/models/{name}/scale", "POST", {"min": 2, "max": 2})
+    assert status == 200, answer
+    rt.wait_serving(gateway, name, FLEET_START_TIMEOUT + 60, count=2)
+    status, answer = gateway.admin(f"/api/nodes/{first}/admin", "POST", {"action": "uncordon"})
+    assert status == 200, answer
+    engines = fleet_engines(bed, gateway, name)
+    assert sorted(node for node, _, _ in engines) == sorted(FLEET_NODES), engines
+    return engines
+
+
+def warm_up(engines, served: str) -> None:
+    """One short request straight to each engine: its first request pays one-off costs."""
+    import urllib.request
+    for _, url, key in engines:
+        body = json.dumps({"model": served, "messages": [{"role": "user", "content": "warm up"}],
+                           "max_tokens": 2}).encode()
+        request = urllib.request.Request(url + "/v1/chat/completions", data=body, method="POST",
+                                         headers={"Authorization": "Bearer " + key,
+                                                  "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            response.read()
+
+
+async def through_router(requests: list[Request], base_url: str, key: str, model: str, concurrency: int,
+                         tenant_key: bool = False) -> dict:
+    """The requests as streamed chat completions through llmgw's router with the official openai
+    client, in their order, `concurrency` at a time; a turn is sent once its conversation's
+    previous turn has been answered."""
+    import openai
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600)
+    answered: dict[tuple[int, int], asyncio.Event] = {(r.conversation, r.turn): asyncio.Event() for r in requests}
+    slots = asyncio.Semaphore(concurrency)
     ttfts: list[float] = []
-    failures = 0
-    async with aiohttp.ClientSession() as session:
-        before = [await vllm_counters(session, url, key) for url in urls]
-        # Turns of one conversation go in order; conversations run `concurrency` at a time.
-        conversations: dict[int, list[Request]] = {}
+    prompt_tokens: list[int] = []
+    failures: list[str] = []
+
+    async def send(request: Request) -> None:
+        try:
+            started = time.monotonic()
+            first = None
+            extra = {"ignore_eos": True}
+            if tenant_key:
+                extra["prompt_cache_key"] = f"tenant-{request.tenant}"
+            stream = await client.chat.completions.create(
+                model=model, messages=request.document()["messages"], max_tokens=request.output,
+                stream=True, stream_options={"include_usage": True}, extra_body=extra)
+            async for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.monotonic() - started
+                if chunk.usage is not None:
+                    prompt_tokens.append(chunk.usage.prompt_tokens)
+            if first is not None:
+                ttfts.append(first)
+        except openai.OpenAIError as exc:
+            failures.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            answered[(request.conversation, request.turn)].set()
+            slots.release()
+
+    async def dispatch() -> None:
+        tasks = []
         for request in requests:
-            conversations.setdefault(request.conversation, []).append(request)
-        queue = asyncio.Queue()
-        for turns in conversations.values():
-            queue.put_nowait(turns)
+            if request.turn:
+                await answered[(request.conversation, request.turn - 1)].wait()
+            await slots.acquire()
+            tasks.append(asyncio.create_task(send(request)))
+        await asyncio.gather(*tasks)
 
-        async def worker():
-            nonlocal failures
-            while not queue.empty():
-                for request in queue.get_nowait():
-                    document = request.document()
-                    for message in document["messages"]:
-                        message["content"] = f"[{policy}] " + message["content"]
-                    up = balancer.acquire("m", time.monotonic(),
-                                          key=affinity_key(document, {}) if policy == PREFIX else None)
-                    body = {**document, "model": model, "max_tokens": request.output, "stream": True,
-                            "ignore_eos": True}
-                    started = time.monotonic()
-                    try:
-                        async with session.post(up.endpoint.url + "/v1/chat/completions", json=body,
-                                                headers=headers) as resp:
-                            if resp.status != 200:
-                                failures += 1
-                                continue
-                            first = None
-                            async for _ in resp.content:
-                                if first is None:
-                                    first = time.monotonic() - started
-                            ttfts.append(first)
-                    finally:
-                        balancer.release(up)
+    started = time.monotonic()
+    await dispatch()
+    elapsed = time.monotonic() - started
+    await client.close()
+    return {"ttft_p50": percentile(ttfts, 50) if ttfts else None, "ttft_p90": percentile(ttfts, 90) if ttfts else None,
+            "rps": len(ttfts) / elapsed, "failures": len(failures), "failure_reasons": failures[:3],
+            "requests": len(ttfts), "prompt_tokens": statistics.fmean(prompt_tokens) if prompt_tokens else None,
+            "seconds": elapsed}
 
-        started = time.monotonic()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.monotonic() - started
-        after = [await vllm_counters(session, url, key) for url in urls]
-    hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
-    queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-    return {"hit_rate": hits / queries if queries else None, "ttft_p50": percentile(ttfts, 50),
-            "ttft_p90": percentile(ttfts, 90), "rps": len(ttfts) / elapsed, "failures": failures,
-            "requests": len(ttfts)}
+
+def run_fleet(requests: list[Request], concurrency: int) -> dict[str, dict]:
+    """Both policies on two real vLLM replicas on two testbed nodes (real sshd hosts), one policy
+    after the other, each on engines started fresh for it (no cache carried over)."""
+    from tests.integration import real_engines as rt
+    from tests.testbed import NodeSpec, Testbed
+    from tests.testbed import engines as real
+
+    real.require("vllm")
+    made = real.models()
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt  # SIGTERM too stops the gateway and removes the testbed (finally below)
+    signal.signal(signal.SIGTERM, interrupted)
+    import tempfile
+    tmp = Path(tempfile.mkdtemp(prefix="llmgw-routing-"))
+    bed = Testbed([NodeSpec(name, engines="real", mem_gb=16, models_mb=32, cache_mb=64, tmp_mb=256)
+                   for name in FLEET_NODES]).start()
+    rows: dict[str, dict] = {}
+    gateway = None
+    try:
+        weights = rt.publish_hf_dir(bed, "tiny/chat", made["chat"])
+        args = ["--max-model-len", str(FLEET_MAX_LEN), "--block-size", str(FLEET_BLOCK),
+                "--num-gpu-blocks-override", str(FLEET_BLOCKS)]
+        profiles = {"vllm-fleet": {"engine": "vllm", "env": dict(real.VLLM_CPU_ENV), "args": args,
+                                   "start_timeout": f"{FLEET_START_TIMEOUT:.0f}s"}}
+        gateway = rt.start_gateway(bed, tmp, models=[], profiles=profiles)
+        for label, policy, tenant_key in VARIANTS:
+            name = f"chat-{policy}" + ("-tenant-key" if tenant_key else "")
+            began = time.monotonic()
+            engines = fleet_up(bed, gateway, name, policy, weights)
+            print(f"  {name}: two replicas serving on {[node for node, _, _ in engines]} "
+                  f"after {time.monotonic() - began:.0f} s", flush=True)
+            for replica in rt.serving(gateway, name):  # the engines' own word on their cache size
+                said = [line.split("] ", 1)[-1] for line in rt.engine_log(gateway, replica["id"]).splitlines()
+                        if "KV cache size" in line]
+                print(f"    {replica['shards'][0]['node']}: {said[-1] if said else 'no KV cache size in its log'}")
+            warm_up(engines, name)
+            _, key = rt.new_client(gateway, f"bench-{name}")
+            before = [engine_counters(url, k) for _, url, k in engines]
+            row = asyncio.run(through_router(requests, gateway.url + "/v1", key, name, concurrency, tenant_key))
+            after = [engine_counters(url, k) for _, url, k in engines]
+            hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+            queries = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+            row["hit_rate"] = sum(hits) / sum(queries) if sum(queries) else None
+            row["per_engine"] = [(node, int(q), (h / q) if q else None)
+                                 for (node, _, _), h, q in zip(engines, hits, queries, strict=True)]
+            rows[label] = row
+            print(f"  {name}: {row['requests']} answered in {row['seconds']:.0f} s, {row['failures']} failed "
+                  f"{row['failure_reasons']}; prompt tokens queried / hit rate per engine: "
+                  + ", ".join(f"{node} {q} / {fmt(r, '.3f')}" for node, q, r in row["per_engine"]), flush=True)
+            status, answer = gateway.admin(f"/api/models/{name}", "DELETE")
+            assert status == 200, answer
+            from tests.integration.gateway import wait_for
+            wait_for(lambda name=name: not rt.replicas(gateway, name), 120, f"{name}'s replicas to stop")
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        bed.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -298,82 +458,98 @@ def fmt(value, spec: str) -> str:
 
 def table(title: str, rows: dict[str, dict], columns: list[tuple[str, str, str]]) -> None:
     print(f"\n{title}")
-    print("  " + "policy".ljust(18) + "".join(label.rjust(14) for label, _, _ in columns))
+    print("  " + "policy".ljust(20) + "".join(label.rjust(14) for label, _, _ in columns))
     for policy, row in rows.items():
-        print("  " + policy.ljust(18) + "".join(fmt(row.get(k), spec).rjust(14) for _, k, spec in columns))
+        print("  " + policy.ljust(20) + "".join(fmt(row.get(k), spec).rjust(14) for _, k, spec in columns))
 
 
 def ratios(rows: dict[str, dict], keys: list[str]) -> str:
-    base, other = rows[LEAST_OUTSTANDING], rows[PREFIX]
-    parts = []
-    for k in keys:
-        if base.get(k):
-            parts.append(f"{k} {other[k] / base[k]:.2f}x")
-    return "prefix / least-outstanding: " + ", ".join(parts)
+    base = rows[LEAST_OUTSTANDING]
+    lines = []
+    for label, other in rows.items():
+        if label == LEAST_OUTSTANDING:
+            continue
+        parts = [f"{k} {other[k] / base[k]:.2f}x" for k in keys if base.get(k) and other.get(k) is not None]
+        lines.append(f"{label} / least-outstanding: " + ", ".join(parts))
+    return "\n  ".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller simulated workload")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--vllm", help="comma-separated base URLs of two running vLLM engines")
-    parser.add_argument("--key", default="", help="their API key (sent as Authorization: Bearer)")
-    parser.add_argument("--model", default="chat", help="the engines' served model name")
-    parser.add_argument("--system-words", type=int, default=250,
-                        help="real part: words of each tenant's system prompt (about 5 tokens each with the tiny model)")
-    parser.add_argument("--tenants", type=int, default=4, help="real part: tenants (one system prompt each)")
-    parser.add_argument("--concurrency", type=int, default=2, help="real part: conversations at a time")
+    parser.add_argument("--fleet", action="store_true",
+                        help="also the real part: two vLLM replicas on two testbed nodes (root; several minutes)")
+    parser.add_argument("--system-words", type=int, default=300,
+                        help="real part: words of each tenant's system prompt (about 4.8 tokens each with the tiny model)")
+    parser.add_argument("--tenants", type=int, default=7, help="real part: tenants (one system prompt each)")
+    parser.add_argument("--conversations", type=int, default=4, help="real part: conversations per tenant")
+    parser.add_argument("--max-tokens", type=int, default=16, help="real part: output tokens a request")
+    parser.add_argument("--concurrency", type=int, default=8, help="real part: requests at a time")
     args = parser.parse_args()
 
     scale = 1 if args.quick else 3
-    sim = {"blocks": 4096, "prefill_per_token": 0.0005, "decode_per_token": 0.02, "slots": 4}
+    sim = {"blocks": 4096, "prefill_per_token": 0.0005, "decode_per_token": 0.02, "slots": 8}
     columns = [("hit rate", "hit_rate", ".3f"), ("TTFT p50 s", "ttft_p50", ".3f"), ("TTFT p90 s", "ttft_p90", ".3f"),
-               ("imbal mean", "imbalance_mean", ".2f"), ("imbal p99", "imbalance_p99", ".2f"),
-               ("over bound", "over_bound", "d")]
+               ("in flight/r", "in_flight", ".2f"), ("imbal mean", "imbalance_mean", ".3f"),
+               ("imbal p99", "imbalance_p99", ".2f"), ("least poss.", "floor_mean", ".3f"),
+               ("over bound", "over_bound", ".1%"), ("over cap", "over_capacity", "d")]
     print("SIMULATION: 16 simulated engines with a block prefix cache (16-token blocks, LRU of "
           f"{sim['blocks']} blocks each, {sim['prefill_per_token'] * 1e3:.1f} ms per uncached prompt token, "
           f"{sim['decode_per_token'] * 1e3:.0f} ms per output token, {sim['slots']} requests at once); "
           f"routing by llmgw's Balancer, bound {PREFIX_BOUND}x the mean")
+    print("  imbalance: at each arrival, just after the choice, max / mean of the requests in flight per "
+          "replica (this one counted); 'imbal mean' is the mean over arrivals, 'in flight/r' the mean load per "
+          "replica then, 'least poss.' the mean of ceil(m/n)/(m/n) (no placement can do better), 'over bound' "
+          f"the arrivals where max/mean > max({PREFIX_BOUND}, ceil(m/n)/(m/n)) (requests that ended lowered the "
+          "mean), 'over cap' the choices that put a replica over the bound")
     rng = random.Random(args.seed)
-    shared = shared_workload(rng, tenants=TENANTS, conversations=8 * scale, turns=4, system_tokens=2000,
-                             rate=CONVERSATION_RATE, gap=8.0)
+    # Conversations start at `rate` a second, 4 turns 8 s apart: about 1 and 4 requests in flight per
+    # replica (printed as measured); the higher load has more conversations, so that most of the run
+    # is at that load rather than ramping up to it.
+    for label, rate, conversations in (("about 1 request in flight per replica", CONVERSATION_RATE, 8 * scale),
+                                       ("about 4 requests in flight per replica", 16.0, 32 * scale)):
+        shared = shared_workload(rng, tenants=TENANTS, conversations=conversations, turns=4, system_tokens=2000,
+                                 rate=rate, gap=8.0)
+        print(f"\n  shared, {label}: {TENANTS} tenants x {conversations} conversations x 4 turns = {len(shared)} "
+              f"requests, system prompt 2000 tokens, +80 user / +40 answer tokens a turn, conversations start "
+              f"at {rate:.1f}/s, a turn every 8 s")
+        rows = {label: simulate(shared, policy, 16, tenant_key, **sim) for label, policy, tenant_key in VARIANTS}
+        table(f"simulated fleet, shared-prefix workload, {label}", rows, columns)
+        print("  " + ratios(rows, ["hit_rate", "ttft_p50", "ttft_p90", "imbalance_mean"]))
     unique = unique_workload(random.Random(args.seed + 1), 400 * scale, 2200, rate=UNIQUE_RATE)
-    print(f"  shared: {TENANTS} tenants x {8 * scale} conversations x 4 turns = {len(shared)} requests, system "
-          f"prompt 2000 tokens, +80 user / +40 answer tokens a turn, conversations start at {CONVERSATION_RATE}/s, "
-          "a turn every 8 s")
-    print(f"  unique: {len(unique)} one-turn requests of 2200 tokens with no common prefix, {UNIQUE_RATE}/s")
-    rows = {policy: simulate(shared, policy, 16, **sim) for policy in POLICIES}
-    table("simulated fleet, shared-prefix workload", rows, columns)
-    print("  " + ratios(rows, ["hit_rate", "ttft_p50", "ttft_p90"]))
+    print(f"\n  unique: {len(unique)} one-turn requests of 2200 tokens with no common prefix, {UNIQUE_RATE}/s")
     rows = {policy: simulate(unique, policy, 16, **sim) for policy in POLICIES}
     table("simulated fleet, no-shared-prefix workload", rows, columns)
-    print("  " + ratios(rows, ["ttft_p50", "ttft_p90"]))
+    print("  " + ratios(rows, ["ttft_p50", "ttft_p90", "imbalance_mean"]))
     print(f"\nprefix choice in the router (affinity key + ring walk, 16 replicas): "
           f"{choice_cost(shared):.1f} us per request (best of 3)")
 
-    if args.vllm:
-        urls = [u.rstrip("/") for u in args.vllm.split(",")]
+    if args.fleet:
         rng = random.Random(args.seed + 2)
-        real = shared_workload(rng, tenants=args.tenants, conversations=2 * scale, turns=3, system_tokens=0,
-                               rate=1.0, gap=0.0)
-        for request in real:  # the real engines tokenise the text: make the system prompts long
+        # A conversation starts about every second and takes its next turn `tenants` seconds later:
+        # between two turns of one conversation come those of the few conversations started
+        # meanwhile, one of each tenant on average, as a user's think time lets other traffic in.
+        fleet = shared_workload(rng, tenants=args.tenants, conversations=args.conversations, turns=3,
+                                system_tokens=0, rate=1.0, gap=float(args.tenants))
+        for request in fleet:  # the real engines tokenise the text: long system prompts, short answers
             system = request.messages[0]
             tenant = system.text.split()[1]
-            system.text = words(random.Random(f"{args.seed}-{tenant}"), args.system_words, f"tenant {tenant} system prompt")
-        print(f"\nREAL vLLM: {len(urls)} engines {urls}; shared workload: {args.tenants} tenants x {2 * scale} "
-              "conversations x "
-              f"3 turns (+12 user words, +40 output tokens a turn), system prompts of {args.system_words} words, "
-              f"{args.concurrency} conversations at a time, streamed")
-        rows = {}
-        for policy in POLICIES:
-            rows[policy] = asyncio.run(run_vllm(real, policy, urls, args.key, args.model,
-                                                   concurrency=args.concurrency))
-        table("real vLLM, shared-prefix workload (engines' own prefix-cache counters)", rows,
+            system.text = words(random.Random(f"{args.seed}-{tenant}"), args.system_words,
+                                f"tenant {tenant} system prompt")
+            request.output = args.max_tokens
+        print(f"\nREAL vLLM through llmgw: two replicas on testbed nodes {', '.join(FLEET_NODES)} (vLLM "
+              f"{FLEET_BLOCKS} KV blocks of {FLEET_BLOCK} tokens each, --max-model-len {FLEET_MAX_LEN}, one OpenMP "
+              f"thread); shared workload: {args.tenants} tenants x {args.conversations} conversations x 3 turns = "
+              f"{len(fleet)} requests, conversations in tenant rotation and their turns interleaved, system prompts of {args.system_words} words, "
+              f"+12 user words a turn, {args.max_tokens} output tokens, {args.concurrency} requests at a time, "
+              "streamed through the router", flush=True)
+        rows = run_fleet(fleet, args.concurrency)
+        table("real vLLM x2 through llmgw, shared-prefix workload (engines' own prefix-cache counters)", rows,
               [("hit rate", "hit_rate", ".3f"), ("TTFT p50 s", "ttft_p50", ".3f"),
-               ("TTFT p90 s", "ttft_p90", ".3f"), ("req/s", "rps", ".2f"), ("failures", "failures", "d")])
-        print("  " + ratios(rows, ["hit_rate", "ttft_p50", "rps"]))
-        print("  the policies run one after the other on the same engines, each with its own salted text: "
-              "neither finds the other's prompts in cache")
+               ("TTFT p90 s", "ttft_p90", ".3f"), ("req/s", "rps", ".3f"), ("prompt tok", "prompt_tokens", ".0f"),
+               ("failures", "failures", "d")])
+        print("  " + ratios(rows, ["hit_rate", "ttft_p50", "ttft_p90", "rps"]))
     print(json.dumps({"quick": args.quick, "seed": args.seed}))
 
 

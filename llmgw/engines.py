@@ -135,7 +135,9 @@ class SGLang(Engine):
 
 class LlamaServer(Engine):
     def render(self, v, args, env, api_key):
-        argv = ["llama-server", "-m", v.model, "--alias", v.name, "--host", v.host, "--port", str(v.port)]
+        # --metrics: the Prometheus page the router reads the engine's queue from (R-6.5e), behind the key.
+        argv = ["llama-server", "-m", v.model, "--alias", v.name, "--host", v.host, "--port", str(v.port),
+                "--metrics"]
         if v.gpus_per_node > 0:
             argv += ["-ngl", "999"]
         return LaunchSpec(argv=argv + list(args), env={**env, "LLAMA_API_KEY": api_key})

@@ -1,14 +1,24 @@
 """Choosing an endpoint (R-6.5): least loaded, ties round-robin, or prefix affinity with bounded
 load; ejection (R-6.6).
 
-An endpoint's load is the requests llmgw has in flight to it plus the engine's own waiting queue
-as last polled (llmgw.router.engineload); an engine that does not report a queue adds nothing.
+An endpoint's load is the requests llmgw has in flight to it plus those its engine holds beyond
+them: the engine's running and waiting requests as last polled, less llmgw's own at that poll
+(llmgw.router.engineload.others), since the engine counts ours too. So the load is the engine's
+own count as of the poll, kept current with llmgw's requests since; an engine that does not
+report a queue adds nothing.
 
 `routing: prefix` places each replica at RING_POINTS points of a hash ring, from its replica id
 alone, so every router worker and host builds the same ring; a request's affinity key
 (llmgw.router.affinity) hashes onto it and takes the first replica clockwise whose load stays
-within PREFIX_BOUND times the mean (consistent hashing with bounded loads). A replica joining or
-leaving moves only the keys whose first choice it is. Routers agree while loads are within the
+within the bound (consistent hashing with bounded loads). The bound is PREFIX_BOUND times the mean
+load with this request counted, as a real number (no rounding up), but never below the fewest
+requests the busiest replica must hold, ceil((total + 1) / n): a replica takes the request while
+its load + 1 <= max(PREFIX_BOUND * (total + 1) / n, ceil((total + 1) / n)). The floor keeps a
+choice possible (the least loaded replica is always within it); rounding up only there leaves the
+chosen replica within PREFIX_BOUND times the mean wherever the counts allow it, and at the even
+spread where they do not (about one request per replica, where any rounded-up multiple of the
+mean would let one replica hold two or three times it). A replica joining or leaving moves only
+the keys whose first choice it is. Routers agree while loads are within the
 bound; near it, each sees its own in-flight counts and the queue as of its last poll, so two
 routers may spill the same key to different replicas.
 
@@ -27,8 +37,15 @@ from llmgw.contracts.endpoints import Endpoint
 EJECT_SECONDS = 5.0  # long enough to stop hammering a dead engine, short enough to notice it is back
 LEAST_OUTSTANDING = "least-outstanding"
 PREFIX = "prefix"
-PREFIX_BOUND = 1.25  # a replica takes a key while its load + 1 <= ceil(bound * mean after adding it)
+PREFIX_BOUND = 1.25  # over the mean load with the request counted; see the module docstring
 RING_POINTS = 64  # per replica: enough that shares stay within a few percent of even
+
+
+def bound_capacity(total: int, replicas: int) -> float:
+    """The most load a replica may have after taking one more request, `total` being in flight
+    over `replicas` before it: PREFIX_BOUND times the mean, or the even spread when that is less."""
+    placed = total + 1
+    return max(PREFIX_BOUND * placed / replicas, -(-placed // replicas))
 
 
 def ring_hash(data: bytes) -> int:
@@ -46,7 +63,7 @@ class Upstream:
         self.replica_id = endpoint.replica_id
         self.model = endpoint.model
         self.outstanding = 0
-        self.queued = 0  # the engine's waiting queue as last polled; 0 while it is not known
+        self.queued = 0  # requests the engine held beyond ours at the last poll; 0 while not known
         self.engine = None  # engineload.EngineLoad as last polled, None while unknown
         self.ejected_until = 0.0
         # Built once: the request path reuses these mappings for every request to this endpoint.
@@ -181,8 +198,7 @@ class Balancer:
         if not eligible:
             return None
         total = sum(up.outstanding + up.queued for up in eligible)
-        # Bounded loads: capacity ceil(c * (total + 1) / n), never below 1.
-        capacity = -(-PREFIX_BOUND * (total + 1) // len(eligible))
+        capacity = bound_capacity(total, len(eligible))
         points, owners = pool.points, pool.owners
         size = len(points)
         start = bisect.bisect_left(points, ring_hash(key))

@@ -50,6 +50,12 @@ _METRICS = {
     "sglang:token_usage": ("kv_cache", 1),
 }
 _COUNTS = ("waiting", "running", "prefix_hits", "prefix_queries")
+_SOURCES = {"vllm": "vllm", "llamacpp": "llama-server", "sglang": "sglang"}
+# "\nvllm:" -> ("vllm", [(metric name, field), ...]): a page names one engine's metrics only
+_BY_ENGINE = {f"\n{prefix}:": (source, [(name, spec[0]) for name, spec in _METRICS.items()
+                                       if name.startswith(prefix + ":")])
+              for prefix, source in _SOURCES.items()}
+_AFTER_NAME = frozenset("{ \t\r\n")  # what may follow a metric's name on its sample line
 
 
 @dataclass(frozen=True)
@@ -97,22 +103,42 @@ def _sample(line: str) -> tuple[str, float]:
 
 def parse_metrics(text: str, at: float | None = None) -> EngineLoad | None:
     """The load in a Prometheus text page of vLLM, llama-server or SGLang; None when it names no
-    metric of theirs. Raises Malformed when a line of one of their metrics does not parse."""
+    metric of theirs. Raises Malformed when a line of one of their metrics does not parse.
+
+    Runs on the router's event loop for every endpoint about once a second, on pages of about
+    50 KB (vLLM), so it never splits the page into lines: it finds which engine wrote the page,
+    then the first sample line of each metric it reads, and takes the lines that follow while
+    they are samples of the same metric (the text format keeps a metric's samples together)."""
+    page = text if text.startswith("\n") else "\n" + text
+    for prefix, (source, names) in _BY_ENGINE.items():
+        if page.find(prefix) >= 0:
+            break
+    else:
+        return None
     found: dict[str, float] = {}
-    source = None
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        spec = _METRICS.get(name)
-        if spec is None:
-            continue
-        _, value = _sample(line)
-        field = spec[0]
-        found[field] = found.get(field, 0.0) + value
-        source = source or {"vllm": "vllm", "llamacpp": "llama-server", "sglang": "sglang"}[name.split(":")[0]]
-    if source is None:
+    size = len(page)
+    for name, field in names:
+        needle = "\n" + name
+        length = len(name)
+        at_line = page.find(needle)
+        while at_line >= 0:
+            begin = at_line + 1
+            if begin + length < size and page[begin + length] not in _AFTER_NAME:
+                at_line = page.find(needle, begin + length)  # a metric whose name begins with this one
+                continue
+            total = 0.0
+            while True:
+                end = page.find("\n", begin)
+                if end < 0:
+                    end = size
+                total += _sample(page[begin:end].strip())[1]
+                begin = end + 1
+                if not page.startswith(name, begin) or begin + length >= size \
+                        or page[begin + length] not in _AFTER_NAME:
+                    break
+            found[field] = found.get(field, 0.0) + total
+            break
+    if not found:
         return None
     values = {field: (int(v) if field in _COUNTS else v) for field, v in found.items()}
     if "kv_cache" in values:
@@ -139,6 +165,14 @@ def parse_slots(text: str, at: float | None = None) -> EngineLoad:
     return EngineLoad(source="llama-server", running=busy, at=at)
 
 
+def others(reading: EngineLoad | None, outstanding: int) -> int:
+    """Requests the engine holds beyond llmgw's own in flight to it: its running and waiting
+    requests as reported, less ours (which it counts too); 0 when it reports no queue."""
+    if reading is None or reading.waiting is None:
+        return 0
+    return max(0, (reading.running or 0) + reading.waiting - outstanding)
+
+
 class EnginePoller:
     """Reads every listed endpoint's engine load once a second and stores it on its Upstream."""
 
@@ -160,7 +194,8 @@ class EnginePoller:
             if isinstance(reading, BaseException):
                 reading = None
             up.engine = reading
-            up.queued = reading.waiting if reading is not None and reading.waiting is not None else 0
+            up.queued = others(reading, up.outstanding)
+
 
     async def _read(self, up) -> EngineLoad | None:
         url = up.endpoint.url

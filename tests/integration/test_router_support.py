@@ -100,7 +100,7 @@ class EngineDouble:
             args = ["serve", f"/weights/{self.name}", "--served-model-name", self.name, *where]
         elif self.mode == "llama-server":
             env["LLAMA_API_KEY"] = self.key
-            args = ["-m", f"/weights/{self.name}.gguf", "--alias", self.name, *where]
+            args = ["-m", f"/weights/{self.name}.gguf", "--alias", self.name, *where, "--metrics"]
         else:
             args = ["--model-path", f"/weights/{self.name}", "--served-model-name", self.name, *where,
                     "--api-key", self.key]

@@ -255,7 +255,7 @@ async def test_llama_server_and_sglang_command_lines(fleet):
     async with await fleet.connect(node) as conn:
         loading = await conn.create_process("exec llama-server -m /models/tiny.gguf --alias tiny --host 0.0.0.0 --port 8003 -ngl 99")
         llama = await conn.create_process("LLAMA_API_KEY=lk exec llama-server -m /models/tiny.gguf --alias tiny,small "
-                                          "--host 0.0.0.0 --port 8002 -c 2048")
+                                          "--host 0.0.0.0 --port 8002 -c 2048 --metrics")
         sglang = await conn.create_process("exec python3 -m sglang.launch_server --model-path /models/q --served-model-name q "
                                            f"--host {node.address} --port 8004 --tp-size 1 --config /root/sg.yaml")
         try:
@@ -265,6 +265,10 @@ async def test_llama_server_and_sglang_command_lines(fleet):
             status, body = await http_status(f"http://{node.address}:8002/v1/models", {"Authorization": "Bearer lk"})
             assert [m["id"] for m in json.loads(body)["data"]] == ["tiny", "small"]
             assert (await http_status(f"http://{node.address}:8002/v1/models"))[0] == 401
+            # --metrics: llama-server's own page, behind the key as every path but /health.
+            assert (await http_status(f"http://{node.address}:8002/metrics"))[0] == 401
+            status, body = await http_status(f"http://{node.address}:8002/metrics", {"Authorization": "Bearer lk"})
+            assert status == 200 and "llamacpp:requests_deferred 0" in body
 
             assert (await poll(lambda: http_status(f"http://{node.address}:8004/health")))[0] == 200
             assert (await http_status(f"http://{node.address}:8004/v1/models"))[0] == 401

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.router.engineload import parse_metrics
 from tests.real_engines.engines import bin_dir, launch_engine, stop_engine
 from tests.testbed import engines as real
 
@@ -111,3 +112,16 @@ def test_llama_server_serves_no_route_without_the_key(llama):
     assert llama.request("GET", "/health")[0] == 200
     assert llama.request("POST", "/v1/chat/completions", body=CHAT, key=llama.key)[0] == 200
     assert llama.key not in " ".join(llama.argv), "the key is never in argv (R-1.6)"
+
+
+def test_llama_server_metrics_are_on_behind_the_key(llama):
+    """R-6.5e, R-4.6: the template turns on llama-server's /metrics, which answers only with the
+    key, and the router reads the engine's queue from it."""
+    assert "--metrics" in llama.argv
+    assert llama.request("GET", "/metrics")[0] == 401
+    status, page = llama.request("GET", "/metrics", key=llama.key)
+    assert status == 200, page[:200]
+    load = parse_metrics(page.decode())
+    print(f"\nllama-server /metrics: {len(page)} bytes, read as {load}")
+    assert load is not None and load.source == "llama-server"
+    assert load.waiting == 0 and load.running is not None  # requests_deferred, requests_processing

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from llmgw.router.balancer import Balancer
 from llmgw.contracts.endpoints import Endpoint
-from llmgw.router.engineload import EnginePoller, Malformed, parse_metrics, parse_slots
+from llmgw.router.engineload import EnginePoller, Malformed, others, parse_metrics, parse_slots
 from llmgw.router.metrics import RouterMetrics
 
 FIXTURES = Path(__file__).parent / "fixtures" / "engine_load"
@@ -64,6 +64,16 @@ def test_r6_5_samples_are_summed_over_labels():
             'vllm:num_requests_waiting{engine="1",model_name="m"} 3.0\n')
     load = parse_metrics(text)
     assert (load.waiting, load.running, load.kv_cache) == (5, None, None)
+
+
+def test_r6_5_only_the_metric_itself_is_read_not_one_its_name_begins():
+    text = ('# HELP vllm:num_requests_waiting Requests waiting\r\n'
+            'vllm:num_requests_waiting_by_reason{reason="capacity"} 40.0\r\n'
+            'vllm:num_requests_waiting{engine="0"} 2.0\r\n'
+            'vllm:num_requests_waiting{engine="1"} 1.0\r\n'
+            'vllm:num_requests_running 3\r\n')
+    load = parse_metrics(text)
+    assert (load.waiting, load.running) == (3, 3)
 
 
 @pytest.mark.parametrize("text", [
@@ -123,7 +133,9 @@ async def test_r6_5_poller_reads_with_the_key_and_keeps_unknown_unknown():
     assert b.engine_load("v").running == 12
     assert b.engine_load("l").running == 0 and b.engine_load("l").waiting is None
     assert b.engine_load("x") is None and b.engine_load("gone") is None
-    assert all(up.queued == 0 for up in b.upstreams())
+    # The vLLM engine runs 12 requests, none of them this router's: they are load; /slots shows no
+    # queue, and an unknown reading adds nothing.
+    assert [(up.replica_id, up.queued) for up in b.upstreams()] == [("v", 12), ("l", 0), ("x", 0), ("gone", 0)]
     assert {auth for _, auth in seen} == {"Bearer vkey", "Bearer lkey", "Bearer xkey"}
     exported = {(family.name, tuple(sample.labels.values())): sample.value
                 for family in metrics.collect() for sample in family.samples
@@ -145,5 +157,33 @@ async def test_r6_5_poller_queue_feeds_the_balancer():
             await EnginePoller(b, session).poll_once()
     finally:
         await busy.cleanup()
-    assert [up.queued for up in b.upstreams()] == [9, 0]
+    assert [up.queued for up in b.upstreams()] == [13, 0]  # 4 running + 9 waiting, none of them ours
     assert all(b.acquire("m", 1.0).replica_id == "idle" for _ in range(5))
+
+
+async def test_r6_5a_the_engine_count_includes_ours_once():
+    """The engine counts llmgw's own requests among its running and waiting ones: the load is the
+    engine's count (as of the poll), not ours added to it again."""
+    seen: list = []
+    page = 'vllm:num_requests_waiting{engine="0"} 3.0\nvllm:num_requests_running{engine="0"} 4.0\n'
+    busy, busy_url = await engine({"/metrics": (200, page)}, seen)
+    b = Balancer()
+    b.replace({"m": [Endpoint("busy", "m", busy_url, "k")]})
+    ours = [b.acquire("m", 1.0) for _ in range(5)]  # 5 of the engine's 7 are ours
+    try:
+        async with aiohttp.ClientSession() as session:
+            await EnginePoller(b, session).poll_once()
+            up = ours[0]
+            assert up.outstanding + up.queued == 7  # not 5 + 3 waiting
+            for _ in range(3):  # 3 more: not yet in the engine's count as polled
+                b.acquire("m", 1.0)
+            assert up.outstanding + up.queued == 10
+            for request in ours[:5] + [up] * 3:
+                b.release(request)
+            await EnginePoller(b, session).poll_once()  # the engine still reports 7; none ours now
+            assert (up.outstanding, up.queued) == (0, 7)
+    finally:
+        await busy.cleanup()
+    assert others(None, 3) == 0
+    assert others(parse_metrics("vllm:num_requests_running 4\n"), 0) == 0  # no queue reported: nothing added
+    assert others(parse_metrics("vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"), 5) == 0

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import random
 
 from llmgw.router.affinity import KEY_BYTES, affinity_key
-from llmgw.router.balancer import LEAST_OUTSTANDING, PREFIX, PREFIX_BOUND, Balancer
+from llmgw.router.balancer import LEAST_OUTSTANDING, PREFIX, PREFIX_BOUND, Balancer, bound_capacity
 from llmgw.contracts.endpoints import Endpoint
 
 
@@ -54,8 +55,8 @@ def test_r6_5_overloaded_replica_spills_to_the_next_on_the_ring():
     total = len(held) - 1  # in flight before the spilled request, all on the home replica
     print("home took", total, "requests before one spilled")
     assert total >= 1
-    assert total + 1 > math.ceil(PREFIX_BOUND * (total + 1) / 4)  # the spilled one was over the bound
-    assert total <= math.ceil(PREFIX_BOUND * total / 4)  # the one before it was within
+    assert total + 1 > bound_capacity(total, 4)  # the spilled one was over the bound
+    assert total <= bound_capacity(total - 1, 4)  # the one before it was within
     spill = up
     assert spill is not home
     # The next one on the ring, deterministically: a second balancer in the same state agrees.
@@ -66,6 +67,46 @@ def test_r6_5_overloaded_replica_spills_to_the_next_on_the_ring():
     for up in held:
         b.release(up)
     assert b.acquire("m", 1.0, key=key) is home  # back within the bound: home again
+
+
+def test_r6_5_bound_holds_max_over_mean_where_the_counts_allow():
+    """Requests held as they arrive (none ends): after every placement the busiest replica holds
+    at most 1.25x the mean, or the even spread ceil(m / n) when that is more. One key for all,
+    then keys drawn from a few tenants: the cases where affinity pulls hardest."""
+    for n in (2, 4, 16):
+        for draw in ("one key", "tenants"):
+            b = prefix_balancer(n)
+            rng = random.Random(n)
+            worst = 0.0
+            for placed in range(1, 6 * n + 1):
+                key = b"tenant 0" if draw == "one key" else f"tenant {rng.randrange(3)}".encode()
+                b.acquire("m", 1.0, key=key)
+                loads = [up.outstanding for up in b.endpoints("m")]
+                mean = placed / n
+                allowed = max(PREFIX_BOUND, math.ceil(placed / n) / mean)
+                assert max(loads) / mean <= allowed + 1e-9, (n, draw, placed, loads)
+                if placed >= n:
+                    worst = max(worst, max(loads) / mean)
+            print(f"{n} replicas, {draw}: worst max/mean {worst:.2f} from {n} to {6 * n} in flight")
+
+
+def test_r6_5_about_one_request_per_replica_spreads_evenly():
+    # 16 replicas, 16 requests of one tenant held: one each, not two or three on the ring's first.
+    b = prefix_balancer(16)
+    for _ in range(16):
+        b.acquire("m", 1.0, key=b"one shared system prompt")
+    assert sorted(up.outstanding for up in b.endpoints("m")) == [1] * 16
+    # The 17th may double up (ceil(17 / 16) = 2 is the least the busiest can hold), and only that.
+    b.acquire("m", 1.0, key=b"one shared system prompt")
+    assert sorted(up.outstanding for up in b.endpoints("m")) == [1] * 15 + [2]
+
+
+def test_r6_5_bound_capacity():
+    assert bound_capacity(0, 4) == 1  # the first request anywhere
+    assert bound_capacity(15, 16) == 1.25  # one each: no second while the mean is 1 (not ceil(1.25) = 2)
+    assert bound_capacity(16, 16) == 2  # ceil(17 / 16)
+    assert bound_capacity(63, 16) == 5  # 1.25 * 4, exactly
+    assert bound_capacity(99, 16) == 7.8125  # 1.25 * 100 / 16, not rounded up to 8
 
 
 def test_r6_5_engine_queue_counts_toward_the_bound():

@@ -21,7 +21,9 @@ HTTP (HTTP/1.1, keep-alive): GET /health, GET /v1/models, GET /metrics, POST
 /v1/chat/completions, /v1/completions, /v1/embeddings (SSE when `stream: true`; a usage chunk only
 with `stream_options.include_usage`). The reply is deterministic: "<model> heard <N> words" padded
 with "la" to `max_tokens` tokens (default 8). /v1/* needs `Authorization: Bearer KEY` when a key
-is set (never `x-api-key`, which vLLM ignores); /health and /metrics stay open. vLLM started with
+is set (never `x-api-key`, which vLLM ignores); /health and /metrics stay open, except on
+llama-server, which needs the key on every path but /health and serves /metrics (its own
+`llamacpp:` names) only when started with `--metrics` (501 otherwise). vLLM started with
 llmgw's guard (`--middleware llmgw_vllm_guard.EngineKeyGuard`, the module on PYTHONPATH) needs
 the key on every path but GET /health, as the real one then does.
 Each engine also serves what it serves for real (`ROUTES` below), and 404s the rest: Responses
@@ -307,6 +309,7 @@ class Engine:
         self.nnodes, self.node_rank, self.rendezvous = 1, 0, None
         self.headless = False
         self.embeddings_only = bool(pick(options, "--embeddings", "--embedding", default=False))
+        self.metrics = bool(pick(options, "--metrics", default=env.get("LLAMA_ARG_ENDPOINT_METRICS")))
         self.max_model_len = int(pick(options, "-c", "--ctx-size", default=4096))
         self.served_http = True
         self.store_responses = False  # its Responses API keeps nothing
@@ -552,6 +555,8 @@ class Handler(BaseHTTPRequestHandler):
             return True  # only GET /health, answered before this check, is open
         if self.state.engine.mode == "vllm":
             return path.startswith(("/v1", "/v2", "/inference", "/cohere"))
+        if self.state.engine.mode == "llama-server":
+            return not path.startswith("/health")  # its /metrics too
         return not (path.startswith("/health") or path in ("/ready", "/metrics", "/ping"))
 
     # -- dispatch
@@ -578,6 +583,11 @@ class Handler(BaseHTTPRequestHandler):
             if engine.mode == "llama-server":
                 return self._send(401, error_body(401, "Invalid API Key", "authentication_error"))
             return self._send(401, error_body(401, "Unauthorized", "authentication_error"))
+        if path == "/metrics" and engine.mode == "llama-server":
+            if not engine.metrics:
+                return self._send(501, error_body(501, "This server does not support metrics endpoint. "
+                                                       "Start it with `--metrics`", "not_supported_error"))
+            return self._send(200, self._llama_metrics(), "text/plain; version=0.0.4")
         if path == "/metrics":
             return self._send(200, self._metrics(), "text/plain; version=0.0.4")
         if engine.node_rank > 0:
@@ -639,6 +649,21 @@ class Handler(BaseHTTPRequestHandler):
                 "engine_double_requests_total %d\n"
                 "# TYPE engine_double_aborted_total counter\n"
                 "engine_double_aborted_total %d\n" % (name, s.running, s.requests, s.aborted)).encode()
+
+    def _llama_metrics(self):
+        """llama-server's page (with --metrics): its queue and busy slots, by its own names, and
+        the double's own counters."""
+        s = self.state
+        return ("# HELP llamacpp:requests_processing Number of requests processing\n"
+                "# TYPE llamacpp:requests_processing gauge\n"
+                "llamacpp:requests_processing %d\n"
+                "# HELP llamacpp:requests_deferred Number of requests deferred\n"
+                "# TYPE llamacpp:requests_deferred gauge\n"
+                "llamacpp:requests_deferred 0\n"
+                "# TYPE engine_double_requests_total counter\n"
+                "engine_double_requests_total %d\n"
+                "# TYPE engine_double_aborted_total counter\n"
+                "engine_double_aborted_total %d\n" % (s.running, s.requests, s.aborted)).encode()
 
     def _generation(self, request, prompt_words):
         max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
