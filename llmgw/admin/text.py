@@ -122,6 +122,15 @@ def filesystem(fs: dict) -> str:
     return f"{format_bytes(fs['free_bytes'])} free of {format_bytes(fs['total_bytes'])} on {where}{kind}"
 
 
+def low_water(cleanup: dict) -> str:
+    """`10% (1.0 GB free)`, `off`; then why a due clean-up waits, else the last run's result."""
+    if cleanup["mark"] is None:
+        return "off"
+    text = f"{cleanup['mark']} ({format_bytes(cleanup['threshold_bytes'])} free)"
+    note = cleanup["waiting"] or cleanup["last_result"]
+    return f"{text}; {note}" if note else text
+
+
 def free_of(free: int | None, total: int | None) -> str:
     if free is None and total is None:
         return UNKNOWN
