@@ -213,7 +213,7 @@ def storage(document: dict) -> Group:
             removals.add_row(_t(node["node"], "bold"), _t(words.clock(removal["removed_at"])),
                              _t(removal["path"] or removal["name"]), _t(format_bytes(removal["bytes"])),
                              _t(words.clock(removal["last_used"])),
-                             _t(f"{removal['mark']} ({format_bytes(removal['threshold_bytes'])} free)"))
+                             _t(words.low_water({**removal, "waiting": None, "last_result": None})))
     parts: list[Any] = [table]
     if removals.row_count:
         parts += [Text(""), removals]

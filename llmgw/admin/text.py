@@ -123,10 +123,11 @@ def filesystem(fs: dict) -> str:
 
 
 def low_water(cleanup: dict) -> str:
-    """`10% (1.0 GB free)`, `off`; then why a due clean-up waits, else the last run's result."""
+    """`10% (1.0 GB)`, `20.0 MB`, `off`; then why a due clean-up waits, else the last run's result."""
     if cleanup["mark"] is None:
         return "off"
-    text = f"{cleanup['mark']} ({format_bytes(cleanup['threshold_bytes'])} free)"
+    threshold = format_bytes(cleanup["threshold_bytes"])
+    text = cleanup["mark"] if cleanup["mark"] == threshold else f"{cleanup['mark']} ({threshold})"
     note = cleanup["waiting"] or cleanup["last_result"]
     return f"{text}; {note}" if note else text
 

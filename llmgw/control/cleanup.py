@@ -186,7 +186,7 @@ class Cleanup:
             keep = self.holder.current.wanted_cache_names() | self.pinned | self.in_use(node)
             ordered = order((Entry(e.name, e.bytes, e.last_used, e.reason) for e in listing.entries), keep)
             if not ordered:
-                self._result(node, f"below its mark ({mark}: {format_bytes(threshold)} free), but every entry "
+                self._result(node, f"below its mark ({_mark_words(mark, threshold)}), but every entry "
                                    "is wanted, pinned or in use")
                 return
             answer = await ops.reclaim(ReclaimRequest(cache, [e.name for e in ordered], collect=True,
@@ -210,13 +210,11 @@ class Cleanup:
                          "threshold_bytes": threshold, "free_before": free_before, "free_after": answer.free_bytes}
                         for e in removed]
                 self.store.submit(lambda db: [audit(db, ACTOR, "cache.remove", node, row) for row in rows])
-            after = format_bytes(answer.free_bytes)
+            after = f"{format_bytes(answer.free_bytes)} free, mark {_mark_words(mark, threshold)}"
             if removed:
-                self._result(node, f"removed {len(removed)} entries ({format_bytes(freed)}); {after} free, "
-                                   f"mark {mark} ({format_bytes(threshold)})")
+                self._result(node, f"removed {_entries(len(removed))} ({format_bytes(freed)}); {after}")
             else:
-                self._result(node, f"nothing could be removed ({len(refused)} refused); {after} free, "
-                                   f"mark {mark} ({format_bytes(threshold)})")
+                self._result(node, f"nothing could be removed ({len(refused)} refused); {after}")
         except NodeError as exc:
             log.warning("cleanup on %s failed: %s", node, exc)
             self._result(node, f"failed: {exc}")
@@ -238,3 +236,12 @@ class Cleanup:
             threshold_bytes=mark.threshold(total_bytes) if mark is not None else None,
             last_run=self.last_run.get(node), last_result=self.last_result.get(node),
             waiting=self.waiting.get(node), removed=tuple(self.removed.get(node, ())))
+
+
+def _mark_words(mark: LowWater, threshold: int) -> str:
+    """`20.0 MB`, or `10% (4.2 GB)` for a share."""
+    return str(mark) if mark.share is None else f"{mark} ({format_bytes(threshold)})"
+
+
+def _entries(count: int) -> str:
+    return f"{count} entry" if count == 1 else f"{count} entries"

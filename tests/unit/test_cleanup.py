@@ -167,7 +167,7 @@ async def test_below_the_mark_the_oldest_unwanted_unpinned_entries_go_until_it_i
     node = reconciler.view.get().node("a")
     assert [r.name for r in node.cleanup.removed] == [middle, old]  # newest first
     assert node.cleanup.mark == "10.0 GB" and node.cleanup.threshold_bytes == 10 * GB
-    assert node.cleanup.last_result.startswith("removed 2 entries (2.0 GB)")
+    assert node.cleanup.last_result.startswith("removed 2 entries (2.0 GB); 10.0 GB free, mark 10.0 GB")
 
 
 async def test_not_more_than_once_a_minute_per_node():
