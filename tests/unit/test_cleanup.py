@@ -228,3 +228,27 @@ async def test_every_entry_wanted_pinned_or_in_use_asks_for_no_removal():
     await _passes(reconciler, fleet)
     assert cache.listings == 1 and cache.asked == []
     assert "every entry is wanted, pinned or in use" in reconciler.view.get().node("a").cleanup.last_result
+
+
+async def test_a_large_fleet_is_looked_at_in_turn_a_few_nodes_per_pass(monkeypatch):
+    from llmgw.control import cleanup as module
+
+    monkeypatch.setattr(module, "CHECKS_PER_PASS", 2)
+    inventory = Inventory(nodes=[NodeConfig(name=n, host=f"h-{n}") for n in "abcde"], profiles=PROFILES)
+    fleet = FakeFleet(inventory)
+    holder = CatalogHolder(Catalog.build(profiles=PROFILES))
+    reconciler = Reconciler(holder, fleet, None, GatewayConfig(cache_low_water="10GB"))
+    for name in fleet.nodes:
+        cache_dir = fleet.paths(name).cache_dir
+        fleet.facts[name].storage = Storage((Filesystem("1:1", "ext4", "/", False, 100 * GB, GB, (cache_dir,)),))
+    started = []
+    monkeypatch.setattr(reconciler.cleanup, "_run", lambda node, *args: _noted(started, node))
+    now = 1000.0
+    for expected in (["a", "b"], ["a", "b", "c", "d"], ["a", "b", "c", "d", "e"]):
+        reconciler.cleanup.check(now)
+        await asyncio.sleep(0)
+        assert started == expected
+
+
+async def _noted(started, node):
+    started.append(node)
