@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmgw.config import GatewayConfig, LowWater, NodeConfig
-from llmgw.contracts.views import CacheCleanup, CacheRemoval
+from llmgw.contracts.views import OFF, CacheCleanup, CacheRemoval
 from llmgw.fleet.errors import NodeError
 from llmgw.fleet.link import READY
 from llmgw.fleet.ops import ReclaimRequest
@@ -245,6 +245,8 @@ class Cleanup:
     def state(self, node: str, total_bytes: int | None) -> CacheCleanup:
         """What ctl storage shows of the node's clean-up."""
         mark = self.marks.get(node)
+        if mark is None and node not in self.removed and node not in self.last_result:
+            return OFF  # the common case without a mark: one shared value, nothing built
         return CacheCleanup(
             mark=str(mark) if mark is not None else None,
             threshold_bytes=mark.threshold(total_bytes) if mark is not None else None,
