@@ -11,12 +11,13 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, field_validator,
+                      model_validator)
 
-from llmgw.units import Duration, PortRange, Size
+from llmgw.units import Duration, PortRange, Size, format_bytes, parse_size
 from llmgw.weights import WeightsSource, parse_weights, redact_query
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
@@ -25,6 +26,74 @@ DEFAULT_PORTS = (20000, 20999)
 # admin token must not be able to send any other secret of the gateway's environment to a URL of
 # their choice. The inventory file is written by whoever starts `llmgw serve`; it may name any.
 RUNTIME_KEY_ENV_PREFIX = "LLMGW_ENDPOINT_KEY_"
+
+
+@dataclass(frozen=True)
+class LowWater:
+    """A cache filesystem's low-water mark: free below a share of its size, or below a size.
+    `off` (neither) turns the clean-up off, on a node where the gateway's mark would apply."""
+
+    share: float | None = None  # 0.10 for 10 %
+    bytes: int | None = None
+
+    @property
+    def off(self) -> bool:
+        return self.share is None and self.bytes is None
+
+    def threshold(self, total_bytes: int | None) -> int | None:
+        """The free bytes below which the filesystem is under its mark; None when off, or a
+        share of a size the node did not report (unknown, never 0)."""
+        if self.bytes is not None:
+            return self.bytes
+        if self.share is None or total_bytes is None:
+            return None
+        return int(total_bytes * self.share)
+
+    def __str__(self) -> str:
+        if self.bytes is not None:
+            return format_bytes(self.bytes)
+        return "off" if self.share is None else f"{self.share * 100:g}%"
+
+
+def parse_low_water(value: object) -> LowWater:
+    """`10%` (of the filesystem's size), `50GB` (an absolute size) or `off`."""
+    if isinstance(value, LowWater):
+        return value
+    # YAML reads a bare `off` as false.
+    if value is False or (isinstance(value, str) and value.strip().lower() == "off"):
+        return LowWater()
+    if isinstance(value, str) and value.strip().endswith("%"):
+        number = value.strip()[:-1].strip()
+        try:
+            share = float(number)
+        except ValueError:
+            share = None
+        if share is None or not 0 < share < 100:
+            raise ValueError(f"{value!r}: a share is a number above 0 and below 100 followed by %, e.g. 10%")
+        return LowWater(share=share / 100)
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError("a low-water mark is a share (10%), a size (50GB) or off")
+    try:
+        size = parse_size(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a low-water mark; write a share (10%), a size (50GB) or off") from None
+    if size <= 0:
+        raise ValueError("a low-water size must be above 0 (write off to turn the clean-up off)")
+    return LowWater(bytes=size)
+
+
+LowWaterMark = Annotated[LowWater, BeforeValidator(parse_low_water), PlainSerializer(str, return_type=str)]
+
+
+def _pinned_source(value: Any) -> Any:
+    source = parse_weights(value)
+    if not source.fetched:
+        raise ValueError(f"{value!r} is a path on the nodes, never fetched into a cache; only fetched sources "
+                         "(https://..., hf:org/repo) can be pinned")
+    return value
+
+
+PinnedWeights = Annotated[str | list[str], BeforeValidator(_pinned_source)]
 
 
 class _Strict(BaseModel):
@@ -44,6 +113,10 @@ class GatewayConfig(_Strict):
     # size is unknown. No byte for fetch_stall fails it.
     fetch_limit: Size = 2 * 1000**4
     fetch_stall: Duration = 60.0
+    # The clean-up of unwanted cache entries (control/cleanup.py): off unless a mark is set, here
+    # for every node or per node. Pinned sources' entries are never removed by it.
+    cache_low_water: LowWaterMark | None = None
+    pinned_weights: list[PinnedWeights] = Field(default_factory=list)
 
     @field_validator("listen", "admin")
     @classmethod
@@ -80,6 +153,7 @@ class NodeConfig(_Strict):
     model_dirs: list[str] = Field(default_factory=list)
     shared_dirs: list[str] = Field(default_factory=list)
     cache_dir: str | None = None
+    cache_low_water: LowWaterMark | None = None  # overrides gateway.cache_low_water; off turns it off here
     ports: PortRange = DEFAULT_PORTS
 
     @model_validator(mode="after")

@@ -147,6 +147,14 @@ reclaim {"cache_dir", "names": [str]|null, "collect": false} -> {"entries": [{"n
     every LEASE_RENEW s): on a cache several nodes share, a temp dir whose lease is alive (this
     node: the pid still runs; another node: renewed within LEASE_FRESH), or that is younger than
     LEASE_GRACE without a lease, is neither listed nor removed, nor the entry it is for.
+    A listed or removed entry carries "last_used": the mtime of its completion marker (set when
+    the fetch completed and again whenever launch starts an engine whose argv names a path in
+    the entry), null without a marker.
+    With "until_free": BYTES (the automatic clean-up at a low-water mark; needs collect and
+    names, in the order to remove them), each name must also be a complete entry sealed with
+    this fleet's secret (a leftover temp dir or another fleet's entry is refused), and removal
+    stops as soon as the cache's filesystem has BYTES free (statvfs f_bavail): the names left are
+    answered "kept". The answer then adds "free_bytes", the filesystem's free bytes after.
 
 cancel {"target": request id} -> {"cancelled": bool}     ends a log follow or a fetch wait.
 
@@ -1272,13 +1280,15 @@ def download_in_progress(cache_dir, temp_name, now=None):
     return "in use by a download on %s (pid %s, lease renewed %d s ago)" % (host or "an unknown node", pid, max(0, age))
 
 
-def reclaim_entries(cache_dir, names, collect, busy=frozenset(), secret=None):
+def reclaim_entries(cache_dir, names, collect, busy=frozenset(), secret=None, until_free=None):
     """List or remove cache entries (R-5.5); busy holds names a running fetch uses.
 
     names None lists every llmgw-* entry and every leftover temp dir no running fetch owns;
     an entry cache_entry does not accept (with secret) is listed with the reason. On a cache
     shared by several nodes, a temp dir another node is writing (download_in_progress) is
-    neither listed nor removed, nor is the entry it is for.
+    neither listed nor removed, nor is the entry it is for. With until_free (bytes), only
+    sealed entries of this fleet are removed, in the order named, until the filesystem has
+    that much free; the rest are kept.
     """
     foreign = _foreign_downloads(cache_dir)
     local, busy = busy, set(busy) | set(foreign)
@@ -1294,13 +1304,22 @@ def reclaim_entries(cache_dir, names, collect, busy=frozenset(), secret=None):
             reason = "in use by a running download"
         elif _is_busy(name, busy):
             reason = foreign.get(name) or "in use by a running download"
+        if reason is None and until_free is not None:
+            reason = _cleanup_refusal(path, name, secret)
         if reason is not None:
             entry["reason"] = reason
             continue
         entry["bytes"] = _entry_bytes(path)
+        entry["last_used"] = entry_last_used(path)
         if not collect:
             entry["action"] = "listed"
             continue
+        if until_free is not None:
+            free = cache_free_bytes(cache_dir)
+            if free is not None and free >= until_free:
+                entry["action"] = "kept"
+                entry["reason"] = "the filesystem has %d bytes free, at or above the mark (%d)" % (free, until_free)
+                continue
         try:
             remove_tree_within(cache_dir, name, expected=root_info)
         except OSError as exc:
@@ -1308,6 +1327,71 @@ def reclaim_entries(cache_dir, names, collect, busy=frozenset(), secret=None):
             continue
         entry["action"] = "removed"
     return entries
+
+
+def _cleanup_refusal(path, name, secret):
+    """Why the automatic clean-up must not remove path, beyond what reclaim checks: it takes
+    only complete entries sealed with this fleet's secret."""
+    if not CACHE_NAME_RE.fullmatch(name):
+        return "not a complete cache entry; the clean-up removes only sealed entries"
+    if secret is None:
+        return "no fleet secret yet, so no entry can be proved to be this fleet's"
+    problem = cache_entry(path, secret)[1]
+    if problem is not None:
+        return "not a sealed entry of this fleet (%s)" % problem
+    return None
+
+
+def cache_free_bytes(cache_dir):
+    """Bytes an unprivileged writer can still use on cache_dir's filesystem; None if unknown."""
+    try:
+        vfs = os.statvfs(cache_dir)
+    except OSError:
+        return None
+    return vfs.f_bavail * vfs.f_frsize
+
+
+def entry_last_used(path):
+    """When the entry was last used: its completion marker's mtime (see note_entry_use)."""
+    try:
+        info = os.lstat(os.path.join(path, COMPLETE_MARKER))
+    except OSError:
+        return None
+    return info.st_mtime if stat.S_ISREG(info.st_mode) else None
+
+
+def note_entry_use(argv):
+    """Mark the cache entries an engine's argv names as used now: the completion marker's mtime
+    is set, through fds that follow no link, on entries and markers of this user only. Nothing
+    fails a launch: a path that is not such an entry is left alone."""
+    seen = set()
+    for part in argv:
+        for value in part.split("=")[-1:] if part.startswith("-") else [part]:
+            if not value.startswith("/"):
+                continue
+            parts = value.split("/")
+            for index, component in enumerate(parts):
+                if CACHE_NAME_RE.fullmatch(component):
+                    entry = "/".join(parts[: index + 1])
+                    if entry not in seen:
+                        seen.add(entry)
+                        _touch_marker(entry)
+                    break
+
+
+def _touch_marker(entry):
+    try:
+        fd = open_below(os.path.dirname(entry), [os.path.basename(entry), COMPLETE_MARKER])
+    except OSError:
+        return
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+            os.utime(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _foreign_downloads(cache_dir):
@@ -1368,7 +1452,8 @@ def _list_cache(cache_dir, busy, secret=None):
         else:
             continue
         entries.append(
-            {"name": name, "path": path, "bytes": _entry_bytes(path), "action": "listed", "reason": reason}
+            {"name": name, "path": path, "bytes": _entry_bytes(path), "action": "listed", "reason": reason,
+             "last_used": entry_last_used(path)}
         )
     return entries
 
@@ -2457,6 +2542,7 @@ class ProcessOps(object):
             raise HelperError("launch_failed", "the supervisor of %s did not record a start: %s" % (shard_id, tail or "no log"))
         if state.get("pid") is None:
             raise HelperError("launch_failed", "could not start %s: %s" % (shard_id, state.get("error")))
+        note_entry_use(argv)  # the clean-up's "last used" (Reclaim section)
         return dict((key, state.get(key)) for key in ("shard_id", "pid", "pgid", "start_time", "argv", "log_path", "started_at"))
 
     def op_status(self, args, ctx):
@@ -2741,8 +2827,14 @@ class ReclaimOps(object):
             raise bad_args("reclaim with collect is only available through serve --expect-sha256")
         if names is not None and not all(isinstance(name, str) for name in names):
             raise bad_args("names must be a list of strings")
-        return {"entries": reclaim_entries(cache_dir, names, collect, busy=self.busy_cache_names(cache_dir),
-                                           secret=self.secret)}
+        until_free = _arg(args, "until_free", (int,), None)
+        if until_free is not None and (not collect or until_free < 0):
+            raise bad_args("until_free needs collect and is a number of bytes (0 or more)")
+        entries = reclaim_entries(cache_dir, names, collect, busy=self.busy_cache_names(cache_dir),
+                                  secret=self.secret, until_free=until_free)
+        if until_free is None:
+            return {"entries": entries}
+        return {"entries": entries, "free_bytes": cache_free_bytes(cache_dir)}
 
 
 # --------------------------------------------------------------------------------------------

@@ -193,7 +193,9 @@ def model_summary(verb: str) -> Callable[[dict], Text]:
 
 
 def storage(document: dict) -> Group:
-    table = _table("NODE", "STATE", "CACHE DIR", "LOCAL FREE/TOTAL", "SHARED FREE/TOTAL", "HOLDS")
+    table = _table("NODE", "STATE", "CACHE DIR", "LOCAL FREE/TOTAL", "SHARED FREE/TOTAL", "HOLDS", "LOW WATER")
+    removals = _table("NODE", "REMOVED", "ENTRY", "SIZE", "LAST USED", "MARK",
+                      title="Removed by the clean-up at the low-water mark (newest first)")
     for node in document["nodes"]:
         disk = node["disk"]
         local = [words.filesystem(fs) for fs in disk["local"]] if disk else []
@@ -204,8 +206,17 @@ def storage(document: dict) -> Group:
             f"{h['model']} ({format_bytes(h['bytes'])}) {h['path']}" for h in node["holdings"]]
         state = node["state"] + (" (stale)" if node["stale"] else "")
         held = _t(None) if holds is None else _lines(holds) if holds else _t("none")
-        table.add_row(_t(node["node"], "bold"), _t(state), _t(node["cache_dir"]), _lines(local), _lines(shared), held)
+        cleanup = node["cleanup"]
+        table.add_row(_t(node["node"], "bold"), _t(state), _t(node["cache_dir"]), _lines(local), _lines(shared), held,
+                      _t(words.low_water(cleanup)))
+        for removal in cleanup["removed"]:
+            removals.add_row(_t(node["node"], "bold"), _t(words.clock(removal["removed_at"])),
+                             _t(removal["path"] or removal["name"]), _t(format_bytes(removal["bytes"])),
+                             _t(words.clock(removal["last_used"])),
+                             _t(words.low_water({**removal, "waiting": None, "last_result": None})))
     parts: list[Any] = [table]
+    if removals.row_count:
+        parts += [Text(""), removals]
     if document["shared_filers"]:
         filers = _table("MOUNT POINT", "TYPE", "FREE/TOTAL", "MOUNTED BY", title="Shared filers (each counted once)")
         for fs in document["shared_filers"]:

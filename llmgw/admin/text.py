@@ -122,6 +122,16 @@ def filesystem(fs: dict) -> str:
     return f"{format_bytes(fs['free_bytes'])} free of {format_bytes(fs['total_bytes'])} on {where}{kind}"
 
 
+def low_water(cleanup: dict) -> str:
+    """`10% (1.0 GB)`, `20.0 MB`, `off`; then why a due clean-up waits, else the last run's result."""
+    if cleanup["mark"] is None:
+        return "off"
+    threshold = format_bytes(cleanup["threshold_bytes"])
+    text = cleanup["mark"] if cleanup["mark"] == threshold else f"{cleanup['mark']} ({threshold})"
+    note = cleanup["waiting"] or cleanup["last_result"]
+    return f"{text}; {note}" if note else text
+
+
 def free_of(free: int | None, total: int | None) -> str:
     if free is None and total is None:
         return UNKNOWN

@@ -42,6 +42,15 @@ def _filesystem(fs) -> dict:
             "total_bytes": fs.total_bytes, "free_bytes": fs.free_bytes, "dirs": list(fs.dirs)}
 
 
+def _cleanup(cleanup) -> dict:
+    """The clean-up at the node's low-water mark: its mark, the last run, the recent removals."""
+    return {"mark": cleanup.mark, "threshold_bytes": cleanup.threshold_bytes, "last_run": cleanup.last_run,
+            "last_result": cleanup.last_result, "waiting": cleanup.waiting,
+            "removed": [{"name": r.name, "path": r.path, "bytes": r.bytes, "last_used": r.last_used,
+                         "removed_at": r.removed_at, "mark": r.mark, "threshold_bytes": r.threshold_bytes}
+                        for r in cleanup.removed]}
+
+
 def _sum_known(values: Iterable[int | None]) -> int | None:
     """Sum of the known values; None when none is known (an unknown is not a zero)."""
     known = [v for v in values if v is not None]
@@ -339,6 +348,7 @@ class Listings:
                 "cache_dir": state.cache_dir,
                 "model_dirs": list(state.model_dirs), "shared_dirs": list(state.shared_dirs),
                 "disk": disk,
+                "cleanup": _cleanup(state.cleanup),
                 "holdings": None if held is None else [
                     {"model": model, "path": where.path, "bytes": where.bytes} for model, where in sorted(held.items())],
             })

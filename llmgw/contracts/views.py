@@ -45,6 +45,34 @@ class NodeAdminState:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheRemoval:
+    """One cache entry the clean-up removed to bring its filesystem back to the mark."""
+
+    name: str
+    path: str | None
+    bytes: int | None
+    last_used: float | None
+    removed_at: float
+    mark: str  # as configured: 10% or 50.0 GB
+    threshold_bytes: int  # the free bytes that mark meant on that filesystem
+
+
+@dataclass(frozen=True, slots=True)
+class CacheCleanup:
+    """The clean-up of a node's cache at its low-water mark (control/cleanup.py)."""
+
+    mark: str | None  # None: off on this node
+    threshold_bytes: int | None  # None: off, or a share of a size the node did not report
+    last_run: float | None
+    last_result: str | None
+    waiting: str | None  # why a clean-up that is due has not started
+    removed: tuple[CacheRemoval, ...]  # newest first
+
+
+OFF = CacheCleanup(None, None, None, None, None, ())
+
+
+@dataclass(frozen=True, slots=True)
 class NodeState:
     """One node as the control plane sees it: its link, its admin state and what it reported."""
 
@@ -70,6 +98,7 @@ class NodeState:
     model_dirs: tuple[str, ...]
     shared_dirs: tuple[str, ...]
     placement: NodeView  # what placement sees of this node
+    cleanup: CacheCleanup = OFF  # the clean-up of its cache at the low-water mark
 
     @property
     def memory_bytes(self) -> int | None:

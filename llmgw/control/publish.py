@@ -2,7 +2,7 @@
 
 `control_view` is a pure function of the reconciler's and the fleet's public state: it reads the
 reconciler's records (replicas, retired, admin, health, demand, last_used, unplaceable,
-unknown_engines, learned_sizes, node_views(), allocated(), endpoints()) and the fleet's links,
+unknown_engines, learned_sizes, cleanup, node_views(), allocated(), endpoints()) and the fleet's links,
 facts and node configurations, and copies them into frozen values.
 
 The reconciler publishes at the end of every pass, and the control plane after an operator
@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from llmgw.contracts.views import (ControlView, ModelState, NodeAdminState, NodeState, ReplicaState, ShardState,
+from llmgw.contracts.views import (CacheCleanup, ControlView, ModelState, NodeAdminState, NodeState, ReplicaState, ShardState,
                                    frozen_mapping)
 from llmgw.control import placement
 from llmgw.control.state import ENDED, FAILED, Replica
@@ -86,7 +86,7 @@ def control_view(reconciler: Reconciler, pass_number: int, published_at: float) 
             replicas=tuple(sorted(on_node.get(name, ()))),
             unknown_engines=tuple(reconciler.unknown_engines.get(name, ())),
             cache_dir=paths.cache_dir, model_dirs=tuple(config.model_dirs), shared_dirs=tuple(config.shared_dirs),
-            placement=view))
+            placement=view, cleanup=_cleanup(reconciler, name, facts.storage, paths.cache_dir)))
     seen = {r.id for r in live}
     retired = []
     # A failed replica leaves the live set once its engines are stopped; it stays listed for a
@@ -113,6 +113,11 @@ def control_view(reconciler: Reconciler, pass_number: int, published_at: float) 
         retired=tuple(retired), models=frozen_mapping(models),
         endpoints=frozen_mapping((m, tuple(e)) for m, e in sorted(reconciler.endpoints().items())),
         free_whole_nodes=frozen_mapping(placement.free_whole_nodes(views, allocated)))
+
+
+def _cleanup(reconciler: Reconciler, node: str, storage, cache_dir: str | None) -> CacheCleanup:
+    fs = storage.filesystem_of(cache_dir) if storage is not None else None
+    return reconciler.cleanup.state(node, fs.total_bytes if fs is not None else None)
 
 
 def _replica(replica: Replica, last_used: float | None, *, retired: bool) -> ReplicaState:

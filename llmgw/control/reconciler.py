@@ -25,6 +25,7 @@ from llmgw.contracts.endpoints import Endpoint
 from llmgw.contracts.states import AdminState, ReplicaPhase, transition
 from llmgw.control import observe, placement, plan, publish
 from llmgw.control.actions import Actions
+from llmgw.control.cleanup import Cleanup
 from llmgw.control.state import (ENDED, FAILED, FETCHING, PENDING, RETIRING_PHASE, SERVING, STOPPED, ModelHealth, NodeAdmin,
                                  Replica, Shard, delete_replica, load_replicas, new_engine_key, new_replica_id, save_replica)
 from llmgw.fleet.fleet import Fleet
@@ -73,6 +74,8 @@ class Reconciler:
         self.actions = Actions(fleet, gateway, replicas=self.replicas, health=self.health,
                                learned_sizes=self.learned_sizes, save=self._save, wake=self.wake,
                                stopped=self._stopped, outstanding=outstanding)
+        self.cleanup = Cleanup(fleet, holder, gateway, store, fetches=self.actions.fetches, in_use=self.cache_in_use,
+                               wake=self.wake)
         self.view = publish.publish(self)  # what the admin, /metrics and ctl read (llmgw.control.publish)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -126,7 +129,7 @@ class Reconciler:
 
     async def close(self) -> None:
         """Stop reconciling; engines keep running (they are adopted on the next start)."""
-        await cancel_and_wait(self._run_task, *self.actions.tasks())
+        await cancel_and_wait(self._run_task, *self.actions.tasks(), *self.cleanup.tasks.values())
 
     # -- inputs from the router and operators --------------------------------------------------
 
@@ -205,6 +208,12 @@ class Reconciler:
         """The node's cache directory as an absolute path on it; None until the node said hello."""
         return self.fleet.paths(node.name).cache_dir
 
+    def cache_in_use(self, node: str) -> set[str]:
+        """Cache names the live replicas with a shard on the node run from."""
+        models = self.holder.current.models
+        return {m.source.cache_name for r in self.replicas.values() if (m := models.get(r.model)) and m.source
+                and m.source.fetched and any(s.node == node for s in r.shards)}
+
     def holdings_wanted(self, node: NodeConfig) -> dict[str, list[str]]:
         """Candidate paths of every catalog model's weights on this node (R-2.6)."""
         wanted = {}
@@ -259,6 +268,7 @@ class Reconciler:
                         break
         self._pass_views = None
         self._cleanup_retired(now)
+        self.cleanup.check(now)  # cache filesystems below their low-water mark (R-5.5)
         # Publish: the router's endpoint table.
         self._push()
         self.view = publish.publish(self)

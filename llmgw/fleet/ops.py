@@ -363,16 +363,25 @@ class LogLines:
 
 @dataclass(frozen=True)
 class ReclaimRequest(Request):
-    """List the cache entries of cache_dir (names None: all), or remove the named ones (collect)."""
+    """List the cache entries of cache_dir (names None: all), or remove the named ones (collect).
+
+    With `until_free` (bytes; the clean-up at a low-water mark) the named entries are removed in
+    the order given, only sealed entries of this fleet, and only until the filesystem has that
+    much free; the others are answered "kept"."""
 
     OP = "reclaim"
+    answer_within = 120.0  # removing large entries on a slow filer takes a while
     cache_dir: str
     names: Sequence[str] | None = None
     collect: bool = False
+    until_free: int | None = None
 
     def args(self) -> dict[str, Any]:
-        return {"cache_dir": self.cache_dir, "names": list(self.names) if self.names is not None else None,
+        args = {"cache_dir": self.cache_dir, "names": list(self.names) if self.names is not None else None,
                 "collect": self.collect}
+        if self.until_free is not None:
+            args["until_free"] = self.until_free
+        return args
 
 
 @dataclass(frozen=True)
@@ -380,26 +389,29 @@ class ReclaimEntry:
     name: str
     path: str | None
     bytes: int | None
-    action: str  # "listed", "removed" or "refused"
+    action: str  # "listed", "removed", "refused" or "kept" (the mark was reached first)
     reason: str | None
+    last_used: float | None = None  # the completion marker's mtime: fetched, or an engine launched on it
 
     @classmethod
     def from_helper(cls, data: Any, where: str) -> ReclaimEntry:
         data = _object(data, where.rstrip("."))
         return cls(name=_required(data, "name", TEXT, where), path=_field(data, "path", TEXT, where),
                    bytes=_field(data, "bytes", INT, where), action=_required(data, "action", TEXT, where),
-                   reason=_field(data, "reason", TEXT, where))
+                   reason=_field(data, "reason", TEXT, where), last_used=_field(data, "last_used", NUMBER, where))
 
 
 @dataclass(frozen=True)
 class Reclaimed:
     entries: tuple[ReclaimEntry, ...]
+    free_bytes: int | None = None  # after a clean-up (until_free): the filesystem's free bytes
 
     @classmethod
     def from_helper(cls, data: Any) -> Reclaimed:
         data = _object(data, "the answer")
         entries = _field(data, "entries", (list,), "", default=[])
-        return cls(tuple(ReclaimEntry.from_helper(e, f"entries[{i}].") for i, e in enumerate(entries)))
+        return cls(tuple(ReclaimEntry.from_helper(e, f"entries[{i}].") for i, e in enumerate(entries)),
+                   _field(data, "free_bytes", INT, ""))
 
 
 @dataclass(frozen=True)

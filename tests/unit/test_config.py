@@ -309,3 +309,70 @@ def test_which_admin_addresses_are_loopback(host, loopback):
     from llmgw.config import is_loopback
 
     assert is_loopback(host) is loopback
+
+
+# -- the cache low-water mark and pinned weights (R-5.5) -----------------------------------------
+
+LOW_WATER = """\
+gateway:
+  cache_low_water: 10%
+  pinned_weights:
+    - hf:org/keep@v1
+    - [https://files.example/a.gguf, https://files.example/b.gguf]
+nodes:
+  - {name: n1, host: 10.0.0.1, cache_low_water: 50GB}
+  - {name: n2, host: 10.0.0.2, cache_low_water: off}
+  - {name: n3, host: 10.0.0.3}
+"""
+
+
+def test_low_water_marks_a_node_overrides_the_gateway_and_off_turns_it_off():
+    from llmgw.control.cleanup import mark_of, pinned_names
+    from llmgw.weights import parse_weights
+
+    inventory, _ = load_inventory_text(LOW_WATER, "inventory.yaml")
+    marks = [mark_of(inventory.gateway, node) for node in inventory.nodes]
+    assert [str(m) if m else None for m in marks] == ["50.0 GB", None, "10%"]
+    assert marks[0].threshold(None) == 50 * 1000**3  # an absolute size needs no total
+    assert marks[2].threshold(200 * 1000**3) == 20 * 1000**3
+    assert marks[2].threshold(None) is None  # a share of an unknown size is unknown, not 0
+    assert pinned_names(inventory.gateway) == {
+        parse_weights("hf:org/keep@v1").cache_name,
+        parse_weights(["https://files.example/a.gguf", "https://files.example/b.gguf"]).cache_name}
+
+
+def test_the_clean_up_is_off_by_default():
+    from llmgw.control.cleanup import mark_of
+
+    inventory, _ = load_inventory_text(GOOD, "inventory.yaml")
+    assert inventory.gateway.cache_low_water is None and inventory.gateway.pinned_weights == []
+    assert mark_of(inventory.gateway, inventory.nodes[0]) is None
+
+
+@pytest.mark.parametrize("text,line,message", [
+    pytest.param(LOW_WATER.replace("10%", "120%"), 2,
+                 "gateway.cache_low_water: '120%': a share is a number above 0 and below 100", id="share-over-100"),
+    pytest.param(LOW_WATER.replace("10%", "0%"), 2, "gateway.cache_low_water: '0%': a share is", id="share-zero"),
+    pytest.param(LOW_WATER.replace("10%", "lots"), 2,
+                 "gateway.cache_low_water: 'lots' is not a low-water mark; write a share (10%), a size (50GB) or off",
+                 id="not-a-mark"),
+    pytest.param(LOW_WATER.replace("50GB", "0"), 7, "nodes[0].cache_low_water: a low-water size must be above 0",
+                 id="size-zero"),
+    pytest.param(LOW_WATER.replace("cache_low_water: 50GB", "cache_low_water: yes"), 7,
+                 "nodes[0].cache_low_water: a low-water mark is a share (10%), a size (50GB) or off", id="boolean"),
+    pytest.param(LOW_WATER.replace("hf:org/keep@v1", "models/local"), 4,
+                 "gateway.pinned_weights[0]: 'models/local' is a path on the nodes, never fetched", id="pinned-path"),
+    pytest.param(LOW_WATER.replace("hf:org/keep@v1", "http://plain.example/x.gguf"), 4,
+                 "gateway.pinned_weights[0]: 'http://plain.example/x.gguf': weights are fetched over https:// only",
+                 id="pinned-plain-http"),
+    pytest.param(LOW_WATER.replace("cache_low_water: 10%", "cache_low_watr: 10%"), 2,
+                 "gateway.cache_low_watr: unknown field", id="misspelt"),
+])
+def test_a_broken_low_water_mark_or_pin_names_file_line_and_field(tmp_path, text, line, message):
+    path = tmp_path / "inventory.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_checked(path)
+    rendered = str(info.value)
+    assert rendered.startswith(f"{path}:{line}: "), rendered
+    assert message in rendered, rendered

@@ -141,3 +141,30 @@ async def test_ctl_and_the_dashboard_say_the_same_words(admin):
         assert state in shown[where], where
     for where in ("models", "/models"):
         assert problem.split(" (next attempt in ")[0] + " (next attempt in " in shown[where], where
+
+
+async def test_ctl_storage_shows_each_nodes_low_water_mark_and_what_the_clean_up_removed(admin):
+    from collections import deque
+
+    from llmgw.config import LowWater
+    from llmgw.contracts.views import CacheRemoval
+
+    client, gateway = admin
+    cleanup = gateway.reconciler.cleanup
+    cleanup.marks["gpu3"] = LowWater(bytes=50 * 1000**3)
+    cleanup.last_result["gpu3"] = "removed 1 entry (38.0 GB); 61.0 GB free, mark 50.0 GB"
+    cleanup.removed["gpu3"] = deque([CacheRemoval("llmgw-" + "a" * 32, "/cache/llmgw-" + "a" * 32, 38 * 1000**3,
+                                                  time.time() - 7200, time.time(), "50.0 GB", 50 * 1000**3)])
+    gateway.publish()
+    out = await ctl(client, "storage")
+    row = next(line for line in out.splitlines() if line.strip().startswith("gpu3"))
+    assert "50.0 GB; removed 1 entry (38.0 GB)" in row, out
+    assert "Removed by the clean-up at the low-water mark" in out
+    removal = next(line for line in out.splitlines() if "/cache/llmgw-" + "a" * 32 in line)
+    assert "38.0 GB" in removal and "50.0 GB" in removal
+    other = [line for line in out.splitlines() if line.strip().startswith(("gpu1 ", "gpu2 "))]
+    assert other and all(line.rstrip().endswith("off") for line in other), out
+    document = json.loads(await ctl(client, "storage", "--json"))
+    node = next(n for n in document["nodes"] if n["node"] == "gpu3")
+    assert node["cleanup"]["mark"] == "50.0 GB" and node["cleanup"]["threshold_bytes"] == 50 * 1000**3
+    assert [r["bytes"] for r in node["cleanup"]["removed"]] == [38 * 1000**3]
