@@ -56,15 +56,17 @@ def candidates(replicas: Iterable[Replica], models: Mapping[str, Model], last_us
     """The replicas that may be evicted for `for_model` (None: for any model), longest idle first."""
     found: list[tuple[float, str, Replica]] = []
     serving: dict[str, int] = {}
+    allowed: dict[str, bool] = {}  # model -> may be evicted; asked once per model, not per replica
     for replica in replicas:
-        if not replica.serving or replica.phase is DRAINING_PHASE:
+        name = replica.model
+        ok = allowed.get(name)
+        if ok is None:
+            model = models.get(name)
+            ok = allowed[name] = name != for_model and model is not None and not model.static and model.evictable
+        if not ok or not replica.serving or replica.phase is DRAINING_PHASE:
             continue
-        serving[replica.model] = serving.get(replica.model, 0) + 1
-        if replica.model == for_model:
-            continue
-        model = models.get(replica.model)
-        if model is None or model.static or not model.evictable:
-            continue
+        serving[name] = serving.get(name, 0) + 1
+        model = models[name]
         idle_since = last_used.get(replica.id) or replica.serving_since
         if idle_since is None:
             continue  # neither used nor known to serve since a known time: not known to be idle
@@ -134,6 +136,8 @@ class WhatIf:
     weights says what the download would take, at the rate its last fetch was measured at.
     """
 
+    mends = frozenset({"cordoned", "draining", "connecting", "unreachable", "unhealthy", "gpus", "labels", "disk"})
+
     def __init__(self, model: Model, pool: Sequence[Candidate], allocated: Mapping[str, Set[int]],
                  rates: Mapping[str, float], now: float):
         self.model = model
@@ -148,10 +152,9 @@ class WhatIf:
 
     def __call__(self, node: placement.NodeView, categories: tuple[str, ...], free: int | None,
                  holds: bool | None, refits) -> str | None:
-        kinds = set(categories)
-        if len(kinds) != 1:
-            return None
         kind = categories[0]
+        if kind not in self.mends or len(categories) > 1 and any(c != kind for c in categories):
+            return None
         if kind in ("cordoned", "draining"):
             change = "fits when uncordoned"
         elif kind in ("connecting", "unreachable", "unhealthy"):

@@ -21,6 +21,7 @@ import math
 import operator
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from llmgw.catalog import Model
 
@@ -171,11 +172,19 @@ def place(model: Model, nodes: Sequence[NodeView], allocated: Mapping[str, Set[i
     return None if chosen is None else _multi_plan(model, need, chosen[0], chosen[1], allocated)
 
 
-# What-if for a rejected node: (node, shortfall categories in filter order, free GPUs, holds the
-# weights, refits) -> one change in operator words, or None. `refits(node, allocated)` re-runs
-# the filters on a changed view of the node (llmgw.control.evict.WhatIf).
-WhatIfHook = Callable[[NodeView, tuple[str, ...], "int | None", "bool | None",
-                       Callable[[NodeView, Mapping[str, Set[int]]], bool]], "str | None"]
+class WhatIfHook(Protocol):
+    """What-if for a rejected node (llmgw.control.evict.WhatIf): one change in operator words, or None.
+
+    Called with the node, its shortfall categories in filter order, its free GPUs, whether it
+    holds the weights, and `refits(node, allocated)`, which re-runs the filters on a changed view
+    of the node. Only nodes whose first category is in `mends` are asked: a fleet rejects most
+    nodes for reasons no single change mends (another GPU class), and asking each costs time.
+    """
+
+    mends: frozenset[str]
+
+    def __call__(self, node: NodeView, categories: tuple[str, ...], free: int | None, holds: bool | None,
+                 refits: Callable[[NodeView, Mapping[str, Set[int]]], bool]) -> str | None: ...
 
 
 def explain_placement(model: Model, nodes: Sequence[NodeView], allocated: Mapping[str, Set[int]], *,
@@ -200,13 +209,14 @@ def explain_placement(model: Model, nodes: Sequence[NodeView], allocated: Mappin
     def refits(node: NodeView, changed: Mapping[str, Set[int]]) -> bool:
         return bool(_fitting(need, name, (node,), changed, avoid, []))
 
+    mends = what_if.mends if what_if is not None else frozenset()
     for node in turned_down:
         free = _free_count(node, allocated)
         holds = None if node.holds is None else name in node.holds
         reasons, categories = need.shortfalls(node, free, bool(holds), avoid)
         if not reasons:  # the filter and its wording disagree: a bug, never a silent fit
             raise AssertionError(f"placement of {name} rejected {node.name} without a reason")
-        change = None if what_if is None else what_if(node, categories, free, holds, refits)
+        change = what_if(node, categories, free, holds, refits) if categories[0] in mends else None
         rejected.append((node, reasons, categories[0], free, holds, change))
 
     if need.nodes == 1:
