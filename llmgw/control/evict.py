@@ -96,12 +96,18 @@ def choose(model: Model, nodes: Sequence[placement.NodeView], allocated: Mapping
     `pool` is `candidates(...)` in its order. Placement is re-run on the same node views with the
     victims' GPUs freed, so a plan found here is one `placement.place` gives once they stop.
     """
+    pool = [c for c in pool if any(c.gpus.values())]  # one that frees no GPU cannot help
+    freed = {node: set(gpus) for node, gpus in allocated.items()}
+    # First with every candidate gone: a model that lacks more than GPUs (another class, say)
+    # is answered with one placement, not one per candidate, on every pass it stays unplaceable.
+    for candidate in pool:
+        _give(freed, candidate, back=False)
+    if not pool or placement.place(model, nodes, freed, avoid=avoid) is None:
+        return None
     freed = {node: set(gpus) for node, gpus in allocated.items()}
     taken: list[Candidate] = []
     plan = None
     for candidate in pool:
-        if not any(candidate.gpus.values()):
-            continue  # frees no GPU: cannot help a placement short of GPUs
         _give(freed, candidate, back=False)
         taken.append(candidate)
         plan = placement.place(model, nodes, freed, avoid=avoid)
@@ -109,7 +115,8 @@ def choose(model: Model, nodes: Sequence[placement.NodeView], allocated: Mapping
             break
     if plan is None:
         return None
-    # The last one taken made it fit; any earlier one the plan can do without stays, newest use first.
+    # The last one taken made it fit; each earlier one the plan can do without is given back,
+    # the most recently used first.
     for candidate in reversed(taken[:-1]):
         _give(freed, candidate, back=True)
         trial = placement.place(model, nodes, freed, avoid=avoid)

@@ -163,6 +163,17 @@ def test_nothing_chosen_when_freeing_every_candidate_still_does_not_fit():
     assert choose(MODELS["big"], [node("n1", gpus=gpus(2))], allocated_of(replicas), []) is None
 
 
+def test_a_model_that_lacks_more_than_gpus_costs_one_placement_not_one_per_candidate(monkeypatch):
+    nodes = [node("n1", gpus=gpus(4), gpu_class="l40s-48gb")]
+    replicas = [replica(f"a{i}", "small-a", {"n1": (i,)}) for i in range(4)]
+    pool = candidates(replicas, MODELS, {}, NOW, for_model="big")
+    calls = []
+    real = evict.placement.place
+    monkeypatch.setattr(evict.placement, "place", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    assert choose(MODELS["big"], nodes, allocated_of(replicas), pool) is None
+    assert len(pool) == 4 and len(calls) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # What-if: one change per rejected node, in operator words.
 
