@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from llmgw.catalog import Model
 from llmgw.control import placement
 from llmgw.control.state import DRAINING_PHASE, ModelHealth, Replica
+from llmgw.units import format_bytes
 
 DEFAULT_EVICT_IDLE = 600.0  # seconds; `gateway.evict_idle` for models with `idle_timeout: null`
 
@@ -173,7 +174,7 @@ class WhatIf:
             missing = [f"{k}={v}" for k, v in sorted(selector.items()) if node.labels.get(k) != v]
             change = f"fits if labelled {', '.join(missing)}"
         elif kind == "disk" and self.model.disk_bytes is not None and node.cache_free_bytes is not None:
-            change = f"fits with {_gb(self.model.disk_bytes - node.cache_free_bytes)} GB more free in its cache"
+            change = f"fits with {_size(self.model.disk_bytes - node.cache_free_bytes)} more free in its cache"
         else:
             return None
         if change is None:
@@ -209,9 +210,9 @@ class WhatIf:
             return ""
         rate = self.rates.get(node.name)
         if rate is None:
-            return f", after a {_gb(size)} GB download (this node's download rate is not measured yet)"
-        return (f", after a {_gb(size)} GB download (about {duration_text(size / rate)} at this node's "
-                f"last measured {rate / 1e6:.0f} MB/s)")
+            return f", after a {_size(size)} download (this node's download rate is not measured yet)"
+        speed = f"{rate / 1e6:.0f} MB/s" if rate >= 1e6 else f"{format_bytes(int(rate))}/s"
+        return f", after a {_size(size)} download (about {duration_text(size / rate)} at this node's last measured {speed})"
 
 
 def idle_text(seconds: float) -> str:
@@ -236,9 +237,12 @@ def duration_text(seconds: float) -> str:
     return idle_text(math.ceil(seconds / 60) * 60)
 
 
-def _gb(value: float) -> str:
+def _size(value: float) -> str:
+    """`38 GB`, `2.5 GB` (rounded up to a tenth, as placement words what a model needs); below a GB, `1.0 MB`."""
+    if value < 1e9:
+        return format_bytes(math.ceil(value))
     tenths = math.ceil(value / 1e8)
-    return str(tenths // 10) if tenths % 10 == 0 else f"{tenths / 10:.1f}"
+    return f"{tenths // 10} GB" if tenths % 10 == 0 else f"{tenths / 10:.1f} GB"
 
 
 def _give(allocated: dict[str, set[int]], candidate: Candidate, *, back: bool) -> None:

@@ -90,7 +90,7 @@ def run(bed, gateway: GatewayProcess) -> None:
              "both replicas idle past the eviction window", interval=0.2)
     what_if = ctl.json("explain-placement", "wanted")["verdicts"][0]["what_if"]
     print(f"\nwhat-if before the request: {what_if}")
-    assert what_if.startswith(f"fits if {old['id']} (idle ") and " is stopped, after a 0.1 GB download" in what_if
+    assert what_if.startswith(f"fits if {old['id']} (idle ") and " is stopped, after a 1.0 MB download" in what_if
     assert "this node's last measured" in what_if  # the node's fetches of old and recent were measured
 
     traffic = Traffic(gateway.url + "/v1", key, "wanted", plain=1, streams=1, plain_tokens=4, stream_tokens=10,

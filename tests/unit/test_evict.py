@@ -234,3 +234,12 @@ def test_what_if_for_a_fabric_short_of_whole_nodes():
                                           (3 * 3600, "3 h"), (2 * 86400 + 4 * 3600, "2 d 4 h")])
 def test_idle_text(seconds, text):
     assert idle_text(seconds) == text
+
+
+def test_a_slow_link_and_a_small_download_are_not_worded_as_zero():
+    small = Catalog.build(file_models=[ModelConfig(name="tiny", profile="one", weights="hf:org/t", disk_gb=0.002)],
+                          profiles={"one": ProfileConfig(engine="vllm", gpus=1)}).models["tiny"]
+    explanation = explain_placement(small, [node("n1", admin="cordoned")], {},
+                                    what_if=WhatIf(small, [], {}, {"n1": 400e3}, NOW))
+    assert verdict(explanation, "n1").what_if == (
+        "fits when uncordoned, after a 2.0 MB download (about 5 s at this node's last measured 400.0 KB/s)")
