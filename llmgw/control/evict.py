@@ -12,7 +12,8 @@ Who may be evicted (a *candidate*):
   longest idle are candidates;
 - idle at least its model's `idle_timeout` (a model with `idle_timeout: null`: the gateway's
   `evict_idle`, 10 min by default). Idle since the router last used it; a replica the router
-  has not reported counts from when it began serving.
+  has not reported counts from when it began serving, and one adopted after a restart (its
+  start not seen) from the control plane's start, as the idle stop of on-demand models does.
 
 Which are chosen: greedily, longest idle first (ties by replica id), each one's GPUs freed,
 until placement's own filters and ranking find a plan; then every chosen replica the plan does
@@ -53,7 +54,8 @@ def may_evict_for(health: ModelHealth | None, now: float) -> bool:
 
 
 def candidates(replicas: Iterable[Replica], models: Mapping[str, Model], last_used: Mapping[str, float],
-               now: float, *, for_model: str | None, default_idle: float = DEFAULT_EVICT_IDLE) -> list[Candidate]:
+               now: float, *, for_model: str | None, default_idle: float = DEFAULT_EVICT_IDLE,
+               started_at: float | None = None) -> list[Candidate]:
     """The replicas that may be evicted for `for_model` (None: for any model), longest idle first."""
     found: list[tuple[float, str, Replica]] = []
     serving: dict[str, int] = {}
@@ -68,9 +70,9 @@ def candidates(replicas: Iterable[Replica], models: Mapping[str, Model], last_us
             continue
         serving[name] = serving.get(name, 0) + 1
         model = models[name]
-        idle_since = last_used.get(replica.id) or replica.serving_since
+        idle_since = last_used.get(replica.id) or replica.serving_since or started_at
         if idle_since is None:
-            continue  # neither used nor known to serve since a known time: not known to be idle
+            continue  # no known time to count from: not known to be idle
         window = model.idle_timeout if model.idle_timeout is not None else default_idle
         if now - idle_since < window:
             continue

@@ -420,7 +420,8 @@ class Reconciler:
 
     def _eviction_pool(self, model: Model, now: float) -> list[evict.Candidate]:
         return evict.candidates(self.replicas.values(), self.holder.current.models, self.last_used, now,
-                                for_model=model.name, default_idle=self.gateway.evict_idle)
+                                for_model=model.name, default_idle=self.gateway.evict_idle,
+                                started_at=self.started_at)
 
     def _what_if(self, model: Model, allocated, now: float) -> evict.WhatIf:
         return evict.WhatIf(model, self._eviction_pool(model, now), allocated, self.actions.download_rates, now)

@@ -104,6 +104,12 @@ def test_not_a_candidate(rep, used, why):
     assert candidates([rep], MODELS, used, NOW, for_model="big") == [], why
 
 
+def test_an_adopted_replica_counts_from_the_control_planes_start():
+    adopted = replica("a1", "small-a", {"n1": (0,)}, serving_since=None)  # serving before a restart
+    assert ids(candidates([adopted], MODELS, {}, NOW, for_model="big", started_at=NOW - 10 * MIN)) == ["a1"]
+    assert candidates([adopted], MODELS, {}, NOW, for_model="big", started_at=NOW - 2 * MIN) == []
+
+
 def test_an_evictable_model_with_a_min_gives_only_its_surplus_longest_idle_first():
     replicas = [replica(f"e{i}", "kept-evictable", {"n1": (i,)}) for i in range(3)]
     used = {"e0": NOW - 20 * MIN, "e1": NOW - 50 * MIN, "e2": NOW - 30 * MIN}
