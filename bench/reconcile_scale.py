@@ -1,7 +1,7 @@
 """Control plane at scale: 2,000 simulated nodes, 500 models (TARGETS.md, "Control plane at scale").
 
 Nodes are simulated (tests/unit/fake_fleet.py): this measures the control plane's own CPU —
-placement, the reconcile pass, bookkeeping — not SSH. Prints figures and their ratio to the
+placement, the reconcile pass, bookkeeping, explanations with what-if — not SSH. Prints figures and their ratio to the
 targets; not a pass/fail test.
 
     .venv/bin/python bench/reconcile_scale.py [--nodes 2000] [--models 500]
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import resource
 import statistics
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmgw.catalog import Catalog, CatalogHolder  # noqa: E402
 from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, ProfileConfig  # noqa: E402
-from llmgw.control import placement  # noqa: E402
+from llmgw.control import evict, placement  # noqa: E402
 from llmgw.control.reconciler import Reconciler  # noqa: E402
 from llmgw.fleet.facts import GPU, Inventory as InventoryFacts  # noqa: E402
 from tests.unit.fake_fleet import FakeFleet  # noqa: E402
@@ -91,6 +92,35 @@ async def main(nodes: int, models: int) -> None:
         placement.explain_placement(model, views, allocated)
         explain.append(time.perf_counter() - start)
 
+    # With what-if, as `explain-placement` gives it on the same views: the eviction pool built
+    # from the live replicas, then one change per rejected node.
+    what_if = []
+    for _ in range(20):
+        start = time.perf_counter()
+        explain_now = time.time()
+        pool = reconciler._eviction_pool(model, explain_now)
+        placement.explain_placement(model, views, allocated,
+                                    what_if=evict.WhatIf(model, pool, allocated, {}, explain_now))
+        what_if.append(time.perf_counter() - start)
+    # The worst case for what-if: every GPU taken (the free ones by other holders), every replica
+    # evictable and idle, so that every node of the model's class looks for victims.
+    now = time.time()
+    evictable = {name: dataclasses.replace(m, min_replicas=0, config=m.config.model_copy(
+        update={"scaling": m.config.scaling.model_copy(update={"evictable": True})})) for name, m in catalog.models.items()}
+    full = {v.name: frozenset(range(8)) for v in views}
+    worst, worst_plain = [], []
+    rejected_with_change = 0
+    for _ in range(20):
+        start = time.perf_counter()
+        pool = evict.candidates(reconciler.replicas.values(), evictable, {}, now + 3600, for_model=model.name)
+        explained = placement.explain_placement(model, views, full,
+                                                what_if=evict.WhatIf(model, pool, full, {}, now + 3600))
+        worst.append(time.perf_counter() - start)
+        rejected_with_change = sum(1 for v in explained.verdicts if v.what_if)
+        start = time.perf_counter()
+        placement.explain_placement(model, views, full)
+        worst_plain.append(time.perf_counter() - start)
+
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     gpus = sum(len(f.inventory.gpus) for f in fleet.facts.values())
     print(f"control plane at scale: {nodes} nodes, {gpus} GPUs, {len(catalog.models)} models, "
@@ -100,6 +130,10 @@ async def main(nodes: int, models: int) -> None:
         ("launch bookkeeping until all serve (CPU)", settle_cpu * 1000, None),
         ("reconcile pass with nothing to do (p50)", statistics.median(idle) * 1000, 20.0),
         ("one placement with full explanation (p50)", statistics.median(explain) * 1000, 5.0),
+        ("one explanation with what-if, as explain-placement (p50)", statistics.median(what_if) * 1000, 5.0),
+        ("full fleet: explanation, every node rejected (p50)", statistics.median(worst_plain) * 1000, None),
+        (f"full fleet: with what-if, {rejected_with_change} nodes with a change (p50)",
+         statistics.median(worst) * 1000, None),
         ("peak RSS (MB)", rss_mb, 250.0),
     ]
     print(f"{'measure':58} {'value':>10} {'target':>8} {'ratio':>7}")

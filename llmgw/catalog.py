@@ -63,6 +63,12 @@ class Model:
         return self.config.scaling.idle_timeout
 
     @property
+    def evictable(self) -> bool:
+        """May its idle replicas be stopped to make room for another model: as set, else when on demand."""
+        evictable = self.config.scaling.evictable
+        return self.on_demand if evictable is None else evictable
+
+    @property
     def disk_bytes(self) -> int | None:
         gb = self.config.disk_gb
         return None if gb is None else int(gb * 1000**3)

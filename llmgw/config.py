@@ -108,6 +108,7 @@ class GatewayConfig(_Strict):
     tick: Duration = 3.0
     settling_window: Duration = 30.0
     on_demand_wait: Duration = 120.0
+    evict_idle: Duration = 600.0  # idle time before a replica of a model without idle_timeout may be evicted
     request_timeout: Duration = 600.0
     # A download is capped at its declared or learned size plus a margin (reconciler.fetch_cap); this caps one whose
     # size is unknown. No byte for fetch_stall fails it.
@@ -199,6 +200,7 @@ class ScalingConfig(_Strict):
     min: int = Field(1, ge=0)
     max: int | None = Field(None, ge=0)
     idle_timeout: Duration | None = 600.0
+    evictable: bool | None = None  # None: evictable when on demand (min 0); see control/evict.py
 
     @model_validator(mode="after")
     def _ordered(self) -> ScalingConfig:

@@ -177,7 +177,7 @@ def nodes_page(snapshot: Listings) -> Markup:
 
 def models_page(snapshot: Listings) -> Markup:
     rows = [[m["name"], m["state"], f"{m['replicas']['serving']} / {m['replicas']['total']}",
-             text.scaling(m["scaling"]), m["routing"], m["profile"], m["engine"], m["weights"], m["fallback"],
+             text.scaling_listed(m["scaling"]), m["routing"], m["profile"], m["engine"], m["weights"], m["fallback"],
              text.declared(m), text.model_problem(m)] for m in snapshot.models()]
     listing = table(["model", "state", "serving / replicas", "scaling", "routing", "profile", "engine", "weights",
                      "fallback", "declared", "problem"], rows, empty="the catalog has no models")
@@ -211,9 +211,9 @@ def placement_page(snapshot: Listings, explain: Callable[[str], dict | None]) ->
         explanation = explain(entry["model"])
         if explanation is None:
             continue  # removed from the catalog since the view was published
-        verdicts = table(["node", "verdict", "free GPUs", "holds weights", "reasons"],
-                         [[v["node"], text.verdict(v), v["free_gpus"],
-                           text.holds(v["holds_weights"]), lines(v["reasons"])] for v in explanation["verdicts"]],
+        verdicts = table(["node", "verdict", "free GPUs", "holds weights", "reasons", "what if"],
+                         [[v["node"], text.verdict(v), v["free_gpus"], text.holds(v["holds_weights"]),
+                           lines(v["reasons"]), text.what_if(v)] for v in explanation["verdicts"]],
                          empty="no nodes")
         sections.append(Markup(f"<section><h2>{esc(entry['model'])}</h2>"
                                f"{tag('p', explanation['summary'], 'summary')}{verdicts}</section>"))

@@ -119,7 +119,7 @@ def models(document: dict) -> Table:
         declared, problem = words.declared(model), words.model_problem(model)
         table.add_row(_t(model["name"], "bold"), _t(model["state"]),
                       _t(f"{model['replicas']['serving']}/{model['replicas']['total']}"),
-                      _t(words.scaling(model["scaling"])), _t(model.get("routing")), _t(model["profile"]),
+                      _t(words.scaling_listed(model["scaling"])), _t(model.get("routing")), _t(model["profile"]),
                       _t(model["engine"]),
                       _t(model["weights"]), _t(model["fallback"]), _t(declared), _t(problem))
     return table
@@ -162,12 +162,12 @@ def explanation(document: dict) -> Group:
     parts: list[Any] = [summary, Text("plan: " + words.plan_line(plan))]
     if plan is not None and plan["reasons"]:
         parts.append(Text("why: " + "; ".join(plan["reasons"])))
-    table = _table("NODE", "VERDICT", "FREE GPUS", "HOLDS WEIGHTS", "REASONS")
+    table = _table("NODE", "VERDICT", "FREE GPUS", "HOLDS WEIGHTS", "REASONS", "WHAT IF")
     for verdict in document["verdicts"]:
         table.add_row(_t(verdict["node"], "bold"),
                       _t(words.verdict(verdict), "green" if verdict["fits"] else "red"),
                       _t(verdict["free_gpus"]), _t(words.holds(verdict["holds_weights"])),
-                      _lines(verdict["reasons"]))
+                      _lines(verdict["reasons"]), _t(words.what_if(verdict)))
     parts += [Text(""), table]
     return Group(*parts)
 

@@ -150,6 +150,18 @@ def scaling(scaling: dict) -> str:
     return f"min {scaling['min']}, max {scaling['max']}"
 
 
+def scaling_listed(listed: dict) -> str:
+    """The scaling as `ctl models` and the dashboard list it: with `evictable` when its idle replicas
+    may be stopped to make room for another model (scaling.evictable, or on demand by default)."""
+    words = scaling(listed)
+    return words + ", evictable" if listed.get("evictable") else words
+
+
+def what_if(entry: dict) -> str:
+    """A rejected node's what-if, `-` when none was found (or the node fits)."""
+    return entry.get("what_if") or UNKNOWN
+
+
 def bar_cells(used: int, free: int, unhealthy: int, width: int = BAR_WIDTH) -> tuple[int, int, int]:
     """Cells of a used/free/unhealthy bar, proportional, each non-zero part at least one cell."""
     total = used + free + unhealthy

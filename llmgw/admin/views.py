@@ -110,6 +110,8 @@ class Listings:
             "disk": self._disk(node),
             "replicas": list(node.replicas),
             "unknown_engines": list(node.unknown_engines),
+            # Of its latest completed fetch; None until one was measured (unknown, not 0).
+            "download_bytes_per_second": node.download_rate,
         }
 
     @staticmethod
@@ -231,7 +233,7 @@ class Listings:
             "weights": str(model.source) if model.source is not None else None,
             "disk_bytes": model.disk_bytes,
             "scaling": {"min": model.min_replicas, "max": model.max_replicas, "on_demand": model.on_demand,
-                        "idle_timeout": model.idle_timeout},
+                        "idle_timeout": model.idle_timeout, "evictable": model.evictable},
             "fallback": model.fallback,
             "routing": model.config.routing,
             "static": model.static,
@@ -284,7 +286,7 @@ class Listings:
             "free_whole_nodes": dict(self.view.free_whole_nodes),
             "nodes": {"total": len(nodes), "by_state": node_states, "by_admin": admin_states},
             "replicas": {"total": len(live), "serving": len(serving), "by_state": by_state,
-                         "failed_recently": sum(1 for r in replicas if r["retired"])},
+                         "failed_recently": sum(1 for r in replicas if r["retired"] and r["state"] == FAILED)},
             "models": {"total": len(models), "by_state": model_states},
             "unplaceable": [{"model": m["name"], "reason": m["unplaceable"]} for m in models if m["unplaceable"]],
             "idle": [{"replica": r["id"], "model": r["model"], "nodes": r["nodes"], "last_used": r["last_used"],
@@ -367,8 +369,9 @@ def explanation_json(explanation: Explanation) -> dict:
             "shards": [{"node": s.node, "rank": s.rank, "leader": s.rank == 0, "gpus": list(s.gpus)}
                        for s in plan.shards],
         },
+        # what_if: one change that would make a rejected node fit; null when none is found.
         "verdicts": [{"node": v.node, "fits": v.fits, "reasons": list(v.reasons), "free_gpus": v.free_gpus,
-                      "holds_weights": v.holds_weights} for v in explanation.verdicts],
+                      "holds_weights": v.holds_weights, "what_if": v.what_if} for v in explanation.verdicts],
     }
 
 

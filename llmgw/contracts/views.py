@@ -97,6 +97,7 @@ class NodeState:
     cache_dir: str | None  # absolute on the node; None until it said hello
     model_dirs: tuple[str, ...]
     shared_dirs: tuple[str, ...]
+    download_rate: float | None  # bytes/s of the node's latest completed fetch; None: never measured
     placement: NodeView  # what placement sees of this node
     cleanup: CacheCleanup = OFF  # the clean-up of its cache at the low-water mark
 
@@ -134,7 +135,7 @@ class ReplicaState:
     serving: bool
     draining: bool  # marked for a rolling move, still serving until its replacement does
     retiring: bool  # being stopped (surplus, model gone, failed, drained)
-    retired: bool  # stopped already: a failed replica kept for a while for its error and log
+    retired: bool  # stopped already: a failed or evicted replica kept for a while for its reason and log
     replaces: str | None
     reason: str | None
     created_at: float
@@ -171,7 +172,7 @@ class ControlView:
     catalog: Catalog  # the catalog in force (itself immutable)
     nodes: tuple[NodeState, ...]  # inventory order
     replicas: tuple[ReplicaState, ...]  # live, by model then id
-    retired: tuple[ReplicaState, ...]  # failed recently and stopped, newest first
+    retired: tuple[ReplicaState, ...]  # failed or evicted recently and stopped, newest first
     models: Mapping[str, ModelState]
     endpoints: Mapping[str, tuple[Endpoint, ...]]  # model -> serving replicas: the router's input
     free_whole_nodes: Mapping[str, int]  # fabric -> ready nodes with every healthy GPU free

@@ -68,6 +68,8 @@ class Actions:
         self.stops: dict[str, asyncio.Task] = {}  # replica id ->
         self.fetches: dict[tuple[str, str], FetchJob] = {}  # (node, cache name) ->
         self.sizing: dict[str, asyncio.Task] = {}  # canonical source ->
+        # node -> bytes per second of its latest completed fetch; absent: never measured (unknown, not 0)
+        self.download_rates: dict[str, float] = {}
 
     def tasks(self) -> Iterator[asyncio.Task]:
         yield from self.launches.values()
@@ -187,9 +189,18 @@ class Actions:
                                max_bytes=fetch_cap(model.config.disk_gb, self.learned_sizes.get(source.canonical),
                                                    self.gateway.fetch_limit),
                                stall_timeout=self.gateway.fetch_stall)
+        started = time.monotonic()
+        written = None
         async with self.fleet.ops(node.name).fetch(request) as stream:
             async for progress in stream:
                 job.progress(progress.bytes, progress.total)
+                written = progress.bytes
+        seconds = time.monotonic() - started
+        # Measured only from a fetch that moved bytes: an entry already complete says nothing of the link.
+        if written and seconds > 0:
+            self.download_rates[node.name] = written / seconds
+            log.info("%s: fetched %.2f GB for %s in %.1f s (%.0f MB/s)", node.name, written / 1e9, model.name,
+                     seconds, written / seconds / 1e6)
         return stream.result
 
     def _used_ports(self, node: str) -> set[int]:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from llmgw.catalog import Model
 
@@ -100,6 +101,7 @@ class NodeVerdict:
     reasons: tuple[str, ...]  # every shortfall, or why the node is preferred
     free_gpus: int | None
     holds_weights: bool | None
+    what_if: str | None = None  # one change that would make a rejected node fit; None: none found
 
 
 @dataclass(frozen=True)
@@ -170,12 +172,29 @@ def place(model: Model, nodes: Sequence[NodeView], allocated: Mapping[str, Set[i
     return None if chosen is None else _multi_plan(model, need, chosen[0], chosen[1], allocated)
 
 
+class WhatIfHook(Protocol):
+    """What-if for a rejected node (llmgw.control.evict.WhatIf): one change in operator words, or None.
+
+    Called with the node, its shortfall categories in filter order, its free GPUs, whether it
+    holds the weights, and `refits(node, allocated)`, which re-runs the filters on a changed view
+    of the node. Only nodes whose first category is in `mends` are asked: a fleet rejects most
+    nodes for reasons no single change mends (another GPU class), and asking each costs time.
+    """
+
+    mends: frozenset[str]
+
+    def __call__(self, node: NodeView, categories: tuple[str, ...], free: int | None, holds: bool | None,
+                 refits: Callable[[NodeView, Mapping[str, Set[int]]], bool]) -> str | None: ...
+
+
 def explain_placement(model: Model, nodes: Sequence[NodeView], allocated: Mapping[str, Set[int]], *,
-                      avoid: Mapping[str, str] | Set[str] = frozenset()) -> Explanation:
+                      avoid: Mapping[str, str] | Set[str] = frozenset(),
+                      what_if: WhatIfHook | None = None) -> Explanation:
     """Every node's verdict with its reasons, the plan (the same as `place`), and a one-line summary.
 
     Rejected nodes list every shortfall, not only the first; the summary counts each rejected
-    node once, under the first reason it was turned down for.
+    node once, under the first reason it was turned down for. With `what_if`, each rejected
+    node's verdict also carries the one change it proposes (`NodeVerdict.what_if`).
     """
     need = _Need.of(model)
     if need is None:
@@ -185,14 +204,20 @@ def explain_placement(model: Model, nodes: Sequence[NodeView], allocated: Mappin
     avoid = _avoid_map(avoid)
     turned_down: list[NodeView] = []
     fitting = _fitting(need, name, nodes, allocated, avoid, turned_down)
-    rejected: list[tuple[NodeView, tuple[str, ...], str, int | None, bool | None]] = []
+    rejected: list[tuple[NodeView, tuple[str, ...], str, int | None, bool | None, str | None]] = []
+
+    def refits(node: NodeView, changed: Mapping[str, Set[int]]) -> bool:
+        return bool(_fitting(need, name, (node,), changed, avoid, []))
+
+    mends = what_if.mends if what_if is not None else frozenset()
     for node in turned_down:
         free = _free_count(node, allocated)
         holds = None if node.holds is None else name in node.holds
-        reasons, first = need.shortfalls(node, free, bool(holds), avoid)
+        reasons, categories = need.shortfalls(node, free, bool(holds), avoid)
         if not reasons:  # the filter and its wording disagree: a bug, never a silent fit
             raise AssertionError(f"placement of {name} rejected {node.name} without a reason")
-        rejected.append((node, reasons, first, free, holds))
+        change = what_if(node, categories, free, holds, refits) if categories[0] in mends else None
+        rejected.append((node, reasons, categories[0], free, holds, change))
 
     if need.nodes == 1:
         fitting.sort(key=_rank)
@@ -204,7 +229,7 @@ def explain_placement(model: Model, nodes: Sequence[NodeView], allocated: Mappin
             summary = "no node fits: " + _tally(r[2] for r in rejected) if rejected else "no nodes to place on"
         verdicts += _rejected_verdicts(rejected)
         return Explanation(name, tuple(verdicts), plan, summary)
-    return _explain_multi(model, need, nodes, fitting, rejected, allocated)
+    return _explain_multi(model, need, nodes, fitting, rejected, allocated, what_if is not None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,57 +270,58 @@ class _Need:
         return None if model.profile is None else cls(model)
 
     def shortfalls(self, node: NodeView, free: int | None, holds: bool,
-                   avoid: Mapping[str, str | None]) -> tuple[tuple[str, ...], str | None]:
-        """Every filter the node fails, in filter order, and the category of the first (for the summary)."""
+                   avoid: Mapping[str, str | None]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Every filter the node fails, in filter order, and the category of each (the first for the summary)."""
         found: list[str] = []
-        first = None
+        categories: list[str] = []
+        category = categories.append
         if node.state != READY:
-            first = node.state
+            category(node.state)
             found.append(f"{node.state}: {node.state_reason}" if node.state_reason else node.state)
         if node.admin != ACTIVE:
-            first = first or node.admin
+            category(node.admin)
             found.append(node.admin)
         if node.name in avoid:
-            first = first or "avoided"
+            category("avoided")
             reason = avoid[node.name]
             found.append(f"avoided: {reason}" if reason else "avoided for this placement")
         gpus = node.gpus
         if gpus is not None and not gpus and self._no_gpus:
-            first = first or "no-gpus"
+            category("no-gpus")
             found.append(self._no_gpus)
         else:
             if self.gpu_class is not None and node.gpu_class != self.gpu_class:
                 if node.gpu_class is not None:
-                    first = first or "class"
+                    category("class")
                     found.append(f"has {node.gpu_class} GPUs{self._class_needs}")
                 elif gpus is not None:
-                    first = first or "class"
+                    category("class")
                     found.append(f"GPU class not recognised{self._class_needs}; "
                                  "set gpu_class for the node in the inventory")
             if self.gpus:
                 if free is None:
-                    first = first or "gpus-unknown"
+                    category("gpus-unknown")
                     found.append("GPUs not reported yet")
                 elif free < self.gpus:
-                    first = first or "gpus"
+                    category("gpus")
                     found.append(f"{free} of {len(gpus)} GPUs free{node._unhealthy_note}{self._gpus_needs}")
         if self.memory_bytes is not None and node.memory_bytes is not None and node.memory_bytes < self.memory_bytes:
-            first = first or "memory"
+            category("memory")
             found.append(f"has {_gb_down(node.memory_bytes)} GB of memory{self._memory_needs}")
         if not holds and self.disk_bytes is not None and node.cache_free_bytes is not None \
                 and node.cache_free_bytes < self.disk_bytes:
-            first = first or "disk"
+            category("disk")
             found.append(f"has {_gb_down(node.cache_free_bytes)} GB free in its cache{self._disk_needs}")
         for key, value in self.selector:
             have = node.labels.get(key)
             if have != value:
-                first = first or "labels"
+                category("labels")
                 found.append(f"no label {key}, needs {key}={value}" if have is None
                              else f"label {key}={have}, needs {key}={value}")
         if not holds and self.path_weights and node.holds is not None:
-            first = first or "weights"
+            category("weights")
             found.append("does not have the weights in its model_dirs (weights given as a path are never fetched)")
-        return tuple(found), first
+        return tuple(found), tuple(categories)
 
 
 # How the summary counts rejected nodes, by the first reason: (one node, several nodes).
@@ -522,18 +548,19 @@ def _shard_text(shard: ShardPlan, *, leader: bool) -> str:
 
 def _rejected_verdicts(rejected: list) -> list[NodeVerdict]:
     rejected.sort(key=lambda r: r[0].name)
-    return [NodeVerdict(node.name, False, reasons, free, holds) for node, reasons, _, free, holds in rejected]
+    return [NodeVerdict(node.name, False, reasons, free, holds, change)
+            for node, reasons, _, free, holds, change in rejected]
 
 
 def _explain_multi(model: Model, need: _Need, nodes: Sequence[NodeView], fitting: list, rejected: list,
-                   allocated: Mapping[str, Set[int]]) -> Explanation:
+                   allocated: Mapping[str, Set[int]], what_if: bool = False) -> Explanation:
     """Multi-node (R-3.4): nodes that pass every filter still need `need.nodes - 1` partners in their fabric."""
     by_fabric: dict[str, list] = {}
     for candidate in fitting:
         node = candidate[1]
         if node.fabric is None:
             rejected.append((node, (f"has no fabric; a {need.nodes}-node replica needs nodes of one fabric",),
-                             "no-fabric", candidate[2], None if node.holds is None else candidate[3]))
+                             "no-fabric", candidate[2], None if node.holds is None else candidate[3], None))
         else:
             by_fabric.setdefault(node.fabric, []).append(candidate)
     chosen = _choose_fabric(by_fabric, need.nodes)
@@ -548,9 +575,11 @@ def _explain_multi(model: Model, need: _Need, nodes: Sequence[NodeView], fitting
     placeable: list[tuple] = []
     for fabric, candidates in by_fabric.items():
         if fabric in shortfalls:
+            more = _fabric_more(fabric, need.nodes - len(candidates), need, gpu_counts.get(fabric, set())) \
+                if what_if else None
             for c in candidates:
                 rejected.append((c[1], (shortfalls[fabric],), "fabric-short", c[2],
-                                 None if c[1].holds is None else c[3]))
+                                 None if c[1].holds is None else c[3], more))
         else:
             placeable.extend(candidates)
     first = [] if chosen is None else chosen[1]
@@ -574,6 +603,13 @@ def _explain_multi(model: Model, need: _Need, nodes: Sequence[NodeView], fitting
         summary = "no nodes to place on"
     verdicts += _rejected_verdicts(rejected)
     return Explanation(model.name, tuple(verdicts), plan, summary)
+
+
+def _fabric_more(fabric: str, missing: int, need: _Need, gpu_counts: set[int]) -> str:
+    """`fabric ib-b would need 1 more free whole node`: the what-if of a fabric too small by `missing`."""
+    plural = "" if missing == 1 else "s"
+    what = f"free whole node{plural}" if gpu_counts == {need.gpus} else f"node{plural} with {need.gpus} free GPUs"
+    return f"fabric {fabric} would need {missing} more {what}"
 
 
 def _fabric_shortfall(fabric: str, fits: int, need: _Need, gpu_counts: set[int]) -> str:

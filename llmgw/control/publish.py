@@ -86,13 +86,15 @@ def control_view(reconciler: Reconciler, pass_number: int, published_at: float) 
             replicas=tuple(sorted(on_node.get(name, ()))),
             unknown_engines=tuple(reconciler.unknown_engines.get(name, ())),
             cache_dir=paths.cache_dir, model_dirs=tuple(config.model_dirs), shared_dirs=tuple(config.shared_dirs),
-            placement=view, cleanup=_cleanup(reconciler, name, facts.storage, paths.cache_dir)))
+            download_rate=reconciler.actions.download_rates.get(name), placement=view,
+            cleanup=_cleanup(reconciler, name, facts.storage, paths.cache_dir)))
     seen = {r.id for r in live}
     retired = []
     # A failed replica leaves the live set once its engines are stopped; it stays listed for a
-    # while so that its error and log tail can be read.
+    # while so that its error and log tail can be read, and an evicted one for its reason.
+    evicted = reconciler.evicted
     for _, replica in reversed(reconciler.retired):
-        if replica.id not in seen and replica.state == FAILED:
+        if replica.id not in seen and (replica.state == FAILED or replica.id in evicted):
             seen.add(replica.id)
             retired.append(_replica(replica, reconciler.last_used.get(replica.id), retired=True))
     models = {}

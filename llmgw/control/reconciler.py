@@ -23,7 +23,7 @@ from llmgw.config import GatewayConfig, NodeConfig
 from llmgw.contracts.backoff import backoff_delay
 from llmgw.contracts.endpoints import Endpoint
 from llmgw.contracts.states import AdminState, ReplicaPhase, transition
-from llmgw.control import observe, placement, plan, publish
+from llmgw.control import evict, observe, placement, plan, publish
 from llmgw.control.actions import Actions
 from llmgw.control.cleanup import Cleanup
 from llmgw.control.state import (ENDED, FAILED, FETCHING, PENDING, RETIRING_PHASE, SERVING, STOPPED, ModelHealth, NodeAdmin,
@@ -70,6 +70,8 @@ class Reconciler:
         self.settled = False
         self._pass_views: tuple[list[placement.NodeView], dict[str, set[int]]] | None = None
         self._explained_at: dict[str, float] = {}
+        self.evicting: dict[str, set[str]] = {}  # model -> replicas being stopped to make room for it
+        self.evicted: dict[str, str] = {}  # replica id -> the model it was evicted for (kept while listed)
         self.learned_sizes: dict[str, int | None] = {}  # canonical source -> bytes (None: not said)
         self.actions = Actions(fleet, gateway, replicas=self.replicas, health=self.health,
                                learned_sizes=self.learned_sizes, save=self._save, wake=self.wake,
@@ -201,8 +203,9 @@ class Reconciler:
 
     def explain(self, model_name: str) -> placement.Explanation:
         model = self.with_learned_size(self.holder.current.models[model_name])
-        return placement.explain_placement(model, self.node_views(), self.allocated(),
-                                           avoid=self._avoid(model_name))
+        allocated = self.allocated()
+        return placement.explain_placement(model, self.node_views(), allocated, avoid=self._avoid(model_name),
+                                           what_if=self._what_if(model, allocated, time.time()))
 
     def cache_dir(self, node: NodeConfig) -> str | None:
         """The node's cache directory as an absolute path on it; None until the node said hello."""
@@ -394,9 +397,13 @@ class Reconciler:
         if chosen is None and avoid:  # a preference, not a ban: the failed node is better than none
             chosen = placement.place(model, views, allocated)
         if chosen is None:
+            if self._evict_for(model, views, allocated, now):
+                self.unplaceable.pop(model.name, None)
+                return False  # placed on a later pass, once the victims' GPUs are free
             previous = self.unplaceable.get(model.name)
             if previous is None or now - self._explained_at.get(model.name, 0.0) > EXPLAIN_EVERY:
-                explanation = placement.explain_placement(model, views, allocated)
+                explanation = placement.explain_placement(model, views, allocated,
+                                                          what_if=self._what_if(model, allocated, now))
                 if previous is None:
                     log.warning("cannot place %s: %s", model.name, explanation.summary)
                 self.unplaceable[model.name] = explanation
@@ -405,6 +412,7 @@ class Reconciler:
         for shard in chosen.shards:
             allocated.setdefault(shard.node, set()).update(shard.gpus)
         self.unplaceable.pop(model.name, None)
+        self.evicting.pop(model.name, None)
         replica_id = new_replica_id(model.name)
         shards = [Shard(id=f"{replica_id}-{s.rank}", replica_id=replica_id, rank=s.rank, node=s.node, gpus=s.gpus)
                   for s in chosen.shards]
@@ -418,6 +426,45 @@ class Reconciler:
                  "; ".join(chosen.reasons))
         self._save(replica)
         self.actions.launch(replica, model)
+        return True
+
+    def _eviction_pool(self, model: Model, now: float) -> list[evict.Candidate]:
+        return evict.candidates(self.replicas.values(), self.holder.current.models, self.last_used, now,
+                                for_model=model.name, default_idle=self.gateway.evict_idle,
+                                started_at=self.started_at)
+
+    def _what_if(self, model: Model, allocated, now: float) -> evict.WhatIf:
+        return evict.WhatIf(model, self._eviction_pool(model, now), allocated, self.actions.download_rates, now)
+
+    def _evict_for(self, model: Model, views: list[placement.NodeView], allocated: dict[str, set[int]],
+                   now: float) -> bool:
+        """Stop idle replicas of other models so that a replica of `model` fits (llmgw.control.evict);
+        True while victims are stopping for it, so that no more are chosen until their GPUs are free."""
+        pending = self.evicting.get(model.name)
+        if pending:
+            pending.intersection_update(self.replicas)  # a victim's record goes once its engines stop
+            if pending:
+                return True
+            del self.evicting[model.name]
+        if not evict.may_evict_for(self.health.get(model.name), now):
+            return False
+        pool = self._eviction_pool(model, now)
+        found = evict.choose(model, views, allocated, pool) if pool else None
+        if found is None:
+            return False
+        victims, chosen = found
+        log.info("evicting %s to place %s on %s", ", ".join(v.idle_words(now) for v in victims), model.name,
+                 ", ".join(s.node for s in chosen.shards))
+        for victim in victims:
+            reason = evict.eviction_reason(model.name, victim, now)
+            self.evicted[victim.replica_id] = model.name
+            self._retire(self.replicas[victim.replica_id], reason)
+            if self.store is not None:
+                detail = {"model": victim.model, "for": model.name, "idle_seconds": round(now - victim.idle_since, 1),
+                          "nodes": sorted(victim.gpus)}
+                self.store.submit(lambda db, rid=victim.replica_id, detail=detail, reason=reason:
+                                  audit(db, "evictor", "evict", rid, {**detail, "reason": reason}))
+        self.evicting[model.name] = {v.replica_id for v in victims}
         return True
 
     # -- stopping ------------------------------------------------------------------------------
@@ -456,6 +503,9 @@ class Reconciler:
 
     def _cleanup_retired(self, now: float) -> None:
         self.retired = [(t, r) for t, r in self.retired if now - t < RETIRED_KEEP][-200:]
+        if self.evicted:
+            listed = {r.id for _, r in self.retired} | self.replicas.keys()
+            self.evicted = {rid: m for rid, m in self.evicted.items() if rid in listed}
 
     # -- endpoints and persistence -------------------------------------------------------------
 

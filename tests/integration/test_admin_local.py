@@ -161,7 +161,8 @@ def test_models(gw):
     lines = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
     assert "serving" in lines["chat"] and "min 1, max 1" in lines["chat"] and "file" in lines["chat"]
     models = {m["name"]: m for m in gw.ctl_json("models")["models"]}
-    assert models["chat"]["scaling"] == {"min": 1, "max": 1, "on_demand": False, "idle_timeout": 600.0}
+    assert models["chat"]["scaling"] == {"min": 1, "max": 1, "on_demand": False, "idle_timeout": 600.0,
+                                         "evictable": False}
     assert models["chat"]["declared_in"] == "file" and models["chat"]["engine"] == "double"
 
 

@@ -13,6 +13,7 @@ expected number of tokens and a finish reason. Which engine process answered is 
 completion id, which the engine double builds from its pid.
 
 Traffic is bounded in count (`max_requests`) and in time (`max_seconds`), whatever the test does.
+An answer names the model that made it; with `fallbacks`, an answer from one of them is whole too.
 With `retry_for`, a worker retries a request that failed (connection refused, 5xx, a cut stream)
 until it succeeds or `retry_for` seconds have passed: each failed try is kept in `attempts`, as
 a client that retries through an outage would see it.
@@ -87,10 +88,11 @@ class Traffic:
     def __init__(self, base_url: str, api_key: str, model: str, *, plain: int = 2, streams: int = 2,
                  plain_tokens: int = 4, stream_tokens: int = 25, pause: float = 0.05,
                  max_requests: int = 5000, max_seconds: float = 150.0, client_timeout: float = 60.0,
-                 retry_for: float | None = None):
+                 retry_for: float | None = None, fallbacks: tuple[str, ...] = ()):
         self.base_url = base_url
         self.api_key = api_key
         self.model = model
+        self.answered_by = (model, *fallbacks)  # a fallback's answer is a whole answer too
         self.plain = plain
         self.streams = streams
         self.plain_tokens = plain_tokens
@@ -184,7 +186,7 @@ class Traffic:
             outcome.first_token = time.time()
             choice = reply.choices[0]
             outcome.tokens = reply.usage.completion_tokens if reply.usage else 0
-            if not (choice.message.content or "").startswith(self.model) or choice.finish_reason != "length" \
+            if not (choice.message.content or "").startswith(self.answered_by) or choice.finish_reason != "length" \
                     or outcome.tokens != self.plain_tokens:
                 raise IncompleteAnswer(f"unexpected answer {choice.message.content!r} "
                                        f"(finish {choice.finish_reason}, {outcome.tokens} tokens)")

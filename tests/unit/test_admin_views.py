@@ -10,7 +10,7 @@ from llmgw.admin import text
 from llmgw.admin.text import progress_line
 from llmgw.admin.views import explanation_json, listings
 from llmgw.contracts.states import ReplicaPhase
-from llmgw.control.state import FAILED, Replica, Shard
+from llmgw.control.state import FAILED, STOPPED, Replica, Shard
 from tests.unit.admin_gateway import GB, make_gateway
 
 
@@ -122,6 +122,23 @@ def test_a_failed_replica_stays_listed_with_its_log_tail(gateway):
     assert listed["retired"] and listed["state"] == "failed"
     assert listed["shards"][0]["log_tail"] == ["loading", "CUDA out of memory"]
     assert listings(gateway).status()["replicas"]["failed_recently"] == 1
+
+
+def test_an_evicted_replica_stays_listed_with_its_reason_and_is_not_a_failure(gateway):
+    shard = Shard("idle-1-0", "idle-1", 0, "gpu3", (2,), state=STOPPED)
+    replica = Replica("idle-1", "chat", "k", [shard], phase=ReplicaPhase.RETIRING, reason="evicted for big (idle 42 min)")
+    gateway.reconciler.retired.append((time.time(), replica))
+    gateway.reconciler.evicted["idle-1"] = "big"
+    gateway.publish()
+    listed = by_name(listings(gateway).replicas(), "id")["idle-1"]
+    assert listed["retired"] and listed["state"] == "stopped" and listed["reason"] == "evicted for big (idle 42 min)"
+    assert listings(gateway).status()["replicas"]["failed_recently"] == 0
+
+
+def test_explanation_carries_a_what_if_per_node_null_when_none(gateway):
+    verdicts = by_name(explanation_json(gateway.control.explain("big"))["verdicts"], "node")
+    assert all("what_if" in v for v in verdicts.values())
+    assert verdicts["gpu1"]["what_if"] is None  # short of GPUs, and nothing there may be evicted
 
 
 def test_explanation_names_every_node(gateway):

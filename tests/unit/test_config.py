@@ -54,6 +54,16 @@ def test_good_inventory_fills_in_max():
     assert catalog.models["a"].declared_in == "file"
 
 
+def test_evictable_is_as_set_else_on_demand_models_only():
+    inventory, doc = load_inventory_text(_variant("{min: 1, max: 2}", "{min: 1, max: 2, evictable: true}")
+                                         + "    scaling: {min: 0}\n", "inv.yaml")
+    catalog = Catalog.from_inventory(inventory, doc)
+    assert catalog.models["a"].evictable is True
+    assert catalog.models["b"].evictable is True  # on demand, evictable not set
+    inventory, doc = load_inventory_text(GOOD, "inv.yaml")
+    assert Catalog.from_inventory(inventory, doc).models["a"].evictable is False  # min 1, not set
+
+
 def _variant(old: str, new: str) -> str:
     assert old in GOOD
     return GOOD.replace(old, new, 1)
@@ -73,6 +83,8 @@ BROKEN = [
                  id="missing-fallback"),
     pytest.param(_variant("{min: 1, max: 2}", "{min: 3, max: 2}"), 13, "models[0].scaling: max (2) must be >= min (3)",
                  id="max-below-min"),
+    pytest.param(_variant("{min: 1, max: 2}", "{min: 1, max: 2, evictable: sometimes}"), 13,
+                 "models[0].scaling.evictable: Input should be a valid boolean", id="evictable-not-a-bool"),
     pytest.param(_variant("  - name: b\n", "  - name: a\n"), 14, "models[1].name: model 'a' is already declared",
                  id="duplicate-model"),
     pytest.param(_variant("    gpus: 1\n", "    gpus: 1\n    start_timeout: soon\n"), 9,

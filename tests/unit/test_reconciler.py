@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -282,3 +283,44 @@ async def test_shards_waiting_for_the_same_weights_on_a_node_share_one_fetch():
     assert len(serving(reconciler, "m")) == 2
     assert len([c for c in fleet.calls if c[1] == "fetch"]) == 1
     assert not reconciler.actions.fetches  # the job is gone once its download ended
+
+
+async def test_an_on_demand_load_on_a_full_node_evicts_the_longest_idle_replica():
+    """Eviction (llmgw.control.evict): the longest idle of the evictable replicas is retired with
+    its reason, no more than the placement needs, and the waiting model is placed once it stopped."""
+    models = [{"name": n, "weights": f"hf:org/{n}", "disk_gb": 1, "scaling": {"min": 0, "idle_timeout": None}}
+              for n in ("old", "recent", "wanted")]
+    reconciler, fleet, _, _ = build(models, nodes=("a",), evict_idle=5.0)
+    fleet.facts["a"] = dataclasses.replace(fleet.facts["a"], inventory=dataclasses.replace(
+        fleet.facts["a"].inventory, gpus=fleet.facts["a"].inventory.gpus[:2]))
+    await settle(reconciler, fleet)
+    assert reconciler.view.get().node("a").download_rate is None  # nothing fetched yet: unknown, not 0
+    for name in ("old", "recent"):
+        reconciler.note_demand(name)
+    await until(lambda: len(serving(reconciler, "old")) == 1 and len(serving(reconciler, "recent")) == 1,
+                reconciler, fleet, what="both serving")
+    assert reconciler.actions.download_rates["a"] > 0  # measured from the fetches just made
+    old, = serving(reconciler, "old")
+    recent, = serving(reconciler, "recent")
+    now = time.time()
+    reconciler.last_used_source = lambda: {old.id: now - 3600, recent.id: now - 60}
+    await settle(reconciler, fleet, 1)  # last use is read from the router once a pass
+
+    explanation = reconciler.explain("wanted")
+    assert explanation.plan is None
+    assert explanation.verdicts[0].what_if.startswith(
+        f"fits if {old.id} (idle 1 h) is stopped, after a 1 GB download (about ")  # at the measured rate
+
+    reconciler.note_demand("wanted")
+    await settle(reconciler, fleet, 1)
+    assert old.retiring and old.reason == "evicted for wanted (idle 1 h)"
+    assert recent.serving and not recent.retiring
+    await until(lambda: len(serving(reconciler, "wanted")) == 1, reconciler, fleet, what="wanted serving")
+    assert old.id not in reconciler.replicas and recent.serving
+    assert reconciler.evicting == {}
+    view = reconciler.view.get()
+    evicted = view.replica(old.id)
+    assert evicted.retired and evicted.reason == "evicted for wanted (idle 1 h)"
+    assert [r.id for r in view.retired] == [old.id]
+    stops = [c for c in fleet.calls if c[1] == "stop"]
+    assert [c[2]["shard_id"] for c in stops] == [old.shards[0].id]  # one replica stopped, no more
