@@ -17,9 +17,9 @@ The rule, per model:
   count it twice. An engine that reports nothing leaves the router's figure alone (unknown is
   not zero). The model's load is the sum over its live replicas.
 - wanted = ceil(load / target), within the bounds. Only when every pass for `up_delay` wanted
-  more than now does the count go up, to what the mean load over that time needs; only when
-  every pass for `down_delay` wanted fewer does it go down, to what the highest load of that
-  time needs. A pass that wants the present count ends the trend: it starts over.
+  more than now does the count go up, and only when every pass for `down_delay` wanted fewer
+  does it go down, in both cases to what the mean load over that time needs (time-weighted).
+  A pass that wants the present count ends the trend: it starts over.
 - never two load decisions for one model within `up_delay` of each other. A change of the
   bounds (an operator's `ctl scale`, an on-demand model asked for or gone idle) applies at once.
 """
@@ -44,7 +44,6 @@ class Scale:
     sampled_at: float = 0.0  # the trend's latest pass
     load: float = 0.0  # the load seen at `sampled_at`
     area: float = 0.0  # load × seconds from `since` to `sampled_at` (for the mean)
-    peak: float = 0.0  # the highest load since `since`
     last: ScaleDecision | None = None
     ups: int = 0  # decisions so far, by direction
     downs: int = 0
@@ -100,27 +99,28 @@ def decide(model: Model, previous: Scale | None, *, awake: bool, current: int, l
         return previous if previous.trend == 0 else Scale(desired, last=previous.last, ups=previous.ups,
                                                           downs=previous.downs)
     if trend != previous.trend:
-        state = Scale(desired, trend, now, now, load, 0.0, load, previous.last, previous.ups, previous.downs)
+        state = Scale(desired, trend, now, now, load, 0.0, previous.last, previous.ups, previous.downs)
     else:
         state = Scale(desired, trend, previous.since, now, load,
-                      previous.area + previous.load * (now - previous.sampled_at), max(previous.peak, load),
-                      previous.last, previous.ups, previous.downs)
+                      previous.area + previous.load * (now - previous.sampled_at), previous.last, previous.ups,
+                      previous.downs)
     period = now - state.since
     if period < (settings.up_delay if trend > 0 else settings.down_delay):
         return state
     if state.last is not None and now - state.last.at < settings.up_delay:
         return state  # never two decisions inside the up-delay
     mean = state.area / period if period > 0 else load
-    over = f"{mean:.1f} in flight over {format_duration(period)}"
+    # Every pass wanted more (fewer), so the mean does too; the bound only guards the rounding.
+    needed = math.ceil(mean / target)
     if trend > 0:
-        needed = max(math.ceil(mean / target), desired + 1)
+        needed = max(needed, desired + 1)
         after = min(needed, high)
-        reason = f"scale {desired}→{after}: {over}, target {target:g}" + (f", max {high}" if needed > high else "")
+        bound = f", max {high}" if needed > high else ""
     else:
-        needed = min(math.ceil(state.peak / target), desired - 1)
+        needed = min(needed, desired - 1)
         after = max(needed, low)
-        reason = (f"scale {desired}→{after}: {over} (at most {state.peak:g}), target {target:g}"
-                  + (f", min {low}" if needed < low and not model.on_demand else ""))
+        bound = f", min {low}" if needed < low and not model.on_demand else ""
+    reason = f"scale {desired}→{after}: {mean:.1f} in flight over {format_duration(period)}, target {target:g}{bound}"
     return _decided(state, ScaleDecision(now, desired, after, reason))
 
 

@@ -226,7 +226,7 @@ async def test_load_scales_up_and_down_draining_first_and_every_decision_is_audi
         await until(lambda: set(reconciler.replicas) == {first.id}, reconciler, fleet, what="scale-down")
         model = reconciler.view.get().models["m"]
         assert model.desired == 1 and (model.scale_ups, model.scale_downs) == (1, 1)
-        down = "scale 3→1: 4.0 in flight over 0s (at most 4), target 4"
+        down = "scale 3→1: 4.0 in flight over 0s, target 4"
         assert model.last_scale.reason == down
         assert {r.reason for _, r in reconciler.retired} <= {down}
         await store.write(lambda db: None)  # the writes queued before it are done
