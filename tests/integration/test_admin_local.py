@@ -161,7 +161,11 @@ def test_models(gw):
     lines = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
     assert "serving" in lines["chat"] and "min 1, max 1" in lines["chat"] and "file" in lines["chat"]
     models = {m["name"]: m for m in gw.ctl_json("models")["models"]}
-    assert models["chat"]["scaling"] == {"min": 1, "max": 1, "on_demand": False, "idle_timeout": 600.0}
+    assert models["chat"]["scaling"] == {"min": 1, "max": 1, "on_demand": False, "idle_timeout": 600.0,
+                                         "scales": False, "target": 2.0, "up_delay": 30.0, "down_delay": 600.0}
+    # Its one replica is what scaling wants, decided without a change: no decision yet.
+    assert models["chat"]["desired"] == 1 and models["chat"]["last_scale"] is None
+    assert models["chat"]["scale_decisions"] == {"up": 0, "down": 0}
     assert models["chat"]["declared_in"] == "file" and models["chat"]["engine"] == "double"
 
 
