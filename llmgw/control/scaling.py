@@ -18,8 +18,10 @@ The rule, per model:
   not zero). The model's load is the sum over its live replicas.
 - wanted = ceil(load / target), within the bounds. Only when every pass for `up_delay` wanted
   more than now does the count go up, and only when every pass for `down_delay` wanted fewer
-  does it go down, in both cases to what the mean load over that time needs (time-weighted).
-  A pass that wants the present count ends the trend: it starts over.
+  does it go down, in both cases to what the mean load (time-weighted) of the trend's last
+  `up_delay` needs: the delay decides when, the recent load how many, so the first seconds of
+  a long quiet period (a burst's last requests ending) do not hold a replica. A pass that wants
+  the present count ends the trend: it starts over.
 - never two load decisions for one model within `up_delay` of each other. A change of the
   bounds (an operator's `ctl scale`, an on-demand model asked for or gone idle) applies at once.
 """
@@ -41,9 +43,9 @@ class Scale:
     desired: int
     trend: int = 0  # +1: every pass since `since` wanted more; -1: fewer; 0: none
     since: float = 0.0  # when the trend began
-    sampled_at: float = 0.0  # the trend's latest pass
-    load: float = 0.0  # the load seen at `sampled_at`
-    area: float = 0.0  # load × seconds from `since` to `sampled_at` (for the mean)
+    # The trend's passes as (time, load), oldest first: those of the last up_delay, and the one
+    # before them (its load held until the next pass).
+    samples: tuple[tuple[float, float], ...] = ()
     last: ScaleDecision | None = None
     ups: int = 0  # decisions so far, by direction
     downs: int = 0
@@ -98,18 +100,22 @@ def decide(model: Model, previous: Scale | None, *, awake: bool, current: int, l
     if trend == 0:
         return previous if previous.trend == 0 else Scale(desired, last=previous.last, ups=previous.ups,
                                                           downs=previous.downs)
+    window = settings.up_delay
     if trend != previous.trend:
-        state = Scale(desired, trend, now, now, load, 0.0, previous.last, previous.ups, previous.downs)
+        samples: tuple[tuple[float, float], ...] = ((now, load),)
+        since = now
     else:
-        state = Scale(desired, trend, previous.since, now, load,
-                      previous.area + previous.load * (now - previous.sampled_at), previous.last, previous.ups,
-                      previous.downs)
-    period = now - state.since
-    if period < (settings.up_delay if trend > 0 else settings.down_delay):
+        samples, since = previous.samples, previous.since
+        while len(samples) > 1 and samples[1][0] <= now - window:
+            samples = samples[1:]  # older than the window, and a newer one covers its start
+        samples += ((now, load),)
+    state = Scale(desired, trend, since, samples, previous.last, previous.ups, previous.downs)
+    if now - since < (settings.up_delay if trend > 0 else settings.down_delay):
         return state
     if state.last is not None and now - state.last.at < settings.up_delay:
         return state  # never two decisions inside the up-delay
-    mean = state.area / period if period > 0 else load
+    span = min(window, now - since)
+    mean = _mean(samples, now, span) if span > 0 else load
     # Every pass wanted more (fewer), so the mean does too; the bound only guards the rounding.
     needed = math.ceil(mean / target)
     if trend > 0:
@@ -120,8 +126,19 @@ def decide(model: Model, previous: Scale | None, *, awake: bool, current: int, l
         needed = min(needed, desired - 1)
         after = max(needed, low)
         bound = f", min {low}" if needed < low and not model.on_demand else ""
-    reason = f"scale {desired}→{after}: {mean:.1f} in flight over {format_duration(period)}, target {target:g}{bound}"
+    reason = f"scale {desired}→{after}: {mean:.1f} in flight over {format_duration(span)}, target {target:g}{bound}"
     return _decided(state, ScaleDecision(now, desired, after, reason))
+
+
+def _mean(samples: tuple[tuple[float, float], ...], now: float, span: float) -> float:
+    """The time-weighted mean load of the last `span` seconds, each pass's load held until the next."""
+    start = now - span
+    area = 0.0
+    for index, (at, load) in enumerate(samples):
+        until = samples[index + 1][0] if index + 1 < len(samples) else now
+        if until > start:
+            area += load * (until - max(at, start))
+    return area / span
 
 
 def _decided(state: Scale, decision: ScaleDecision) -> Scale:

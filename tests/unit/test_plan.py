@@ -87,11 +87,11 @@ def test_scaling_down_retires_the_least_loaded_then_the_newest_with_the_decision
     [model] = models({"name": "m", "scaling": {"min": 1, "max": 3, "down_delay": "60s"}}).values()
     live = [replica("old", created=1.0), replica("new", created=3.0), replica("busy", created=2.0)]
     loads = {"old": 0, "new": 0, "busy": 1}
-    trend = scaling.Scale(3, -1, since=NOW - 60, sampled_at=NOW - 3, load=1, area=27.0)
+    trend = scaling.Scale(3, -1, since=NOW - 60, samples=((NOW - 60, 0), (NOW - 45, 1), (NOW - 15, 0)))
     actions = plan.plan_model(model, live, NOW, health=None, admin=admin(a=("active", None)), demand=None,
                               last_used={}, started_at=0.0, scale=trend, load=loads)
     [scaled] = [a for a in actions if isinstance(a, plan.Scaled)]
-    reason = "scale 3→1: 0.5 in flight over 60s, target 2"
+    reason = "scale 3→1: 0.5 in flight over 30s, target 2"
     assert scaled.scale.desired == 1 and scaled.scale.last.reason == reason
     # Off the router at once, stopped when its requests end: the two idle ones, newest first.
     assert [a for a in actions if isinstance(a, Retire)] == [Retire("new", reason, drain=True),

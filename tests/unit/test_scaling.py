@@ -56,13 +56,18 @@ def test_up_goes_to_what_the_mean_load_needs():
     assert states[-1].last.reason == "scale 1→4: 7.0 in flight over 30s, target 2"
 
 
-def test_down_only_after_the_load_stayed_below_for_the_down_delay_to_what_the_mean_needs():
-    m = model(min=1, max=4, down_delay="10m")
-    # 0 for 300 s, 5 for 299 s, 0 for 1 s: every pass wanted fewer than 4; the mean, 2.5, needs 2.
-    states = run(m, Scale(4), [(0, 0), (300, 5), (599, 0), (600, 0)])
-    assert [s.desired for s in states] == [4, 4, 4, 2]
-    assert states[-1].last.reason == "scale 4→2: 2.5 in flight over 10m, target 2"
+def test_down_only_after_the_load_stayed_below_for_the_down_delay_to_what_its_last_up_delay_needs():
+    m = model(min=1, max=4, up_delay="30s", down_delay="10m")
+    # Every pass wants fewer than 4 for 10 minutes; the last 30 s (0 for 15 s, 5 for 15 s) need 2.
+    states = run(m, Scale(4), [(0, 6), (300, 6), (570, 0), (585, 5), (599, 5), (600, 5)])
+    assert [s.desired for s in states] == [4, 4, 4, 4, 4, 2]
+    assert states[-1].last.reason == "scale 4→2: 2.5 in flight over 30s, target 2"
     assert states[-1].downs == 1
+    # The trend keeps only the passes its last 30 s need.
+    assert [at for at, _ in states[-2].samples] == [T0 + 300, T0 + 570, T0 + 585, T0 + 599]
+    # The load of the quiet period's first minutes (a burst ending) holds no replica.
+    states = run(m, Scale(4), [(0, 6), (5, 6), (10, 1), (600, 1)])
+    assert states[-1].desired == 1 and states[-1].last.reason == "scale 4→1: 1.0 in flight over 30s, target 2"
 
 
 def test_clamped_to_min_and_max():
@@ -146,7 +151,7 @@ def test_on_demand_scales_zero_to_one_on_demand_then_up_to_max_and_back():
     live = [serving("m-1"), serving("m-2", 1.0), serving("m-3", 2.0)]
     for at in (13, 20, 33):
         state, actions = plan_for(m, live, state, T0 + at, last_used=used, load=dict.fromkeys(used, 0))
-    assert state.desired == 1 and state.last.reason == "scale 3→1: 0.0 in flight over 20s, target 2"
+    assert state.desired == 1 and state.last.reason == "scale 3→1: 0.0 in flight over 10s, target 2"
     assert [a.replica_id for a in actions] == ["m-3", "m-2"]
     state, actions = plan_for(m, [serving("m-1")], state, T0 + 70, last_used=used, load={"m-1": 0})
     assert state.desired == 0 and state.last.reason == "scale 1→0: unused for 60s"
