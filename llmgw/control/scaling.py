@@ -84,9 +84,10 @@ def decide(model: Model, previous: Scale | None, *, awake: bool, current: int, l
     desired = previous.desired
     if desired < low or desired > high:
         after = low if desired < low else high
-        if model.on_demand:
-            why = "asked for with no replica" if after > desired else \
-                f"unused for {format_duration(model.idle_timeout)}"
+        if model.on_demand and desired == 0:
+            why = "asked for with no replica"
+        elif model.on_demand and high == 0:
+            why = f"unused for {format_duration(model.idle_timeout)}"
         else:
             why = f"min is {low}" if after > desired else f"max is {high}"
         return _decided(previous, ScaleDecision(now, desired, after, f"scale {desired}→{after}: {why}"))

@@ -157,6 +157,9 @@ def test_on_demand_scales_zero_to_one_on_demand_then_up_to_max_and_back():
     assert state.desired == 0 and state.last.reason == "scale 1→0: unused for 60s"
     assert [type(a).__name__ for a in actions] == ["ForgetDemand", "Retire"]
     assert (state.ups, state.downs) == (2, 2)
+    # Its max lowered while it runs (ctl scale): the bound, not idleness, is the reason.
+    lowered = model(min=0, max=2, idle_timeout="60s")
+    assert decide(lowered, Scale(3), awake=True, current=3, load=0, now=T0).last.reason == "scale 3→2: max is 2"
 
 
 def test_the_scaling_kept_between_passes_is_the_same_object_when_nothing_changes():
