@@ -4,7 +4,13 @@ Nodes are simulated (tests/unit/fake_fleet.py): this measures the control plane'
 placement, the reconcile pass, bookkeeping, explanations with what-if — not SSH. Prints figures and their ratio to the
 targets; not a pass/fail test.
 
-    .venv/bin/python bench/reconcile_scale.py [--nodes 2000] [--models 500]
+With scaling on (the default) every model may scale on load (min 2, max 4) and the reconciler
+reads each replica's load from a simulated router (1 request in flight, the engine reporting
+1 running, 0 waiting: steady at min); the extra row measures a pass while every model's load
+stays above its target (a scale-up trend each pass, before the up-delay lets it decide).
+`--no-scaling` gives every model max = min, as before load-based scaling.
+
+    .venv/bin/python bench/reconcile_scale.py [--nodes 2000] [--models 500] [--no-scaling]
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, Prof
 from llmgw.control import evict, placement  # noqa: E402
 from llmgw.control.reconciler import Reconciler  # noqa: E402
 from llmgw.fleet.facts import GPU, Inventory as InventoryFacts  # noqa: E402
+from llmgw.router.engineload import EngineLoad  # noqa: E402
 from tests.unit.fake_fleet import FakeFleet  # noqa: E402
 
 CLASSES = [("NVIDIA H100 80GB HBM3", 81559, "h100-80gb"), ("NVIDIA L40S", 46068, "l40s-48gb"),
            ("NVIDIA A100-SXM4-80GB", 81920, "a100-80gb")]
 
 
-def build(nodes: int, models: int):
+def build(nodes: int, models: int, scaling: bool = True):
     node_configs = [NodeConfig(name=f"n{i:04d}", host=f"h{i}", fabric=f"ib-{i % 10}",
                                labels={"zone": f"z{i % 3}"}) for i in range(nodes)]
     profiles = {}
@@ -46,7 +53,7 @@ def build(nodes: int, models: int):
     for i in range(models):
         profile = "h100-2x8" if i % 50 == 0 else names[i % (len(names) - 1)]
         configs.append(ModelConfig(name=f"model-{i:03d}", profile=profile, weights=f"hf:org/model-{i}",
-                                   disk_gb=10, scaling={"min": 2}))
+                                   disk_gb=10, scaling={"min": 2, "max": 4} if scaling else {"min": 2}))
     inventory = Inventory(nodes=node_configs, profiles=profiles)
     catalog = Catalog.build(file_models=configs, profiles=profiles)
     fleet = FakeFleet(inventory)
@@ -59,10 +66,13 @@ def build(nodes: int, models: int):
     return inventory, catalog, fleet
 
 
-async def main(nodes: int, models: int) -> None:
+async def main(nodes: int, models: int, scaling: bool = True) -> None:
     logging.disable(logging.WARNING)
-    inventory, catalog, fleet = build(nodes, models)
-    reconciler = Reconciler(CatalogHolder(catalog), fleet, None, GatewayConfig())
+    inventory, catalog, fleet = build(nodes, models, scaling)
+    in_flight = {"each": 1}
+    engine = EngineLoad(source="vllm", waiting=0, running=1)
+    reconciler = Reconciler(CatalogHolder(catalog), fleet, None, GatewayConfig(),
+                            outstanding=lambda replica_id: in_flight["each"], engine_load=lambda replica_id: engine)
     wanted = sum(m.min_replicas for m in catalog.models.values())
 
     cpu = time.process_time()
@@ -82,6 +92,15 @@ async def main(nodes: int, models: int) -> None:
         start = time.perf_counter()
         reconciler.step()
         idle.append(time.perf_counter() - start)
+
+    trending = []
+    if scaling:
+        in_flight["each"] = 3  # 6 per model of 2 replicas: wants 3, for less than the up-delay
+        for _ in range(20):
+            start = time.perf_counter()
+            reconciler.step()
+            trending.append(time.perf_counter() - start)
+        assert all(s.desired == 2 and s.trend == 1 for s in reconciler.scaling.values())
 
     views = reconciler.node_views()
     allocated = reconciler.allocated()
@@ -124,11 +143,14 @@ async def main(nodes: int, models: int) -> None:
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     gpus = sum(len(f.inventory.gpus) for f in fleet.facts.values())
     print(f"control plane at scale: {nodes} nodes, {gpus} GPUs, {len(catalog.models)} models, "
-          f"{wanted} replicas wanted, {placed} placed in the first pass")
+          f"{wanted} replicas wanted, {placed} placed in the first pass, "
+          f"scaling on load {'on (min 2, max 4)' if scaling else 'off'}")
     rows = [
         ("placement of all replicas from empty (first pass, CPU)", place_cpu * 1000, 1000.0),
         ("launch bookkeeping until all serve (CPU)", settle_cpu * 1000, None),
         ("reconcile pass with nothing to do (p50)", statistics.median(idle) * 1000, 20.0),
+        *([("reconcile pass, every model's load trending up (p50)", statistics.median(trending) * 1000, None)]
+          if trending else []),
         ("one placement with full explanation (p50)", statistics.median(explain) * 1000, 5.0),
         ("one explanation with what-if, as explain-placement (p50)", statistics.median(what_if) * 1000, 5.0),
         ("full fleet: explanation, every node rejected (p50)", statistics.median(worst_plain) * 1000, None),
@@ -149,5 +171,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=2000)
     parser.add_argument("--models", type=int, default=500)
+    parser.add_argument("--no-scaling", action="store_true", help="every model with max = min")
     args = parser.parse_args()
-    asyncio.run(main(args.nodes, args.models))
+    asyncio.run(main(args.nodes, args.models, not args.no_scaling))

@@ -75,8 +75,14 @@ class Model:
 
     @property
     def wanted_replicas(self) -> int:
-        """How many replicas run without demand: exactly min (nothing scales up under load)."""
+        """How many replicas run without load: min (an on-demand model: none until asked for)."""
         return self.min_replicas
+
+    @property
+    def scales(self) -> bool:
+        """Whether load can add replicas: max above min (and above 1 for an on-demand model).
+        Without max in the definition it is min (1 for on-demand): no load-based scaling."""
+        return self.max_replicas > max(self.min_replicas, 1)
 
 
 class Catalog:

@@ -201,6 +201,14 @@ class ScalingConfig(_Strict):
     max: int | None = Field(None, ge=0)
     idle_timeout: Duration | None = 600.0
     evictable: bool | None = None  # None: evictable when on demand (min 0); see control/evict.py
+    # Load-based scaling between min and max (llmgw.control.scaling): the requests in flight per
+    # replica it aims at, and how long the load must stay above (below) that before a replica is
+    # added (removed). 2 in flight keeps an engine's batch busy while a request waits at most
+    # about one service time; adding fast and removing slowly rides out bursts without a replica
+    # loading and stopping for each one (a load takes minutes on a real engine).
+    target: float = Field(2.0, gt=0, allow_inf_nan=False)
+    up_delay: Duration = 30.0
+    down_delay: Duration = 600.0
 
     @model_validator(mode="after")
     def _ordered(self) -> ScalingConfig:

@@ -264,7 +264,8 @@ class Gateway:
         self.reconciler = Reconciler(self.holder, self.fleet, self.store, gateway,
                                      push_endpoints=self.router.set_endpoints,
                                      last_used=self.router.take_last_used,
-                                     outstanding=self.router.outstanding, abandon=self.router.abandon)
+                                     outstanding=self.router.outstanding, abandon=self.router.abandon,
+                                     engine_load=self.router.engine_load)
         self.fleet.holdings_wanted = self.reconciler.holdings_wanted
         self.control = ControlPlane(self.inventory, self.document, self.holder, self.store, self.reconciler,
                                     self.fleet, self.inventory_source)

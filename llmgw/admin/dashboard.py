@@ -177,10 +177,10 @@ def nodes_page(snapshot: Listings) -> Markup:
 
 def models_page(snapshot: Listings) -> Markup:
     rows = [[m["name"], m["state"], f"{m['replicas']['serving']} / {m['replicas']['total']}",
-             text.scaling_listed(m["scaling"]), m["routing"], m["profile"], m["engine"], m["weights"], m["fallback"],
-             text.declared(m), text.model_problem(m)] for m in snapshot.models()]
-    listing = table(["model", "state", "serving / replicas", "scaling", "routing", "profile", "engine", "weights",
-                     "fallback", "declared", "problem"], rows, empty="the catalog has no models")
+             text.scaling_listed(m["scaling"]), text.last_scale(m, snapshot.now), m["routing"], m["profile"], m["engine"],
+             m["weights"], m["fallback"], text.declared(m), text.model_problem(m)] for m in snapshot.models()]
+    listing = table(["model", "state", "serving / replicas", "scaling", "last scaled", "routing", "profile", "engine",
+                     "weights", "fallback", "declared", "problem"], rows, empty="the catalog has no models")
     return Markup(template("models.html").substitute(models=listing))
 
 

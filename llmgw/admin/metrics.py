@@ -1,4 +1,4 @@
-"""Fleet metrics for /metrics (R-9.7), rendered at scrape time from the listings of the published view.
+"""Fleet metrics for /metrics (R-9.7, R-6.8b), rendered at scrape time from the listings of the published view.
 
 A node's gauge is absent when the node has not reported the value, never 0 (R-2.7): a scrape
 that finds no `llmgw_node_memory_bytes{node="gpu3"}` means "unknown", which alerting can tell
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from llmgw.admin.views import Listings
 from llmgw.control.state import SHARD_STATES
@@ -95,8 +95,20 @@ class FleetCollector:
                                    labels=["model"])
         unplaceable = GaugeMetricFamily("llmgw_model_unplaceable", "1 when the model has a replica missing "
                                         "that no node can take", labels=["model"])
+        desired = GaugeMetricFamily("llmgw_model_desired_replicas", "Replicas the model wants now, between min and "
+                                    "max by load (absent until decided)", labels=["model"])
+        decisions = CounterMetricFamily("llmgw_model_scale_decisions", "Scaling decisions since the gateway "
+                                        "started, by direction", labels=["model", "direction"])
         for model in models:
             wanted.add_metric([model["name"]], model["scaling"]["min"])
             unplaceable.add_metric([model["name"]], 1.0 if model["unplaceable"] else 0.0)
+            if model["static"]:
+                continue
+            if model["desired"] is not None:
+                desired.add_metric([model["name"]], model["desired"])
+            for direction in ("up", "down"):
+                decisions.add_metric([model["name"], direction], model["scale_decisions"][direction])
         yield wanted
         yield unplaceable
+        yield desired
+        yield decisions

@@ -113,13 +113,15 @@ def nodes(document: dict) -> Table:
 
 
 def models(document: dict) -> Table:
-    table = _table("MODEL", "STATE", "SERVING", "SCALING", "ROUTING", "PROFILE", "ENGINE", "WEIGHTS", "FALLBACK",
-                   "DECLARED", "PROBLEM")
+    table = _table("MODEL", "STATE", "SERVING", "SCALING", "LAST SCALED", "ROUTING", "PROFILE", "ENGINE", "WEIGHTS",
+                   "FALLBACK", "DECLARED", "PROBLEM")
+    now = time.time()
     for model in document["models"]:
         declared, problem = words.declared(model), words.model_problem(model)
         table.add_row(_t(model["name"], "bold"), _t(model["state"]),
                       _t(f"{model['replicas']['serving']}/{model['replicas']['total']}"),
-                      _t(words.scaling_listed(model["scaling"])), _t(model.get("routing")), _t(model["profile"]),
+                      _t(words.scaling_listed(model["scaling"])), _t(words.last_scale(model, now)),
+                      _t(model.get("routing")), _t(model["profile"]),
                       _t(model["engine"]),
                       _t(model["weights"]), _t(model["fallback"]), _t(declared), _t(problem))
     return table
@@ -267,8 +269,12 @@ def scaled(answer: dict, max_given: bool) -> Text:
     line = f"{answer['name']}: scaling in force: min {scaling['min']}, max {scaling['max']}"
     if not max_given:
         line += " (max filled in by the catalog)"
+    on_load = f"{scaling['target']:g} in flight per replica" if scaling.get("scales") else None
     if scaling["on_demand"]:
-        line += "; on demand: one replica is loaded when asked, however high the max"
+        line += "; on demand: one replica is loaded when asked" + (
+            f", more under load up to {scaling['max']} ({on_load})" if on_load else ", and no more (max 1)")
+    elif on_load:
+        line += f"; runs {scaling['min']} to {scaling['max']} replicas as load needs ({on_load})"
     else:
-        line += f"; runs exactly {scaling['min']} (nothing scales it up under load)"
+        line += f"; runs exactly {scaling['min']} (max = min: no scaling on load)"
     return Text(line)

@@ -143,11 +143,20 @@ def labels(mapping: dict) -> str:
 
 
 def scaling(scaling: dict) -> str:
+    """`min 1, max 3; 2 in flight per replica`, `on demand (max 1), stops after 10m idle`: the
+    load target is named where load can add replicas (R-6.8a)."""
+    on_load = f"; {scaling['target']:g} in flight per replica" if scaling.get("scales") else ""
     if scaling["on_demand"]:
         idle = scaling["idle_timeout"]
-        return f"on demand (max {scaling['max']}; loads 1)" + (
+        return f"on demand (max {scaling['max']}{on_load})" + (
             f", stops after {format_duration(idle)} idle" if idle is not None else "")
-    return f"min {scaling['min']}, max {scaling['max']}"
+    return f"min {scaling['min']}, max {scaling['max']}{on_load}"
+
+
+def last_scale(model: dict, now: float) -> str | None:
+    """The latest scaling decision and when: `scale 1→3: 7.5 in flight over 30s, target 2 (2m ago)`."""
+    decision = model.get("last_scale")
+    return None if decision is None else f"{decision['reason']} ({ago(decision['at'], now)})"
 
 
 def scaling_listed(listed: dict) -> str:

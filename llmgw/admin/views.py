@@ -63,6 +63,11 @@ def _filer_key(fs: dict) -> tuple:
     return (fs["fstype"], fs["mount_point"] or fs["device"])
 
 
+def _scale_decision(decision) -> dict:
+    return {"at": decision.at, "from": decision.before, "to": decision.after, "direction": decision.direction,
+            "reason": decision.reason}
+
+
 def listings(gateway: Any) -> Listings:
     """The listings of the control plane's latest published view, with the router's figures."""
     return Listings(gateway.control.view(), getattr(gateway, "router", None))
@@ -233,7 +238,14 @@ class Listings:
             "weights": str(model.source) if model.source is not None else None,
             "disk_bytes": model.disk_bytes,
             "scaling": {"min": model.min_replicas, "max": model.max_replicas, "on_demand": model.on_demand,
-                        "idle_timeout": model.idle_timeout, "evictable": model.evictable},
+                        "idle_timeout": model.idle_timeout, "evictable": model.evictable, "scales": model.scales,
+                        "target": model.config.scaling.target, "up_delay": model.config.scaling.up_delay,
+                        "down_delay": model.config.scaling.down_delay},
+            # What load-based scaling wants now and its latest decision (R-6.8a, R-6.8b); None: not yet.
+            "desired": known.desired if known is not None else None,
+            "last_scale": _scale_decision(known.last_scale) if known is not None and known.last_scale else None,
+            "scale_decisions": {"up": known.scale_ups if known is not None else 0,
+                                "down": known.scale_downs if known is not None else 0},
             "fallback": model.fallback,
             "routing": model.config.routing,
             "static": model.static,

@@ -316,18 +316,21 @@ def model_remove(ctx: typer.Context, name: str = typer.Argument(..., help="Model
 @ctl.command()
 def scale(ctx: typer.Context,
           model: str = typer.Argument(..., help="Model name (one added with `ctl model add`)."),
-          minimum: int = typer.Option(..., "--min", min=0, help="Replicas to run: exactly this many; 0 makes "
-                                                                "the model on demand."),
-          maximum: int | None = typer.Option(None, "--max", min=0, help="Upper bound (default: the catalog fills "
-                                                                        "it in, max(min, 1))."),
+          minimum: int = typer.Option(..., "--min", min=0, help="Replicas that always run; 0 makes the model "
+                                                                "on demand."),
+          maximum: int | None = typer.Option(None, "--max", min=0, help="Load adds replicas up to this many "
+                                                                        "(default: max(min, 1), no scaling on load)."),
           as_json: bool = JSON_OPTION) -> None:
     """Change a runtime model's scaling.
 
-    A model with a minimum runs exactly that many replicas: nothing scales it up under load.
-    An on-demand model (--min 0) loads one replica when asked, however high its max, and stops
-    it after its idle timeout. Only the scaling block changes; max < min is refused and the
-    stored definition stays as it was. The answer shows the scaling now in force, with the max
-    the catalog filled in.
+    A model runs at least min replicas and at most max; in between, load decides: requests in
+    flight per replica against the model's scaling.target (default 2), a replica added once the
+    load stayed above it for scaling.up_delay (30s), one removed once it stayed below for
+    scaling.down_delay (10m), draining first. Without --max, max is min (1 for an on-demand
+    model): the model runs exactly that many. An on-demand model (--min 0) loads one replica
+    when asked, more under load up to its max, and stops them after its idle timeout. Only min
+    and max change; max < min is refused and the stored definition stays as it was. The answer
+    shows the scaling now in force, with the max the catalog filled in.
     """
     with _refusals():
         answer = _client(ctx).post(f"/api/models/{_quote(model)}/scale", {"min": minimum, "max": maximum})

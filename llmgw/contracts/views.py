@@ -149,6 +149,20 @@ class ReplicaState:
 
 
 @dataclass(frozen=True, slots=True)
+class ScaleDecision:
+    """One change of a model's wanted replica count, with its reason in operator words (R-6.8b)."""
+
+    at: float
+    before: int
+    after: int
+    reason: str  # "scale 1→3: 7.5 in flight over 30s, target 2"
+
+    @property
+    def direction(self) -> str:
+        return "up" if self.after > self.before else "down"
+
+
+@dataclass(frozen=True, slots=True)
 class ModelState:
     """What the control plane knows of one catalog model beyond its definition."""
 
@@ -161,6 +175,10 @@ class ModelState:
     unplaceable: Explanation | None  # why a wanted replica fits no node (R-3.5, R-7.2)
     demand: float | None  # when an on-demand model was last asked for without a replica (R-6.8)
     learned_size: int | None  # bytes of weights learned from the source (R-5.1); None: not learned
+    desired: int | None = None  # replicas the model wants now (R-6.8a); None: not decided yet
+    last_scale: ScaleDecision | None = None  # the latest change of `desired`
+    scale_ups: int = 0  # changes of `desired` since the gateway started, by direction
+    scale_downs: int = 0
 
 
 @dataclass(frozen=True, slots=True)

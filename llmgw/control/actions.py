@@ -27,6 +27,7 @@ from llmgw.fleet.ops import FetchRequest, Fetched, ForgetRequest, LaunchRequest,
 log = logging.getLogger(__name__)
 
 STOP_GRACE = 10.0
+RETIRE_GRACE = 30.0  # a retired replica's requests in flight may finish for this long before its engines stop
 PORT_ATTEMPTS = 8
 LOG_TAIL_LINES = 50
 FETCH_MARGIN = 0.10  # a download may exceed its declared or learned size by 10 %...
@@ -87,8 +88,10 @@ class Actions:
         if task is not None:
             task.cancel()
 
-    def stop(self, replica: Replica) -> None:
-        self.stops[replica.id] = asyncio.create_task(self._stop_replica(replica), name=f"stop-{replica.id}")
+    def stop(self, replica: Replica, grace: float = RETIRE_GRACE) -> None:
+        """Stop a retired replica's engines once the router has no request in flight to it, or
+        after `grace` seconds."""
+        self.stops[replica.id] = asyncio.create_task(self._stop_replica(replica, grace), name=f"stop-{replica.id}")
 
     def learn_size(self, model: Model) -> bool:
         """Ask a node for the size of the model's weights unless that is under way; False when
@@ -263,10 +266,10 @@ class Actions:
 
     # -- stopping ------------------------------------------------------------------------------
 
-    async def _stop_replica(self, replica: Replica) -> None:
+    async def _stop_replica(self, replica: Replica, grace: float) -> None:
         try:
             if self.outstanding is not None:
-                deadline = time.monotonic() + 30
+                deadline = time.monotonic() + grace
                 while self.outstanding(replica.id) > 0 and time.monotonic() < deadline:
                     await asyncio.sleep(0.2)
             await asyncio.gather(*(self._stop_shard(replica, s) for s in replica.shards))

@@ -1,4 +1,4 @@
-"""Eviction: which idle replicas of other models to stop so that a replica short of GPUs fits, and
+"""Eviction (R-6.8c): which idle replicas of other models to stop so that a replica short of GPUs fits, and
 the what-if of `explain-placement` — one change per rejected node — by the same rule.
 
 Pure functions of the facts placement uses (node views, GPU allocations), the live replicas, the

@@ -1,8 +1,8 @@
-"""The plan step: what to launch, retire and mark draining, as small actions (R-4.1, R-6.8, R-9.5).
+"""The plan step: what to launch, retire and mark draining, as small actions (R-4.1, R-6.8, R-6.8a, R-9.5).
 
 Pure: a plan is a function of the catalog's models, the live replicas, the clock and the
-records the reconciler keeps (demand, last use, health, node admin). The reconciler carries the
-actions out, in the order given.
+records the reconciler keeps (demand, last use, health, node admin, each model's scaling and the
+load of its replicas). The reconciler carries the actions out, in the order given.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from llmgw.catalog import Model
 from llmgw.contracts.states import AdminState
+from llmgw.control import scaling
 from llmgw.control.state import ACTIVE_PHASE, DRAINING_PHASE, FAILED, RETIRING_PHASE, ModelHealth, NodeAdmin, Replica
 
 
@@ -30,6 +31,7 @@ class Retire:
     replica_id: str
     reason: str
     failed: bool = False  # a failure: counted toward the model's backoff first
+    drain: bool = False  # a healthy surplus: its engines stop when its requests have ended
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +49,21 @@ class ForgetDemand:
 
 
 @dataclass(frozen=True, slots=True)
+class Scaled:
+    """The model's scaling changed (a trend moved on, or a decision: `scale.last` is new)."""
+
+    model: str
+    scale: scaling.Scale
+
+
+@dataclass(frozen=True, slots=True)
 class Enough:
     """The model has as many replicas as wanted: a 'cannot place' explanation no longer holds."""
 
     model: str
 
 
-Action = Launch | Retire | MarkDraining | ForgetDemand | Enough
+Action = Launch | Retire | MarkDraining | ForgetDemand | Enough | Scaled
 
 
 def sweep(replicas: Iterable[Replica], models: Mapping[str, Model]) -> list[Retire]:
@@ -83,9 +93,10 @@ def drain_marks(replicas: Iterable[Replica], admin: Mapping[str, NodeAdmin]) -> 
 
 def desired(model: Model, active: list[Replica], now: float, *, demand: float | None,
             last_used: Mapping[str, float], started_at: float) -> tuple[int, bool]:
-    """How many replicas the model wants, and whether its demand is to be forgotten.
+    """How many replicas the model wants without load, and whether its demand is to be forgotten.
 
-    On demand: one replica while there is demand or recent use, however high max is (R-6.8)."""
+    On demand: one replica while there is demand or recent use (load may add more up to max,
+    llmgw.control.scaling), none once every replica is idle past the timeout (R-6.8)."""
     if not model.on_demand:
         return model.min_replicas, False
     if demand is not None and not active:
@@ -108,14 +119,27 @@ def desired(model: Model, active: list[Replica], now: float, *, demand: float | 
 
 def plan_model(model: Model, live: list[Replica], now: float, *, health: ModelHealth | None,
                admin: Mapping[str, NodeAdmin], demand: float | None, last_used: Mapping[str, float],
-               started_at: float) -> list[Action]:
+               started_at: float, scale: scaling.Scale | None = None,
+               load: Mapping[str, float] | None = None) -> list[Action]:
     """The actions for one model, from its live (not retiring) replicas.
 
+    The count wanted is the scaling decision's (llmgw.control.scaling), from `scale` (the
+    model's previous one) and `load` (replica id -> its load; None: the model does not scale on
+    load). A surplus is retired least useful first: not serving, then least loaded, then newest.
     A launch waits out the model's failure backoff, and while it waits nothing else is decided
     for the model, draining replicas included (they keep serving)."""
     active = [r for r in live if r.phase is not DRAINING_PHASE]
-    count, forget = desired(model, active, now, demand=demand, last_used=last_used, started_at=started_at)
+    floor, forget = desired(model, active, now, demand=demand, last_used=last_used, started_at=started_at)
+    total = None
+    if load is not None:
+        total = 0.0
+        for replica in live:
+            total += load.get(replica.id, 0)
+    decided = scaling.decide(model, scale, awake=floor > 0, current=len(active), load=total, now=now)
+    count = decided.desired
     actions: list[Action] = [ForgetDemand(model.name)] if forget else []
+    if decided is not scale:
+        actions.append(Scaled(model.name, decided))
     missing = count - len(active)
     surplus: list[Replica] = []
     if missing > 0:
@@ -123,9 +147,13 @@ def plan_model(model: Model, live: list[Replica], now: float, *, health: ModelHe
             return actions
         actions.append(Launch(model.name, missing))
     elif missing < 0:
-        # Surplus: stop the least useful first — not serving, then the newest.
-        surplus = sorted(active, key=lambda r: (r.serving, -r.created_at))[:-missing]
-        actions.extend(Retire(r.id, "surplus: more replicas than wanted") for r in surplus)
+        # Surplus: stop the least useful first — not serving, then the least loaded, then the newest.
+        loads = load or {}
+        surplus = sorted(active, key=lambda r: (r.serving, loads.get(r.id, 0), -r.created_at))[:-missing]
+        last = decided.last
+        reason = last.reason if last is not None and last.after == count < last.before else \
+            "surplus: more replicas than wanted"
+        actions.extend(Retire(r.id, reason, drain=True) for r in surplus)
     else:
         actions.append(Enough(model.name))
     draining = [r for r in live if r.phase is DRAINING_PHASE]

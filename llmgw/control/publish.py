@@ -2,7 +2,7 @@
 
 `control_view` is a pure function of the reconciler's and the fleet's public state: it reads the
 reconciler's records (replicas, retired, admin, health, demand, last_used, unplaceable,
-unknown_engines, learned_sizes, cleanup, node_views(), allocated(), endpoints()) and the fleet's links,
+unknown_engines, learned_sizes, cleanup, scaling, node_views(), allocated(), endpoints()) and the fleet's links,
 facts and node configurations, and copies them into frozen values.
 
 The reconciler publishes at the end of every pass, and the control plane after an operator
@@ -100,6 +100,7 @@ def control_view(reconciler: Reconciler, pass_number: int, published_at: float) 
     models = {}
     for model in catalog.models.values():
         health = reconciler.health.get(model.name)
+        scale = reconciler.scaling.get(model.name)
         source = model.source
         models[model.name] = ModelState(
             name=model.name, failures=health.failures if health else 0,
@@ -108,7 +109,9 @@ def control_view(reconciler: Reconciler, pass_number: int, published_at: float) 
             last_log_tail=tuple(health.last_log_tail) if health and health.last_log_tail else None,
             launches=health.launches if health else 0, unplaceable=reconciler.unplaceable.get(model.name),
             demand=reconciler.demand.get(model.name),
-            learned_size=reconciler.learned_sizes.get(source.canonical) if source is not None else None)
+            learned_size=reconciler.learned_sizes.get(source.canonical) if source is not None else None,
+            desired=scale.desired if scale is not None else None, last_scale=scale.last if scale is not None else None,
+            scale_ups=scale.ups if scale is not None else 0, scale_downs=scale.downs if scale is not None else 0)
     return ControlView(
         pass_number=pass_number, published_at=published_at, catalog=catalog, nodes=tuple(nodes),
         replicas=tuple(_replica(r, reconciler.last_used.get(r.id), retired=False) for r in live),

@@ -23,8 +23,8 @@ from llmgw.config import GatewayConfig, NodeConfig
 from llmgw.contracts.backoff import backoff_delay
 from llmgw.contracts.endpoints import Endpoint
 from llmgw.contracts.states import AdminState, ReplicaPhase, transition
-from llmgw.control import evict, observe, placement, plan, publish
-from llmgw.control.actions import Actions
+from llmgw.control import evict, observe, placement, plan, publish, scaling
+from llmgw.control.actions import RETIRE_GRACE, Actions
 from llmgw.control.cleanup import Cleanup
 from llmgw.control.state import (ENDED, FAILED, FETCHING, PENDING, RETIRING_PHASE, SERVING, STOPPED, ModelHealth, NodeAdmin,
                                  Replica, Shard, delete_replica, load_replicas, new_engine_key, new_replica_id, save_replica)
@@ -38,6 +38,7 @@ FAILURE_BACKOFF_BASE = 2.0
 FAILURE_BACKOFF_CAP = 300.0
 RETIRED_KEEP = 600.0  # how long a failed replica stays visible after it stopped
 EXPLAIN_EVERY = 10.0  # seconds between full explanations of a model that does not fit
+AUTOSCALER = "autoscaler"  # the actor of scaling decisions in the audit table
 
 
 class Reconciler:
@@ -45,7 +46,8 @@ class Reconciler:
                  push_endpoints: Callable[[dict[str, list[Endpoint]]], None] | None = None,
                  last_used: Callable[[], Mapping[str, float]] | None = None,
                  outstanding: Callable[[str], int] | None = None,
-                 abandon: Callable[[str], object] | None = None):
+                 abandon: Callable[[str], object] | None = None,
+                 engine_load: Callable[[str], object] | None = None):
         self.holder = holder
         self.fleet = fleet
         self.store = store
@@ -53,6 +55,9 @@ class Reconciler:
         self.push_endpoints = push_endpoints
         self.last_used_source = last_used
         self.abandon = abandon
+        self.outstanding = outstanding  # the router's requests in flight per replica (scaling, draining)
+        self.engine_load = engine_load  # the engine's own load per replica as the router polled it, or None
+        self.scaling: dict[str, scaling.Scale] = {}  # model -> its scaling (llmgw.control.scaling)
         self.replicas: dict[str, Replica] = {}
         self.retired: list[tuple[float, Replica]] = []
         self.admin: dict[str, NodeAdmin] = {name: NodeAdmin() for name in fleet.nodes}
@@ -257,15 +262,20 @@ class Reconciler:
         for action in plan.drain_marks(self.replicas.values(), self.admin):
             self._act(action, now)
         self.unplaceable = {k: v for k, v in self.unplaceable.items() if k in catalog.models}
+        if len(self.scaling) > len(catalog.models) or any(k not in catalog.models for k in self.scaling):
+            self.scaling = {k: v for k, v in self.scaling.items() if k in catalog.models}
         self._pass_views = None  # built on first need, once per pass
         if self._settled(now):
             for model in catalog.models.values():
                 if model.static:
                     continue
-                actions = plan.plan_model(model, by_model.get(model.name, []), now,
+                live = by_model.get(model.name, [])
+                actions = plan.plan_model(model, live, now,
                                           health=self.health.setdefault(model.name, ModelHealth()),
                                           admin=self.admin, demand=self.demand.get(model.name),
-                                          last_used=self.last_used, started_at=self.started_at)
+                                          last_used=self.last_used, started_at=self.started_at,
+                                          scale=self.scaling.get(model.name),
+                                          load=self._loads(live) if model.scales else None)
                 for action in actions:
                     if not self._act(action, now, model):
                         break
@@ -321,7 +331,9 @@ class Reconciler:
             if action.failed:
                 self._record_failure(replica, now)  # the backoff grows; the reason is the failed shard's
                 reason = replica.reason or reason
-            self._retire(replica, reason)
+            self._retire(replica, reason, self.gateway.request_timeout if action.drain else RETIRE_GRACE)
+        elif isinstance(action, plan.Scaled):
+            self._scaled(action)
         elif isinstance(action, plan.MarkDraining):
             replica = self.replicas[action.replica_id]
             if replica.set_phase(ReplicaPhase.DRAINING):
@@ -337,6 +349,27 @@ class Reconciler:
         elif isinstance(action, plan.ForgetDemand):
             self.demand.pop(action.model, None)
         return True
+
+    def _loads(self, live: list[Replica]) -> dict[str, float]:
+        """Each replica's load as scaling counts it (llmgw.control.scaling.replica_load)."""
+        outstanding, engine_load = self.outstanding, self.engine_load
+        if outstanding is None:
+            return {}
+        return {r.id: scaling.replica_load(outstanding(r.id), engine_load(r.id) if engine_load else None)
+                for r in live}
+
+    def _scaled(self, action: plan.Scaled) -> None:
+        """Keep the model's scaling; a new decision is logged and audited (R-6.8b)."""
+        previous = self.scaling.get(action.model)
+        self.scaling[action.model] = action.scale
+        decision = action.scale.last
+        if decision is None or (previous is not None and previous.last is decision):
+            return
+        log.info("%s: %s", action.model, decision.reason)
+        if self.store is not None:
+            detail = {"from": decision.before, "to": decision.after, "reason": decision.reason}
+            self.store.submit(lambda db: audit(db, AUTOSCALER, f"model.scale.{decision.direction}", action.model,
+                                               detail))
 
     def _settled(self, now: float) -> bool:
         """Place nothing until every node has answered once (or the settling window is over):
@@ -469,8 +502,9 @@ class Reconciler:
 
     # -- stopping ------------------------------------------------------------------------------
 
-    def _retire(self, replica: Replica, reason: str) -> None:
-        """Take a replica out of service: off the router first, then its engines stopped."""
+    def _retire(self, replica: Replica, reason: str, grace: float = RETIRE_GRACE) -> None:
+        """Take a replica out of service: off the router first, then its engines stopped once
+        its requests in flight have ended, or after `grace` seconds."""
         if not replica.set_phase(ReplicaPhase.RETIRING):
             return
         replica.reason = replica.reason or reason
@@ -478,7 +512,7 @@ class Reconciler:
         self.actions.cancel_launch(replica.id)
         self._save(replica)
         self._push()
-        self.actions.stop(replica)
+        self.actions.stop(replica, grace)
 
     def _stopped(self, replica: Replica) -> None:
         """A retired replica's engines are all stopped: its record goes."""

@@ -190,7 +190,8 @@ class ControlPlane:
         return {"name": model.name, "declared_in": model.declared_in, "actor": model.actor,
                 "profile": model.profile_name, "weights": str(model.source) if model.source else None,
                 "scaling": {"min": model.min_replicas, "max": model.max_replicas,
-                            "idle_timeout": model.idle_timeout, "on_demand": model.on_demand},
+                            "idle_timeout": model.idle_timeout, "on_demand": model.on_demand,
+                            "scales": model.scales, "target": model.config.scaling.target},
                 "fallback": model.fallback}
 
     # -- nodes ---------------------------------------------------------------------------------

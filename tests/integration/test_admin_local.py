@@ -162,7 +162,10 @@ def test_models(gw):
     assert "serving" in lines["chat"] and "min 1, max 1" in lines["chat"] and "file" in lines["chat"]
     models = {m["name"]: m for m in gw.ctl_json("models")["models"]}
     assert models["chat"]["scaling"] == {"min": 1, "max": 1, "on_demand": False, "idle_timeout": 600.0,
-                                         "evictable": False}
+                                         "evictable": False, "scales": False, "target": 2.0, "up_delay": 30.0, "down_delay": 600.0}
+    # Its one replica is what scaling wants, decided without a change: no decision yet.
+    assert models["chat"]["desired"] == 1 and models["chat"]["last_scale"] is None
+    assert models["chat"]["scale_decisions"] == {"up": 0, "down": 0}
     assert models["chat"]["declared_in"] == "file" and models["chat"]["engine"] == "double"
 
 
@@ -278,7 +281,7 @@ def test_model_add_scale_remove(gw, tmp_path):
     path.write_text("name: extra\nprofile: small\nscaling:\n  min: 0\n  max: 3\n  idle_timeout: 5m\n")
     added = gw.ctl("model", "add", "-f", str(path))
     assert added.exit_code == 0, added.stderr
-    assert added.stdout.strip() == "added extra (profile small; on demand (max 3; loads 1), stops after 5m idle)"
+    assert added.stdout.strip() == "added extra (profile small; on demand (max 3; 2 in flight per replica), stops after 5m idle)"
     models = {m["name"]: m for m in gw.ctl_json("models")["models"]}
     assert models["extra"]["declared_in"] == "store" and models["extra"]["actor"]
     again = gw.ctl("model", "add", "-f", str(path))
@@ -296,12 +299,16 @@ def test_model_add_scale_remove(gw, tmp_path):
     scaled = gw.ctl("scale", "extra", "--min", "2")
     assert scaled.exit_code == 0, scaled.stderr
     assert scaled.stdout.strip() == ("extra: scaling in force: min 2, max 2 (max filled in by the catalog); "
-                                     "runs exactly 2 (nothing scales it up under load)")
+                                     "runs exactly 2 (max = min: no scaling on load)")
     definition = json.loads(stored_definition(gw, "extra"))
     assert definition["scaling"]["min"] == 2 and definition["scaling"]["idle_timeout"] == 300.0
     assert definition["profile"] == "small"  # the rest is written back untouched
     on_demand = gw.ctl_json("scale", "extra", "--min", "0", "--max", "4")
-    assert on_demand["scaling"] == {"min": 0, "max": 4, "idle_timeout": 300.0, "on_demand": True}
+    assert on_demand["scaling"] == {"min": 0, "max": 4, "idle_timeout": 300.0, "on_demand": True, "scales": True,
+                                    "target": 2.0}
+    shown = gw.ctl("scale", "extra", "--min", "1", "--max", "3")
+    assert shown.stdout.strip() == ("extra: scaling in force: min 1, max 3; runs 1 to 3 replicas as load needs "
+                                    "(2 in flight per replica)")
 
     removed = gw.ctl("model", "remove", "extra")
     assert removed.exit_code == 0 and removed.stdout.strip() == "removed extra; its replicas are being stopped"
@@ -317,11 +324,12 @@ def test_scale_and_remove_of_a_file_model_are_refused(gw):
     assert {m["name"]: m for m in gw.ctl_json("models")["models"]}["chat"]["scaling"]["min"] == 1
 
 
-def test_scale_help_explains_what_min_means(gw):
+def test_scale_help_explains_what_min_and_max_mean(gw):
     result = gw.ctl("scale", "--help")
     text = " ".join(result.stdout.split())
-    assert "runs exactly that many replicas: nothing scales it up under load" in text
-    assert "loads one replica when asked, however high its max" in text
+    assert "A model runs at least min replicas and at most max; in between, load decides" in text
+    assert "Without --max, max is min (1 for an on-demand model): the model runs exactly that many" in text
+    assert "loads one replica when asked, more under load up to its max" in text
 
 
 # -- storage, reclaim, usage, metrics, dashboard ----------------------------------------------------

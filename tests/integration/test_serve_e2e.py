@@ -196,6 +196,6 @@ def test_on_demand_model_loads_on_request_and_stops_when_idle(client, gateway, b
     first = _serves(client, "lazy")
     assert "chat" in first  # answered by the fallback while lazy loads
     wait_for(lambda: "lazy" in _serves(client, "lazy"), 90, "lazy itself to answer")
-    assert len([r for r in _replicas(gateway, "lazy") if not r["retired"]]) == 1  # one, however high max is
+    assert len([r for r in _replicas(gateway, "lazy") if not r["retired"]]) == 1  # one: a request at a time needs no more
     wait_for(lambda: not [r for r in _replicas(gateway, "lazy") if not r["retired"]], 60, "the idle replica to stop")
     gateway.admin("/api/models/lazy", "DELETE")

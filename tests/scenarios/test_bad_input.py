@@ -275,12 +275,15 @@ BAD_FIELDS = [
     (("scaling", "max"), st.integers(max_value=-1) | st.sampled_from(["lots", 0.5])),
     (("scaling", "idle_timeout"), st.floats(max_value=-0.001) | st.sampled_from(
         ["soon", "-5s", "5 parsecs", "1" * 400 + "s", float("inf"), float("nan"), [], {}])),
+    (("scaling", "target"), st.floats(max_value=0) | st.sampled_from(["lots", float("inf"), float("nan"), [], {}])),
+    (("scaling", "up_delay"), st.floats(max_value=-0.001) | st.sampled_from(["soon", "-5s", float("inf"), []])),
+    (("scaling", "down_delay"), st.floats(max_value=-0.001) | st.sampled_from(["later", "-1m", float("nan"), {}])),
     (("fallback",), NOT_A_STRING | st.sampled_from(["fuzzed", "nope"])),
     (("served_name",), NOT_A_STRING),
 ]
 UNKNOWN_KEYS = st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=10).filter(
     lambda k: k not in {"name", "profile", "weights", "disk_gb", "scaling", "fallback", "served_name", "endpoints",
-                        "min", "max", "idle_timeout"})
+                        "min", "max", "idle_timeout", "target", "up_delay", "down_delay"})
 BROKEN_DOCUMENTS = st.sampled_from([
     b"name: [fuzzed\nprofile: cpu\n", b"name: fuzzed\n\tprofile: cpu\n", b"name: fuzzed\nname: other\nprofile: cpu\n",
     b"- name: fuzzed\n  profile: cpu\n", b"just a sentence\n", b"42\n", b"? [a, b]\n: c\n",

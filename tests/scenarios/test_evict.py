@@ -1,4 +1,4 @@
-"""Eviction under traffic: an on-demand request on a full node stops exactly the longest idle
+"""Eviction under traffic (R-6.8c): an on-demand request on a full node stops exactly the longest idle
 replica, is answered by its fallback meanwhile, and then by its own replica.
 
 One testbed node with two GPUs of the double and three on-demand models of one GPU each that never

@@ -64,6 +64,18 @@ def test_evictable_is_as_set_else_on_demand_models_only():
     assert Catalog.from_inventory(inventory, doc).models["a"].evictable is False  # min 1, not set
 
 
+def test_scaling_defaults_and_values():
+    inventory, doc = load_inventory_text(_variant("{min: 1, max: 2}", "{min: 1, max: 4, target: 1.5, up_delay: 10s, "
+                                                                      "down_delay: 2m}"), "inv.yaml")
+    scaling = inventory.models[0].scaling
+    assert (scaling.target, scaling.up_delay, scaling.down_delay) == (1.5, 10, 120)
+    # Unset: 2 requests in flight per replica, 30 s up, 10 min down.
+    default = inventory.models[1].scaling
+    assert (default.target, default.up_delay, default.down_delay) == (2.0, 30.0, 600.0)
+    catalog = Catalog.from_inventory(inventory, doc)
+    assert catalog.models["a"].scales and not catalog.models["b"].scales
+
+
 def _variant(old: str, new: str) -> str:
     assert old in GOOD
     return GOOD.replace(old, new, 1)
@@ -85,6 +97,16 @@ BROKEN = [
                  id="max-below-min"),
     pytest.param(_variant("{min: 1, max: 2}", "{min: 1, max: 2, evictable: sometimes}"), 13,
                  "models[0].scaling.evictable: Input should be a valid boolean", id="evictable-not-a-bool"),
+    pytest.param(_variant("{min: 1, max: 2}", "{min: 1, max: 2, target: 0}"), 13,
+                 "models[0].scaling.target: Input should be greater than 0", id="zero-target"),
+    pytest.param(_variant("{min: 1, max: 2}", "{min: 1, max: 2, target: lots}"), 13,
+                 "models[0].scaling.target: Input should be a valid number", id="bad-target"),
+    pytest.param(_variant("{min: 1, max: 2}", "{min: 1, max: 2, up_delay: soon}"), 13,
+                 "models[0].scaling.up_delay: 'soon' is not a duration", id="bad-up-delay"),
+    pytest.param(_variant("{min: 1, max: 2}", "{min: 1, max: 2, down_delay: -5}"), 13,
+                 "models[0].scaling.down_delay: a duration cannot be negative", id="negative-down-delay"),
+    pytest.param(_variant("{min: 1, max: 2}", "{min: 1, max: 2, up_dealy: 5s}"), 13,
+                 "models[0].scaling.up_dealy: unknown field", id="misspelt-scaling-field"),
     pytest.param(_variant("  - name: b\n", "  - name: a\n"), 14, "models[1].name: model 'a' is already declared",
                  id="duplicate-model"),
     pytest.param(_variant("    gpus: 1\n", "    gpus: 1\n    start_timeout: soon\n"), 9,

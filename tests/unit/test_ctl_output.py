@@ -168,3 +168,34 @@ async def test_ctl_storage_shows_each_nodes_low_water_mark_and_what_the_clean_up
     node = next(n for n in document["nodes"] if n["node"] == "gpu3")
     assert node["cleanup"]["mark"] == "50.0 GB" and node["cleanup"]["threshold_bytes"] == 50 * 1000**3
     assert [r["bytes"] for r in node["cleanup"]["removed"]] == [38 * 1000**3]
+
+
+async def test_the_last_scaling_decision_is_shown_with_its_reason_by_ctl_the_dashboard_and_metrics(admin):
+    """R-6.8b: ctl models, the dashboard and /metrics show what scaling wants and why."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from llmgw.contracts.views import ScaleDecision
+    from llmgw.control.scaling import Scale
+
+    client, gateway = admin
+    reason = "scale 1→3: 7.5 in flight over 30s, target 2"
+    gateway.reconciler.scaling["chat"] = Scale(3, last=ScaleDecision(time.time() - 150, 1, 3, reason), ups=2, downs=1)
+    gateway.publish()
+    models = {m["name"]: m for m in json.loads(await ctl(client, "models", "--json"))["models"]}
+    chat = models["chat"]
+    assert chat["desired"] == 3 and chat["scale_decisions"] == {"up": 2, "down": 1}
+    assert (chat["last_scale"]["from"], chat["last_scale"]["to"], chat["last_scale"]["direction"]) == (1, 3, "up")
+    assert chat["last_scale"]["reason"] == reason
+    assert models["fetched"]["desired"] is None and models["fetched"]["last_scale"] is None  # not decided yet
+    shown = text.last_scale(chat, time.time())
+    assert shown == f"{reason} (2m ago)"
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    assert shown in await ctl(client, "models")
+    assert shown in await (await client.get("/models", headers=headers)).text()
+    metrics = await (await client.get("/metrics", headers=headers)).text()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics) for s in family.samples}
+    assert samples[("llmgw_model_desired_replicas", (("model", "chat"),))] == 3
+    assert samples[("llmgw_model_scale_decisions_total", (("direction", "up"), ("model", "chat")))] == 2
+    assert samples[("llmgw_model_scale_decisions_total", (("direction", "down"), ("model", "chat")))] == 1
+    assert ("llmgw_model_desired_replicas", (("model", "fetched"),)) not in samples  # unknown: absent

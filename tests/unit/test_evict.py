@@ -1,4 +1,4 @@
-"""Eviction of idle replicas and the what-if of explain-placement: the rule, fixture by fixture."""
+"""Eviction of idle replicas (R-6.8c) and the what-if of explain-placement (R-3.5): the rule, fixture by fixture."""
 
 from __future__ import annotations
 

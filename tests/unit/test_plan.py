@@ -5,7 +5,7 @@ from __future__ import annotations
 from llmgw.catalog import Catalog
 from llmgw.config import ModelConfig, ProfileConfig
 from llmgw.contracts.states import AdminState, ReplicaPhase
-from llmgw.control import plan
+from llmgw.control import plan, scaling
 from llmgw.control.plan import Enough, ForgetDemand, Launch, MarkDraining, Retire
 from llmgw.control.state import FAILED, SERVING, STARTING, ModelHealth, NodeAdmin, Replica, Shard
 
@@ -30,9 +30,14 @@ def admin(**states):
     return {node: NodeAdmin(AdminState(state), grace) for node, (state, grace) in states.items()}
 
 
-def decide(model, live, *, health=None, nodes=None, demand=None, last_used=None, started_at=0.0, now=NOW):
-    return plan.plan_model(model, live, now, health=health, admin=nodes or admin(a=("active", None), b=("active", None)),
-                           demand=demand, last_used=last_used or {}, started_at=started_at)
+def decide(model, live, *, health=None, nodes=None, demand=None, last_used=None, started_at=0.0, now=NOW,
+           scale=None, load=None):
+    """The plan's actions but the scaling it keeps (tests/unit/test_scaling.py covers that)."""
+    return [a for a in plan.plan_model(model, live, now, health=health,
+                                       admin=nodes or admin(a=("active", None), b=("active", None)),
+                                       demand=demand, last_used=last_used or {}, started_at=started_at,
+                                       scale=scale, load=load)
+            if not isinstance(a, plan.Scaled)]
 
 
 # -- replicas nothing wants, drain marks ------------------------------------------------------
@@ -74,7 +79,23 @@ def test_surplus_stops_the_ones_not_serving_first_then_the_newest():
     live = [replica("old", created=1.0), replica("new", created=3.0), replica("starting", state=STARTING, created=0.5),
             replica("mid", created=2.0)]
     reason = "surplus: more replicas than wanted"
-    assert decide(model, live) == [Retire("starting", reason), Retire("new", reason), Retire("mid", reason)]
+    assert decide(model, live) == [Retire("starting", reason, drain=True), Retire("new", reason, drain=True),
+                                   Retire("mid", reason, drain=True)]
+
+
+def test_scaling_down_retires_the_least_loaded_then_the_newest_with_the_decisions_reason():
+    [model] = models({"name": "m", "scaling": {"min": 1, "max": 3, "down_delay": "60s"}}).values()
+    live = [replica("old", created=1.0), replica("new", created=3.0), replica("busy", created=2.0)]
+    loads = {"old": 0, "new": 0, "busy": 1}
+    trend = scaling.Scale(3, -1, since=NOW - 60, samples=((NOW - 60, 0), (NOW - 45, 1), (NOW - 15, 0)))
+    actions = plan.plan_model(model, live, NOW, health=None, admin=admin(a=("active", None)), demand=None,
+                              last_used={}, started_at=0.0, scale=trend, load=loads)
+    [scaled] = [a for a in actions if isinstance(a, plan.Scaled)]
+    reason = "scale 3→1: 0.5 in flight over 30s, target 2"
+    assert scaled.scale.desired == 1 and scaled.scale.last.reason == reason
+    # Off the router at once, stopped when its requests end: the two idle ones, newest first.
+    assert [a for a in actions if isinstance(a, Retire)] == [Retire("new", reason, drain=True),
+                                                            Retire("old", reason, drain=True)]
 
 
 def test_a_failure_backoff_holds_the_launch_and_everything_after_it():
@@ -107,7 +128,7 @@ def test_on_demand_keeps_a_replica_used_within_the_idle_timeout():
 def test_on_demand_stops_an_idle_replica_and_forgets_its_demand():
     served = replica("m-1", serving_since=NOW - 1000)
     assert decide(on_demand(), [served], last_used={"m-1": NOW - 400}, demand=NOW - 900) == [
-        ForgetDemand("m"), Retire("m-1", "surplus: more replicas than wanted")]
+        ForgetDemand("m"), Retire("m-1", "surplus: more replicas than wanted", drain=True)]
 
 
 def test_unknown_last_use_counts_from_the_start_of_the_control_plane():
@@ -154,4 +175,4 @@ def test_surplus_and_a_drain_in_one_pass():
     live = [original, replica("m-2", nodes=("b",), state=STARTING, created=1.0), replica("m-3", nodes=("b",), created=2.0)]
     # m-2 (not serving) goes as surplus; m-3 serves, so the original may stop.
     assert decide(model, live, nodes=admin(a=("draining", NOW + 60), b=("active", None))) == [
-        Retire("m-2", "surplus: more replicas than wanted"), Retire("m-1", "drained")]
+        Retire("m-2", "surplus: more replicas than wanted", drain=True), Retire("m-1", "drained")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, Prof
 from llmgw.contracts import states
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.state import FAILED
+from llmgw.store import Store
 from tests.unit.fake_fleet import FakeFleet
 
 PROFILES = {"one": ProfileConfig(engine="vllm", gpus=1, start_timeout=0.5),
@@ -180,7 +182,7 @@ async def test_multi_node_replica_spans_one_fabric_with_a_leader():
 
 
 async def test_on_demand_loads_on_demand_and_stops_when_idle():
-    """R-6.8: nothing runs until asked; one replica however high max is; stopped after idle_timeout."""
+    """R-6.8: nothing runs until asked; one replica while nothing loads it; stopped after idle_timeout."""
     reconciler, fleet, _, _ = build([{"name": "m", "scaling": {"min": 0, "max": 5, "idle_timeout": 0.3}}])
     await settle(reconciler, fleet)
     assert not reconciler.replicas
@@ -194,6 +196,46 @@ async def test_on_demand_loads_on_demand_and_stops_when_idle():
     assert replica_id in reconciler.replicas
     reconciler.last_used_source = lambda: {}
     await until(lambda: not reconciler.replicas, reconciler, fleet, what="idle stop")
+
+
+async def test_load_scales_up_and_down_draining_first_and_every_decision_is_audited(tmp_path):
+    """R-6.8a, R-6.8b: the router's figures scale the model; a replica scaled away leaves the
+    router at once and is stopped only once its requests have ended."""
+    reconciler, fleet, _, pushed = build([{"name": "m", "scaling": {"min": 1, "max": 3, "target": 4,
+                                                                    "up_delay": 0, "down_delay": 0}}])
+    store = reconciler.store = Store.open(tmp_path / "state.db")
+    in_flight: dict[str, int] = {}
+    reconciler.outstanding = reconciler.actions.outstanding = lambda rid: in_flight.get(rid, 0)
+    try:
+        await settle(reconciler, fleet)
+        [first] = serving(reconciler, "m")
+        in_flight[first.id] = 9
+        await until(lambda: len(serving(reconciler, "m")) == 3, reconciler, fleet, what="scale-up")
+        model = reconciler.view.get().models["m"]
+        assert model.desired == 3 and (model.scale_ups, model.scale_downs) == (1, 0)
+        assert model.last_scale.reason == "scale 1→3: 9.0 in flight over 0s, target 4"
+        others = sorted((r for r in serving(reconciler, "m") if r is not first), key=lambda r: r.created_at)
+        in_flight.update({first.id: 2, others[0].id: 1, others[1].id: 1})
+        await settle(reconciler, fleet, 2)
+        # 4 in flight, target 4: one replica. The two least loaded go (the newest first), off the
+        # router at once, but their engines keep running while a request is in flight.
+        assert [r.id for r in reconciler.replicas.values() if r.retiring] == [o.id for o in others]
+        assert [e.replica_id for e in pushed[-1]["m"]] == [first.id]
+        stopped = {c[2]["shard_id"] for c in fleet.calls if c[1] == "stop"}
+        assert not stopped & {s.id for o in others for s in o.shards}
+        in_flight.update({others[0].id: 0, others[1].id: 0})
+        await until(lambda: set(reconciler.replicas) == {first.id}, reconciler, fleet, what="scale-down")
+        model = reconciler.view.get().models["m"]
+        assert model.desired == 1 and (model.scale_ups, model.scale_downs) == (1, 1)
+        down = "scale 3→1: 4.0 in flight over 0s, target 4"
+        assert model.last_scale.reason == down
+        assert {r.reason for _, r in reconciler.retired} <= {down}
+        await store.write(lambda db: None)  # the writes queued before it are done
+        rows = store.read_sync(lambda db: list(db["audit"].rows_where("actor = ?", ["autoscaler"], order_by="ts")))
+        assert [(r["action"], r["target"], json.loads(r["detail"])["reason"]) for r in rows] == [
+            ("model.scale.up", "m", "scale 1→3: 9.0 in flight over 0s, target 4"), ("model.scale.down", "m", down)]
+    finally:
+        store.close()
 
 
 async def test_partitioned_node_is_replaced_and_its_engine_stopped_on_return():
