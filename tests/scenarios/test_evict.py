@@ -83,7 +83,7 @@ def run(bed, gateway: GatewayProcess) -> None:
     old_pid = engines[old["shards"][0]["port"]]
     models = {m["name"]: m for m in ctl.json("models")["models"]}
     assert all(models[n]["scaling"]["evictable"] for n in ("old", "recent", "wanted"))  # on demand: by default
-    assert "on demand (max 1; loads 1), evictable" in ctl.run("models").stdout
+    assert "on demand (max 1), evictable" in ctl.run("models").stdout
 
     # Both go idle past the window; then explain-placement already names the one change.
     wait_for(lambda: all((r["idle_seconds"] or 0) > EVICT_IDLE + 0.5 for r in replicas().values()), 30,
