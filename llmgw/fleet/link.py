@@ -38,7 +38,7 @@ import asyncssh
 from llmgw.aio import cancel_and_wait
 from llmgw.config import NodeConfig, SSHConfig
 from llmgw.contracts.backoff import backoff_delay
-from llmgw.contracts.states import LinkState
+from llmgw.contracts.states import LinkState, transition
 from llmgw.fleet.errors import NodeUnavailable, RemoteError
 from llmgw.fleet.ops import FleetSecretRequest, Hello, NodeOps
 from llmgw.fleet.session import HelperFailed, HelperSession, NodeError, Stream
@@ -211,6 +211,8 @@ class NodeLink:
     def _set_state(self, state: str, reason: str | None = None) -> None:
         if state == self.state and reason == self.reason:
             return
+        if not transition(self.state, LinkState(state), f"node {self.name}'s link"):
+            return  # the table's refusal is logged and counted (llmgw.contracts.states)
         if (state == READY) != (self.state == READY) or self.state == CONNECTING:
             # Since it became ready, or since it first failed: the retries of a node that stays
             # down (unreachable, unhealthy, with whatever reason) do not restart the clock, or
