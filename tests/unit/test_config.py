@@ -128,8 +128,8 @@ BROKEN = [
 ]
 
 
-@pytest.mark.parametrize("text,line,message", BROKEN)
-def test_broken_inventory_names_file_line_and_field(tmp_path, text, line, message):
+def assert_refused(tmp_path, text: str, line: int, message: str) -> None:
+    """The inventory `text` is refused naming its file, the line and the message."""
     path = tmp_path / "inventory.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as info:
@@ -137,6 +137,11 @@ def test_broken_inventory_names_file_line_and_field(tmp_path, text, line, messag
     rendered = str(info.value)
     assert rendered.startswith(f"{path}:{line}: "), rendered
     assert message in rendered, rendered
+
+
+@pytest.mark.parametrize("text,line,message", BROKEN)
+def test_broken_inventory_names_file_line_and_field(tmp_path, text, line, message):
+    assert_refused(tmp_path, text, line, message)
 
 
 @pytest.mark.parametrize("text,line,message", BROKEN[:3])
@@ -393,10 +398,4 @@ def test_the_clean_up_is_off_by_default():
                  "gateway.cache_low_watr: unknown field", id="misspelt"),
 ])
 def test_a_broken_low_water_mark_or_pin_names_file_line_and_field(tmp_path, text, line, message):
-    path = tmp_path / "inventory.yaml"
-    path.write_text(text)
-    with pytest.raises(ConfigError) as info:
-        load_checked(path)
-    rendered = str(info.value)
-    assert rendered.startswith(f"{path}:{line}: "), rendered
-    assert message in rendered, rendered
+    assert_refused(tmp_path, text, line, message)
