@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from llmgw.catalog import Model
 from llmgw.contracts.states import AdminState
 from llmgw.control import scaling
-from llmgw.control.state import ACTIVE_PHASE, DRAINING_PHASE, FAILED, RETIRING_PHASE, ModelHealth, NodeAdmin, Replica
+from llmgw.control.state import (ACTIVE_PHASE, DRAINING_PHASE, FAILED, RETIRING_PHASE, STOPPED, STOPPING, ModelHealth,
+                                 NodeAdmin, Replica)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +69,7 @@ Action = Launch | Retire | MarkDraining | ForgetDemand | Enough | Scaled
 
 def sweep(replicas: Iterable[Replica], models: Mapping[str, Model]) -> list[Retire]:
     """Replicas nothing wants any more: their model left the catalog (or serves from a fixed
-    URL now), or they failed (R-4.1)."""
+    URL now), they failed (R-4.1), or their stop was under way when the control plane restarted."""
     retire = []
     for replica in replicas:
         if replica.phase is RETIRING_PHASE:
@@ -78,6 +79,10 @@ def sweep(replicas: Iterable[Replica], models: Mapping[str, Model]) -> list[Reti
             retire.append(Retire(replica.id, "model removed from the catalog"))
         elif replica.state == FAILED:
             retire.append(Retire(replica.id, replica.reason or "failed", failed=True))
+        elif any(s.state in (STOPPING, STOPPED) for s in replica.shards):
+            # Adopted while it was being stopped (the retiring phase is not stored): its stop is
+            # finished, not forgotten, or it would count as a replica that never serves (R-4.5).
+            retire.append(Retire(replica.id, replica.reason or "was being stopped when the control plane restarted"))
     return retire
 
 

@@ -7,7 +7,7 @@ from llmgw.config import ModelConfig, ProfileConfig
 from llmgw.contracts.states import AdminState, ReplicaPhase
 from llmgw.control import plan, scaling
 from llmgw.control.plan import Enough, ForgetDemand, Launch, MarkDraining, Retire
-from llmgw.control.state import FAILED, SERVING, STARTING, ModelHealth, NodeAdmin, Replica, Shard
+from llmgw.control.state import FAILED, SERVING, STARTING, STOPPED, STOPPING, ModelHealth, NodeAdmin, Replica, Shard
 
 NOW = 50_000.0
 PROFILES = {"one": ProfileConfig(engine="vllm", gpus=1)}
@@ -50,6 +50,17 @@ def test_sweep_retires_replicas_of_removed_or_static_models_and_failed_ones():
     assert plan.sweep(live, catalog) == [Retire("m-2", "engine exited with status 1", failed=True),
                                          Retire("gone-1", "model removed from the catalog"),
                                          Retire("fixed-1", "model removed from the catalog")]
+
+
+def test_sweep_finishes_the_stop_of_a_replica_adopted_while_it_was_being_stopped():
+    """The retiring phase is not stored: a replica adopted with stopping (or partly stopped)
+    shards is retired again, so its engines are stopped and it never counts as a live replica."""
+    catalog = models({"name": "m"})
+    partly = replica("m-2", nodes=("a", "b"))
+    partly.shards[0].state = STOPPED
+    live = [replica("m-1"), replica("m-3", state=STOPPING), partly]
+    assert plan.sweep(live, catalog) == [Retire("m-3", "was being stopped when the control plane restarted"),
+                                         Retire("m-2", "was being stopped when the control plane restarted")]
 
 
 def test_replicas_on_a_draining_node_are_marked_once():
