@@ -254,6 +254,8 @@ class NodeLink:
                 await self._sleep(backoff_delay(self.failures + 2, BACKOFF_BASE, BACKOFF_CAP))
                 continue
             self._session = session
+            if self._closed:  # closed while connecting: close() tears the session down
+                return
             self.hello = session.hello
             self.connects += 1
             self.failures = 0
