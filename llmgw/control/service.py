@@ -211,8 +211,6 @@ class ControlPlane:
     async def reclaim(self, collect: bool, actor: str) -> dict:
         """List (or ask nodes to remove) cache entries the catalog no longer wants."""
         wanted = self.holder.current.wanted_cache_names()
-        in_use = {(s.node, m.source.cache_name) for r in self.reconciler.replicas.values()
-                  for s in r.shards if (m := self.holder.current.models.get(r.model)) and m.source and m.source.fetched}
         nodes = []
 
         async def one(name: str) -> None:
@@ -226,7 +224,8 @@ class ControlPlane:
             ops = self.fleet.ops(name)
             try:
                 listing = await ops.reclaim(ReclaimRequest(cache))
-                unwanted = [e for e in listing.entries if e.name not in wanted and (name, e.name) not in in_use]
+                in_use = self.reconciler.cache_in_use(name)  # as the automatic clean-up keeps them
+                unwanted = [e for e in listing.entries if e.name not in wanted and e.name not in in_use]
                 if collect and unwanted:
                     unwanted = list((await ops.reclaim(ReclaimRequest(cache, [e.name for e in unwanted],
                                                                       collect=True))).entries)
