@@ -1,0 +1,447 @@
+"""The router feed (R-8.3): what the control plane tells routers, and what routers report back.
+
+The control plane publishes one versioned `Snapshot` of everything routing needs and then a
+`Change` per decision; routers answer with `Report`s. Both sides import this module and nothing
+of each other: it is the whole contract between the control plane and the data plane, in process
+or across a socket.
+
+- A snapshot belongs to one run of the control plane (`epoch`, random per start); versions count
+  up from 1 within it. A `Change` applies to the version just below its own, and a router that
+  sees a gap (or another epoch) asks for the whole snapshot again instead of guessing.
+- Reports carry the router's id and a sequence number per router id. The control plane applies a
+  report's counted parts (usage, key use) once per (router, seq), in the same transaction that
+  records the seq, and acknowledges it; the router keeps a report on disk until it is
+  acknowledged. So nothing is counted twice or lost when either side restarts.
+- The state parts of a report (requests in flight, last use, engine load, demand) replace what
+  that router said before; they are not counted, so a repeat changes nothing.
+- Engine keys and key hashes travel here. No type below puts them in its repr, so a log line or a
+  traceback through one never shows them (R-4.6, R-6.2).
+
+Wire form: each message is one JSON object (`to_wire` / `from_wire`), one per line on a stream.
+`from_wire` checks every field's type and says which one is wrong (`FeedError`): a snapshot read
+back from disk or from a peer is input like any other.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from llmgw.contracts.endpoints import Endpoint
+
+PROTOCOL = 1  # bumped when a message changes meaning; a peer speaking another is refused
+ROUTING_POLICIES = ("least-outstanding", "prefix")
+ENGINE_KINDS = ("vllm", "sglang", "llama-server")  # built-in engines; None: any command or a static endpoint
+
+
+class FeedError(ValueError):
+    """A feed message (or a snapshot file) that is not what this protocol says, naming the field."""
+
+
+# -- what routing needs ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedModel:
+    """One catalog model as the router sees it."""
+
+    name: str
+    engine: str | None  # one of ENGINE_KINDS, or None (custom command, static endpoints): every route passes
+    served_name: str | None  # the name the engine knows the model by, when not `name`
+    routing: str  # one of ROUTING_POLICIES (R-6.5)
+    on_demand: bool  # no replica until asked for (R-6.8)
+    fallbacks: tuple[str, ...] = ()  # the fallback chain in order, the model itself left out (R-6.7)
+
+    @property
+    def upstream_name(self) -> str:
+        return self.served_name or self.name
+
+
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    """A client API key the router accepts: only its SHA-256 travels (R-6.2). A revoked key is absent."""
+
+    id: str
+    name: str
+    hash: str = field(repr=False)
+    prefix: str
+    models: frozenset[str] | None  # None: every model
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    """The gateway settings a router reads (the rest of `gateway:` is the control plane's)."""
+
+    max_body: int
+    request_timeout: float
+    on_demand_wait: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything routing needs at one version. `endpoints` holds pushed and static endpoints alike."""
+
+    epoch: str
+    version: int
+    models: Mapping[str, RoutedModel]
+    endpoints: Mapping[str, tuple[Endpoint, ...]]
+    keys: tuple[KeyEntry, ...]
+    gateway: GatewaySettings
+
+    def apply(self, change: Change) -> Snapshot:
+        """The snapshot after `change`; FeedError when the change does not follow this version."""
+        if change.epoch != self.epoch or change.version != self.version + 1:
+            raise FeedError(f"change {change.epoch}/{change.version} does not follow snapshot "
+                            f"{self.epoch}/{self.version}")
+        endpoints = self.endpoints
+        if change.endpoints:
+            merged = dict(endpoints)
+            for model, members in change.endpoints.items():
+                if members is None:
+                    merged.pop(model, None)
+                else:
+                    merged[model] = members
+            endpoints = MappingProxyType(merged)
+        return Snapshot(epoch=self.epoch, version=change.version,
+                        models=self.models if change.models is None else change.models,
+                        endpoints=endpoints,
+                        keys=self.keys if change.keys is None else change.keys,
+                        gateway=self.gateway if change.gateway is None else change.gateway)
+
+
+@dataclass(frozen=True)
+class Change:
+    """What changed since the previous version. A section left None is unchanged; `endpoints` maps
+    only the models whose lists changed (None: the model has no list any more). `abandon` names
+    replicas the control plane gave up: their requests waiting for a first byte go elsewhere."""
+
+    epoch: str
+    version: int
+    models: Mapping[str, RoutedModel] | None = None
+    endpoints: Mapping[str, tuple[Endpoint, ...] | None] | None = None
+    keys: tuple[KeyEntry, ...] | None = None
+    gateway: GatewaySettings | None = None
+    abandon: tuple[str, ...] = ()
+
+
+# -- what routers report -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    """Counts of one (hour, key, model) gathered by one router since its previous report (R-6.9)."""
+
+    bucket: int  # unix time the hour starts
+    key_id: str
+    model: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One reading of an engine's load; None where the engine does not say (never 0)."""
+
+    source: str  # "vllm", "llama-server", "sglang"
+    waiting: int | None = None
+    running: int | None = None
+    kv_cache: float | None = None  # fraction of the KV cache in use, 0..1
+    prefix_hits: int | None = None  # cumulative, tokens (vLLM)
+    prefix_queries: int | None = None
+    at: float | None = None  # time.time() of the reading
+
+    def as_dict(self) -> dict:
+        return {"source": self.source, "waiting": self.waiting, "running": self.running,
+                "kv_cache": self.kv_cache, "prefix_hits": self.prefix_hits,
+                "prefix_queries": self.prefix_queries, "at": self.at}
+
+
+@dataclass(frozen=True)
+class Report:
+    """One router's report. `usage` and `key_use` are counted once per (router, seq); the rest is
+    the router's state as of `sent_at` and replaces its previous report's."""
+
+    router: str
+    seq: int
+    sent_at: float  # time.time()
+    usage: tuple[UsageRow, ...] = ()
+    key_use: Mapping[str, float] = field(default_factory=dict)  # key id -> last use
+    last_used: Mapping[str, float] = field(default_factory=dict)  # replica id -> last request (R-7.1)
+    inflight: Mapping[str, int] = field(default_factory=dict)  # replica id -> requests in flight; absent: none
+    engine_load: Mapping[str, EngineLoad] = field(default_factory=dict)  # replica id -> latest reading
+    demand: tuple[str, ...] = ()  # on-demand models asked for while they had no replica (R-6.8)
+    snapshot: tuple[str, int] | None = None  # (epoch, version) the router routes with, None before any
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """The control plane has applied (or had already applied) the router's reports up to `seq`."""
+
+    router: str
+    seq: int
+
+
+# -- wire form ---------------------------------------------------------------------------------
+
+
+def _expect(value, kinds, where: str):
+    if type(value) not in kinds or (float in kinds and type(value) is float and not math.isfinite(value)):
+        names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+        raise FeedError(f"{where}: expected {names}, got {type(value).__name__}")
+    return value
+
+
+def _str(value, where):
+    return _expect(value, (str,), where)
+
+
+def _opt_str(value, where):
+    return _expect(value, (str, type(None)), where)
+
+
+def _int(value, where, minimum: int = 0):
+    value = _expect(value, (int,), where)
+    if value < minimum:
+        raise FeedError(f"{where}: must be at least {minimum}, got {value}")
+    return value
+
+
+def _opt_int(value, where):
+    return None if value is None else _int(value, where)
+
+
+def _num(value, where):
+    return float(_expect(value, (int, float), where))
+
+
+def _opt_num(value, where):
+    return None if value is None else _num(value, where)
+
+
+def _obj(value, where) -> dict:
+    return _expect(value, (dict,), where)
+
+
+def _list(value, where) -> list:
+    return _expect(value, (list,), where)
+
+
+def _field(document: dict, name: str, where: str):
+    try:
+        return document[name]
+    except KeyError:
+        raise FeedError(f"{where}: {name!r} is missing") from None
+
+
+def endpoint_to_wire(e: Endpoint) -> dict:
+    return {"replica": e.replica_id, "model": e.model, "url": e.url, "key": e.api_key, "draining": e.draining}
+
+
+def endpoint_from_wire(d, where: str) -> Endpoint:
+    if type(d) is dict:  # the fast path, as for keys
+        r, m, u, k, dr = d.get("replica"), d.get("model"), d.get("url"), d.get("key"), d.get("draining", False)
+        if type(r) is str and type(m) is str and type(u) is str and (k is None or type(k) is str) \
+                and type(dr) is bool:
+            return Endpoint(replica_id=r, model=m, url=u, api_key=k, draining=dr)
+    d = _obj(d, where)
+    return Endpoint(replica_id=_str(_field(d, "replica", where), f"{where}.replica"),
+                    model=_str(_field(d, "model", where), f"{where}.model"),
+                    url=_str(_field(d, "url", where), f"{where}.url"),
+                    api_key=_opt_str(d.get("key"), f"{where}.key"),
+                    draining=_expect(d.get("draining", False), (bool,), f"{where}.draining"))
+
+
+def model_to_wire(m: RoutedModel) -> dict:
+    return {"name": m.name, "engine": m.engine, "served_name": m.served_name, "routing": m.routing,
+            "on_demand": m.on_demand, "fallbacks": list(m.fallbacks)}
+
+
+def model_from_wire(d, where: str) -> RoutedModel:
+    d = _obj(d, where)
+    engine = _opt_str(d.get("engine"), f"{where}.engine")
+    if engine is not None and engine not in ENGINE_KINDS:
+        raise FeedError(f"{where}.engine: {engine!r} is not one of {', '.join(ENGINE_KINDS)}")
+    routing = _str(_field(d, "routing", where), f"{where}.routing")
+    if routing not in ROUTING_POLICIES:
+        raise FeedError(f"{where}.routing: {routing!r} is not one of {', '.join(ROUTING_POLICIES)}")
+    fallbacks = tuple(_str(f, f"{where}.fallbacks[{i}]")
+                      for i, f in enumerate(_list(d.get("fallbacks", []), f"{where}.fallbacks")))
+    return RoutedModel(name=_str(_field(d, "name", where), f"{where}.name"), engine=engine,
+                       served_name=_opt_str(d.get("served_name"), f"{where}.served_name"), routing=routing,
+                       on_demand=_expect(d.get("on_demand", False), (bool,), f"{where}.on_demand"),
+                       fallbacks=fallbacks)
+
+
+def key_to_wire(k: KeyEntry) -> dict:
+    return {"id": k.id, "name": k.name, "hash": k.hash, "prefix": k.prefix,
+            "models": None if k.models is None else sorted(k.models)}
+
+
+def key_from_wire(d, where: str) -> KeyEntry:
+    # The fast path checks types inline: a snapshot holds one entry per key, tens of thousands of them.
+    if type(d) is dict:
+        i, n, h, p, models = d.get("id"), d.get("name"), d.get("hash"), d.get("prefix"), d.get("models")
+        if type(i) is str and type(n) is str and type(h) is str and type(p) is str:
+            if models is None:
+                return KeyEntry(i, n, h, p, None)
+            if type(models) is list and all(type(m) is str for m in models):
+                return KeyEntry(i, n, h, p, frozenset(models))
+    d = _obj(d, where)  # something is wrong: find what, to name it
+    models = d.get("models")
+    if models is not None:
+        models = frozenset(_str(m, f"{where}.models[{i}]") for i, m in enumerate(_list(models, f"{where}.models")))
+    return KeyEntry(id=_str(_field(d, "id", where), f"{where}.id"), name=_str(_field(d, "name", where), f"{where}.name"),
+                    hash=_str(_field(d, "hash", where), f"{where}.hash"),
+                    prefix=_str(_field(d, "prefix", where), f"{where}.prefix"), models=models)
+
+
+def gateway_to_wire(g: GatewaySettings) -> dict:
+    return {"max_body": g.max_body, "request_timeout": g.request_timeout, "on_demand_wait": g.on_demand_wait}
+
+
+def gateway_from_wire(d, where: str) -> GatewaySettings:
+    d = _obj(d, where)
+    return GatewaySettings(max_body=_int(_field(d, "max_body", where), f"{where}.max_body", 1),
+                           request_timeout=_num(_field(d, "request_timeout", where), f"{where}.request_timeout"),
+                           on_demand_wait=_num(_field(d, "on_demand_wait", where), f"{where}.on_demand_wait"))
+
+
+def _models_from_wire(d, where: str) -> Mapping[str, RoutedModel]:
+    models = {}
+    for i, item in enumerate(_list(d, where)):
+        model = model_from_wire(item, f"{where}[{i}]")
+        models[model.name] = model
+    return MappingProxyType(models)
+
+
+def _endpoint_lists_from_wire(d, where: str, allow_none: bool) -> dict:
+    out = {}
+    for model, members in _obj(d, where).items():
+        if members is None and allow_none:
+            out[model] = None
+            continue
+        out[model] = tuple(endpoint_from_wire(e, f"{where}[{model!r}][{i}]")
+                           for i, e in enumerate(_list(members, f"{where}[{model!r}]")))
+    return out
+
+
+def _keys_from_wire(d, where: str) -> tuple[KeyEntry, ...]:
+    items = _list(d, where)
+    try:
+        return tuple([key_from_wire(k, where) for k in items])
+    except FeedError:  # again, slowly, to name the entry
+        return tuple(key_from_wire(k, f"{where}[{i}]") for i, k in enumerate(items))
+
+
+def _load_to_wire(load: EngineLoad) -> dict:
+    return load.as_dict()
+
+
+def _load_from_wire(d, where: str) -> EngineLoad:
+    d = _obj(d, where)
+    return EngineLoad(source=_str(_field(d, "source", where), f"{where}.source"),
+                      waiting=_opt_int(d.get("waiting"), f"{where}.waiting"),
+                      running=_opt_int(d.get("running"), f"{where}.running"),
+                      kv_cache=_opt_num(d.get("kv_cache"), f"{where}.kv_cache"),
+                      prefix_hits=_opt_int(d.get("prefix_hits"), f"{where}.prefix_hits"),
+                      prefix_queries=_opt_int(d.get("prefix_queries"), f"{where}.prefix_queries"),
+                      at=_opt_num(d.get("at"), f"{where}.at"))
+
+
+def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
+    """The JSON-ready form of a message, tagged with its type and the protocol."""
+    if isinstance(message, Snapshot):
+        return {"type": "snapshot", "protocol": PROTOCOL, "epoch": message.epoch, "version": message.version,
+                "models": [model_to_wire(m) for m in message.models.values()],
+                "endpoints": {model: [endpoint_to_wire(e) for e in members]
+                              for model, members in message.endpoints.items()},
+                "keys": [key_to_wire(k) for k in message.keys], "gateway": gateway_to_wire(message.gateway)}
+    if isinstance(message, Change):
+        out = {"type": "change", "protocol": PROTOCOL, "epoch": message.epoch, "version": message.version}
+        if message.models is not None:
+            out["models"] = [model_to_wire(m) for m in message.models.values()]
+        if message.endpoints is not None:
+            out["endpoints"] = {model: None if members is None else [endpoint_to_wire(e) for e in members]
+                                for model, members in message.endpoints.items()}
+        if message.keys is not None:
+            out["keys"] = [key_to_wire(k) for k in message.keys]
+        if message.gateway is not None:
+            out["gateway"] = gateway_to_wire(message.gateway)
+        if message.abandon:
+            out["abandon"] = list(message.abandon)
+        return out
+    if isinstance(message, Report):
+        return {"type": "report", "protocol": PROTOCOL, "router": message.router, "seq": message.seq,
+                "sent_at": message.sent_at,
+                "usage": [[u.bucket, u.key_id, u.model, u.requests, u.prompt_tokens, u.completion_tokens]
+                          for u in message.usage],
+                "key_use": dict(message.key_use), "last_used": dict(message.last_used),
+                "inflight": dict(message.inflight),
+                "engine_load": {r: _load_to_wire(load) for r, load in message.engine_load.items()},
+                "demand": list(message.demand),
+                "snapshot": None if message.snapshot is None else list(message.snapshot)}
+    if isinstance(message, Ack):
+        return {"type": "ack", "protocol": PROTOCOL, "router": message.router, "seq": message.seq}
+    raise TypeError(f"not a feed message: {type(message).__name__}")
+
+
+def from_wire(document) -> Snapshot | Change | Report | Ack:
+    """The message a JSON document holds; FeedError naming the field that is wrong."""
+    d = _obj(document, "message")
+    kind = _str(_field(d, "type", "message"), "message.type")
+    protocol = _field(d, "protocol", kind)
+    if protocol != PROTOCOL:
+        raise FeedError(f"{kind}: protocol {protocol!r}, this llmgw speaks {PROTOCOL}")
+    if kind == "snapshot":
+        return Snapshot(epoch=_str(_field(d, "epoch", kind), "snapshot.epoch"),
+                        version=_int(_field(d, "version", kind), "snapshot.version", 1),
+                        models=_models_from_wire(_field(d, "models", kind), "snapshot.models"),
+                        endpoints=MappingProxyType(_endpoint_lists_from_wire(_field(d, "endpoints", kind),
+                                                                             "snapshot.endpoints", False)),
+                        keys=_keys_from_wire(_field(d, "keys", kind), "snapshot.keys"),
+                        gateway=gateway_from_wire(_field(d, "gateway", kind), "snapshot.gateway"))
+    if kind == "change":
+        return Change(epoch=_str(_field(d, "epoch", kind), "change.epoch"),
+                      version=_int(_field(d, "version", kind), "change.version", 2),
+                      models=_models_from_wire(d["models"], "change.models") if "models" in d else None,
+                      endpoints=(MappingProxyType(_endpoint_lists_from_wire(d["endpoints"], "change.endpoints", True))
+                                 if "endpoints" in d else None),
+                      keys=_keys_from_wire(d["keys"], "change.keys") if "keys" in d else None,
+                      gateway=gateway_from_wire(d["gateway"], "change.gateway") if "gateway" in d else None,
+                      abandon=tuple(_str(r, f"change.abandon[{i}]")
+                                    for i, r in enumerate(_list(d.get("abandon", []), "change.abandon"))))
+    if kind == "report":
+        usage = []
+        for i, row in enumerate(_list(d.get("usage", []), "report.usage")):
+            where = f"report.usage[{i}]"
+            row = _list(row, where)
+            if len(row) != 6:
+                raise FeedError(f"{where}: expected [bucket, key, model, requests, prompt, completion]")
+            usage.append(UsageRow(_int(row[0], f"{where}[0]"), _str(row[1], f"{where}[1]"), _str(row[2], f"{where}[2]"),
+                                  _int(row[3], f"{where}[3]"), _int(row[4], f"{where}[4]"), _int(row[5], f"{where}[5]")))
+        snapshot = d.get("snapshot")
+        if snapshot is not None:
+            pair = _list(snapshot, "report.snapshot")
+            if len(pair) != 2:
+                raise FeedError("report.snapshot: expected [epoch, version]")
+            snapshot = (_str(pair[0], "report.snapshot[0]"), _int(pair[1], "report.snapshot[1]"))
+        return Report(router=_str(_field(d, "router", kind), "report.router"),
+                      seq=_int(_field(d, "seq", kind), "report.seq", 1),
+                      sent_at=_num(_field(d, "sent_at", kind), "report.sent_at"), usage=tuple(usage),
+                      key_use={k: _num(v, f"report.key_use[{k!r}]")
+                               for k, v in _obj(d.get("key_use", {}), "report.key_use").items()},
+                      last_used={r: _num(v, f"report.last_used[{r!r}]")
+                                 for r, v in _obj(d.get("last_used", {}), "report.last_used").items()},
+                      inflight={r: _int(v, f"report.inflight[{r!r}]")
+                                for r, v in _obj(d.get("inflight", {}), "report.inflight").items()},
+                      engine_load={r: _load_from_wire(v, f"report.engine_load[{r!r}]")
+                                   for r, v in _obj(d.get("engine_load", {}), "report.engine_load").items()},
+                      demand=tuple(_str(m, f"report.demand[{i}]")
+                                   for i, m in enumerate(_list(d.get("demand", []), "report.demand"))),
+                      snapshot=snapshot)
+    if kind == "ack":
+        return Ack(router=_str(_field(d, "router", kind), "ack.router"), seq=_int(_field(d, "seq", kind), "ack.seq"))
+    raise FeedError(f"message.type: {kind!r} is not a feed message (snapshot, change, report, ack)")
