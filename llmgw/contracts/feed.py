@@ -1,4 +1,4 @@
-"""The router feed (R-8.3): what the control plane tells routers, and what routers report back.
+"""The router feed (R-10.1): what the control plane tells routers, and what routers report back.
 
 The control plane publishes one versioned `Snapshot` of everything routing needs and then a
 `Change` per decision; routers answer with `Report`s. Both sides import this module and nothing
