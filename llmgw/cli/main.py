@@ -10,6 +10,7 @@ from llmgw.cli.check import check
 from llmgw.cli.ctl import ctl
 from llmgw.cli.keys import keys_app
 from llmgw.cli.nodes import helper_app
+from llmgw.cli.router import router_app
 from llmgw.cli.serve import serve
 
 app = typer.Typer(
@@ -34,6 +35,7 @@ app.command("check")(check)
 app.add_typer(helper_app, name="helper")
 app.add_typer(keys_app, name="keys")
 app.add_typer(ctl, name="ctl")
+app.add_typer(router_app, name="router")
 
 
 def run() -> None:

@@ -1,0 +1,173 @@
+"""A router worker: one process serving the client API on the listening socket its supervisor
+hands it (R-10.3).
+
+    python -m llmgw.router.worker --slot N --listen-fd FD [...] --ready-fd FD --lifeline-fd FD \
+        --control unix:PATH --token-file FILE --state-dir DIR [--ca FILE]
+
+The supervisor (llmgw.router.supervisor) keeps the listening socket open for its whole life, so
+connections that arrive while this process starts or stops wait in the socket's queue for the
+next worker rather than being refused. The worker writes one line to the readiness pipe: `ready`
+once it serves, or `error: WHY` when it cannot. On SIGTERM (or when the lifeline pipe from the
+supervisor reaches end of file: the supervisor is gone) it stops accepting, answers what comes on
+connections already open with `Connection: close`, gives the requests in flight SHUTDOWN_GRACE to
+finish, closes what the app opened and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from llmgw.router.app import RUNNER_OPTIONS
+from llmgw.router.serving import SHUTDOWN_GRACE, finish_requests_within
+
+log = logging.getLogger("llmgw.router.worker")
+
+# After it stops accepting, a worker keeps idle keep-alive connections this long, so a client
+# that sends on one meanwhile gets its answer (with `Connection: close`) instead of a reset.
+IDLE_LINGER = 1.0
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    slot: int
+    listen_fds: tuple[int, ...]
+    ready_fd: int | None
+    lifeline_fd: int | None
+    control: str
+    token_file: Path
+    state_dir: Path
+    ca: Path | None
+
+
+Closer = Callable[[], Awaitable[None]]
+# What a worker serves: an aiohttp app built from its arguments, and what to close after it stopped.
+AppBuilder = Callable[[WorkerArgs], Awaitable[tuple[web.Application, Closer]]]
+
+
+def parse_args(argv: list[str]) -> WorkerArgs:
+    parser = argparse.ArgumentParser(prog="llmgw.router.worker", description="One router worker (R-10.3).")
+    parser.add_argument("--slot", type=int, required=True)
+    parser.add_argument("--listen-fd", type=int, action="append", required=True)
+    parser.add_argument("--ready-fd", type=int)
+    parser.add_argument("--lifeline-fd", type=int)
+    parser.add_argument("--control", required=True)
+    parser.add_argument("--token-file", type=Path, required=True)
+    parser.add_argument("--state-dir", type=Path, required=True)
+    parser.add_argument("--ca", type=Path)
+    ns = parser.parse_args(argv)
+    return WorkerArgs(ns.slot, tuple(ns.listen_fd), ns.ready_fd, ns.lifeline_fd, ns.control, ns.token_file,
+                      ns.state_dir, ns.ca)
+
+
+class Readiness:
+    """The one line a worker owes its supervisor; written once, then the pipe is closed."""
+
+    def __init__(self, fd: int | None):
+        self._fd = fd
+
+    def say(self, line: str) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.write(self._fd, (line.replace("\n", " ") + "\n").encode())
+        except OSError:  # the supervisor stopped waiting: nothing to tell
+            pass
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+
+async def run_worker(args: WorkerArgs, build: AppBuilder) -> int:
+    """Serve `build(args)`'s app on the inherited sockets until SIGTERM/SIGINT or the lifeline's end."""
+    loop = asyncio.get_running_loop()
+    ready = Readiness(args.ready_fd)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if args.lifeline_fd is not None:
+        _watch_lifeline(loop, args.lifeline_fd, stop)
+    try:
+        app, close = await build(args)
+    except Exception as exc:  # told to the supervisor, which logs it and retries with backoff
+        log.exception("worker %d cannot start", args.slot)
+        ready.say(f"error: {exc}")
+        return 1
+    draining = False
+
+    async def close_when_draining(_: web.Request, response: web.StreamResponse) -> None:
+        if draining:
+            response.force_close()  # the client opens its next connection to a worker that stays
+
+    app.on_response_prepare.append(close_when_draining)
+    finish_requests_within(app, SHUTDOWN_GRACE)
+    runner = web.AppRunner(app, **RUNNER_OPTIONS, shutdown_timeout=SHUTDOWN_GRACE)
+    try:
+        await runner.setup()
+        for fd in args.listen_fds:
+            sock = socket.socket(fileno=fd)
+            sock.setblocking(False)
+            await web.SockSite(runner, sock).start()
+    except Exception as exc:
+        log.exception("worker %d cannot serve", args.slot)
+        ready.say(f"error: {exc}")
+        await runner.cleanup()
+        await close()
+        return 1
+    ready.say("ready")
+    log.info("worker %d serving", args.slot)
+    await stop.wait()
+    draining = True
+    log.info("worker %d stopping: no new connections; requests in flight get up to %.0fs", args.slot,
+             SHUTDOWN_GRACE)
+    for site in list(runner.sites):
+        await site.stop()  # closes this process's copy only: the supervisor's stays open
+    await _linger(runner)
+    await runner.cleanup()
+    await close()
+    log.info("worker %d stopped", args.slot)
+    return 0
+
+
+def _watch_lifeline(loop: asyncio.AbstractEventLoop, fd: int, stop: asyncio.Event) -> None:
+    os.set_blocking(fd, False)
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 64)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # only the supervisor holds the write end: it is gone
+            loop.remove_reader(fd)
+            if not stop.is_set():
+                log.warning("the router supervisor is gone: this worker stops")
+                stop.set()
+
+    loop.add_reader(fd, readable)
+
+
+async def _linger(runner: web.AppRunner) -> None:
+    server = runner.server
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + IDLE_LINGER
+    while server is not None and server.connections and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def main(build: AppBuilder, argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=os.environ.get("LLMGW_LOG_LEVEL", "INFO").upper(), format=LOG_FORMAT)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    sys.exit(asyncio.run(run_worker(args, build)))
