@@ -296,6 +296,7 @@ class Supervisor:
         self.slots = [Slot(0, first)] + [Slot(i, bind_slot(self.addresses)) for i in range(1, self.config.workers)]
         self._lifeline = os.pipe()  # both ends close-on-exec: only the workers get the read end
         (self.config.state_dir / DESIRED_FILE).unlink(missing_ok=True)
+        (self.config.state_dir / STATUS_FILE).unlink(missing_ok=True)  # a killed supervisor's
 
     async def run(self, ready_fd: int | None = None) -> int:
         """Start the workers, say ready, then supervise until SIGTERM/SIGINT. Returns the exit code."""

@@ -107,8 +107,9 @@ async def run_worker(args: WorkerArgs, build: AppBuilder) -> int:
     draining = False
 
     async def close_when_draining(_: web.Request, response: web.StreamResponse) -> None:
-        if draining:
-            response.force_close()  # the client opens its next connection to a worker that stays
+        if draining:  # the client opens its next connection to a worker that stays
+            response.force_close()
+            response.headers["Connection"] = "close"  # the headers are made before this hook runs
 
     app.on_response_prepare.append(close_when_draining)
     finish_requests_within(app, SHUTDOWN_GRACE)
