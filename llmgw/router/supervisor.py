@@ -339,7 +339,7 @@ class Supervisor:
                 *[arg for fd in fds for arg in ("--listen-fd", str(fd))],
                 "--ready-fd", str(ready_w), "--lifeline-fd", str(lifeline_r),
                 "--control", self.config.control, "--token-file", str(self.config.token_file),
-                "--state-dir", str(self.config.state_dir / f"worker-{slot.index}")]
+                "--state-dir", str(self.config.state_dir)]
         if self.config.ca is not None:
             argv += ["--ca", str(self.config.ca)]
         try:

@@ -172,3 +172,29 @@ def main(build: AppBuilder, argv: list[str] | None = None) -> None:
     logging.basicConfig(level=os.environ.get("LLMGW_LOG_LEVEL", "INFO").upper(), format=LOG_FORMAT)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     sys.exit(asyncio.run(run_worker(args, build)))
+
+
+async def build_router(args: WorkerArgs) -> tuple[web.Application, Closer]:
+    """The router fed over the feed: served once it holds a snapshot, the last-known-good one
+    from disk or the first from the control plane (R-10.2)."""
+    from llmgw.router.app import Router
+    from llmgw.router.feedclient import FeedClient
+
+    token = args.token_file.read_text().strip()
+    if not token:
+        raise ValueError(f"the admin token file {args.token_file} is empty")
+    router = Router()
+    client = FeedClient(router, args.control, token, args.state_dir, ca=str(args.ca) if args.ca else None)
+    await client.start()
+    while router.snapshot is None:
+        await asyncio.sleep(0.05)
+
+    async def close() -> None:
+        await client.close()  # its final report: what the requests just finished counted
+        await router.close()
+
+    return router.web_app(), close
+
+
+if __name__ == "__main__":
+    main(build_router)

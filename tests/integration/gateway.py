@@ -32,6 +32,14 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.1):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last error: {last})" if last else ""))
 
 
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 class GatewayProcess:
     """`llmgw serve -i INVENTORY` in a subprocess with its own state directory and ports."""
 
@@ -91,6 +99,14 @@ class GatewayProcess:
             return exc.code, json.loads(exc.read() or b"null")
 
     def stop(self, timeout: float = 30) -> int:
+        """SIGTERM to serve, then stop the router supervisor of its state directory (which outlives
+        serve by design) and fail loudly if any of its processes is left."""
+        try:
+            return self.stop_serve(timeout)
+        finally:
+            self.stop_router(timeout)
+
+    def stop_serve(self, timeout: float = 30) -> int:
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
         self.proc.send_signal(signal.SIGTERM)
@@ -100,6 +116,44 @@ class GatewayProcess:
             self.proc.kill()
             self.proc.wait()
             raise AssertionError(f"llmgw serve did not stop on SIGTERM within {timeout}s:\n{self.log()}")
+
+    def kill(self) -> None:
+        """SIGKILL to serve: the router workers are meant to go on serving."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    @property
+    def router_dir(self) -> Path:
+        return self.state_dir / "router"
+
+    def router_status(self) -> dict | None:
+        import json
+
+        try:
+            return json.loads((self.router_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def router_log(self) -> str:
+        path = self.state_dir / "router.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop_router(self, timeout: float = 30) -> None:
+        from llmgw.router.supervisor import running_supervisor
+
+        pid = running_supervisor(self.router_dir)
+        if pid is None:
+            return
+        workers = [worker["pid"] for worker in (self.router_status() or {}).get("workers", []) if worker["pid"]]
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while running_supervisor(self.router_dir) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in (pid, *workers) if _alive(p)]
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+        assert not left, f"router processes {left} left after SIGTERM to the supervisor:\n{self.router_log()}"
 
     def __enter__(self) -> GatewayProcess:
         return self.start()
