@@ -23,9 +23,9 @@ Two parts, one run:
    /metrics with its key), TTFT p50/p90, completed requests/s. About 8 minutes on 2 cores.
 
    Three rows: least-outstanding; prefix with the key taken from the content (the system prompt
-   and the conversation's first user message: each conversation on one replica, but a tenant's
-   conversations hash on their own, so both engines still see every tenant's system prompt);
-   prefix with each request's `prompt_cache_key` set to its tenant (each tenant on one replica).
+   alone, since it is over 1 KiB: every conversation of a tenant goes where the tenant's prompt
+   is cached); prefix with each request's `prompt_cache_key` set to its tenant (the same
+   grouping, told by the client).
 
    The KV cache is sized so that the cache matters, as on a loaded production engine: more
    tenants than one replica's cache holds, fewer than two replicas' caches hold between them.
@@ -133,7 +133,7 @@ def words(rng: random.Random, count: int, tag: str) -> str:
 def shared_workload(rng: random.Random, tenants: int, conversations: int, turns: int, system_tokens: int,
                     rate: float, gap: float) -> list[Request]:
     """`conversations` per tenant start at `rate` a second; each next turn comes `gap` s later."""
-    systems = [Message("system", words(rng, 40, f"tenant {t} system prompt"), system_tokens) for t in range(tenants)]
+    systems = [Message("system", words(rng, 300, f"tenant {t} system prompt"), system_tokens) for t in range(tenants)]
     requests, start = [], 0.0
     for c in range(tenants * conversations):
         start += rng.expovariate(rate)
