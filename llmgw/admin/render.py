@@ -283,11 +283,11 @@ def scaled(answer: dict, max_given: bool) -> Text:
 def reload(answer: dict) -> Group:
     """The differences a reload found, and whether they were applied (R-10.5)."""
     changes = answer.get("changes") or []
+    count = f"{len(changes)} change{'' if len(changes) == 1 else 's'}"
     if answer.get("dry_run"):
-        head = f"{answer.get('source')}: {len(changes)} changes (dry run: nothing applied)"
+        head = f"{answer.get('source')}: {count} (dry run: nothing applied)"
     elif answer.get("applied"):
-        head = f"{answer.get('source')}: {len(changes)} changes applied" if changes else \
-            f"{answer.get('source')}: nothing changed"
+        head = f"{answer.get('source')}: {count} applied" if changes else f"{answer.get('source')}: nothing changed"
     else:
         head = f"{answer.get('source')}: not applied"
     parts: list[Any] = [Text(head)]

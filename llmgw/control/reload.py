@@ -140,7 +140,9 @@ def _node_line(old: NodeConfig, new: NodeConfig, ssh_reconnects: bool) -> tuple[
     return Line("node", new.name, CHANGED, "; ".join(parts) + ": " + "; ".join(effects), tuple(fields)), reconnect
 
 
-def _named(section: str, old: dict, new: dict, added: str, removed: str, changed: str) -> list[Line]:
+def _named(section: str, old: dict, new: dict, added: str, removed: str, changed: str,
+           only: dict[str, str] | None = None) -> list[Line]:
+    """Lines for a section of named entries; `only`: the words for a change of that one field alone."""
     lines = []
     for name in sorted(new.keys() - old.keys()):
         lines.append(Line(section, name, ADDED, added))
@@ -149,7 +151,8 @@ def _named(section: str, old: dict, new: dict, added: str, removed: str, changed
     for name in sorted(old.keys() & new.keys()):
         if old[name] != new[name]:
             fields = _differing(old[name], new[name])
-            lines.append(Line(section, name, CHANGED, f"{', '.join(fields)}: {changed}", tuple(fields)))
+            effect = (only or {}).get(fields[0], changed) if len(fields) == 1 else changed
+            lines.append(Line(section, name, CHANGED, f"{', '.join(fields)}: {effect}", tuple(fields)))
     return lines
 
 
@@ -205,8 +208,10 @@ def inventory_diff(old: Inventory, new: Inventory, *, removal_grace: float = REM
     catalog_lines = [
         *_named("model", old_models, new_models, "placed as its scaling asks, from the next pass",
                 "its replicas are stopped (requests in flight finish first)",
-                "replicas launched from now on use it; running ones keep serving as they were started "
-                "(a scaling change applies at the next pass)"),
+                "replicas launched from now on use it; running ones keep serving as they were started",
+                only={"scaling": "the replica count follows it from the next pass",
+                      "routing": "how requests are balanced, from now on",
+                      "fallback": "the fallback of requests from now on"}),
         *_named("profile", old.profiles, new.profiles, "available to models",
                 "no longer available to models",
                 "replicas launched from now on use it; running ones keep their engines"),

@@ -130,3 +130,31 @@ def test_the_order_is_nodes_ssh_gateway_then_the_catalog():
     new = new.replace("  - {name: n2, host: 10.0.0.2}\n", "")
     sections = [line.section for line in inventory_diff(inv(BASE), inv(new)).lines]
     assert sections == sorted(sections, key=["node", "ssh", "gateway", "model", "profile", "engine"].index)
+
+
+def test_a_model_whose_scaling_alone_changes_says_the_count_follows():
+    diff = inventory_diff(inv(BASE), inv(BASE.replace("{name: chat, profile: small}",
+                                                      "{name: chat, profile: small, scaling: {min: 2}}")))
+    (line,) = diff.lines
+    assert (line.section, line.name, line.fields) == ("model", "chat", ("scaling",))
+    assert line.effect == "scaling: the replica count follows it from the next pass"
+
+
+def test_ctl_prints_the_diff_as_a_table_and_what_needs_a_restart():
+    from rich.console import Console
+
+    from llmgw.admin import render
+
+    new = BASE.replace('listen: "127.0.0.1:8080"', 'listen: "0.0.0.0:9000"') + "  - {name: tiny, profile: small}\n"
+    answer = {"source": "inventory.yaml", "dry_run": True, "applied": False,
+              **inventory_diff(inv(BASE), inv(new)).to_json()}
+    console = Console(width=400, record=True)
+    console.print(render.reload(answer))
+    out = console.export_text()
+    assert out.splitlines()[0] == "inventory.yaml: 2 changes (dry run: nothing applied)"
+    assert any(row.split()[:3] == ["model", "tiny", "added"] for row in out.splitlines())
+    assert "needs a restart of llmgw serve (left as they are): gateway.listen" in out
+    applied = {**answer, "dry_run": False, "applied": True, "changes": answer["changes"][:1]}
+    console = Console(width=400, record=True)
+    console.print(render.reload(applied))
+    assert console.export_text().splitlines()[0] == "inventory.yaml: 1 change applied"
