@@ -193,5 +193,6 @@ async def test_one_reload_at_a_time(tmp_path):
     release.set()
     answer = await first
     assert answer["applied"] and answer["nodes_reconnected"] == ["a"]
+    assert ("a", "reconnect", {}) in fleet.calls and fleet.nodes["a"].host == "h-a2"
     assert (await control.reload("bob"))["changes"] == []  # free again, and nothing left to change
     store.close()
