@@ -224,7 +224,7 @@ class ControlPlane:
                                    code="bad_inventory") from None
             diff = inventory_diff(self.inventory, new, removal_grace=grace)
             new = kept_restart_settings(self.inventory, new)  # reported in the diff, applied by a restart
-            catalog = self._reload_catalog(new, document)
+            self._reload_catalog(new, document)  # a file whose catalog does not build is refused, dry run or not
             answer = {"source": path, "dry_run": dry_run, "applied": False, **diff.to_json()}
             if dry_run:
                 return answer
@@ -285,6 +285,9 @@ class ControlPlane:
             raise ServiceError(400, f"unknown action {action!r}; use cordon, uncordon or drain")
         if node not in self.fleet.nodes:
             raise ServiceError(404, f"no node named {node!r}", code="node_not_found")
+        if node in self.reconciler.removing:
+            raise ServiceError(409, f"{node} left {self.inventory_source} and is being drained before it is "
+                                    "forgotten; put it back in the file and reload to keep it", code="node_removing")
         admin = self.reconciler.set_admin(node, states[action], grace if action == "drain" else None, actor)
         self.publish()
         return {"node": node, "admin": admin.state, "grace_until": admin.grace_until}
@@ -362,8 +365,8 @@ _SIGNALLED: set[asyncio.Task] = set()
 def reload_on_signal(gateway) -> None:
     """SIGHUP: reload as `llmgw ctl reload` does, the diff logged, a refusal logged at error."""
     control = getattr(gateway, "control", None)
-    if control is None:
-        log.error("SIGHUP: not reloading: llmgw serve is still starting")
+    if control is None or "router" not in getattr(gateway, "bound", {}):  # the router listens once the fleet runs
+        log.error("SIGHUP: not reloading: llmgw serve is still starting; send it again once it serves")
         return
 
     async def run() -> None:

@@ -70,6 +70,9 @@ async def test_a_node_added_is_used_and_a_node_removed_is_drained_then_forgotten
     answer = await control.reload("ops", grace=60)
     assert answer["nodes_removed"] == ["a"]
     assert "a" in fleet.nodes and reconciler.admin["a"].state == "draining"  # drained first
+    with pytest.raises(ServiceError) as refused:  # an uncordon would keep it forever
+        control.set_node("a", "uncordon", None, "ops")
+    assert refused.value.status == 409 and "is being drained before it is forgotten" in refused.value.message
     await until(lambda: "a" not in fleet.nodes, reconciler, fleet, what="node a forgotten")
     (moved,) = serving(reconciler, "m")
     assert moved.leader.node == "b" and moved.replaces == original.id
@@ -195,4 +198,23 @@ async def test_one_reload_at_a_time(tmp_path):
     assert answer["applied"] and answer["nodes_reconnected"] == ["a"]
     assert ("a", "reconnect", {}) in fleet.calls and fleet.nodes["a"].host == "h-a2"
     assert (await control.reload("bob"))["changes"] == []  # free again, and nothing left to change
+    store.close()
+
+
+async def test_a_node_put_back_while_it_drains_is_kept(tmp_path):
+    path = write(tmp_path / "inventory.yaml", nodes=("a",))
+    control, reconciler, fleet, holder, store = plane(path, tmp_path)
+    await settle(reconciler, fleet)
+    (replica,) = serving(reconciler, "m")
+    write(path, nodes=())
+    await control.reload("ops", grace=60)
+    await settle(reconciler, fleet)
+    assert reconciler.admin["a"].state == "draining" and "a" in fleet.nodes  # nowhere to move it: it waits
+    write(path, nodes=("a",))
+    answer = await control.reload("ops")
+    assert answer["nodes_added"] == ["a"]
+    await settle(reconciler, fleet)
+    assert reconciler.removing == {} and reconciler.admin["a"].state == "active"
+    assert serving(reconciler, "m") == [replica] and not replica.draining
+    assert ("a", "add_node", {}) not in fleet.calls  # the same link, not a second one
     store.close()
