@@ -158,6 +158,11 @@ def test_reload_adds_and_removes_nodes_under_traffic_and_refuses_broken_files(se
         else:
             assert "not valid YAML" in refused.stderr
         assert settled_state(ctl) == before
+    # SIGHUP with a broken file: the problem logged at error, nothing changed.
+    os.kill(gateway.proc.pid, signal.SIGHUP)
+    refusal = f"ERROR llmgw.control.service: SIGHUP: reload refused, nothing changed: {path}:"
+    wait_for(lambda: refusal in gateway.log(), 10, f"the refused SIGHUP reload logged\n{gateway.log()[-2000:]}")
+    assert settled_state(ctl) == before
     path.write_text(good)
 
     # SIGHUP with a valid change applies it, and says so in the log: a label (the next placements)
