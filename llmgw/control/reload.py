@@ -133,7 +133,7 @@ def _node_line(old: NodeConfig, new: NodeConfig, ssh_reconnects: bool) -> tuple[
                        "(its engines keep running and are found again)")
     for name in fields:
         if name not in CONNECTION_FIELDS:
-            effects.append(f"{name}: {NODE_EFFECTS[name]}")
+            effects.append(f"{name}: {NODE_EFFECTS.get(name, 'changes at once')}")
     if not connection and reconnect:
         effects.append("its link reconnects with the new ssh settings")
     effects.append("running replicas stay where they are")

@@ -158,3 +158,12 @@ def test_ctl_prints_the_diff_as_a_table_and_what_needs_a_restart():
     console = Console(width=400, record=True)
     console.print(render.reload(applied))
     assert console.export_text().splitlines()[0] == "inventory.yaml: 1 change applied"
+
+
+def test_every_node_and_gateway_setting_has_its_words():
+    """A setting added to the schema later is still said, never dropped from the diff."""
+    from llmgw.config import GatewayConfig, NodeConfig
+    from llmgw.control.reload import CONNECTION_FIELDS, GATEWAY_EFFECTS, NODE_EFFECTS, RESTART_SETTINGS
+
+    assert set(NodeConfig.model_fields) - {"name"} == set(CONNECTION_FIELDS) | set(NODE_EFFECTS)
+    assert set(GatewayConfig.model_fields) == set(RESTART_SETTINGS) | set(GATEWAY_EFFECTS)
