@@ -1,6 +1,6 @@
 """Routing quality: least-outstanding against prefix affinity, side by side on the same requests.
 
-Two parts, one run:
+Three parts, one run:
 
 1. SIMULATION of a fleet of 16 replicas (no engine runs): each simulated engine models a prefix
    cache of token blocks (16 tokens a block, chained hashes as vLLM's, LRU, a bounded number of
@@ -13,7 +13,14 @@ Two parts, one run:
    give there (ceil(m / n) / (m / n)), at two loads (about 1 and about 4 requests in flight per
    replica, as measured and printed).
 
-2. REAL vLLM (with --fleet; root): two testbed nodes (real sshd hosts, tests/testbed) with the
+2. ENGINE DOUBLES (with --doubles): 16 engine double processes (tests/testbed/doubles) on loopback
+   ports, in their SIMULATED prefix-cache mode (blocks of words, chained hashes, LRU, a prefill
+   cost per uncached word, one prefill at a time per engine); each request is sent at its arrival
+   time, streamed over HTTP, to the replica llmgw's Balancer picks. Wall-clock time on this
+   machine: TTFT as the client sees it, the doubles' own hit counters (their /metrics), and the
+   imbalance as in part 1. Each policy gets fresh doubles. About a minute.
+
+3. REAL vLLM (with --fleet; root): two testbed nodes (real sshd hosts, tests/testbed) with the
    real vLLM, an `llmgw serve` over them, and for each policy in turn a model added at runtime
    with that `routing:` and two replicas, one on each node (the first node is cordoned while the
    second replica is placed); the requests go through llmgw's router with the official openai
@@ -23,9 +30,9 @@ Two parts, one run:
    /metrics with its key), TTFT p50/p90, completed requests/s. About 8 minutes on 2 cores.
 
    Three rows: least-outstanding; prefix with the key taken from the content (the system prompt
-   and the conversation's first user message: each conversation on one replica, but a tenant's
-   conversations hash on their own, so both engines still see every tenant's system prompt);
-   prefix with each request's `prompt_cache_key` set to its tenant (each tenant on one replica).
+   alone, since it is over 1 KiB: every conversation of a tenant goes where the tenant's prompt
+   is cached); prefix with each request's `prompt_cache_key` set to its tenant (the same
+   grouping, told by the client).
 
    The KV cache is sized so that the cache matters, as on a loaded production engine: more
    tenants than one replica's cache holds, fewer than two replicas' caches hold between them.
@@ -55,7 +62,7 @@ Workloads:
           conversation is several turns, each turn resending the whole history;
   unique  one-turn requests with no prefix in common (no regression expected from prefix routing).
 
-    .venv/bin/python bench/routing_quality.py --quick
+    .venv/bin/python bench/routing_quality.py --quick [--doubles]
     sudo .venv/bin/python bench/routing_quality.py --fleet
 
 The router's own cost with prefix hashing is bench/router_overhead.py's, with --routing prefix.
@@ -133,7 +140,7 @@ def words(rng: random.Random, count: int, tag: str) -> str:
 def shared_workload(rng: random.Random, tenants: int, conversations: int, turns: int, system_tokens: int,
                     rate: float, gap: float) -> list[Request]:
     """`conversations` per tenant start at `rate` a second; each next turn comes `gap` s later."""
-    systems = [Message("system", words(rng, 40, f"tenant {t} system prompt"), system_tokens) for t in range(tenants)]
+    systems = [Message("system", words(rng, 300, f"tenant {t} system prompt"), system_tokens) for t in range(tenants)]
     requests, start = [], 0.0
     for c in range(tenants * conversations):
         start += rng.expovariate(rate)
@@ -254,6 +261,116 @@ def choice_cost(requests: list[Request], rounds: int = 3) -> float:
             balancer.release(up)
         best = min(best, (time.perf_counter() - started) / len(documents) * 1e6)
     return best
+
+
+# -- engine doubles with the simulated prefix cache: 16 processes, real HTTP, wall-clock time ------
+
+DOUBLES = Path(__file__).resolve().parents[1] / "tests" / "testbed" / "doubles"
+
+
+def start_doubles(count: int, knobs: dict, home: Path) -> list[tuple[object, str]]:
+    """`count` engine doubles (vLLM mode) on loopback ports with the knobs as their environment."""
+    import socket
+    import subprocess
+    import urllib.request
+    env = {**__import__("os").environ, "HOME": str(home),
+           **{f"ENGINE_DOUBLE_{k.upper()}": str(v) for k, v in knobs.items()}}
+    started = []
+    for _ in range(count):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        code = (f"import sys; sys.path.insert(0, {str(DOUBLES)!r}); import engine_double; sys.exit("
+                f"engine_double.main('vllm', ['serve', 'm', '--host', '127.0.0.1', '--port', '{port}']))")
+        proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        started.append((proc, f"http://127.0.0.1:{port}"))
+    for proc, url in started:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"an engine double at {url} did not start")
+                time.sleep(0.05)
+    return started
+
+
+async def replay_on_doubles(requests: list[Request], policy: str, tenant_key: bool, urls: list[str]) -> dict:
+    """Each request at its arrival time, to the replica llmgw's Balancer picks, streamed; TTFT is the
+    time to the first content chunk as the client sees it."""
+    import aiohttp
+
+    from llmgw.router.engineload import parse_metrics
+    balancer = Balancer()
+    balancer.replace({"m": [Endpoint(f"double-{i}", "m", url, None) for i, url in enumerate(urls)]}, {"m": policy})
+    ttfts: list[float] = []
+    failures = 0
+    loads: list[float] = []
+    floors: list[float] = []
+    in_flight: list[float] = []
+    ups = balancer.endpoints("m")
+
+    async def one(session: aiohttp.ClientSession, request: Request, begin: float) -> None:
+        nonlocal failures
+        await asyncio.sleep(max(0.0, begin + request.at - time.monotonic()))
+        document = request.document(tenant_key)
+        key = affinity_key(document, {}) if policy == PREFIX else None
+        up = balancer.acquire("m", time.monotonic(), key=key)
+        counts = [u.outstanding for u in ups]  # this one counted, as in the simulation
+        mean = sum(counts) / len(counts)
+        loads.append(max(counts) / mean)
+        floors.append(math.ceil(sum(counts) / len(counts)) / mean)
+        in_flight.append(mean)
+        sent = time.monotonic()
+        try:
+            body = {**document, "stream": True, "max_tokens": request.output}
+            async with session.post(up.endpoint.url + "/v1/chat/completions", json=body) as answer:
+                first = None
+                async for line in answer.content:
+                    if first is None and line.startswith(b"data: {") and b'"content":"' in line \
+                            and b'"content":""' not in line:
+                        first = time.monotonic()
+                if answer.status != 200 or first is None:
+                    failures += 1
+                else:
+                    ttfts.append(first - sent)
+        except aiohttp.ClientError:
+            failures += 1
+        finally:
+            balancer.release(up)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        begin = time.monotonic() + 0.2
+        await asyncio.gather(*(one(session, r, begin) for r in requests))
+        hits = queries = 0
+        for url in urls:
+            async with session.get(url + "/metrics") as answer:
+                load = parse_metrics(await answer.text())
+            hits += load.prefix_hits
+            queries += load.prefix_queries
+    return {"hit_rate": hits / queries if queries else None, "ttft_p50": percentile(ttfts, 50),
+            "ttft_p90": percentile(ttfts, 90), "in_flight": statistics.fmean(in_flight),
+            "imbalance_mean": statistics.fmean(loads), "floor_mean": statistics.fmean(floors), "failures": failures}
+
+
+def run_doubles(requests: list[Request], variants, knobs: dict, replicas: int = 16) -> dict[str, dict]:
+    """Each variant on fresh doubles, so that none finds another's prompts in cache."""
+    import tempfile
+    rows = {}
+    with tempfile.TemporaryDirectory() as home:
+        for label, policy, tenant_key in variants:
+            doubles = start_doubles(replicas, knobs, Path(home))
+            try:
+                rows[label] = asyncio.run(replay_on_doubles(requests, policy, tenant_key, [u for _, u in doubles]))
+            finally:
+                for proc, _ in doubles:
+                    proc.kill()
+                    proc.wait()
+    return rows
 
 
 # -- the real vLLM part: two replicas on two testbed nodes, through llmgw -----------------------------
@@ -478,6 +595,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller simulated workload")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--doubles", action="store_true",
+                        help="also 16 engine doubles with the simulated prefix cache, over HTTP in wall-clock time")
     parser.add_argument("--fleet", action="store_true",
                         help="also the real part: two vLLM replicas on two testbed nodes (root; several minutes)")
     parser.add_argument("--system-words", type=int, default=300,
@@ -524,6 +643,31 @@ def main() -> None:
     print("  " + ratios(rows, ["ttft_p50", "ttft_p90", "imbalance_mean"]))
     print(f"\nprefix choice in the router (affinity key + ring walk, 16 replicas): "
           f"{choice_cost(shared):.1f} us per request (best of 3)")
+
+    if args.doubles:
+        knobs = {"prefix_cache_blocks": 160, "block_words": 16, "prefill_per_token": 0.001, "token_delay": 0.01}
+        rng = random.Random(args.seed + 3)
+        doubled = shared_workload(rng, tenants=TENANTS, conversations=4, turns=3, system_tokens=0, rate=4.0, gap=4.0)
+        print(f"\nENGINE DOUBLES (SIMULATED prefix cache: {knobs['prefix_cache_blocks']} blocks of "
+              f"{knobs['block_words']} words each, {knobs['prefill_per_token'] * 1e3:.0f} ms of prefill per uncached "
+              f"word, one prefill at a time, {knobs['token_delay'] * 1e3:.0f} ms per streamed token), 16 processes "
+              f"on loopback; {TENANTS} tenants x 4 conversations x 3 turns = {len(doubled)} requests, system "
+              "prompts of 300 words, conversations start at 4/s, a turn every 4 s; wall-clock time on this machine")
+        rows = run_doubles(doubled, VARIANTS, knobs)
+        table("engine doubles x16, shared-prefix workload", rows,
+              [("hit rate", "hit_rate", ".3f"), ("TTFT p50 s", "ttft_p50", ".3f"), ("TTFT p90 s", "ttft_p90", ".3f"),
+               ("in flight/r", "in_flight", ".2f"), ("imbal mean", "imbalance_mean", ".3f"),
+               ("least poss.", "floor_mean", ".3f"), ("failures", "failures", "d")])
+        print("  " + ratios(rows, ["hit_rate", "ttft_p50", "ttft_p90", "imbalance_mean"]))
+        unique_doubled = unique_workload(random.Random(args.seed + 4), 200, 0, rate=8.0)
+        for request in unique_doubled:
+            request.messages[0].text = words(random.Random(request.at), 300, "unrelated")
+        rows = run_doubles(unique_doubled, [(p, p, False) for p in POLICIES], knobs)
+        table("engine doubles x16, no-shared-prefix workload", rows,
+              [("hit rate", "hit_rate", ".3f"), ("TTFT p50 s", "ttft_p50", ".3f"), ("TTFT p90 s", "ttft_p90", ".3f"),
+               ("in flight/r", "in_flight", ".2f"), ("imbal mean", "imbalance_mean", ".3f"),
+               ("least poss.", "floor_mean", ".3f"), ("failures", "failures", "d")])
+        print("  " + ratios(rows, ["ttft_p50", "ttft_p90", "imbalance_mean"]))
 
     if args.fleet:
         rng = random.Random(args.seed + 2)

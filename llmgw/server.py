@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import Document, Inventory, is_loopback, load_configuration, resolve_state_dir, split_address
 from llmgw.control.reconciler import Reconciler
-from llmgw.control.service import ControlPlane, load_stored_models
+from llmgw.control.service import ControlPlane, load_stored_models, reload_on_signal
 from llmgw.aio import cancel_and_wait
 from llmgw.fleet.fleet import Fleet
 from llmgw.router import RUNNER_OPTIONS, Router
@@ -349,6 +349,7 @@ async def serve(inventory_path: str | None, *, state_dir: str | None = None, lis
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reload_on_signal, gateway)  # as `llmgw ctl reload`
     starting = asyncio.create_task(gateway.start(), name="gateway-start")
     stopping = asyncio.create_task(stop.wait(), name="gateway-stop-signal")
     try:

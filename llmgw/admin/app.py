@@ -128,6 +128,7 @@ def build_admin_app(gateway: Any) -> web.Application:
         web.get("/api/storage", api.storage),
         web.get("/api/reclaim", api.reclaim_list),
         web.post("/api/reclaim", api.reclaim),
+        web.post("/api/reload", api.reload),
         web.get("/api/usage", api.usage),
         web.get("/api/listener", api.listener),
         web.get("/metrics", api.metrics),
@@ -260,6 +261,15 @@ class Api:
         answer = await self.gateway.control.scale(request.match_info["name"], minimum, maximum,
                                                   _actor(request, body))
         return _json(answer)
+
+    async def reload(self, request: web.Request) -> web.Response:
+        """Re-read the inventory file and apply what changed; `dry_run` only says what would (R-10.5)."""
+        body = await _json_body(request)
+        dry_run = body.get("dry_run", False)
+        if not isinstance(dry_run, bool):
+            raise ServiceError(400, "dry_run must be true or false", code="bad_argument")
+        kwargs = {} if body.get("grace") is None else {"grace": _duration(body["grace"], "grace")}
+        return _json(await self.gateway.control.reload(_actor(request, body), dry_run=dry_run, **kwargs))
 
     async def reclaim_list(self, request: web.Request) -> web.Response:
         return _json(await self.gateway.control.reclaim(False, _actor(request)))

@@ -278,3 +278,25 @@ def scaled(answer: dict, max_given: bool) -> Text:
     else:
         line += f"; runs exactly {scaling['min']} (max = min: no scaling on load)"
     return Text(line)
+
+
+def reload(answer: dict) -> Group:
+    """The differences a reload found, and whether they were applied (R-10.5)."""
+    changes = answer.get("changes") or []
+    count = f"{len(changes)} change{'' if len(changes) == 1 else 's'}"
+    if answer.get("dry_run"):
+        head = f"{answer.get('source')}: {count} (dry run: nothing applied)"
+    elif answer.get("applied"):
+        head = f"{answer.get('source')}: {count} applied" if changes else f"{answer.get('source')}: nothing changed"
+    else:
+        head = f"{answer.get('source')}: not applied"
+    parts: list[Any] = [Text(head)]
+    if changes:
+        table = _table("WHAT", "NAME", "CHANGE", "EFFECT")
+        for line in changes:
+            table.add_row(_t(line["section"]), _t(line["name"]), _t(line["change"]), _t(line["effect"]))
+        parts.append(table)
+    restart = answer.get("restart_needed") or []
+    if restart:
+        parts.append(Text(f"needs a restart of llmgw serve (left as they are): {', '.join(restart)}"))
+    return Group(*parts)

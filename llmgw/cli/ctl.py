@@ -337,6 +337,30 @@ def scale(ctx: typer.Context,
         _emit(answer, as_json, lambda a: render.scaled(a, max_given=maximum is not None))
 
 
+# -- reload ------------------------------------------------------------------------------------------
+
+
+@ctl.command()
+def reload(ctx: typer.Context,
+           dry_run: bool = typer.Option(False, "--dry-run", help="Print what would change; change nothing."),
+           grace: str | None = typer.Option(None, "--grace", help="How long replicas of a removed node wait for "
+                                                                  "their replacements before they stop (default 10m)."),
+           as_json: bool = JSON_OPTION) -> None:
+    """Re-read the inventory file `llmgw serve` was started with and apply what changed.
+
+    The differences are printed (what each does): nodes added are connected and used, nodes
+    removed are drained and then forgotten, a node's connection settings reconnect it, profiles,
+    models and gateway settings change; gateway.listen, gateway.admin and gateway.state_dir need a
+    restart and are left as they are. A file with a problem is refused with file, line and field,
+    and nothing changes. SIGHUP to `llmgw serve` does the same.
+    """
+    with _refusals():
+        body: dict[str, Any] = {"dry_run": dry_run}
+        if grace is not None:
+            body["grace"] = grace
+        _emit(_client(ctx).post("/api/reload", body), as_json, render.reload)
+
+
 # -- storage and reclaim -----------------------------------------------------------------------------
 
 

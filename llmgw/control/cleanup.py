@@ -137,16 +137,21 @@ class Cleanup:
         self.in_use = in_use  # node -> cache names its live replicas run from
         self.wake = wake
         self.every = every
-        self.marks = {name: mark_of(gateway, node) for name, node in fleet.nodes.items()}
-        self.pinned = pinned_names(gateway)
-        self._marked = [name for name, mark in self.marks.items() if mark is not None]
         self._cursor = 0
-        self.enabled = bool(self._marked)
+        self.configure(gateway)
         self.tasks: dict[str, asyncio.Task] = {}
         self.last_run: dict[str, float] = {}
         self.last_result: dict[str, str] = {}
         self.waiting: dict[str, str] = {}  # node -> why a clean-up that is due waits
         self.removed: dict[str, deque[CacheRemoval]] = {}
+
+    def configure(self, gateway: GatewayConfig) -> None:
+        """The marks and pinned sources from the gateway's settings and the fleet's nodes as they are now."""
+        self.marks = {name: mark_of(gateway, node) for name, node in self.fleet.nodes.items()}
+        self.pinned = pinned_names(gateway)
+        self._marked = [name for name, mark in self.marks.items() if mark is not None]
+        self._cursor = self._cursor % len(self._marked) if self._marked else 0
+        self.enabled = bool(self._marked)
 
     def check(self, now: float) -> None:
         """One call per reconcile pass; nothing at all when no node has a mark. Each pass looks

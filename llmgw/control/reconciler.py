@@ -78,6 +78,8 @@ class Reconciler:
         self.evicting: dict[str, set[str]] = {}  # model -> replicas being stopped to make room for it
         self.evicted: dict[str, str] = {}  # replica id -> the model it was evicted for (kept while listed)
         self.learned_sizes: dict[str, int | None] = {}  # canonical source -> bytes (None: not said)
+        self.removing: dict[str, float] = {}  # node left the inventory -> when its drain's grace ends
+        self._forgetting: set[asyncio.Task] = set()  # links of forgotten nodes being closed
         self.actions = Actions(fleet, gateway, replicas=self.replicas, health=self.health,
                                learned_sizes=self.learned_sizes, save=self._save, wake=self.wake,
                                stopped=self._stopped, outstanding=outstanding)
@@ -137,6 +139,60 @@ class Reconciler:
     async def close(self) -> None:
         """Stop reconciling; engines keep running (they are adopted on the next start)."""
         await cancel_and_wait(self._run_task, *self.actions.tasks(), *self.cleanup.tasks.values())
+        await asyncio.gather(*self._forgetting, return_exceptions=True)
+
+    # -- the inventory changing while running (a reload, R-10.5) ---------------------------------
+
+    def configure(self, gateway: GatewayConfig) -> None:
+        """The gateway settings from now on, for the loop and the tasks it starts."""
+        self.gateway = gateway
+        self.actions.gateway = gateway
+        self.cleanup.configure(gateway)
+
+    def add_node(self, name: str) -> None:
+        """A node the fleet has just added (or a removal called off): placement may use it."""
+        if self.removing.pop(name, None) is not None:
+            log.info("%s: back in the inventory; no longer removed", name)
+            self.set_admin(name, AdminState.ACTIVE, actor="reload")
+        self.admin.setdefault(name, NodeAdmin())
+        self.cleanup.configure(self.gateway)
+        self.wake()
+
+    def remove_node(self, name: str, grace: float, actor: str | None = None) -> None:
+        """A node left the inventory: drained (each replica stopped once its replacement serves
+        elsewhere, or at the grace), then forgotten by `_forget_drained` (R-9.5)."""
+        self.removing[name] = time.time() + grace
+        self.set_admin(name, AdminState.DRAINING, grace, actor)
+        log.info("%s: left the inventory; draining it (grace %.0fs) before it is forgotten", name, grace)
+
+    def _forget_drained(self, now: float) -> None:
+        """Forget each removed node that runs nothing any more; one that still does once its
+        grace is over while it is out of reach (its engines are then not known to be stopped)."""
+        for name, deadline in list(self.removing.items()):
+            left = [r.id for r in self.replicas.values() if any(s.node == name for s in r.shards)]
+            link = self.fleet.links.get(name)
+            if left and not (now >= deadline and (link is None or link.state != READY)):
+                continue
+            if left:
+                log.warning("%s: forgotten with replicas %s still recorded on it: the node is out of reach and "
+                            "its drain's grace is over; engines it may still run are not stopped", name,
+                            ", ".join(left))
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        self.removing.pop(name, None)
+        self.admin.pop(name, None)
+        self.unknown_engines.pop(name, None)
+        link = self.fleet.detach_node(name)
+        self.cleanup.configure(self.gateway)
+        if link is not None:
+            task = asyncio.ensure_future(link.close())
+            self._forgetting.add(task)
+            task.add_done_callback(self._forgetting.discard)
+        if self.store is not None:
+            self.store.submit(lambda db: (db["node_admin"].delete_where("node = ?", [name]),
+                                          audit(db, "reload", "node.forget", name)))
+        log.info("%s: drained and forgotten (its link closed)", name)
 
     # -- inputs from the router and operators --------------------------------------------------
 
@@ -280,6 +336,8 @@ class Reconciler:
                     if not self._act(action, now, model):
                         break
         self._pass_views = None
+        if self.removing:
+            self._forget_drained(now)
         self._cleanup_retired(now)
         self.cleanup.check(now)  # cache filesystems below their low-water mark (R-5.5)
         # Publish: the router's endpoint table.

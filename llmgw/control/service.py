@@ -14,10 +14,11 @@ import time
 from collections.abc import AsyncIterator
 
 from llmgw.catalog import Catalog, CatalogHolder, StoredModel
-from llmgw.config import ConfigError, Document, Inventory, ModelConfig, parse_model_text
+from llmgw.config import ConfigError, Document, Inventory, ModelConfig, load_inventory, parse_model_text
 from llmgw.contracts.views import ControlView
 from llmgw.control import placement, publish
 from llmgw.control.reconciler import Reconciler
+from llmgw.control.reload import REMOVAL_GRACE, Diff, inventory_diff, kept_restart_settings
 from llmgw.fleet.fleet import Fleet
 from llmgw.fleet.link import READY
 from llmgw.fleet.errors import NodeError
@@ -52,6 +53,9 @@ class ControlPlane:
         self.fleet = fleet
         self.inventory_source = inventory_source
         self._lock = asyncio.Lock()
+        self._reloading: tuple[str, float] | None = None  # (actor, since) while a reload runs
+        # Called with the new inventory after each applied reload: whoever holds settings of their own.
+        self.on_reload: list = []
 
     # -- what the operator reads ---------------------------------------------------------------
 
@@ -194,6 +198,85 @@ class ControlPlane:
                             "scales": model.scales, "target": model.config.scaling.target},
                 "fallback": model.fallback}
 
+    # -- reload (R-10.5) -----------------------------------------------------------------------
+
+    async def reload(self, actor: str, *, dry_run: bool = False, grace: float = REMOVAL_GRACE) -> dict:
+        """Re-read the inventory file `llmgw serve` was started with and apply what changed: the
+        diff first (`llmgw.control.reload`), then nodes, settings and the catalog. A file that
+        does not build (YAML, schema, catalog) is refused with its problems and changes nothing.
+        One reload at a time; `dry_run` says what would change and changes nothing."""
+        path = self.document.source if self.document is not None else None
+        if path is None:
+            raise ServiceError(409, f"llmgw serve runs with {self.inventory_source} (started without -i): there is "
+                                    "no inventory file to re-read; restart it with -i FILE to change its nodes or "
+                                    "settings (models can be added with `llmgw ctl model add`)",
+                               code="no_inventory_file")
+        if self._reloading is not None:
+            by, since = self._reloading
+            raise ServiceError(409, f"a reload by {by} (started {time.strftime('%H:%M:%S', time.localtime(since))}) "
+                                    "is being applied; try again when it has finished", code="reload_in_progress")
+        self._reloading = (actor, time.time())
+        try:
+            try:
+                new, document = await asyncio.to_thread(load_inventory, path)
+            except ConfigError as exc:
+                raise ServiceError(400, exc.lines()[0] if exc.problems else str(exc), problems=exc.lines(),
+                                   code="bad_inventory") from None
+            diff = inventory_diff(self.inventory, new, removal_grace=grace)
+            new = kept_restart_settings(self.inventory, new)  # reported in the diff, applied by a restart
+            self._reload_catalog(new, document)  # a file whose catalog does not build is refused, dry run or not
+            answer = {"source": path, "dry_run": dry_run, "applied": False, **diff.to_json()}
+            if dry_run:
+                return answer
+            async with self._lock:
+                catalog = self._reload_catalog(new, document)  # the stored models as they are now
+                await self._apply(new, document, diff, catalog, actor, grace)
+            answer["applied"] = True
+            detail = {"source": path, "changes": len(diff.lines), "nodes_added": list(diff.nodes_added),
+                      "nodes_removed": list(diff.nodes_removed), "nodes_changed": list(diff.nodes_changed),
+                      "gateway": list(diff.gateway_changed), "restart_needed": list(diff.restart_needed)}
+            await self.store.write(lambda db: audit(db, actor, "reload", "inventory", detail))
+        finally:
+            self._reloading = None
+        self.publish()
+        self.reconciler.wake()
+        return answer
+
+    def _reload_catalog(self, inventory: Inventory, document: Document) -> Catalog:
+        """The catalog exactly as a start would build it: the file's models and the stored ones."""
+        try:
+            return Catalog.from_inventory(inventory, document, stored=self._stored(),
+                                          version=self.holder.current.version + 1)
+        except ConfigError as exc:
+            raise ServiceError(400, exc.lines()[0], problems=exc.lines(), code="bad_inventory") from None
+
+    async def _apply(self, new: Inventory, document: Document, diff: Diff, catalog: Catalog, actor: str,
+                     grace: float) -> None:
+        for line in diff.lines:  # what is about to change, before it does
+            log.info("reload: %s %s %s: %s", line.section, line.name, line.change, line.effect)
+        self.inventory, self.document = new, document
+        self.fleet.set_inventory(new)
+        for name in diff.nodes_removed:
+            self.reconciler.remove_node(name, grace, actor)
+        nodes = {n.name: n for n in new.nodes}
+        for name in diff.nodes_added:
+            node = nodes[name]
+            if name in self.fleet.nodes:  # still being drained after an earlier reload removed it
+                await self.fleet.update_node(node, reconnect=node != self.fleet.nodes[name])
+            else:
+                self.fleet.add_node(node)
+            self.reconciler.add_node(name)
+        for name in diff.nodes_changed:
+            await self.fleet.update_node(nodes[name], reconnect=name in diff.nodes_reconnected)
+        for name in diff.nodes_reconnected:
+            if name not in diff.nodes_changed:
+                await self.fleet.update_node(nodes[name], reconnect=True)
+        self.reconciler.configure(new.gateway)
+        if diff.catalog_changed:
+            self.holder.swap(catalog)
+        for callback in self.on_reload:
+            callback(new)
+
     # -- nodes ---------------------------------------------------------------------------------
 
     def set_node(self, node: str, action: str, grace: float | None, actor: str) -> dict:
@@ -202,6 +285,9 @@ class ControlPlane:
             raise ServiceError(400, f"unknown action {action!r}; use cordon, uncordon or drain")
         if node not in self.fleet.nodes:
             raise ServiceError(404, f"no node named {node!r}", code="node_not_found")
+        if node in self.reconciler.removing:
+            raise ServiceError(409, f"{node} left {self.inventory_source} and is being drained before it is "
+                                    "forgotten; put it back in the file and reload to keep it", code="node_removing")
         admin = self.reconciler.set_admin(node, states[action], grace if action == "drain" else None, actor)
         self.publish()
         return {"node": node, "admin": admin.state, "grace_until": admin.grace_until}
@@ -271,3 +357,33 @@ class ControlPlane:
         async with stream:
             async for event in stream:
                 yield replica.without_key(event.lines)
+
+
+_SIGNALLED: set[asyncio.Task] = set()
+
+
+def reload_on_signal(gateway) -> None:
+    """SIGHUP: reload as `llmgw ctl reload` does, the diff logged, a refusal logged at error."""
+    control = getattr(gateway, "control", None)
+    if control is None or "router" not in getattr(gateway, "bound", {}):  # the router listens once the fleet runs
+        log.error("SIGHUP: not reloading: llmgw serve is still starting; send it again once it serves")
+        return
+
+    async def run() -> None:
+        try:
+            answer = await control.reload("SIGHUP")
+        except ServiceError as exc:
+            for problem in exc.problems or [exc.message]:
+                log.error("SIGHUP: reload refused, nothing changed: %s", problem)
+            return
+        except Exception:
+            log.exception("SIGHUP: reload failed")
+            return
+        if not answer["changes"]:
+            log.info("SIGHUP: reloaded %s: nothing changed", answer["source"])
+        else:
+            log.info("SIGHUP: reloaded %s: %d changes applied", answer["source"], len(answer["changes"]))
+
+    task = asyncio.ensure_future(run())
+    _SIGNALLED.add(task)
+    task.add_done_callback(_SIGNALLED.discard)

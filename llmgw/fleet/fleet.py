@@ -57,6 +57,62 @@ class Fleet:
             self.links[node.name] = link
             link.start()
 
+    # -- nodes added, changed and removed while running (a reload, R-10.5) ----------------------
+
+    def set_inventory(self, inventory: Inventory) -> None:
+        """The inventory new links are made with (its `ssh:` settings); the nodes are changed one
+        by one (`add_node`, `update_node`, `remove_node`)."""
+        self.inventory = inventory
+        if self.gate is not None:
+            self.gate.spacing = inventory.ssh.connect_stagger
+
+    def add_node(self, node: NodeConfig) -> NodeLink:
+        """A node joins: its link is made and started; its facts come with the next refresh."""
+        if node.name in self.nodes:
+            raise KeyError(f"node {node.name!r} is already in the fleet")
+        self.nodes[node.name] = node
+        self.facts[node.name] = NodeFacts()
+        self._problems[node.name] = {}
+        link = self._make_link(node)
+        self.links[node.name] = link
+        link.start()
+        log.info("%s: added to the fleet", node.name)
+        return link
+
+    async def update_node(self, node: NodeConfig, reconnect: bool) -> None:
+        """A node's settings change. `reconnect`: its link is closed and made again with them (a
+        connection setting changed); otherwise the next placements and refreshes read them."""
+        self.nodes[node.name] = node
+        if not reconnect:
+            return
+        old = self.links.get(node.name)
+        link = self._make_link(node)
+        self.links[node.name] = link
+        if old is not None:
+            await old.close()
+        link.start()
+        log.info("%s: reconnecting with its new settings", node.name)
+
+    def detach_node(self, name: str) -> NodeLink | None:
+        """A node leaves: forgotten at once; its link (still open) is returned for the caller to
+        close. Its engines are the caller's business: they are stopped before."""
+        link = self.links.pop(name, None)
+        self.nodes.pop(name, None)
+        self.facts.pop(name, None)
+        self._problems.pop(name, None)
+        log.info("%s: removed from the fleet", name)
+        return link
+
+    async def remove_node(self, name: str) -> None:
+        """`detach_node`, then its link closed."""
+        link = self.detach_node(name)
+        if link is not None:
+            await link.close()
+
+    def _make_link(self, node: NodeConfig) -> NodeLink:
+        return make_link(node, self.inventory.ssh, local_root=self._state_dir / "node" / node.name,
+                         connect_gate=self.gate, on_state=self._on_state, fleet_secret=fleet_secret(self._state_dir))
+
     async def wait_connected(self, timeout: float) -> bool:
         results = await asyncio.gather(*(link.wait_ready(timeout) for link in self.links.values()))
         return all(results)
@@ -89,11 +145,13 @@ class Fleet:
 
         One node's answers never fail the refresh of the others: an answer without the protocol's
         shape makes that node unhealthy with the reason, until its answers are sound again."""
-        names = [n for n in (nodes if nodes is not None else self.links) if self.links[n].answering]
+        names = [n for n in (nodes if nodes is not None else self.links) if n in self.links and self.links[n].answering]
         await asyncio.gather(*(self._refresh_node(name, probe) for name in names))
 
     async def _refresh_node(self, name: str, probe: bool) -> None:
-        problems = self._problems[name]
+        problems = self._problems.get(name)
+        if problems is None:  # removed since the refresh began
+            return
         try:
             await self._ask_facts(name, probe, problems)
         except Exception as exc:  # whatever one node's answers provoke stays with that node
@@ -101,7 +159,9 @@ class Fleet:
             problems["facts"] = f"its facts could not be read: {type(exc).__name__}: {exc}"
         else:
             problems.pop("facts", None)
-        self.links[name].report_answers("; ".join(problems.values()) or None)
+        link = self.links.get(name)
+        if link is not None:  # None: the node was removed meanwhile
+            link.report_answers("; ".join(problems.values()) or None)
 
     async def _ask_facts(self, name: str, probe: bool, problems: dict[str, str]) -> None:
         node = self.nodes[name]
@@ -137,7 +197,9 @@ class Fleet:
             log.debug("%s: %s failed: %s", name, op, exc)
             return
         problems.pop(op, None)
-        facts = self.facts[name]
+        facts = self.facts.get(name)
+        if facts is None:  # removed while it answered
+            return
         setattr(facts, "shards" if op == "status" else op, value(result))
         facts.observed_at[op] = time.time()
 

@@ -5,7 +5,10 @@ exactly this), the `X-Session-ID` header, the body's `user`. Without one, the ke
 the content every request of a conversation starts with:
 
 - chat: the system (or developer) messages before the first user message, and that first user
-  message; every turn of a conversation repeats them;
+  message; every turn of a conversation repeats them. When those leading messages are long
+  (SHARED_PREFIX_BYTES or more), they alone are the key: a long system prompt is what a tenant's
+  conversations share and what the engine's cache saves most on, so they all go where it is
+  cached (the bound spreads them when they are too many for one replica);
 - completions and embeddings: the prompt's (input's) leading bytes.
 
 Each part is cut to KEY_BYTES bytes, so hashing stays cheap whatever the prompt's length. A
@@ -18,6 +21,7 @@ import json
 from collections.abc import Mapping
 
 KEY_BYTES = 2048
+SHARED_PREFIX_BYTES = 1024  # about 250 tokens: a prefix worth more cached than one conversation
 SESSION_HEADER = "X-Session-ID"
 _LEADING_ROLES = ("system", "developer")
 
@@ -49,6 +53,8 @@ def affinity_key(document: Mapping, headers: Mapping[str, str]) -> bytes | None:
             role = message.get("role")
             if role in _LEADING_ROLES:
                 parts.append(_text(message.get("content")))
+                if sum(map(len, parts)) >= SHARED_PREFIX_BYTES:
+                    return b"\0".join(parts)
             elif role == "user":
                 parts.append(_text(message.get("content")))
                 return b"\0".join(parts)

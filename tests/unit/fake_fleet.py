@@ -129,11 +129,47 @@ class FakeFleet:
             return {}
         raise NodeError(node, op, "remote", "not simulated", kind="unknown_op")
 
+    # -- nodes added and removed while running (a reload) -------------------------------------
+
+    def set_inventory(self, inventory):
+        self.inventory = inventory
+
+    def add_node(self, node, gpus: int = 8):
+        self.nodes[node.name] = node
+        self.links[node.name] = FakeLink(node.name)
+        self.engines[node.name] = {}
+        self.facts[node.name] = NodeFacts(
+            inventory=InventoryFacts(hostname=node.name, boot_id="b", cpus=64, memory_bytes=512 * 1024**3,
+                                     gpus=tuple(GPU(i, f"GPU-{node.name}-{i}", "NVIDIA H100 80GB HBM3", 81559, 0, 0,
+                                                    True) for i in range(gpus)), nvidia_smi="ok"),
+            storage=Storage((Filesystem("1:1", "ext4", "/", False, 10**13, 10**13, ("/cache",)),)),
+            holdings={}, shards={}, observed_at={"status": time.time()})
+        self.calls.append((node.name, "add_node", {}))
+
+    async def update_node(self, node, reconnect):
+        self.nodes[node.name] = node
+        self.calls.append((node.name, "reconnect" if reconnect else "update_node", {}))
+
+    def detach_node(self, name):
+        self.nodes.pop(name, None)
+        self.facts.pop(name, None)
+        self.engines.pop(name, None)
+        link = self.links.pop(name, None)
+        self.calls.append((name, "detach_node", {}))
+        return _ClosingLink() if link is not None else None
+
     def crash_engine(self, node, shard_id, code=1, log_tail=("boom",)):
         record = self.engines[node][shard_id]
         record["alive"] = False
         record["exit_code"] = code
         record["log_tail"] = tuple(log_tail)
+
+
+class _ClosingLink:
+    closed = False
+
+    async def close(self):
+        self.closed = True
 
 
 class _NodeCalls:

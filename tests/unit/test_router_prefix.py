@@ -196,6 +196,19 @@ def test_r6_5_turns_of_a_conversation_share_their_key():
     assert affinity_key(first, {}) != affinity_key(other, {})
 
 
+def test_r6_5_a_long_system_prompt_alone_is_the_key_of_every_conversation_that_shares_it():
+    long_system = {"role": "system", "content": "You are a tax assistant. " * 41}  # 1,025 bytes
+    one = {"messages": [long_system, {"role": "user", "content": "hello"}]}
+    another = {"messages": [long_system, {"role": "user", "content": "another question"}]}
+    assert affinity_key(one, {}) == affinity_key(another, {})
+    other_tenant = {"messages": [{"role": "system", "content": "You are a travel agent. " * 45},
+                                 {"role": "user", "content": "hello"}]}
+    assert affinity_key(one, {}) != affinity_key(other_tenant, {})
+    # Below the threshold (SYSTEM is 1,000 bytes) conversations keep keys of their own.
+    short = [{"messages": [SYSTEM, {"role": "user", "content": text}]} for text in ("hello", "another question")]
+    assert affinity_key(short[0], {}) != affinity_key(short[1], {})
+
+
 def test_r6_5_explicit_keys_win_in_their_order():
     body = {"messages": [{"role": "user", "content": "x"}], "user": "alice", "prompt_cache_key": "c1"}
     session = {"X-Session-ID": "s1"}

@@ -54,8 +54,18 @@ then `by_port: {"PORT": {...}}`) and then env `ENGINE_DOUBLE_<KNOB>` (upper case
   children       worker processes to fork (they outlive a parent killed alone)
   report_gpu_mib show up in the nvidia-smi double as a compute app on the visible GPUs
   dist_timeout   seconds a multi-node shard waits for its peers (default 600)
+  prefix_cache_blocks  SIMULATED prefix cache (0: off): this many blocks of `block_words` words
+                 (default 16), chained hashes, LRU, as vLLM's automatic prefix caching keeps
+                 blocks of tokens; a word stands for a token
+  prefill_per_token    with the simulated cache: seconds of prefill per prompt word not found in
+                 it, before the first byte of the answer; one prefill at a time (the others wait,
+                 counted in vllm:num_requests_waiting), as one engine's compute is shared
+The simulated cache reports vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total (in
+words) on /metrics and `prompt_tokens_details.cached_tokens` in usage. It models where time goes,
+not what a model computes.
 """
 
+import collections
 import hashlib
 import json
 import math
@@ -74,11 +84,13 @@ KNOBS = {
     "start_delay": float, "token_delay": float, "crash_after": float, "refuse_start": str,
     "fail_requests": bool, "stderr_lines": int, "bind_early": bool, "warmup_delay": float,
     "ignore_sigterm": bool, "children": int, "report_gpu_mib": int, "dist_timeout": float,
+    "prefix_cache_blocks": int, "block_words": int, "prefill_per_token": float,
 }
 KNOB_DEFAULTS = {
     "start_delay": 0.0, "token_delay": 0.0, "crash_after": None, "refuse_start": None,
     "fail_requests": False, "stderr_lines": 0, "bind_early": False, "warmup_delay": 0.0,
     "ignore_sigterm": False, "children": 0, "report_gpu_mib": 0, "dist_timeout": 600.0,
+    "prefix_cache_blocks": 0, "block_words": 16, "prefill_per_token": 0.0,
 }
 # Flags that take no value, so that `--headless MODEL` does not eat MODEL.
 BOOLEAN_FLAGS = {
@@ -390,6 +402,67 @@ class Log:
 
 # --------------------------------------------------------------------------------- the engine
 
+class PrefixCache:
+    """SIMULATED prefix cache: blocks of words keyed by chained hashes, least recently used out first."""
+
+    def __init__(self, blocks, block_words, prefill_per_token):
+        self.blocks = blocks
+        self.block_words = max(1, block_words)
+        self.prefill_per_token = prefill_per_token
+        self.cache = collections.OrderedDict()
+        self.lock = threading.Lock()  # the cache's bookkeeping
+        self.compute = threading.Lock()  # one prefill at a time
+        self.queries = 0
+        self.hits = 0
+        self.waiting = 0
+
+    def admit(self, words):
+        """Cached words of this prompt (its leading blocks found in the cache); caches all its blocks."""
+        size = self.block_words
+        hashes, parent = [], b""
+        for start in range(0, len(words) - len(words) % size, size):
+            parent = hashlib.blake2b(parent + " ".join(words[start:start + size]).encode(), digest_size=12).digest()
+            hashes.append(parent)
+        with self.lock:
+            cached = 0
+            for digest in hashes:
+                if digest not in self.cache:
+                    break
+                cached += 1
+            for digest in hashes:
+                self.cache[digest] = True
+                self.cache.move_to_end(digest)
+            while len(self.cache) > self.blocks:
+                self.cache.popitem(last=False)
+            self.queries += len(words)
+            self.hits += cached * size
+        return cached * size
+
+    def prefill(self, uncached):
+        """Spend the prefill time of `uncached` words, one prompt at a time."""
+        with self.lock:
+            self.waiting += 1
+        with self.compute:
+            with self.lock:
+                self.waiting -= 1
+            time.sleep(uncached * self.prefill_per_token)
+
+
+def words_in_order(value):
+    """The words of a prompt in order (messages: role, then content), as the simulated cache sees them."""
+    if isinstance(value, str):
+        return value.split()
+    if isinstance(value, list):
+        out = []
+        for item in value:
+            out.extend(words_in_order(item))
+        return out
+    if isinstance(value, dict):
+        role = value.get("role")
+        return ([role] if isinstance(role, str) else []) + words_in_order(value.get("content", value.get("text", "")))
+    return []
+
+
 class State:
     """Shared by the HTTP threads: readiness, counters, death."""
 
@@ -410,6 +483,9 @@ class State:
         self.requests = 0
         self.aborted = 0
         self.running = 0
+        blocks = knobs["prefix_cache_blocks"]
+        self.prefix_cache = (PrefixCache(blocks, knobs["block_words"], knobs["prefill_per_token"])
+                             if blocks else None)
 
     def next_id(self):
         with self.lock:
@@ -643,7 +719,16 @@ class Handler(BaseHTTPRequestHandler):
     def _metrics(self):
         s = self.state
         name = s.engine.name
-        return ("# TYPE vllm:num_requests_running gauge\n"
+        cache = s.prefix_cache
+        simulated = "" if cache is None else (
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            'vllm:num_requests_waiting{model_name="%s"} %d\n'
+            "# TYPE vllm:prefix_cache_queries_total counter\n"
+            'vllm:prefix_cache_queries_total{model_name="%s"} %d\n'
+            "# TYPE vllm:prefix_cache_hits_total counter\n"
+            'vllm:prefix_cache_hits_total{model_name="%s"} %d\n'
+            % (name, cache.waiting, name, cache.queries, name, cache.hits))
+        return (simulated + "# TYPE vllm:num_requests_running gauge\n"
                 'vllm:num_requests_running{model_name="%s"} %d\n'
                 "# TYPE engine_double_requests_total counter\n"
                 "engine_double_requests_total %d\n"
@@ -665,13 +750,19 @@ class Handler(BaseHTTPRequestHandler):
                 "# TYPE engine_double_aborted_total counter\n"
                 "engine_double_aborted_total %d\n" % (s.running, s.requests, s.aborted)).encode()
 
-    def _generation(self, request, prompt_words):
+    def _generation(self, request, prompt_words, prompt=None):
         max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
         limited = max_tokens is not None
         max_tokens = int(max_tokens) if limited else DEFAULT_MAX_TOKENS
         tokens = reply_tokens(self._model_name(request), prompt_words, max_tokens)
         usage = {"prompt_tokens": max(1, prompt_words), "completion_tokens": len(tokens),
                  "total_tokens": max(1, prompt_words) + len(tokens)}
+        cache = self.state.prefix_cache
+        if cache is not None and prompt is not None:  # the simulated prefill, before any byte of the answer
+            words = words_in_order(prompt)
+            cached = cache.admit(words)
+            cache.prefill(len(words) - cached)
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return tokens, usage, ("length" if limited else "stop")
 
     def _model_name(self, request):
@@ -682,7 +773,7 @@ class Handler(BaseHTTPRequestHandler):
         messages = request.get("messages")
         if not isinstance(messages, list) or not messages:
             return self._send(400, error_body(400, "messages must be a non-empty list", "BadRequestError"))
-        tokens, usage, finish = self._generation(request, words_of(messages))
+        tokens, usage, finish = self._generation(request, words_of(messages), messages)
         rid, created, model = "chatcmpl-%d%06d" % (os.getpid(), self.state.next_id()), int(time.time()), self._model_name(request)
         if request.get("stream"):
             def chunk(delta, finish_reason=None):
@@ -702,7 +793,7 @@ class Handler(BaseHTTPRequestHandler):
         prompt = request.get("prompt")
         if prompt is None:
             return self._send(400, error_body(400, "prompt is required", "BadRequestError"))
-        tokens, usage, finish = self._generation(request, words_of(prompt))
+        tokens, usage, finish = self._generation(request, words_of(prompt), prompt)
         rid, created, model = "cmpl-%d%06d" % (os.getpid(), self.state.next_id()), int(time.time()), self._model_name(request)
         if request.get("stream"):
             def chunk(text, finish_reason=None):

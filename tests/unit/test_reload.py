@@ -1,0 +1,220 @@
+"""Reload on a simulated fleet (R-10.5): what `ControlPlane.reload` changes, refuses and records.
+
+The reload itself (reading the file, the diff, the fleet, the reconciler, the catalog) is the real
+code; only the nodes are simulated (tests/unit/fake_fleet.py). The testbed scenario
+(tests/scenarios/test_reload.py) does the same against real SSH nodes and a real `llmgw serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmgw.catalog import Catalog, CatalogHolder, StoredModel
+from llmgw.config import ModelConfig, embedded_inventory, load_inventory
+from llmgw.control.reconciler import Reconciler
+from llmgw.control.service import ControlPlane, ServiceError
+from llmgw.store import Store
+from tests.unit.fake_fleet import FakeFleet
+from tests.unit.test_reconciler import serving, settle, until
+
+GPU_PROFILE = {"engine": "vllm", "gpus": 8, "start_timeout": "1s"}
+
+
+def write(path: Path, nodes=("a",), models=None, profiles=None, gateway=None) -> Path:
+    doc = {"gateway": {"settling_window": "0.3s", **(gateway or {})},
+           "nodes": [{"name": n, "host": f"h-{n}"} for n in nodes],
+           "profiles": profiles if profiles is not None else {"whole": GPU_PROFILE},
+           "models": models if models is not None else [{"name": "m", "profile": "whole", "weights": "hf:org/m"}]}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def plane(path: Path, tmp_path: Path, stored: list[StoredModel] = ()):
+    inventory, document = load_inventory(path)
+    holder = CatalogHolder(Catalog.from_inventory(inventory, document, stored=list(stored)))
+    fleet = FakeFleet(inventory)
+    store = Store.open(tmp_path / "state.db")
+    reconciler = Reconciler(holder, fleet, store, inventory.gateway)
+    control = ControlPlane(inventory, document, holder, store, reconciler, fleet, str(path))
+    return control, reconciler, fleet, holder, store
+
+
+def audit_rows(store: Store) -> list[dict]:
+    return store.read_sync(lambda db: list(db["audit"].rows_where("action = 'reload'")))
+
+
+async def test_a_node_added_is_used_and_a_node_removed_is_drained_then_forgotten(tmp_path):
+    path = write(tmp_path / "inventory.yaml", nodes=("a",))
+    control, reconciler, fleet, holder, store = plane(path, tmp_path)
+    await settle(reconciler, fleet)
+    (original,) = serving(reconciler, "m")
+    assert original.leader.node == "a"
+
+    write(path, nodes=("a", "b"))
+    preview = await control.reload("ops", dry_run=True)
+    assert preview["dry_run"] and not preview["applied"] and preview["nodes_added"] == ["b"]
+    assert "b" not in fleet.nodes and control.inventory.node("a") and len(control.inventory.nodes) == 1
+    assert audit_rows(store) == []
+
+    answer = await control.reload("ops")
+    assert answer["applied"] and answer["nodes_added"] == ["b"]
+    assert "b" in fleet.nodes and reconciler.admin["b"].state == "active"
+    assert [n.name for n in control.inventory.nodes] == ["a", "b"]
+
+    write(path, nodes=("b",))
+    answer = await control.reload("ops", grace=60)
+    assert answer["nodes_removed"] == ["a"]
+    assert "a" in fleet.nodes and reconciler.admin["a"].state == "draining"  # drained first
+    with pytest.raises(ServiceError) as refused:  # an uncordon would keep it forever
+        control.set_node("a", "uncordon", None, "ops")
+    assert refused.value.status == 409 and "is being drained before it is forgotten" in refused.value.message
+    await until(lambda: "a" not in fleet.nodes, reconciler, fleet, what="node a forgotten")
+    (moved,) = serving(reconciler, "m")
+    assert moved.leader.node == "b" and moved.replaces == original.id
+    assert original.id not in reconciler.replicas
+    assert "a" not in reconciler.admin and "a" not in reconciler.removing
+    assert [c[1] for c in fleet.calls if c[0] == "a" and c[1] in ("stop", "detach_node")] == ["stop", "detach_node"]
+    await store.write(lambda db: None)  # the writes queued before it are done
+    rows = store.read_sync(lambda db: list(db["node_admin"].rows_where("node = 'a'")))
+    assert rows == []
+    actions = [(r["action"], r["target"]) for r in store.read_sync(lambda db: list(db["audit"].rows))]
+    assert actions.count(("reload", "inventory")) == 2 and ("node.forget", "a") in actions
+    details = [json.loads(r["detail"]) for r in audit_rows(store)]
+    assert [d["nodes_added"] for d in details] == [["b"], []]
+    assert [d["nodes_removed"] for d in details] == [[], ["a"]]
+    store.close()
+
+
+async def test_an_unreachable_removed_node_is_forgotten_once_its_grace_is_over(tmp_path):
+    path = write(tmp_path / "inventory.yaml", nodes=("a", "b"))
+    control, reconciler, fleet, holder, store = plane(path, tmp_path)
+    await settle(reconciler, fleet)
+    (replica,) = serving(reconciler, "m")
+    node = replica.leader.node
+    fleet.links[node].cut()
+    write(path, nodes=[n for n in ("a", "b") if n != node])
+    await control.reload("ops", grace=0.2)
+    await until(lambda: node not in fleet.nodes, reconciler, fleet, what="the cut node forgotten")
+    await until(lambda: replica.id not in reconciler.replicas, reconciler, fleet, what="its replica's record gone")
+    store.close()
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("nodes: [{name: a, host: h-a}\n", "not valid YAML"),
+    ("nodes:\n  - {name: a, host: h-a, colour: red}\n", "inventory.yaml:2: nodes[0].colour: unknown field"),
+    ("nodes: [{name: a, host: h-a}]\nmodels:\n  - {name: m, profile: nope}\n",
+     "inventory.yaml:3: models[0].profile: unknown profile 'nope'"),
+])
+async def test_a_file_that_does_not_build_is_refused_and_changes_nothing(tmp_path, text, expected):
+    path = write(tmp_path / "inventory.yaml", nodes=("a",))
+    control, reconciler, fleet, holder, store = plane(path, tmp_path)
+    await settle(reconciler, fleet)
+    before = (control.inventory, control.document, holder.current, dict(fleet.nodes), dict(reconciler.admin),
+              dict(reconciler.replicas), reconciler.gateway)
+    path.write_text(text + "gateway: {tick: 1s}\n" if "nope" in text else text)
+    with pytest.raises(ServiceError) as refused:
+        await control.reload("ops")
+    assert refused.value.status == 400 and refused.value.code == "bad_inventory"
+    assert any(expected in problem for problem in refused.value.problems), refused.value.problems
+    assert refused.value.problems[0].startswith(str(path))
+    after = (control.inventory, control.document, holder.current, dict(fleet.nodes), dict(reconciler.admin),
+             dict(reconciler.replicas), reconciler.gateway)
+    assert after == before and all(a is b for a, b in zip(after[:3], before[:3]))
+    assert audit_rows(store) == []
+    store.close()
+
+
+async def test_a_removed_profile_still_used_by_a_stored_model_is_refused(tmp_path):
+    profiles = {"whole": GPU_PROFILE, "spare": {"engine": "llama-server"}}
+    path = write(tmp_path / "inventory.yaml", profiles=profiles)
+    stored = [StoredModel(ModelConfig(name="added", profile="spare", weights="/w"), "ops")]
+    control, reconciler, fleet, holder, store = plane(path, tmp_path, stored)
+    write(path, profiles={"whole": GPU_PROFILE})
+    with pytest.raises(ServiceError) as refused:
+        await control.reload("ops")
+    assert "added.profile: unknown profile 'spare'" in refused.value.message
+    assert "spare" in holder.current.profiles and holder.current.version == 1
+    store.close()
+
+
+async def test_gateway_settings_change_and_listeners_are_left_for_a_restart(tmp_path):
+    path = write(tmp_path / "inventory.yaml")
+    control, reconciler, fleet, holder, store = plane(path, tmp_path)
+    seen = []
+    control.on_reload.append(seen.append)
+    write(path, gateway={"tick": "1s", "request_timeout": "42s", "listen": "0.0.0.0:9999",
+                         "cache_low_water": "10%"})
+    answer = await control.reload("ops")
+    assert answer["restart_needed"] == ["gateway.listen"]
+    assert reconciler.gateway.tick == 1.0 and reconciler.actions.gateway.request_timeout == 42.0
+    assert reconciler.cleanup.enabled and str(reconciler.cleanup.marks["a"]) == "10%"
+    assert control.inventory.gateway.listen == "127.0.0.1:8080"  # as it runs
+    assert seen == [control.inventory]
+    assert holder.current.version == 1  # the catalog did not change: no swap
+    store.close()
+
+
+async def test_the_embedded_default_has_no_file_to_reload(tmp_path):
+    inventory = embedded_inventory()
+    holder = CatalogHolder(Catalog.from_inventory(inventory))
+    fleet = FakeFleet(inventory)
+    store = Store.open(tmp_path / "state.db")
+    reconciler = Reconciler(holder, fleet, store, inventory.gateway)
+    control = ControlPlane(inventory, None, holder, store, reconciler, fleet, "the embedded default")
+    with pytest.raises(ServiceError) as refused:
+        await control.reload("ops")
+    assert refused.value.status == 409 and refused.value.code == "no_inventory_file"
+    assert "the embedded default" in refused.value.message and "-i FILE" in refused.value.message
+    store.close()
+
+
+async def test_one_reload_at_a_time(tmp_path):
+    path = write(tmp_path / "inventory.yaml", nodes=("a",))
+    control, reconciler, fleet, holder, store = plane(path, tmp_path)
+    write(path, nodes=("a", "b"))
+    release = asyncio.Event()
+    updating = fleet.update_node
+
+    async def slow_update(node, reconnect):
+        await release.wait()
+        await updating(node, reconnect)
+
+    fleet.update_node = slow_update
+    write(path, nodes=("a", "b"), gateway={"tick": "2s"})
+    path.write_text(path.read_text().replace("host: h-a", "host: h-a2"))
+    first = asyncio.ensure_future(control.reload("alice"))
+    await asyncio.sleep(0.05)
+    with pytest.raises(ServiceError) as refused:
+        await control.reload("bob")
+    assert refused.value.status == 409 and refused.value.code == "reload_in_progress"
+    assert "a reload by alice" in refused.value.message
+    release.set()
+    answer = await first
+    assert answer["applied"] and answer["nodes_reconnected"] == ["a"]
+    assert ("a", "reconnect", {}) in fleet.calls and fleet.nodes["a"].host == "h-a2"
+    assert (await control.reload("bob"))["changes"] == []  # free again, and nothing left to change
+    store.close()
+
+
+async def test_a_node_put_back_while_it_drains_is_kept(tmp_path):
+    path = write(tmp_path / "inventory.yaml", nodes=("a",))
+    control, reconciler, fleet, holder, store = plane(path, tmp_path)
+    await settle(reconciler, fleet)
+    (replica,) = serving(reconciler, "m")
+    write(path, nodes=())
+    await control.reload("ops", grace=60)
+    await settle(reconciler, fleet)
+    assert reconciler.admin["a"].state == "draining" and "a" in fleet.nodes  # nowhere to move it: it waits
+    write(path, nodes=("a",))
+    answer = await control.reload("ops")
+    assert answer["nodes_added"] == ["a"]
+    await settle(reconciler, fleet)
+    assert reconciler.removing == {} and reconciler.admin["a"].state == "active"
+    assert serving(reconciler, "m") == [replica] and not replica.draining
+    assert ("a", "add_node", {}) not in fleet.calls  # the same link, not a second one
+    store.close()
