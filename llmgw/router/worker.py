@@ -98,10 +98,19 @@ async def run_worker(args: WorkerArgs, build: AppBuilder) -> int:
         loop.add_signal_handler(sig, stop.set)
     if args.lifeline_fd is not None:
         _watch_lifeline(loop, args.lifeline_fd, stop)
+    building = asyncio.ensure_future(build(args))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([building, stopping], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not building.done():  # stopped while it waits for its first snapshot
+        building.cancel()
+        await asyncio.gather(building, return_exceptions=True)
+        log.info("worker %d stopped before it served", args.slot)
+        return 0
     try:
-        app, close = await build(args)
+        app, close = building.result()
     except Exception as exc:  # told to the supervisor, which logs it and retries with backoff
-        log.exception("worker %d cannot start", args.slot)
+        log.error("worker %d cannot start: %s", args.slot, exc, exc_info=log.isEnabledFor(logging.DEBUG))
         ready.say(f"error: {exc}")
         return 1
     draining = False
@@ -186,8 +195,12 @@ async def build_router(args: WorkerArgs) -> tuple[web.Application, Closer]:
     router = Router()
     client = FeedClient(router, args.control, token, args.state_dir, ca=str(args.ca) if args.ca else None)
     await client.start()
-    while router.snapshot is None:
-        await asyncio.sleep(0.05)
+    try:
+        while router.snapshot is None:
+            await asyncio.sleep(0.05)
+    except asyncio.CancelledError:  # stopped before the first snapshot came
+        await client.close()
+        raise
 
     async def close() -> None:
         await client.close()  # its final report: what the requests just finished counted
