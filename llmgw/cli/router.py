@@ -24,7 +24,6 @@ RESTART_TIMEOUT_PER_WORKER = 150.0
 router_app = typer.Typer(
     name="router",
     invoke_without_command=True,
-    help="Router workers on one client port, fed by a control plane (`llmgw serve`, here or elsewhere).",
 )
 
 
@@ -52,7 +51,7 @@ def router(
     ready_fd: int | None = typer.Option(None, "--ready-fd", hidden=True),
     worker_module: str = typer.Option("llmgw.router.worker", "--worker-module", hidden=True),
 ) -> None:
-    """Serve the OpenAI API with N worker processes on one port, fed by a control plane.
+    """Serve the OpenAI API with N worker processes on one port, fed by a control plane (`llmgw serve`).
 
     Workers that die are restarted; SIGHUP (or `llmgw router restart`) restarts them one by one
     without refusing a connection; SIGTERM stops them after their requests in flight. One router
