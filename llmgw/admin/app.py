@@ -133,6 +133,9 @@ def build_admin_app(gateway: Any) -> web.Application:
         web.get("/metrics", api.metrics),
     ])
     dashboard.add_routes(app, gateway)
+    feed = getattr(gateway, "feed_server", None)  # the router feed (llmgw.control.feedserver), when served
+    if feed is not None:
+        feed.mount(app)
     app.on_shutdown.append(_end_follows)
     return app
 
