@@ -21,7 +21,6 @@ import inspect
 import json
 import logging
 import os
-import ssl
 from collections import OrderedDict
 from functools import partial
 from pathlib import Path
@@ -217,12 +216,3 @@ async def listen_unix(server: FeedServer, path: Path, *, shutdown_timeout: float
     log.info("router feed listening on %s", path)
     return FeedSocket(runner, path, inode)
 
-
-def admin_ssl_context(cert: str, key: str) -> ssl.SSLContext:
-    """The server context of an admin listener that speaks https (`gateway.admin_tls`).
-
-    ssl.SSLError / OSError when the files do not hold a certificate and its key."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(os.path.expanduser(cert), os.path.expanduser(key))
-    return context

@@ -609,3 +609,89 @@ def test_control_addresses_that_are_accepted():
     assert parse_control("http://127.0.0.1:8081").base_url == "http://127.0.0.1:8081"
     assert parse_control("http://[::1]:8081").base_url == "http://[::1]:8081"
     assert parse_control("https://gw.example:8443").tls
+
+
+# -- TLS on the admin listener -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificate():
+    directory = Path(tempfile.mkdtemp(prefix="feed-tls-", dir="/tmp"))
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(directory / "key.pem"), "-out", str(directory / "cert.pem"), "-days", "2",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True)
+    os.chmod(directory / "key.pem", 0o600)
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _inventory_with_tls(cert: str, key: str) -> str:
+    return f"nodes:\n  - name: a\n    connection: local\ngateway:\n  admin_tls:\n    cert: {cert}\n    key: {key}\n"
+
+
+@pytest.mark.parametrize("cert,key,line,names", [
+    pytest.param("{d}/missing.pem", "{d}/key.pem", 6, "gateway.admin_tls.cert: '{d}/missing.pem': no such file",
+                 id="missing-cert"),
+    pytest.param("{d}/cert.pem", "{d}/gone.pem", 7, "gateway.admin_tls.key: '{d}/gone.pem': no such file",
+                 id="missing-key"),
+    pytest.param("{d}/key.pem", "{d}/key.pem", 5, "gateway.admin_tls: cannot use {d}/key.pem", id="not-a-certificate"),
+])
+def test_admin_tls_files_are_checked_when_the_inventory_loads(certificate, cert, key, line, names):
+    from llmgw.config import ConfigError, load_inventory_text
+
+    d = str(certificate)
+    with pytest.raises(ConfigError) as info:
+        load_inventory_text(_inventory_with_tls(cert.format(d=d), key.format(d=d)), "inventory.yaml")
+    assert str(info.value).startswith(f"inventory.yaml:{line}: {names.format(d=d)}"), str(info.value)
+
+
+async def _https_app(certificate, app: web.Application):
+    from llmgw.config import load_inventory_text
+
+    inventory, _ = load_inventory_text(_inventory_with_tls(certificate / "cert.pem", certificate / "key.pem"))
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=inventory.gateway.admin_tls.server_context())
+    await site.start()
+    return runner, runner.addresses[0][1]
+
+
+async def test_the_feed_over_https_checks_the_certificate(certificate, clients, place, caplog):
+    publisher = FakePublisher()
+    app = web.Application()
+    FeedServer(publisher, TOKEN, keepalive=0.2).mount(app)
+    runner, port = await _https_app(certificate, app)
+    try:
+        trusting = FakeRouter()
+        await clients(trusting, f"https://127.0.0.1:{port}", place / "a", ca=str(certificate / "cert.pem"))
+        await until(lambda: trusting.snapshot is not None, "the snapshot over https")
+        trusting.count(3)
+        await until(lambda: publisher.requests() == 3, "a report over https")
+        doubting = FakeRouter()
+        await clients(doubting, f"https://127.0.0.1:{port}", place / "b")  # the system's authorities only
+        await until(lambda: any("certificate" in r.getMessage() for r in caplog.records), "a refused certificate")
+        assert doubting.snapshot is None and doubting.feed_status["state"] == "no-snapshot"
+        assert len(publisher.listeners) == 1
+    finally:
+        await runner.cleanup()
+
+
+async def test_ctl_reaches_an_https_admin_listener_with_its_ca(certificate):
+    from llmgw.admin.client import AdminClient, AdminError
+
+    async def status(request):
+        assert request.headers["Authorization"] == f"Bearer {TOKEN}"
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.add_routes([web.get("/api/status", status)])
+    runner, port = await _https_app(certificate, app)
+    try:
+        client = AdminClient.discover(admin=f"https://127.0.0.1:{port}", token=TOKEN, ca=str(certificate / "cert.pem"))
+        assert await asyncio.to_thread(client.get, "/api/status") == {"ok": True}
+        doubting = AdminClient.discover(admin=f"https://127.0.0.1:{port}", token=TOKEN)
+        with pytest.raises(AdminError, match="--ca FILE"):
+            await asyncio.to_thread(doubting.get, "/api/status")
+    finally:
+        await runner.cleanup()
