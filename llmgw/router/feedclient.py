@@ -255,7 +255,10 @@ class Spool:
             top = max(top, report.seq)
         self.next_seq = max(top, self.acked) + 1
         self.pending = [_Spooled(reports[s], True) for s in sorted(reports) if s > self.acked]
-        self._rewrite()
+        if sum(1 for line in lines if line.strip()) != len(self.pending) + 1:
+            self._rewrite()  # drop what is acknowledged or replaced, and anything unreadable
+        else:
+            self._lines = len(self.pending) + 1
 
     def _rewrite(self) -> None:
         lines = [_dumps({"acked": self.acked})] + [_dumps(to_wire(s.report)) for s in self.pending]
@@ -461,6 +464,7 @@ class FeedClient:
     async def _feed_loop(self) -> None:
         attempt = 0
         while not self._closing:
+            quiet = False
             try:
                 await self._follow()
                 reason = "the control plane ended the feed"
@@ -468,15 +472,17 @@ class FeedClient:
                 # A change that does not follow (or a line that does not parse): take the whole
                 # snapshot again rather than guess, which a new connection starts with.
                 log.warning("feed from %s: %s; reconnecting for a whole snapshot", self.control.address, exc)
-                reason = str(exc)
-                attempt = 0
+                reason, quiet, attempt = str(exc), True, 0
             except _Refused as exc:
                 reason = str(exc)
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 reason = _describe(exc)
+            except Exception:  # a fault of this side: say it, and keep serving with what the router has
+                log.exception("router feed from %s failed; reconnecting", self.control.address)
+                reason, quiet = "an error in this router (logged)", True
             if self._live:
                 attempt = 0
-            self._lost(reason)
+            self._lost(reason, quiet)
             await asyncio.sleep(backoff_delay(attempt, self.backoff_base, self.backoff_cap))
             attempt += 1
 
@@ -526,11 +532,11 @@ class FeedClient:
             self._wake.set()
         self._update_status()
 
-    def _lost(self, reason: str) -> None:
+    def _lost(self, reason: str, quiet: bool = False) -> None:
         if self._live or self._down_since is None:
             self._down_since = time.time()
         self._live = False
-        if not self._warned:
+        if not self._warned and not quiet:
             self._warned = True
             snapshot = self.router.snapshot
             if snapshot is not None:
@@ -569,6 +575,8 @@ class FeedClient:
                 await self._write_snapshot()
             except OSError as exc:
                 log.warning("cannot write the last-known-good snapshot in %s: %s", self.state_dir, exc)
+            except Exception:
+                log.exception("router feed: writing the last-known-good snapshot failed")
             await asyncio.sleep(self.snapshot_every)
 
     async def _write_snapshot(self) -> None:
@@ -593,12 +601,19 @@ class FeedClient:
             self._wake.clear()
             try:
                 await self._spool_report()
+            except OSError as exc:  # kept in memory, sent all the same: better than holding it back
+                log.warning("cannot write the report spool in %s: %s", self.slot.directory, exc)
+            except Exception:
+                log.exception("router feed: making a report failed")
+            try:
                 await self._deliver(self.slot.spool)
                 if time.monotonic() - self._swept_at >= self.sweep_every and self._post_attempt == 0:
                     self._swept_at = time.monotonic()
                     await self._sweep()
             except OSError as exc:
                 log.warning("report spool in %s: %s", self.slot.directory, exc)
+            except Exception:
+                log.exception("router feed: delivering reports failed")
             self._update_status()
 
     async def _spool_report(self) -> None:

@@ -695,3 +695,23 @@ async def test_ctl_reaches_an_https_admin_listener_with_its_ca(certificate):
             await asyncio.to_thread(doubting.get, "/api/status")
     finally:
         await runner.cleanup()
+
+
+def test_a_spool_read_back_skips_a_torn_line_and_never_reuses_a_seq(tmp_path, caplog):
+    def line(seq, requests):
+        report = Report(router="r-0", seq=seq, sent_at=1.0, usage=(UsageRow(0, "k", "m", requests, 1, 1),))
+        return json.dumps(to_wire(report))
+
+    (tmp_path / "spool.ndjson").write_text("\n".join([
+        json.dumps({"acked": 3}), line(4, 1), line(5, 1), line(5, 2),  # a later line of a seq replaces it
+        json.dumps({"acked": 4}), line(6, 9)[:40]]))  # cut short by a crash
+    spool = Spool(tmp_path, "r-0")
+    spool.load()
+    assert [(e.report.seq, e.report.usage[0].requests) for e in spool.pending] == [(5, 2)]
+    assert all(e.sent for e in spool.pending)  # it may have been counted: sent again as it is
+    assert spool.next_seq == 6
+    assert "line 6 is incomplete" in caplog.text
+    spool.acknowledge(5)
+    again = Spool(tmp_path, "r-0")
+    again.load()
+    assert again.pending == [] and again.next_seq == 6  # above every seq the file named
