@@ -295,6 +295,34 @@ async def test_a_change_that_does_not_follow_makes_the_client_take_a_snapshot_ag
     assert router.snapshot.version == 1
 
 
+async def test_a_quiet_feed_carries_keep_alive_lines(control):
+    connector = aiohttp.UnixConnector(path=str(control.path))
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async with session.get("http://localhost/v1/feed", headers={"Authorization": f"Bearer {TOKEN}"}) as answer:
+            assert answer.headers["Content-Type"] == "application/x-ndjson"
+            assert json.loads(await answer.content.readline())["type"] == "snapshot"
+            assert await answer.content.readline() == b"\n"  # nothing published: a keep-alive
+            assert await answer.content.readline() == b"\n"
+
+
+async def test_a_control_plane_that_accepts_but_never_answers_is_left_and_tried_again(place, clients):
+    connections = []
+
+    async def silent(reader, writer):
+        connections.append(writer)  # reads nothing, answers nothing
+
+    server = await asyncio.start_unix_server(silent, str(place / "silent.sock"))
+    try:
+        router = FakeRouter()
+        await clients(router, f"unix:{place}/silent.sock", place / "router", read_timeout=0.2)
+        await until(lambda: len(connections) >= 3, "reconnections")
+        assert router.feed_status["state"] == "no-snapshot"
+    finally:
+        server.close()
+        for writer in connections:
+            writer.close()
+
+
 @pytest.mark.parametrize("headers", [
     pytest.param({}, id="no-token"),
     pytest.param({"Authorization": "Bearer wrong-token"}, id="wrong-token"),
