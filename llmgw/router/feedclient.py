@@ -353,10 +353,6 @@ def take_slot(state_dir: Path) -> _Slot:
 # -- the client --------------------------------------------------------------------------------
 
 
-class _NotSent(Exception):
-    """A request that never reached the control plane (no connection was made)."""
-
-
 class FeedClient:
     """Feeds `router` from the control plane at `control` and reports back; see the module's docstring."""
 
@@ -376,7 +372,10 @@ class FeedClient:
         self.sweep_every = sweep_every
         self._ssl: ssl.SSLContext | bool = True
         if self.control.tls:
-            self._ssl = ssl.create_default_context(cafile=os.path.expanduser(ca) if ca else None)
+            try:
+                self._ssl = ssl.create_default_context(cafile=os.path.expanduser(ca) if ca else None)
+            except (OSError, ssl.SSLError) as exc:
+                raise FeedClientError(f"cannot use --ca {ca}: {getattr(exc, 'strerror', None) or exc}") from None
         self.slot: _Slot | None = None
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
@@ -390,7 +389,6 @@ class FeedClient:
         self._post_after = 0.0
         self._swept_at = 0.0
         self._closing = False
-        self.snapshots_written = 0
 
     def __repr__(self) -> str:  # the token stays out of tracebacks
         return f"FeedClient({self.control.address})"
@@ -586,7 +584,6 @@ class FeedClient:
             return
         data = _dumps(to_wire(snapshot)).encode()
         await asyncio.to_thread(_write_atomic, self.state_dir / SNAPSHOT_FILE, data)
-        self.snapshots_written += 1
 
     # -- reports -------------------------------------------------------------------------------
 

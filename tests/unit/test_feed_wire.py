@@ -632,6 +632,11 @@ def test_control_addresses_that_are_refused(address, why):
         parse_control(address)
 
 
+def test_a_ca_file_that_cannot_be_read_is_refused(tmp_path):
+    with pytest.raises(FeedClientError, match="cannot use --ca"):
+        FeedClient(FakeRouter(), "https://gw.example:8443", TOKEN, tmp_path, ca=str(tmp_path / "missing.pem"))
+
+
 def test_control_addresses_that_are_accepted():
     assert parse_control("unix:/run/llmgw/feed.sock").socket_path == "/run/llmgw/feed.sock"
     assert parse_control("http://127.0.0.1:8081").base_url == "http://127.0.0.1:8081"
