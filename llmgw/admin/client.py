@@ -181,9 +181,13 @@ class AdminClient:
         except urllib.error.URLError as exc:
             if self.socket_path is not None:
                 raise AdminError(self._socket_unreachable(exc.reason)) from None
+            if isinstance(exc.reason, ssl.SSLCertVerificationError):
+                raise AdminError(f"the admin listener at {self.base_url} failed the certificate check "
+                                 f"({exc.reason.verify_message}); pass --ca FILE with the certificate that "
+                                 "signed it") from None
             if isinstance(exc.reason, ssl.SSLError):
-                raise AdminError(f"the admin listener at {self.base_url} failed the TLS check ({exc.reason}); "
-                                 "pass --ca FILE with the certificate that signed it") from None
+                raise AdminError(f"no TLS from the admin listener at {self.base_url} ({exc.reason}); it speaks "
+                                 "https only when the gateway sets gateway.admin_tls, else use http://") from None
             raise AdminError(f"cannot reach the admin listener at {self.base_url} ({exc.reason}); is `llmgw "
                              "serve` running? Pass --admin HOST:PORT or --state-dir otherwise") from None
         except (TimeoutError, OSError) as exc:
