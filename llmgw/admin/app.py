@@ -331,8 +331,11 @@ class Api:
         """Where this admin listener is bound: TCP address and the state directory's socket."""
         bound = getattr(self.gateway, "bound", {}).get("admin")
         socket_path = getattr(self.gateway, "admin_socket", None)
+        inventory = getattr(self.gateway, "inventory", None)
+        tls = inventory is not None and inventory.gateway.admin_tls is not None
         return _json({"address": f"{bound[0]}:{bound[1]}" if bound else None,
-                      "socket": str(socket_path) if socket_path is not None else None})
+                      "socket": str(socket_path) if socket_path is not None else None,
+                      "scheme": "https" if tls else "http"})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.gateway.registry)

@@ -239,7 +239,10 @@ class AdminClient:
         address it listens on: an address file could be stale, and its port someone else's."""
         base = self.base_url
         if self.socket_path is not None:
-            base = _base_url(self.get("/api/listener")["address"])
+            listener = self.get("/api/listener")
+            base = _base_url(listener["address"])
+            if listener.get("scheme") == "https":
+                base = "https://" + base.removeprefix("http://")
         return f"{base}{path}?token={urllib.parse.quote(self.token)}"
 
 

@@ -29,6 +29,8 @@ def test_an_admin_listener_with_a_certificate_speaks_https_to_ctl(tmp_path):
         assert plain.exit_code != 0, plain  # the listener speaks TLS only
         local = gateway.ctl("status", "--json")  # the state directory's socket stays plain
         assert local.exit_code == 0, local.stderr
+        dashboard = gateway.ctl("dashboard")
+        assert f"https://127.0.0.1:{port}/?token=" in dashboard.stdout, dashboard
     finally:
         gateway.stop()
         kill_processes_mentioning(str(tmp_path))
