@@ -284,7 +284,10 @@ class Spool:
         else:
             self.next_seq += 1
             self.pending.append(_Spooled(report, False))
-        self._append(to_wire(report), sync=True)
+        if self._lines > len(self.pending) + SPOOL_COMPACT:
+            self._rewrite()  # a long outage appends a merged report per period: keep only the live ones
+        else:
+            self._append(to_wire(report), sync=True)
         return report
 
     def acknowledge(self, seq: int) -> None:

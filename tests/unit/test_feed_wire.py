@@ -154,9 +154,11 @@ def place():
 class Control:
     """A FeedServer on `place/feed.sock` that can be stopped and started again."""
 
-    def __init__(self, place: Path, publisher: FakePublisher | None = None, **options):
+    def __init__(self, place: Path, publisher: FakePublisher | None = None, shutdown_timeout: float = 0.5,
+                 **options):
         self.path = place / FEED_SOCKET
         self.publisher = publisher or FakePublisher()
+        self.shutdown_timeout = shutdown_timeout
         self.options = {"keepalive": 0.2, **options}
         self.socket = None
 
@@ -168,7 +170,7 @@ class Control:
         if publisher is not None:
             self.publisher = publisher
         self.server = FeedServer(self.publisher, TOKEN, **self.options)
-        self.socket = await listen_unix(self.server, self.path, shutdown_timeout=0.5)
+        self.socket = await listen_unix(self.server, self.path, shutdown_timeout=self.shutdown_timeout)
         return self
 
     async def stop(self) -> None:
@@ -748,3 +750,26 @@ def test_a_spool_read_back_skips_a_torn_line_and_never_reuses_a_seq(tmp_path, ca
     again = Spool(tmp_path, "r-0")
     again.load()
     assert again.pending == [] and again.next_seq == 6  # above every seq the file named
+
+
+def test_a_spool_that_cannot_send_stays_small_on_disk(tmp_path):
+    from llmgw.router.feedclient import SPOOL_COMPACT
+
+    spool = Spool(tmp_path, "r-0")
+    for _ in range(3 * SPOOL_COMPACT):
+        spool.add({"usage": (UsageRow(0, "k", "m", 1, 1, 1),)}, 1.0)
+    lines = spool.path.read_text().splitlines()
+    print(f"{3 * SPOOL_COMPACT} periods unsent: {len(lines)} lines on disk, {len(spool.pending)} report(s)")
+    assert len(spool.pending) == 1 and len(lines) <= SPOOL_COMPACT + 2
+    again = Spool(tmp_path, "r-0")
+    again.load()
+    assert [e.report.usage[0].requests for e in again.pending] == [3 * SPOOL_COMPACT]
+
+
+async def test_shutdown_ends_the_feed_streams_instead_of_waiting_for_them(place, clients):
+    control = await Control(place, shutdown_timeout=3600.0).start()  # would wait this long for a stream left open
+    router = FakeRouter()
+    await clients(router, control.address, place / "router")
+    await until(lambda: control.server.streams == 1, "a connected router")
+    await asyncio.wait_for(control.stop(), DEADLINE)
+    assert control.server.streams == 0
