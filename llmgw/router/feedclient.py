@@ -8,8 +8,9 @@ What it keeps on disk, in its state directory (0700; files 0600, written atomica
   router whose control plane is away serves with what it was last told (last-known-good). A file
   that does not parse is set aside as `snapshot.json.bad` and not used.
 - `slots/N/`: one per running router process, taken by an exclusive flock on `slots/N/lock`
-  (the first free N) and held while it runs. A slot holds the router id (`router-id`) and the
-  report spool (`spool.ndjson`). A worker restarted while its predecessor still finishes streams
+  (the first free N) and held while it runs. A slot holds the router id (`router-id`; a new one
+  when the spool is gone, as the spool is what remembers the id's seqs) and the report spool
+  (`spool.ndjson`). A worker restarted while its predecessor still finishes streams
   finds the predecessor's slot locked and takes another: two processes never share a spool.
   Slots nobody holds (a killed process's) are swept: their unacknowledged reports are delivered.
 
@@ -329,10 +330,13 @@ class _Slot:
 
     def _router_id(self) -> str:
         path = self.directory / ROUTER_ID_FILE
-        with contextlib.suppress(FileNotFoundError):
-            value = path.read_text().strip()
-            if value:
-                return value
+        # The spool remembers the id's highest seq; without it a seq could be used twice, and the
+        # control plane would take the second report for the first. So no spool, a new id.
+        if (self.directory / SPOOL_FILE).exists():
+            with contextlib.suppress(FileNotFoundError):
+                value = path.read_text().strip()
+                if value:
+                    return value
         value = f"{socket.gethostname()}-{self.directory.name}-{secrets.token_hex(4)}"
         _write_atomic(path, value.encode() + b"\n")
         return value

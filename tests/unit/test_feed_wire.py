@@ -571,6 +571,10 @@ async def test_processes_on_one_state_dir_take_different_slots(control, clients,
     await one.close()
     three = await clients(FakeRouter(), control.address, state_dir, **calm)
     assert three.slot.directory == first_slot and three.router_id == first_id  # the free slot, its id kept
+    await three.close()
+    (first_slot / "spool.ndjson").unlink()  # what its seqs had reached is gone: so is the id
+    four = await clients(FakeRouter(), control.address, state_dir, **calm)
+    assert four.slot.directory == first_slot and four.router_id != first_id
 
 
 ORPHAN = textwrap.dedent("""
