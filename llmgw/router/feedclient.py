@@ -646,7 +646,7 @@ class FeedClient:
         return True
 
     def _post_failed(self, message: str, say) -> None:
-        say("router feed: %s", message)
+        (say if self._post_attempt == 0 else log.debug)("router feed: %s", message)  # once per failing spell
         self._post_after = time.monotonic() + backoff_delay(self._post_attempt, self.backoff_base, self.backoff_cap)
         self._post_attempt += 1
 
