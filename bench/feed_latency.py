@@ -9,7 +9,7 @@ parsing), which is what the socket and the scheduling alone cost.
 
     .venv/bin/python bench/feed_latency.py [--changes 200] [--interval 0.02] [--clients 1 4]
 
-Target (TARGETS.md / issue): an endpoint change seen by every router within 100 ms.
+Target: an endpoint change seen by every router within 100 ms.
 """
 
 from __future__ import annotations
