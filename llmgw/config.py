@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -100,9 +101,44 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class AdminTLS(_Strict):
+    """A certificate for the admin listener, which then speaks https: what routers on other hosts
+    and a remote `llmgw ctl` connect to (R-10.1). Paths are read where `llmgw serve` runs."""
+
+    cert: str  # PEM: the certificate, then any intermediates
+    key: str  # PEM: its private key, unencrypted (kept 0600)
+
+    @field_validator("cert", "key")
+    @classmethod
+    def _readable(cls, value: str) -> str:
+        path = os.path.expanduser(value)
+        if not os.path.isfile(path):
+            raise ValueError(f"{value!r}: no such file")
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"{value!r}: not readable by this user")
+        return value
+
+    @model_validator(mode="after")
+    def _a_pair(self) -> AdminTLS:
+        try:
+            self.server_context()
+        except (ssl.SSLError, OSError) as exc:
+            why = getattr(exc, "reason", None) or "a file is not PEM, or the key is not the certificate's"
+            raise ValueError(f"cannot use {self.cert} with the key {self.key}: {why}") from None
+        return self
+
+    def server_context(self) -> ssl.SSLContext:
+        """The TLS context of the admin listener (TLS 1.2 at least)."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(os.path.expanduser(self.cert), os.path.expanduser(self.key))
+        return context
+
+
 class GatewayConfig(_Strict):
     listen: str = "127.0.0.1:8080"
     admin: str = "127.0.0.1:8081"
+    admin_tls: AdminTLS | None = None  # set: the admin listener speaks https
     state_dir: str | None = None
     max_body: Size = 16 * 1000**2
     tick: Duration = 3.0

@@ -248,7 +248,9 @@ class Gateway:
         await self._listen("router", router_app, self._sockets.pop("router"), RUNNER_OPTIONS)
         admin_app = self._admin_app()
         if admin_app is not None:
-            runner = await self._listen("admin", admin_app, self._sockets.pop("admin"))
+            tls = self.inventory.gateway.admin_tls  # set: https, for routers and ctl on other hosts
+            runner = await self._listen("admin", admin_app, self._sockets.pop("admin"),
+                                        ssl_context=tls.server_context() if tls is not None else None)
             host, port = self.bound["admin"]
             (self.state_dir / ADMIN_ADDRESS_FILE).write_text(f"{host}:{port}\n")
             if not is_loopback(host):
@@ -279,12 +281,12 @@ class Gateway:
         return build_admin_app(self)
 
     async def _listen(self, name: str, app: web.Application, sockets: list[socket.socket],
-                      options: dict | None = None) -> web.AppRunner:
+                      options: dict | None = None, ssl_context=None) -> web.AppRunner:
         runner = web.AppRunner(app, **{"access_log": None, **(options or {})}, shutdown_timeout=SHUTDOWN_GRACE)
         await runner.setup()
         self._runners.append(runner)
         for sock in sockets:
-            await web.SockSite(runner, sock).start()
+            await web.SockSite(runner, sock, ssl_context=ssl_context).start()
         bound = sockets[0].getsockname()
         self.bound[name] = (bound[0], bound[1])
         log.info("%s listening on %s:%d", name, bound[0], bound[1])

@@ -134,6 +134,9 @@ def build_admin_app(gateway: Any) -> web.Application:
         web.get("/metrics", api.metrics),
     ])
     dashboard.add_routes(app, gateway)
+    feed = getattr(gateway, "feed_server", None)  # the router feed (llmgw.control.feedserver), when served
+    if feed is not None:
+        feed.mount(app)
     app.on_shutdown.append(_end_follows)
     return app
 
@@ -338,8 +341,11 @@ class Api:
         """Where this admin listener is bound: TCP address and the state directory's socket."""
         bound = getattr(self.gateway, "bound", {}).get("admin")
         socket_path = getattr(self.gateway, "admin_socket", None)
+        inventory = getattr(self.gateway, "inventory", None)
+        tls = inventory is not None and inventory.gateway.admin_tls is not None
         return _json({"address": f"{bound[0]}:{bound[1]}" if bound else None,
-                      "socket": str(socket_path) if socket_path is not None else None})
+                      "socket": str(socket_path) if socket_path is not None else None,
+                      "scheme": "https" if tls else "http"})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.gateway.registry)

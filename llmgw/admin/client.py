@@ -16,6 +16,7 @@ import http.client
 import json
 import os
 import socket
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -122,6 +123,7 @@ class AdminClient:
     timeout: float = TIMEOUT
     state_dir: Path | None = field(default=None, repr=False)
     socket_path: Path | None = None  # set: every request goes to this Unix socket
+    ca: str | None = None  # PEM file that signed an https listener's certificate; None: the system's
 
     def __repr__(self) -> str:  # the token never reaches a traceback or a log through repr()
         return f"AdminClient({self.where})"
@@ -132,7 +134,8 @@ class AdminClient:
 
     @classmethod
     def discover(cls, *, admin: str | None = None, token: str | None = None, token_file: str | None = None,
-                 state_dir: str | os.PathLike | None = None, actor: str | None = None) -> AdminClient:
+                 state_dir: str | os.PathLike | None = None, actor: str | None = None,
+                 ca: str | None = None) -> AdminClient:
         directory = _state_dir(state_dir)
         address = admin or os.environ.get("LLMGW_ADMIN")
         token = token or os.environ.get("LLMGW_ADMIN_TOKEN")
@@ -145,7 +148,7 @@ class AdminClient:
                                 missing=f"no admin token at {path}: is `llmgw serve` running with this state "
                                         "directory? Pass --state-dir, or --token-file / LLMGW_ADMIN_TOKEN")
         if address:
-            return cls(_base_url(address), token, actor, state_dir=directory)
+            return cls(_base_url(address), token, actor, state_dir=directory, ca=ca)
         return cls(UNIX_BASE, token, actor, state_dir=directory, socket_path=directory / SOCKET_FILE)
 
     # -- requests ------------------------------------------------------------------------------
@@ -172,16 +175,31 @@ class AdminClient:
             if self.socket_path is not None:
                 opener = urllib.request.build_opener(_UnixHandler(str(self.socket_path)))
                 return opener.open(request, timeout=timeout or self.timeout)
-            return urllib.request.urlopen(request, timeout=timeout or self.timeout)
+            return urllib.request.urlopen(request, timeout=timeout or self.timeout, context=self._tls())
         except urllib.error.HTTPError as exc:
             raise _api_error(exc) from None
         except urllib.error.URLError as exc:
             if self.socket_path is not None:
                 raise AdminError(self._socket_unreachable(exc.reason)) from None
+            if isinstance(exc.reason, ssl.SSLCertVerificationError):
+                raise AdminError(f"the admin listener at {self.base_url} failed the certificate check "
+                                 f"({exc.reason.verify_message}); pass --ca FILE with the certificate that "
+                                 "signed it") from None
+            if isinstance(exc.reason, ssl.SSLError):
+                raise AdminError(f"no TLS from the admin listener at {self.base_url} ({exc.reason}); it speaks "
+                                 "https only when the gateway sets gateway.admin_tls, else use http://") from None
             raise AdminError(f"cannot reach the admin listener at {self.base_url} ({exc.reason}); is `llmgw "
                              "serve` running? Pass --admin HOST:PORT or --state-dir otherwise") from None
         except (TimeoutError, OSError) as exc:
             raise AdminError(f"the admin listener at {self.where} did not answer: {exc}") from None
+
+    def _tls(self) -> ssl.SSLContext | None:
+        if not self.base_url.startswith("https://"):
+            return None
+        try:
+            return ssl.create_default_context(cafile=os.path.expanduser(self.ca) if self.ca else None)
+        except (OSError, ssl.SSLError) as exc:
+            raise AdminError(f"cannot use --ca {self.ca}: {getattr(exc, 'strerror', None) or exc}") from None
 
     def _socket_unreachable(self, reason: object) -> str:
         path = self.socket_path
@@ -221,7 +239,10 @@ class AdminClient:
         address it listens on: an address file could be stale, and its port someone else's."""
         base = self.base_url
         if self.socket_path is not None:
-            base = _base_url(self.get("/api/listener")["address"])
+            listener = self.get("/api/listener")
+            base = _base_url(listener["address"])
+            if listener.get("scheme") == "https":
+                base = "https://" + base.removeprefix("http://")
         return f"{base}{path}?token={urllib.parse.quote(self.token)}"
 
 

@@ -51,6 +51,7 @@ class Connection:
     state_dir: Path | None
     inventory: Path | None = None
     token_file: Path | None = None
+    ca: Path | None = None
     _client: AdminClient | None = None
 
     def client(self) -> AdminClient:
@@ -60,7 +61,8 @@ class Connection:
                 state_dir = _inventory_state_dir(self.inventory)
             self._client = AdminClient.discover(admin=self.admin, token=self.token,
                                                 token_file=str(self.token_file) if self.token_file else None,
-                                                state_dir=state_dir, actor=default_actor())
+                                                state_dir=state_dir, actor=default_actor(),
+                                                ca=str(self.ca) if self.ca else None)
         return self._client
 
 
@@ -93,9 +95,12 @@ def connection(
     inventory: Path | None = typer.Option(None, "-i", "--inventory",
                                           help="Inventory file of the running `llmgw serve`, for its state "
                                                "directory."),
+    ca: Path | None = typer.Option(None, "--ca", envvar="LLMGW_ADMIN_CA", dir_okay=False,
+                                   help="CA certificate (PEM) to check an https:// --admin listener's certificate "
+                                        "with, when a public authority did not sign it."),
 ) -> None:
     """Look at and steer a running gateway through its admin listener."""
-    ctx.obj = Connection(admin, token, state_dir, inventory, token_file)
+    ctx.obj = Connection(admin, token, state_dir, inventory, token_file, ca)
 
 
 PIPED_WIDTH = 200
