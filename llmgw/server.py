@@ -24,10 +24,12 @@ from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import Document, Inventory, is_loopback, load_configuration, resolve_state_dir, split_address
+from llmgw.control.feed import FeedPublisher
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.service import ControlPlane, load_stored_models
 from llmgw.aio import cancel_and_wait
 from llmgw.fleet.fleet import Fleet
+from llmgw.localfeed import LocalFeed
 from llmgw.router import RUNNER_OPTIONS, Router
 from llmgw.store import Store
 
@@ -230,6 +232,8 @@ class Gateway:
     fleet: Fleet = field(init=False)
     reconciler: Reconciler = field(init=False)
     router: Router = field(init=False)
+    publisher: FeedPublisher = field(init=False)
+    feed: LocalFeed = field(init=False)
     control: ControlPlane = field(init=False)
     registry: CollectorRegistry = field(init=False)
     token: str = field(init=False)
@@ -260,12 +264,15 @@ class Gateway:
         self.holder = CatalogHolder(catalog)
         self.registry = CollectorRegistry()
         self.fleet = Fleet(self.inventory, self.state_dir, on_state=lambda _: self._wake_reconciler())
-        self.router = Router(self.holder, self.store, gateway, on_demand=self._on_demand, registry=self.registry)
+        # The router is fed by the publisher only: models, endpoints, keys and settings go
+        # out as a snapshot and changes; counts and state come back as reports.
+        self.publisher = FeedPublisher(self.holder, self.store, gateway, note_demand=self._on_demand)
+        self.router = Router(registry=self.registry)
         self.reconciler = Reconciler(self.holder, self.fleet, self.store, gateway,
-                                     push_endpoints=self.router.set_endpoints,
-                                     last_used=self.router.take_last_used,
-                                     outstanding=self.router.outstanding, abandon=self.router.abandon,
-                                     engine_load=self.router.engine_load)
+                                     push_endpoints=self.publisher.set_endpoints,
+                                     last_used=self.publisher.take_last_used,
+                                     outstanding=self.publisher.outstanding, abandon=self.publisher.abandon,
+                                     engine_load=self.publisher.engine_load)
         self.fleet.holdings_wanted = self.reconciler.holdings_wanted
         self.control = ControlPlane(self.inventory, self.document, self.holder, self.store, self.reconciler,
                                     self.fleet, self.inventory_source)
@@ -273,6 +280,10 @@ class Gateway:
         await self.reconciler.load()
         # Adopted replicas are pushed before the router listens, once their nodes confirm them.
         await self.fleet.start()
+        self.publisher.mark_ready()
+        self.feed = LocalFeed(self.publisher, self.router)
+        self.feed.pump()  # the router holds the first snapshot before it listens
+        self.feed.start()
         router_app = self.router.web_app()
         finish_requests_within(router_app, SHUTDOWN_GRACE)
         await self._listen("router", router_app, self._sockets.pop("router"), RUNNER_OPTIONS)
@@ -357,7 +368,9 @@ class Gateway:
             except FileNotFoundError:
                 pass
             self.admin_socket = None
-        for part in ("reconciler", "router", "fleet"):
+        # The feed's last report carries the router's counts since the previous one: written
+        # before the store closes, so a SIGTERM loses no usage.
+        for part in ("reconciler", "feed", "publisher", "router", "fleet"):
             running = getattr(self, part, None)
             if running is not None:
                 await running.close()

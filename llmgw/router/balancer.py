@@ -228,6 +228,10 @@ class Balancer:
         return sum(up.outstanding for up in self._by_replica.get(replica_id, ())) + \
             sum(up.outstanding for up in self._retired if up.replica_id == replica_id)
 
+    def counted(self) -> list[Upstream]:
+        """Every endpoint whose requests in flight count: the listed ones and the retired ones."""
+        return [*self.upstreams(), *self._retired]
+
     def upstreams(self) -> list[Upstream]:
         """Every listed endpoint, once: what the engine-load poller reads."""
         return [up for members in self._by_replica.values() for up in members]
