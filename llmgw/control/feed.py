@@ -181,11 +181,12 @@ class FeedPublisher:
     """The router feed's source of truth, on the control plane's event loop."""
 
     def __init__(self, holder: CatalogHolder, store: Store, gateway: GatewayConfig, *, epoch: str | None = None,
-                 note_demand: Callable[[str], None] | None = None):
+                 note_demand: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
         self.holder = holder
         self.store = store
         self.epoch = epoch or secrets.token_hex(8)
         self.note_demand = note_demand  # the reconciler's: an on-demand model was asked for (R-6.8)
+        self._clock = clock  # when reports arrive, for staleness
         self._gateway = gateway_settings(gateway)
         self._models = routed_models(holder.current)
         self._static = _lists(static_endpoints(holder.current))
@@ -259,7 +260,7 @@ class FeedPublisher:
             await self.store.write(lambda db: apply_counted(db, report, now))
         previous = self._routers.get(report.router)
         if previous is None or report.seq > previous.seq:  # a late repeat does not set the state back
-            self._routers[report.router] = _RouterState(report.seq, time.monotonic(), report)
+            self._routers[report.router] = _RouterState(report.seq, self._clock(), report)
             if report.demand and self.note_demand is not None:
                 for model in report.demand:
                     try:
@@ -319,7 +320,7 @@ class FeedPublisher:
     # -- inside ------------------------------------------------------------------------------------------
 
     def _fresh(self) -> list[_RouterState]:
-        limit = time.monotonic() - STALE_SECONDS
+        limit = self._clock() - STALE_SECONDS
         return [state for state in self._routers.values() if state.heard >= limit]
 
     def _caught_up(self, report: Report, version: int) -> bool:
