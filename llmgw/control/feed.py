@@ -44,6 +44,7 @@ KEY_REFRESH_SECONDS = 2.0
 LISTENER_QUEUE = 1000  # changes a listener may fall behind by before it gets a snapshot instead
 STALE_SECONDS = 10.0  # routers report about every 0.5 s: one silent this long no longer counts
 SEQ_RETENTION_SECONDS = 7 * 86400  # a router id not heard from for this long is forgotten
+FORGET_SECONDS = 3600.0  # the state of a router silent this long is dropped from memory (its seq stays)
 
 _ENGINE_KINDS = {VLLM: "vllm", SGLang: "sglang", LlamaServer: "llama-server"}
 
@@ -260,7 +261,12 @@ class FeedPublisher:
             await self.store.write(lambda db: apply_counted(db, report, now))
         previous = self._routers.get(report.router)
         if previous is None or report.seq > previous.seq:  # a late repeat does not set the state back
-            self._routers[report.router] = _RouterState(report.seq, self._clock(), report)
+            heard = self._clock()
+            if previous is None:  # a new router id (a router restarted): forget those long silent
+                for router, state in list(self._routers.items()):
+                    if state.heard < heard - FORGET_SECONDS:
+                        del self._routers[router]
+            self._routers[report.router] = _RouterState(report.seq, heard, report)
             if report.demand and self.note_demand is not None:
                 for model in report.demand:
                     try:

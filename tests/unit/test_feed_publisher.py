@@ -196,8 +196,12 @@ async def test_r10_1_state_parts_replace_the_routers_last_and_go_stale(publisher
     await publisher.apply_report(report(2, inflight={"r1": 7}))  # a late repeat does not set the state back
     assert publisher.outstanding("r1") == 2 and publisher.engine_load("r1") is None
     publisher.clock.now += feed_module.STALE_SECONDS + 1
-    await publisher.apply_report(report(4, router="rb", inflight={"r1": 1}))
+    await publisher.apply_report(report(4, router="rb", inflight={"r1": 1}, last_used={"r2": 95.0}))
     assert publisher.outstanding("r1") == 1  # ra has gone silent: its requests no longer count
+    assert publisher.take_last_used() == {"r2": 95.0}  # each router's latest report: ra's named none
+    publisher.clock.now += feed_module.FORGET_SECONDS + 1
+    await publisher.apply_report(report(1, router="rc"))
+    assert publisher.take_last_used() == {}  # silent for an hour: forgotten once another router reports
     print("stale after", feed_module.STALE_SECONDS, "s")
 
 
