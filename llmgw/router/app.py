@@ -49,10 +49,9 @@ MAX_ATTEMPTS = 3  # endpoints tried for one request before it fails (R-6.6)
 CONNECT_TIMEOUT = 5.0  # an engine on the management network answers a connect well within this
 UPSTREAM_CONNECTIONS = 8192  # explicit: aiohttp's default silently queues requests past 100
 KEEPALIVE_SECONDS = 4.0  # below the 5 s after which uvicorn and llama-server close idle connections
-# Until the first snapshot says otherwise. aiohttp's own body limit is set far above any
-# gateway.max_body: the router checks the snapshot's limit itself, so a new one applies to the
-# next request without rebuilding the application.
-DEFAULT_REQUEST_TIMEOUT = 600.0
+DEFAULT_REQUEST_TIMEOUT = 600.0  # until the first snapshot says otherwise
+# aiohttp's own body limit is set far above any gateway.max_body: the router checks the
+# snapshot's limit itself, so a new one applies to the next request without rebuilding the app.
 APP_BODY_LIMIT = 1 << 40
 # Server settings the router depends on. They travel with the app (handler_args override the
 # runner's arguments), so they hold however the app is run.
