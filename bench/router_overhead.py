@@ -138,17 +138,24 @@ async def run_router(port: int, engine_url: str, state_dir: str, profile: str | 
 
     from llmgw.catalog import Catalog, CatalogHolder
     from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig
+    from llmgw.control.feed import FeedPublisher
+    from llmgw.keys import create_key
+    from llmgw.localfeed import LocalFeed
     from llmgw.router import RUNNER_OPTIONS, Endpoint, Router
-    from llmgw.router.keys import create_key
     from llmgw.store import Store
 
     store = Store.open(Path(state_dir) / "state.db")
     _, secret = store.write_sync(lambda db: create_key(db, "bench"))
     catalog = Catalog.build(file_models=[ModelConfig(name=MODEL, profile="p", routing=routing)],
                             profiles={"p": ProfileConfig(engine="vllm")})
-    router = Router(CatalogHolder(catalog), store, GatewayConfig(request_timeout=request_timeout),
-                    registry=CollectorRegistry())
-    router.set_endpoints({MODEL: [Endpoint("r1", MODEL, engine_url, ENGINE_KEY)]})
+    # Fed as `llmgw serve` feeds it: the publisher and the in-process feed.
+    publisher = FeedPublisher(CatalogHolder(catalog), store, GatewayConfig(request_timeout=request_timeout))
+    publisher.set_endpoints({MODEL: [Endpoint("r1", MODEL, engine_url, ENGINE_KEY)]})
+    publisher.mark_ready()
+    router = Router(registry=CollectorRegistry())
+    feed = LocalFeed(publisher, router)
+    feed.pump()
+    feed.start()
     runner = web.AppRunner(router.web_app(), **RUNNER_OPTIONS)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -165,6 +172,8 @@ async def run_router(port: int, engine_url: str, state_dir: str, profile: str | 
         profiler.disable()
         profiler.dump_stats(profile)
     await runner.cleanup()
+    await feed.close()
+    await publisher.close()
     store.close()
 
 

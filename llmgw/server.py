@@ -24,10 +24,13 @@ from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import Document, Inventory, is_loopback, load_configuration, resolve_state_dir, split_address
+from llmgw.control.feed import FeedPublisher
 from llmgw.control.reconciler import Reconciler
+from llmgw.control.feedserver import FEED_SOCKET, FeedServer, FeedSocket, listen_unix
 from llmgw.control.service import ControlPlane, load_stored_models, reload_on_signal
 from llmgw.aio import cancel_and_wait
 from llmgw.fleet.fleet import Fleet
+from llmgw.localfeed import LocalFeed
 from llmgw.router import RUNNER_OPTIONS, Router
 from llmgw.router.serving import SHUTDOWN_GRACE, finish_requests_within
 from llmgw.store import Store
@@ -200,6 +203,8 @@ class Gateway:
     fleet: Fleet = field(init=False)
     reconciler: Reconciler = field(init=False)
     router: Router = field(init=False)
+    publisher: FeedPublisher = field(init=False)
+    feed: LocalFeed = field(init=False)
     control: ControlPlane = field(init=False)
     registry: CollectorRegistry = field(init=False)
     token: str = field(init=False)
@@ -209,6 +214,8 @@ class Gateway:
     bound: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)
     admin_socket: Path | None = field(default=None, init=False)
     _admin_socket_inode: int | None = field(default=None, init=False)
+    feed_server: FeedServer = field(init=False)
+    _feed_socket: FeedSocket | None = field(default=None, init=False)
 
     async def start(self) -> None:
         """Start everything, the state directory's lock and the listeners' ports first.
@@ -230,19 +237,28 @@ class Gateway:
         self.holder = CatalogHolder(catalog)
         self.registry = CollectorRegistry()
         self.fleet = Fleet(self.inventory, self.state_dir, on_state=lambda _: self._wake_reconciler())
-        self.router = Router(self.holder, self.store, gateway, on_demand=self._on_demand, registry=self.registry)
+        # The router is fed by the publisher only (R-10.1): models, endpoints, keys and settings go
+        # out as a snapshot and changes; counts and state come back as reports.
+        self.publisher = FeedPublisher(self.holder, self.store, gateway, note_demand=self._on_demand)
+        self.router = Router(registry=self.registry)
         self.reconciler = Reconciler(self.holder, self.fleet, self.store, gateway,
-                                     push_endpoints=self.router.set_endpoints,
-                                     last_used=self.router.take_last_used,
-                                     outstanding=self.router.outstanding, abandon=self.router.abandon,
-                                     engine_load=self.router.engine_load)
+                                     push_endpoints=self.publisher.set_endpoints,
+                                     last_used=self.publisher.take_last_used,
+                                     outstanding=self.publisher.outstanding, abandon=self.publisher.abandon,
+                                     engine_load=self.publisher.engine_load)
         self.fleet.holdings_wanted = self.reconciler.holdings_wanted
         self.control = ControlPlane(self.inventory, self.document, self.holder, self.store, self.reconciler,
                                     self.fleet, self.inventory_source)
+        self.control.on_reload.append(self._reloaded)
         self.holder.subscribe(lambda _: self.reconciler.wake())
+        self.feed_server = FeedServer(self.publisher, self.token)  # routers of other processes and hosts (R-10.1)
         await self.reconciler.load()
         # Adopted replicas are pushed before the router listens, once their nodes confirm them.
         await self.fleet.start()
+        self.publisher.mark_ready()
+        self.feed = LocalFeed(self.publisher, self.router)
+        self.feed.pump()  # the router holds the first snapshot before it listens
+        self.feed.start()
         router_app = self.router.web_app()
         finish_requests_within(router_app, SHUTDOWN_GRACE)
         await self._listen("router", router_app, self._sockets.pop("router"), RUNNER_OPTIONS)
@@ -256,6 +272,7 @@ class Gateway:
             if not is_loopback(host):
                 warn_exposed_admin(host, port)
             await self._listen_unix(runner, self.state_dir / ADMIN_SOCKET)
+        self._feed_socket = await listen_unix(self.feed_server, self.state_dir / FEED_SOCKET)
         self.reconciler.start()
         # Start-up objects (catalog, config, facts) live for the whole run: keep the collector
         # from walking them on every pass, which made placement latency spiky on large fleets.
@@ -272,6 +289,11 @@ class Gateway:
 
     def _on_demand(self, model: str) -> None:
         self.reconciler.note_demand(model)
+
+    def _reloaded(self, inventory: Inventory) -> None:
+        """A reload applied (R-10.5): routers get the settings they read in a feed change."""
+        self.inventory = inventory
+        self.publisher.set_gateway(inventory.gateway)
 
     def _admin_app(self) -> web.Application | None:
         try:
@@ -329,7 +351,12 @@ class Gateway:
             except FileNotFoundError:
                 pass
             self.admin_socket = None
-        for part in ("reconciler", "router", "fleet"):
+        if self._feed_socket is not None:
+            await self._feed_socket.close()
+            self._feed_socket = None
+        # The feed's last report carries the router's counts since the previous one: written
+        # before the store closes, so a SIGTERM loses no usage.
+        for part in ("reconciler", "feed", "publisher", "router", "fleet"):
             running = getattr(self, part, None)
             if running is not None:
                 await running.close()

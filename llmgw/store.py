@@ -27,7 +27,7 @@ import sqlite_utils
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # How long an opener waits for another process's write transaction before giving up.
 BUSY_TIMEOUT = 30.0
 
@@ -62,7 +62,12 @@ def _migrate_2(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE shards SET launched_at = state_since WHERE pid IS NOT NULL")
 
 
-MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _migrate_1, 2: _migrate_2}
+def _migrate_3(db: sqlite_utils.Database) -> None:
+    """The last report seq applied per router id: a report sent again is not counted again (R-10.3)."""
+    db["router_seq"].create({"router": str, "seq": int, "updated_at": float}, pk="router")
+
+
+MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _migrate_1, 2: _migrate_2, 3: _migrate_3}
 
 
 def schema_version(db: sqlite_utils.Database) -> int:

@@ -30,7 +30,7 @@ _PROGRESS_ORDER = {state: rank for rank, state in enumerate(SHARD_STATES)}
 
 
 class DataPlane(Protocol):
-    """What the listings read of the router: its own figures per replica, as of now."""
+    """What the listings read of the routers: their figures per replica, as last reported."""
 
     def outstanding(self, replica_id: str) -> int: ...
 
@@ -69,8 +69,9 @@ def _scale_decision(decision) -> dict:
 
 
 def listings(gateway: Any) -> Listings:
-    """The listings of the control plane's latest published view, with the router's figures."""
-    return Listings(gateway.control.view(), getattr(gateway, "router", None))
+    """The listings of the control plane's latest published view, with the routers' figures (the
+    feed publisher aggregates what the routers report)."""
+    return Listings(gateway.control.view(), getattr(gateway, "publisher", None))
 
 
 class Listings:

@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 
 from llmgw.config import ConfigError, Inventory, load_inventory, resolve_state_dir
-from llmgw.router.keys import KeyRefused, create_key, list_keys, revoke_key
+from llmgw.keys import KeyRefused, create_key, list_keys, revoke_key
 from llmgw.store import Store, audit
 
 EXIT_REFUSED = 1

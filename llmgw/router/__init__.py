@@ -3,6 +3,6 @@
 from llmgw.router.app import RUNNER_OPTIONS, Router
 from llmgw.contracts.endpoints import Endpoint
 from llmgw.router.errors import RouterError
-from llmgw.router.keys import ApiKey, KeyRing
+from llmgw.router.keys import KeyRing
 
-__all__ = ["ApiKey", "Endpoint", "KeyRing", "RUNNER_OPTIONS", "Router", "RouterError"]
+__all__ = ["Endpoint", "KeyRing", "RUNNER_OPTIONS", "Router", "RouterError"]

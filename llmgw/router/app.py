@@ -1,13 +1,13 @@
 """The client-facing listener: routes, authentication, the choice of endpoint, retries (SPEC §6).
 
-The control plane pushes endpoint lists (`set_endpoints`) and catalogs (through the
-CatalogHolder); the router never asks for them per request (R-8.1). The control plane calls
-`take_last_used()` once a tick (R-7.1), `outstanding(replica)` while a drain waits for the
-requests in flight to end (R-4.2), and `abandon(replica)` for a replica it gave up (attempts
-waiting for their first byte go elsewhere); the router calls `on_demand(model)` when an
-on-demand model is asked for and has no replica (R-6.8). The admin views read `outstanding` and
-`engine_load` (R-6.5f). SQLite is touched only off the request path: keys are reloaded
-every couple of seconds, usage is written about once a second through the store's writer.
+The router is fed only by the router feed (llmgw.contracts.feed, R-10.1): `apply()` takes the
+control plane's Snapshot and then each Change (models, endpoint lists, keys, gateway settings,
+replicas given up), and `report_fields()` gives what the router's next Report carries: usage and
+key use counted since the last report (handed over once), and its state as of now (last use per
+replica for R-7.1, requests in flight for drains (R-4.2), engine loads (R-6.5), on-demand models
+asked for with no replica (R-6.8)). It reads no catalog, configuration or database: whoever feeds
+it (in process, or over a socket) decides where those come from. Until the first snapshot it
+answers every API request with a 503, since it cannot authenticate anyone yet.
 """
 
 from __future__ import annotations
@@ -16,35 +16,31 @@ import asyncio
 import functools
 import json
 import logging
-import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import aiohttp
 import prometheus_client
 from aiohttp import web
 
-from llmgw.catalog import Catalog, CatalogHolder, Model
-from llmgw.config import GatewayConfig, split_address
+from llmgw.contracts.feed import Change, FeedError, KeyEntry, RoutedModel, Snapshot
 from llmgw.router.affinity import affinity_key
 from llmgw.router.balancer import PREFIX, Balancer, Upstream
-from llmgw.contracts.endpoints import Endpoint, static_endpoints
 from llmgw.router.engineload import EnginePoller
 from llmgw.router import response_ids
 from llmgw.router.errors import (BadRequest, BodyTooLarge, InternalError, InvalidType, ModelLoading, ModelNotAllowed,
-                                 ModelNotFound, NoCapacity, ResponseNotFound, RouteNotServed, RouterError,
+                                 ModelNotFound, NoCapacity, NotReady, ResponseNotFound, RouteNotServed, RouterError,
                                  UnsupportedEncoding, UpstreamFailed, UploadNotReplayed, error_response,
                                  from_http_exception)
-from llmgw.router.keys import REFRESH_SECONDS, ApiKey, KeyRing, list_keys
+from llmgw.router.keys import KeyRing, allows
 from llmgw.router.landing import landing_page
 from llmgw.router.metrics import NO_MODEL, RouterMetrics
 from llmgw.router.proxy import Forwarder
-from llmgw.router.routes import ANTHROPIC, FORM, RESPONSE_ID, RESPONSES, ROUTES, Route, builtin_engine, serves
+from llmgw.router.routes import ANTHROPIC, FORM, RESPONSE_ID, RESPONSES, ROUTES, Route, serves
 from llmgw.router.streams import ask_for_usage, streaming
 from llmgw.router.uploads import Upload, read_upload
 from llmgw.router.usage import UsageMeter
-from llmgw.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +49,10 @@ MAX_ATTEMPTS = 3  # endpoints tried for one request before it fails (R-6.6)
 CONNECT_TIMEOUT = 5.0  # an engine on the management network answers a connect well within this
 UPSTREAM_CONNECTIONS = 8192  # explicit: aiohttp's default silently queues requests past 100
 KEEPALIVE_SECONDS = 4.0  # below the 5 s after which uvicorn and llama-server close idle connections
-USAGE_FLUSH_SECONDS = 1.0
+DEFAULT_REQUEST_TIMEOUT = 600.0  # until the first snapshot says otherwise
+# aiohttp's own body limit is set far above any gateway.max_body: the router checks the
+# snapshot's limit itself, so a new one applies to the next request without rebuilding the app.
+APP_BODY_LIMIT = 1 << 40
 # Server settings the router depends on. They travel with the app (handler_args override the
 # runner's arguments), so they hold however the app is run.
 SERVER_SETTINGS = {
@@ -70,7 +69,7 @@ RUNNER_OPTIONS = {"access_log": None}  # no log line per request on the hot path
 BODY_ENCODINGS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
                   "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
 
-_KEY = web.RequestKey("llmgw_key", ApiKey)
+_KEY = web.RequestKey("llmgw_key", KeyEntry)
 _MODEL = web.RequestKey("llmgw_model", str)
 ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")  # passed on to engines that read them
 
@@ -87,54 +86,90 @@ class Pinned:
 class Router:
     """The OpenAI-compatible gateway: `web_app()` is the client listener's aiohttp application."""
 
-    def __init__(self, holder: CatalogHolder, store: Store | None, gateway: GatewayConfig,
-                 on_demand: Callable[[str], None] | None = None,
-                 registry: prometheus_client.CollectorRegistry | None = None):
-        self.holder = holder
-        self.store = store
-        self.gateway = gateway
+    def __init__(self, *, registry: prometheus_client.CollectorRegistry | None = None):
         self.keys = KeyRing()
         self.balancer = Balancer()
         self.metrics = RouterMetrics(registry, self.balancer.outstanding_by_model, self.balancer.upstreams)
         self.usage = UsageMeter()
-        self._on_demand = on_demand
-        self._max_body = int(gateway.max_body)
-        self._pushed: dict[str, list[Endpoint]] = {}
-        self._static: dict[str, list[Endpoint]] = static_endpoints(holder.current)
+        # Called on the loop when an on-demand model is asked for with no replica: a feed client
+        # reports at once rather than at its next tick (R-6.8). None: nobody starts replicas on
+        # demand, so a request does not wait for one.
+        self.on_demand: Callable[[], None] | None = None
+        self.feed_status: dict | None = None  # set by the feed client; /healthz shows it as "feed"
+        self._snapshot: Snapshot | None = None
+        self._models: Mapping[str, RoutedModel] = {}
+        self._max_body = 0
+        self._on_demand_wait = 0.0
+        self._request_timeout = DEFAULT_REQUEST_TIMEOUT
+        self._demand: dict[str, None] = {}  # on-demand models asked for since the last report, in order
         self._arrivals: dict[str, asyncio.Event] = {}  # on-demand models someone is waiting for
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: int | None = None
         self._forwarder: Forwarder | None = None
         self._created = int(time.time())
         self._closed = False
-        self._install()
-        holder.subscribe(self._catalog_changed)
 
-    # -- what the control plane calls -------------------------------------------------------------
+    # -- the feed -------------------------------------------------------------------------------
 
-    def set_endpoints(self, endpoints: Mapping[str, Sequence[Endpoint]]) -> None:
-        """Replace every pushed endpoint list. Models with static `endpoints:` keep those (R-6.10)."""
-        pushed = {model: list(members) for model, members in endpoints.items()}
-        self._on_loop(lambda: self._set_pushed(pushed))
+    @property
+    def snapshot(self) -> Snapshot | None:
+        """The snapshot routed with now, None before the first one."""
+        return self._snapshot
 
-    def take_last_used(self) -> dict[str, float]:
-        """replica_id -> unix time it last got a request; a replica never used is absent (R-7.1)."""
-        return self.balancer.last_used()
+    def apply(self, message: Snapshot | Change) -> None:
+        """Apply a Snapshot (replaces everything) or the Change that follows the current version.
 
-    def abandon(self, replica_id: str) -> int:
-        """Requests in flight to a replica the control plane gave up: see Forwarder.abandon."""
-        return self._forwarder.abandon(replica_id) if self._forwarder is not None else 0
+        A Change that does not follow (a gap, another epoch, none before a snapshot) raises
+        FeedError and changes nothing: the caller asks for a snapshot again. Call on the loop."""
+        old = self._snapshot
+        if isinstance(message, Snapshot):
+            new = message
+        elif isinstance(message, Change):
+            if old is None:
+                raise FeedError(f"change {message.epoch}/{message.version} before any snapshot")
+            new = old.apply(message)
+        else:
+            raise TypeError(f"not a snapshot or a change: {type(message).__name__}")
+        self._snapshot = new
+        if old is None or new.keys is not old.keys:
+            self.keys.replace(new.keys)
+        if old is None or new.gateway is not old.gateway:
+            self._set_gateway(new)
+        if old is None or new.models is not old.models or new.endpoints is not old.endpoints:
+            self._models = new.models
+            self._install(new)
+        if isinstance(message, Change) and message.abandon and self._forwarder is not None:
+            for replica_id in message.abandon:
+                self._forwarder.abandon(replica_id)
+
+    def report_fields(self) -> dict:
+        """Keyword arguments for a contracts.feed.Report, less router, seq and sent_at.
+
+        Usage, key use and demand are handed over once (the next call has only what came after);
+        the rest is the router's state as of now."""
+        usage, key_use = self.usage.drain()
+        demand, self._demand = tuple(self._demand), {}
+        inflight: dict[str, int] = {}
+        for up in self.balancer.counted():
+            if up.outstanding > 0:
+                inflight[up.replica_id] = inflight.get(up.replica_id, 0) + up.outstanding
+        loads = {}
+        for up in self.balancer.upstreams():
+            if up.engine is not None and up.replica_id not in loads:
+                loads[up.replica_id] = up.engine
+        snapshot = self._snapshot
+        return {"usage": usage, "key_use": key_use, "last_used": self.balancer.last_used(), "inflight": inflight,
+                "engine_load": loads, "demand": demand,
+                "snapshot": None if snapshot is None else (snapshot.epoch, snapshot.version)}
 
     def outstanding(self, replica_id: str) -> int:
-        """Requests in flight to a replica, still counted after it left the lists (for draining)."""
+        """Requests this router has in flight to a replica, still counted after it left the lists."""
         return self.balancer.outstanding(replica_id)
 
     def engine_load(self, replica_id: str):
-        """The replica's engine load as last polled (engineload.EngineLoad), None when unknown."""
+        """The replica's engine load as this router last polled it (EngineLoad), None when unknown."""
         return self.balancer.engine_load(replica_id)
 
     def web_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=self._max_body,
+        app = web.Application(middlewares=[self._middleware], client_max_size=APP_BODY_LIMIT,
                               handler_args=SERVER_SETTINGS)
         app.router.add_get("/", self._landing)
         app.router.add_get("/healthz", self._healthz)
@@ -145,46 +180,24 @@ class Router:
         app.cleanup_ctx.append(self._lifecycle)
         return app
 
-    async def start(self, address: str | None = None) -> web.AppRunner:
-        """Serve on `address` (default gateway.listen) with the runner options the router needs."""
-        host, port = split_address(address or self.gateway.listen)
-        runner = web.AppRunner(self.web_app(), **RUNNER_OPTIONS)
-        await runner.setup()
-        await web.TCPSite(runner, host, port).start()
-        return runner
-
     async def close(self) -> None:
-        """Write what usage is still counted in memory."""
-        if self._closed:
-            return
+        """Nothing is written here: what is still counted goes out with the feed client's last report."""
         self._closed = True
-        await self._flush_usage()
 
-    # -- endpoint lists -------------------------------------------------------------------------
+    # -- applying a snapshot ----------------------------------------------------------------------
 
-    def _on_loop(self, fn: Callable[[], None]) -> None:
-        if self._loop is not None and threading.get_ident() != self._loop_thread and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(fn)
-        else:
-            fn()
+    def _set_gateway(self, snapshot: Snapshot) -> None:
+        gateway = snapshot.gateway
+        self._max_body = gateway.max_body
+        self._on_demand_wait = gateway.on_demand_wait
+        self._request_timeout = gateway.request_timeout
+        if self._forwarder is not None:
+            self._forwarder.set_read_timeout(gateway.request_timeout)
 
-    def _set_pushed(self, pushed: dict[str, list[Endpoint]]) -> None:
-        self._pushed = pushed
-        self._install()
-
-    def _catalog_changed(self, catalog: Catalog) -> None:
-        static = static_endpoints(catalog)
-        self._on_loop(lambda: self._set_static(static))  # also installs each model's routing policy
-
-    def _set_static(self, static: dict[str, list[Endpoint]]) -> None:
-        self._static = static
-        self._install()
-
-    def _install(self) -> None:
-        merged = {**self._pushed, **self._static}
-        models = self.holder.current.models
-        self.balancer.replace(merged, {name: model.config.routing for name, model in models.items()})
-        for model, members in merged.items():
+    def _install(self, snapshot: Snapshot) -> None:
+        endpoints = snapshot.endpoints
+        self.balancer.replace(endpoints, {name: model.routing for name, model in snapshot.models.items()})
+        for model, members in endpoints.items():
             if members:
                 event = self._arrivals.pop(model, None)
                 if event is not None:
@@ -197,6 +210,9 @@ class Router:
         if request.path in EXEMPT_PATHS and request.match_info.http_exception is None:
             return await handler(request)
         try:
+            if self._snapshot is None:
+                raise NotReady("the gateway is starting: this router has not yet received the control plane's "
+                               "models and keys; retry in a moment")
             headers = request.headers
             authorization = headers.get("Authorization")
             key = self.keys.authenticate(authorization, None if authorization else headers.get("x-api-key"))
@@ -220,24 +236,26 @@ class Router:
         return landing_page(request)
 
     async def _healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        if self._snapshot is None:  # it cannot authenticate anyone yet
+            return web.json_response({"status": "starting", "feed": self.feed_status}, status=503)
+        return web.json_response({"status": "ok", "feed": self.feed_status})
 
     def _model_entry(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self._created, "owned_by": "llmgw"}
 
     async def _list_models(self, request: web.Request) -> web.Response:
-        key: ApiKey = request[_KEY]
-        names = sorted(name for name in self.holder.current.models if key.allows(name))
+        key: KeyEntry = request[_KEY]
+        names = sorted(name for name in self._models if allows(key, name))
         return web.json_response({"object": "list", "data": [self._model_entry(n) for n in names]})
 
     async def _get_model(self, request: web.Request) -> web.Response:
-        key: ApiKey = request[_KEY]
+        key: KeyEntry = request[_KEY]
         name = request.match_info["model"]
-        self._resolve(self.holder.current, name, key)
+        self._resolve(name, key)
         return web.json_response(self._model_entry(name))
 
-    def _resolve(self, catalog: Catalog, name: str, key: ApiKey) -> Model:
-        model = catalog.models.get(name)
+    def _resolve(self, name: str, key: KeyEntry) -> RoutedModel:
+        model = self._models.get(name)
         if model is None:
             raise ModelNotFound(f"model {name!r} does not exist; GET /v1/models lists the models "
                                 "this key may use")
@@ -251,11 +269,15 @@ class Router:
         if length is not None and length > self._max_body:
             raise BodyTooLarge(f"request body is {length} bytes; the limit is {self._max_body} "
                                "(gateway.max_body)")
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise BodyTooLarge(f"request body is over the limit of {self._max_body} bytes "
-                               "(gateway.max_body)") from None
+        limit = self._max_body  # the snapshot's, as of this request
+        parts = []
+        size = 0
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"request body is over the limit of {limit} bytes (gateway.max_body)")
+            parts.append(chunk)
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
         encoding = request.headers.get("Content-Encoding", "").strip().lower()
         if encoding in ("", "identity"):
             return body
@@ -303,7 +325,7 @@ class Router:
         return Pinned(*found, client_id=response_id)
 
     async def _proxy(self, request: web.Request, route: Route) -> web.StreamResponse:
-        key: ApiKey = request[_KEY]
+        key: KeyEntry = request[_KEY]
         document: dict | None = None
         body: bytes | Upload | None = None
         pinned: Pinned | None = None
@@ -329,14 +351,14 @@ class Router:
             if stream and route.chat_stream:  # every stream asks for usage; the client sees it only if it asked (R-6.9)
                 body = ask_for_usage(document, body)
                 strip_usage = not how.client_wants_usage
-        catalog = self.holder.current
-        model = self._resolve(catalog, name, key)
+        models = self._models
+        model = self._resolve(name, key)
         request[_MODEL] = name
         if not serves(route, model.engine):
             served = ", ".join(sorted(route.engines)) or "no built-in engine"
-            raise RouteNotServed(f"model {name!r} runs on {builtin_engine(model.engine)}, which does not serve "
+            raise RouteNotServed(f"model {name!r} runs on {model.engine}, which does not serve "
                                  f"{route.name} (served by: {served})")
-        return await self._route(request, route, catalog, model, key, document, body, stream, strip_usage, pinned)
+        return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned)
 
     def _previous(self, document: dict, name: str) -> Pinned | None:
         """The stored response a Responses request continues, when it names one (previous_response_id)."""
@@ -354,27 +376,28 @@ class Router:
 
     # -- choosing an endpoint, retries, fallbacks, on-demand -------------------------------------
 
-    def _upstream_body(self, catalog: Catalog, up: Upstream, asked: str, document: dict | None,
+    def _upstream_body(self, models: Mapping[str, RoutedModel], up: Upstream, asked: str, document: dict | None,
                        body: bytes | Upload | None, pinned: Pinned | None):
         """The body for this endpoint: `model` rewritten only when the engine knows another name."""
         if body is None:
             return None
-        served = catalog.models.get(up.model)
-        upstream_name = (served.config.served_name or served.name) if served is not None else up.model
+        served = models.get(up.model)
+        upstream_name = served.upstream_name if served is not None else up.model
         if isinstance(body, Upload):
             return body.chunks(upstream_name)
         if upstream_name == asked and pinned is None:
             return body
         return json.dumps({**document, "model": upstream_name}).encode()
 
-    def _acquire(self, catalog: Catalog, route: Route, model: Model, key: ApiKey, now: float, tried: list[Upstream],
-                 include_ejected: bool = False, affinity: bytes | None = None) -> Upstream | None:
+    def _acquire(self, models: Mapping[str, RoutedModel], route: Route, model: RoutedModel, key: KeyEntry,
+                 now: float, tried: list[Upstream], include_ejected: bool = False,
+                 affinity: bytes | None = None) -> Upstream | None:
         up = self.balancer.acquire(model.name, now, tried, include_ejected, affinity)
-        if up is None and model.fallback is not None:
-            for fallback in catalog.fallback_chain(model.name):  # R-6.7
-                if not key.allows(fallback):  # skipped: a fallback is no way around the key's limits
+        if up is None and model.fallbacks:
+            for fallback in model.fallbacks:  # R-6.7
+                if not allows(key, fallback):  # skipped: a fallback is no way around the key's limits
                     continue
-                served = catalog.models.get(fallback)
+                served = models.get(fallback)
                 if served is not None and not serves(route, served.engine):  # nor one that lacks the route
                     continue
                 up = self.balancer.acquire(fallback, now, tried, include_ejected)
@@ -395,7 +418,8 @@ class Router:
             headers = {name: value for name, value in headers.items() if name != "Content-Type"}
         return headers
 
-    async def _pinned_route(self, request: web.Request, route: Route, catalog: Catalog, model: Model, key: ApiKey,
+    async def _pinned_route(self, request: web.Request, route: Route, models: Mapping[str, RoutedModel],
+                            model: RoutedModel, key: KeyEntry,
                             document: dict | None, body, stream: bool, pinned: Pinned) -> web.StreamResponse:
         """A follow-up of a stored response goes to the replica that holds it, or nowhere (R-6.6 does not apply)."""
         up = self.balancer.acquire_replica(pinned.replica_id, model.name, time.monotonic())
@@ -404,9 +428,9 @@ class Router:
                                    f"{model.name!r}, which no longer serves (stopped, replaced or its node is "
                                    "gone); the stored response went with it")
         try:
-            path = route.upstream_path(builtin_engine(model.engine), pinned.engine_id if route.model_from == RESPONSE_ID else None)
+            path = route.upstream_path(model.engine, pinned.engine_id if route.model_from == RESPONSE_ID else None)
             return await self._forwarder.send(
-                request, up, path, self._upstream_body(catalog, up, model.name, document, body, pinned),
+                request, up, path, self._upstream_body(models, up, model.name, document, body, pinned),
                 stream, False, key.id, route.method, self._headers(request, route, up, stream, body), route.dialect,
                 inference=route.model_from != RESPONSE_ID)
         except RouterError as exc:
@@ -417,11 +441,12 @@ class Router:
         finally:
             self.balancer.release(up)
 
-    async def _route(self, request: web.Request, route: Route, catalog: Catalog, model: Model, key: ApiKey,
+    async def _route(self, request: web.Request, route: Route, models: Mapping[str, RoutedModel],
+                     model: RoutedModel, key: KeyEntry,
                      document: dict | None, body, stream: bool, strip_usage: bool,
                      pinned: Pinned | None = None) -> web.StreamResponse:
         if pinned is not None:
-            return await self._pinned_route(request, route, catalog, model, key, document, body, stream, pinned)
+            return await self._pinned_route(request, route, models, model, key, document, body, stream, pinned)
         fixed_path, plain = route.fixed_path, route.plain
         # A form's `stream` field is not read: whether its answer streams is what the engine's Content-Type says.
         relay: bool | None = None if route.model_from == FORM else stream
@@ -433,15 +458,15 @@ class Router:
         while True:
             now = time.monotonic()
             if model.on_demand and waited_since is None and not self.balancer.has_endpoints(model.name):
-                self._demand(model.name)
+                self._note_demand(model.name)
                 waited_since = now
-            up = self._acquire(catalog, route, model, key, now, tried, affinity=affinity)
+            up = self._acquire(models, route, model, key, now, tried, affinity=affinity)
             if up is None:
-                if model.on_demand and self._on_demand is not None and not self.balancer.has_endpoints(model.name):
+                if model.on_demand and self.on_demand is not None and not self.balancer.has_endpoints(model.name):
                     await self._wait_for(model.name, waited_since or now)
                     continue
                 # Every endpoint is ejected: a recently failed one beats a certain 503.
-                up = self._acquire(catalog, route, model, key, now, tried, include_ejected=True, affinity=affinity)
+                up = self._acquire(models, route, model, key, now, tried, include_ejected=True, affinity=affinity)
             if up is None:
                 if last_error is not None:
                     raise UpstreamFailed(f"no engine of {model.name!r} could answer after {len(tried)} "
@@ -450,11 +475,11 @@ class Router:
             if fixed_path is not None:
                 path = fixed_path
             else:
-                served = catalog.models.get(up.model)
-                path = route.upstream_path(builtin_engine(served.engine if served is not None else None))
+                served = models.get(up.model)
+                path = route.upstream_path(served.engine if served is not None else None)
             try:
                 return await self._forwarder.send(
-                    request, up, path, self._upstream_body(catalog, up, model.name, document, body, None),
+                    request, up, path, self._upstream_body(models, up, model.name, document, body, None),
                     relay, strip_usage, key.id, route.method,
                     None if plain else self._headers(request, route, up, stream, body), route.dialect)
             except RouterError as exc:
@@ -479,16 +504,17 @@ class Router:
             finally:
                 self.balancer.release(up)
 
-    def _demand(self, model: str) -> None:
-        if self._on_demand is None:
-            return
-        try:
-            self._on_demand(model)
-        except Exception:
-            log.exception("asking for a replica of on-demand model %s failed", model)
+    def _note_demand(self, model: str) -> None:
+        self._demand[model] = None
+        if self.on_demand is not None:
+            try:
+                self.on_demand()
+            except Exception:
+                log.exception("telling the feed about demand for on-demand model %s failed", model)
 
     async def _wait_for(self, model: str, since: float) -> None:
-        remaining = since + float(self.gateway.on_demand_wait) - time.monotonic()
+        wait = self._on_demand_wait
+        remaining = since + wait - time.monotonic()
         event = self._arrivals.get(model)
         if event is None:
             event = self._arrivals[model] = asyncio.Event()
@@ -499,13 +525,11 @@ class Router:
             except asyncio.TimeoutError:
                 pass
         raise ModelLoading(f"model {model!r} is starting on demand and was not ready within "
-                           f"{float(self.gateway.on_demand_wait):.0f} s; retry later")
+                           f"{wait:.0f} s; retry later")
 
     # -- background work ----------------------------------------------------------------------------
 
     async def _lifecycle(self, app: web.Application):
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         self._closed = False
         connector = aiohttp.TCPConnector(limit=UPSTREAM_CONNECTIONS, limit_per_host=0,
                                          keepalive_timeout=KEEPALIVE_SECONDS)
@@ -514,14 +538,9 @@ class Router:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT, sock_read=None)
         session = aiohttp.ClientSession(connector=connector, timeout=timeout,
                                         skip_auto_headers=("Accept-Encoding", "User-Agent"))
-        self._forwarder = Forwarder(session, self.metrics, self.usage, float(self.gateway.request_timeout))
-        if self.store is not None:
-            await self._refresh_keys()
-        tasks = [asyncio.create_task(self._every(USAGE_FLUSH_SECONDS, self._flush_usage)),
-                 asyncio.create_task(self._forwarder.watchdog.run()),
+        self._forwarder = Forwarder(session, self.metrics, self.usage, self._request_timeout)
+        tasks = [asyncio.create_task(self._forwarder.watchdog.run()),
                  asyncio.create_task(EnginePoller(self.balancer, session).run())]
-        if self.store is not None:
-            tasks.append(asyncio.create_task(self._every(REFRESH_SECONDS, self._refresh_keys)))
         try:
             yield
         finally:
@@ -531,33 +550,6 @@ class Router:
             await session.close()
             await self._forwarder.close()
             await self.close()
-
-    @staticmethod
-    async def _every(seconds: float, fn: Callable[[], object]) -> None:
-        while True:
-            await asyncio.sleep(seconds)
-            try:
-                await fn()
-            except Exception:
-                log.exception("router background task %s failed", getattr(fn, "__name__", fn))
-
-    async def _refresh_keys(self) -> None:
-        """Reload keys off the loop, so `llmgw keys create/revoke` apply without a restart."""
-        try:
-            keys = await self.store.read(list_keys)
-        except Exception as exc:  # a locked or briefly unreadable database: keep the keys we have
-            log.warning("could not reload API keys (keeping the %d loaded): %s", len(self.keys), exc)
-            return
-        self.keys.replace(keys)
-
-    async def _flush_usage(self) -> None:
-        write = self.usage.drain()
-        if write is None or self.store is None:
-            return
-        try:
-            await self.store.write(write)
-        except Exception:
-            log.exception("writing usage failed; %s", "these counts are lost")
 
 
 def _anthropic(request: web.Request) -> bool:

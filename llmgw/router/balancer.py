@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import struct
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -50,6 +51,15 @@ def bound_capacity(total: int, replicas: int) -> float:
 
 def ring_hash(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+_RING_FORMAT = struct.Struct(f">{RING_POINTS}Q")
+
+
+def ring_points(replica_id: str) -> tuple[int, ...]:
+    """A replica's RING_POINTS positions on the ring, from its id alone: one hash call for all of
+    them (a snapshot of hundreds of prefix-routed models places thousands of replicas at once)."""
+    return _RING_FORMAT.unpack(hashlib.shake_128(replica_id.encode()).digest(_RING_FORMAT.size))
 
 
 class Upstream:
@@ -78,19 +88,38 @@ class Upstream:
 
 
 class Pool:
-    __slots__ = ("members", "next", "policy", "points", "owners")
+    __slots__ = ("members", "next", "policy", "_ring")
 
     def __init__(self, members: list[Upstream], policy: str = LEAST_OUTSTANDING):
         self.members = members
         self.next = 0
         self.policy = policy
-        self.points: list[int] = []  # sorted ring positions (prefix policy only)
-        self.owners: list[Upstream] = []  # owners[i] holds points[i]
-        if policy == PREFIX:
-            ring = sorted((ring_hash(f"{up.replica_id}#{i}".encode()), up.replica_id, index)
-                          for index, up in enumerate(members) for i in range(RING_POINTS))
-            self.points = [point for point, _, _ in ring]
-            self.owners = [members[index] for _, _, index in ring]
+        self._ring: tuple[list[int], list[Upstream]] | None = None
+
+    def ring(self) -> tuple[list[int], list[Upstream]]:
+        """(sorted ring positions, owners[i] holding points[i]); empty unless the policy is prefix.
+
+        Made at the first request that needs it, not when the lists arrive: a snapshot with
+        hundreds of prefix-routed models is applied without placing every replica's points."""
+        if self._ring is None:
+            owner: dict[int, Upstream] = {}
+            if self.policy == PREFIX:
+                for up in self.members:  # 64-bit points: two replicas on one point is left to chance
+                    owner.update(dict.fromkeys(ring_points(up.replica_id), up))
+            points = sorted(owner)
+            self._ring = (points, [owner[point] for point in points])
+        return self._ring
+
+    def same(self, members: Sequence[Endpoint], policy: str) -> bool:
+        """Whether this pool already is `members` under `policy` (then it is kept as it is)."""
+        if policy != self.policy or len(members) != len(self.members):
+            return False
+        for up, endpoint in zip(self.members, members):
+            mine = up.endpoint
+            if mine is not endpoint and (mine.replica_id != endpoint.replica_id or mine.url != endpoint.url
+                                         or mine.api_key != endpoint.api_key or mine.model != endpoint.model):
+                return False
+        return True
 
 
 class Balancer:
@@ -110,14 +139,21 @@ class Balancer:
         previous = {(up.replica_id, up.endpoint.url, up.endpoint.api_key): up
                     for pool in self._pools.values() for up in pool.members}
         pools = {}
+        policies = policies or {}
+        old_pools = self._pools
         for model, members in endpoints.items():
+            policy = policies.get(model, LEAST_OUTSTANDING)
+            old = old_pools.get(model)
+            if old is not None and old.same(members, policy):  # unchanged: kept, ring and round-robin too
+                pools[model] = old
+                continue
             ups = []
             for endpoint in members:
                 up = previous.get((endpoint.replica_id, endpoint.url, endpoint.api_key))
                 if up is None or up.endpoint.model != endpoint.model:
                     up = Upstream(endpoint)
                 ups.append(up)
-            pools[model] = Pool(ups, (policies or {}).get(model, LEAST_OUTSTANDING))
+            pools[model] = Pool(ups, policy)
         self._pools = pools
         by_replica: dict[str, list[Upstream]] = {}
         for pool in pools.values():
@@ -158,7 +194,7 @@ class Balancer:
         count = len(members)
         if count == 0:
             return None
-        if key is not None and pool.points:
+        if key is not None and pool.policy == PREFIX:
             best = self._on_ring(pool, key, now, exclude, include_ejected)
             if best is not None:
                 best.outstanding += 1
@@ -199,7 +235,7 @@ class Balancer:
             return None
         total = sum(up.outstanding + up.queued for up in eligible)
         capacity = bound_capacity(total, len(eligible))
-        points, owners = pool.points, pool.owners
+        points, owners = pool.ring()
         size = len(points)
         start = bisect.bisect_left(points, ring_hash(key))
         seen: set[int] = set()
@@ -227,6 +263,10 @@ class Balancer:
         """Requests in flight to a replica, including after it was taken off the lists (drain)."""
         return sum(up.outstanding for up in self._by_replica.get(replica_id, ())) + \
             sum(up.outstanding for up in self._retired if up.replica_id == replica_id)
+
+    def counted(self) -> list[Upstream]:
+        """Every endpoint whose requests in flight count: the listed ones and the retired ones."""
+        return [*self.upstreams(), *self._retired]
 
     def upstreams(self) -> list[Upstream]:
         """Every listed endpoint, once: what the engine-load poller reads."""

@@ -24,9 +24,10 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
 
 import aiohttp
+
+from llmgw.contracts.feed import EngineLoad
 
 log = logging.getLogger(__name__)
 
@@ -56,24 +57,6 @@ _BY_ENGINE = {f"\n{prefix}:": (source, [(name, spec[0]) for name, spec in _METRI
                                        if name.startswith(prefix + ":")])
               for prefix, source in _SOURCES.items()}
 _AFTER_NAME = frozenset("{ \t\r\n")  # what may follow a metric's name on its sample line
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """One reading of an engine's load; None where the engine does not say."""
-
-    source: str  # "vllm", "llama-server", "sglang"
-    waiting: int | None = None
-    running: int | None = None
-    kv_cache: float | None = None  # fraction of the KV cache in use, 0..1
-    prefix_hits: int | None = None  # cumulative, tokens (vLLM)
-    prefix_queries: int | None = None
-    at: float | None = None  # time.time() of the reading
-
-    def as_dict(self) -> dict:
-        return {"source": self.source, "waiting": self.waiting, "running": self.running,
-                "kv_cache": self.kv_cache, "prefix_hits": self.prefix_hits,
-                "prefix_queries": self.prefix_queries, "at": self.at}
 
 
 class Malformed(ValueError):

@@ -94,6 +94,11 @@ class NoCapacity(RouterError):
         super().__init__(message, retry_after=retry_after)
 
 
+class NotReady(RouterError):
+    """The router has no snapshot from the control plane yet: it knows no key and no model."""
+    status, type, code = 503, "service_unavailable", "not_ready"
+
+
 class ModelLoading(NoCapacity):
     code = "model_loading"
 

@@ -1,138 +1,39 @@
-"""API keys for clients (R-6.2): random secrets, only their SHA-256 stored, constant-time checks.
+"""Client API keys as the router holds them (R-6.2): constant-time checks against the keys in force.
 
-The store functions (`create_key`, `list_keys`, `revoke_key`) run on a sqlite-utils Database and
-serve the `llmgw keys` commands. The router never reads SQLite on the request path: its `KeyRing`
-is reloaded off the event loop every couple of seconds, so a key created or revoked from another
-process takes effect without a restart.
+The control plane publishes the keys in force (`KeyEntry`: id, name, hash, model limits) in the
+router feed; a revoked key is simply absent. The request path only looks a hash up in one dict.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import json
-import secrets
-import time
-import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-import sqlite_utils
-
+from llmgw.contracts.feed import KeyEntry
+from llmgw.contracts.keyhash import hash_secret
 from llmgw.router.errors import InvalidKey
-
-SECRET_PREFIX = "sk-llmgw-"
-SHOWN_PREFIX_LENGTH = len(SECRET_PREFIX) + 6  # enough to tell keys apart in a listing, useless to guess
-REFRESH_SECONDS = 2.0
 
 CREATE_HINT = "an operator creates one with `llmgw keys create NAME`"
 
 
-class KeyRefused(ValueError):
-    """A refused key operation in the operator's words (the CLI prints it)."""
+def allows(key: KeyEntry, model: str) -> bool:
+    return key.models is None or model in key.models
 
-
-def hash_secret(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class ApiKey:
-    id: str
-    name: str
-    hash: str
-    prefix: str
-    models: frozenset[str] | None  # None: every model
-    created_at: float
-    revoked_at: float | None = None
-    last_used_at: float | None = None
-
-    @property
-    def revoked(self) -> bool:
-        return self.revoked_at is not None
-
-    def allows(self, model: str) -> bool:
-        return self.models is None or model in self.models
-
-    def __repr__(self) -> str:
-        return f"ApiKey(name={self.name!r}, prefix={self.prefix!r})"
-
-    @classmethod
-    def from_row(cls, row: dict) -> ApiKey:
-        models = row.get("models")
-        return cls(id=row["id"], name=row["name"], hash=row["hash"], prefix=row["prefix"],
-                   models=frozenset(json.loads(models)) if models is not None else None,
-                   created_at=row["created_at"], revoked_at=row.get("revoked_at"),
-                   last_used_at=row.get("last_used_at"))
-
-
-# -- the store side (CLI) ----------------------------------------------------------------------
-
-def new_secret() -> str:
-    return SECRET_PREFIX + secrets.token_urlsafe(32)
-
-
-def create_key(db: sqlite_utils.Database, name: str, models: Iterable[str] | None = None,
-               secret: str | None = None) -> tuple[ApiKey, str]:
-    """Store a new key and return it with its secret, which is not kept anywhere."""
-    name = name.strip()
-    if not name:
-        raise KeyRefused("a key needs a name")
-    existing = list(db["api_keys"].rows_where("name = ?", [name]))
-    if existing:
-        if existing[0]["revoked_at"] is not None:
-            raise KeyRefused(f"a revoked key is already named {name!r}; names stay unique so that "
-                            "usage stays attributable: choose another name")
-        raise KeyRefused(f"a key named {name!r} already exists; revoke it first or choose another name")
-    secret = secret or new_secret()
-    model_list = sorted({m.strip() for m in models if m.strip()}) if models is not None else None
-    if model_list is not None and not model_list:
-        raise KeyRefused("--models was given but names no model")
-    row = {"id": uuid.uuid4().hex, "name": name, "hash": hash_secret(secret),
-           "prefix": secret[:SHOWN_PREFIX_LENGTH],
-           "models": json.dumps(model_list) if model_list is not None else None,
-           "created_at": time.time(), "revoked_at": None, "last_used_at": None}
-    db["api_keys"].insert(row)
-    return ApiKey.from_row(row), secret
-
-
-def list_keys(db: sqlite_utils.Database) -> list[ApiKey]:
-    return [ApiKey.from_row(row) for row in db["api_keys"].rows_where(order_by="created_at")]
-
-
-def revoke_key(db: sqlite_utils.Database, name: str) -> tuple[ApiKey, bool]:
-    """Mark the key revoked (kept for usage history); False when it already was (not an error)."""
-    rows = list(db["api_keys"].rows_where("name = ?", [name]))
-    if not rows:
-        known = ", ".join(k.name for k in list_keys(db)) or "none exist yet"
-        raise KeyRefused(f"no key named {name!r} (keys: {known})")
-    newly = rows[0]["revoked_at"] is None
-    if newly:
-        db["api_keys"].update(rows[0]["id"], {"revoked_at": time.time()})
-    return ApiKey.from_row(db["api_keys"].get(rows[0]["id"])), newly
-
-
-def record_key_use(db: sqlite_utils.Database, last_used: dict[str, float]) -> None:
-    db.conn.executemany("UPDATE api_keys SET last_used_at = MAX(COALESCE(last_used_at, 0), ?) WHERE id = ?",
-                        [(t, key_id) for key_id, t in last_used.items()])
-
-
-# -- the router side ---------------------------------------------------------------------------
 
 class KeyRing:
     """The keys in force, in memory; `authenticate` is all the request path does."""
 
-    def __init__(self, keys: Iterable[ApiKey] = ()):
-        self._by_hash: dict[str, ApiKey] = {}
+    def __init__(self, keys: Iterable[KeyEntry] = ()):
+        self._by_hash: dict[str, KeyEntry] = {}
         self.replace(keys)
 
-    def replace(self, keys: Iterable[ApiKey]) -> None:
+    def replace(self, keys: Iterable[KeyEntry]) -> None:
         self._by_hash = {key.hash: key for key in keys}
 
     def __len__(self) -> int:
         return len(self._by_hash)
 
-    def authenticate(self, authorization: str | None, x_api_key: str | None = None) -> ApiKey:
+    def authenticate(self, authorization: str | None, x_api_key: str | None = None) -> KeyEntry:
         """The key an `Authorization: Bearer ...` header carries, or else an `x-api-key` header
         (as Anthropic's clients send it); raises InvalidKey otherwise."""
         if authorization:
@@ -153,10 +54,4 @@ class KeyRing:
         key = self._by_hash.get(digest)
         if key is None or not hmac.compare_digest(key.hash, digest):
             raise InvalidKey("invalid API key")
-        if key.revoked_at is not None:
-            raise InvalidKey("this API key has been revoked")
         return key
-
-    @staticmethod
-    def load(db: sqlite_utils.Database) -> list[ApiKey]:
-        return list_keys(db)

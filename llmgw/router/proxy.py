@@ -155,6 +155,12 @@ class Forwarder:
         self.watchdog = Watchdog(read_timeout)
         self._attempts: dict[str, set[_Attempt]] = {}
 
+    def set_read_timeout(self, seconds: float) -> None:
+        """gateway.request_timeout changed: later attempts and the stream watchdog use the new one."""
+        self.read_timeout = seconds
+        self.watchdog.timeout = seconds
+        self.watchdog.interval = min(1.0, seconds / 4)
+
     def abandon(self, replica_id: str) -> int:
         """The control plane gave this replica up (its node is unreachable): attempts still
         waiting for its first byte are retried elsewhere, streams already relaying end with an

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from llmgw.engines import VLLM, Engine, LlamaServer, SGLang
+from llmgw.contracts.feed import ENGINE_KINDS
 
 # How a route's model is found.
 JSON = "json"  # the request body's "model"
@@ -30,7 +30,7 @@ OPENAI = "openai"
 RESPONSES = "responses"  # OpenAI Responses: usage in `response.completed`, ids carry their replica
 ANTHROPIC = "anthropic"  # Anthropic Messages: its error shape, usage in message_start/message_delta
 
-ALL = ("vllm", "sglang", "llama-server")
+ALL = ENGINE_KINDS
 
 
 @dataclass(frozen=True)
@@ -89,17 +89,9 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/audio/translations", FORM, OPENAI, _same("/v1/audio/translations", ("vllm",))),
 )
 
-_BUILTIN_TYPES = {VLLM: "vllm", SGLang: "sglang", LlamaServer: "llama-server"}
-
-
-def builtin_engine(engine: Engine | None) -> str | None:
-    """The built-in engine's name, or None for a custom engine or a static endpoint (every route passes)."""
-    return _BUILTIN_TYPES.get(type(engine)) if engine is not None else None
-
-
-def serves(route: Route, engine: Engine | None) -> bool:
-    name = builtin_engine(engine)
-    return name is None or name in route.engines
+def serves(route: Route, engine: str | None) -> bool:
+    """Whether a model of this engine kind (contracts.feed.ENGINE_KINDS; None: custom or static) has the route."""
+    return engine is None or engine in route.engines
 
 
 def served_list() -> str:

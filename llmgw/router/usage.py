@@ -1,4 +1,4 @@
-"""Token usage per key and model (R-6.9): found in the engine's answer, counted in memory, written in batches.
+"""Token usage per key and model (R-6.9): found in the engine's answer, counted in memory, reported in batches.
 
 Answers are never parsed whole on the hot path: `usage` sits at the end of an OpenAI answer and in
 the last event of a stream (Responses: `response.completed`; Anthropic: `message_delta`, with the
@@ -12,10 +12,7 @@ from __future__ import annotations
 import json
 import time
 
-import sqlite_utils
-
-from llmgw.router.keys import record_key_use
-from llmgw.store import add_usage
+from llmgw.contracts.feed import UsageRow
 
 BUCKET_SECONDS = 3600  # usage rows are per hour: `bucket` is the unix time the hour starts
 TAIL_BYTES = 4096
@@ -124,7 +121,7 @@ def anthropic_stream_usage(head: bytes, tail: bytes) -> dict | None:
 
 
 class UsageMeter:
-    """Counts per (key id, model) in memory; `drain` hands them to the store's writer in one batch."""
+    """Counts per (key id, model) in memory; `drain` hands them over once, for the router's next report."""
 
     def __init__(self):
         self._counts: dict[tuple[str, str], list[int]] = {}
@@ -141,18 +138,11 @@ class UsageMeter:
     def key_used(self, key_id: str, when: float) -> None:
         self._key_use[key_id] = when
 
-    def drain(self):
-        """A function for `Store.submit` writing everything counted so far, or None when idle."""
-        if not self._counts and not self._key_use:
-            return None
+    def drain(self) -> tuple[tuple[UsageRow, ...], dict[str, float]]:
+        """Everything counted since the previous call: usage rows of the current hour and each
+        key's last use. Counted once: a second call returns only what came after the first."""
         counts, self._counts = self._counts, {}
         key_use, self._key_use = self._key_use, {}
         bucket = int(time.time()) // BUCKET_SECONDS * BUCKET_SECONDS
-        rows = [(bucket, key_id, model, c[0], c[1], c[2]) for (key_id, model), c in counts.items()]
-
-        def write(db: sqlite_utils.Database) -> None:
-            if rows:
-                add_usage(db, rows)
-            if key_use:
-                record_key_use(db, key_use)
-        return write
+        rows = tuple(UsageRow(bucket, key_id, model, c[0], c[1], c[2]) for (key_id, model), c in counts.items())
+        return rows, key_use

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from llmgw.config import GatewayConfig
 from llmgw.router import Endpoint, response_ids
-from llmgw.router.keys import list_keys
+from llmgw.keys import list_keys
 from llmgw.router.routes import ROUTES
 from tests.integration.test_router_support import (apoll, catalog, engines, free_port, model,  # noqa: F401
                                                    scripted_engine, start_router)
@@ -103,7 +103,7 @@ async def test_r6_14_follow_ups_go_to_the_replica_that_holds_the_response(engine
         with pytest.raises(openai.PermissionDeniedError):
             await client.responses.retrieve(first.id)
     # the replica goes: a clear 404 naming it, not another replica's "not found"
-    gw.router.set_endpoints({"m": [b.endpoint("replica-b")] if holder == "replica-a" else [a.endpoint("replica-a")]})
+    gw.set_endpoints({"m": [b.endpoint("replica-b")] if holder == "replica-a" else [a.endpoint("replica-a")]})
     async with gw.client() as client:
         with pytest.raises(openai.NotFoundError) as gone:
             await client.responses.retrieve(first.id)

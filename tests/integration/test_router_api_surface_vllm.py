@@ -23,7 +23,7 @@ import anthropic
 import pytest
 
 from llmgw.router import Endpoint, response_ids
-from llmgw.router.keys import list_keys
+from llmgw.keys import list_keys
 from tests.integration.test_router_support import apoll, catalog, free_port, model, poll, start_router  # noqa: F401
 
 pytestmark = pytest.mark.slow

@@ -41,17 +41,17 @@ async def test_r6_5_least_outstanding_spreads_concurrent_streams(engines, start_
             return [c async for c in stream]
         await asyncio.gather(*(one() for _ in range(6)))
     assert a.counters()["requests"] == 3 and b.counters()["requests"] == 3
-    assert set(gw.router.take_last_used()) == {"ra", "rb"}
+    assert set(await gw.take_last_used()) == {"ra", "rb"}
 
 
 async def test_r7_1_last_used_absent_until_used(engines, start_router):  # noqa: F811
     a = engines.start("m")
     gw = await start_router(catalog(model("m")), {"m": [a.endpoint("ra")]})
-    assert gw.router.take_last_used() == {}  # unknown is not idle: absent, not zero
+    assert await gw.take_last_used() == {}  # unknown is not idle: absent, not zero
     before = time.time()
     async with gw.client() as client:
         await client.chat.completions.create(model="m", messages=HELLO)
-    used = gw.router.take_last_used()
+    used = await gw.take_last_used()
     assert set(used) == {"ra"} and before <= used["ra"] <= time.time()
 
 
@@ -234,7 +234,7 @@ async def test_r6_8_on_demand_request_waits_for_the_replica(engines, start_route
 
         async def start():
             engine = await asyncio.to_thread(engines.start, name)
-            holder["gw"].router.set_endpoints({name: [engine.endpoint("od-1")]})
+            holder["gw"].set_endpoints({name: [engine.endpoint("od-1")]})
         asyncio.get_running_loop().create_task(start())
 
     gw = holder["gw"] = await start_router(catalog(model("lazy", on_demand=True)), on_demand=on_demand)
@@ -242,7 +242,7 @@ async def test_r6_8_on_demand_request_waits_for_the_replica(engines, start_route
         answer = await client.chat.completions.create(model="lazy", messages=HELLO)
     assert answer.model == "lazy"
     assert asked == ["lazy"]
-    assert set(gw.router.take_last_used()) == {"od-1"}
+    assert set(await gw.take_last_used()) == {"od-1"}
 
 
 async def test_r6_8_on_demand_timeout_is_503_with_retry_after(start_router):  # noqa: F811
@@ -279,7 +279,7 @@ async def test_r6_10_static_endpoints_need_no_control_plane(engines, start_route
         name="static", served_name="upstream-name",
         endpoints=[StaticEndpoint(url=engine.url + "/", api_key_env="STATIC_ENGINE_KEY")])])
     gw = await start_router(cat)
-    gw.router.set_endpoints({"static": []})  # a push does not replace static endpoints
+    gw.set_endpoints({"static": []})  # a push does not replace static endpoints
     async with gw.client() as client:
         answer = await client.chat.completions.create(model="static", messages=HELLO)
     assert answer.model == "upstream-name"  # the request was rewritten to the engine's name
@@ -342,8 +342,8 @@ async def test_requests_waiting_on_a_given_up_replica_go_elsewhere(engines, star
     async with gw.client() as client:
         waiting = asyncio.create_task(client.chat.completions.create(model="m", messages=HELLO))
         await apoll(lambda: gw.router.outstanding("hung") == 1, what="the request to wait on the hung replica")
-        gw.router.set_endpoints({"m": [live.endpoint("live")]})
-        assert gw.router.abandon("hung") == 1
+        gw.set_endpoints({"m": [live.endpoint("live")]})
+        assert await gw.abandon("hung") == 1
         reply = await asyncio.wait_for(waiting, 30)
     assert "m" in reply.choices[0].message.content
     assert live.counters()["requests"] == 1
@@ -356,7 +356,7 @@ async def test_a_stream_on_a_given_up_replica_ends_with_an_error(engines, start_
     async with gw.client() as client:
         stream = await client.chat.completions.create(model="m", messages=HELLO, stream=True)
         received = [await stream.__anext__()]
-        assert gw.router.abandon("slow") == 1
+        assert await gw.abandon("slow") == 1
         with pytest.raises((openai.APIError, httpx2.HTTPError)) as broken:
             async for chunk in stream:
                 received.append(chunk)

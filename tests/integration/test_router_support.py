@@ -2,7 +2,8 @@
 
 Imported by the other test_router_* modules; it holds no tests itself. Engines are the testbed's
 engine double run as `vllm serve ...` on 127.0.0.1 (no SSH needed to test the router); the router
-is the real app on an aiohttp runner, reached with the official `openai` client.
+is the real app on an aiohttp runner, reached with the official `openai` client, fed by a real
+FeedPublisher through the in-process LocalFeed (as `llmgw serve` runs it).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import EngineConfig, GatewayConfig, ModelConfig, ProfileConfig, ScalingConfig
+from llmgw.control.feed import FeedPublisher
+from llmgw.keys import create_key, key_entries
+from llmgw.localfeed import LocalFeed
 from llmgw.router import RUNNER_OPTIONS, Endpoint, Router
-from llmgw.router.keys import create_key
 from llmgw.store import Store
 
 DOUBLES = Path(__file__).resolve().parents[1] / "testbed" / "doubles"
@@ -196,17 +199,38 @@ class RunningRouter:
     url: str
     secret: str
     registry: CollectorRegistry
+    publisher: FeedPublisher
+    feed: LocalFeed
 
     def client(self, secret: str | None = None, **kw) -> openai.AsyncOpenAI:
         kw.setdefault("max_retries", 0)
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=secret or self.secret, **kw)
 
     def key(self, name: str, models=None) -> str:
-        """A new key, loaded into the running router at once (the periodic reload is tested apart)."""
+        """A new key, published to the running router at once (the periodic reload is tested apart)."""
         _, secret = self.store.write_sync(lambda db: create_key(db, name, models))
-        from llmgw.router.keys import list_keys
-        self.router.keys.replace(self.store.read_sync(list_keys))
+        self.reload_keys()
         return secret
+
+    def reload_keys(self) -> None:
+        self.publisher.set_keys(self.store.read_sync(key_entries))
+        self.feed.pump()
+
+    def set_endpoints(self, table) -> None:
+        """What the reconciler pushes, applied to the router before this returns."""
+        self.publisher.set_endpoints(table)
+        self.feed.pump()
+
+    async def abandon(self, replica_id: str) -> int:
+        """The control plane gives a replica up; returns the in-flight count it knew of."""
+        await self.feed.report()
+        count = self.publisher.abandon(replica_id)
+        self.feed.pump()
+        return count
+
+    async def take_last_used(self) -> dict[str, float]:
+        await self.feed.report()
+        return self.publisher.take_last_used()
 
     async def usage_rows(self) -> list[dict]:
         return await self.store.read(lambda db: list(db["usage"].rows))
@@ -222,22 +246,28 @@ async def start_router(tmp_path):
         store = Store.open(store_path or tmp_path / "state.db")
         _, secret = store.write_sync(lambda db: create_key(db, f"test-{len(running)}"))
         registry = CollectorRegistry()
-        router = Router(CatalogHolder(cat), store, gateway or GatewayConfig(), on_demand=on_demand,
-                        registry=registry)
+        publisher = FeedPublisher(CatalogHolder(cat), store, gateway or GatewayConfig(), note_demand=on_demand)
+        router = Router(registry=registry)
         if endpoints:
-            router.set_endpoints(endpoints)
+            publisher.set_endpoints(endpoints)
+        publisher.mark_ready()
+        feed = LocalFeed(publisher, router)
+        feed.pump()
+        feed.start()
         runner = web.AppRunner(router.web_app(), **(RUNNER_OPTIONS if runner_options is None else runner_options))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = runner.addresses[0][1]
-        handle = RunningRouter(router, runner, store, f"http://127.0.0.1:{port}", secret, registry)
+        handle = RunningRouter(router, runner, store, f"http://127.0.0.1:{port}", secret, registry, publisher, feed)
         running.append(handle)
         return handle
 
     yield start
     for handle in running:
         await handle.runner.cleanup()
+        await handle.feed.close()
+        await handle.publisher.close()
         await handle.router.close()
         handle.store.close()
 

@@ -9,7 +9,7 @@ import aiohttp
 import openai
 import pytest
 
-from llmgw.router.keys import list_keys
+from llmgw.keys import list_keys
 from tests.integration.test_router_support import (apoll, catalog, engines, model,  # noqa: F401
                                                    scripted_engine, start_router)
 

@@ -48,7 +48,8 @@ FILER = dict(device="0:51", fstype="nfs4", mount_point="/mnt/filer", shared=True
 
 
 class FakeRouter:
-    """What the admin reads of the router: requests in flight and engine loads per replica."""
+    """What the admin reads of the routers (through the feed publisher): requests in flight and
+    engine loads per replica."""
 
     def __init__(self):
         self.in_flight: dict[str, int] = {}
@@ -70,7 +71,7 @@ class FakeGateway:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     token: str = TOKEN
     control: ControlPlane | None = None
-    router: FakeRouter = field(default_factory=FakeRouter)
+    publisher: FakeRouter = field(default_factory=FakeRouter)
 
     def publish(self) -> None:
         """What the reconciler does at the end of a pass: the admin shows what was set since."""

@@ -312,7 +312,7 @@ def test_a_stored_runtime_model_reads_no_other_variable(monkeypatch, caplog):
     """A model stored before the rule keeps working, without the variable it names."""
     from llmgw.catalog import StoredModel
     from llmgw.config import ModelConfig
-    from llmgw.contracts.endpoints import static_endpoints
+    from llmgw.control.feed import static_endpoints
 
     monkeypatch.setenv("SOME_SECRET", "s3cr3t")
     monkeypatch.setenv("LLMGW_ENDPOINT_KEY_EXT", "endpoint-key")

@@ -10,9 +10,10 @@ import sqlite_utils
 from typer.testing import CliRunner
 
 from llmgw.cli.main import app as cli
+from llmgw.keys import KeyRefused, create_key, key_entries, list_keys, record_key_use, revoke_key
 from llmgw.router import keys as keys_module
 from llmgw.router.errors import InvalidKey
-from llmgw.router.keys import KeyRefused, KeyRing, create_key, list_keys, record_key_use, revoke_key
+from llmgw.router.keys import KeyRing, allows
 from llmgw.store import migrate
 
 
@@ -48,18 +49,27 @@ def test_r6_2_authenticate(db, monkeypatch):
     _, secret = create_key(db, "alice", ["m1"])
     _, revoked = create_key(db, "bob")
     revoke_key(db, "bob")
-    ring = KeyRing(list_keys(db))
+    ring = KeyRing(key_entries(db))
     compared = []
     real = keys_module.hmac.compare_digest
     monkeypatch.setattr(keys_module.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
     key = ring.authenticate(f"Bearer {secret}")
-    assert key.name == "alice" and key.allows("m1") and not key.allows("m2")
+    assert key.name == "alice" and allows(key, "m1") and not allows(key, "m2")
     assert compared  # the match is confirmed in constant time
     for header, message in [(None, "no API key"), ("", "no API key"), (secret, "must be 'Bearer"),
                             ("Basic abc", "must be 'Bearer"), ("Bearer ", "must be 'Bearer"),
-                            (f"Bearer {secret}x", "invalid API key"), (f"Bearer {revoked}", "revoked")]:
+                            (f"Bearer {secret}x", "invalid API key"), (f"Bearer {revoked}", "invalid API key")]:
         with pytest.raises(InvalidKey, match=message):
             ring.authenticate(header)
+
+
+def test_r10_1_published_keys_leave_revoked_ones_out_and_show_no_hash(db):
+    alice, _ = create_key(db, "alice", ["m1"])
+    create_key(db, "bob")
+    revoke_key(db, "bob")
+    entries = key_entries(db)
+    assert [(e.id, e.name, e.models) for e in entries] == [(alice.id, "alice", frozenset({"m1"}))]
+    assert entries[0].hash == alice.hash and alice.hash not in repr(entries)
 
 
 def test_r6_2_empty_ring_lets_nobody_in():
@@ -121,11 +131,11 @@ def test_r6_13_authenticate_takes_x_api_key_as_anthropic_clients_send_it(db):
     _, secret = create_key(db, "alice")
     _, revoked = create_key(db, "bob")
     revoke_key(db, "bob")
-    ring = KeyRing(list_keys(db))
+    ring = KeyRing(key_entries(db))
     assert ring.authenticate(None, secret).name == "alice"
     assert ring.authenticate(f"Bearer {secret}", "ignored").name == "alice"  # Authorization, when sent, decides
     for authorization, x_api_key, message in [(None, "", "no API key"), (None, " ", "no API key"),
-                                              (None, secret + "x", "invalid API key"), (None, revoked, "revoked"),
+                                              (None, secret + "x", "invalid API key"), (None, revoked, "invalid API key"),
                                               ("Basic abc", secret, "must be 'Bearer")]:
         with pytest.raises(InvalidKey, match=message):
             ring.authenticate(authorization, x_api_key)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from llmgw.catalog import Catalog
-from llmgw.config import EngineConfig, ProfileConfig
-from llmgw.engines import BUILTIN_ENGINES
+from llmgw.config import EngineConfig, ModelConfig, ProfileConfig
 from llmgw.router import response_ids
 from llmgw.router.errors import BadRequest
-from llmgw.router.routes import ROUTES, builtin_engine, serves
+from llmgw.control.feed import routed_models
+from llmgw.router.routes import ROUTES, serves
 from llmgw.router.uploads import NEED_MORE, find_model_field
 from llmgw.router.usage import anthropic_stream_usage, find_usage, tokens
 
@@ -17,7 +17,7 @@ ROUTE = {route.name: route for route in ROUTES}
 
 
 def test_r6_12_the_table_says_which_engine_serves_which_route():
-    vllm, sglang, llama = (BUILTIN_ENGINES[n] for n in ("vllm", "sglang", "llama-server"))
+    vllm, sglang, llama = "vllm", "sglang", "llama-server"
     assert serves(ROUTE["POST /v1/messages"], vllm) and serves(ROUTE["POST /v1/messages"], llama)
     assert not serves(ROUTE["POST /v1/messages"], sglang)
     assert not serves(ROUTE["POST /v1/score"], llama) and serves(ROUTE["POST /v1/score"], sglang)
@@ -29,10 +29,11 @@ def test_r6_12_the_table_says_which_engine_serves_which_route():
 
 
 def test_r6_12_custom_engines_and_static_endpoints_get_every_route():
-    catalog = Catalog.build(profiles={"c": ProfileConfig(engine="vllm")}, engines={"vllm": EngineConfig(command=["x"])})
-    custom = catalog.engines["vllm"]  # a custom engine may even take a built-in's name
-    assert builtin_engine(custom) is None and builtin_engine(None) is None
-    assert all(serves(route, custom) and serves(route, None) for route in ROUTES)
+    catalog = Catalog.build(file_models=[ModelConfig(name="m", profile="c")],
+                            profiles={"c": ProfileConfig(engine="vllm")}, engines={"vllm": EngineConfig(command=["x"])})
+    # a custom engine may even take a built-in's name: the feed says it is no built-in engine
+    assert routed_models(catalog)["m"].engine is None
+    assert all(serves(route, None) for route in ROUTES)
     assert ROUTE["POST /rerank"].upstream_path(None) == "/rerank"
 
 

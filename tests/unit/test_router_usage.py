@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llmgw.router.usage import (TAIL_BYTES, UsageMeter, complete_events_end, find_usage, strip_usage_event,
+from llmgw.router.usage import (BUCKET_SECONDS, TAIL_BYTES, UsageMeter, complete_events_end, find_usage, strip_usage_event,
                                 tokens, usage_from_body)
 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
@@ -66,26 +66,16 @@ def test_complete_events_end(data, end):
     assert complete_events_end(data) == end
 
 
-def test_meter_drains_into_one_write_per_batch():
+def test_meter_drains_once_into_report_rows():
     meter = UsageMeter()
-    assert meter.drain() is None  # nothing to write when idle
+    assert meter.drain() == ((), {})  # nothing counted when idle
     meter.add("k1", "m", 3, 5)
     meter.add("k1", "m", 1, 0)
     meter.add("k2", "m", 2, 2)
     meter.key_used("k1", 123.0)
-    write = meter.drain()
-    assert meter.drain() is None
-
-    calls = []
-
-    class FakeConn:
-        def executemany(self, sql, rows):
-            calls.append((sql.split()[0], list(rows)))
-
-    class FakeDb:
-        conn = FakeConn()
-
-    write(FakeDb())
-    inserted = dict((row[1], row[3:]) for row in calls[0][1])
-    assert inserted == {"k1": (2, 4, 5), "k2": (1, 2, 2)}
-    assert calls[1] == ("UPDATE", [(123.0, "k1")])
+    rows, key_use = meter.drain()
+    assert meter.drain() == ((), {})  # handed over once
+    assert {row.key_id: (row.requests, row.prompt_tokens, row.completion_tokens) for row in rows} == \
+        {"k1": (2, 4, 5), "k2": (1, 2, 2)}
+    assert {row.bucket % BUCKET_SECONDS for row in rows} == {0}
+    assert key_use == {"k1": 123.0}

@@ -24,9 +24,9 @@ async def admin(tmp_path):
               ModelConfig(name="big", profile="pair")]
     gateway.holder.swap(Catalog.build(file_models=models, profiles=PROFILES))
     gateway.publish()
-    gateway.router.in_flight["chat-1"] = 3
-    gateway.router.loads["chat-1"] = EngineLoad(source="vllm", waiting=4, running=2, kv_cache=0.41)
-    gateway.router.loads["chat-0"] = EngineLoad(source="llama-server", running=1)  # no queue, no KV
+    gateway.publisher.in_flight["chat-1"] = 3
+    gateway.publisher.loads["chat-1"] = EngineLoad(source="vllm", waiting=4, running=2, kv_cache=0.41)
+    gateway.publisher.loads["chat-0"] = EngineLoad(source="llama-server", running=1)  # no queue, no KV
     client = TestClient(TestServer(build_admin_app(gateway)))
     await client.start_server()
     try:

@@ -1,0 +1,247 @@
+"""The control plane's router feed publisher (R-10.1): what it publishes, and how it takes reports."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from llmgw.catalog import Catalog, CatalogHolder
+from llmgw.config import EngineConfig, GatewayConfig, ModelConfig, ProfileConfig, ScalingConfig, StaticEndpoint
+from llmgw.contracts.endpoints import Endpoint
+from llmgw.contracts.feed import Change, EngineLoad, Report, Snapshot, UsageRow
+from llmgw.control import feed as feed_module
+from llmgw.control.feed import LISTENER_QUEUE, FeedPublisher
+from llmgw.keys import create_key, revoke_key
+from llmgw.store import Store
+
+PROFILES = {"p": ProfileConfig(engine="vllm"), "s": ProfileConfig(engine="sglang"), "c": ProfileConfig(engine="custom")}
+ENGINES = {"custom": EngineConfig(command=["my-engine", "--port", "{port}"])}
+MODELS = [ModelConfig(name="m", profile="p", served_name="m-upstream", routing="prefix", fallback="s"),
+          ModelConfig(name="s", profile="s", fallback="c"),
+          ModelConfig(name="c", profile="c", scaling=ScalingConfig(min=0, max=1)),
+          ModelConfig(name="fixed", endpoints=[StaticEndpoint(url="http://10.0.0.9:8000/")])]
+
+
+def endpoint(replica: str, model: str = "m") -> Endpoint:
+    return Endpoint(replica_id=replica, model=model, url=f"http://10.0.0.1:{abs(hash(replica)) % 1000 + 20000}",
+                    api_key=f"engine-key-{replica}")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = Store.open(tmp_path / "state.db")
+    yield store
+    store.close()
+
+
+@pytest.fixture
+async def publisher(store):
+    store.write_sync(lambda db: create_key(db, "alice", ["m"]))
+    store.write_sync(lambda db: create_key(db, "gone"))
+    store.write_sync(lambda db: revoke_key(db, "gone"))
+    holder = CatalogHolder(Catalog.build(file_models=MODELS, profiles=PROFILES, engines=ENGINES))
+    asked: list[str] = []
+    clock = Clock()
+    publisher = FeedPublisher(holder, store, GatewayConfig(max_body=1000, request_timeout=30, on_demand_wait=5),
+                              epoch="e", note_demand=asked.append, clock=clock)
+    publisher.asked, publisher.clock = asked, clock
+    yield publisher
+    await publisher.close()
+
+
+def pending(listener) -> list:
+    out = []
+    while (message := listener.next_nowait()) is not None:
+        out.append(message)
+    return out
+
+
+async def test_r10_1_the_snapshot_holds_models_endpoints_keys_and_settings(publisher):
+    listener = publisher.listen()
+    publisher.set_endpoints({"m": [endpoint("r1")]})
+    assert publisher.current() is None and pending(listener) == []  # nothing before ready
+    waiting = asyncio.ensure_future(listener.__anext__())
+    publisher.mark_ready()
+    await publisher.ready()
+    first = await asyncio.wait_for(waiting, 5)
+    assert isinstance(first, Snapshot) and first is publisher.current()
+    assert (first.epoch, first.version) == ("e", 1)
+    models = first.models
+    assert {name: m.engine for name, m in models.items()} == {"m": "vllm", "s": "sglang", "c": None, "fixed": None}
+    assert models["m"].served_name == "m-upstream" and models["m"].routing == "prefix"
+    assert models["m"].fallbacks == ("s", "c") and models["c"].on_demand and not models["m"].on_demand
+    assert first.endpoints["m"] == (endpoint("r1"),)
+    assert [e.url for e in first.endpoints["fixed"]] == ["http://10.0.0.9:8000"]  # static ones, like any other
+    assert [(k.name, k.models) for k in first.keys] == [("alice", frozenset({"m"}))]  # the revoked key is absent
+    assert (first.gateway.max_body, first.gateway.request_timeout, first.gateway.on_demand_wait) == (1000, 30.0, 5.0)
+
+
+async def test_r10_1_an_endpoint_push_changes_only_the_models_whose_lists_changed(publisher):
+    publisher.set_endpoints({"m": [endpoint("r1")], "s": [endpoint("r2", "s")]})
+    publisher.mark_ready()
+    listener = publisher.listen()
+    assert isinstance(pending(listener)[0], Snapshot)
+    publisher.set_endpoints({"m": [endpoint("r1")], "s": [endpoint("r2", "s")]})
+    assert pending(listener) == []  # nothing changed: no change
+    publisher.set_endpoints({"m": [endpoint("r1"), endpoint("r3")], "s": [endpoint("r2", "s")]})
+    publisher.set_endpoints({"m": [endpoint("r1"), endpoint("r3")], "fixed": []})  # a push leaves static lists alone
+    first, second = pending(listener)
+    assert isinstance(first, Change) and (first.version, dict(first.endpoints)) == \
+        (2, {"m": (endpoint("r1"), endpoint("r3"))})
+    assert first.models is None and first.keys is None and first.gateway is None
+    assert (second.version, dict(second.endpoints)) == (3, {"s": None})
+    current = publisher.current()
+    assert current.version == 3 and "s" not in current.endpoints and len(current.endpoints["fixed"]) == 1
+
+
+async def test_r10_1_a_catalog_swap_is_a_change_with_models_and_changed_static_lists(publisher):
+    publisher.mark_ready()
+    listener = publisher.listen()
+    pending(listener)
+    models = [*MODELS[:3], ModelConfig(name="fixed", endpoints=[StaticEndpoint(url="http://10.0.0.8:8000")]),
+              ModelConfig(name="new", profile="p")]
+    publisher.holder.swap(Catalog.build(file_models=models, profiles=PROFILES, engines=ENGINES))
+    (swapped,) = pending(listener)
+    assert set(swapped.models) == {"m", "s", "c", "fixed", "new"}
+    assert [e.url for e in swapped.endpoints["fixed"]] == ["http://10.0.0.8:8000"] and set(swapped.endpoints) == {"fixed"}
+    publisher.holder.swap(Catalog.build(file_models=models, profiles=PROFILES, engines=ENGINES))
+    assert pending(listener) == []  # the same catalog again: no change
+
+
+async def test_r10_1_keys_are_reread_and_a_change_carries_them(publisher, store):
+    publisher.mark_ready()
+    listener = publisher.listen()
+    pending(listener)
+    await publisher.refresh_keys()
+    assert pending(listener) == []
+    store.write_sync(lambda db: create_key(db, "bob"))
+    store.write_sync(lambda db: revoke_key(db, "alice"))
+    await publisher.refresh_keys()
+    (changed,) = pending(listener)
+    assert [k.name for k in changed.keys] == ["bob"] and changed.endpoints is None and changed.models is None
+
+
+async def test_r10_1_a_listener_that_falls_behind_gets_a_snapshot_instead_of_the_backlog(publisher):
+    publisher.mark_ready()
+    slow, quick = publisher.listen(), publisher.listen()
+    pending(slow)
+    pending(quick)
+    for i in range(LISTENER_QUEUE + 5):
+        publisher.set_endpoints({"m": [endpoint(f"r{i}")]})
+        assert len(pending(quick)) == 1
+    messages = pending(slow)
+    assert len(messages) == 1 and isinstance(messages[0], Snapshot)
+    assert messages[0].version == LISTENER_QUEUE + 6 and slow.resyncs == 1
+    publisher.set_endpoints({"m": [endpoint("last")]})
+    (after,) = pending(slow)
+    assert isinstance(after, Change) and after.version == LISTENER_QUEUE + 7  # in step again
+    slow.close()
+    assert slow not in publisher._listeners
+
+
+def usage_rows(store) -> list[tuple]:
+    return store.read_sync(lambda db: [(r["key_id"], r["model"], r["requests"], r["prompt_tokens"])
+                                       for r in db["usage"].rows])
+
+
+def report(seq: int, router: str = "ra", **kw) -> Report:
+    return Report(router=router, seq=seq, sent_at=0.0, **kw)
+
+
+async def test_r10_1_a_report_is_counted_once_per_router_and_seq_across_a_reopen(publisher, store, tmp_path):
+    usage = (UsageRow(3600, "k1", "m", 2, 10, 20),)
+    first = report(1, usage=usage, key_use={"k1": 123.0})
+    assert (await publisher.apply_report(first)).seq == 1
+    ack = await publisher.apply_report(first)  # sent again: the ack was lost
+    assert (ack.router, ack.seq) == ("ra", 1)
+    assert usage_rows(store) == [("k1", "m", 2, 10)]
+    await publisher.apply_report(report(1, router="rb", usage=usage))  # another router's seq 1 is its own
+    assert usage_rows(store) == [("k1", "m", 4, 20)]
+    store.close()
+
+    reopened = Store.open(tmp_path / "state.db")
+    try:
+        again = FeedPublisher(publisher.holder, reopened, GatewayConfig(), epoch="e2")
+        await again.apply_report(first)  # the seq was recorded with the counts: still not counted twice
+        assert usage_rows(reopened) == [("k1", "m", 4, 20)]
+        await again.apply_report(report(2, usage=usage))
+        assert usage_rows(reopened) == [("k1", "m", 6, 30)]
+        await again.close()
+    finally:
+        reopened.close()
+
+
+async def test_router_seqs_of_routers_not_heard_from_for_a_week_are_pruned(publisher, store):
+    store.write_sync(lambda db: db["router_seq"].insert({"router": "old", "seq": 9, "updated_at": 1.0}))
+    await publisher.apply_report(report(1, usage=(UsageRow(0, "k", "m", 1, 1, 1),)))
+    assert store.read_sync(lambda db: sorted(r["router"] for r in db["router_seq"].rows)) == ["ra"]
+
+
+async def test_r10_1_state_parts_replace_the_routers_last_and_go_stale(publisher):
+    load = EngineLoad(source="vllm", waiting=1, running=2, at=50.0)
+    await publisher.apply_report(report(1, inflight={"r1": 2}, last_used={"r1": 100.0}, engine_load={"r1": load}))
+    await publisher.apply_report(report(1, router="rb", inflight={"r1": 1}, last_used={"r1": 90.0, "r2": 95.0}))
+    assert publisher.outstanding("r1") == 3 and publisher.outstanding("r2") == 0
+    assert publisher.take_last_used() == {"r1": 100.0, "r2": 95.0} and publisher.engine_load("r1") == load
+    await publisher.apply_report(report(3, inflight={"r1": 1}))
+    await publisher.apply_report(report(2, inflight={"r1": 7}))  # a late repeat does not set the state back
+    assert publisher.outstanding("r1") == 2 and publisher.engine_load("r1") is None
+    publisher.clock.now += feed_module.STALE_SECONDS + 1
+    await publisher.apply_report(report(4, router="rb", inflight={"r1": 1}, last_used={"r2": 95.0}))
+    assert publisher.outstanding("r1") == 1  # ra has gone silent: its requests no longer count
+    assert publisher.take_last_used() == {"r2": 95.0}  # each router's latest report: ra's named none
+    publisher.clock.now += feed_module.FORGET_SECONDS + 1
+    await publisher.apply_report(report(1, router="rc"))
+    assert publisher.take_last_used() == {}  # silent for an hour: forgotten once another router reports
+    print("stale after", feed_module.STALE_SECONDS, "s")
+
+
+async def test_r6_8_demand_in_a_report_reaches_the_reconciler(publisher):
+    await publisher.apply_report(report(1, demand=("c",)))
+    await publisher.apply_report(report(1, demand=("c",)))  # a repeat is not a new demand
+    assert publisher.asked == ["c"]
+
+
+async def test_r4_2_a_drained_replica_is_not_idle_before_every_router_saw_it_go(publisher):
+    publisher.set_endpoints({"m": [endpoint("r1"), endpoint("r2")]})
+    publisher.mark_ready()
+    v1 = ("e", 1)
+    await publisher.apply_report(report(1, snapshot=v1))
+    await publisher.apply_report(report(1, router="rb", snapshot=v1))
+    await publisher.apply_report(report(1, router="old", snapshot=("an-earlier-run", 40)))
+    publisher.clock.now += feed_module.STALE_SECONDS + 1  # "old" is not heard from any more
+    await publisher.apply_report(report(2, snapshot=v1))
+    await publisher.apply_report(report(2, router="rb", snapshot=v1))
+    assert publisher.outstanding("r1") == 0
+
+    publisher.set_endpoints({"m": [endpoint("r2")]})  # version 2 takes r1 away
+    assert publisher.current().version == 2
+    # Both routers last reported with version 1: a request they sent r1 since is not in it.
+    assert publisher.outstanding("r1") == 1 and publisher.outstanding("r2") == 0
+    await publisher.apply_report(report(3, snapshot=("e", 2)))
+    assert publisher.outstanding("r1") == 1  # rb has not caught up yet
+    await publisher.apply_report(report(3, router="rb", snapshot=("e", 2), inflight={"r1": 2}))
+    assert publisher.outstanding("r1") == 2  # caught up, and it still has two on r1
+    await publisher.apply_report(report(4, router="rb", snapshot=("e", 2)))
+    assert publisher.outstanding("r1") == 0  # every router saw it go, none has a request left on it
+
+
+async def test_r10_1_abandon_is_a_change_and_answers_the_last_known_count(publisher):
+    publisher.set_endpoints({"m": [endpoint("r1")]})
+    publisher.mark_ready()
+    listener = publisher.listen()
+    pending(listener)
+    assert publisher.abandon("r1") == -1  # no router has reported: unknown
+    await publisher.apply_report(report(1, inflight={"r1": 2}))
+    assert publisher.abandon("r1") == 2
+    first, second = pending(listener)
+    assert (first.version, first.abandon, first.endpoints) == (2, ("r1",), None) and second.abandon == ("r1",)
