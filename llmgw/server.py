@@ -13,8 +13,10 @@ import signal
 import socket
 import sqlite3
 import stat
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,6 +200,7 @@ class Gateway:
     inventory_source: str = "the inventory file"
     listen: str | None = None
     admin_listen: str | None = None
+    serve_router: bool = True  # False: router workers of their own serve the client port (R-10.4)
     store: Store = field(init=False)
     holder: CatalogHolder = field(init=False)
     fleet: Fleet = field(init=False)
@@ -224,7 +227,8 @@ class Gateway:
         secure_state_dir(self.state_dir)
         self._lock_fd = hold_instance_lock(self.state_dir)
         gateway = self.inventory.gateway
-        self._sockets["router"] = bind_listener("router", self.listen or gateway.listen, "--listen")
+        if self.serve_router:
+            self._sockets["router"] = bind_listener("router", self.listen or gateway.listen, "--listen")
         self._sockets["admin"] = bind_listener("admin listener", self.admin_listen or gateway.admin, "--admin")
         self.token = admin_token(self.state_dir)
         path = self.state_dir / DATABASE
@@ -256,12 +260,13 @@ class Gateway:
         # Adopted replicas are pushed before the router listens, once their nodes confirm them.
         await self.fleet.start()
         self.publisher.mark_ready()
-        self.feed = LocalFeed(self.publisher, self.router)
-        self.feed.pump()  # the router holds the first snapshot before it listens
-        self.feed.start()
-        router_app = self.router.web_app()
-        finish_requests_within(router_app, SHUTDOWN_GRACE)
-        await self._listen("router", router_app, self._sockets.pop("router"), RUNNER_OPTIONS)
+        if self.serve_router:
+            self.feed = LocalFeed(self.publisher, self.router)
+            self.feed.pump()  # the router holds the first snapshot before it listens
+            self.feed.start()
+            router_app = self.router.web_app()
+            finish_requests_within(router_app, SHUTDOWN_GRACE)
+            await self._listen("router", router_app, self._sockets.pop("router"), RUNNER_OPTIONS)
         admin_app = self._admin_app()
         if admin_app is not None:
             tls = self.inventory.gateway.admin_tls  # set: https, for routers and ctl on other hosts
@@ -368,18 +373,171 @@ class Gateway:
             self._lock_fd = None
 
 
+ROUTER_DIR = "router"  # the spawned supervisor's state directory, inside serve's
+ROUTER_LOG = "router.log"
+ROUTER_START_TIMEOUT = 180.0  # its workers wait for the first snapshot before they say ready
+
+
+@dataclass(frozen=True)
+class RunningRouter:
+    """A router supervisor found running on serve's state directory (R-10.4)."""
+
+    pid: int
+    listen: str | None
+    workers: int | None
+
+
+def running_router(state_dir: Path) -> RunningRouter | None:
+    from llmgw.router.supervisor import read_status, running_supervisor
+
+    pid = running_supervisor(state_dir / ROUTER_DIR)
+    if pid is None:
+        return None
+    status = read_status(state_dir / ROUTER_DIR) or {}
+    workers = status.get("workers")
+    return RunningRouter(pid, status.get("listen"), len(workers) if workers else None)
+
+
+def instance_lock_holder(state_dir: Path) -> str | None:
+    """The pid in serve.lock while another serve holds it, without taking it."""
+    try:
+        fd = os.open(state_dir / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)
+
+
+def same_listen(running: str | None, wanted: str) -> bool:
+    try:
+        (have_host, have_port), (want_host, want_port) = split_address(running or ""), split_address(wanted)
+    except ValueError:
+        return False
+    if have_port != want_port:
+        return False
+    try:
+        wanted_hosts = {info[4][0] for info in socket.getaddrinfo(want_host, want_port, type=socket.SOCK_STREAM)}
+    except socket.gaierror:
+        return False
+    return have_host in wanted_hosts
+
+
+def adopt_router(state_dir: Path, running: RunningRouter, listen: str, workers: int) -> None:
+    """Leave the running supervisor serving; tell it the worker count wanted (desired.json, SIGUSR1)."""
+    from llmgw.router.supervisor import DESIRED_FILE, write_private_json
+
+    log.info("adopting the running router supervisor: pid %d, listening on %s, %s workers", running.pid,
+             running.listen or "-", running.workers if running.workers is not None else "-")
+    if not same_listen(running.listen, listen):
+        log.warning("the running router listens on %s, not on %s as asked: it keeps its address until it is "
+                    "restarted (`llmgw router stop --state-dir %s`, then start llmgw serve again)",
+                    running.listen or "-", listen, state_dir / ROUTER_DIR)
+    if running.workers != workers:
+        log.info("asking the router supervisor for %d workers instead of %s", workers,
+                 running.workers if running.workers is not None else "-")
+        write_private_json(state_dir / ROUTER_DIR / DESIRED_FILE, {"workers": workers})
+        os.kill(running.pid, signal.SIGUSR1)
+
+
+async def spawn_router(state_dir: Path, listen: str, workers: int) -> int:
+    """Start `llmgw router` for this state directory, detached, and wait until it serves; its pid.
+
+    It runs in a session of its own with stdin on /dev/null and its log appended to router.log,
+    so it outlives serve, however serve ends, and holds none of serve's output open (R-10.4)."""
+    log_path = state_dir / ROUTER_LOG
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    os.fchmod(log_fd, 0o600)
+    ready_r, ready_w = os.pipe()
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+    argv = [sys.executable, "-m", "llmgw.cli.main", "router", "--control", f"unix:{state_dir / FEED_SOCKET}",
+            "--token-file", str(state_dir / TOKEN_FILE), "--state-dir", str(state_dir / ROUTER_DIR),
+            "--listen", listen, "--workers", str(workers), "--ready-fd", str(ready_w), "--log-level", level]
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, pass_fds=(ready_w,),
+                                start_new_session=True)
+    finally:
+        os.close(ready_w)
+        os.close(log_fd)
+    line = await in_daemon_thread(lambda: _first_line(ready_r, ROUTER_START_TIMEOUT))
+    if line is not None and line.startswith("ready"):
+        said = dict(word.partition("=")[::2] for word in line.split()[1:])
+        log.info("router supervisor started: pid %d, listening on %s, %s workers", proc.pid, said.get("listen", "-"),
+                 said.get("workers", "-"))
+        return proc.pid
+    if line is None:
+        proc.kill()
+        raise StartupError(f"the router (pid {proc.pid}) did not serve within {ROUTER_START_TIMEOUT:.0f}s; "
+                           f"see {log_path}")
+    if line.startswith("error: "):
+        raise StartupError(line.removeprefix("error: "))
+    code = proc.wait()
+    raise StartupError(f"the router exited (code {code}) before it served; see {log_path}")
+
+
+def _first_line(fd: int, timeout: float) -> str | None:
+    import selectors
+
+    with os.fdopen(fd, "rb", 0) as pipe, selectors.DefaultSelector() as selector:
+        selector.register(pipe, selectors.EVENT_READ)
+        data = b""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in data:
+            left = deadline - time.monotonic()
+            if left <= 0 or not selector.select(left):
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    return data.decode(errors="replace").split("\n", 1)[0].strip()
+
+
 async def serve(inventory_path: str | None, *, state_dir: str | None = None, listen: str | None = None,
-                admin: str | None = None) -> None:
+                admin: str | None = None, workers: int | None = None) -> None:
     """Run until SIGTERM or SIGINT, which also stop a start still under way. A start that fails
-    takes down what it started before the error propagates (StartupError: for the operator)."""
+    takes down what it started before the error propagates (StartupError: for the operator).
+
+    `workers` None: the router runs in this process. Otherwise the control plane runs here and
+    `workers` router workers (none: 0) run under a supervisor of their own that this serve spawns,
+    or adopts when one already runs on the state directory; it outlives this process (R-10.4)."""
     inventory, document, source = load_configuration(inventory_path)
-    gateway = Gateway(inventory, document, resolve_state_dir(inventory, state_dir), source, listen, admin)
+    resolved = resolve_state_dir(inventory, state_dir)
+    client_listen = listen or inventory.gateway.listen
+    running: RunningRouter | None = None
+    if workers:
+        holder = instance_lock_holder(resolved)
+        if holder is not None:
+            raise StartupError(f"another llmgw serve (pid {holder}) is already running with the state directory "
+                               f"{resolved}; stop it first, or give this one its own --state-dir")
+        running = running_router(resolved)
+        if running is None:
+            from llmgw.router.supervisor import SupervisorError, probe_port
+
+            try:  # before anything starts, as when serve bound the port itself
+                probe_port(client_listen, "--listen")
+            except SupervisorError as exc:
+                raise StartupError(str(exc)) from None
+    gateway = Gateway(inventory, document, resolved, source, listen, admin)
+    gateway.serve_router = workers is None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, reload_on_signal, gateway)  # R-10.5, as `llmgw ctl reload`
-    starting = asyncio.create_task(gateway.start(), name="gateway-start")
+
+    async def start() -> None:
+        await gateway.start()
+        if running is not None:
+            adopt_router(resolved, running, client_listen, workers)
+        elif workers:
+            await spawn_router(resolved, client_listen, workers)
+
+    starting = asyncio.create_task(start(), name="gateway-start")
     stopping = asyncio.create_task(stop.wait(), name="gateway-stop-signal")
     try:
         await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -389,7 +547,13 @@ async def serve(inventory_path: str | None, *, state_dir: str | None = None, lis
             return
         starting.result()  # a start-up failure propagates from here, after the teardown below
         await stopping
-        log.info("shutting down: in-flight requests get up to %.0fs; engines keep running", SHUTDOWN_GRACE)
+        if workers is None:
+            log.info("shutting down: in-flight requests get up to %.0fs; engines keep running", SHUTDOWN_GRACE)
+        elif workers:
+            log.info("shutting down the control plane; the router workers keep serving (stop them with "
+                     "`llmgw router stop --state-dir %s`); engines keep running", resolved / ROUTER_DIR)
+        else:
+            log.info("shutting down the control plane; engines keep running")
     finally:
         stopping.cancel()
         await gateway.stop()

@@ -1,4 +1,4 @@
-"""`llmgw serve`: control plane, router and admin listener in one process (R-9.1, R-9.2)."""
+"""`llmgw serve`: the control plane and admin listener, and the router workers it spawns or adopts (R-9.1, R-10.4)."""
 
 from __future__ import annotations
 
@@ -22,14 +22,19 @@ def serve(
                                                "(default: gateway.state_dir, else ~/.local/state/llmgw)."),
     listen: str | None = typer.Option(None, "--listen", help="Client listener HOST:PORT (default 127.0.0.1:8080)."),
     admin: str | None = typer.Option(None, "--admin", help="Admin listener HOST:PORT (default 127.0.0.1:8081)."),
+    workers: int = typer.Option(1, "--workers", min=0,
+                                help="Router worker processes on the client port; 0: the control plane only "
+                                     "(routers run elsewhere as `llmgw router`)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Run the gateway: reach the nodes, keep the models' replicas running, serve the OpenAI API.
 
-    SIGTERM or Ctrl-C stops accepting requests, lets in-flight ones finish, and leaves the
-    engines running: the next start adopts them instead of restarting them. One serve runs per
-    state directory. Exit code 2: the inventory is invalid; 1: it could not start (a port in
-    use, another serve with the same state directory).
+    The router workers run under a supervisor of their own (`llmgw router`, its log in
+    STATE/router.log) that outlives serve: SIGTERM, Ctrl-C or a crash of serve stops the control
+    plane only, the workers keep serving with what they were last told, and the next serve adopts
+    them, as it adopts the engines. `llmgw router stop --state-dir STATE/router` stops them.
+    One serve runs per state directory. Exit code 2: the inventory is invalid; 1: it could not
+    start (a port in use, another serve with the same state directory, a router that cannot start).
     """
     from llmgw.server import StartupError, serve as run
 
@@ -38,7 +43,7 @@ def serve(
     logging.getLogger("asyncssh").setLevel(logging.WARNING)
     try:
         asyncio.run(run(str(inventory) if inventory else None, state_dir=str(state_dir) if state_dir else None,
-                        listen=listen, admin=admin))
+                        listen=listen, admin=admin, workers=workers))
     except ConfigError as exc:
         for line in exc.lines():
             typer.echo(line, err=True)

@@ -43,8 +43,9 @@ def _alive(pid: int) -> bool:
 class GatewayProcess:
     """`llmgw serve -i INVENTORY` in a subprocess with its own state directory and ports."""
 
-    def __init__(self, inventory: Path | None, state_dir: Path, env: dict | None = None):
+    def __init__(self, inventory: Path | None, state_dir: Path, env: dict | None = None, workers: int | None = None):
         self.inventory = inventory
+        self.workers = workers
         self.state_dir = Path(state_dir)
         self.port = free_port()
         self.admin_port = free_port()
@@ -62,10 +63,25 @@ class GatewayProcess:
                 "--listen", f"127.0.0.1:{self.port}", "--admin", f"127.0.0.1:{self.admin_port}"]
         if self.inventory is not None:
             argv += ["-i", str(self.inventory)]
+        if self.workers is not None:
+            argv += ["--workers", str(self.workers)]
+        self._log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        wait_for(self._healthy, timeout, "llmgw serve to answer /healthz")
+        # The router workers may be serving already (adopted): wait for this serve's own word too.
+        wait_for(lambda: (self.workers == 0 or self._healthy()) and self._started(), timeout,
+                 "llmgw serve to start and answer /healthz")
         return self
+
+    def _started(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"llmgw serve exited with {self.proc.returncode}:\n{self.log()}")
+        with open(self.log_path, "rb") as log:
+            log.seek(self._log_from)
+            text = log.read().decode(errors="replace")
+        if self.workers == 0:
+            return "llmgw serving" in text
+        return "router supervisor started" in text or "adopting the running router supervisor" in text
 
     def _healthy(self) -> bool:
         if self.proc.poll() is not None:
@@ -148,7 +164,7 @@ class GatewayProcess:
         workers = [worker["pid"] for worker in (self.router_status() or {}).get("workers", []) if worker["pid"]]
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while running_supervisor(self.router_dir) is not None and time.monotonic() < deadline:
+        while any(_alive(p) for p in (pid, *workers)) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = [p for p in (pid, *workers) if _alive(p)]
         for p in left:

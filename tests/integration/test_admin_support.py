@@ -55,8 +55,9 @@ class Serve:
                 [sys.executable, "-m", "llmgw.cli.main", "serve", "-i", str(self.inventory), "--state-dir",
                  str(self.state_dir), "--listen", f"127.0.0.1:{self.router_port}", "--admin", "127.0.0.1:0"],
                 stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO)
-        wait_for(lambda: self._alive() and (self.state_dir / "admin-address").exists(), timeout,
-                 "the admin listener to write its address")
+        wait_for(lambda: self._alive() and (self.state_dir / "admin-address").exists()
+                 and ("router supervisor started" in self.log() or "adopting the running router" in self.log()),
+                 timeout, "the admin listener to write its address and the router to serve")
         return self
 
     def _alive(self) -> bool:
@@ -124,6 +125,23 @@ class Serve:
             self.process.kill()
             self.process.wait()
             raise AssertionError(f"llmgw serve did not stop within {timeout:.0f}s of SIGTERM")
+        finally:
+            stop_router(self.state_dir, timeout)
+
+
+def stop_router(state_dir: Path, timeout: float = 30.0) -> None:
+    """Stop the router supervisor serve left running on its state directory (it outlives serve)."""
+    from llmgw.router.supervisor import running_supervisor
+
+    pid = running_supervisor(state_dir / "router")
+    if pid is None:
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while running_supervisor(state_dir / "router") is not None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the router supervisor (pid {pid}) did not stop within {timeout:.0f}s of SIGTERM")
+        time.sleep(0.1)
 
 
 def kill_processes_mentioning(marker: str) -> list[int]:

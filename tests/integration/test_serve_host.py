@@ -23,6 +23,7 @@ from tests.integration.test_admin_support import (
     Result,
     free_port,
     kill_processes_mentioning,
+    stop_router,
     wait_for,
 )
 
@@ -57,6 +58,7 @@ class Gateway:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(30)
+        stop_router(self.state)
 
     def ctl(self, *args: str) -> Result:
         done = subprocess.run([sys.executable, "-m", "llmgw.cli.main", "ctl", "--state-dir", str(self.state), *args],
