@@ -34,6 +34,7 @@ from llmgw.aio import cancel_and_wait
 from llmgw.fleet.fleet import Fleet
 from llmgw.localfeed import LocalFeed
 from llmgw.router import RUNNER_OPTIONS, Router
+from llmgw.router.metrics import ReportedRouterMetrics
 from llmgw.router.serving import SHUTDOWN_GRACE, finish_requests_within
 from llmgw.store import Store
 
@@ -244,7 +245,11 @@ class Gateway:
         # The router is fed by the publisher only: models, endpoints, keys and settings go
         # out as a snapshot and changes; counts and state come back as reports.
         self.publisher = FeedPublisher(self.holder, self.store, gateway, note_demand=self._on_demand)
-        self.router = Router(registry=self.registry)
+        if self.serve_router:
+            self.router = Router(registry=self.registry)
+        else:  # the router metrics are what the router processes report
+            self.router = Router()
+            self.registry.register(ReportedRouterMetrics(self.publisher.router_counters))
         self.reconciler = Reconciler(self.holder, self.fleet, self.store, gateway,
                                      push_endpoints=self.publisher.set_endpoints,
                                      last_used=self.publisher.take_last_used,

@@ -159,6 +159,19 @@ class EngineLoad:
                 "prefix_queries": self.prefix_queries, "at": self.at}
 
 
+@dataclass(frozen=True, slots=True)
+class RouterCounters:
+    """A router process's request counters since it started, for the admin listener's /metrics
+    (R-9.7). A state part of a report: each replaces the one before; the control plane sums the
+    routers' latest."""
+
+    requests: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (model, status class)
+    tokens: Mapping[tuple[str, str], int] = field(default_factory=dict)  # (model, prompt|completion)
+    retries: Mapping[str, int] = field(default_factory=dict)  # model -> retries before the first byte
+    ejections: Mapping[str, int] = field(default_factory=dict)  # model -> endpoints ejected
+    latency: Mapping[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)  # model -> (bucket counts, s)
+
+
 @dataclass(frozen=True)
 class Report:
     """One router's report. `usage` and `key_use` are counted once per (router, seq); the rest is
@@ -174,6 +187,7 @@ class Report:
     engine_load: Mapping[str, EngineLoad] = field(default_factory=dict)  # replica id -> latest reading
     demand: tuple[str, ...] = ()  # on-demand models asked for while they had no replica (R-6.8)
     snapshot: tuple[str, int] | None = None  # (epoch, version) the router routes with, None before any
+    counters: RouterCounters | None = None  # None: not reported (a router that keeps its own /metrics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,6 +365,40 @@ def _load_from_wire(d, where: str) -> EngineLoad:
                       at=_opt_num(d.get("at"), f"{where}.at"))
 
 
+def _counters_to_wire(c: RouterCounters) -> dict:
+    return {"requests": [[m, code, n] for (m, code), n in c.requests.items()],
+            "tokens": [[m, kind, n] for (m, kind), n in c.tokens.items()],
+            "retries": dict(c.retries), "ejections": dict(c.ejections),
+            "latency": {m: {"counts": list(counts), "total": total} for m, (counts, total) in c.latency.items()}}
+
+
+def _counters_from_wire(value, where: str = "report.counters") -> RouterCounters:
+    d = _obj(value, where)
+
+    def pairs(name: str) -> dict[tuple[str, str], int]:
+        out = {}
+        for i, row in enumerate(_list(d.get(name, []), f"{where}.{name}")):
+            row = _list(row, f"{where}.{name}[{i}]")
+            if len(row) != 3:
+                raise FeedError(f"{where}.{name}[{i}]: expected [model, label, count]")
+            out[(_str(row[0], f"{where}.{name}[{i}][0]"), _str(row[1], f"{where}.{name}[{i}][1]"))] = \
+                _int(row[2], f"{where}.{name}[{i}][2]")
+        return out
+
+    def per_model(name: str) -> dict[str, int]:
+        return {m: _int(n, f"{where}.{name}[{m!r}]") for m, n in _obj(d.get(name, {}), f"{where}.{name}").items()}
+
+    latency = {}
+    for m, h in _obj(d.get("latency", {}), f"{where}.latency").items():
+        h = _obj(h, f"{where}.latency[{m!r}]")
+        counts = tuple(_int(n, f"{where}.latency[{m!r}].counts[{i}]")
+                       for i, n in enumerate(_list(_field(h, "counts", f"{where}.latency[{m!r}]"),
+                                                   f"{where}.latency[{m!r}].counts")))
+        latency[m] = (counts, _num(_field(h, "total", f"{where}.latency[{m!r}]"), f"{where}.latency[{m!r}].total"))
+    return RouterCounters(requests=pairs("requests"), tokens=pairs("tokens"), retries=per_model("retries"),
+                          ejections=per_model("ejections"), latency=latency)
+
+
 def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
     """The JSON-ready form of a message, tagged with its type and the protocol."""
     if isinstance(message, Snapshot):
@@ -382,7 +430,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
                 "inflight": dict(message.inflight),
                 "engine_load": {r: _load_to_wire(load) for r, load in message.engine_load.items()},
                 "demand": list(message.demand),
-                "snapshot": None if message.snapshot is None else list(message.snapshot)}
+                "snapshot": None if message.snapshot is None else list(message.snapshot),
+                "counters": None if message.counters is None else _counters_to_wire(message.counters)}
     if isinstance(message, Ack):
         return {"type": "ack", "protocol": PROTOCOL, "router": message.router, "seq": message.seq}
     raise TypeError(f"not a feed message: {type(message).__name__}")
@@ -441,7 +490,8 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
                                    for r, v in _obj(d.get("engine_load", {}), "report.engine_load").items()},
                       demand=tuple(_str(m, f"report.demand[{i}]")
                                    for i, m in enumerate(_list(d.get("demand", []), "report.demand"))),
-                      snapshot=snapshot)
+                      snapshot=snapshot,
+                      counters=None if d.get("counters") is None else _counters_from_wire(d["counters"]))
     if kind == "ack":
         return Ack(router=_str(_field(d, "router", kind), "ack.router"), seq=_int(_field(d, "seq", kind), "ack.seq"))
     raise FeedError(f"message.type: {kind!r} is not a feed message (snapshot, change, report, ack)")

@@ -33,7 +33,7 @@ from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import GatewayConfig, runtime_key_env_problem
 from llmgw.contracts.endpoints import STATIC_PREFIX, Endpoint
 from llmgw.contracts.feed import (Ack, Change, EngineLoad, GatewaySettings, KeyEntry, Report, RoutedModel,
-                                  Snapshot)
+                                  RouterCounters, Snapshot)
 from llmgw.engines import VLLM, LlamaServer, SGLang
 from llmgw.keys import key_entries, record_key_use
 from llmgw.store import Store, add_usage
@@ -253,6 +253,10 @@ class FeedPublisher:
         else:
             self._listeners.add(listener)
         return listener
+
+    def router_counters(self) -> list[RouterCounters]:
+        """Each router's latest request counters, for /metrics (R-9.7)."""
+        return [state.report.counters for state in list(self._routers.values()) if state.report.counters is not None]
 
     async def apply_report(self, report: Report) -> Ack:
         """Count a report's usage once per (router, seq) and take its state; the Ack says it is applied."""

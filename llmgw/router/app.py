@@ -158,7 +158,8 @@ class Router:
         snapshot = self._snapshot
         return {"usage": usage, "key_use": key_use, "last_used": self.balancer.last_used(), "inflight": inflight,
                 "engine_load": loads, "demand": demand,
-                "snapshot": None if snapshot is None else (snapshot.epoch, snapshot.version)}
+                "snapshot": None if snapshot is None else (snapshot.epoch, snapshot.version),
+                "counters": self.metrics.counters()}
 
     def outstanding(self, replica_id: str) -> int:
         """Requests this router has in flight to a replica, still counted after it left the lists."""

@@ -11,6 +11,8 @@ from bisect import bisect_left
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
+
+from llmgw.contracts.feed import RouterCounters
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -68,6 +70,33 @@ class RouterMetrics:
 
     def ejection(self, model: str) -> None:
         self.ejections[model] = self.ejections.get(model, 0) + 1
+
+    # -- across processes --------------------------------------------------------------------
+
+    def counters(self) -> RouterCounters:
+        """The counters so far, for this router's reports (R-9.7)."""
+        return RouterCounters(requests=dict(self.requests), tokens=dict(self.tokens), retries=dict(self.retries),
+                              ejections=dict(self.ejections),
+                              latency={m: (tuple(h.counts), h.total) for m, h in list(self.latency.items())})
+
+    @classmethod
+    def summed(cls, reported: list[RouterCounters]) -> RouterMetrics:
+        """What several routers counted, added up (a histogram of another bucket layout is left out)."""
+        total = cls()
+        for counters in reported:
+            for target, source in ((total.requests, counters.requests), (total.tokens, counters.tokens),
+                                   (total.retries, counters.retries), (total.ejections, counters.ejections)):
+                for label, value in source.items():
+                    target[label] = target.get(label, 0) + value
+            for model, (counts, seconds) in counters.latency.items():
+                if len(counts) != len(LATENCY_BUCKETS) + 1:
+                    continue
+                histogram = total.latency.get(model)
+                if histogram is None:
+                    histogram = total.latency[model] = _Histogram()
+                histogram.counts = [a + b for a, b in zip(histogram.counts, counts)]
+                histogram.total += seconds
+        return total
 
     # -- the scrape --------------------------------------------------------------------------
 
@@ -134,3 +163,17 @@ class RouterMetrics:
                     if value is not None:
                         family.add_metric([up.model, up.replica_id], value)
             yield from families.values()
+
+
+class ReportedRouterMetrics:
+    """A collector of the router metrics that router processes reported (`reported()`: each
+    router's latest counters), for a control plane whose routers run apart (R-9.7)."""
+
+    def __init__(self, reported: Callable[[], list[RouterCounters]]):
+        self._reported = reported
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        yield from RouterMetrics.summed(self._reported()).collect()

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from llmgw.catalog import Catalog
 from llmgw.config import EngineConfig, GatewayConfig, ModelConfig, ProfileConfig, ScalingConfig
 from llmgw.contracts.endpoints import Endpoint
-from llmgw.contracts.feed import Change, FeedError, GatewaySettings, KeyEntry
+from llmgw.contracts.feed import Change, FeedError, GatewaySettings, KeyEntry, RouterCounters
 from llmgw.contracts.keyhash import hash_secret
 from llmgw.router import Router
 from tests.unit.feedkit import snapshot
@@ -161,7 +161,8 @@ async def test_r10_1_abandon_sends_a_waiting_request_elsewhere(served):
 async def test_r10_1_report_fields_hand_counted_parts_over_once(served):
     router, client = served
     assert router.report_fields() == {"usage": (), "key_use": {}, "last_used": {}, "inflight": {},
-                                      "engine_load": {}, "demand": (), "snapshot": None}
+                                      "engine_load": {}, "demand": (), "snapshot": None,
+                                      "counters": RouterCounters()}
     asked = []
     router.on_demand = lambda: asked.append(1)
     router.apply(snapshot(CATALOG, keys=[KEY], gateway=GatewayConfig(on_demand_wait=0.05)))
