@@ -216,6 +216,7 @@ class Gateway:
     _sockets: dict[str, list[socket.socket]] = field(default_factory=dict, init=False)
     _lock_fd: int | None = field(default=None, init=False)
     bound: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)
+    serving: bool = field(default=False, init=False)  # its start is complete
     admin_socket: Path | None = field(default=None, init=False)
     _admin_socket_inode: int | None = field(default=None, init=False)
     feed_server: FeedServer = field(init=False)
@@ -288,6 +289,7 @@ class Gateway:
         # from walking them on every pass, which made placement latency spiky on large fleets.
         gc.collect()
         gc.freeze()
+        self.serving = True
         log.info("llmgw serving %d models on %d nodes; state in %s", len(catalog.models),
                  len(self.inventory.nodes), self.state_dir)
 

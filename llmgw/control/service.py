@@ -365,7 +365,7 @@ _SIGNALLED: set[asyncio.Task] = set()
 def reload_on_signal(gateway) -> None:
     """SIGHUP: reload as `llmgw ctl reload` does, the diff logged, a refusal logged at error."""
     control = getattr(gateway, "control", None)
-    if control is None or "router" not in getattr(gateway, "bound", {}):  # the router listens once the fleet runs
+    if control is None or not getattr(gateway, "serving", False):  # set once its start is complete
         log.error("SIGHUP: not reloading: llmgw serve is still starting; send it again once it serves")
         return
 

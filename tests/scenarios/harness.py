@@ -100,7 +100,22 @@ class Fleet:
         self._admin = None
         if self.key is None:
             self.key = self.gateway.create_key("scenario")
+            # The router workers learn a new key with the feed's next change: traffic waits for it.
+            wait_for(self._key_accepted, 30, "the scenario's key to reach the router")
         return self
+
+    def _key_accepted(self) -> bool:
+        import urllib.error
+        import urllib.request
+
+        request = urllib.request.Request(self.url + "/models", headers={"Authorization": f"Bearer {self.key}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status == 200
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401:
+                return False
+            raise
 
     def stop(self) -> None:
         self.gateway.stop()
