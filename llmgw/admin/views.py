@@ -32,7 +32,7 @@ _PROGRESS_ORDER = {state: rank for rank, state in enumerate(SHARD_STATES)}
 class DataPlane(Protocol):
     """What the listings read of the routers: their figures per replica, as last reported."""
 
-    def outstanding(self, replica_id: str) -> int: ...
+    def reported_in_flight(self, replica_id: str) -> int | None: ...  # None: no router reported lately
 
     def engine_load(self, replica_id: str) -> Any: ...  # an object with as_dict(), or None: unknown
 
@@ -192,7 +192,7 @@ class Listings:
             "serving_since": replica.serving_since, "last_used": last_used,
             "idle_seconds": None if last_used is None else max(0.0, self.now - last_used),
             "nodes": list(replica.nodes), "shards": shards,
-            "in_flight": router.outstanding(replica.id) if router is not None else None,
+            "in_flight": router.reported_in_flight(replica.id) if router is not None else None,
             # The engine's own load as the router last polled it (R-6.5); None: it did not say.
             "engine": engine.as_dict() if engine is not None else None,
         }

@@ -309,6 +309,14 @@ class FeedPublisher:
                 del self._removed_at[replica_id]  # every router has seen it gone and has nothing left on it
         return count
 
+    def reported_in_flight(self, replica_id: str) -> int | None:
+        """Requests in flight to a replica as the routers heard recently report them, for operators
+        to read; None when no router has reported within the staleness limit (unknown, not 0)."""
+        fresh = self._fresh()
+        if not fresh:
+            return None
+        return sum(state.report.inflight.get(replica_id, 0) for state in fresh)
+
     def engine_load(self, replica_id: str) -> EngineLoad | None:
         """The latest engine load reading of a replica among the routers heard recently, None when unknown."""
         best = None

@@ -37,7 +37,7 @@ NODE_EFFECTS = {
 }
 # `ssh:` settings: the link of every ssh node reconnects with them, except the spacing of handshakes.
 SSH_NOT_RECONNECTING = {"connect_stagger": "spaces the next SSH handshakes"}
-RESTART_SETTINGS = ("listen", "admin", "state_dir")
+RESTART_SETTINGS = ("listen", "admin", "admin_tls", "state_dir")  # read once, when the listeners start
 GATEWAY_EFFECTS = {
     "tick": "the reconciler's next waits between passes",
     "settling_window": "how long an unreachable node's replicas are kept, from now on",

@@ -7,7 +7,8 @@ import pytest
 from llmgw.router.engineload import EnginePoller
 from tests.integration.test_router_support import apoll, catalog, engines, model, start_router  # noqa: F401
 
-SYSTEM = "You answer questions about the tax code of a small country. " * 30
+SYSTEM = "You answer questions about the tax code of a small country. " * 30  # 1,830 bytes: a long one
+SHORT_SYSTEM = "You answer questions about the tax code of a small country. " * 10  # 610 bytes
 
 
 def served_by(doubles, before) -> str:
@@ -29,12 +30,11 @@ async def prefix_gateway(engines, start_router):  # noqa: F811
     return gw, doubles
 
 
-async def test_r6_5b_turns_of_a_conversation_reach_one_engine(prefix_gateway):
-    gw, doubles = prefix_gateway
-    client = gw.client()
+async def _homes(client, doubles, system: str) -> dict[int, str]:
+    """conversation -> the engine all its turns reached (each conversation must stay on one)."""
     homes = {}
     for conversation in range(6):
-        messages = [{"role": "system", "content": SYSTEM},
+        messages = [{"role": "system", "content": system},
                     {"role": "user", "content": f"question {conversation}: what is the VAT rate?"}]
         seen = set()
         for turn in range(3):
@@ -46,7 +46,19 @@ async def test_r6_5b_turns_of_a_conversation_reach_one_engine(prefix_gateway):
         assert len(seen) == 1, f"conversation {conversation} went to {seen}"
         homes[conversation] = seen.pop()
     print("conversation -> engine:", homes)
+    return homes
+
+
+async def test_r6_5b_turns_of_a_conversation_reach_one_engine(prefix_gateway):
+    gw, doubles = prefix_gateway
+    homes = await _homes(gw.client(), doubles, SHORT_SYSTEM)
     assert len(set(homes.values())) > 1  # conversations are spread over the replicas
+
+
+async def test_r6_5c_conversations_sharing_a_long_system_prompt_reach_one_engine(prefix_gateway):
+    gw, doubles = prefix_gateway
+    homes = await _homes(gw.client(), doubles, SYSTEM)
+    assert len(set(homes.values())) == 1  # where that prompt is cached
 
 
 async def test_r6_5c_explicit_key_wins_over_content(prefix_gateway):

@@ -58,6 +58,9 @@ class FakeRouter:
     def outstanding(self, replica_id: str) -> int:
         return self.in_flight.get(replica_id, 0)
 
+    def reported_in_flight(self, replica_id: str) -> int | None:
+        return self.in_flight.get(replica_id, 0)
+
     def engine_load(self, replica_id: str):
         return self.loads.get(replica_id)
 

@@ -205,6 +205,14 @@ async def test_r10_1_state_parts_replace_the_routers_last_and_go_stale(publisher
     print("stale after", feed_module.STALE_SECONDS, "s")
 
 
+async def test_r10_1_requests_in_flight_are_unknown_until_a_router_reports(publisher):
+    assert publisher.reported_in_flight("r1") is None  # no router heard: unknown, not 0
+    await publisher.apply_report(report(1, inflight={"r1": 2}))
+    assert publisher.reported_in_flight("r1") == 2 and publisher.reported_in_flight("r2") == 0
+    publisher.clock.now += feed_module.STALE_SECONDS + 1
+    assert publisher.reported_in_flight("r1") is None  # the only router went silent
+
+
 async def test_r6_8_demand_in_a_report_reaches_the_reconciler(publisher):
     await publisher.apply_report(report(1, demand=("c",)))
     await publisher.apply_report(report(1, demand=("c",)))  # a repeat is not a new demand
