@@ -314,10 +314,10 @@ class Supervisor:
                 log.error("router not started: %s", failure)
                 return 1
             host, port = self.bound
+            self._write_status("serving")  # before the ready line: whoever waits on it may read the file
             _say(ready_fd, f"ready pid={os.getpid()} listen={host}:{port} workers={len(self.slots)}")
             log.info("router serving on %s:%d with %d workers (pids %s)", host, port, len(self.slots),
                      ", ".join(str(slot.worker.pid) for slot in self.slots))
-            self._write_status("serving")
             await self._supervise()
             return 0
         finally:
