@@ -265,47 +265,14 @@ def choice_cost(requests: list[Request], rounds: int = 3) -> float:
 
 # -- engine doubles with the simulated prefix cache: 16 processes, real HTTP, wall-clock time ------
 
-DOUBLES = Path(__file__).resolve().parents[1] / "tests" / "testbed" / "doubles"
-
-
-def start_doubles(count: int, knobs: dict, home: Path) -> list[tuple[object, str]]:
-    """`count` engine doubles (vLLM mode) on loopback ports with the knobs as their environment."""
-    import socket
-    import subprocess
-    import urllib.request
-    env = {**__import__("os").environ, "HOME": str(home),
-           **{f"ENGINE_DOUBLE_{k.upper()}": str(v) for k, v in knobs.items()}}
-    started = []
-    for _ in range(count):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        code = (f"import sys; sys.path.insert(0, {str(DOUBLES)!r}); import engine_double; sys.exit("
-                f"engine_double.main('vllm', ['serve', 'm', '--host', '127.0.0.1', '--port', '{port}']))")
-        proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        started.append((proc, f"http://127.0.0.1:{port}"))
-    for proc, url in started:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"an engine double at {url} did not start")
-                time.sleep(0.05)
-    return started
-
-
-async def replay_on_doubles(requests: list[Request], policy: str, tenant_key: bool, urls: list[str]) -> dict:
+async def replay_on_doubles(requests: list[Request], policy: str, tenant_key: bool, doubles: list) -> dict:
     """Each request at its arrival time, to the replica llmgw's Balancer picks, streamed; TTFT is the
     time to the first content chunk as the client sees it."""
     import aiohttp
 
     from llmgw.router.engineload import parse_metrics
     balancer = Balancer()
-    balancer.replace({"m": [Endpoint(f"double-{i}", "m", url, None) for i, url in enumerate(urls)]}, {"m": policy})
+    balancer.replace({"m": [d.endpoint(replica_id=f"double-{i}") for i, d in enumerate(doubles)]}, {"m": policy})
     ttfts: list[float] = []
     failures = 0
     loads: list[float] = []
@@ -327,7 +294,7 @@ async def replay_on_doubles(requests: list[Request], policy: str, tenant_key: bo
         sent = time.monotonic()
         try:
             body = {**document, "stream": True, "max_tokens": request.output}
-            async with session.post(up.endpoint.url + "/v1/chat/completions", json=body) as answer:
+            async with session.post(up.endpoint.url + "/v1/chat/completions", json=body, headers=up.headers) as answer:
                 first = None
                 async for line in answer.content:
                     if first is None and line.startswith(b"data: {") and b'"content":"' in line \
@@ -347,8 +314,8 @@ async def replay_on_doubles(requests: list[Request], policy: str, tenant_key: bo
         begin = time.monotonic() + 0.2
         await asyncio.gather(*(one(session, r, begin) for r in requests))
         hits = queries = 0
-        for url in urls:
-            async with session.get(url + "/metrics") as answer:
+        for double in doubles:
+            async with session.get(double.url + "/metrics") as answer:
                 load = parse_metrics(await answer.text())
             hits += load.prefix_hits
             queries += load.prefix_queries
@@ -358,18 +325,19 @@ async def replay_on_doubles(requests: list[Request], policy: str, tenant_key: bo
 
 
 def run_doubles(requests: list[Request], variants, knobs: dict, replicas: int = 16) -> dict[str, dict]:
-    """Each variant on fresh doubles, so that none finds another's prompts in cache."""
+    """Each variant on fresh doubles (the tests' own `Engines`), so that none finds another's prompts in cache."""
     import tempfile
+
+    from tests.integration.test_router_support import Engines
     rows = {}
     with tempfile.TemporaryDirectory() as home:
         for label, policy, tenant_key in variants:
-            doubles = start_doubles(replicas, knobs, Path(home))
+            engines = Engines(Path(home) / label.replace(" ", "-").replace(",", ""))
             try:
-                rows[label] = asyncio.run(replay_on_doubles(requests, policy, tenant_key, [u for _, u in doubles]))
+                doubles = [engines.start("m", **knobs) for _ in range(replicas)]
+                rows[label] = asyncio.run(replay_on_doubles(requests, policy, tenant_key, doubles))
             finally:
-                for proc, _ in doubles:
-                    proc.kill()
-                    proc.wait()
+                engines.close()
     return rows
 
 

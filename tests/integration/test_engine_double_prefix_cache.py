@@ -1,66 +1,35 @@
 """The engine double's SIMULATED prefix cache (tests/testbed/doubles/engine_double.py): what the
-routing bench's simulated fleet rests on. Leading blocks of words found in cache are not prefilled
+routing bench's fleet of doubles rests on. Leading blocks of words found in cache are not prefilled
 again; the least recently used blocks go first; /metrics counts queries and hits as vLLM does."""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from llmgw.router.engineload import parse_metrics
+from tests.integration.test_router_support import engines  # noqa: F401
 
-DOUBLES = Path(__file__).resolve().parents[1] / "testbed" / "doubles"
 SYSTEM = {"role": "system", "content": " ".join(f"rule{i}" for i in range(64))}  # 65 words with the role
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
-def engine(tmp_path):
-    port = _free_port()
-    env = {**os.environ, "HOME": str(tmp_path), "ENGINE_DOUBLE_PREFIX_CACHE_BLOCKS": "8",
-           "ENGINE_DOUBLE_BLOCK_WORDS": "16", "ENGINE_DOUBLE_PREFILL_PER_TOKEN": "0"}
-    code = (f"import sys; sys.path.insert(0, {str(DOUBLES)!r}); import engine_double; "
-            f"sys.exit(engine_double.main('vllm', ['serve', 'm', '--host', '127.0.0.1', '--port', '{port}']))")
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError("the engine double did not start")
-            time.sleep(0.05)
-    yield url
-    proc.kill()
-    proc.wait()
+def engine(engines):  # noqa: F811
+    return engines.start("m", prefix_cache_blocks=8, block_words=16, prefill_per_token=0)
 
 
-def _chat(url: str, messages: list[dict]) -> dict:
+def _chat(engine, messages: list[dict]) -> dict:
     body = json.dumps({"model": "m", "messages": messages, "max_tokens": 2}).encode()
-    request = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    request = urllib.request.Request(engine.url + "/v1/chat/completions", body,
+                                     {"Content-Type": "application/json", "Authorization": f"Bearer {engine.key}"})
     with urllib.request.urlopen(request, timeout=10) as answer:
         return json.load(answer)["usage"]
 
 
-def _counters(url: str):
-    with urllib.request.urlopen(url + "/metrics", timeout=5) as answer:
+def _load(engine):
+    with urllib.request.urlopen(engine.url + "/metrics", timeout=5) as answer:
         return parse_metrics(answer.read().decode())
 
 
@@ -70,7 +39,7 @@ def test_leading_blocks_seen_before_are_cached_and_counted(engine):
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
     # 65 system words + "user": the first 4 blocks of 16 words are shared; the 5th holds the user words.
     assert second["prompt_tokens_details"]["cached_tokens"] == 64
-    load = _counters(engine)
+    load = _load(engine)
     assert (load.prefix_queries, load.prefix_hits) == (2 * 68, 64)
     assert load.waiting == 0
 
