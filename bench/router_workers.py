@@ -74,9 +74,21 @@ def aiohttp_request(url: str, key: str) -> int:
         return exc.code
 
 
-def worker_pids(state: Path) -> list[int]:
-    status = json.loads((state / "router" / "status.json").read_text())
-    return [worker["pid"] for worker in status["workers"]]
+def worker_pids(state: Path, workers: int) -> list[int]:
+    """The workers' pids from the supervisor's status file, once it lists them all (a worker may
+    answer a moment before its supervisor writes the file)."""
+    path = state / "router" / "status.json"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            pids = [worker["pid"] for worker in json.loads(path.read_text())["workers"]]
+            if len(pids) == workers:
+                return pids
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} does not list {workers} workers")
+        time.sleep(0.1)
 
 
 async def measure(session, url: str, key: str, pids: list[int], args, payload: bytes) -> dict:
@@ -121,7 +133,7 @@ async def bench(args) -> None:
             for workers in (1, 2):
                 serve, url, state, key = await asyncio.to_thread(start_serve, work, engine_url, workers)
                 started.append((serve, state))
-                runs[f"{workers} worker{'s' * (workers > 1)}"] = (url, key, worker_pids(state))
+                runs[f"{workers} worker{'s' * (workers > 1)}"] = (url, key, worker_pids(state, workers))
             for name, (url, key, pids) in runs.items():
                 p = await measure(session, url, key, pids, args, plain)
                 s = await measure(session, url, key, pids, args, stream)
