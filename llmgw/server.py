@@ -206,7 +206,7 @@ class Gateway:
     holder: CatalogHolder = field(init=False)
     fleet: Fleet = field(init=False)
     reconciler: Reconciler = field(init=False)
-    router: Router = field(init=False)
+    router: Router | None = field(default=None, init=False)  # None: the routers are processes of their own
     publisher: FeedPublisher = field(init=False)
     feed: LocalFeed = field(init=False)
     control: ControlPlane = field(init=False)
@@ -248,8 +248,7 @@ class Gateway:
         self.publisher = FeedPublisher(self.holder, self.store, gateway, note_demand=self._on_demand)
         if self.serve_router:
             self.router = Router(registry=self.registry)
-        else:  # the router metrics are what the router processes report
-            self.router = Router()
+        else:  # no router here; the router metrics are what the router processes report
             self.registry.register(ReportedRouterMetrics(self.publisher.router_counters))
         self.reconciler = Reconciler(self.holder, self.fleet, self.store, gateway,
                                      push_endpoints=self.publisher.set_endpoints,

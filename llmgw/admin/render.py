@@ -72,6 +72,15 @@ def status(status: dict) -> Group:
     parts.append(Text(f"replicas: {replicas['total']} ({words.counts(replicas['by_state']) or 'none'})"
                       + (f"; {replicas['failed_recently']} failed recently" if replicas["failed_recently"] else "")))
     parts.append(Text(f"models: {models['total']} ({words.counts(models['by_state']) or 'none'})"))
+    routers = status.get("routers")
+    if routers:
+        table = _table("ROUTER", "SNAPSHOT", "LAST REPORT", "IN FLIGHT", title="Routers reporting to this control plane")
+        for entry in routers:
+            table.add_row(_t(entry["router"]), _t(words.router_snapshot(entry)), _t(words.reported_ago(entry)),
+                          _t(entry["in_flight"]))
+        parts += [Text(""), table]
+    elif routers is not None:
+        parts.append(Text("routers: none has reported yet"))
     if status["unplaceable"]:
         table = _table("MODEL", "WHY IT CANNOT BE PLACED", title="Models that cannot be placed")
         for entry in status["unplaceable"]:

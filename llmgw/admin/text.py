@@ -305,3 +305,18 @@ def reclaim_summary(answer: dict) -> str:
 
 def _entries(count: int) -> str:
     return f"{count} cache {'entry' if count == 1 else 'entries'}"
+
+
+def router_snapshot(router: dict) -> str:
+    """The snapshot a router routes with: 'version 12 (current)', 'version 9 (behind)', '-'."""
+    snapshot = router["snapshot"]
+    if snapshot is None:
+        return "-"
+    if router["current"]:
+        return f"version {snapshot['version']} (current)"
+    return f"version {snapshot['version']} (behind)"
+
+
+def reported_ago(router: dict) -> str:
+    ago = f"{router['reported_ago']:.1f} s ago"
+    return ago + ", silent" if router["stale"] else ago

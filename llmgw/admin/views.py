@@ -34,6 +34,8 @@ class DataPlane(Protocol):
 
     def reported_in_flight(self, replica_id: str) -> int | None: ...  # None: no router reported lately
 
+    def routers(self) -> list[dict]: ...  # the routers reporting: FeedPublisher.routers
+
     def engine_load(self, replica_id: str) -> Any: ...  # an object with as_dict(), or None: unknown
 
 
@@ -305,6 +307,8 @@ class Listings:
             "idle": [{"replica": r["id"], "model": r["model"], "nodes": r["nodes"], "last_used": r["last_used"],
                       "idle_seconds": r["idle_seconds"]} for r in idle[:IDLE_LISTED]],
             "fabrics": self.fabrics(),
+            # The router processes that report to this control plane; None: not known here.
+            "routers": self.router.routers() if self.router is not None else None,
         }
 
     def fabrics(self) -> list[dict]:

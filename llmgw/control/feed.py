@@ -309,6 +309,24 @@ class FeedPublisher:
                 del self._removed_at[replica_id]  # every router has seen it gone and has nothing left on it
         return count
 
+    def routers(self) -> list[dict]:
+        """The routers that report to this control plane, for operators: id, seconds since the last
+        report, the snapshot version it routes with (and whether that is the current one), whether
+        it went silent past the staleness limit, and its requests in flight."""
+        now, current = self._clock(), self.current()
+        out = []
+        for router_id, state in sorted(self._routers.items()):
+            snapshot = state.report.snapshot
+            out.append({
+                "router": router_id, "reported_ago": max(0.0, now - state.heard),
+                "stale": now - state.heard > STALE_SECONDS,
+                "snapshot": None if snapshot is None else {"epoch": snapshot[0], "version": snapshot[1]},
+                "current": (current is not None and snapshot is not None
+                            and snapshot == (current.epoch, current.version)),
+                "in_flight": sum(state.report.inflight.values()),
+            })
+        return out
+
     def reported_in_flight(self, replica_id: str) -> int | None:
         """Requests in flight to a replica as the routers heard recently report them, for operators
         to read; None when no router has reported within the staleness limit (unknown, not 0)."""

@@ -61,6 +61,9 @@ class FakeRouter:
     def reported_in_flight(self, replica_id: str) -> int | None:
         return self.in_flight.get(replica_id, 0)
 
+    def routers(self) -> list[dict]:
+        return []
+
     def engine_load(self, replica_id: str):
         return self.loads.get(replica_id)
 

@@ -213,6 +213,33 @@ async def test_r10_1_requests_in_flight_are_unknown_until_a_router_reports(publi
     assert publisher.reported_in_flight("r1") is None  # the only router went silent
 
 
+async def test_r10_1_operators_see_which_routers_report_and_with_which_snapshot(publisher):
+    from llmgw.admin import render
+    from rich.console import Console
+    publisher.mark_ready()
+    current = publisher.current()
+    await publisher.apply_report(report(1, snapshot=(current.epoch, current.version), inflight={"r1": 2}))
+    await publisher.apply_report(report(1, router="rb", snapshot=("an-earlier-run", 40)))
+    publisher.clock.now += 3
+    await publisher.apply_report(report(1, router="rc"))
+    routers = {r["router"]: r for r in publisher.routers()}
+    assert routers["ra"]["current"] and routers["ra"]["in_flight"] == 2 and routers["ra"]["reported_ago"] == 3
+    assert not routers["rb"]["current"] and routers["rb"]["snapshot"] == {"epoch": "an-earlier-run", "version": 40}
+    assert routers["rc"]["snapshot"] is None and not routers["rc"]["current"] and not routers["rc"]["stale"]
+    publisher.clock.now += feed_module.STALE_SECONDS
+    assert {r["router"] for r in publisher.routers() if r["stale"]} == {"ra", "rb"}
+    status = {"capacity": [], "gpus_unknown": [], "free_whole_nodes": {}, "unplaceable": [], "idle": [],
+              "fabrics": [], "nodes": {"total": 0, "by_state": {}, "by_admin": {}},
+              "replicas": {"total": 0, "by_state": {}, "failed_recently": 0}, "models": {"total": 0, "by_state": {}},
+              "routers": publisher.routers()}
+    console = Console(width=160, record=True)
+    console.print(render.status(status))
+    text = console.export_text()
+    print(text)
+    assert f"version {current.version} (current)" in text and "version 40 (behind)" in text
+    assert "s ago, silent" in text
+
+
 async def test_r6_8_demand_in_a_report_reaches_the_reconciler(publisher):
     await publisher.apply_report(report(1, demand=("c",)))
     await publisher.apply_report(report(1, demand=("c",)))  # a repeat is not a new demand
