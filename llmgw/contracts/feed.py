@@ -53,6 +53,7 @@ class RoutedModel:
     routing: str  # one of ROUTING_POLICIES
     on_demand: bool  # no replica until asked for
     fallbacks: tuple[str, ...] = ()  # the fallback chain in order, the model itself left out
+    concurrency: int | None = None  # requests one replica accepts at once, as configured; None: not set
 
     @property
     def upstream_name(self) -> str:
@@ -68,6 +69,8 @@ class KeyEntry:
     hash: str = field(repr=False)
     prefix: str
     models: frozenset[str] | None  # None: every model
+    priority: int = 0  # under saturation a higher class is served first
+    weight: int = 1  # within a class, keys share what is served in proportion to their weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +273,7 @@ def endpoint_from_wire(d, where: str) -> Endpoint:
 
 def model_to_wire(m: RoutedModel) -> dict:
     return {"name": m.name, "engine": m.engine, "served_name": m.served_name, "routing": m.routing,
-            "on_demand": m.on_demand, "fallbacks": list(m.fallbacks)}
+            "on_demand": m.on_demand, "fallbacks": list(m.fallbacks), "concurrency": m.concurrency}
 
 
 def model_from_wire(d, where: str) -> RoutedModel:
@@ -286,30 +289,40 @@ def model_from_wire(d, where: str) -> RoutedModel:
     return RoutedModel(name=_str(_field(d, "name", where), f"{where}.name"), engine=engine,
                        served_name=_opt_str(d.get("served_name"), f"{where}.served_name"), routing=routing,
                        on_demand=_expect(d.get("on_demand", False), (bool,), f"{where}.on_demand"),
-                       fallbacks=fallbacks)
+                       fallbacks=fallbacks,
+                       concurrency=None if d.get("concurrency") is None else _int(d["concurrency"], f"{where}.concurrency", 1))
 
 
 def key_to_wire(k: KeyEntry) -> dict:
-    return {"id": k.id, "name": k.name, "hash": k.hash, "prefix": k.prefix,
-            "models": None if k.models is None else sorted(k.models)}
+    out = {"id": k.id, "name": k.name, "hash": k.hash, "prefix": k.prefix,
+           "models": None if k.models is None else sorted(k.models)}
+    if k.priority:
+        out["priority"] = k.priority
+    if k.weight != 1:
+        out["weight"] = k.weight
+    return out
 
 
 def key_from_wire(d, where: str) -> KeyEntry:
     # The fast path checks types inline: a snapshot holds one entry per key, tens of thousands of them.
     if type(d) is dict:
         i, n, h, p, models = d.get("id"), d.get("name"), d.get("hash"), d.get("prefix"), d.get("models")
-        if type(i) is str and type(n) is str and type(h) is str and type(p) is str:
+        priority, weight = d.get("priority", 0), d.get("weight", 1)
+        if type(i) is str and type(n) is str and type(h) is str and type(p) is str and type(priority) is int \
+                and type(weight) is int and weight >= 1:
             if models is None:
-                return KeyEntry(i, n, h, p, None)
+                return KeyEntry(i, n, h, p, None, priority, weight)
             if type(models) is list and all(type(m) is str for m in models):
-                return KeyEntry(i, n, h, p, frozenset(models))
+                return KeyEntry(i, n, h, p, frozenset(models), priority, weight)
     d = _obj(d, where)  # something is wrong: find what, to name it
     models = d.get("models")
     if models is not None:
         models = frozenset(_str(m, f"{where}.models[{i}]") for i, m in enumerate(_list(models, f"{where}.models")))
     return KeyEntry(id=_str(_field(d, "id", where), f"{where}.id"), name=_str(_field(d, "name", where), f"{where}.name"),
                     hash=_str(_field(d, "hash", where), f"{where}.hash"),
-                    prefix=_str(_field(d, "prefix", where), f"{where}.prefix"), models=models)
+                    prefix=_str(_field(d, "prefix", where), f"{where}.prefix"), models=models,
+                    priority=_expect(d.get("priority", 0), (int,), f"{where}.priority"),
+                    weight=_int(d.get("weight", 1), f"{where}.weight", 1))
 
 
 def gateway_to_wire(g: GatewaySettings) -> dict:
