@@ -144,6 +144,7 @@ class GatewayConfig(_Strict):
     tick: Duration = 3.0
     settling_window: Duration = 30.0
     on_demand_wait: Duration = 120.0
+    queue_wait: Duration = 30.0  # a request waits this long for a place of a saturated model, then 503
     evict_idle: Duration = 600.0  # idle time before a replica of a model without idle_timeout may be evicted
     request_timeout: Duration = 600.0
     # A download is capped at its declared or learned size plus a margin (reconciler.fetch_cap); this caps one whose
@@ -224,6 +225,8 @@ class ProfileConfig(_Strict):
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     start_timeout: Duration = 900.0
+    # Requests one replica is given at once; beyond it they wait in the router. None: 64.
+    concurrency: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _multi_node_needs_gpus(self) -> ProfileConfig:

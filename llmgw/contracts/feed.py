@@ -80,6 +80,7 @@ class GatewaySettings:
     max_body: int
     request_timeout: float
     on_demand_wait: float
+    queue_wait: float = 30.0  # seconds a request waits for a place of a saturated model
 
 
 @dataclass(frozen=True)
@@ -326,14 +327,16 @@ def key_from_wire(d, where: str) -> KeyEntry:
 
 
 def gateway_to_wire(g: GatewaySettings) -> dict:
-    return {"max_body": g.max_body, "request_timeout": g.request_timeout, "on_demand_wait": g.on_demand_wait}
+    return {"max_body": g.max_body, "request_timeout": g.request_timeout, "on_demand_wait": g.on_demand_wait,
+            "queue_wait": g.queue_wait}
 
 
 def gateway_from_wire(d, where: str) -> GatewaySettings:
     d = _obj(d, where)
     return GatewaySettings(max_body=_int(_field(d, "max_body", where), f"{where}.max_body", 1),
                            request_timeout=_num(_field(d, "request_timeout", where), f"{where}.request_timeout"),
-                           on_demand_wait=_num(_field(d, "on_demand_wait", where), f"{where}.on_demand_wait"))
+                           on_demand_wait=_num(_field(d, "on_demand_wait", where), f"{where}.on_demand_wait"),
+                           queue_wait=_num(d.get("queue_wait", 30.0), f"{where}.queue_wait"))
 
 
 def _models_from_wire(d, where: str) -> Mapping[str, RoutedModel]:

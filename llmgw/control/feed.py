@@ -83,13 +83,14 @@ def routed_models(catalog: Catalog) -> Mapping[str, RoutedModel]:
     return MappingProxyType({
         name: RoutedModel(name=name, engine=_ENGINE_KINDS.get(type(model.engine)) if model.engine else None,
                           served_name=model.config.served_name, routing=model.config.routing,
-                          on_demand=model.on_demand, fallbacks=tuple(catalog.fallback_chain(name)))
+                          on_demand=model.on_demand, fallbacks=tuple(catalog.fallback_chain(name)),
+                          concurrency=model.profile.concurrency if model.profile is not None else None)
         for name, model in catalog.models.items()})
 
 
 def gateway_settings(gateway: GatewayConfig) -> GatewaySettings:
     return GatewaySettings(max_body=int(gateway.max_body), request_timeout=float(gateway.request_timeout),
-                           on_demand_wait=float(gateway.on_demand_wait))
+                           on_demand_wait=float(gateway.on_demand_wait), queue_wait=float(gateway.queue_wait))
 
 
 # -- applying reports: one write per report --------------------------------------------------------

@@ -42,6 +42,7 @@ GATEWAY_EFFECTS = {
     "tick": "the reconciler's next waits between passes",
     "settling_window": "how long an unreachable node's replicas are kept, from now on",
     "on_demand_wait": "how long a request waits for an on-demand model, for requests from now on",
+    "queue_wait": "how long a request waits for a place of a saturated model, for requests from now on",
     "evict_idle": "the idle time before eviction, from the next pass",
     "request_timeout": "the time a request may take, for requests from now on, and the grace of replicas stopped "
                        "from now on",
@@ -52,7 +53,7 @@ GATEWAY_EFFECTS = {
     "pinned_weights": "what the clean-up keeps, from the next pass",
 }
 DURATIONS = frozenset({"tick", "settling_window", "on_demand_wait", "evict_idle", "request_timeout", "fetch_stall",
-                       "keepalive_interval", "connect_timeout", "connect_stagger"})
+                       "keepalive_interval", "connect_timeout", "connect_stagger", "queue_wait"})
 SIZES = frozenset({"max_body", "fetch_limit"})
 
 

@@ -28,6 +28,7 @@ from llmgw.contracts.feed import Change, FeedError, KeyEntry, RoutedModel, Snaps
 from llmgw.router.affinity import affinity_key
 from llmgw.router.balancer import PREFIX, Balancer, Upstream
 from llmgw.router.engineload import EnginePoller
+from llmgw.router.fairqueue import DEFAULT_REPLICA_CONCURRENCY, FairQueue
 from llmgw.router import response_ids
 from llmgw.router.errors import (BadRequest, BodyTooLarge, InternalError, InvalidType, ModelLoading, ModelNotAllowed,
                                  ModelNotFound, NoCapacity, NotReady, ResponseNotFound, RouteNotServed, RouterError,
@@ -89,7 +90,9 @@ class Router:
     def __init__(self, *, registry: prometheus_client.CollectorRegistry | None = None):
         self.keys = KeyRing()
         self.balancer = Balancer()
-        self.metrics = RouterMetrics(registry, self.balancer.outstanding_by_model, self.balancer.upstreams)
+        self.fairqueue = FairQueue()  # places per model under saturation
+        self.metrics = RouterMetrics(registry, self.balancer.outstanding_by_model, self.balancer.upstreams,
+                                     self.fairqueue.waiting)
         self.usage = UsageMeter()
         # Called on the loop when an on-demand model is asked for with no replica: a feed client
         # reports at once rather than at its next tick. None: nobody starts replicas on
@@ -100,6 +103,7 @@ class Router:
         self._models: Mapping[str, RoutedModel] = {}
         self._max_body = 0
         self._on_demand_wait = 0.0
+        self._queue_wait = 0.0
         self._request_timeout = DEFAULT_REQUEST_TIMEOUT
         self._demand: dict[str, None] = {}  # on-demand models asked for since the last report, in order
         self._arrivals: dict[str, asyncio.Event] = {}  # on-demand models someone is waiting for
@@ -191,6 +195,7 @@ class Router:
         gateway = snapshot.gateway
         self._max_body = gateway.max_body
         self._on_demand_wait = gateway.on_demand_wait
+        self._queue_wait = gateway.queue_wait
         self._request_timeout = gateway.request_timeout
         if self._forwarder is not None:
             self._forwarder.set_read_timeout(gateway.request_timeout)
@@ -198,6 +203,9 @@ class Router:
     def _install(self, snapshot: Snapshot) -> None:
         endpoints = snapshot.endpoints
         self.balancer.replace(endpoints, {name: model.routing for name, model in snapshot.models.items()})
+        self.fairqueue.set_capacities({
+            name: len(endpoints.get(name, ())) * (model.concurrency or DEFAULT_REPLICA_CONCURRENCY)
+            for name, model in snapshot.models.items()})
         for model, members in endpoints.items():
             if members:
                 event = self._arrivals.pop(model, None)
@@ -456,19 +464,25 @@ class Router:
         last_error: RouterError | None = None
         affinity = (affinity_key(document, request.headers)
                     if document is not None and self.balancer.policy(model.name) == PREFIX else None)
+        fairqueue = self.fairqueue
         while True:
             now = time.monotonic()
             if model.on_demand and waited_since is None and not self.balancer.has_endpoints(model.name):
                 self._note_demand(model.name)
                 waited_since = now
+            if not fairqueue.take(model.name):  # every place is taken: wait for one
+                await fairqueue.wait(model.name, key.id, key.priority, key.weight, self._queue_wait, bool(tried))
+                now = time.monotonic()
             up = self._acquire(models, route, model, key, now, tried, affinity=affinity)
             if up is None:
                 if model.on_demand and self.on_demand is not None and not self.balancer.has_endpoints(model.name):
+                    fairqueue.leave(model.name, now)
                     await self._wait_for(model.name, waited_since or now)
                     continue
                 # Every endpoint is ejected: a recently failed one beats a certain 503.
                 up = self._acquire(models, route, model, key, now, tried, include_ejected=True, affinity=affinity)
             if up is None:
+                fairqueue.leave(model.name, now)
                 if last_error is not None:
                     raise UpstreamFailed(f"no engine of {model.name!r} could answer after {len(tried)} "
                                          f"attempts; last: {last_error.message}")
@@ -504,6 +518,7 @@ class Router:
                 self.metrics.retry(model.name)
             finally:
                 self.balancer.release(up)
+                fairqueue.leave(model.name, now)
 
     def _note_demand(self, model: str) -> None:
         self._demand[model] = None

@@ -33,7 +33,8 @@ class RouterMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None,
                  outstanding: Callable[[], dict[str, int]] | None = None,
-                 upstreams: Callable[[], list] | None = None):
+                 upstreams: Callable[[], list] | None = None,
+                 waiting: Callable[[], dict[str, int]] | None = None):
         self.requests: dict[tuple[str, str], int] = {}
         self.tokens: dict[tuple[str, str], int] = {}
         self.retries: dict[str, int] = {}
@@ -41,6 +42,7 @@ class RouterMetrics:
         self.latency: dict[str, _Histogram] = {}
         self._outstanding = outstanding
         self._upstreams = upstreams
+        self._waiting = waiting
         if registry is not None:
             registry.register(self)
 
@@ -146,6 +148,13 @@ class RouterMetrics:
             for model, value in self._outstanding().items():
                 outstanding.add_metric([model], value)
             yield outstanding
+
+        if self._waiting is not None:
+            waiting = GaugeMetricFamily("llmgw_router_queued", "Requests waiting in the router for a place of "
+                                        "a saturated model, by model", labels=["model"])
+            for model, value in self._waiting().items():
+                waiting.add_metric([model], value)
+            yield waiting
 
         if self._upstreams is not None:
             # Engine-reported load: a replica whose engine did not say has no sample.
