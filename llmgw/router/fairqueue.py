@@ -217,9 +217,13 @@ class FairQueue:
             return
         if queue.take():
             return
-        waiter = queue.push(key_id, priority, weight, asyncio.get_running_loop().create_future(), resumed)
+        loop = asyncio.get_running_loop()
+        waiter = queue.push(key_id, priority, weight, loop.create_future(), resumed)
+        # A timer rather than asyncio.wait_for, which can swallow a cancellation that comes just as
+        # the place is given: the client is gone and its request must not go on.
+        timer = loop.call_later(timeout, _expire, waiter.future)
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+            await waiter.future
         except asyncio.TimeoutError:
             if waiter.granted:  # given a place as the wait ran out: keep it
                 return
@@ -234,6 +238,8 @@ class FairQueue:
             else:
                 queue.remove(waiter)
             raise
+        finally:
+            timer.cancel()
 
     def leave(self, model: str, since: float) -> None:
         """Give back a place taken at time.monotonic() `since`."""
@@ -244,6 +250,11 @@ class FairQueue:
     def waiting(self) -> dict[str, int]:
         """Requests waiting for a place, by model (models that hold places back)."""
         return {model: queue.waiting for model, queue in list(self.models.items())}
+
+
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(asyncio.TimeoutError())
 
 
 def _wake(given: list[Waiter]) -> None:

@@ -1,0 +1,80 @@
+"""A saturated model's places shared fairly between keys, through the official client (R-6.17).
+
+One engine double with a fixed service time (streamed tokens `token_delay` apart), a profile that
+gives a replica 2 requests at once, and two keys: a noisy one sending 10x the quiet one's requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+
+from llmgw.catalog import Catalog
+from llmgw.config import GatewayConfig, ProfileConfig
+
+from tests.integration.test_router_support import ENGINES, apoll, engines, model, start_router  # noqa: F401
+
+TOKENS = 4
+
+
+def saturated_catalog(concurrency: int) -> Catalog:
+    return Catalog.build(file_models=[model("m", profile="narrow")],
+                         profiles={"narrow": ProfileConfig(engine="vllm", concurrency=concurrency)}, engines=ENGINES)
+
+
+async def streamed(client: openai.AsyncOpenAI, who: str, answered: list[str]) -> None:
+    stream = await client.completions.create(model="m", prompt="a b", max_tokens=TOKENS, stream=True)
+    async for _ in stream:
+        pass
+    answered.append(who)
+
+
+async def test_the_quiet_key_is_served_ahead_of_the_noisy_backlog(engines, start_router):  # noqa: F811
+    engine = engines.start("m", token_delay=0.05)
+    running = await start_router(saturated_catalog(2), {"m": [engine.endpoint()]})
+    quiet_secret, noisy_secret = running.key("quiet"), running.key("noisy")
+    quiet, noisy = running.client(quiet_secret), running.client(noisy_secret)
+    fairqueue = running.router.fairqueue
+    assert fairqueue.models["m"].capacity == 2  # one replica, the profile's concurrency
+    answered: list[str] = []
+    started = time.monotonic()
+    noisy_tasks = [asyncio.create_task(streamed(noisy, "noisy", answered)) for _ in range(20)]
+    await apoll(lambda: fairqueue.waiting().get("m") == 18, what="the noisy key's backlog queued")
+    assert running.router.balancer.outstanding_by_model().get("m") == 2  # the engine has only its 2
+    quiet_tasks = [asyncio.create_task(streamed(quiet, "quiet", answered)) for _ in range(2)]
+    await apoll(lambda: fairqueue.waiting().get("m", 0) >= 19, what="the quiet key's requests queued")
+    results = await asyncio.gather(*noisy_tasks, *quiet_tasks, return_exceptions=True)
+    elapsed = time.monotonic() - started
+    failures = [r for r in results if isinstance(r, BaseException)]
+    assert failures == []  # the noisy excess waited: no 5xx, nothing dropped
+    last_quiet = max(i for i, who in enumerate(answered) if who == "quiet")
+    noisy_before = answered[:last_quiet].count("noisy")
+    print(f"answered {len(answered)} in {elapsed:.2f} s; noisy answers before the quiet key's last: "
+          f"{noisy_before} of 20; order: {''.join(w[0] for w in answered)}")
+    assert answered.count("noisy") == 20 and answered.count("quiet") == 2
+    # First come, first served would answer all 20 noisy requests first; fair queueing serves the
+    # quiet key's two among the first ones given a place after it arrived.
+    assert noisy_before <= 6
+    assert fairqueue.waiting() == {"m": 0} and fairqueue.models["m"].held == 0
+
+
+async def test_a_wait_past_queue_wait_is_a_503_with_retry_after(engines, start_router):  # noqa: F811
+    engine = engines.start("m", token_delay=0.2)
+    running = await start_router(saturated_catalog(1), {"m": [engine.endpoint()]},
+                                 gateway=GatewayConfig(queue_wait=0.3))
+    client = running.client()
+    fairqueue = running.router.fairqueue
+    first = asyncio.create_task(streamed(client, "first", []))
+    await apoll(lambda: fairqueue.models["m"].held == 1, what="the only place taken")
+    refused = await asyncio.gather(*(streamed(client, "late", []) for _ in range(2)), return_exceptions=True)
+    await first
+    statuses = [getattr(r, "status_code", r) for r in refused]
+    print("late requests:", statuses, [r.response.headers.get("retry-after") for r in refused
+                                       if isinstance(r, openai.APIStatusError)])
+    assert statuses == [503, 503]
+    for exc in refused:
+        assert exc.body["code"] == "queue_timeout"
+        assert int(exc.response.headers["retry-after"]) >= 1
+    assert fairqueue.waiting() == {"m": 0}
