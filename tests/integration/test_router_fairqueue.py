@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import openai
 
 from llmgw.catalog import Catalog
 from llmgw.config import GatewayConfig, ProfileConfig
+from llmgw.keys import key_entries
 
 from tests.integration.test_router_support import ENGINES, apoll, engines, model, start_router  # noqa: F401
 
@@ -78,3 +80,22 @@ async def test_a_wait_past_queue_wait_is_a_503_with_retry_after(engines, start_r
         assert exc.body["code"] == "queue_timeout"
         assert int(exc.response.headers["retry-after"]) >= 1
     assert fairqueue.waiting() == {"m": 0}
+
+
+async def test_a_higher_priority_key_goes_before_the_waiting_backlog(engines, start_router):  # noqa: F811
+    engine = engines.start("m", token_delay=0.05)
+    running = await start_router(saturated_catalog(1), {"m": [engine.endpoint()]})
+    batch_secret, interactive_secret = running.key("batch"), running.key("interactive")
+    entries = tuple(replace(k, priority=5) if k.name == "interactive" else k
+                    for k in running.store.read_sync(key_entries))
+    running.publisher.set_keys(entries)
+    running.feed.pump()
+    fairqueue = running.router.fairqueue
+    answered: list[str] = []
+    batch = [asyncio.create_task(streamed(running.client(batch_secret), "batch", answered)) for _ in range(6)]
+    await apoll(lambda: fairqueue.waiting().get("m") == 5, what="the batch backlog queued")
+    interactive = asyncio.create_task(streamed(running.client(interactive_secret), "interactive", answered))
+    await asyncio.gather(*batch, interactive)
+    print("order:", answered)
+    assert answered.index("interactive") == 1  # next after the batch request running (fair shares alone: 2)
+    assert answered.count("batch") == 6

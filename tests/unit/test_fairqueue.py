@@ -7,6 +7,10 @@ import json
 
 import pytest
 
+from llmgw.catalog import Catalog
+from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig
+from llmgw.contracts.feed import FeedError, GatewaySettings, gateway_from_wire, gateway_to_wire
+from llmgw.control.feed import gateway_settings, routed_models
 from llmgw.router.errors import error_response
 from llmgw.router.fairqueue import FALLBACK_RETRY_AFTER, FairQueue, ModelQueue, QueueTimeout
 
@@ -157,3 +161,22 @@ async def test_priority_holds_through_the_wait():
     fq.leave("m", 0.0)
     await asyncio.wait_for(asyncio.gather(*tasks), 5)
     assert order == ["high", "low0", "low1", "low2"]
+
+
+def test_queue_wait_travels_on_the_feed_and_is_checked():
+    settings = GatewaySettings(max_body=1000, request_timeout=60.0, on_demand_wait=5.0, queue_wait=2.5)
+    wire = gateway_to_wire(settings)
+    assert gateway_from_wire(json.loads(json.dumps(wire)), "gateway") == settings
+    del wire["queue_wait"]  # a control plane that does not send it: the default
+    assert gateway_from_wire(wire, "gateway").queue_wait == 30.0
+    with pytest.raises(FeedError, match="queue_wait"):
+        gateway_from_wire({**wire, "queue_wait": "soon"}, "gateway")
+
+
+def test_the_published_settings_carry_queue_wait_and_the_profiles_concurrency():
+    assert gateway_settings(GatewayConfig(queue_wait="4s")).queue_wait == 4.0
+    catalog = Catalog.build(file_models=[ModelConfig(name="m", profile="narrow"), ModelConfig(name="n", profile="wide")],
+                            profiles={"narrow": ProfileConfig(engine="vllm", concurrency=2),
+                                      "wide": ProfileConfig(engine="vllm")})
+    models = routed_models(catalog)
+    assert models["m"].concurrency == 2 and models["n"].concurrency is None
