@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from llmgw.catalog import Catalog
 from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig
@@ -13,6 +14,7 @@ from llmgw.contracts.feed import FeedError, GatewaySettings, gateway_from_wire, 
 from llmgw.control.feed import gateway_settings, routed_models
 from llmgw.router.errors import error_response
 from llmgw.router.fairqueue import FALLBACK_RETRY_AFTER, FairQueue, ModelQueue, QueueTimeout
+from llmgw.router.metrics import RouterMetrics
 
 
 def served(queue: ModelQueue, n: int) -> list[str]:
@@ -180,3 +182,19 @@ def test_the_published_settings_carry_queue_wait_and_the_profiles_concurrency():
                                       "wide": ProfileConfig(engine="vllm")})
     models = routed_models(catalog)
     assert models["m"].concurrency == 2 and models["n"].concurrency is None
+
+
+async def test_metrics_show_the_requests_waiting_per_model():
+    fq = FairQueue()
+    fq.set_capacities({"m": 1, "n": 2})
+    assert fq.take("m")
+    task = asyncio.create_task(fq.wait("m", "k", 0, 1, 30))
+    await asyncio.sleep(0)
+    registry = CollectorRegistry()
+    RouterMetrics(registry, waiting=fq.waiting)
+    text = generate_latest(registry).decode()
+    print([line for line in text.splitlines() if line.startswith("llmgw_router_queued")])
+    assert 'llmgw_router_queued{model="m"} 1.0' in text and 'llmgw_router_queued{model="n"} 0.0' in text
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
