@@ -34,6 +34,7 @@ from llmgw.router.errors import NoCapacity
 DEFAULT_REPLICA_CONCURRENCY = 64  # requests one replica is given at once when its profile does not say
 SERVICE_EWMA_ALPHA = 0.2  # weight of the newest hold time in the measured service time
 FALLBACK_RETRY_AFTER = 5  # seconds, before any service time is measured
+NOBODY: tuple[()] = ()  # the waiters given a place when nobody waits
 
 
 class QueueTimeout(NoCapacity):
@@ -156,15 +157,15 @@ class ModelQueue:
             return FALLBACK_RETRY_AFTER
         return max(1, math.ceil(self.service * (ahead + 1) / self.capacity))
 
-    def leave(self, held_for: float | None) -> list[Waiter]:
+    def leave(self, held_for: float | None) -> list[Waiter] | tuple[()]:
         """Give a place back (`held_for`: seconds it was held, for the service time); the waiters
         that get a place now, already counted as holding it."""
         if self.held > 0:
             self.held -= 1
         if held_for is not None:
-            self.service = held_for if self.service is None else \
-                self.service + SERVICE_EWMA_ALPHA * (held_for - self.service)
-        return self.fill()
+            service = self.service
+            self.service = held_for if service is None else service + SERVICE_EWMA_ALPHA * (held_for - service)
+        return self.fill() if self.waiting else NOBODY
 
     def fill(self) -> list[Waiter]:
         """Give free places to waiters, in order; the ones given one (none when nobody waits)."""
@@ -257,7 +258,7 @@ def _expire(future: asyncio.Future) -> None:
         future.set_exception(asyncio.TimeoutError())
 
 
-def _wake(given: list[Waiter]) -> None:
+def _wake(given: list[Waiter] | tuple[()]) -> None:
     for waiter in given:
         if not waiter.future.done():
             waiter.future.set_result(None)
