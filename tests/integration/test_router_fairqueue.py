@@ -99,3 +99,27 @@ async def test_a_higher_priority_key_goes_before_the_waiting_backlog(engines, st
     print("order:", answered)
     assert answered.index("interactive") == 1  # next after the batch request running (fair shares alone: 2)
     assert answered.count("batch") == 6
+
+
+async def test_a_client_gone_leaves_the_queue_and_a_new_replica_takes_waiters(engines, start_router):  # noqa: F811
+    first_engine = engines.start("m", token_delay=1.0)
+    second_engine = engines.start("m", token_delay=1.0)  # not routed to until the endpoints change
+    running = await start_router(saturated_catalog(1), {"m": [first_engine.endpoint()]})
+    client = running.client()
+    fairqueue = running.router.fairqueue
+    answered: list[str] = []
+    holder = asyncio.create_task(streamed(client, "holder", answered))
+    await apoll(lambda: fairqueue.models["m"].held == 1, what="the only place taken")
+    waiting = asyncio.create_task(streamed(client, "waiting", answered))
+    leaving = asyncio.create_task(streamed(client, "leaving", answered))
+    await apoll(lambda: fairqueue.waiting().get("m") == 2, what="two requests queued")
+    leaving.cancel()  # the client goes away: its connection closes and the router's handler is cancelled
+    await apoll(lambda: fairqueue.waiting().get("m") == 1, what="the cancelled request out of the queue")
+    running.set_endpoints({"m": [first_engine.endpoint(), second_engine.endpoint()]})
+    assert fairqueue.models["m"].capacity == 2
+    assert fairqueue.waiting().get("m") == 0  # the new replica's place went to the waiting request ...
+    assert not holder.done() and fairqueue.models["m"].held == 2  # ... not the holder's, still in use
+    await asyncio.gather(holder, waiting)
+    print("answered:", answered)
+    assert sorted(answered) == ["holder", "waiting"]
+    assert fairqueue.models["m"].held == 0
