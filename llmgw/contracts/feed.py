@@ -308,7 +308,7 @@ def key_from_wire(d, where: str) -> KeyEntry:
     # The fast path checks types inline: a snapshot holds one entry per key, tens of thousands of them.
     if type(d) is dict:
         i, n, h, p, models = d.get("id"), d.get("name"), d.get("hash"), d.get("prefix"), d.get("models")
-        priority, weight = d.get("priority", 0), d.get("weight", 1)
+        priority, weight = (0, 1) if len(d) == 5 and "models" in d else (d.get("priority", 0), d.get("weight", 1))
         if type(i) is str and type(n) is str and type(h) is str and type(p) is str and type(priority) is int \
                 and type(weight) is int and weight >= 1:
             if models is None:
