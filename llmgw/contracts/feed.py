@@ -61,6 +61,22 @@ class RoutedModel:
 
 
 @dataclass(frozen=True, slots=True)
+class Limits:
+    """A key's budget (R-6.16): requests and tokens per minute, requests at once; None: no limit."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    concurrency: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.rpm is not None or self.tpm is not None or self.concurrency is not None
+
+
+LIMIT_FIELDS = ("rpm", "tpm", "concurrency")
+NO_MODEL_LIMITS: Mapping[str, Limits] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
 class KeyEntry:
     """A client API key the router accepts: only its SHA-256 travels (R-6.2). A revoked key is absent."""
 
@@ -71,6 +87,8 @@ class KeyEntry:
     models: frozenset[str] | None  # None: every model
     priority: int = 0  # under saturation a higher class is served first (R-6.16)
     weight: int = 1  # within a class, keys share what is served in proportion to their weights
+    limits: Limits | None = None  # None: the key has no limit of its own (R-6.16)
+    model_limits: Mapping[str, Limits] = field(default_factory=lambda: NO_MODEL_LIMITS, hash=False)  # model -> on top of `limits`
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +318,20 @@ def key_to_wire(k: KeyEntry) -> dict:
         out["priority"] = k.priority
     if k.weight != 1:
         out["weight"] = k.weight
+    if k.limits is not None:
+        out["limits"] = limits_to_wire(k.limits)
+    if k.model_limits:
+        out["model_limits"] = {m: limits_to_wire(lim) for m, lim in k.model_limits.items()}
     return out
+
+
+def limits_to_wire(lim: Limits) -> dict:
+    return {"rpm": lim.rpm, "tpm": lim.tpm, "concurrency": lim.concurrency}
+
+
+def limits_from_wire(d, where: str) -> Limits:
+    d = _obj(d, where)
+    return Limits(*(None if d.get(name) is None else _int(d[name], f"{where}.{name}", 1) for name in LIMIT_FIELDS))
 
 
 def key_from_wire(d, where: str) -> KeyEntry:
@@ -309,12 +340,12 @@ def key_from_wire(d, where: str) -> KeyEntry:
         i, n, h, p, models = d.get("id"), d.get("name"), d.get("hash"), d.get("prefix"), d.get("models")
         priority, weight = d.get("priority", 0), d.get("weight", 1)
         if type(i) is str and type(n) is str and type(h) is str and type(p) is str and type(priority) is int \
-                and type(weight) is int and weight >= 1:
+                and type(weight) is int and weight >= 1 and "limits" not in d and "model_limits" not in d:
             if models is None:
                 return KeyEntry(i, n, h, p, None, priority, weight)
             if type(models) is list and all(type(m) is str for m in models):
                 return KeyEntry(i, n, h, p, frozenset(models), priority, weight)
-    d = _obj(d, where)  # something is wrong: find what, to name it
+    d = _obj(d, where)  # something is wrong, or the key has limits: check each field, naming a wrong one
     models = d.get("models")
     if models is not None:
         models = frozenset(_str(m, f"{where}.models[{i}]") for i, m in enumerate(_list(models, f"{where}.models")))
@@ -322,7 +353,16 @@ def key_from_wire(d, where: str) -> KeyEntry:
                     hash=_str(_field(d, "hash", where), f"{where}.hash"),
                     prefix=_str(_field(d, "prefix", where), f"{where}.prefix"), models=models,
                     priority=_expect(d.get("priority", 0), (int,), f"{where}.priority"),
-                    weight=_int(d.get("weight", 1), f"{where}.weight", 1))
+                    weight=_int(d.get("weight", 1), f"{where}.weight", 1),
+                    limits=None if d.get("limits") is None else limits_from_wire(d["limits"], f"{where}.limits"),
+                    model_limits=_model_limits_from_wire(d.get("model_limits"), f"{where}.model_limits"))
+
+
+def _model_limits_from_wire(d, where: str) -> Mapping[str, Limits]:
+    if d is None:
+        return NO_MODEL_LIMITS
+    return MappingProxyType({_str(m, f"{where} key"): limits_from_wire(lim, f"{where}[{m!r}]")
+                             for m, lim in _obj(d, where).items()})
 
 
 def gateway_to_wire(g: GatewaySettings) -> dict:
