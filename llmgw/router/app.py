@@ -35,6 +35,7 @@ from llmgw.router.errors import (BadRequest, BodyTooLarge, InternalError, Invali
                                  from_http_exception)
 from llmgw.router.keys import KeyRing, allows
 from llmgw.router.landing import landing_page
+from llmgw.router import limits
 from llmgw.router.metrics import NO_MODEL, RouterMetrics
 from llmgw.router.proxy import Forwarder
 from llmgw.router.routes import ANTHROPIC, FORM, RESPONSE_ID, RESPONSES, ROUTES, Route, serves
@@ -71,6 +72,7 @@ BODY_ENCODINGS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS
 
 _KEY = web.RequestKey("llmgw_key", KeyEntry)
 _MODEL = web.RequestKey("llmgw_model", str)
+_LIMITED = web.RequestKey("llmgw_limited", tuple)  # the budgets of a limited key's request, for its headers
 ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")  # passed on to engines that read them
 
 
@@ -91,6 +93,7 @@ class Router:
         self.balancer = Balancer()
         self.metrics = RouterMetrics(registry, self.balancer.outstanding_by_model, self.balancer.upstreams)
         self.usage = UsageMeter()
+        self.limiter = limits.Limiter()
         # Called on the loop when an on-demand model is asked for with no replica: a feed client
         # reports at once rather than at its next tick (R-6.8). None: nobody starts replicas on
         # demand, so a request does not wait for one.
@@ -178,6 +181,7 @@ class Router:
         app.router.add_get("/v1/models/{model}", self._get_model)
         for route in ROUTES:
             app.router.add_route(route.method, route.path, functools.partial(self._proxy, route=route))
+        app.on_response_prepare.append(self._rate_limit_headers)
         app.cleanup_ctx.append(self._lifecycle)
         return app
 
@@ -359,7 +363,31 @@ class Router:
             served = ", ".join(sorted(route.engines)) or "no built-in engine"
             raise RouteNotServed(f"model {name!r} runs on {model.engine}, which does not serve "
                                  f"{route.name} (served by: {served})")
-        return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned)
+        if key.limits is None and not key.model_limits:
+            return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned)
+        admission = self._admit(request, key, name, body, document)
+        token = limits.CURRENT.set(admission)
+        try:
+            return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned)
+        finally:
+            admission.release()
+            limits.CURRENT.reset(token)
+
+    def _admit(self, request: web.Request, key: KeyEntry, name: str, body, document: dict | None) -> limits.Admission:
+        """The key's limits admit this request or refuse it with a 429 (R-6.16)."""
+        size = len(body) if type(body) is bytes else request.content_length or 0
+        try:
+            admission = self.limiter.admit(key, name, limits.estimate(size, document), time.monotonic())
+        except limits.RateLimited as exc:
+            request[_LIMITED] = exc.budgets
+            raise
+        request[_LIMITED] = admission.budgets
+        return admission
+
+    async def _rate_limit_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        budgets = request.get(_LIMITED)
+        if budgets:
+            response.headers.update(limits.headers(budgets, time.monotonic()))
 
     def _previous(self, document: dict, name: str) -> Pinned | None:
         """The stored response a Responses request continues, when it names one (previous_response_id)."""
