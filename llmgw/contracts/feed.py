@@ -92,6 +92,17 @@ class KeyEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class Lease:
+    """One router's share (0..1] of every limit of one key, rpm, tpm and concurrency alike, its
+    per-model limits too (R-6.16). The control plane splits each key's limits among the routers."""
+
+    share: float
+
+
+NO_LEASES: Mapping[str, Mapping[str, Lease]] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
 class GatewaySettings:
     """The gateway settings a router reads (the rest of `gateway:` is the control plane's)."""
 
@@ -110,6 +121,7 @@ class Snapshot:
     endpoints: Mapping[str, tuple[Endpoint, ...]]
     keys: tuple[KeyEntry, ...]
     gateway: GatewaySettings
+    leases: Mapping[str, Mapping[str, Lease]] = field(default_factory=lambda: NO_LEASES)  # router id -> key id ->
 
     def apply(self, change: Change) -> Snapshot:
         """The snapshot after `change`; FeedError when the change does not follow this version."""
@@ -129,7 +141,8 @@ class Snapshot:
                         models=self.models if change.models is None else change.models,
                         endpoints=endpoints,
                         keys=self.keys if change.keys is None else change.keys,
-                        gateway=self.gateway if change.gateway is None else change.gateway)
+                        gateway=self.gateway if change.gateway is None else change.gateway,
+                        leases=self.leases if change.leases is None else change.leases)
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,7 @@ class Change:
     keys: tuple[KeyEntry, ...] | None = None
     gateway: GatewaySettings | None = None
     abandon: tuple[str, ...] = ()
+    leases: Mapping[str, Mapping[str, Lease]] | None = None  # all of them, when the split changed
 
 
 # -- what routers report -----------------------------------------------------------------------
@@ -209,6 +223,7 @@ class Report:
     demand: tuple[str, ...] = ()  # on-demand models asked for while they had no replica (R-6.8)
     snapshot: tuple[str, int] | None = None  # (epoch, version) the router routes with, None before any
     counters: RouterCounters | None = None  # None: not reported (a router that keeps its own /metrics)
+    asked: Mapping[str, int] = field(default_factory=dict)  # key id -> requests of a limited key since the last report
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,6 +467,23 @@ def _counters_from_wire(value, where: str = "report.counters") -> RouterCounters
                           ejections=per_model("ejections"), latency=latency)
 
 
+def _leases_to_wire(leases: Mapping[str, Mapping[str, Lease]]) -> dict:
+    return {router: {key_id: lease.share for key_id, lease in per_key.items()} for router, per_key in leases.items()}
+
+
+def _leases_from_wire(d, where: str) -> Mapping[str, Mapping[str, Lease]]:
+    out = {}
+    for router, per_key in _obj(d, where).items():
+        leases = {}
+        for key_id, share in _obj(per_key, f"{where}[{router!r}]").items():
+            share = _num(share, f"{where}[{router!r}][{key_id!r}]")
+            if not 0 < share <= 1:
+                raise FeedError(f"{where}[{router!r}][{key_id!r}]: a share must be above 0 and at most 1, got {share}")
+            leases[key_id] = Lease(share)
+        out[router] = MappingProxyType(leases)
+    return MappingProxyType(out)
+
+
 def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
     """The JSON-ready form of a message, tagged with its type and the protocol."""
     if isinstance(message, Snapshot):
@@ -459,7 +491,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
                 "models": [model_to_wire(m) for m in message.models.values()],
                 "endpoints": {model: [endpoint_to_wire(e) for e in members]
                               for model, members in message.endpoints.items()},
-                "keys": [key_to_wire(k) for k in message.keys], "gateway": gateway_to_wire(message.gateway)}
+                "keys": [key_to_wire(k) for k in message.keys], "gateway": gateway_to_wire(message.gateway),
+                **({"leases": _leases_to_wire(message.leases)} if message.leases else {})}
     if isinstance(message, Change):
         out = {"type": "change", "protocol": PROTOCOL, "epoch": message.epoch, "version": message.version}
         if message.models is not None:
@@ -473,6 +506,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
             out["gateway"] = gateway_to_wire(message.gateway)
         if message.abandon:
             out["abandon"] = list(message.abandon)
+        if message.leases is not None:
+            out["leases"] = _leases_to_wire(message.leases)
         return out
     if isinstance(message, Report):
         return {"type": "report", "protocol": PROTOCOL, "router": message.router, "seq": message.seq,
@@ -484,7 +519,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
                 "engine_load": {r: _load_to_wire(load) for r, load in message.engine_load.items()},
                 "demand": list(message.demand),
                 "snapshot": None if message.snapshot is None else list(message.snapshot),
-                "counters": None if message.counters is None else _counters_to_wire(message.counters)}
+                "counters": None if message.counters is None else _counters_to_wire(message.counters),
+                **({"asked": dict(message.asked)} if message.asked else {})}
     if isinstance(message, Ack):
         return {"type": "ack", "protocol": PROTOCOL, "router": message.router, "seq": message.seq}
     raise TypeError(f"not a feed message: {type(message).__name__}")
@@ -504,7 +540,8 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
                         endpoints=MappingProxyType(_endpoint_lists_from_wire(_field(d, "endpoints", kind),
                                                                              "snapshot.endpoints", False)),
                         keys=_keys_from_wire(_field(d, "keys", kind), "snapshot.keys"),
-                        gateway=gateway_from_wire(_field(d, "gateway", kind), "snapshot.gateway"))
+                        gateway=gateway_from_wire(_field(d, "gateway", kind), "snapshot.gateway"),
+                        leases=_leases_from_wire(d["leases"], "snapshot.leases") if "leases" in d else NO_LEASES)
     if kind == "change":
         return Change(epoch=_str(_field(d, "epoch", kind), "change.epoch"),
                       version=_int(_field(d, "version", kind), "change.version", 2),
@@ -514,7 +551,8 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
                       keys=_keys_from_wire(d["keys"], "change.keys") if "keys" in d else None,
                       gateway=gateway_from_wire(d["gateway"], "change.gateway") if "gateway" in d else None,
                       abandon=tuple(_str(r, f"change.abandon[{i}]")
-                                    for i, r in enumerate(_list(d.get("abandon", []), "change.abandon"))))
+                                    for i, r in enumerate(_list(d.get("abandon", []), "change.abandon"))),
+                      leases=_leases_from_wire(d["leases"], "change.leases") if "leases" in d else None)
     if kind == "report":
         usage = []
         for i, row in enumerate(_list(d.get("usage", []), "report.usage")):
@@ -544,7 +582,8 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
                       demand=tuple(_str(m, f"report.demand[{i}]")
                                    for i, m in enumerate(_list(d.get("demand", []), "report.demand"))),
                       snapshot=snapshot,
-                      counters=None if d.get("counters") is None else _counters_from_wire(d["counters"]))
+                      counters=None if d.get("counters") is None else _counters_from_wire(d["counters"]),
+                      asked={k: _int(v, f"report.asked[{k!r}]") for k, v in _obj(d.get("asked", {}), "report.asked").items()})
     if kind == "ack":
         return Ack(router=_str(_field(d, "router", kind), "ack.router"), seq=_int(_field(d, "seq", kind), "ack.seq"))
     raise FeedError(f"message.type: {kind!r} is not a feed message (snapshot, change, report, ack)")

@@ -94,6 +94,7 @@ class Router:
         self.metrics = RouterMetrics(registry, self.balancer.outstanding_by_model, self.balancer.upstreams)
         self.usage = UsageMeter()
         self.limiter = limits.Limiter()
+        self.router_id: str | None = None  # set by the feed client: which of the snapshot's leases are this router's
         # Called on the loop when an on-demand model is asked for with no replica: a feed client
         # reports at once rather than at its next tick (R-6.8). None: nobody starts replicas on
         # demand, so a request does not wait for one.
@@ -136,6 +137,10 @@ class Router:
             self.keys.replace(new.keys)
         if old is None or new.gateway is not old.gateway:
             self._set_gateway(new)
+        if old is None or new.leases is not old.leases:
+            mine = new.leases.get(self.router_id, {}) if self.router_id is not None else {}
+            self.limiter.set_leases({key_id: lease.share for key_id, lease in mine.items()}, len(new.leases) or 1,
+                                    time.monotonic())
         if old is None or new.models is not old.models or new.endpoints is not old.endpoints:
             self._models = new.models
             self._install(new)
@@ -162,7 +167,7 @@ class Router:
         return {"usage": usage, "key_use": key_use, "last_used": self.balancer.last_used(), "inflight": inflight,
                 "engine_load": loads, "demand": demand,
                 "snapshot": None if snapshot is None else (snapshot.epoch, snapshot.version),
-                "counters": self.metrics.counters()}
+                "counters": self.metrics.counters(), "asked": self.limiter.take_asked()}
 
     def outstanding(self, replica_id: str) -> int:
         """Requests this router has in flight to a replica, still counted after it left the lists."""

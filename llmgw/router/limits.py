@@ -95,10 +95,11 @@ class Bucket:
         return (need - self.level) * MINUTE / self.capacity
 
     def resize(self, capacity: float) -> None:
-        """A new share of the limit: what is held is kept up to the new capacity."""
-        if capacity != self.capacity:
-            self.level = min(self.level, capacity) if capacity < self.capacity else self.level + capacity - self.capacity
-            self.capacity = capacity
+        """A new share of the limit: what is held is kept up to the new capacity, and a bigger
+        share fills at its faster pace rather than at once (so routers never hold more, together,
+        than the shares they were given)."""
+        self.level = min(self.level, capacity)
+        self.capacity = capacity
 
     def reset(self) -> float:
         """Seconds until the bucket is full again."""

@@ -170,3 +170,83 @@ async def test_r6_16_a_model_limit_applies_on_top_of_the_key(start_router):  # n
                 raw = await client.chat.completions.with_raw_response.create(model="n", messages=HELLO, max_tokens=1)
             assert raw.headers["x-ratelimit-remaining-requests"] == "96"  # 100 less the 4 admitted: a refusal spends nothing
             assert json.loads(raw.text)["usage"]["completion_tokens"] == 1
+
+
+async def test_r6_16_two_routers_share_one_keys_limit(tmp_path):
+    """Two routers fed by one control plane: together they admit the key's rpm, not twice it."""
+    from aiohttp import ClientSession
+
+    from llmgw.catalog import CatalogHolder
+    from llmgw.config import GatewayConfig
+    from llmgw.control.feed import FeedPublisher
+    from llmgw.localfeed import LocalFeed
+    from llmgw.router.app import RUNNER_OPTIONS, Router
+    from llmgw.store import Store
+    from tests.integration.test_router_support import apoll
+
+    rpm = 6000  # 100 a second
+    engine = Engine()
+    async with scripted_engine(engine.chat) as url:
+        store = Store.open(tmp_path / "state.db")
+        _, secret = store.write_sync(lambda db: create_key(db, "shared", limits=Limits(rpm=rpm)))
+        publisher = FeedPublisher(CatalogHolder(catalog(model("m"))), store, GatewayConfig())
+        publisher.set_endpoints({"m": [Endpoint("r", "m", url, None)]})
+        publisher.mark_ready()
+        routers, feeds, runners, urls = [], [], [], []
+        for name in ("a", "b"):
+            router = Router()
+            feed = LocalFeed(publisher, router, router_id=f"router-{name}")
+            feed.pump()
+            feed.start()
+            runner = web.AppRunner(router.web_app(), **RUNNER_OPTIONS)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            routers.append(router)
+            feeds.append(feed)
+            runners.append(runner)
+            urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions")
+        try:
+            await apoll(lambda: all(len(r.snapshot.leases) == 2 for r in routers), what="leases for both routers")
+            headers = {"Authorization": f"Bearer {secret}"}
+            body = {"model": "m", "messages": HELLO, "max_tokens": 1}
+            counts = {"admitted": 0, "refused": 0}
+            admitted_by = [0, 0]
+
+            async def hammer(session: ClientSession, which: int, until: float | None) -> bool:
+                """Send until `until` (monotonic) or, with None, until the first refusal."""
+                while until is None or time.monotonic() < until:
+                    async with session.post(urls[which], json=body, headers=headers) as response:
+                        await response.read()
+                        if response.status == 429:
+                            if until is None:
+                                return True
+                            counts["refused"] += 1
+                        else:
+                            assert response.status == 200, response.status
+                            if until is not None:
+                                counts["admitted"] += 1
+                                admitted_by[which] += 1
+                return True
+
+            async with ClientSession() as session:
+                # Spend what the buckets hold, then count what both admit for a window.
+                await asyncio.gather(*(hammer(session, which, None) for which in (0, 0, 1)))
+                window = 6.0
+                started = time.monotonic()
+                await asyncio.gather(*(hammer(session, which, started + window) for which in (0, 0, 0, 1)))
+                elapsed = time.monotonic() - started
+            expected = rpm * elapsed / 60
+            shares = {r.router_id: dict(r.snapshot.leases.get(r.router_id, {})) for r in routers}
+            print(f"two routers, rpm {rpm}: admitted {counts['admitted']} (a {admitted_by[0]}, b {admitted_by[1]}) "
+                  f"in {elapsed:.2f} s, the limit's pace allows {expected:.0f}; refused {counts['refused']}; "
+                  f"leases {shares}")
+            assert counts["refused"] > 0  # both were held back, not merely slow
+            assert abs(counts["admitted"] - expected) <= 0.1 * expected
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+            for feed in feeds:
+                await feed.close()
+            await publisher.close()
+            store.close()

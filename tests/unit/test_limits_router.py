@@ -80,8 +80,15 @@ def test_r6_16_a_share_of_the_limit_and_the_headers_scale_it_back():
         limiter.admit(k, "m", 1, now=0.0).release()
     with pytest.raises(RateLimited, match="100 requests per minute"):
         limiter.admit(k, "m", 1, now=0.0)
-    limiter.set_leases({"k1": 0.75}, routers=2, now=0.0)  # a bigger lease: 25 more at once
-    for _ in range(25):
-        limiter.admit(k, "m", 1, now=0.0).release()
+    limiter.set_leases({"k1": 0.75}, routers=2, now=0.0)  # a bigger lease fills at its pace, not at once
     with pytest.raises(RateLimited):
         limiter.admit(k, "m", 1, now=0.0)
+    for _ in range(75):  # 75 a minute now, and a minute's worth held at most
+        limiter.admit(k, "m", 1, now=60.0).release()
+    with pytest.raises(RateLimited):
+        limiter.admit(k, "m", 1, now=60.0)
+    limiter.set_leases({"k1": 0.1}, routers=2, now=60.0)  # a smaller one holds at most its own minute
+    for _ in range(10):
+        limiter.admit(k, "m", 1, now=120.0).release()
+    with pytest.raises(RateLimited):
+        limiter.admit(k, "m", 1, now=120.0)
