@@ -11,12 +11,14 @@ Each limited key's budget is split among the routers heard recently (R-6.16): ev
 the publisher gives each router a share of every limited key's limits, in proportion to its recent
 demand for the key (`Report.asked`, the past counting half per rebalance), each router keeping
 at least LEASE_FLOOR of it, so that one that has not asked yet can admit a few. A Change carries
-the leases when the split changes. The shares of one key add up to 1: routers together hold no more
-than the limit; while a new split travels, a router whose share grew fills at its new pace, so the
-total can run ahead of the limit by at most the moved share's pace for the time the change takes to
-reach every router (well under a second's worth of the limit per rebalance). Shares are rounded
-down to hundredths. Until the first split (within LEASE_SECONDS of the routers' first reports) and
-with a single router, a router holds each limit whole.
+the leases when the split changes. The shares of one key add up to at most 1 (rounded down to
+hundredths), so routers together hold no more than the limit. The bound on the total: while a new
+split travels, a router whose share grew fills at its new pace, so the total runs ahead of the limit
+by at most the moved share's pace for the time the change takes to reach every router; and a router
+that is not in the split yet (one that just started) holds 1/N of each limit, N the routers in the
+last leases it got, the whole limit when it got none, until the next split includes it (within
+LEASE_SECONDS of its first report). With a single router there are no leases: it holds every limit
+whole. A router keeps the last leases while the control plane is away.
 
 Routers answer with `Report`s. Their counted parts (usage, key use) are written in one
 transaction that also records the report's seq per router, so a report sent twice is counted

@@ -135,6 +135,7 @@ class Router:
         self._snapshot = new
         if old is None or new.keys is not old.keys:
             self.keys.replace(new.keys)
+            self.limiter.keep({k.id for k in new.keys if k.limits is not None or k.model_limits})
         if old is None or new.gateway is not old.gateway:
             self._set_gateway(new)
         if old is None or new.leases is not old.leases:

@@ -216,6 +216,11 @@ class Limiter:
         for (key_id, _), budget in self._budgets.items():
             budget.apply(self.share(key_id), now)
 
+    def keep(self, key_ids: set[str]) -> None:
+        """Forget the budgets of keys no longer in force (revoked, or their limits removed)."""
+        for pair in [pair for pair in self._budgets if pair[0] not in key_ids]:
+            del self._budgets[pair]
+
     def take_asked(self) -> dict[str, int]:
         asked, self.asked = self.asked, {}
         return asked

@@ -39,6 +39,10 @@ def test_r6_16_requests_bucket_refills_continuously():
         limiter.admit(k, "m", 1, now=101.25)
     assert refused.value.wait == pytest.approx(0.75)  # not a whole window: the bucket refills as time goes
     assert limiter.take_asked() == {"k1": 63} and limiter.take_asked() == {}
+    limiter.keep({"k1"})
+    assert limiter._budgets
+    limiter.keep(set())  # revoked: its budget is forgotten
+    assert not limiter._budgets
 
 
 def test_r6_16_tokens_reserved_then_settled_to_the_usage():
