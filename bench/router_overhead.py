@@ -133,11 +133,12 @@ def run_bare_proxy(port: int, engine_url: str) -> None:
 # ------------------------------------------------------------------------------ the router process
 
 async def run_router(port: int, engine_url: str, state_dir: str, profile: str | None,
-                     request_timeout: float, routing: str = "least-outstanding") -> None:
+                     request_timeout: float, routing: str = "least-outstanding", limits: bool = False) -> None:
     from prometheus_client import CollectorRegistry
 
     from llmgw.catalog import Catalog, CatalogHolder
     from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig
+    from llmgw.contracts.feed import Limits
     from llmgw.control.feed import FeedPublisher
     from llmgw.keys import create_key
     from llmgw.localfeed import LocalFeed
@@ -145,7 +146,11 @@ async def run_router(port: int, engine_url: str, state_dir: str, profile: str | 
     from llmgw.store import Store
 
     store = Store.open(Path(state_dir) / "state.db")
-    _, secret = store.write_sync(lambda db: create_key(db, "bench"))
+    # --limits: the key has every limit (and one for the model), each too high to refuse, so
+    # every request is admitted, reserved, settled and answered with the x-ratelimit-* headers.
+    high = Limits(rpm=10**9, tpm=10**12, concurrency=10**6) if limits else None
+    _, secret = store.write_sync(lambda db: create_key(db, "bench", limits=high,
+                                                       model_limits={MODEL: high} if limits else None))
     catalog = Catalog.build(file_models=[ModelConfig(name=MODEL, profile="p", routing=routing)],
                             profiles={"p": ProfileConfig(engine="vllm")})
     # Fed as `llmgw serve` feeds it: the publisher and the in-process feed.
@@ -475,7 +480,8 @@ async def bench(args) -> None:
         router_port = free_port()
         state = tempfile.mkdtemp(prefix="llmgw-bench-")
         router_argv = [sys.executable, __file__, "_router", "--port", str(router_port), "--engine-url", engine_url,
-                       "--state", state, "--request-timeout", str(args.request_timeout), "--routing", args.routing]
+                       "--state", state, "--request-timeout", str(args.request_timeout), "--routing", args.routing,
+                       *(["--limits"] if args.limits else [])]
         if args.profile:
             router_argv += ["--profile", args.profile]
         router = start_process(router_argv, env=dict(os.environ, PYTHONPATH=str(ROOT)), reads_stdout=True)
@@ -589,9 +595,10 @@ def main() -> None:
         parser.add_argument("--profile")
         parser.add_argument("--request-timeout", type=float, default=600.0)
         parser.add_argument("--routing", default="least-outstanding")
+        parser.add_argument("--limits", action="store_true")
         args = parser.parse_args()
         asyncio.run(run_router(args.port, args.engine_url, args.state, args.profile, args.request_timeout,
-                               args.routing))
+                               args.routing, args.limits))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=["aiohttp", "double", "vllm"], default="aiohttp")
@@ -606,6 +613,9 @@ def main() -> None:
                         help="the router's gateway.request_timeout (an engine silent this long is a 504)")
     parser.add_argument("--routing", choices=["least-outstanding", "prefix"], default="least-outstanding",
                         help="the model's routing policy (prefix: every request's affinity key is hashed)")
+    parser.add_argument("--limits", action="store_true",
+                        help="the bench key has rpm, tpm and concurrency limits, and a per-model one, all too "
+                             "high to refuse: the cost of enforcing them (R-6.16)")
     args = parser.parse_args()
     real = args.engine == "vllm"
     args.count = args.count or (100 if real else 500)

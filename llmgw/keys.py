@@ -1,8 +1,9 @@
 """Client API keys in the state database (R-6.2): random secrets, only their SHA-256 stored.
 
-The functions run on a sqlite-utils Database: `create_key`, `list_keys` and `revoke_key` serve the
-`llmgw keys` commands, `key_entries` is what the control plane publishes to routers (the router
-feed carries hashes, never secrets), `record_key_use` writes the last use routers report.
+The functions run on a sqlite-utils Database: `create_key`, `set_key`, `list_keys` and `revoke_key`
+serve the `llmgw keys` commands (`parse_limit` and `parse_model_limit` read their limit flags),
+`key_entries` is what the control plane publishes to routers (the router feed carries hashes, never
+secrets, and each key's limits), `record_key_use` writes the last use routers report.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import sqlite_utils
 
-from llmgw.contracts.feed import KeyEntry
+from llmgw.contracts.feed import LIMIT_FIELDS, NO_MODEL_LIMITS, KeyEntry, Limits
 from llmgw.contracts.keyhash import SECRET_PREFIX, hash_secret
 
 SHOWN_PREFIX_LENGTH = len(SECRET_PREFIX) + 6  # enough to tell keys apart in a listing, useless to guess
@@ -36,6 +38,10 @@ class ApiKey:
     created_at: float
     revoked_at: float | None = None
     last_used_at: float | None = None
+    limits: Limits | None = None  # None: no limit of its own (R-6.16)
+    priority: int = 0
+    weight: int = 1
+    model_limits: Mapping[str, Limits] = field(default_factory=lambda: NO_MODEL_LIMITS, hash=False)
 
     @property
     def revoked(self) -> bool:
@@ -53,7 +59,86 @@ class ApiKey:
         return cls(id=row["id"], name=row["name"], hash=row["hash"], prefix=row["prefix"],
                    models=frozenset(json.loads(models)) if models is not None else None,
                    created_at=row["created_at"], revoked_at=row.get("revoked_at"),
-                   last_used_at=row.get("last_used_at"))
+                   last_used_at=row.get("last_used_at"),
+                   limits=Limits(row.get("rpm"), row.get("tpm"), row.get("concurrency")) or None,
+                   priority=row.get("priority") or 0, weight=row.get("weight") or 1,
+                   model_limits=_model_limits(row.get("model_limits")))
+
+
+def _model_limits(text: str | None) -> Mapping[str, Limits]:
+    if not text:
+        return NO_MODEL_LIMITS
+    return MappingProxyType({m: Limits(d.get("rpm"), d.get("tpm"), d.get("concurrency"))
+                             for m, d in json.loads(text).items()})
+
+
+def _model_limits_json(model_limits: Mapping[str, Limits]) -> str | None:
+    if not model_limits:
+        return None
+    return json.dumps({m: {f: getattr(lim, f) for f in LIMIT_FIELDS} for m, lim in sorted(model_limits.items())})
+
+
+# -- the limit flags -----------------------------------------------------------------------------
+
+MODEL_LIMIT_SYNTAX = "MODEL:rpm=N,tpm=N,concurrency=N (any of the three; MODEL:none clears the model's limits)"
+
+
+def parse_limit(text: str, flag: str) -> int | None:
+    """`--rpm 600`: a whole number of at least 1; `none` means no limit."""
+    text = text.strip()
+    if text.lower() == "none":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise KeyRefused(f"{flag} {text!r}: expected a whole number of at least 1, or none") from None
+    if value < 1:
+        raise KeyRefused(f"{flag} {value}: must be at least 1 (use none for no limit)")
+    return value
+
+
+def parse_int(text: str, flag: str, minimum: int | None = None) -> int:
+    """`--priority 2`, `--weight 3`: a whole number (at least `minimum` when given)."""
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise KeyRefused(f"{flag} {text!r}: expected a whole number") from None
+    if minimum is not None and value < minimum:
+        raise KeyRefused(f"{flag} {value}: must be at least {minimum}")
+    return value
+
+
+def parse_model_limit(text: str) -> tuple[str, Limits | None]:
+    """`--model-limit MODEL:rpm=N,tpm=N,concurrency=N`; the model's limits, None for MODEL:none.
+
+    The model is what precedes the last colon, so a model named `llama3:8b` works too."""
+    model, sep, spec = text.rpartition(":")
+    model = model.strip()
+    if not sep or not model:
+        raise KeyRefused(f"--model-limit {text!r}: expected {MODEL_LIMIT_SYNTAX}")
+    if spec.strip().lower() == "none":
+        return model, None
+    values: dict[str, int | None] = {}
+    for part in spec.split(","):
+        name, eq, value = part.partition("=")
+        name = name.strip().lower()
+        if not eq or name not in LIMIT_FIELDS:
+            raise KeyRefused(f"--model-limit {text!r}: {part.strip()!r} is not one of rpm=N, tpm=N, "
+                             f"concurrency=N (syntax: {MODEL_LIMIT_SYNTAX})")
+        if name in values:
+            raise KeyRefused(f"--model-limit {text!r}: {name} is given twice")
+        values[name] = parse_limit(value, f"--model-limit {model}:{name}=")
+    limits = Limits(**values)
+    return model, limits or None
+
+
+def _check_model_limits(model_limits: Mapping[str, Limits], models: frozenset[str] | None) -> None:
+    if models is None:
+        return
+    outside = sorted(set(model_limits) - models)
+    if outside:
+        raise KeyRefused(f"--model-limit for {', '.join(outside)}: the key may not use "
+                         f"{'that model' if len(outside) == 1 else 'those models'} (its models: {', '.join(sorted(models))})")
 
 
 def new_secret() -> str:
@@ -61,7 +146,8 @@ def new_secret() -> str:
 
 
 def create_key(db: sqlite_utils.Database, name: str, models: Iterable[str] | None = None,
-               secret: str | None = None) -> tuple[ApiKey, str]:
+               secret: str | None = None, limits: Limits | None = None, priority: int = 0, weight: int = 1,
+               model_limits: Mapping[str, Limits | None] | None = None) -> tuple[ApiKey, str]:
     """Store a new key and return it with its secret, which is not kept anywhere."""
     name = name.strip()
     if not name:
@@ -76,16 +162,61 @@ def create_key(db: sqlite_utils.Database, name: str, models: Iterable[str] | Non
     model_list = sorted({m.strip() for m in models if m.strip()}) if models is not None else None
     if model_list is not None and not model_list:
         raise KeyRefused("--models was given but names no model")
+    if weight < 1:
+        raise KeyRefused(f"--weight {weight}: must be at least 1")
+    kept = {m: lim for m, lim in (model_limits or {}).items() if lim}
+    _check_model_limits(kept, frozenset(model_list) if model_list is not None else None)
+    limits = limits or Limits()
     row = {"id": uuid.uuid4().hex, "name": name, "hash": hash_secret(secret),
            "prefix": secret[:SHOWN_PREFIX_LENGTH],
            "models": json.dumps(model_list) if model_list is not None else None,
-           "created_at": time.time(), "revoked_at": None, "last_used_at": None}
+           "created_at": time.time(), "revoked_at": None, "last_used_at": None,
+           "rpm": limits.rpm, "tpm": limits.tpm, "concurrency": limits.concurrency,
+           "priority": priority, "weight": weight, "model_limits": _model_limits_json(kept)}
     db["api_keys"].insert(row)
     return ApiKey.from_row(row), secret
 
 
 def list_keys(db: sqlite_utils.Database) -> list[ApiKey]:
     return [ApiKey.from_row(row) for row in db["api_keys"].rows_where(order_by="created_at")]
+
+
+def set_key(db: sqlite_utils.Database, name: str, changes: Mapping[str, int | None],
+            model_limits: Mapping[str, Limits | None] | None = None) -> ApiKey:
+    """Change a key's limits: `changes` maps rpm, tpm, concurrency (None clears), priority and
+    weight to their new values; each model in `model_limits` gets those limits instead of the ones
+    it had (None: none any more). Whatever is not named stays as it was."""
+    key = _named(db, name)
+    if key.revoked:
+        raise KeyRefused(f"key {name!r} is revoked; its limits no longer matter")
+    unknown = set(changes) - {*LIMIT_FIELDS, "priority", "weight"}
+    if unknown:
+        raise KeyRefused(f"unknown key settings: {', '.join(sorted(unknown))}")
+    if changes.get("priority", 0) is None or changes.get("weight", 1) is None:
+        raise KeyRefused("priority and weight take a whole number, not none")
+    if changes.get("weight", 1) < 1:
+        raise KeyRefused(f"--weight {changes['weight']}: must be at least 1")
+    merged = dict(key.model_limits)
+    for model, lim in (model_limits or {}).items():
+        if lim:
+            merged[model] = lim
+        else:
+            merged.pop(model, None)
+    _check_model_limits(merged, key.models)
+    update = dict(changes)
+    if model_limits:
+        update["model_limits"] = _model_limits_json(merged)
+    if update:
+        db["api_keys"].update(key.id, update)
+    return ApiKey.from_row(db["api_keys"].get(key.id))
+
+
+def _named(db: sqlite_utils.Database, name: str) -> ApiKey:
+    rows = list(db["api_keys"].rows_where("name = ?", [name]))
+    if not rows:
+        known = ", ".join(k.name for k in list_keys(db)) or "none exist yet"
+        raise KeyRefused(f"no key named {name!r} (keys: {known})")
+    return ApiKey.from_row(rows[0])
 
 
 def revoke_key(db: sqlite_utils.Database, name: str) -> tuple[ApiKey, bool]:
@@ -102,9 +233,12 @@ def revoke_key(db: sqlite_utils.Database, name: str) -> tuple[ApiKey, bool]:
 
 def key_entries(db: sqlite_utils.Database) -> tuple[KeyEntry, ...]:
     """The keys in force, as the router feed carries them: a revoked key is left out."""
-    rows = db.execute("SELECT id, name, hash, prefix, models FROM api_keys WHERE revoked_at IS NULL "
-                      "ORDER BY created_at").fetchall()
-    return tuple(KeyEntry(i, n, h, p, None if m is None else frozenset(json.loads(m))) for i, n, h, p, m in rows)
+    rows = db.execute("SELECT id, name, hash, prefix, models, priority, weight, rpm, tpm, concurrency, model_limits "
+                      "FROM api_keys WHERE revoked_at IS NULL ORDER BY created_at").fetchall()
+    return tuple(KeyEntry(i, n, h, p, None if m is None else frozenset(json.loads(m)), prio or 0, w or 1,
+                          None if rpm is None and tpm is None and conc is None else Limits(rpm, tpm, conc),
+                          _model_limits(ml))
+                 for i, n, h, p, m, prio, w, rpm, tpm, conc, ml in rows)
 
 
 def record_key_use(db: sqlite_utils.Database, last_used: dict[str, float]) -> None:

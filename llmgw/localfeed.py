@@ -29,6 +29,7 @@ class LocalFeed:
         self.publisher = publisher
         self.router = router
         self.router_id = router_id or f"local-{secrets.token_hex(6)}"
+        router.router_id = self.router_id
         self.interval = interval
         self.seq = 0
         self._listener: FeedListener = publisher.listen()

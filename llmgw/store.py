@@ -27,7 +27,7 @@ import sqlite_utils
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # How long an opener waits for another process's write transaction before giving up.
 BUSY_TIMEOUT = 30.0
 
@@ -67,7 +67,17 @@ def _migrate_3(db: sqlite_utils.Database) -> None:
     db["router_seq"].create({"router": str, "seq": int, "updated_at": float}, pk="router")
 
 
-MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _migrate_1, 2: _migrate_2, 3: _migrate_3}
+def _migrate_4(db: sqlite_utils.Database) -> None:
+    """Keys get limits (R-6.16): rpm, tpm and concurrency (NULL: none), a priority class and a
+    weight, and per-model limits as JSON ({model: {"rpm": .., "tpm": .., "concurrency": ..}})."""
+    for column, kind in (("rpm", int), ("tpm", int), ("concurrency", int), ("priority", int), ("weight", int),
+                         ("model_limits", str)):
+        db["api_keys"].add_column(column, kind)
+    db.execute("UPDATE api_keys SET priority = 0, weight = 1")
+
+
+MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _migrate_1, 2: _migrate_2, 3: _migrate_3,
+                                                                  4: _migrate_4}
 
 
 def schema_version(db: sqlite_utils.Database) -> int:

@@ -61,6 +61,22 @@ class RoutedModel:
 
 
 @dataclass(frozen=True, slots=True)
+class Limits:
+    """A key's budget (R-6.16): requests and tokens per minute, requests at once; None: no limit."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    concurrency: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.rpm is not None or self.tpm is not None or self.concurrency is not None
+
+
+LIMIT_FIELDS = ("rpm", "tpm", "concurrency")
+NO_MODEL_LIMITS: Mapping[str, Limits] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
 class KeyEntry:
     """A client API key the router accepts: only its SHA-256 travels (R-6.2). A revoked key is absent."""
 
@@ -71,6 +87,19 @@ class KeyEntry:
     models: frozenset[str] | None  # None: every model
     priority: int = 0  # under saturation a higher class is served first (R-6.16)
     weight: int = 1  # within a class, keys share what is served in proportion to their weights
+    limits: Limits | None = None  # None: the key has no limit of its own (R-6.16)
+    model_limits: Mapping[str, Limits] = field(default_factory=lambda: NO_MODEL_LIMITS, hash=False)  # model -> on top of `limits`
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """One router's share (0..1] of every limit of one key, rpm, tpm and concurrency alike, its
+    per-model limits too (R-6.16). The control plane splits each key's limits among the routers."""
+
+    share: float
+
+
+NO_LEASES: Mapping[str, Mapping[str, Lease]] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +122,7 @@ class Snapshot:
     endpoints: Mapping[str, tuple[Endpoint, ...]]
     keys: tuple[KeyEntry, ...]
     gateway: GatewaySettings
+    leases: Mapping[str, Mapping[str, Lease]] = field(default_factory=lambda: NO_LEASES)  # router id -> key id ->
 
     def apply(self, change: Change) -> Snapshot:
         """The snapshot after `change`; FeedError when the change does not follow this version."""
@@ -112,7 +142,8 @@ class Snapshot:
                         models=self.models if change.models is None else change.models,
                         endpoints=endpoints,
                         keys=self.keys if change.keys is None else change.keys,
-                        gateway=self.gateway if change.gateway is None else change.gateway)
+                        gateway=self.gateway if change.gateway is None else change.gateway,
+                        leases=self.leases if change.leases is None else change.leases)
 
 
 @dataclass(frozen=True)
@@ -128,6 +159,7 @@ class Change:
     keys: tuple[KeyEntry, ...] | None = None
     gateway: GatewaySettings | None = None
     abandon: tuple[str, ...] = ()
+    leases: Mapping[str, Mapping[str, Lease]] | None = None  # all of them, when the split changed
 
 
 # -- what routers report -----------------------------------------------------------------------
@@ -192,6 +224,7 @@ class Report:
     demand: tuple[str, ...] = ()  # on-demand models asked for while they had no replica (R-6.8)
     snapshot: tuple[str, int] | None = None  # (epoch, version) the router routes with, None before any
     counters: RouterCounters | None = None  # None: not reported (a router that keeps its own /metrics)
+    asked: Mapping[str, int] = field(default_factory=dict)  # key id -> requests of a limited key since the last report
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,7 +334,20 @@ def key_to_wire(k: KeyEntry) -> dict:
         out["priority"] = k.priority
     if k.weight != 1:
         out["weight"] = k.weight
+    if k.limits is not None:
+        out["limits"] = limits_to_wire(k.limits)
+    if k.model_limits:
+        out["model_limits"] = {m: limits_to_wire(lim) for m, lim in k.model_limits.items()}
     return out
+
+
+def limits_to_wire(lim: Limits) -> dict:
+    return {"rpm": lim.rpm, "tpm": lim.tpm, "concurrency": lim.concurrency}
+
+
+def limits_from_wire(d, where: str) -> Limits:
+    d = _obj(d, where)
+    return Limits(*(None if d.get(name) is None else _int(d[name], f"{where}.{name}", 1) for name in LIMIT_FIELDS))
 
 
 def key_from_wire(d, where: str) -> KeyEntry:
@@ -310,12 +356,12 @@ def key_from_wire(d, where: str) -> KeyEntry:
         i, n, h, p, models = d.get("id"), d.get("name"), d.get("hash"), d.get("prefix"), d.get("models")
         priority, weight = (0, 1) if len(d) == 5 and "models" in d else (d.get("priority", 0), d.get("weight", 1))
         if type(i) is str and type(n) is str and type(h) is str and type(p) is str and type(priority) is int \
-                and type(weight) is int and weight >= 1:
+                and type(weight) is int and weight >= 1 and "limits" not in d and "model_limits" not in d:
             if models is None:
                 return KeyEntry(i, n, h, p, None, priority, weight)
             if type(models) is list and all(type(m) is str for m in models):
                 return KeyEntry(i, n, h, p, frozenset(models), priority, weight)
-    d = _obj(d, where)  # something is wrong: find what, to name it
+    d = _obj(d, where)  # something is wrong, or the key has limits: check each field, naming a wrong one
     models = d.get("models")
     if models is not None:
         models = frozenset(_str(m, f"{where}.models[{i}]") for i, m in enumerate(_list(models, f"{where}.models")))
@@ -323,7 +369,16 @@ def key_from_wire(d, where: str) -> KeyEntry:
                     hash=_str(_field(d, "hash", where), f"{where}.hash"),
                     prefix=_str(_field(d, "prefix", where), f"{where}.prefix"), models=models,
                     priority=_expect(d.get("priority", 0), (int,), f"{where}.priority"),
-                    weight=_int(d.get("weight", 1), f"{where}.weight", 1))
+                    weight=_int(d.get("weight", 1), f"{where}.weight", 1),
+                    limits=None if d.get("limits") is None else limits_from_wire(d["limits"], f"{where}.limits"),
+                    model_limits=_model_limits_from_wire(d.get("model_limits"), f"{where}.model_limits"))
+
+
+def _model_limits_from_wire(d, where: str) -> Mapping[str, Limits]:
+    if d is None:
+        return NO_MODEL_LIMITS
+    return MappingProxyType({_str(m, f"{where} key"): limits_from_wire(lim, f"{where}[{m!r}]")
+                             for m, lim in _obj(d, where).items()})
 
 
 def gateway_to_wire(g: GatewaySettings) -> dict:
@@ -415,6 +470,23 @@ def _counters_from_wire(value, where: str = "report.counters") -> RouterCounters
                           ejections=per_model("ejections"), latency=latency)
 
 
+def _leases_to_wire(leases: Mapping[str, Mapping[str, Lease]]) -> dict:
+    return {router: {key_id: lease.share for key_id, lease in per_key.items()} for router, per_key in leases.items()}
+
+
+def _leases_from_wire(d, where: str) -> Mapping[str, Mapping[str, Lease]]:
+    out = {}
+    for router, per_key in _obj(d, where).items():
+        leases = {}
+        for key_id, share in _obj(per_key, f"{where}[{router!r}]").items():
+            share = _num(share, f"{where}[{router!r}][{key_id!r}]")
+            if not 0 < share <= 1:
+                raise FeedError(f"{where}[{router!r}][{key_id!r}]: a share must be above 0 and at most 1, got {share}")
+            leases[key_id] = Lease(share)
+        out[router] = MappingProxyType(leases)
+    return MappingProxyType(out)
+
+
 def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
     """The JSON-ready form of a message, tagged with its type and the protocol."""
     if isinstance(message, Snapshot):
@@ -422,7 +494,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
                 "models": [model_to_wire(m) for m in message.models.values()],
                 "endpoints": {model: [endpoint_to_wire(e) for e in members]
                               for model, members in message.endpoints.items()},
-                "keys": [key_to_wire(k) for k in message.keys], "gateway": gateway_to_wire(message.gateway)}
+                "keys": [key_to_wire(k) for k in message.keys], "gateway": gateway_to_wire(message.gateway),
+                **({"leases": _leases_to_wire(message.leases)} if message.leases else {})}
     if isinstance(message, Change):
         out = {"type": "change", "protocol": PROTOCOL, "epoch": message.epoch, "version": message.version}
         if message.models is not None:
@@ -436,6 +509,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
             out["gateway"] = gateway_to_wire(message.gateway)
         if message.abandon:
             out["abandon"] = list(message.abandon)
+        if message.leases is not None:
+            out["leases"] = _leases_to_wire(message.leases)
         return out
     if isinstance(message, Report):
         return {"type": "report", "protocol": PROTOCOL, "router": message.router, "seq": message.seq,
@@ -447,7 +522,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
                 "engine_load": {r: _load_to_wire(load) for r, load in message.engine_load.items()},
                 "demand": list(message.demand),
                 "snapshot": None if message.snapshot is None else list(message.snapshot),
-                "counters": None if message.counters is None else _counters_to_wire(message.counters)}
+                "counters": None if message.counters is None else _counters_to_wire(message.counters),
+                **({"asked": dict(message.asked)} if message.asked else {})}
     if isinstance(message, Ack):
         return {"type": "ack", "protocol": PROTOCOL, "router": message.router, "seq": message.seq}
     raise TypeError(f"not a feed message: {type(message).__name__}")
@@ -467,7 +543,8 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
                         endpoints=MappingProxyType(_endpoint_lists_from_wire(_field(d, "endpoints", kind),
                                                                              "snapshot.endpoints", False)),
                         keys=_keys_from_wire(_field(d, "keys", kind), "snapshot.keys"),
-                        gateway=gateway_from_wire(_field(d, "gateway", kind), "snapshot.gateway"))
+                        gateway=gateway_from_wire(_field(d, "gateway", kind), "snapshot.gateway"),
+                        leases=_leases_from_wire(d["leases"], "snapshot.leases") if "leases" in d else NO_LEASES)
     if kind == "change":
         return Change(epoch=_str(_field(d, "epoch", kind), "change.epoch"),
                       version=_int(_field(d, "version", kind), "change.version", 2),
@@ -477,7 +554,8 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
                       keys=_keys_from_wire(d["keys"], "change.keys") if "keys" in d else None,
                       gateway=gateway_from_wire(d["gateway"], "change.gateway") if "gateway" in d else None,
                       abandon=tuple(_str(r, f"change.abandon[{i}]")
-                                    for i, r in enumerate(_list(d.get("abandon", []), "change.abandon"))))
+                                    for i, r in enumerate(_list(d.get("abandon", []), "change.abandon"))),
+                      leases=_leases_from_wire(d["leases"], "change.leases") if "leases" in d else None)
     if kind == "report":
         usage = []
         for i, row in enumerate(_list(d.get("usage", []), "report.usage")):
@@ -507,7 +585,8 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
                       demand=tuple(_str(m, f"report.demand[{i}]")
                                    for i, m in enumerate(_list(d.get("demand", []), "report.demand"))),
                       snapshot=snapshot,
-                      counters=None if d.get("counters") is None else _counters_from_wire(d["counters"]))
+                      counters=None if d.get("counters") is None else _counters_from_wire(d["counters"]),
+                      asked={k: _int(v, f"report.asked[{k!r}]") for k, v in _obj(d.get("asked", {}), "report.asked").items()})
     if kind == "ack":
         return Ack(router=_str(_field(d, "router", kind), "ack.router"), seq=_int(_field(d, "seq", kind), "ack.seq"))
     raise FeedError(f"message.type: {kind!r} is not a feed message (snapshot, change, report, ack)")

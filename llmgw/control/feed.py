@@ -7,6 +7,19 @@ loop every couple of seconds, so `llmgw keys create/revoke` apply without a rest
 gateway settings routers read. Each decision after that is one `Change` with only what changed,
 handed to every listener in order; a listener that falls behind gets a fresh snapshot instead.
 
+Each limited key's budget is split among the routers heard recently (R-6.16): every LEASE_SECONDS
+the publisher gives each router a share of every limited key's limits, in proportion to its recent
+demand for the key (`Report.asked`, the past counting half per rebalance), each router keeping
+at least LEASE_FLOOR of it, so that one that has not asked yet can admit a few. A Change carries
+the leases when the split changes. The shares of one key add up to at most 1 (rounded down to
+hundredths), so routers together hold no more than the limit. The bound on the total: while a new
+split travels, a router whose share grew fills at its new pace, so the total runs ahead of the limit
+by at most the moved share's pace for the time the change takes to reach every router; and a router
+that is not in the split yet (one that just started) holds 1/N of each limit, N the routers in the
+last leases it got, the whole limit when it got none, until the next split includes it (within
+LEASE_SECONDS of its first report). With a single router there are no leases: it holds every limit
+whole. A router keeps the last leases while the control plane is away.
+
 Routers answer with `Report`s. Their counted parts (usage, key use) are written in one
 transaction that also records the report's seq per router, so a report sent twice is counted
 once (R-10.3); their state parts (requests in flight, last use, engine load) replace what the
@@ -18,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import secrets
 import threading
@@ -32,7 +46,7 @@ import sqlite_utils
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import GatewayConfig, runtime_key_env_problem
 from llmgw.contracts.endpoints import STATIC_PREFIX, Endpoint
-from llmgw.contracts.feed import (Ack, Change, EngineLoad, GatewaySettings, KeyEntry, Report, RoutedModel,
+from llmgw.contracts.feed import (Ack, Change, EngineLoad, GatewaySettings, KeyEntry, Lease, Report, RoutedModel,
                                   RouterCounters, Snapshot)
 from llmgw.engines import VLLM, LlamaServer, SGLang
 from llmgw.keys import key_entries, record_key_use
@@ -45,6 +59,10 @@ LISTENER_QUEUE = 1000  # changes a listener may fall behind by before it gets a 
 STALE_SECONDS = 10.0  # routers report about every 0.5 s: one silent this long no longer counts
 SEQ_RETENTION_SECONDS = 7 * 86400  # a router id not heard from for this long is forgotten
 FORGET_SECONDS = 3600.0  # the state of a router silent this long is dropped from memory (its seq stays)
+
+LEASE_SECONDS = 1.0  # how often each limited key's budget is split again among the routers
+LEASE_FLOOR = 0.05  # the share of a key's limits every recent router keeps (at most 1/routers)
+DEMAND_HALF_LIFE = 1  # rebalances after which a router's past demand for a key counts half
 
 _ENGINE_KINDS = {VLLM: "vllm", SGLang: "sglang", LlamaServer: "llama-server"}
 
@@ -203,6 +221,9 @@ class FeedPublisher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._refresh: asyncio.Task | None = None
+        self._lease_task: asyncio.Task | None = None
+        self._demand: dict[str, dict[str, float]] = {}  # router -> key id -> recent requests, decayed
+        self._leases: Mapping[str, Mapping[str, Lease]] = MappingProxyType({})
         self._closed = False
         holder.subscribe(self._catalog_changed)
 
@@ -240,6 +261,7 @@ class FeedPublisher:
             listener._notify()
         if self._refresh is None and self._loop is not None:
             self._refresh = self._loop.create_task(self._refresh_keys_forever(), name="feed-keys")
+            self._lease_task = self._loop.create_task(self._rebalance_forever(), name="feed-leases")
 
     async def ready(self) -> None:
         await self._ready.wait()
@@ -272,6 +294,10 @@ class FeedPublisher:
                     if state.heard < heard - FORGET_SECONDS:
                         del self._routers[router]
             self._routers[report.router] = _RouterState(report.seq, heard, report)
+            if report.asked:
+                demand = self._demand.setdefault(report.router, {})
+                for key_id, count in report.asked.items():
+                    demand[key_id] = demand.get(key_id, 0.0) + count
             if report.demand and self.note_demand is not None:
                 for model in report.demand:
                     try:
@@ -347,10 +373,11 @@ class FeedPublisher:
 
     async def close(self) -> None:
         self._closed = True
-        if self._refresh is not None:
-            self._refresh.cancel()
-            await asyncio.gather(self._refresh, return_exceptions=True)
-            self._refresh = None
+        for task in (self._refresh, self._lease_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._refresh = self._lease_task = None
         for listener in list(self._listeners):
             listener.close()
 
@@ -408,18 +435,19 @@ class FeedPublisher:
             self._models = changed_models = models
         self._emit(models=changed_models, endpoints=_diff(before, self._merged()))
 
-    def _emit(self, *, models=None, endpoints=None, keys=None, gateway=None, abandon=()) -> None:
+    def _emit(self, *, models=None, endpoints=None, keys=None, gateway=None, abandon=(), leases=None) -> None:
         """One Change with what is not None (or nothing when all is); before ready, only remembered."""
         if not endpoints:
             endpoints = None
-        if models is None and endpoints is None and keys is None and gateway is None and not abandon:
+        if models is None and endpoints is None and keys is None and gateway is None and not abandon \
+                and leases is None:
             return
         snapshot = self._snapshot
         if snapshot is None:
             return  # version 1, when it is made, holds it all
         change = Change(epoch=self.epoch, version=snapshot.version + 1, models=models,
                         endpoints=None if endpoints is None else MappingProxyType(endpoints),
-                        keys=keys, gateway=gateway, abandon=tuple(abandon))
+                        keys=keys, gateway=gateway, abandon=tuple(abandon), leases=leases)
         new = snapshot.apply(change)
         if endpoints is not None:
             self._note_removed(snapshot, new)
@@ -434,6 +462,46 @@ class FeedPublisher:
             self._removed_at[replica_id] = new.version
         for replica_id in has:
             self._removed_at.pop(replica_id, None)
+
+    async def _rebalance_forever(self) -> None:
+        while True:
+            await asyncio.sleep(LEASE_SECONDS)
+            try:
+                self.rebalance()
+            except Exception:
+                log.exception("splitting the keys' limits among the routers failed; the last split stands")
+
+    def rebalance(self) -> None:
+        """Split every limited key's limits among the routers heard recently; a Change with
+        `leases` when the split differs from the last one."""
+        leases = self._split()
+        if leases != self._leases:
+            self._leases = leases
+            self._emit(leases=leases)
+        for demand in self._demand.values():
+            for key_id in list(demand):
+                demand[key_id] /= 2 ** (1 / DEMAND_HALF_LIFE)
+                if demand[key_id] < 0.01:
+                    del demand[key_id]
+
+    def _split(self) -> Mapping[str, Mapping[str, Lease]]:
+        limit = self._clock() - STALE_SECONDS
+        routers = sorted(r for r, state in self._routers.items() if state.heard >= limit)
+        for gone in set(self._demand) - set(routers):
+            del self._demand[gone]
+        if len(routers) < 2:
+            return MappingProxyType({})  # one router (or none): it holds every limit whole
+        floor = min(LEASE_FLOOR, 1 / len(routers))
+        out: dict[str, dict[str, Lease]] = {r: {} for r in routers}
+        for key in self._keys:
+            if key.limits is None and not key.model_limits:
+                continue
+            wants = [self._demand.get(r, {}).get(key.id, 0.0) for r in routers]
+            total = sum(wants)
+            for router, want in zip(routers, wants):
+                share = 1 / len(routers) if total <= 0 else floor + (1 - floor * len(routers)) * want / total
+                out[router][key.id] = Lease(max(math.floor(share * 100) / 100, 0.01))
+        return MappingProxyType({r: MappingProxyType(per_key) for r, per_key in out.items()})
 
     async def _refresh_keys_forever(self) -> None:
         while True:

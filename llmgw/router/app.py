@@ -36,6 +36,7 @@ from llmgw.router.errors import (BadRequest, BodyTooLarge, InternalError, Invali
                                  from_http_exception)
 from llmgw.router.keys import KeyRing, allows
 from llmgw.router.landing import landing_page
+from llmgw.router import limits
 from llmgw.router.metrics import NO_MODEL, RouterMetrics
 from llmgw.router.proxy import Forwarder
 from llmgw.router.routes import ANTHROPIC, FORM, RESPONSE_ID, RESPONSES, ROUTES, Route, serves
@@ -72,6 +73,7 @@ BODY_ENCODINGS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS
 
 _KEY = web.RequestKey("llmgw_key", KeyEntry)
 _MODEL = web.RequestKey("llmgw_model", str)
+_LIMITED = web.RequestKey("llmgw_limited", tuple)  # the budgets of a limited key's request, for its headers
 ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")  # passed on to engines that read them
 
 
@@ -94,6 +96,8 @@ class Router:
         self.metrics = RouterMetrics(registry, self.balancer.outstanding_by_model, self.balancer.upstreams,
                                      self.fairqueue.waiting)
         self.usage = UsageMeter()
+        self.limiter = limits.Limiter()
+        self.router_id: str | None = None  # set by the feed client: which of the snapshot's leases are this router's
         # Called on the loop when an on-demand model is asked for with no replica: a feed client
         # reports at once rather than at its next tick (R-6.8). None: nobody starts replicas on
         # demand, so a request does not wait for one.
@@ -135,8 +139,13 @@ class Router:
         self._snapshot = new
         if old is None or new.keys is not old.keys:
             self.keys.replace(new.keys)
+            self.limiter.keep({k.id for k in new.keys if k.limits is not None or k.model_limits})
         if old is None or new.gateway is not old.gateway:
             self._set_gateway(new)
+        if old is None or new.leases is not old.leases:
+            mine = new.leases.get(self.router_id, {}) if self.router_id is not None else {}
+            self.limiter.set_leases({key_id: lease.share for key_id, lease in mine.items()}, len(new.leases) or 1,
+                                    time.monotonic())
         if old is None or new.models is not old.models or new.endpoints is not old.endpoints:
             self._models = new.models
             self._install(new)
@@ -163,7 +172,7 @@ class Router:
         return {"usage": usage, "key_use": key_use, "last_used": self.balancer.last_used(), "inflight": inflight,
                 "engine_load": loads, "demand": demand,
                 "snapshot": None if snapshot is None else (snapshot.epoch, snapshot.version),
-                "counters": self.metrics.counters()}
+                "counters": self.metrics.counters(), "asked": self.limiter.take_asked()}
 
     def outstanding(self, replica_id: str) -> int:
         """Requests this router has in flight to a replica, still counted after it left the lists."""
@@ -182,6 +191,7 @@ class Router:
         app.router.add_get("/v1/models/{model}", self._get_model)
         for route in ROUTES:
             app.router.add_route(route.method, route.path, functools.partial(self._proxy, route=route))
+        app.on_response_prepare.append(self._rate_limit_headers)
         app.cleanup_ctx.append(self._lifecycle)
         return app
 
@@ -367,7 +377,31 @@ class Router:
             served = ", ".join(sorted(route.engines)) or "no built-in engine"
             raise RouteNotServed(f"model {name!r} runs on {model.engine}, which does not serve "
                                  f"{route.name} (served by: {served})")
-        return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned)
+        if key.limits is None and not key.model_limits:
+            return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned)
+        admission = self._admit(request, key, name, body, document)
+        token = limits.CURRENT.set(admission)
+        try:
+            return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned)
+        finally:
+            admission.release()
+            limits.CURRENT.reset(token)
+
+    def _admit(self, request: web.Request, key: KeyEntry, name: str, body, document: dict | None) -> limits.Admission:
+        """The key's limits admit this request or refuse it with a 429 (R-6.16)."""
+        size = len(body) if type(body) is bytes else request.content_length or 0
+        try:
+            admission = self.limiter.admit(key, name, limits.estimate(size, document), time.monotonic())
+        except limits.RateLimited as exc:
+            request[_LIMITED] = exc.budgets
+            raise
+        request[_LIMITED] = admission.budgets
+        return admission
+
+    async def _rate_limit_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        budgets = request.get(_LIMITED)
+        if budgets:
+            response.headers.update(limits.headers(budgets, time.monotonic()))
 
     def _previous(self, document: dict, name: str) -> Pinned | None:
         """The stored response a Responses request continues, when it names one (previous_response_id)."""

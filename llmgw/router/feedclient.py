@@ -414,6 +414,7 @@ class FeedClient:
         """Take a slot, give the router the last-known-good snapshot, then run the feed and reports."""
         _private_dir(self.state_dir)
         self.slot = await asyncio.to_thread(take_slot, self.state_dir)
+        self.router.router_id = self.slot.router_id
         await asyncio.to_thread(self.slot.spool.load)
         path = self.state_dir / SNAPSHOT_FILE
         snapshot = await asyncio.to_thread(load_snapshot_file, path)

@@ -31,6 +31,7 @@ from llmgw.router.balancer import Upstream
 from llmgw.router.errors import UpstreamConnectFailed, UpstreamRefused, UpstreamRejectedKey, UpstreamTimeout
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.routes import ANTHROPIC, OPENAI, RESPONSES
+from llmgw.router import limits
 from llmgw.router.usage import (UsageMeter, anthropic_stream_usage, complete_events_end, find_usage,
                                 strip_usage_event, tokens, usage_from_body)
 
@@ -438,5 +439,9 @@ class Forwarder:
 
     def _count(self, key_id: str, model: str, prompt: int, completion: int) -> None:
         self.usage.add(key_id, model, prompt, completion)
+        if prompt or completion:  # a limited key's reservation becomes what was used; unknown keeps the estimate
+            admission = limits.CURRENT.get()
+            if admission is not None:
+                admission.settle(prompt + completion)
         if prompt or completion:
             self.metrics.add_tokens(model, prompt, completion)

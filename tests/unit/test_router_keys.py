@@ -103,6 +103,7 @@ def test_r6_2_cli_create_list_revoke(tmp_path):
 
     listed = json.loads(runner.invoke(cli, ["keys", "list", "--json", *state]).stdout)
     assert listed == [{"name": "alice", "prefix": secret[:15], "models": ["m1", "m2"],
+                       "rpm": None, "tpm": None, "concurrency": None, "priority": 0, "weight": 1, "model_limits": {},
                        "created_at": listed[0]["created_at"], "last_used_at": None, "revoked_at": None}]
 
     duplicate = runner.invoke(cli, ["keys", "create", "alice", *state])

@@ -1,0 +1,252 @@
+"""Per-key limits enforced by the router: 429s, Retry-After, OpenAI's rate-limit headers (R-6.16)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import openai
+from aiohttp import web
+
+from llmgw.contracts.endpoints import Endpoint
+from llmgw.contracts.feed import Limits
+from llmgw.keys import create_key
+from tests.integration.test_router_support import catalog, model, scripted_engine, start_router  # noqa: F401
+
+HELLO = [{"role": "user", "content": "hi"}]
+PROMPT_TOKENS = 10  # what the scripted engine reports for every prompt
+
+
+class Engine:
+    """Answers chat completions with usage: the prompt's PROMPT_TOKENS and `max_tokens` completion tokens."""
+
+    def __init__(self):
+        self.requests = 0
+        self.hold: asyncio.Event | None = None
+        self.arrived = asyncio.Event()
+
+    async def chat(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        document = await request.json()
+        self.arrived.set()
+        if self.hold is not None and self.requests == 1:  # only the first: a test never waits on a later one
+            await self.hold.wait()
+        usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": document.get("max_tokens") or 1}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": document["model"],
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                                               "finish_reason": "stop"}], "usage": usage})
+
+
+def limited_key(gw, name: str, **options) -> str:
+    _, secret = gw.store.write_sync(lambda db: create_key(db, name, **options))
+    gw.reload_keys()
+    return secret
+
+
+def refusals(gw, model: str = "m") -> int:
+    """Answers of 4xx the router gave for the model (its request counters)."""
+    return gw.router.metrics.requests.get((model, "4xx"), 0)
+
+
+async def test_r6_16_openai_client_gets_through_after_a_429_and_sees_rate_limit_error_without_retries(start_router):  # noqa: F811
+    engine = Engine()
+    async with scripted_engine(engine.chat) as url:
+        gw = await start_router(catalog(model("m")), {"m": [Endpoint("r", "m", url, None)]})
+        # 6000 tokens a minute is 100 a second. The first request leaves 6000 - 3210 = 2790; the
+        # next one is estimated at 3200 plus its body / 4, so it waits about 4.5 s.
+        secret = limited_key(gw, "tight", limits=Limits(tpm=6000))
+        async with gw.client(secret, max_retries=0) as client:
+            first = await client.chat.completions.with_raw_response.create(model="m", messages=HELLO, max_tokens=3200)
+            print("first answer headers:", {k: v for k, v in first.headers.items() if k.startswith("x-ratelimit")})
+            assert first.headers["x-ratelimit-limit-tokens"] == "6000"
+            remaining = int(first.headers["x-ratelimit-remaining-tokens"])
+            assert 2790 <= remaining < 2900  # corrected to the usage: 6000 - 3210, plus the refill since
+            assert "x-ratelimit-limit-requests" not in first.headers  # the key has no rpm
+            try:
+                await client.chat.completions.create(model="m", messages=HELLO, max_tokens=3200)
+            except openai.RateLimitError as exc:
+                refused = exc
+            else:
+                raise AssertionError("the second request was admitted")
+        assert refused.status_code == 429
+        error = refused.body if isinstance(refused.body, dict) and "code" in refused.body else refused.body["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+        assert "6000 tokens per minute" in error["message"]
+        retry_after = int(refused.response.headers["retry-after"])
+        print("refusal:", error["message"], "Retry-After:", retry_after,
+              "reset:", refused.response.headers["x-ratelimit-reset-tokens"])
+        assert 1 <= retry_after <= 6
+        assert refused.response.headers["x-ratelimit-limit-tokens"] == "6000"
+        assert engine.requests == 1  # the refusal never reached the engine
+
+        before = refusals(gw)
+        started = time.monotonic()
+        async with gw.client(secret, max_retries=2) as client:
+            answer = await client.chat.completions.create(model="m", messages=HELLO, max_tokens=3200)
+        print(f"with max_retries=2: {refusals(gw) - before} refusals first, answered after "
+              f"{time.monotonic() - started:.1f} s")
+        assert answer.usage.completion_tokens == 3200
+        assert refusals(gw) - before >= 1 and engine.requests == 2  # refused, waited, then let through
+
+
+async def test_r6_16_requests_per_minute_headers_and_refusal(start_router):  # noqa: F811
+    engine = Engine()
+    async with scripted_engine(engine.chat) as url:
+        gw = await start_router(catalog(model("m")), {"m": [Endpoint("r", "m", url, None)]})
+        secret = limited_key(gw, "three", limits=Limits(rpm=3))
+        seen = []
+        async with gw.client(secret) as client:
+            for _ in range(3):
+                raw = await client.chat.completions.with_raw_response.create(model="m", messages=HELLO, max_tokens=1)
+                seen.append((raw.headers["x-ratelimit-limit-requests"], raw.headers["x-ratelimit-remaining-requests"],
+                             raw.headers["x-ratelimit-reset-requests"]))
+            print("rpm=3:", seen)
+            assert [(limit, remaining) for limit, remaining, _ in seen] == [("3", "2"), ("3", "1"), ("3", "0")]
+            assert all(re.fullmatch(r"(\d+m)?\d+(\.\d+)?s|\d+ms", reset) for _, _, reset in seen)  # OpenAI's form
+            try:
+                await client.chat.completions.create(model="m", messages=HELLO, max_tokens=1)
+            except openai.RateLimitError as exc:
+                refused = exc
+            else:
+                raise AssertionError("a fourth request in the minute was admitted")
+        assert "3 requests per minute" in refused.message
+        assert 1 <= int(refused.response.headers["retry-after"]) <= 20  # one request comes back every 20 s
+        assert refused.response.headers["x-ratelimit-remaining-requests"] == "0"
+        assert engine.requests == 3
+        async with gw.client() as client:  # a key without limits: no headers, never refused
+            raw = await client.chat.completions.with_raw_response.create(model="m", messages=HELLO, max_tokens=1)
+        assert not [name for name in raw.headers if name.startswith("x-ratelimit")]
+
+
+async def test_r6_16_concurrency_is_released_when_a_request_ends(start_router):  # noqa: F811
+    engine = Engine()
+    engine.hold = asyncio.Event()
+    async with scripted_engine(engine.chat) as url:
+        gw = await start_router(catalog(model("m")), {"m": [Endpoint("r", "m", url, None)]})
+        secret = limited_key(gw, "one-at-a-time", limits=Limits(concurrency=1))
+        async with gw.client(secret) as client:
+            first = asyncio.create_task(client.chat.completions.create(model="m", messages=HELLO, max_tokens=1))
+            await engine.arrived.wait()
+            try:
+                await client.chat.completions.create(model="m", messages=HELLO, max_tokens=1)
+                message = None
+            except openai.RateLimitError as exc:
+                message = exc.message
+            engine.hold.set()
+            await first
+            assert message is not None and "1 requests in flight at once" in message, "a second one was admitted"
+            await client.chat.completions.create(model="m", messages=HELLO, max_tokens=1)  # released: admitted
+            # a request that fails releases its place too
+            gw.set_endpoints({"m": []})
+            try:
+                await client.chat.completions.create(model="m", messages=HELLO, max_tokens=1)
+            except openai.APIStatusError as exc:
+                assert exc.status_code == 503
+            gw.set_endpoints({"m": [Endpoint("r", "m", url, None)]})
+            await client.chat.completions.create(model="m", messages=HELLO, max_tokens=1)
+        assert engine.requests == 3
+
+
+async def test_r6_16_a_model_limit_applies_on_top_of_the_key(start_router):  # noqa: F811
+    engine = Engine()
+    async with scripted_engine(engine.chat) as url:
+        gw = await start_router(catalog(model("m"), model("n")),
+                                {"m": [Endpoint("rm", "m", url, None)], "n": [Endpoint("rn", "n", url, None)]})
+        secret = limited_key(gw, "per-model", limits=Limits(rpm=100), model_limits={"m": Limits(rpm=1)})
+        async with gw.client(secret) as client:
+            raw = await client.chat.completions.with_raw_response.create(model="m", messages=HELLO, max_tokens=1)
+            assert (raw.headers["x-ratelimit-limit-requests"], raw.headers["x-ratelimit-remaining-requests"]) == \
+                ("1", "0")  # the tighter of the two
+            try:
+                await client.chat.completions.create(model="m", messages=HELLO, max_tokens=1)
+            except openai.RateLimitError as exc:
+                assert "1 requests per minute for model 'm'" in exc.message
+            else:
+                raise AssertionError("the model's limit was not applied")
+            for _ in range(3):
+                raw = await client.chat.completions.with_raw_response.create(model="n", messages=HELLO, max_tokens=1)
+            assert raw.headers["x-ratelimit-remaining-requests"] == "96"  # 100 less the 4 admitted: a refusal spends nothing
+            assert json.loads(raw.text)["usage"]["completion_tokens"] == 1
+
+
+async def test_r6_16_two_routers_share_one_keys_limit(tmp_path):
+    """Two routers fed by one control plane: together they admit the key's rpm, not twice it."""
+    from aiohttp import ClientSession
+
+    from llmgw.catalog import CatalogHolder
+    from llmgw.config import GatewayConfig
+    from llmgw.control.feed import FeedPublisher
+    from llmgw.localfeed import LocalFeed
+    from llmgw.router.app import RUNNER_OPTIONS, Router
+    from llmgw.store import Store
+    from tests.integration.test_router_support import apoll
+
+    rpm = 6000  # 100 a second
+    engine = Engine()
+    async with scripted_engine(engine.chat) as url:
+        store = Store.open(tmp_path / "state.db")
+        _, secret = store.write_sync(lambda db: create_key(db, "shared", limits=Limits(rpm=rpm)))
+        publisher = FeedPublisher(CatalogHolder(catalog(model("m"))), store, GatewayConfig())
+        publisher.set_endpoints({"m": [Endpoint("r", "m", url, None)]})
+        publisher.mark_ready()
+        routers, feeds, runners, urls = [], [], [], []
+        for name in ("a", "b"):
+            router = Router()
+            feed = LocalFeed(publisher, router, router_id=f"router-{name}")
+            feed.pump()
+            feed.start()
+            runner = web.AppRunner(router.web_app(), **RUNNER_OPTIONS)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            routers.append(router)
+            feeds.append(feed)
+            runners.append(runner)
+            urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions")
+        try:
+            await apoll(lambda: all(len(r.snapshot.leases) == 2 for r in routers), what="leases for both routers")
+            headers = {"Authorization": f"Bearer {secret}"}
+            body = {"model": "m", "messages": HELLO, "max_tokens": 1}
+            counts = {"admitted": 0, "refused": 0}
+            admitted_by = [0, 0]
+
+            async def hammer(session: ClientSession, which: int, until: float | None) -> bool:
+                """Send until `until` (monotonic) or, with None, until the first refusal."""
+                while until is None or time.monotonic() < until:
+                    async with session.post(urls[which], json=body, headers=headers) as response:
+                        await response.read()
+                        if response.status == 429:
+                            if until is None:
+                                return True
+                            counts["refused"] += 1
+                        else:
+                            assert response.status == 200, response.status
+                            if until is not None:
+                                counts["admitted"] += 1
+                                admitted_by[which] += 1
+                return True
+
+            async with ClientSession() as session:
+                # Spend what the buckets hold, then count what both admit for a window.
+                await asyncio.gather(*(hammer(session, which, None) for which in (0, 0, 1)))
+                window = 6.0
+                started = time.monotonic()
+                await asyncio.gather(*(hammer(session, which, started + window) for which in (0, 0, 0, 1)))
+                elapsed = time.monotonic() - started
+            expected = rpm * elapsed / 60
+            shares = {r.router_id: dict(r.snapshot.leases.get(r.router_id, {})) for r in routers}
+            print(f"two routers, rpm {rpm}: admitted {counts['admitted']} (a {admitted_by[0]}, b {admitted_by[1]}) "
+                  f"in {elapsed:.2f} s, the limit's pace allows {expected:.0f}; refused {counts['refused']}; "
+                  f"leases {shares}")
+            assert counts["refused"] > 0  # both were held back, not merely slow
+            assert abs(counts["admitted"] - expected) <= 0.1 * expected
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+            for feed in feeds:
+                await feed.close()
+            await publisher.close()
+            store.close()
