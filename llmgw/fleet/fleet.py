@@ -187,6 +187,9 @@ class Fleet:
 
     async def _fact(self, name: str, op: str, answer: Awaitable, problems: dict[str, str],
                     value: Callable = lambda answer: answer) -> None:
+        # A report is as new as its question: an engine launched while the question was on its way
+        # may be missing from the answer, and must not be judged gone by it.
+        asked = time.time()
         try:
             result = await answer
         except MalformedAnswer as exc:
@@ -201,7 +204,7 @@ class Fleet:
         if facts is None:  # removed while it answered
             return
         setattr(facts, "shards" if op == "status" else op, value(result))
-        facts.observed_at[op] = time.time()
+        facts.observed_at[op] = asked
 
     async def close(self) -> None:
         await asyncio.gather(*(link.close() for link in self.links.values()))
