@@ -188,7 +188,7 @@ class Fleet:
     async def _fact(self, name: str, op: str, answer: Awaitable, problems: dict[str, str],
                     value: Callable = lambda answer: answer) -> None:
         # A report is as new as its question: an engine launched while the question was on its way
-        # may be missing from the answer, and must not be judged gone by it.
+        # may be missing from the answer, and must not be judged gone by it.
         asked = time.time()
         try:
             result = await answer
