@@ -214,13 +214,16 @@ async def test_r6_16_two_routers_share_one_keys_limit(tmp_path):
             admitted_by = [0, 0]
 
             async def hammer(session: ClientSession, which: int, until: float | None) -> bool:
-                """Send until `until` (monotonic) or, with None, until the first refusal."""
+                """Send until `until` (monotonic) or, with None, until the first refusal: then
+                whether that refusal was the first answer (the router held nothing)."""
+                sent = 0
                 while until is None or time.monotonic() < until:
                     async with session.post(urls[which], json=body, headers=headers) as response:
                         await response.read()
+                        sent += 1
                         if response.status == 429:
                             if until is None:
-                                return True
+                                return sent == 1
                             counts["refused"] += 1
                         else:
                             assert response.status == 200, response.status
@@ -230,8 +233,12 @@ async def test_r6_16_two_routers_share_one_keys_limit(tmp_path):
                 return True
 
             async with ClientSession() as session:
-                # Spend what the buckets hold, then count what both admit for a window.
+                # Spend what the buckets hold, until both routers refuse at once (a router that
+                # emptied first would otherwise refill while the other drains, and carry that
+                # into the window), then count what both admit for a window.
                 await asyncio.gather(*(hammer(session, which, None) for which in (0, 0, 1)))
+                while not all(await asyncio.gather(*(hammer(session, which, None) for which in (0, 1)))):
+                    pass
                 window = 6.0
                 started = time.monotonic()
                 await asyncio.gather(*(hammer(session, which, started + window) for which in (0, 0, 0, 1)))
