@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import Document, Inventory, is_loopback, load_configuration, resolve_state_dir, split_address
+from llmgw.router import pidlock
 from llmgw.control.feed import FeedPublisher
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.feedserver import FEED_SOCKET, FeedServer, FeedSocket, listen_unix
@@ -92,19 +93,12 @@ def hold_instance_lock(state_dir: Path) -> int:
     blocks a start. Returns the open descriptor; closing it releases the lock."""
     path = state_dir / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        return pidlock.take(path)
     except OSError as exc:  # a symlink planted there is refused, not followed
         raise StartupError(f"cannot open the lock file {path}: {exc.strerror or exc}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise StartupError(f"another llmgw serve (pid {holder}) is already running with the state directory "
+    except pidlock.LockHeld as held:
+        raise StartupError(f"another llmgw serve (pid {held.holder}) is already running with the state directory "
                            f"{state_dir}; stop it first, or give this one its own --state-dir") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 def bind_listener(name: str, address: str, option: str) -> list[socket.socket]:

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.router import pidlock
 from llmgw.router.serving import SHUTDOWN_GRACE
 
 log = logging.getLogger("llmgw.router.supervisor")
@@ -72,20 +73,13 @@ def hold_supervisor_lock(state_dir: Path) -> int:
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = state_dir / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        return pidlock.take(path)
     except OSError as exc:
         raise SupervisorError(f"cannot open the lock file {path}: {exc.strerror or exc}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise SupervisorError(f"another llmgw router (pid {holder}) is already running with the state directory "
+    except pidlock.LockHeld as held:
+        raise SupervisorError(f"another llmgw router (pid {held.holder}) is already running with the state directory "
                               f"{state_dir}; stop it with `llmgw router stop --state-dir {state_dir}`, or give "
                               "this one its own --state-dir") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 def running_supervisor(state_dir: Path) -> int | None:
