@@ -194,7 +194,7 @@ class Traffic:
 def test_rolling_restart_under_traffic_refuses_nothing_and_lets_streams_finish(routers):
     router = routers(workers=2)
     before = router.worker_pids()
-    with Traffic(router.url) as traffic, httpx.Client(timeout=60) as streaming:
+    with Traffic(router.url, clients=16) as traffic, httpx.Client(timeout=60) as streaming:
         wait_for(lambda: sum(traffic.answered.values()) >= 20, 30, "traffic to flow")
         with streaming.stream("GET", router.url + "/stream", params={"chunks": 15, "every": 0.2}) as stream:
             lines = iter(stream.iter_lines())

@@ -614,9 +614,15 @@ async def test_the_spool_of_a_killed_process_is_delivered_by_another(place, clie
     await control.start()
     try:
         await until(lambda: control.publisher.requests(orphan_id) == 4, "the orphan's report delivered")
-        left = Spool(orphan_slot, orphan_id)
-        left.load()
-        assert left.pending == []  # acknowledged on disk: no sweep sends it again
+
+        def left_on_disk() -> list:
+            left = Spool(orphan_slot, orphan_id)
+            left.load()
+            return left.pending
+
+        # The ack reaches the spool on disk just after the control plane counted the report.
+        await until(lambda: left_on_disk() == [], "the orphan's spool acknowledged on disk")
+        assert left_on_disk() == []  # acknowledged on disk: no sweep sends it again
         assert control.publisher.requests(orphan_id) == 4
         assert all(r.router == orphan_id for r in control.publisher.received if r.usage)
     finally:
