@@ -18,6 +18,7 @@ from llmgw.fleet.facts import NodeFacts
 
 UNHEALTHY_PROBES = 3  # consecutive failed health probes before a serving shard is failed
 READY = LinkState.READY  # read for every shard in every pass: a module global is the cheaper lookup
+CONNECTING = LinkState.CONNECTING
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,12 @@ def judge(replica: Replica, shard: Shard, link, facts: NodeFacts | None, now: fl
     if link is None:
         return Judgement(replica.id, shard.rank, ShardState.FAILED, f"node {shard.node} is no longer in the inventory")
     if link.state != READY:
+        if link.state == CONNECTING:
+            # The first attempt since the control plane started has not ended: nothing is known
+            # of the node yet, however long its turn at the connect gate or its handshake takes
+            # (each bounded by its own timeout). Its replicas keep serving; if the attempt fails,
+            # the window counts from that failure.
+            return None
         if now - link.since > settling_window:
             since = time.strftime('%H:%M:%S', time.localtime(link.since))
             return Judgement(replica.id, shard.rank, ShardState.FAILED, f"node {shard.node} {link.state} since {since}",

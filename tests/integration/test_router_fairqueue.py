@@ -26,8 +26,8 @@ def saturated_catalog(concurrency: int) -> Catalog:
                          profiles={"narrow": ProfileConfig(engine="vllm", concurrency=concurrency)}, engines=ENGINES)
 
 
-async def streamed(client: openai.AsyncOpenAI, who: str, answered: list[str]) -> None:
-    stream = await client.completions.create(model="m", prompt="a b", max_tokens=TOKENS, stream=True)
+async def streamed(client: openai.AsyncOpenAI, who: str, answered: list[str], tokens: int = TOKENS) -> None:
+    stream = await client.completions.create(model="m", prompt="a b", max_tokens=tokens, stream=True)
     async for _ in stream:
         pass
     answered.append(who)
@@ -92,9 +92,16 @@ async def test_a_higher_priority_key_goes_before_the_waiting_backlog(engines, st
     running.feed.pump()
     fairqueue = running.router.fairqueue
     answered: list[str] = []
-    batch = [asyncio.create_task(streamed(running.client(batch_secret), "batch", answered)) for _ in range(6)]
+    # The batch request given the only place streams for 2 s, so that the interactive one surely
+    # arrives while it runs; the backlog behind it is short requests.
+    batch_client = running.client(batch_secret)
+    batch = [asyncio.create_task(streamed(batch_client, "batch", answered, tokens=40))]
+    await apoll(lambda: fairqueue.models["m"].held == 1, what="the only place taken")
+    batch += [asyncio.create_task(streamed(batch_client, "batch", answered)) for _ in range(5)]
     await apoll(lambda: fairqueue.waiting().get("m") == 5, what="the batch backlog queued")
     interactive = asyncio.create_task(streamed(running.client(interactive_secret), "interactive", answered))
+    await apoll(lambda: fairqueue.waiting().get("m") == 6, what="the interactive request queued")
+    assert answered == []  # queued while the first batch request still ran
     await asyncio.gather(*batch, interactive)
     print("order:", answered)
     assert answered.index("interactive") == 1  # next after the batch request running (fair shares alone: 2)

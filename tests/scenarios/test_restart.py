@@ -99,7 +99,7 @@ def test_control_plane_restart_fails_no_request_and_restarts_no_engine(fleet):
     print(f"   control plane away {ready_at - term_at:.1f}s (old process exited after {exited_at - term_at:.1f}s); "
           f"streams mid-answer at the SIGTERM: {len(streaming_at_term)}; router supervisor {supervisor} "
           f"workers {workers} -> {running_supervisor(fleet.gateway.router_dir)} {_workers(fleet)}")
-    assert engines_after == engines_before  # same processes (pid and start time), same ports
+    assert engines_after == engines_before, fleet.log_tail(20000)  # same processes (pid and start time), same ports
     assert sorted(r["id"] for r in after) == sorted(r["id"] for r in before)
     assert len(outcomes) >= 40
     assert traffic.failed() == [], traffic.account("failures")

@@ -46,6 +46,8 @@ def expected(link, report, identity, health, timeout, state, prior):
     if LINKS[link] is None:
         return ShardState.FAILED, "node a is no longer in the inventory", False, None, None
     link_state, age = LINKS[link]
+    if link_state == LinkState.CONNECTING:
+        return None  # its first attempt has not ended: nothing is known of the node yet
     if link_state != LinkState.READY:
         if age > SETTLING:
             since = time.strftime("%H:%M:%S", time.localtime(NOW - age))

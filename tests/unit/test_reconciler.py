@@ -255,6 +255,25 @@ async def test_partitioned_node_is_replaced_and_its_engine_stopped_on_return():
     assert len([r for r in reconciler.replicas.values() if r.serving]) == 1
 
 
+async def test_a_node_still_in_its_first_connection_past_the_settling_window_keeps_its_replicas():
+    """R-4.5: after a restart a node may wait its turn at the connect gate, or answer slowly,
+    for longer than the settling window; nothing is known of it until that attempt ends, so its
+    replicas are not given up. Once the attempt fails, the window counts from the failure."""
+    reconciler, fleet, _, _ = build([{"name": "m", "profile": "whole"}], nodes=("a", "b"))
+    await settle(reconciler, fleet)
+    original = serving(reconciler, "m")[0]
+    node = original.leader.node
+    link = fleet.links[node]
+    link.state, link.since = states.LinkState.CONNECTING, time.time() - 60  # 200 settling windows ago
+    await settle(reconciler, fleet, 3)
+    assert original.serving and len(reconciler.replicas) == 1  # kept, and no replacement placed
+    link.cut()  # the attempt failed: unreachable from now
+    await settle(reconciler, fleet, 1)
+    assert original.serving  # within the window, counted from the failure
+    await until(lambda: original.leader.state == FAILED, reconciler, fleet, what="the replica given up")
+    assert "unreachable since" in (original.leader.reason or "")
+
+
 async def test_engines_llmgw_does_not_know_are_reported_not_killed():
     reconciler, fleet, _, _ = build([])
     fleet.engines["a"]["stranger-0"] = {"pid": 5, "start_time": 50, "argv": ["x"], "alive": True,
