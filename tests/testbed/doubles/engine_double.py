@@ -62,7 +62,9 @@ then `by_port: {"PORT": {...}}`) and then env `ENGINE_DOUBLE_<KNOB>` (upper case
                  counted in vllm:num_requests_waiting), as one engine's compute is shared
 The simulated cache reports vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total (in
 words) on /metrics and `prompt_tokens_details.cached_tokens` in usage. It models where time goes,
-not what a model computes.
+not what a model computes. /metrics (vLLM and SGLang modes) also carries the double's own
+engine_double_requests_total, engine_double_aborted_total and engine_double_running_peak (the
+most requests it handled at once since it started).
 """
 
 import collections
@@ -483,6 +485,7 @@ class State:
         self.requests = 0
         self.aborted = 0
         self.running = 0
+        self.running_peak = 0  # the most requests ever handled at once
         blocks = knobs["prefix_cache_blocks"]
         self.prefix_cache = (PrefixCache(blocks, knobs["block_words"], knobs["prefill_per_token"])
                              if blocks else None)
@@ -700,6 +703,7 @@ class Handler(BaseHTTPRequestHandler):
         with state.lock:
             state.requests += 1
             state.running += 1
+            state.running_peak = max(state.running_peak, state.running)
         try:
             handler(*args)
         finally:
@@ -733,7 +737,9 @@ class Handler(BaseHTTPRequestHandler):
                 "# TYPE engine_double_requests_total counter\n"
                 "engine_double_requests_total %d\n"
                 "# TYPE engine_double_aborted_total counter\n"
-                "engine_double_aborted_total %d\n" % (name, s.running, s.requests, s.aborted)).encode()
+                "engine_double_aborted_total %d\n"
+                "# TYPE engine_double_running_peak gauge\n"
+                "engine_double_running_peak %d\n" % (name, s.running, s.requests, s.aborted, s.running_peak)).encode()
 
     def _llama_metrics(self):
         """llama-server's page (with --metrics): its queue and busy slots, by its own names, and
