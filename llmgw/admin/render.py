@@ -254,11 +254,17 @@ def reclaim(answer: dict) -> Group:
 
 
 def usage(report: dict) -> Group:
-    what = "MODEL" if report["by"] == "model" else "KEY"
-    table = _table(what, "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS", "TOTAL TOKENS")
+    by_key = report["by"] == "key"
+    limits = ("RPM", "TPM", "CONC", "MODEL LIMITS") if by_key else ()
+    table = _table("KEY" if by_key else "MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS", "TOTAL TOKENS",
+                   *limits)
     for row in report["rows"]:
-        table.add_row(_t(row["name"], "bold"), _t(row["requests"]), _t(row["prompt_tokens"]),
-                      _t(row["completion_tokens"]), _t(row["total_tokens"]))
+        cells = [_t(row["name"], "bold"), _t(row["requests"]), _t(row["prompt_tokens"]),
+                 _t(row["completion_tokens"]), _t(row["total_tokens"])]
+        if by_key:  # the key's limits beside what it used
+            cells += [_t(row.get(name)) for name in ("rpm", "tpm", "concurrency")]
+            cells.append(_t(words.model_limits(row.get("model_limits"))))
+        table.add_row(*cells)
     totals = report["totals"]
     start = words.period_start(report)
     parts: list[Any] = [table] if report["rows"] else [Text(words.NO_REQUESTS)]

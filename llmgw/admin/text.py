@@ -272,6 +272,16 @@ def period_start(report: dict) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(report["from"]))
 
 
+def model_limits(per_model: dict | None) -> str:
+    """A key's per-model limits in one cell, only those set: `chat: rpm=5,tpm=900; embed: concurrency=2`."""
+    parts = []
+    for model, limits in sorted((per_model or {}).items()):
+        set_ = ",".join(f"{name}={value}" for name, value in limits.items() if value is not None)
+        if set_:
+            parts.append(f"{model}: {set_}")
+    return "; ".join(parts) or UNKNOWN
+
+
 def holds(value: bool | None) -> str:
     return UNKNOWN if value is None else "yes" if value else "no"
 

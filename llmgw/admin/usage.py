@@ -1,4 +1,8 @@
-"""Token usage per key or per model over a period, read from the store's hourly counters (R-6.9)."""
+"""Token usage per key or per model over a period, read from the store's hourly counters (R-6.9).
+
+By key, each row also carries the key's limits as they are now (R-6.16): `rpm`, `tpm`,
+`concurrency` (None where it has none) and `model_limits` (model -> the same three); all None
+for a row whose key is gone from the store, since then nobody knows them."""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import time
 
 import sqlite_utils
 
+from llmgw.contracts.feed import LIMIT_FIELDS, Limits
+from llmgw.keys import ApiKey
 from llmgw.router.usage import BUCKET_SECONDS  # the router counts per hour
 
 BY = ("model", "key")
@@ -28,12 +34,38 @@ def usage_report(db: sqlite_utils.Database, by: str, since_seconds: float, now: 
         # A key's name, even once revoked: usage stays attributable. A row whose key is gone
         # entirely shows the stored id.
         sql = ("SELECT COALESCE(k.name, u.key_id) AS name, SUM(u.requests), SUM(u.prompt_tokens), "
-               "SUM(u.completion_tokens) FROM usage u LEFT JOIN api_keys k ON k.id = u.key_id "
+               "SUM(u.completion_tokens), u.key_id FROM usage u LEFT JOIN api_keys k ON k.id = u.key_id "
                "WHERE u.bucket >= ? GROUP BY u.key_id "
                "ORDER BY SUM(u.prompt_tokens + u.completion_tokens) DESC, name")
+    found = db.execute(sql, [start]).fetchall()
     rows = [{"name": name, "requests": requests or 0, "prompt_tokens": prompt or 0,
              "completion_tokens": completion or 0, "total_tokens": (prompt or 0) + (completion or 0)}
-            for name, requests, prompt, completion in db.execute(sql, [start]).fetchall()]
+            for name, requests, prompt, completion, *_ in found]
+    if by == "key":
+        keys = _keys(db, [row[4] for row in found])
+        for row, (*_, key_id) in zip(rows, found):
+            row.update(_limits(keys.get(key_id)))
     totals = {key: sum(r[key] for r in rows) for key in ("requests", "prompt_tokens", "completion_tokens",
                                                         "total_tokens")}
     return {"by": by, "since_seconds": since_seconds, "from": start, "to": now, "rows": rows, "totals": totals}
+
+
+def _keys(db: sqlite_utils.Database, ids: list[str]) -> dict[str, ApiKey]:
+    if not ids:
+        return {}
+    marks = ",".join("?" * len(ids))
+    cursor = db.execute(f"SELECT * FROM api_keys WHERE id IN ({marks})", ids)
+    columns = [c[0] for c in cursor.description]
+    return {key.id: key for key in (ApiKey.from_row(dict(zip(columns, r))) for r in cursor.fetchall())}
+
+
+def _limit_fields(limits: Limits | None) -> dict:
+    return {name: None if limits is None else getattr(limits, name) for name in LIMIT_FIELDS}
+
+
+def _limits(key: ApiKey | None) -> dict:
+    """A key's limits for its usage row; None throughout when the key is not known."""
+    if key is None:
+        return {**_limit_fields(None), "model_limits": None}
+    return {**_limit_fields(key.limits),
+            "model_limits": {model: _limit_fields(lim) for model, lim in sorted(key.model_limits.items())}}

@@ -149,6 +149,8 @@ class Router:
         if old is None or new.models is not old.models or new.endpoints is not old.endpoints:
             self._models = new.models
             self._install(new)
+        elif new.leases is not old.leases:  # the routers sharing the replicas changed
+            self._set_capacities(new)
         if isinstance(message, Change) and message.abandon and self._forwarder is not None:
             for replica_id in message.abandon:
                 self._forwarder.abandon(replica_id)
@@ -213,14 +215,24 @@ class Router:
     def _install(self, snapshot: Snapshot) -> None:
         endpoints = snapshot.endpoints
         self.balancer.replace(endpoints, {name: model.routing for name, model in snapshot.models.items()})
-        self.fairqueue.set_capacities({
-            name: len(endpoints.get(name, ())) * (model.concurrency or DEFAULT_REPLICA_CONCURRENCY)
-            for name, model in snapshot.models.items()})
+        self._set_capacities(snapshot)
         for model, members in endpoints.items():
             if members:
                 event = self._arrivals.pop(model, None)
                 if event is not None:
                     event.set()
+
+    def _set_capacities(self, snapshot: Snapshot) -> None:
+        """This router's places of each model (R-6.17): what the model's replicas accept at once,
+        divided among the routers of the last leases (every router the control plane heard
+        recently), so that routers together give a replica no more than its concurrency."""
+        endpoints = snapshot.endpoints
+        routers = sorted(snapshot.leases)
+        index = routers.index(self.router_id) if self.router_id in routers else None
+        self.fairqueue.set_capacities({
+            name: router_share(len(endpoints.get(name, ())) * (model.concurrency or DEFAULT_REPLICA_CONCURRENCY),
+                               len(routers), index)
+            for name, model in snapshot.models.items()})
 
     # -- middleware: authentication and the one place errors become responses ---------------------
 
@@ -600,6 +612,17 @@ class Router:
             await session.close()
             await self._forwarder.close()
             await self.close()
+
+
+def router_share(places: int, routers: int, index: int | None) -> int:
+    """One router's part of a model's `places` shared by `routers` routers: `index` is its place
+    among them in the order of their ids (None: not among them yet). The parts add up to `places`;
+    each router gets at least one place, so every router can serve (with more routers than places
+    they together exceed it), and 0 stays 0 (no endpoints: nothing is held back)."""
+    if places <= 0 or routers <= 1:
+        return places
+    part, rest = divmod(places, routers)
+    return max(1, part + (1 if index is not None and index < rest else 0))
 
 
 def _anthropic(request: web.Request) -> bool:

@@ -20,6 +20,11 @@ again (its engine failed before a first byte) comes back at the head of its clas
 already had its turn. A waiter whose client is gone (its task cancelled) leaves the queue at once;
 a place given to it just then is passed on. A model with no endpoints has no capacity to share:
 its requests are not held here (the no-replica and on-demand paths answer them).
+
+The capacity a FairQueue is given is its router's part: with several routers (workers, hosts) the
+router divides each model's places among the routers of its last leases (`app.router_share`), so
+each router's queue is fair among the requests it holds and together they give a replica no more
+than it accepts.
 """
 
 from __future__ import annotations

@@ -352,7 +352,8 @@ def test_usage_and_router_metrics_after_a_request(gw):
 
     from llmgw.cli.main import app
 
-    created = CliRunner().invoke(app, ["keys", "create", "ops-team", "--state-dir", str(gw.state_dir)])
+    created = CliRunner().invoke(app, ["keys", "create", "ops-team", "--rpm", "600", "--model-limit",
+                                       "chat:tpm=100000", "--state-dir", str(gw.state_dir)])
     assert created.exit_code == 0, created.stderr
     secret = created.stdout.strip()
 
@@ -377,10 +378,15 @@ def test_usage_and_router_metrics_after_a_request(gw):
     assert rows[0]["name"] == "chat" and rows[0]["prompt_tokens"] > 0 and rows[0]["completion_tokens"] > 0
     by_key = wait_for(lambda: counted("key"), 10, "usage by key")
     assert by_key[0]["name"] == "ops-team"
+    assert {f: by_key[0][f] for f in ("rpm", "tpm", "concurrency", "model_limits")} == {
+        "rpm": 600, "tpm": None, "concurrency": None,
+        "model_limits": {"chat": {"rpm": None, "tpm": 100000, "concurrency": None}}}  # its limits
     rendered = gw.ctl("usage", "--by", "key")
     assert rendered.stdout.splitlines()[0].split() == ["KEY", "REQUESTS", "PROMPT", "TOKENS", "COMPLETION",
-                                                       "TOKENS", "TOTAL", "TOKENS"]
-    assert rendered.stdout.splitlines()[1].split()[0] == "ops-team"
+                                                       "TOKENS", "TOTAL", "TOKENS", "RPM", "TPM", "CONC", "MODEL",
+                                                       "LIMITS"]
+    row = rendered.stdout.splitlines()[1].split()
+    assert row[0] == "ops-team" and row[5:] == ["600", "-", "-", "chat:", "tpm=100000"]
     assert gw.ctl("usage", "--by", "colour").exit_code == 1
 
     status, metrics = gw.api("/metrics")

@@ -1,10 +1,14 @@
-"""Usage per model and per key over a period (R-6.9)."""
+"""Usage per model and per key over a period (R-6.9), by key with the key's limits (R-6.16)."""
 
 from __future__ import annotations
 
 import pytest
+from rich.console import Console
 
+from llmgw.admin import render
 from llmgw.admin.usage import usage_report
+from llmgw.contracts.feed import Limits
+from llmgw.keys import create_key
 from llmgw.router.usage import BUCKET_SECONDS
 from llmgw.store import Store, add_usage
 
@@ -23,25 +27,60 @@ def store(tmp_path):
         (HOUR, "gone", "embed", 2, 5, 0),
         (HOUR - 48 * BUCKET_SECONDS, "k1", "chat", 100, 1000, 1000),
     ]))
+    limited, _ = store.write_sync(lambda db: create_key(db, "batch", limits=Limits(rpm=30, concurrency=4),
+                                                        model_limits={"chat": Limits(tpm=9000),
+                                                                      "embed": Limits(rpm=5, concurrency=1)}))
+    store.write_sync(lambda db: add_usage(db, [(HOUR, limited.id, "chat", 1, 1, 1)]))
     yield store
     store.close()
 
 
 def test_by_model_since_two_hours(store):
     report = store.read_sync(lambda db: usage_report(db, "model", 2 * 3600, NOW))
-    assert [(r["name"], r["requests"], r["total_tokens"]) for r in report["rows"]] == [("chat", 4, 140),
+    assert [(r["name"], r["requests"], r["total_tokens"]) for r in report["rows"]] == [("chat", 5, 142),
                                                                                       ("embed", 2, 5)]
-    assert report["from"] == HOUR - 2 * BUCKET_SECONDS and report["totals"]["requests"] == 6
+    assert report["from"] == HOUR - 2 * BUCKET_SECONDS and report["totals"]["requests"] == 7
 
 
 def test_by_key_names_keys_and_keeps_unknown_ids(store):
     report = store.read_sync(lambda db: usage_report(db, "key", 3600, NOW))
-    assert [(r["name"], r["requests"]) for r in report["rows"]] == [("ops", 4), ("gone", 2)]
+    assert [(r["name"], r["requests"]) for r in report["rows"]] == [("ops", 4), ("gone", 2), ("batch", 1)]
+
+
+def test_r6_16_by_key_each_row_carries_the_keys_limits(store):
+    rows = {r["name"]: r for r in store.read_sync(lambda db: usage_report(db, "key", 3600, NOW))["rows"]}
+    limits = ("rpm", "tpm", "concurrency", "model_limits")
+    assert {f: rows["batch"][f] for f in limits} == {
+        "rpm": 30, "tpm": None, "concurrency": 4,
+        "model_limits": {"chat": {"rpm": None, "tpm": 9000, "concurrency": None},
+                         "embed": {"rpm": 5, "tpm": None, "concurrency": 1}}}
+    assert {f: rows["ops"][f] for f in limits} == {"rpm": None, "tpm": None, "concurrency": None,
+                                                   "model_limits": {}}  # none set
+    assert {f: rows["gone"][f] for f in limits} == dict.fromkeys(limits)  # the key is gone: not known
+    by_model = store.read_sync(lambda db: usage_report(db, "model", 3600, NOW))["rows"]
+    assert not any("rpm" in row for row in by_model)
+
+
+def test_r6_16_ctl_usage_by_key_shows_limits_beside_usage_and_dash_where_none(store):
+    report = store.read_sync(lambda db: usage_report(db, "key", 3600, NOW))
+    console = Console(width=200, record=True)
+    console.print(render.usage(report))
+    lines = console.export_text().splitlines()
+    print("\n".join(lines))
+    assert lines[0].split() == ["KEY", "REQUESTS", "PROMPT", "TOKENS", "COMPLETION", "TOKENS", "TOTAL", "TOKENS",
+                                "RPM", "TPM", "CONC", "MODEL", "LIMITS"]
+    shown = {line.split()[0]: line.split()[5:] for line in lines[1:4]}
+    assert shown["batch"] == ["30", "-", "4", "chat:", "tpm=9000;", "embed:", "rpm=5,concurrency=1"]
+    assert shown["ops"] == ["-", "-", "-", "-"]
+    assert shown["gone"] == ["-", "-", "-", "-"]
+    console = Console(width=200, record=True)
+    console.print(render.usage(store.read_sync(lambda db: usage_report(db, "model", 3600, NOW))))
+    assert "RPM" not in console.export_text()  # limits belong to keys
 
 
 def test_period_starts_at_the_hour_that_holds_it(store):
     report = store.read_sync(lambda db: usage_report(db, "model", 60, NOW))
-    assert report["from"] == HOUR and report["rows"][0]["requests"] == 3
+    assert report["from"] == HOUR and report["rows"][0]["requests"] == 4
 
 
 def test_unknown_grouping_is_refused(store):

@@ -62,7 +62,11 @@ then `by_port: {"PORT": {...}}`) and then env `ENGINE_DOUBLE_<KNOB>` (upper case
                  counted in vllm:num_requests_waiting), as one engine's compute is shared
 The simulated cache reports vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total (in
 words) on /metrics and `prompt_tokens_details.cached_tokens` in usage. It models where time goes,
-not what a model computes.
+not what a model computes. /metrics (vLLM and SGLang modes) also carries the double's own
+engine_double_requests_total, engine_double_aborted_total and engine_double_streams_peak: the
+most chat and completion streams it sent at once since it started, each counted from its head to
+before its end is written, so a client that sends the next request once one has ended is never
+counted twice.
 """
 
 import collections
@@ -483,6 +487,8 @@ class State:
         self.requests = 0
         self.aborted = 0
         self.running = 0
+        self.streaming = 0  # streams between their head and their last token
+        self.streams_peak = 0  # the most of them at once: a stream counts until before its end is sent
         blocks = knobs["prefix_cache_blocks"]
         self.prefix_cache = (PrefixCache(blocks, knobs["block_words"], knobs["prefill_per_token"])
                              if blocks else None)
@@ -733,7 +739,9 @@ class Handler(BaseHTTPRequestHandler):
                 "# TYPE engine_double_requests_total counter\n"
                 "engine_double_requests_total %d\n"
                 "# TYPE engine_double_aborted_total counter\n"
-                "engine_double_aborted_total %d\n" % (name, s.running, s.requests, s.aborted)).encode()
+                "engine_double_aborted_total %d\n"
+                "# TYPE engine_double_streams_peak gauge\n"
+                "engine_double_streams_peak %d\n" % (name, s.running, s.requests, s.aborted, s.streams_peak)).encode()
 
     def _llama_metrics(self):
         """llama-server's page (with --metrics): its queue and busy slots, by its own names, and
@@ -995,13 +1003,21 @@ class Handler(BaseHTTPRequestHandler):
         head = ("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
                 "cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n")
         delay = self.state.knobs["token_delay"]
+        state = self.state
         try:
             self.wfile.write(head.encode())
-            for i, event in enumerate(events):
-                if delay and 0 < i < len(events) - 1:
-                    time.sleep(delay)
-                data = b"data: " + dumps(event).encode() + b"\n\n"
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            with state.lock:
+                state.streaming += 1
+                state.streams_peak = max(state.streams_peak, state.streaming)
+            try:
+                for i, event in enumerate(events):
+                    if delay and 0 < i < len(events) - 1:
+                        time.sleep(delay)
+                    data = b"data: " + dumps(event).encode() + b"\n\n"
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            finally:
+                with state.lock:
+                    state.streaming -= 1
             done = b"data: [DONE]\n\n"
             self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
         except (BrokenPipeError, ConnectionResetError):
