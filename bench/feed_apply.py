@@ -6,7 +6,7 @@ a worker in ≤ 50 ms. This builds that snapshot, encodes it as it travels (one 
 times, over a fixed count of runs: json.loads + from_wire, Router.apply to a fresh router, and
 Router.apply to a router that already holds the previous version (every endpoint kept). The
 baseline in the same run is json.loads alone. Prints p50 and max of each in wall time, p50 in the
-process's CPU time, and each p50 as a ratio of the baseline's.
+process's CPU time, and each CPU p50 as a ratio of the baseline's.
 
 The target is judged on CPU time: on a machine shared with other work the wall time also counts
 the waits for a core, which the load average printed beside it shows; a worker on its own core
