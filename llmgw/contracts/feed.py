@@ -25,6 +25,7 @@ back from disk or from a peer is input like any other.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -238,6 +239,49 @@ class Ack:
 # -- wire form ---------------------------------------------------------------------------------
 
 
+# The wire path builds a snapshot's entries (10,000 keys, thousands of endpoints) without the frozen
+# dataclasses' __init__, whose object.__setattr__ per field costs more than every check of the
+# entry. Each class below has its dataclass's slots and no frozen __setattr__: its __init__ stores
+# each field directly and then makes the object an instance of the dataclass, which equal slots
+# allow. What it returns is the dataclass's ordinary frozen instance.
+_object_setattr = object.__setattr__
+
+
+class _KeyEntryFields:
+    __slots__ = KeyEntry.__slots__
+
+    def __init__(self, id, name, hash, prefix, models, priority, weight, limits, model_limits):
+        self.id = id
+        self.name = name
+        self.hash = hash
+        self.prefix = prefix
+        self.models = models
+        self.priority = priority
+        self.weight = weight
+        self.limits = limits
+        self.model_limits = model_limits
+        _object_setattr(self, "__class__", KeyEntry)
+
+
+class _EndpointFields:
+    __slots__ = Endpoint.__slots__
+
+    def __init__(self, replica_id, model, url, api_key, draining):
+        self.replica_id = replica_id
+        self.model = model
+        self.url = url
+        self.api_key = api_key
+        self.draining = draining
+        _object_setattr(self, "__class__", Endpoint)
+
+
+# The fields the *_to_wire functions always write: a row without one of them takes the checks.
+_KEY_FIELDS = operator.itemgetter("id", "name", "hash", "prefix", "models")
+_ENDPOINT_FIELDS = operator.itemgetter("replica", "model", "url", "key", "draining")
+_MODEL_FIELDS = operator.itemgetter("name", "engine", "served_name", "routing", "on_demand", "fallbacks", "concurrency")
+_ONLY_STR = frozenset({str})
+
+
 def _expect(value, kinds, where: str):
     if type(value) not in kinds or (float in kinds and type(value) is float and not math.isfinite(value)):
         names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
@@ -293,10 +337,14 @@ def endpoint_to_wire(e: Endpoint) -> dict:
 
 def endpoint_from_wire(d, where: str) -> Endpoint:
     if type(d) is dict:  # the fast path, as for keys
-        r, m, u, k, dr = d.get("replica"), d.get("model"), d.get("url"), d.get("key"), d.get("draining", False)
-        if type(r) is str and type(m) is str and type(u) is str and (k is None or type(k) is str) \
-                and type(dr) is bool:
-            return Endpoint(replica_id=r, model=m, url=u, api_key=k, draining=dr)
+        try:
+            r, m, u, k, dr = _ENDPOINT_FIELDS(d)
+        except KeyError:  # the checks below name what is missing, or take the default
+            pass
+        else:
+            if type(r) is str and type(m) is str and type(u) is str and (k is None or type(k) is str) \
+                    and type(dr) is bool:
+                return _EndpointFields(r, m, u, k, dr)
     d = _obj(d, where)
     return Endpoint(replica_id=_str(_field(d, "replica", where), f"{where}.replica"),
                     model=_str(_field(d, "model", where), f"{where}.model"),
@@ -311,6 +359,16 @@ def model_to_wire(m: RoutedModel) -> dict:
 
 
 def model_from_wire(d, where: str) -> RoutedModel:
+    if type(d) is dict:  # the fast path, as for keys
+        try:
+            n, e, s, r, od, fb, c = _MODEL_FIELDS(d)
+        except KeyError:  # the checks below name what is missing, or take the default
+            pass
+        else:
+            if type(n) is str and (e is None or e in ENGINE_KINDS) and (s is None or type(s) is str) \
+                    and r in ROUTING_POLICIES and type(od) is bool and type(fb) is list \
+                    and _ONLY_STR.issuperset(map(type, fb)) and (c is None or type(c) is int and c >= 1):
+                return RoutedModel(n, e, s, r, od, tuple(fb), c)
     d = _obj(d, where)
     engine = _opt_str(d.get("engine"), f"{where}.engine")
     if engine is not None and engine not in ENGINE_KINDS:
@@ -353,14 +411,19 @@ def limits_from_wire(d, where: str) -> Limits:
 def key_from_wire(d, where: str) -> KeyEntry:
     # The fast path checks types inline: a snapshot holds one entry per key, tens of thousands of them.
     if type(d) is dict:
-        i, n, h, p, models = d.get("id"), d.get("name"), d.get("hash"), d.get("prefix"), d.get("models")
-        priority, weight = (0, 1) if len(d) == 5 and "models" in d else (d.get("priority", 0), d.get("weight", 1))
-        if type(i) is str and type(n) is str and type(h) is str and type(p) is str and type(priority) is int \
-                and type(weight) is int and weight >= 1 and "limits" not in d and "model_limits" not in d:
-            if models is None:
-                return KeyEntry(i, n, h, p, None, priority, weight)
-            if type(models) is list and all(type(m) is str for m in models):
-                return KeyEntry(i, n, h, p, frozenset(models), priority, weight)
+        try:
+            i, n, h, p, models = _KEY_FIELDS(d)
+        except KeyError:  # the checks below name what is missing, or take the default
+            pass
+        else:
+            priority, weight, limits, model_limits = (0, 1, None, None) if len(d) == 5 else \
+                (d.get("priority", 0), d.get("weight", 1), d.get("limits"), d.get("model_limits"))
+            if type(i) is str and type(n) is str and type(h) is str and type(p) is str and type(priority) is int \
+                    and type(weight) is int and weight >= 1 and limits is None and model_limits is None:
+                if models is None:
+                    return _KeyEntryFields(i, n, h, p, None, priority, weight, None, NO_MODEL_LIMITS)
+                if type(models) is list and _ONLY_STR.issuperset(map(type, models)):
+                    return _KeyEntryFields(i, n, h, p, frozenset(models), priority, weight, None, NO_MODEL_LIMITS)
     d = _obj(d, where)  # something is wrong, or the key has limits: check each field, naming a wrong one
     models = d.get("models")
     if models is not None:
@@ -408,8 +471,11 @@ def _endpoint_lists_from_wire(d, where: str, allow_none: bool) -> dict:
         if members is None and allow_none:
             out[model] = None
             continue
-        out[model] = tuple(endpoint_from_wire(e, f"{where}[{model!r}][{i}]")
-                           for i, e in enumerate(_list(members, f"{where}[{model!r}]")))
+        members = members if type(members) is list else _list(members, f"{where}[{model!r}]")
+        try:
+            out[model] = tuple([endpoint_from_wire(e, where) for e in members])
+        except FeedError:  # again, slowly, to name the entry
+            out[model] = tuple(endpoint_from_wire(e, f"{where}[{model!r}][{i}]") for i, e in enumerate(members))
     return out
 
 
