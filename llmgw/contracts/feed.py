@@ -33,6 +33,7 @@ from types import MappingProxyType
 from llmgw.contracts.endpoints import Endpoint
 
 PROTOCOL = 1  # bumped when a message changes meaning; a peer speaking another is refused
+ABANDONED_KEPT = 256  # replicas given up that a snapshot still names (Snapshot.abandoned)
 ROUTING_POLICIES = ("least-outstanding", "prefix")
 ENGINE_KINDS = ("vllm", "sglang", "llama-server")  # built-in engines; None: any command or a static endpoint
 
@@ -115,7 +116,11 @@ class GatewaySettings:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Everything routing needs at one version. `endpoints` holds pushed and static endpoints alike."""
+    """Everything routing needs at one version. `endpoints` holds pushed and static endpoints alike.
+
+    `abandoned` names the replicas last given up (the newest last, at most ABANDONED_KEPT), so
+    that a router that gets this snapshot in place of the changes that abandoned them (it fell
+    behind, or it was away) still stops waiting on them."""
 
     epoch: str
     version: int
@@ -123,7 +128,8 @@ class Snapshot:
     endpoints: Mapping[str, tuple[Endpoint, ...]]
     keys: tuple[KeyEntry, ...]
     gateway: GatewaySettings
-    leases: Mapping[str, Mapping[str, Lease]] = field(default_factory=lambda: NO_LEASES)  # router id -> key id ->
+    leases: Mapping[str, Mapping[str, Lease]] = field(default_factory=lambda: NO_LEASES)  # router id -> key id -> lease
+    abandoned: tuple[str, ...] = ()
 
     def apply(self, change: Change) -> Snapshot:
         """The snapshot after `change`; FeedError when the change does not follow this version."""
@@ -144,7 +150,9 @@ class Snapshot:
                         endpoints=endpoints,
                         keys=self.keys if change.keys is None else change.keys,
                         gateway=self.gateway if change.gateway is None else change.gateway,
-                        leases=self.leases if change.leases is None else change.leases)
+                        leases=self.leases if change.leases is None else change.leases,
+                        abandoned=(self.abandoned + change.abandon)[-ABANDONED_KEPT:] if change.abandon
+                        else self.abandoned)
 
 
 @dataclass(frozen=True)
@@ -561,7 +569,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
                 "endpoints": {model: [endpoint_to_wire(e) for e in members]
                               for model, members in message.endpoints.items()},
                 "keys": [key_to_wire(k) for k in message.keys], "gateway": gateway_to_wire(message.gateway),
-                **({"leases": _leases_to_wire(message.leases)} if message.leases else {})}
+                **({"leases": _leases_to_wire(message.leases)} if message.leases else {}),
+                **({"abandoned": list(message.abandoned)} if message.abandoned else {})}
     if isinstance(message, Change):
         out = {"type": "change", "protocol": PROTOCOL, "epoch": message.epoch, "version": message.version}
         if message.models is not None:
@@ -610,7 +619,9 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
                                                                              "snapshot.endpoints", False)),
                         keys=_keys_from_wire(_field(d, "keys", kind), "snapshot.keys"),
                         gateway=gateway_from_wire(_field(d, "gateway", kind), "snapshot.gateway"),
-                        leases=_leases_from_wire(d["leases"], "snapshot.leases") if "leases" in d else NO_LEASES)
+                        leases=_leases_from_wire(d["leases"], "snapshot.leases") if "leases" in d else NO_LEASES,
+                        abandoned=tuple(_str(r, f"snapshot.abandoned[{i}]") for i, r in
+                                        enumerate(_list(d.get("abandoned", []), "snapshot.abandoned"))))
     if kind == "change":
         return Change(epoch=_str(_field(d, "epoch", kind), "change.epoch"),
                       version=_int(_field(d, "version", kind), "change.version", 2),

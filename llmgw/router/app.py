@@ -151,8 +151,13 @@ class Router:
             self._install(new)
         elif new.leases is not old.leases:  # the routers sharing the replicas changed
             self._set_capacities(new)
-        if isinstance(message, Change) and message.abandon and self._forwarder is not None:
-            for replica_id in message.abandon:
+        if self._forwarder is not None:
+            if isinstance(message, Change):
+                abandon = message.abandon
+            else:  # in place of changes this router missed: those it has not acted on yet
+                seen = set(old.abandoned) if old is not None and old.epoch == new.epoch else ()
+                abandon = [replica_id for replica_id in new.abandoned if replica_id not in seen]
+            for replica_id in abandon:
                 self._forwarder.abandon(replica_id)
 
     def report_fields(self) -> dict:

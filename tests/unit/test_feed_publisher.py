@@ -9,7 +9,7 @@ import pytest
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import EngineConfig, GatewayConfig, ModelConfig, ProfileConfig, ScalingConfig, StaticEndpoint
 from llmgw.contracts.endpoints import Endpoint
-from llmgw.contracts.feed import Change, EngineLoad, Report, Snapshot, UsageRow
+from llmgw.contracts.feed import ABANDONED_KEPT, Change, EngineLoad, Report, Snapshot, UsageRow
 from llmgw.control import feed as feed_module
 from llmgw.control.feed import LISTENER_QUEUE, FeedPublisher
 from llmgw.keys import create_key, revoke_key
@@ -268,6 +268,22 @@ async def test_r4_2_a_drained_replica_is_not_idle_before_every_router_saw_it_go(
     assert publisher.outstanding("r1") == 2  # caught up, and it still has two on r1
     await publisher.apply_report(report(4, router="rb", snapshot=("e", 2)))
     assert publisher.outstanding("r1") == 0  # every router saw it go, none has a request left on it
+
+
+async def test_r10_1_a_listener_that_fell_behind_still_learns_which_replicas_were_abandoned(publisher):
+    publisher.mark_ready()
+    slow = publisher.listen()
+    pending(slow)
+    publisher.abandon("lost")
+    for i in range(LISTENER_QUEUE + 5):
+        publisher.set_endpoints({"m": [endpoint(f"r{i}")]})
+    (resync,) = pending(slow)
+    assert isinstance(resync, Snapshot) and resync.abandoned == ("lost",)
+    for i in range(ABANDONED_KEPT + 3):
+        publisher.abandon(f"later-{i}")
+    kept = publisher.listen()
+    (fresh,) = pending(kept)
+    assert len(fresh.abandoned) == ABANDONED_KEPT and fresh.abandoned[-1] == f"later-{ABANDONED_KEPT + 2}"
 
 
 async def test_r10_1_abandon_is_a_change_and_answers_the_last_known_count(publisher):

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from llmgw.catalog import Catalog
 from llmgw.config import EngineConfig, GatewayConfig, ModelConfig, ProfileConfig, ScalingConfig
 from llmgw.contracts.endpoints import Endpoint
-from llmgw.contracts.feed import Change, FeedError, GatewaySettings, KeyEntry, RouterCounters
+from llmgw.contracts.feed import Change, FeedError, GatewaySettings, KeyEntry, RouterCounters, from_wire, to_wire
 from llmgw.contracts.keyhash import hash_secret
 from llmgw.router import Router
 from tests.unit.feedkit import snapshot
@@ -122,7 +122,10 @@ async def test_r10_1_a_new_max_body_applies_to_the_next_request(served):
     assert accepted.status == 503 and (await accepted.json())["error"]["code"] == "no_capacity"  # read, then routed
 
 
-async def test_r10_1_abandon_sends_a_waiting_request_elsewhere(served):
+@pytest.mark.parametrize("how", ["change", "snapshot"])
+async def test_r10_1_abandon_sends_a_waiting_request_elsewhere(served, how):
+    """By the change that abandons the replica, or by the snapshot a router gets in place of the
+    changes it missed (it fell behind, or was away), which names the replicas last given up."""
     router, client = served
     arrived = asyncio.Event()
 
@@ -148,7 +151,12 @@ async def test_r10_1_abandon_sends_a_waiting_request_elsewhere(served):
                                                   json={"model": "m", "messages": []}))
         await asyncio.wait_for(arrived.wait(), 10)
         assert router.report_fields()["inflight"] == {"hung": 1}
-        router.apply(change(2, endpoints={"m": (live,)}, abandon=("hung",)))
+        if how == "change":
+            router.apply(change(2, endpoints={"m": (live,)}, abandon=("hung",)))
+        else:
+            later = dataclasses.replace(snapshot(CATALOG, endpoints={"m": [live]}, keys=[KEY], version=7),
+                                        abandoned=("gone-before", "hung"))
+            router.apply(from_wire(json.loads(json.dumps(to_wire(later)))))
         reply = await asyncio.wait_for(waiting, 10)
         assert reply.status == 200
         fields = router.report_fields()
