@@ -197,11 +197,12 @@ class EngineLoad:
     prefix_hits: int | None = None  # cumulative, tokens (vLLM)
     prefix_queries: int | None = None
     at: float | None = None  # time.time() of the reading
+    slots: int | None = None  # requests the engine runs at once, where it says (llama-server's slots)
 
     def as_dict(self) -> dict:
         return {"source": self.source, "waiting": self.waiting, "running": self.running,
                 "kv_cache": self.kv_cache, "prefix_hits": self.prefix_hits,
-                "prefix_queries": self.prefix_queries, "at": self.at}
+                "prefix_queries": self.prefix_queries, "at": self.at, "slots": self.slots}
 
 
 @dataclass(frozen=True, slots=True)
@@ -507,7 +508,8 @@ def _load_from_wire(d, where: str) -> EngineLoad:
                       kv_cache=_opt_num(d.get("kv_cache"), f"{where}.kv_cache"),
                       prefix_hits=_opt_int(d.get("prefix_hits"), f"{where}.prefix_hits"),
                       prefix_queries=_opt_int(d.get("prefix_queries"), f"{where}.prefix_queries"),
-                      at=_opt_num(d.get("at"), f"{where}.at"))
+                      at=_opt_num(d.get("at"), f"{where}.at"),
+                      slots=None if d.get("slots") is None else _int(d["slots"], f"{where}.slots", 1))
 
 
 def _counters_to_wire(c: RouterCounters) -> dict:

@@ -28,7 +28,7 @@ from llmgw.contracts.feed import Change, FeedError, KeyEntry, RoutedModel, Snaps
 from llmgw.router.affinity import affinity_key
 from llmgw.router.balancer import PREFIX, Balancer, Upstream
 from llmgw.router.engineload import EnginePoller
-from llmgw.router.fairqueue import DEFAULT_REPLICA_CONCURRENCY, FairQueue
+from llmgw.router.fairqueue import FairQueue, replica_places
 from llmgw.router import response_ids
 from llmgw.router.errors import (BadRequest, BodyTooLarge, InternalError, InvalidType, ModelLoading, ModelNotAllowed,
                                  ModelNotFound, NoCapacity, NotReady, ResponseNotFound, RouteNotServed, RouterError,
@@ -150,7 +150,7 @@ class Router:
             self._models = new.models
             self._install(new)
         elif new.leases is not old.leases:  # the routers sharing the replicas changed
-            self._set_capacities(new)
+            self._set_capacities()
         if self._forwarder is not None:
             if isinstance(message, Change):
                 abandon = message.abandon
@@ -220,24 +220,34 @@ class Router:
     def _install(self, snapshot: Snapshot) -> None:
         endpoints = snapshot.endpoints
         self.balancer.replace(endpoints, {name: model.routing for name, model in snapshot.models.items()})
-        self._set_capacities(snapshot)
+        self._set_capacities()
         for model, members in endpoints.items():
             if members:
                 event = self._arrivals.pop(model, None)
                 if event is not None:
                     event.set()
 
-    def _set_capacities(self, snapshot: Snapshot) -> None:
-        """This router's places of each model (R-6.17): what the model's replicas accept at once,
-        divided among the routers of the last leases (every router the control plane heard
-        recently), so that routers together give a replica no more than its concurrency."""
-        endpoints = snapshot.endpoints
-        routers = sorted(snapshot.leases)
+    def _set_capacities(self) -> None:
+        """This router's places of each model and their headroom (R-6.17). A model's places are
+        the sum over its endpoints of replica_places (the profile's `concurrency`, else the slots
+        the engine reported, else the default), divided among the routers of the last leases
+        (every router the control plane heard recently), so that routers together give a replica
+        no more than that. Called with each snapshot, when the routers sharing them change, and
+        after a poll in which an engine's slot count changed."""
+        snapshot = self._snapshot
+        routers = sorted(snapshot.leases) if snapshot is not None else []
         index = routers.index(self.router_id) if self.router_id in routers else None
-        self.fairqueue.set_capacities({
-            name: router_share(len(endpoints.get(name, ())) * (model.concurrency or DEFAULT_REPLICA_CONCURRENCY),
-                               len(routers), index)
-            for name, model in snapshot.models.items()})
+        capacities, headrooms = {}, {}
+        balancer = self.balancer
+        for name, model in self._models.items():
+            places = headroom = 0
+            for up in balancer.endpoints(name):
+                more, spare = replica_places(model.concurrency, up.slots)
+                places += more
+                headroom += spare
+            capacities[name] = router_share(places, len(routers), index)
+            headrooms[name] = headroom_share(headroom, len(routers), index)
+        self.fairqueue.set_capacities(capacities, headrooms)
 
     # -- middleware: authentication and the one place errors become responses ---------------------
 
@@ -521,19 +531,19 @@ class Router:
             if model.on_demand and waited_since is None and not self.balancer.has_endpoints(model.name):
                 self._note_demand(model.name)
                 waited_since = now
-            if not fairqueue.take(model.name):  # every place is taken: wait for one (R-6.17)
+            if not fairqueue.take(model.name, key.id, key.priority, key.weight):  # every place is taken: wait for one (R-6.17)
                 await fairqueue.wait(model.name, key.id, key.priority, key.weight, self._queue_wait, bool(tried))
                 now = time.monotonic()
             up = self._acquire(models, route, model, key, now, tried, affinity=affinity)
             if up is None:
                 if model.on_demand and self.on_demand is not None and not self.balancer.has_endpoints(model.name):
-                    fairqueue.leave(model.name, now)
+                    fairqueue.leave(model.name, now, key.id)
                     await self._wait_for(model.name, waited_since or now)
                     continue
                 # Every endpoint is ejected: a recently failed one beats a certain 503.
                 up = self._acquire(models, route, model, key, now, tried, include_ejected=True, affinity=affinity)
             if up is None:
-                fairqueue.leave(model.name, now)
+                fairqueue.leave(model.name, now, key.id)
                 if last_error is not None:
                     raise UpstreamFailed(f"no engine of {model.name!r} could answer after {len(tried)} "
                                          f"attempts; last: {last_error.message}")
@@ -569,7 +579,7 @@ class Router:
                 self.metrics.retry(model.name)
             finally:
                 self.balancer.release(up)
-                fairqueue.leave(model.name, now)
+                fairqueue.leave(model.name, now, key.id)
 
     def _note_demand(self, model: str) -> None:
         self._demand[model] = None
@@ -607,7 +617,7 @@ class Router:
                                         skip_auto_headers=("Accept-Encoding", "User-Agent"))
         self._forwarder = Forwarder(session, self.metrics, self.usage, self._request_timeout)
         tasks = [asyncio.create_task(self._forwarder.watchdog.run()),
-                 asyncio.create_task(EnginePoller(self.balancer, session).run())]
+                 asyncio.create_task(EnginePoller(self.balancer, session, on_slots=self._set_capacities).run())]
         try:
             yield
         finally:
@@ -628,6 +638,17 @@ def router_share(places: int, routers: int, index: int | None) -> int:
         return places
     part, rest = divmod(places, routers)
     return max(1, part + (1 if index is not None and index < rest else 0))
+
+
+def headroom_share(headroom: int, routers: int, index: int | None) -> int:
+    """One router's part of a model's headroom: as router_share, but a router may get none (the
+    headroom is room above the places, not a place every router needs)."""
+    if headroom <= 0 or routers <= 1:
+        return headroom
+    if index is None:
+        return 0
+    part, rest = divmod(headroom, routers)
+    return part + (1 if index < rest else 0)
 
 
 def _anthropic(request: web.Request) -> bool:

@@ -65,7 +65,7 @@ def ring_points(replica_id: str) -> tuple[int, ...]:
 class Upstream:
     """The router's live view of one endpoint: what is in flight to it and whether it is ejected."""
 
-    __slots__ = ("endpoint", "replica_id", "model", "outstanding", "queued", "engine", "ejected_until",
+    __slots__ = ("endpoint", "replica_id", "model", "outstanding", "queued", "engine", "slots", "ejected_until",
                  "headers", "stream_headers")
 
     def __init__(self, endpoint: Endpoint):
@@ -75,6 +75,7 @@ class Upstream:
         self.outstanding = 0
         self.queued = 0  # requests the engine held beyond ours at the last poll; 0 while not known
         self.engine = None  # engineload.EngineLoad as last polled, None while unknown
+        self.slots: int | None = None  # the engine's slot count as last reported (kept while it does not answer)
         self.ejected_until = 0.0
         # Built once: the request path reuses these mappings for every request to this endpoint.
         headers = {"Content-Type": "application/json"}

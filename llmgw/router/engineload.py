@@ -7,23 +7,31 @@ figure is at most a poll old where it is used. The engine kind is recognised fro
 
 - vLLM `/metrics`: `vllm:num_requests_waiting`, `vllm:num_requests_running`,
   `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before 0.9), prefix-cache counters;
-- llama-server `/metrics` (with `--metrics`): `llamacpp:requests_deferred`,
-  `llamacpp:requests_processing`, `llamacpp:kv_cache_usage_ratio`; without it, `/slots` gives
-  the busy slots and no queue;
+- llama-server `/metrics` (with `--metrics`, as llmgw's template starts it):
+  `llamacpp:requests_deferred`, `llamacpp:requests_processing`, `llamacpp:kv_cache_usage_ratio`;
+  without it, `/slots` gives the busy slots and no queue. Its slot count (`--parallel`, the
+  requests it runs at once; the rest it defers) is on no metric: it is the length of `/slots`
+  (on unless the engine runs with `--no-slots`, then a 501), else `total_slots` of `/props`
+  (always served), read on every poll of a llama-server after its `/metrics`;
 - SGLang `/metrics` (with `--enable-metrics`): `sglang:num_queue_reqs`, `sglang:num_running_reqs`,
   `sglang:token_usage`.
 
 What the engine does not say stays None (unknown), never 0; an answer that does not parse, or no
-answer, makes the whole reading unknown.
+answer, makes the whole reading unknown. The slot count is also kept on the endpoint
+(`Upstream.slots`) while its engine does not answer, since it is fixed when the engine starts; a
+reading that gives another count replaces it. The router makes it the replica's capacity
+(llmgw.router.fairqueue.replica_places).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import aiohttp
 
@@ -130,13 +138,16 @@ def parse_metrics(text: str, at: float | None = None) -> EngineLoad | None:
 
 
 def parse_slots(text: str, at: float | None = None) -> EngineLoad:
-    """llama-server's `/slots`: the busy slots are what it runs; its queue is not shown (None)."""
+    """llama-server's `/slots`: one entry per slot, so its length is the slot count; the busy
+    slots are what it runs; its queue is not shown (None)."""
     try:
         slots = json.loads(text)
     except ValueError:
         raise Malformed("/slots is not JSON") from None
     if not isinstance(slots, list) or not all(isinstance(s, dict) for s in slots):
         raise Malformed("/slots is not a list of slots")
+    if not slots:
+        raise Malformed("/slots lists no slot")
     busy = 0
     for slot in slots:
         processing = slot.get("is_processing")
@@ -145,7 +156,19 @@ def parse_slots(text: str, at: float | None = None) -> EngineLoad:
         if not isinstance(processing, bool):
             raise Malformed("a slot does not say whether it is processing")
         busy += processing
-    return EngineLoad(source="llama-server", running=busy, at=at)
+    return EngineLoad(source="llama-server", running=busy, at=at, slots=len(slots))
+
+
+def parse_props(text: str) -> int:
+    """llama-server's slot count from `/props` (`total_slots`), served with or without `/slots`."""
+    try:
+        props = json.loads(text)
+    except ValueError:
+        raise Malformed("/props is not JSON") from None
+    total = props.get("total_slots") if isinstance(props, dict) else None
+    if type(total) is not int or total < 1:
+        raise Malformed("/props gives no slot count (total_slots)")
+    return total
 
 
 def others(reading: EngineLoad | None, outstanding: int) -> int:
@@ -157,48 +180,110 @@ def others(reading: EngineLoad | None, outstanding: int) -> int:
 
 
 class EnginePoller:
-    """Reads every listed endpoint's engine load once a second and stores it on its Upstream."""
+    """Reads every listed endpoint's engine load once a second and stores it on its Upstream;
+    `on_slots` is called (on the loop) after a poll in which an endpoint's slot count changed."""
 
-    def __init__(self, balancer, session: aiohttp.ClientSession, interval: float = POLL_SECONDS):
+    def __init__(self, balancer, session: aiohttp.ClientSession, interval: float = POLL_SECONDS,
+                 on_slots: Callable[[], None] | None = None):
         self.balancer = balancer
         self.session = session
         self.interval = interval
+        self.on_slots = on_slots
         self._path: dict[str, str] = {}  # url -> the path that answered last time
+        # url -> where a llama-server's slot count was read last ("/slots" or "/props"); None:
+        # it refused both, so neither is asked again until the engine stops answering /metrics
+        self._slots_from: dict[str, str | None] = {}
 
     async def run(self) -> None:
         while True:
             await self.poll_once()
             await asyncio.sleep(self.interval)
 
-    async def poll_once(self) -> None:
+    async def poll_once(self) -> bool:
+        """One reading of every endpoint; True when an endpoint's slot count changed."""
         ups = self.balancer.upstreams()
         readings = await asyncio.gather(*(self._read(up) for up in ups), return_exceptions=True)
+        changed = False
         for up, reading in zip(ups, readings, strict=True):
             if isinstance(reading, BaseException):
                 reading = None
             up.engine = reading
             up.queued = others(reading, up.outstanding)
-
+            if reading is not None and reading.slots is not None and reading.slots != up.slots:
+                up.slots = reading.slots
+                changed = True
+        if changed and self.on_slots is not None:
+            self.on_slots()
+        return changed
 
     async def _read(self, up) -> EngineLoad | None:
         url = up.endpoint.url
         headers = {"Authorization": "Bearer " + up.endpoint.api_key} if up.endpoint.api_key else {}
-        paths = ("/slots",) if self._path.get(url) == "/slots" else ("/metrics", "/slots")
-        for path in paths:
-            try:
-                async with asyncio.timeout(POLL_TIMEOUT):
-                    async with self.session.get(url + path, headers=headers) as resp:
-                        if resp.status != 200:
-                            continue
-                        body = await resp.content.read(MAX_METRICS_BYTES)
-                text = body.decode("utf-8", "replace")
-                now = time.time()
-                reading = parse_metrics(text, now) if path == "/metrics" else parse_slots(text, now)
-            except (aiohttp.ClientError, TimeoutError, Malformed, OSError) as exc:
-                log.debug("replica %s: engine load from %s: %s", up.replica_id, path, exc)
-                continue
+        if self._path.get(url) != "/slots":
+            reading = await self._parsed(up, "/metrics", headers, parse_metrics)
             if reading is not None:
-                self._path[url] = path
-                return reading
-        self._path.pop(url, None)
+                self._path[url] = "/metrics"
+                if reading.source != "llama-server":
+                    return reading
+                slots = await self._slot_count(up, headers)
+                return reading if slots is None else dataclasses.replace(reading, slots=slots)
+        self._slots_from.pop(url, None)
+        reading = await self._parsed(up, "/slots", headers, parse_slots)
+        if reading is None:  # neither page: a llama-server with --no-slots and no --metrics still has /props
+            slots = await self._parsed(up, "/props", headers, lambda text, at: parse_props(text))
+            if slots is not None:
+                reading = EngineLoad(source="llama-server", at=time.time(), slots=slots)
+        if reading is None:
+            self._path.pop(url, None)
+        else:
+            self._path[url] = "/slots"
+        return reading
+
+    async def _slot_count(self, up, headers: dict) -> int | None:
+        """A llama-server's slot count beside its /metrics: the length of /slots, else /props."""
+        url = up.endpoint.url
+        first = self._slots_from.get(url, "/slots")
+        if first is None:
+            return None
+        refused = 0
+        for path in (first, "/props" if first == "/slots" else "/slots"):
+            text = await self._page(up, path, headers)
+            if isinstance(text, int):
+                refused += 1
+                continue
+            if text is None:
+                continue
+            try:
+                slots = parse_slots(text).slots if path == "/slots" else parse_props(text)
+            except Malformed as exc:
+                log.debug("replica %s: slot count from %s: %s", up.replica_id, path, exc)
+                continue
+            self._slots_from[url] = path
+            return slots
+        if refused == 2:
+            self._slots_from[url] = None
         return None
+
+    async def _parsed(self, up, path: str, headers: dict, parse):
+        """parse(text, at) of the page; None when it was refused, not answered or does not parse."""
+        text = await self._page(up, path, headers)
+        if not isinstance(text, str):
+            return None
+        try:
+            return parse(text, time.time())
+        except Malformed as exc:
+            log.debug("replica %s: engine load from %s: %s", up.replica_id, path, exc)
+            return None
+
+    async def _page(self, up, path: str, headers: dict) -> str | int | None:
+        """The page's text; its status when the engine refused it; None when it did not answer."""
+        try:
+            async with asyncio.timeout(POLL_TIMEOUT):
+                async with self.session.get(up.endpoint.url + path, headers=headers) as resp:
+                    if resp.status != 200:
+                        return resp.status
+                    body = await resp.content.read(MAX_METRICS_BYTES)
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            log.debug("replica %s: engine load from %s: %s", up.replica_id, path, exc)
+            return None
+        return body.decode("utf-8", "replace")

@@ -85,7 +85,7 @@ async def test_a_wait_past_queue_wait_is_a_503_with_retry_after(engines, start_r
 async def test_a_higher_priority_key_goes_before_the_waiting_backlog(engines, start_router):  # noqa: F811
     engine = engines.start("m", token_delay=0.05)
     running = await start_router(saturated_catalog(1), {"m": [engine.endpoint()]})
-    batch_secret, interactive_secret = running.key("batch"), running.key("interactive")
+    batch_secret, interactive_secret, other_secret = running.key("batch"), running.key("interactive"), running.key("other")
     entries = tuple(replace(k, priority=5) if k.name == "interactive" else k
                     for k in running.store.read_sync(key_entries))
     running.publisher.set_keys(entries)
@@ -99,13 +99,18 @@ async def test_a_higher_priority_key_goes_before_the_waiting_backlog(engines, st
     await apoll(lambda: fairqueue.models["m"].held == 1, what="the only place taken")
     batch += [asyncio.create_task(streamed(batch_client, "batch", answered)) for _ in range(5)]
     await apoll(lambda: fairqueue.waiting().get("m") == 5, what="the batch backlog queued")
+    # A third key, holding nothing, takes the model's one place of headroom with a request that
+    # outlasts the others (it is cancelled at the end), so that the interactive one waits too.
+    other = asyncio.create_task(streamed(running.client(other_secret), "other", answered, tokens=400))
+    await apoll(lambda: fairqueue.models["m"].held == 2, what="the headroom taken")
     interactive = asyncio.create_task(streamed(running.client(interactive_secret), "interactive", answered))
     await apoll(lambda: fairqueue.waiting().get("m") == 6, what="the interactive request queued")
     assert answered == []  # queued while the first batch request still ran
     await asyncio.gather(*batch, interactive)
+    other.cancel()
     print("order:", answered)
     assert answered.index("interactive") == 1  # next after the batch request running (fair shares alone: 2)
-    assert answered.count("batch") == 6
+    assert answered.count("batch") == 6 and "other" not in answered
 
 
 async def test_a_client_gone_leaves_the_queue_and_a_new_replica_takes_waiters(engines, start_router):  # noqa: F811

@@ -2,11 +2,13 @@
 
 The fixtures were read from the engines in /opt/llmgw-engines: vLLM 0.32.0 `/metrics` idle after
 two chat requests (prefix-cache counters non-zero) and while running twelve completions;
-llama-server `/metrics` (`--metrics`) and `/slots` with two slots.
+llama-server `/metrics` (`--metrics`) and `/slots` with two slots; llama-server 11434 started with
+`-np 3`: `/slots` while one completion ran, and `/props`.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import aiohttp
@@ -15,7 +17,8 @@ from aiohttp import web
 
 from llmgw.router.balancer import Balancer
 from llmgw.contracts.endpoints import Endpoint
-from llmgw.router.engineload import EnginePoller, Malformed, others, parse_metrics, parse_slots
+from llmgw.contracts.feed import EngineLoad, FeedError, Report, from_wire, to_wire
+from llmgw.router.engineload import EnginePoller, Malformed, others, parse_metrics, parse_props, parse_slots
 from llmgw.router.metrics import RouterMetrics
 
 FIXTURES = Path(__file__).parent / "fixtures" / "engine_load"
@@ -50,6 +53,47 @@ def test_r6_5_llama_server_slots_give_no_queue():
     assert (load.source, load.running, load.waiting, load.kv_cache) == ("llama-server", 0, None, None)
     busy = parse_slots('[{"id":0,"is_processing":true},{"id":1,"is_processing":false}]')
     assert busy.running == 1
+
+
+def test_r6_17_llama_server_slots_give_its_slot_count():
+    assert parse_slots(fixture("llama_server_slots.json")).slots == 2
+    busy = parse_slots(fixture("llama_server_slots_busy.json"))
+    assert (busy.slots, busy.running, busy.waiting) == (3, 1, None)
+
+
+def test_r6_17_llama_server_props_give_its_slot_count():
+    assert parse_props(fixture("llama_server_props.json")) == 3
+
+
+def test_r6_17_a_slot_count_is_unknown_where_the_engine_does_not_give_one():
+    assert parse_metrics(fixture("llama_server_metrics.txt")).slots is None  # on no llama-server metric
+    assert parse_metrics(fixture("vllm_metrics_busy.txt")).slots is None
+
+
+def test_r6_17_a_slot_count_travels_in_reports_and_is_checked():
+    load = EngineLoad(source="llama-server", waiting=0, running=1, at=5.0, slots=3)
+    wire = json.loads(json.dumps(to_wire(Report(router="r", seq=1, sent_at=1.0, engine_load={"x": load}))))
+    assert from_wire(wire).engine_load["x"] == load
+    assert wire["engine_load"]["x"]["slots"] == 3
+    del wire["engine_load"]["x"]["slots"]  # a router that does not send it: unknown
+    assert from_wire(wire).engine_load["x"].slots is None
+    for bad in (0, "3", 2.5):
+        wire["engine_load"]["x"]["slots"] = bad
+        with pytest.raises(FeedError, match=r"engine_load\['x'\]\.slots"):
+            from_wire(wire)
+
+
+@pytest.mark.parametrize("text", [
+    pytest.param("not json", id="not-json"),
+    pytest.param("[3]", id="not-an-object"),
+    pytest.param('{"default_generation_settings": {}}', id="no-total-slots"),
+    pytest.param('{"total_slots": 0}', id="zero"),
+    pytest.param('{"total_slots": "4"}', id="a-string"),
+    pytest.param('{"total_slots": 4.0}', id="a-float"),
+])
+def test_r6_17_props_without_a_slot_count_are_refused(text):
+    with pytest.raises(Malformed):
+        parse_props(text)
 
 
 def test_r6_5_sglang_metrics():
@@ -93,7 +137,7 @@ def test_r6_5_a_page_without_engine_metrics_is_unknown():
     assert parse_metrics("") is None
 
 
-@pytest.mark.parametrize("text", ["not json", '{"slots": []}', '[{"id": 0}]', '[1, 2]'])
+@pytest.mark.parametrize("text", ["not json", '{"slots": []}', '[{"id": 0}]', '[1, 2]', '[]'])
 def test_r6_5_malformed_slots_are_refused(text):
     with pytest.raises(Malformed):
         parse_slots(text)
@@ -187,3 +231,65 @@ async def test_r6_5a_the_engine_count_includes_ours_once():
     assert others(None, 3) == 0
     assert others(parse_metrics("vllm:num_requests_running 4\n"), 0) == 0  # no queue reported: nothing added
     assert others(parse_metrics("vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"), 5) == 0
+
+
+LLAMA_501 = ('{"error":{"code":501,"message":"This server does not support slots endpoint. Start it with `--slots`",'
+             '"type":"not_supported_error"}}')
+
+
+async def test_r6_17_poller_reads_a_llama_servers_slot_count_beside_its_metrics():
+    """With --metrics (llmgw's template) the queue comes from /metrics and the slot count from
+    /slots, else /props; vLLM is asked for /metrics only; an engine that refuses both is not
+    asked again; the count stays known while the engine does not answer."""
+    seen: list = []
+    metrics = (200, fixture("llama_server_metrics.txt"))
+    slots, slots_url = await engine({"/metrics": metrics, "/slots": (200, fixture("llama_server_slots_busy.json"))}, seen)
+    props, props_url = await engine({"/metrics": metrics, "/slots": (501, LLAMA_501),
+                                     "/props": (200, fixture("llama_server_props.json"))}, seen)
+    neither, neither_url = await engine({"/metrics": metrics}, seen)
+    vllm, vllm_url = await engine({"/metrics": (200, fixture("vllm_metrics_busy.txt"))}, seen)
+    b = Balancer()
+    b.replace({"m": [Endpoint("s", "m", slots_url, "k"), Endpoint("p", "m", props_url, "k"),
+                     Endpoint("n", "m", neither_url, "k"), Endpoint("v", "m", vllm_url, "k")]})
+    changes: list[dict] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            poller = EnginePoller(b, session, on_slots=lambda: changes.append({up.replica_id: up.slots for up in b.upstreams()}))
+            assert await poller.poll_once() is True
+            first = sorted(seen)
+            seen.clear()
+            assert await poller.poll_once() is False  # the same counts: no change to tell
+            second = sorted(seen)
+            await slots.cleanup()  # the engine stops answering: its load is unknown, its slot count kept
+            assert await poller.poll_once() is False
+    finally:
+        for runner in (slots, props, neither, vllm):
+            await runner.cleanup()
+    print("first poll:", first, "\nsecond poll:", second)
+    assert changes == [{"s": 3, "p": 3, "n": None, "v": None}]
+    assert (b.engine_load("p").slots, b.engine_load("p").running, b.engine_load("p").waiting) == (3, 0, 0)
+    assert b.engine_load("n").slots is None and b.engine_load("v").slots is None
+    assert b.engine_load("s") is None and b.endpoints("m")[0].slots == 3
+    paths = [path for path, _ in first]
+    assert paths.count("/metrics") == 4 and paths.count("/slots") == 3 and paths.count("/props") == 2
+    # the second poll asks each for what answered: /slots, /props, nothing beside /metrics, /metrics
+    assert sorted(path for path, _ in second) == ["/metrics"] * 4 + ["/props", "/slots"]
+
+
+async def test_r6_17_poller_reads_slots_alone_from_a_llama_server_without_metrics():
+    seen: list = []
+    refused = (501, '{"error":{"code":501,"message":"This server does not support metrics endpoint."}}')
+    plain, plain_url = await engine({"/metrics": refused, "/slots": (200, fixture("llama_server_slots_busy.json"))}, seen)
+    bare, bare_url = await engine({"/metrics": refused, "/slots": (501, LLAMA_501),
+                                   "/props": (200, fixture("llama_server_props.json"))}, seen)
+    b = Balancer()
+    b.replace({"m": [Endpoint("plain", "m", plain_url, "k"), Endpoint("bare", "m", bare_url, "k")]})
+    try:
+        async with aiohttp.ClientSession() as session:
+            await EnginePoller(b, session).poll_once()
+    finally:
+        await plain.cleanup()
+        await bare.cleanup()
+    assert (b.engine_load("plain").slots, b.engine_load("plain").running) == (3, 1)
+    bare_load = b.engine_load("bare")
+    assert (bare_load.source, bare_load.slots, bare_load.running, bare_load.waiting) == ("llama-server", 3, None, None)

@@ -1,20 +1,28 @@
-"""The router's fair queue on its own: priority classes, weighted shares, bounded waits (R-6.17)."""
+"""The router's fair queue on its own: priority classes, weighted shares, bounded waits, the
+places of a replica and their headroom (R-6.17)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from types import MappingProxyType
 
+import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from llmgw.catalog import Catalog
 from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig
-from llmgw.contracts.feed import FeedError, GatewaySettings, gateway_from_wire, gateway_to_wire
+from llmgw.contracts.endpoints import Endpoint
+from llmgw.contracts.feed import FeedError, GatewaySettings, RoutedModel, Snapshot, gateway_from_wire, gateway_to_wire
 from llmgw.control.feed import gateway_settings, routed_models
+from llmgw.router import Router
+from llmgw.router.engineload import EnginePoller
 from llmgw.router.errors import error_response
-from llmgw.router.fairqueue import FALLBACK_RETRY_AFTER, FairQueue, ModelQueue, QueueTimeout
+from llmgw.router.fairqueue import (DEFAULT_REPLICA_CONCURRENCY, FALLBACK_RETRY_AFTER, FairQueue, ModelQueue, QueueTimeout,
+                                    replica_places)
 from llmgw.router.metrics import RouterMetrics
+from tests.unit.test_engine_load import engine, fixture
 
 
 def served(queue: ModelQueue, n: int) -> list[str]:
@@ -198,3 +206,108 @@ async def test_metrics_show_the_requests_waiting_per_model():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+# -- a replica's places and their headroom ---------------------------------------------------------
+
+
+def test_r6_17_a_replicas_places_come_from_the_profile_else_its_slots_else_the_default():
+    assert replica_places(2, 4) == (2, 1)  # the operator's choice wins over the engine's slots
+    assert replica_places(None, 4) == (4, 0)  # a llama-server's slots: no headroom, it defers the rest itself
+    assert replica_places(None, None) == (DEFAULT_REPLICA_CONCURRENCY, 8)
+    assert replica_places(16, None) == (16, 2) and replica_places(1, None) == (1, 1)
+
+
+def test_r6_17_a_key_below_its_share_takes_a_place_of_the_headroom_at_once():
+    queue = ModelQueue(4, 1)
+    assert all(queue.take("noisy") for _ in range(4))
+    assert not queue.take("noisy")  # alone it holds its whole share: no headroom for it
+    queue.push("noisy", 0, 1)
+    assert queue.take("quiet")  # holds nothing: its place is the headroom's
+    assert (queue.held, queue.waiting) == (5, 1)
+    assert not queue.take("other")  # the headroom is taken: it waits like any other
+    queue.push("other", 0, 1)
+    given = queue.leave(0.1, "noisy")  # a place frees: the next in order gets it, as ever
+    assert [w.key_id for w in given] == ["other"] and queue.held == 5
+
+
+def test_r6_17_no_headroom_at_or_above_the_share_or_behind_its_own_waiters():
+    queue = ModelQueue(4, 1)
+    assert queue.take("a") and queue.take("a") and queue.take("b") and queue.take("b")
+    assert not queue.take("a") and not queue.take("b")  # two keys at 2 of 4 places each: at their share
+    heavy = ModelQueue(4, 1)
+    assert heavy.take("light", weight=1) and heavy.take("light", weight=1)
+    assert heavy.take("heavy", weight=3) and heavy.take("heavy", weight=3)
+    assert not heavy.take("light", weight=1)  # its share is 1 of 4 places
+    assert heavy.take("heavy", weight=3)  # its share is 3: it holds 2
+    queue = ModelQueue(1, 1)
+    assert queue.take("a")
+    queue.push("b", 0, 1)
+    queue.push("c", 0, 1)
+    queue.push("c", 0, 1)
+    given = queue.leave(None, "a")
+    assert [w.key_id for w in given] == ["b", "c"]  # b's place, then the headroom to c, holding nothing
+    assert not queue.take("c") and queue.waiting == 1  # c's newcomer does not pass c's own waiter
+
+
+def test_r6_17_no_headroom_past_a_higher_class_waiting():
+    queue = ModelQueue(2, 1)
+    assert queue.take("batch", 0) and queue.take("batch", 0)
+    queue.push("vip", 5, 1)  # it waits (the test puts it there), a lower class must not pass it
+    assert not queue.take("low", 0)
+    assert queue.take("top", 9)  # a higher class than any waiting may
+
+
+def test_r6_17_a_freed_headroom_place_goes_to_a_waiter_below_its_share_only():
+    queue = ModelQueue(2, 1)
+    assert queue.take("noisy") and queue.take("noisy") and queue.take("quiet")
+    for _ in range(3):
+        queue.push("noisy", 0, 1)
+    assert queue.leave(None, "quiet") == []  # the noisy key holds its share: the headroom stays free
+    queue.push("quiet", 0, 1)
+    assert queue.held == 2 and queue.waiting == 4  # pushed while the headroom was free: the test's doing
+    assert [w.key_id for w in queue.fill()] == ["quiet"] and queue.held == 3
+
+
+async def test_r6_17_a_models_capacity_follows_its_engines_slots():
+    """Per endpoint: the profile's concurrency where set, else the slots the engine reported, else
+    the default; a reading that raises the count gives waiters the new places, and one that lowers
+    it takes places back as they are given back."""
+    seen: list = []
+    metrics = (200, fixture("llama_server_metrics.txt"))
+    three = {"/metrics": metrics, "/slots": (200, fixture("llama_server_slots_busy.json"))}
+    two = {"/metrics": metrics, "/slots": (200, fixture("llama_server_slots.json"))}
+    a, a_url = await engine(three, seen)
+    b, b_url = await engine(two, seen)
+    models = {name: RoutedModel(name=name, engine="llama-server", served_name=None, routing="least-outstanding",
+                                on_demand=False, concurrency=concurrency)
+              for name, concurrency in (("m", None), ("n", 2))}
+    endpoints = {"m": (Endpoint("a", "m", a_url, "k"), Endpoint("b", "m", b_url, "k")),
+                 "n": (Endpoint("a", "n", a_url, "k"),)}
+    router = Router()
+    router.apply(Snapshot(epoch="e", version=1, models=MappingProxyType(models), endpoints=MappingProxyType(endpoints),
+                          keys=(), gateway=gateway_settings(GatewayConfig())))
+    fq = router.fairqueue
+    places = {name: (q.capacity, q.headroom) for name, q in fq.models.items()}
+    assert places == {"m": (2 * DEFAULT_REPLICA_CONCURRENCY, 16), "n": (2, 1)}  # before any reading
+    try:
+        async with aiohttp.ClientSession() as session:
+            poller = EnginePoller(router.balancer, session, on_slots=router._set_capacities)
+            await poller.poll_once()
+            places = {name: (q.capacity, q.headroom) for name, q in fq.models.items()}
+            print("after the first reading:", places)
+            assert places == {"m": (5, 0), "n": (2, 1)}  # 3 + 2 slots; n's profile says 2
+            assert all(fq.take("m", f"k{i}") for i in range(5)) and not fq.take("m", "k5")
+            waiter = asyncio.create_task(fq.wait("m", "k5", 0, 1, 30))
+            await asyncio.sleep(0)
+            assert fq.waiting()["m"] == 1
+            two["/slots"] = three["/slots"]  # b restarted with one more slot
+            await poller.poll_once()
+            await asyncio.wait_for(waiter, 5)  # the new place went to the waiter
+            assert (fq.models["m"].capacity, fq.models["m"].held) == (6, 6)
+            two["/slots"] = (200, fixture("llama_server_slots.json"))  # and back to two
+            await poller.poll_once()
+            assert fq.models["m"].capacity == 5 and not fq.take("m", "k6")  # held 6 of 5: none given
+    finally:
+        await a.cleanup()
+        await b.cleanup()
