@@ -350,19 +350,51 @@ FLEET_BLOCKS = 240  # per engine: 7,680 tokens, see the module docstring
 FLEET_MAX_LEN = 2048  # the tiny model's max_position_embeddings
 
 
-def engine_counters(url: str, key: str) -> tuple[float, float]:
-    """vllm:prefix_cache_hits_total and vllm:prefix_cache_queries_total of one engine, in tokens."""
+# What each engine is asked for, from its own /metrics: counters summed over their labels.
+ENGINE_COUNTERS = {"hits": "vllm:prefix_cache_hits_total", "queries": "vllm:prefix_cache_queries_total",
+                   "requests": "vllm:request_success_total", "prompt": "vllm:prompt_tokens_total",
+                   "preempted": "vllm:num_preemptions_total"}
+
+
+def engine_counters(url: str, key: str) -> dict[str, float]:
+    """ENGINE_COUNTERS of one engine (tokens, requests, preemptions)."""
     import urllib.request
     request = urllib.request.Request(url + "/metrics", headers={"Authorization": "Bearer " + key})
     with urllib.request.urlopen(request, timeout=30) as response:
         text = response.read().decode()
-    hits = queries = 0.0
+    found = dict.fromkeys(ENGINE_COUNTERS, 0.0)
     for line in text.splitlines():
-        if line.startswith("vllm:prefix_cache_hits_total"):
-            hits += float(line.split()[-1])
-        elif line.startswith("vllm:prefix_cache_queries_total"):
-            queries += float(line.split()[-1])
-    return hits, queries
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for counter, metric in ENGINE_COUNTERS.items():
+            if name == metric:
+                found[counter] += float(line.split()[-1])
+    return found
+
+
+def ring_homes(replica_ids: dict[str, str], requests: list[Request], tenant_key: bool) -> dict[int, str]:
+    """tenant -> the node its affinity key's first choice on the ring is on (every replica idle):
+    where prefix routing sends the tenant while loads stay within the bound."""
+    balancer = Balancer()
+    balancer.replace({"m": [Endpoint(rid, "m", f"x://{rid}", None) for rid in replica_ids]}, {"m": PREFIX})
+    homes = {}
+    for request in requests:
+        if request.tenant not in homes:
+            up = balancer.acquire("m", 0.0, key=affinity_key(request.document(tenant_key), {}))
+            balancer.release(up)
+            homes[request.tenant] = replica_ids[up.replica_id]
+    return dict(sorted(homes.items()))
+
+
+def placements(answers: list[dict], logs: dict[str, str]) -> dict[int, dict[str, int]]:
+    """tenant -> node -> requests, from the engines' own logs: each engine logs the id of every
+    request it receives (--enable-log-requests), and the client saw that id in the stream."""
+    found: dict[int, dict[str, int]] = {}
+    for answer in answers:
+        nodes = [node for node, text in logs.items() if answer["id"] and answer["id"] in text]
+        node = nodes[0] if len(nodes) == 1 else "?"
+        per = found.setdefault(answer["tenant"], {})
+        per[node] = per.get(node, 0) + 1
+    return dict(sorted(found.items()))
 
 
 def fleet_engines(bed, gateway, name: str) -> list[tuple[str, str, str]]:
@@ -430,8 +462,12 @@ async def through_router(requests: list[Request], base_url: str, key: str, model
     ttfts: list[float] = []
     prompt_tokens: list[int] = []
     failures: list[str] = []
+    answers: list[dict] = []
 
     async def send(request: Request) -> None:
+        answer = {"tenant": request.tenant, "conversation": request.conversation, "turn": request.turn,
+                  "id": None, "prompt": None, "cached": None}
+        answers.append(answer)
         try:
             started = time.monotonic()
             first = None
@@ -442,10 +478,14 @@ async def through_router(requests: list[Request], base_url: str, key: str, model
                 model=model, messages=request.document()["messages"], max_tokens=request.output,
                 stream=True, stream_options={"include_usage": True}, extra_body=extra)
             async for chunk in stream:
+                answer["id"] = answer["id"] or chunk.id
                 if first is None and chunk.choices and chunk.choices[0].delta.content:
                     first = time.monotonic() - started
                 if chunk.usage is not None:
                     prompt_tokens.append(chunk.usage.prompt_tokens)
+                    answer["prompt"] = chunk.usage.prompt_tokens
+                    details = chunk.usage.prompt_tokens_details
+                    answer["cached"] = details.cached_tokens if details is not None else None
             if first is not None:
                 ttfts.append(first)
         except openai.OpenAIError as exc:
@@ -470,10 +510,10 @@ async def through_router(requests: list[Request], base_url: str, key: str, model
     return {"ttft_p50": percentile(ttfts, 50) if ttfts else None, "ttft_p90": percentile(ttfts, 90) if ttfts else None,
             "rps": len(ttfts) / elapsed, "failures": len(failures), "failure_reasons": failures[:3],
             "requests": len(ttfts), "prompt_tokens": statistics.fmean(prompt_tokens) if prompt_tokens else None,
-            "seconds": elapsed}
+            "seconds": elapsed, "answers": answers}
 
 
-def run_fleet(requests: list[Request], concurrency: int) -> dict[str, dict]:
+def run_fleet(requests: list[Request], concurrency: int, blocks: int = FLEET_BLOCKS) -> dict[str, dict]:
     """Both policies on two real vLLM replicas on two testbed nodes (real sshd hosts), one policy
     after the other, each on engines started fresh for it (no cache carried over)."""
     from tests.integration import real_engines as rt
@@ -494,8 +534,11 @@ def run_fleet(requests: list[Request], concurrency: int) -> dict[str, dict]:
     gateway = None
     try:
         weights = rt.publish_hf_dir(bed, "tiny/chat", made["chat"])
+        # Each engine logs the id of every request it receives, and answers with the cached
+        # prompt tokens in usage: which engine served each request, and what it found cached.
         args = ["--max-model-len", str(FLEET_MAX_LEN), "--block-size", str(FLEET_BLOCK),
-                "--num-gpu-blocks-override", str(FLEET_BLOCKS)]
+                "--num-gpu-blocks-override", str(blocks), "--enable-log-requests",
+                "--enable-prompt-tokens-details"]
         profiles = {"vllm-fleet": {"engine": "vllm", "env": dict(real.VLLM_CPU_ENV), "args": args,
                                    "start_timeout": f"{FLEET_START_TIMEOUT:.0f}s"}}
         gateway = rt.start_gateway(bed, tmp, models=[], profiles=profiles)
@@ -505,24 +548,42 @@ def run_fleet(requests: list[Request], concurrency: int) -> dict[str, dict]:
             engines = fleet_up(bed, gateway, name, policy, weights)
             print(f"  {name}: two replicas serving on {[node for node, _, _ in engines]} "
                   f"after {time.monotonic() - began:.0f} s", flush=True)
-            for replica in rt.serving(gateway, name):  # the engines' own word on their cache size
-                said = [line.split("] ", 1)[-1] for line in rt.engine_log(gateway, replica["id"]).splitlines()
+            nodes = {replica["id"]: replica["shards"][0]["node"] for replica in rt.serving(gateway, name)}
+            for rid, node in sorted(nodes.items(), key=lambda item: item[1]):  # the engines' own word on their cache
+                said = [line.split("] ", 1)[-1] for line in rt.engine_log(gateway, rid).splitlines()
                         if "KV cache size" in line]
-                print(f"    {replica['shards'][0]['node']}: {said[-1] if said else 'no KV cache size in its log'}")
+                print(f"    {node}: {said[-1] if said else 'no KV cache size in its log'}")
+            if policy == PREFIX:
+                homes = ring_homes(nodes, requests, tenant_key)
+                print("    the ring's first choice per tenant: " + ", ".join(
+                    f"{node} {sorted(t for t, home in homes.items() if home == node)}" for node in sorted(FLEET_NODES)))
             warm_up(engines, name)
             _, key = rt.new_client(gateway, f"bench-{name}")
             before = [engine_counters(url, k) for _, url, k in engines]
             row = asyncio.run(through_router(requests, gateway.url + "/v1", key, name, concurrency, tenant_key))
             after = [engine_counters(url, k) for _, url, k in engines]
-            hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
-            queries = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
-            row["hit_rate"] = sum(hits) / sum(queries) if sum(queries) else None
-            row["per_engine"] = [(node, int(q), (h / q) if q else None)
-                                 for (node, _, _), h, q in zip(engines, hits, queries, strict=True)]
+            delta = [{f: a[f] - b[f] for f in ENGINE_COUNTERS} for a, b in zip(after, before, strict=True)]
+            queries = sum(d["queries"] for d in delta)
+            row["hit_rate"] = sum(d["hits"] for d in delta) / queries if queries else None
             rows[label] = row
             print(f"  {name}: {row['requests']} answered in {row['seconds']:.0f} s, {row['failures']} failed "
-                  f"{row['failure_reasons']}; prompt tokens queried / hit rate per engine: "
-                  + ", ".join(f"{node} {q} / {fmt(r, '.3f')}" for node, q, r in row["per_engine"]), flush=True)
+                  f"{row['failure_reasons']}", flush=True)
+            for (node, _, _), d in zip(engines, delta, strict=True):
+                print(f"    {node}: {d['requests']:.0f} requests, {d['prompt']:.0f} prompt tokens, prefix cache "
+                      f"{d['hits']:.0f} hit of {d['queries']:.0f} queried ("
+                      f"{fmt(d['hits'] / d['queries'] if d['queries'] else None, '.3f')}), "
+                      f"{d['preempted']:.0f} preempted")
+            logs = {node: "\n".join(gateway.admin(f"/api/replicas/{rid}/logs?lines=100000")[1]["lines"])
+                    for rid, node in nodes.items()}
+            placed = placements(row["answers"], logs)
+            print("    requests per tenant per engine (engine logs): " + "; ".join(
+                f"t{t} " + " ".join(f"{n} {c}" for n, c in sorted(per.items())) for t, per in placed.items()))
+            answers = row.pop("answers")
+            for turn in sorted({a["turn"] for a in answers}):
+                these = [a for a in answers if a["turn"] == turn and a["prompt"] and a["cached"] is not None]
+                if these:
+                    print(f"    turn {turn}: {len(these)} requests, prompt {statistics.fmean(a['prompt'] for a in these):.0f} "
+                          f"tokens, cached {sum(a['cached'] for a in these) / sum(a['prompt'] for a in these):.3f}")
             status, answer = gateway.admin(f"/api/models/{name}", "DELETE")
             assert status == 200, answer
             from tests.integration.gateway import wait_for
