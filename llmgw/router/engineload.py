@@ -172,12 +172,15 @@ class EnginePoller:
 
     async def poll_once(self) -> None:
         ups = self.balancer.upstreams()
+        asked = [up.outstanding for up in ups]
         readings = await asyncio.gather(*(self._read(up) for up in ups), return_exceptions=True)
-        for up, reading in zip(ups, readings, strict=True):
+        for up, reading, before in zip(ups, readings, asked, strict=True):
             if isinstance(reading, BaseException):
                 reading = None
             up.engine = reading
-            up.queued = others(reading, up.outstanding)
+            # The engine counted ours at some moment during the poll: those in flight when it was
+            # asked that have ended since, and those sent since; the larger count takes both out.
+            up.queued = others(reading, max(before, up.outstanding))
 
 
     async def _read(self, up) -> EngineLoad | None:

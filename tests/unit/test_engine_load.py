@@ -187,3 +187,31 @@ async def test_r6_5a_the_engine_count_includes_ours_once():
     assert others(None, 3) == 0
     assert others(parse_metrics("vllm:num_requests_running 4\n"), 0) == 0  # no queue reported: nothing added
     assert others(parse_metrics("vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"), 5) == 0
+
+
+async def test_r6_5a_a_request_that_ends_during_the_poll_is_not_left_as_the_engines_queue():
+    """The engine counts a request of ours that ends while its /metrics answer is on the way: that
+    request is not the engine's own load once it has ended here (else it weighs on the replica, and
+    on prefix routing's bound, until the next poll)."""
+    b = Balancer()
+    ours: list = []
+
+    async def handler(request: web.Request) -> web.Response:
+        b.release(ours.pop())  # counted by the engine below, ended here before its answer arrives
+        return web.Response(text='vllm:num_requests_waiting{engine="0"} 0.0\nvllm:num_requests_running{engine="0"} 3.0\n')
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    b.replace({"m": [Endpoint("e", "m", url, "k")]})
+    ours.extend(b.acquire("m", 1.0) for _ in range(3))  # the engine's 3 are all ours
+    try:
+        async with aiohttp.ClientSession() as session:
+            await EnginePoller(b, session).poll_once()
+    finally:
+        await runner.cleanup()
+    up = b.endpoints("m")[0]
+    assert (up.outstanding, up.queued) == (2, 0)
