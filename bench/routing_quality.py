@@ -36,26 +36,50 @@ Three parts, one run:
 
    The KV cache is sized so that the cache matters, as on a loaded production engine: more
    tenants than one replica's cache holds, fewer than two replicas' caches hold between them.
-   With the tiny model a word of the system prompt is about 4.8 tokens, so 300 words plus the
-   chat template are about 1,440 tokens, 45 blocks of 32 tokens; 7 tenants are 315 blocks. Each
-   engine gets 240 blocks (--num-gpu-blocks-override 240 --block-size 32: 7,680 tokens; the
-   bench prints the engine's own "KV cache size" line). A request under way holds its whole
-   prompt, up to 1,760 tokens (55 blocks), and with 8 requests at a time about 4 run on each
-   engine. Sent to an engine that has its tenant's prompt cached, a request adds only its own
-   turns (about 10 blocks); sent to one that has not, all 55. Least-outstanding sends every
-   tenant to both engines: each would need 315 blocks for the prompts alone, more than its 240,
-   and with the tenants in rotation LRU evicts a prompt before it comes back. Keyed by tenant,
-   a 4 / 3 split of the 7 tenants puts 180 blocks of prompts on the busier engine plus 4 x 10
-   for the turns under way, which fits. How the ring splits 7 keys over 2 replicas depends on
-   the replicas' ids, new in every run: over 20 random pairs of ids, 4 / 3 11 times, 5 / 2 4
-   times, 6 / 1 5 times (a 6 / 1 split does not fit, and the bound spills the busy one's keys).
-   The prompt tokens each engine was asked for are printed beside its hit rate.
-   --max-model-len 2048 is the tiny model's limit (max_position_embeddings).
+   With the tiny model a word of the system prompt is about 4.8 tokens, so 250 words plus the
+   chat template are about 1,200 tokens, 38 blocks of 32 tokens; 10 tenants are 375 blocks. Each
+   engine gets 280 blocks (--num-gpu-blocks-override 280 --block-size 32: 8,960 tokens; the
+   bench prints the engine's own "KV cache size" line), three quarters of the tenants' prompts.
+   A request under way holds its whole prompt, up to about 1,520 tokens (48 blocks), and with 8
+   requests at a time about 4 run on each engine. Sent to an engine that has its tenant's prompt
+   cached, a request adds only its own turns (about 10 blocks); sent to one that has not, all
+   48. Least-outstanding sends every tenant to both engines: each would need 375 blocks for the
+   prompts alone, more than its 280. Keyed by tenant, a 5 / 5 split puts 190 blocks of prompts
+   on each engine plus 4 x 10 for the turns under way, which fits, as 6 / 4 does (228 + 40);
+   7 / 3 (266 + 40) does not. How the ring splits the keys over 2 replicas depends on the
+   replicas' ids, new in every run: over 200 random pairs of ids, 10 keys split 5 / 5 47 times,
+   6 / 4 83, 7 / 3 45, 8 / 2 20, 9 / 1 4 and 10 / 0 once (7 keys: 4 / 3 109, 5 / 2 64, 6 / 1 25,
+   7 / 0 2): more tenants even the split out. --max-model-len 2048 is the tiny model's limit
+   (max_position_embeddings).
+
+   Printed for each policy, to show why it gets the hit rate it gets: per engine the requests,
+   prompt tokens, prefix-cache hits and preemptions (its own /metrics); for prefix routing the
+   ring's first choice for each tenant, and the share of requests that went there ("on ring
+   home"; the bound sent the rest to the other replica); per tenant the engine each of its
+   requests reached, from the engines' own logs (--enable-log-requests logs the id of every
+   request, which the client sees in the stream); the share of prompt tokens found cached per
+   turn (--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens). And the
+   best possible hit rate of the workload: every request finding the longest prefix it shares
+   with any earlier prompt in one cache that never evicts, in whole blocks, counted with the
+   engine's own tokenizer and chat template.
 
    8 at a time, because with m requests in flight over two replicas the bound allows
    max(1.25 * m / 2, ceil(m / 2)) on one: up to m = 4 that is the even split, so a replica
    takes a second request of its keys only when the other holds as many; at m = 8 it may hold
-   5 of the 8.
+   5 of the 8. Even so the bound spills: a key's replica already holds 5 of the 7 other
+   requests in flight (binomial) about 23 % of the time when it has half of the traffic, 36 %
+   when it has 4/7 of it.
+
+   Why 2x least-outstanding's hit rate is out of reach with two replicas: least-outstanding
+   keeps a tenant's prompt in at most 2 caches, prefix routing in 1, so routing can at most
+   halve what each engine must hold. Where an engine's cache holds a share of what it is sent
+   (LRU with requests in random order: a hit rate about proportional to the cache over the
+   working set), halving the working set at most doubles the hit rate, and only while prefix
+   routing's own working set still does not fit; every prompt's new tokens (its last turn and
+   the partial block) miss under both, the bound spills a share of requests off their replica,
+   and an uneven split overfills one engine, each lowering the ratio below 2. The printed best
+   possible hit rate bounds prefix routing from above: the ratio can never exceed it over
+   least-outstanding's.
 
 Workloads:
   shared  several tenants, each with a long system prompt shared by all its conversations; each
@@ -346,7 +370,7 @@ def run_doubles(requests: list[Request], variants, knobs: dict, replicas: int = 
 FLEET_NODES = ("cpu1", "cpu2")
 FLEET_START_TIMEOUT = 300.0  # a vLLM loading on a busy 2-core machine
 FLEET_BLOCK = 32  # tokens per KV-cache block
-FLEET_BLOCKS = 240  # per engine: 7,680 tokens, see the module docstring
+FLEET_BLOCKS = 280  # per engine: 8,960 tokens, see the module docstring
 FLEET_MAX_LEN = 2048  # the tiny model's max_position_embeddings
 
 
@@ -369,6 +393,45 @@ def engine_counters(url: str, key: str) -> dict[str, float]:
             if name == metric:
                 found[counter] += float(line.split()[-1])
     return found
+
+
+def engine_log(gateway, replica_id: str) -> str:
+    """The whole log of a replica's engine (its start-up lines and one line per request it received)."""
+    status, answer = gateway.admin(f"/api/replicas/{replica_id}/logs?lines=100000")
+    assert status == 200, answer
+    return "\n".join(answer["lines"])
+
+
+def best_hit_rate(requests: list[Request], model_dir: Path, block: int) -> float | None:
+    """The most any cache could give this workload, in the engine's own tokens: every request finds
+    cached the longest prefix it shares with any earlier prompt (one cache, never evicting), in whole
+    blocks and short of its last token, as vLLM counts; None when the tokenizer cannot run. Answers'
+    own tokens are left out: the next turn resends the bench's fixed answer text, not what was generated."""
+    import subprocess
+
+    from tests.testbed import engines as real
+    script = ("import json, sys\nfrom transformers import AutoTokenizer\n"
+              "t = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+              "for line in sys.stdin:\n"
+              "    ids = t.apply_chat_template(json.loads(line), add_generation_prompt=True, tokenize=True)\n"
+              "    print(json.dumps(list(ids['input_ids'] if isinstance(ids, dict) or hasattr(ids, 'keys') else ids)))\n")
+    lines = "".join(json.dumps(r.document()["messages"]) + "\n" for r in requests)
+    done = subprocess.run([str(real.VLLM_PYTHON), "-c", script, str(model_dir)], input=lines, capture_output=True,
+                          text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    if done.returncode != 0:
+        print(f"  (no best possible hit rate: the tokenizer failed: {done.stderr.strip()[-300:]})")
+        return None
+    prompts = [tuple(json.loads(line)) for line in done.stdout.splitlines()]
+    seen: set[tuple] = set()  # every whole-block prefix of every earlier prompt
+    hits = total = 0
+    for ids in prompts:
+        cached = 0
+        while cached + block <= len(ids) - 1 and ids[:cached + block] in seen:
+            cached += block
+        hits += cached
+        total += len(ids)
+        seen.update(ids[:end] for end in range(block, len(ids) + 1, block))
+    return hits / total if total else None
 
 
 def ring_homes(replica_ids: dict[str, str], requests: list[Request], tenant_key: bool) -> dict[int, str]:
@@ -550,7 +613,7 @@ def run_fleet(requests: list[Request], concurrency: int, blocks: int = FLEET_BLO
                   f"after {time.monotonic() - began:.0f} s", flush=True)
             nodes = {replica["id"]: replica["shards"][0]["node"] for replica in rt.serving(gateway, name)}
             for rid, node in sorted(nodes.items(), key=lambda item: item[1]):  # the engines' own word on their cache
-                said = [line.split("] ", 1)[-1] for line in rt.engine_log(gateway, rid).splitlines()
+                said = [line.split("] ", 1)[-1] for line in engine_log(gateway, rid).splitlines()
                         if "KV cache size" in line]
                 print(f"    {node}: {said[-1] if said else 'no KV cache size in its log'}")
             if policy == PREFIX:
@@ -573,11 +636,12 @@ def run_fleet(requests: list[Request], concurrency: int, blocks: int = FLEET_BLO
                       f"{d['hits']:.0f} hit of {d['queries']:.0f} queried ("
                       f"{fmt(d['hits'] / d['queries'] if d['queries'] else None, '.3f')}), "
                       f"{d['preempted']:.0f} preempted")
-            logs = {node: "\n".join(gateway.admin(f"/api/replicas/{rid}/logs?lines=100000")[1]["lines"])
-                    for rid, node in nodes.items()}
+            logs = {node: engine_log(gateway, rid) for rid, node in nodes.items()}
             placed = placements(row["answers"], logs)
             print("    requests per tenant per engine (engine logs): " + "; ".join(
                 f"t{t} " + " ".join(f"{n} {c}" for n, c in sorted(per.items())) for t, per in placed.items()))
+            if policy == PREFIX:  # the rest went elsewhere because the bound spilled them
+                row["on_home"] = sum(per.get(homes[t], 0) for t, per in placed.items()) / len(row["answers"])
             answers = row.pop("answers")
             for turn in sorted({a["turn"] for a in answers}):
                 these = [a for a in answers if a["turn"] == turn and a["prompt"] and a["cached"] is not None]
@@ -628,10 +692,12 @@ def main() -> None:
                         help="also 16 engine doubles with the simulated prefix cache, over HTTP in wall-clock time")
     parser.add_argument("--fleet", action="store_true",
                         help="also the real part: two vLLM replicas on two testbed nodes (root; several minutes)")
-    parser.add_argument("--system-words", type=int, default=300,
+    parser.add_argument("--system-words", type=int, default=250,
                         help="real part: words of each tenant's system prompt (about 4.8 tokens each with the tiny model)")
-    parser.add_argument("--tenants", type=int, default=7, help="real part: tenants (one system prompt each)")
-    parser.add_argument("--conversations", type=int, default=4, help="real part: conversations per tenant")
+    parser.add_argument("--tenants", type=int, default=10, help="real part: tenants (one system prompt each)")
+    parser.add_argument("--conversations", type=int, default=6, help="real part: conversations per tenant")
+    parser.add_argument("--blocks", type=int, default=FLEET_BLOCKS,
+                        help=f"real part: KV-cache blocks of {FLEET_BLOCK} tokens per engine")
     parser.add_argument("--max-tokens", type=int, default=16, help="real part: output tokens a request")
     parser.add_argument("--concurrency", type=int, default=8, help="real part: requests at a time")
     args = parser.parse_args()
@@ -712,17 +778,25 @@ def main() -> None:
                                 f"tenant {tenant} system prompt")
             request.output = args.max_tokens
         print(f"\nREAL vLLM through llmgw: two replicas on testbed nodes {', '.join(FLEET_NODES)} (vLLM "
-              f"{FLEET_BLOCKS} KV blocks of {FLEET_BLOCK} tokens each, --max-model-len {FLEET_MAX_LEN}, one OpenMP "
+              f"{args.blocks} KV blocks of {FLEET_BLOCK} tokens each, --max-model-len {FLEET_MAX_LEN}, one OpenMP "
               f"thread); shared workload: {args.tenants} tenants x {args.conversations} conversations x 3 turns = "
               f"{len(fleet)} requests, conversations in tenant rotation and their turns interleaved, system prompts of {args.system_words} words, "
               f"+12 user words a turn, {args.max_tokens} output tokens, {args.concurrency} requests at a time, "
               "streamed through the router", flush=True)
-        rows = run_fleet(fleet, args.concurrency)
+        from tests.testbed import engines as real
+        best = best_hit_rate(fleet, real.models()["chat"], FLEET_BLOCK) if real.missing("vllm") is None else None
+        print(f"  best possible hit rate of this workload (one cache that never evicts, every tenant on it): "
+              f"{fmt(best, '.3f')}", flush=True)
+        rows = run_fleet(fleet, args.concurrency, args.blocks)
         table("real vLLM x2 through llmgw, shared-prefix workload (engines' own prefix-cache counters)", rows,
               [("hit rate", "hit_rate", ".3f"), ("TTFT p50 s", "ttft_p50", ".3f"),
                ("TTFT p90 s", "ttft_p90", ".3f"), ("req/s", "rps", ".3f"), ("prompt tok", "prompt_tokens", ".0f"),
-               ("failures", "failures", "d")])
+               ("on ring home", "on_home", ".1%"), ("failures", "failures", "d")])
         print("  " + ratios(rows, ["hit_rate", "ttft_p50", "ttft_p90", "rps"]))
+        base = rows[LEAST_OUTSTANDING]["hit_rate"]
+        if base is not None and best is not None:
+            print(f"  2x least-outstanding's hit rate is {2 * base:.3f}; the best possible is {best:.3f} "
+                  f"({best / base:.2f}x least-outstanding)")
     print(json.dumps({"quick": args.quick, "seed": args.seed}))
 
 
