@@ -118,6 +118,7 @@ from llmgw.contracts.endpoints import Endpoint  # noqa: E402
 
 POLICIES = (LEAST_OUTSTANDING, PREFIX)
 TENANT_KEY = "prefix, tenant key"  # prefix routing with each request's `prompt_cache_key` set to its tenant
+UNBOUNDED = "tenant key, no bound"  # the real part only: the same keys with the load bound lifted (not llmgw's router)
 VARIANTS = ((LEAST_OUTSTANDING, LEAST_OUTSTANDING, False), (PREFIX, PREFIX, False), (TENANT_KEY, PREFIX, True))
 TENANTS = 32
 CONVERSATION_RATE = 3.5
@@ -514,12 +515,22 @@ def warm_up(engines, served: str) -> None:
 
 
 async def through_router(requests: list[Request], base_url: str, key: str, model: str, concurrency: int,
-                         tenant_key: bool = False) -> dict:
+                         tenant_key: bool = False, unbounded: list | None = None) -> dict:
     """The requests as streamed chat completions through llmgw's router with the official openai
     client, in their order, `concurrency` at a time; a turn is sent once its conversation's
-    previous turn has been answered."""
+    previous turn has been answered.
+
+    With `unbounded` (the engines' (replica id, url, key)), not through the router but straight to the
+    engine that this process's own Balancer picks by prefix with the load bound lifted: every
+    request of a key goes to the key's replica on the ring, whatever the loads (what the bound costs)."""
     import openai
     client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600)
+    direct = balancer = None
+    if unbounded is not None:
+        direct = {rid: openai.AsyncOpenAI(base_url=url + "/v1", api_key=k, max_retries=0, timeout=600)
+                  for rid, url, k in unbounded}
+        balancer = Balancer()
+        balancer.replace({model: [Endpoint(rid, model, url, k) for rid, url, k in unbounded]}, {model: PREFIX})
     answered: dict[tuple[int, int], asyncio.Event] = {(r.conversation, r.turn): asyncio.Event() for r in requests}
     slots = asyncio.Semaphore(concurrency)
     ttfts: list[float] = []
@@ -537,7 +548,17 @@ async def through_router(requests: list[Request], base_url: str, key: str, model
             extra = {"ignore_eos": True}
             if tenant_key:
                 extra["prompt_cache_key"] = f"tenant-{request.tenant}"
-            stream = await client.chat.completions.create(
+            target = client
+            if balancer is not None:
+                import llmgw.router.balancer as chosen
+                bound, chosen.PREFIX_BOUND = chosen.PREFIX_BOUND, math.inf
+                try:
+                    up = balancer.acquire(model, time.monotonic(), key=affinity_key(request.document(tenant_key), {}))
+                finally:
+                    chosen.PREFIX_BOUND = bound
+                balancer.release(up)  # no load counted: the bound is lifted anyway
+                target = direct[up.replica_id]
+            stream = await target.chat.completions.create(
                 model=model, messages=request.document()["messages"], max_tokens=request.output,
                 stream=True, stream_options={"include_usage": True}, extra_body=extra)
             async for chunk in stream:
@@ -570,6 +591,8 @@ async def through_router(requests: list[Request], base_url: str, key: str, model
     await dispatch()
     elapsed = time.monotonic() - started
     await client.close()
+    for other in (direct or {}).values():
+        await other.close()
     return {"ttft_p50": percentile(ttfts, 50) if ttfts else None, "ttft_p90": percentile(ttfts, 90) if ttfts else None,
             "rps": len(ttfts) / elapsed, "failures": len(failures), "failure_reasons": failures[:3],
             "requests": len(ttfts), "prompt_tokens": statistics.fmean(prompt_tokens) if prompt_tokens else None,
@@ -605,8 +628,8 @@ def run_fleet(requests: list[Request], concurrency: int, blocks: int = FLEET_BLO
         profiles = {"vllm-fleet": {"engine": "vllm", "env": dict(real.VLLM_CPU_ENV), "args": args,
                                    "start_timeout": f"{FLEET_START_TIMEOUT:.0f}s"}}
         gateway = rt.start_gateway(bed, tmp, models=[], profiles=profiles)
-        for label, policy, tenant_key in VARIANTS:
-            name = f"chat-{policy}" + ("-tenant-key" if tenant_key else "")
+        for label, policy, tenant_key in (*VARIANTS, (UNBOUNDED, PREFIX, True)):
+            name = f"chat-{policy}" + ("-tenant-key" if tenant_key else "") + ("-unbounded" if label == UNBOUNDED else "")
             began = time.monotonic()
             engines = fleet_up(bed, gateway, name, policy, weights)
             print(f"  {name}: two replicas serving on {[node for node, _, _ in engines]} "
@@ -621,9 +644,12 @@ def run_fleet(requests: list[Request], concurrency: int, blocks: int = FLEET_BLO
                 print("    the ring's first choice per tenant: " + ", ".join(
                     f"{node} {sorted(t for t, home in homes.items() if home == node)}" for node in sorted(FLEET_NODES)))
             warm_up(engines, name)
+            by_node = {node: (url, k) for node, url, k in engines}
+            unbounded = [(rid, *by_node[node]) for rid, node in nodes.items()]
             _, key = rt.new_client(gateway, f"bench-{name}")
             before = [engine_counters(url, k) for _, url, k in engines]
-            row = asyncio.run(through_router(requests, gateway.url + "/v1", key, name, concurrency, tenant_key))
+            row = asyncio.run(through_router(requests, gateway.url + "/v1", key, name, concurrency, tenant_key,
+                                             unbounded if label == UNBOUNDED else None))
             after = [engine_counters(url, k) for _, url, k in engines]
             delta = [{f: a[f] - b[f] for f in ENGINE_COUNTERS} for a, b in zip(after, before, strict=True)]
             queries = sum(d["queries"] for d in delta)
