@@ -27,12 +27,15 @@ Three parts, one run:
    client, streamed. Each policy gets engines started for it, so neither finds the other's
    prompts in cache. Reported: the engines' own prefix-cache hit rate (deltas of
    vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total, read from each engine's
-   /metrics with its key), TTFT p50/p90, completed requests/s. About 8 minutes on 2 cores.
+   /metrics with its key), TTFT p50/p90, completed requests/s. About 10 to 20 minutes on 2
+   cores, most of it starting 8 engines one after another.
 
    Three rows: least-outstanding; prefix with the key taken from the content (the system prompt
    alone, since it is over 1 KiB: every conversation of a tenant goes where the tenant's prompt
    is cached); prefix with each request's `prompt_cache_key` set to its tenant (the same
-   grouping, told by the client).
+   grouping, told by the client). And a fourth that is not llmgw's router, to show what the
+   load bound costs: the tenant keys with the bound lifted, each request sent straight to the
+   engine the bench's own Balancer picks on the ring of the replicas' ids, whatever the loads.
 
    The KV cache is sized so that the cache matters, as on a loaded production engine: more
    tenants than one replica's cache holds, fewer than two replicas' caches hold between them.
@@ -49,7 +52,7 @@ Three parts, one run:
    7 / 3 (266 + 40) does not. How the ring splits the keys over 2 replicas depends on the
    replicas' ids, new in every run: over 200 random pairs of ids, 10 keys split 5 / 5 47 times,
    6 / 4 83, 7 / 3 45, 8 / 2 20, 9 / 1 4 and 10 / 0 once (7 keys: 4 / 3 109, 5 / 2 64, 6 / 1 25,
-   7 / 0 2): more tenants even the split out. --max-model-len 2048 is the tiny model's limit
+   7 / 0 2): more tenants make a lopsided split rarer, not rare. --max-model-len 2048 is the tiny model's limit
    (max_position_embeddings).
 
    Printed for each policy, to show why it gets the hit rate it gets: per engine the requests,
@@ -118,7 +121,10 @@ from llmgw.contracts.endpoints import Endpoint  # noqa: E402
 
 POLICIES = (LEAST_OUTSTANDING, PREFIX)
 TENANT_KEY = "prefix, tenant key"  # prefix routing with each request's `prompt_cache_key` set to its tenant
-UNBOUNDED = "tenant key, no bound"  # the real part only: the same keys with the load bound lifted (not llmgw's router)
+# The real part only, not llmgw's router: the tenant keys placed by the bench's own Balancer with
+# another load bound, each request sent straight to the engine (what the bound costs).
+DIRECT = (("tenant key, bound 1.25, bench", PREFIX_BOUND), ("tenant key, bound 1.5, bench", 1.5),
+          ("tenant key, no bound, bench", math.inf))
 VARIANTS = ((LEAST_OUTSTANDING, LEAST_OUTSTANDING, False), (PREFIX, PREFIX, False), (TENANT_KEY, PREFIX, True))
 TENANTS = 32
 CONVERSATION_RATE = 3.5
@@ -515,22 +521,22 @@ def warm_up(engines, served: str) -> None:
 
 
 async def through_router(requests: list[Request], base_url: str, key: str, model: str, concurrency: int,
-                         tenant_key: bool = False, unbounded: list | None = None) -> dict:
+                         tenant_key: bool = False, direct_to: list | None = None, bound: float = PREFIX_BOUND) -> dict:
     """The requests as streamed chat completions through llmgw's router with the official openai
     client, in their order, `concurrency` at a time; a turn is sent once its conversation's
     previous turn has been answered.
 
-    With `unbounded` (the engines' (replica id, url, key)), not through the router but straight to the
-    engine that this process's own Balancer picks by prefix with the load bound lifted: every
-    request of a key goes to the key's replica on the ring, whatever the loads (what the bound costs)."""
+    With `direct_to` (the engines' (replica id, url, key)), not through the router but straight to
+    the engine that this process's own Balancer picks by prefix with the load `bound` (infinite:
+    every request of a key goes to the key's replica on the ring, whatever the loads)."""
     import openai
     client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600)
     direct = balancer = None
-    if unbounded is not None:
+    if direct_to is not None:
         direct = {rid: openai.AsyncOpenAI(base_url=url + "/v1", api_key=k, max_retries=0, timeout=600)
-                  for rid, url, k in unbounded}
+                  for rid, url, k in direct_to}
         balancer = Balancer()
-        balancer.replace({model: [Endpoint(rid, model, url, k) for rid, url, k in unbounded]}, {model: PREFIX})
+        balancer.replace({model: [Endpoint(rid, model, url, k) for rid, url, k in direct_to]}, {model: PREFIX})
     answered: dict[tuple[int, int], asyncio.Event] = {(r.conversation, r.turn): asyncio.Event() for r in requests}
     slots = asyncio.Semaphore(concurrency)
     ttfts: list[float] = []
@@ -542,6 +548,7 @@ async def through_router(requests: list[Request], base_url: str, key: str, model
         answer = {"tenant": request.tenant, "conversation": request.conversation, "turn": request.turn,
                   "id": None, "prompt": None, "cached": None}
         answers.append(answer)
+        up = None
         try:
             started = time.monotonic()
             first = None
@@ -549,14 +556,13 @@ async def through_router(requests: list[Request], base_url: str, key: str, model
             if tenant_key:
                 extra["prompt_cache_key"] = f"tenant-{request.tenant}"
             target = client
-            if balancer is not None:
+            if balancer is not None:  # counted in flight until its answer ends, as the router does
                 import llmgw.router.balancer as chosen
-                bound, chosen.PREFIX_BOUND = chosen.PREFIX_BOUND, math.inf
+                kept, chosen.PREFIX_BOUND = chosen.PREFIX_BOUND, bound
                 try:
                     up = balancer.acquire(model, time.monotonic(), key=affinity_key(request.document(tenant_key), {}))
                 finally:
-                    chosen.PREFIX_BOUND = bound
-                balancer.release(up)  # no load counted: the bound is lifted anyway
+                    chosen.PREFIX_BOUND = kept
                 target = direct[up.replica_id]
             stream = await target.chat.completions.create(
                 model=model, messages=request.document()["messages"], max_tokens=request.output,
@@ -575,6 +581,8 @@ async def through_router(requests: list[Request], base_url: str, key: str, model
         except openai.OpenAIError as exc:
             failures.append(f"{type(exc).__name__}: {exc}")
         finally:
+            if up is not None:
+                balancer.release(up)
             answered[(request.conversation, request.turn)].set()
             slots.release()
 
@@ -628,8 +636,10 @@ def run_fleet(requests: list[Request], concurrency: int, blocks: int = FLEET_BLO
         profiles = {"vllm-fleet": {"engine": "vllm", "env": dict(real.VLLM_CPU_ENV), "args": args,
                                    "start_timeout": f"{FLEET_START_TIMEOUT:.0f}s"}}
         gateway = rt.start_gateway(bed, tmp, models=[], profiles=profiles)
-        for label, policy, tenant_key in (*VARIANTS, (UNBOUNDED, PREFIX, True)):
-            name = f"chat-{policy}" + ("-tenant-key" if tenant_key else "") + ("-unbounded" if label == UNBOUNDED else "")
+        bounds = dict(DIRECT)
+        for label, policy, tenant_key in (*VARIANTS, *((label, PREFIX, True) for label, _ in DIRECT)):
+            name = f"chat-{policy}" + ("-tenant-key" if tenant_key else "") + \
+                (f"-direct-{list(bounds).index(label)}" if label in bounds else "")
             began = time.monotonic()
             engines = fleet_up(bed, gateway, name, policy, weights)
             print(f"  {name}: two replicas serving on {[node for node, _, _ in engines]} "
@@ -645,11 +655,11 @@ def run_fleet(requests: list[Request], concurrency: int, blocks: int = FLEET_BLO
                     f"{node} {sorted(t for t, home in homes.items() if home == node)}" for node in sorted(FLEET_NODES)))
             warm_up(engines, name)
             by_node = {node: (url, k) for node, url, k in engines}
-            unbounded = [(rid, *by_node[node]) for rid, node in nodes.items()]
+            direct_to = [(rid, *by_node[node]) for rid, node in nodes.items()] if label in bounds else None
             _, key = rt.new_client(gateway, f"bench-{name}")
             before = [engine_counters(url, k) for _, url, k in engines]
             row = asyncio.run(through_router(requests, gateway.url + "/v1", key, name, concurrency, tenant_key,
-                                             unbounded if label == UNBOUNDED else None))
+                                             direct_to, bounds.get(label, PREFIX_BOUND)))
             after = [engine_counters(url, k) for _, url, k in engines]
             delta = [{f: a[f] - b[f] for f in ENGINE_COUNTERS} for a, b in zip(after, before, strict=True)]
             queries = sum(d["queries"] for d in delta)
