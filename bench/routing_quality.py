@@ -27,15 +27,17 @@ Three parts, one run:
    client, streamed. Each policy gets engines started for it, so neither finds the other's
    prompts in cache. Reported: the engines' own prefix-cache hit rate (deltas of
    vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total, read from each engine's
-   /metrics with its key), TTFT p50/p90, completed requests/s. About 10 to 20 minutes on 2
-   cores, most of it starting 8 engines one after another.
+   /metrics with its key), TTFT p50/p90, completed requests/s.
 
    Three rows: least-outstanding; prefix with the key taken from the content (the system prompt
    alone, since it is over 1 KiB: every conversation of a tenant goes where the tenant's prompt
    is cached); prefix with each request's `prompt_cache_key` set to its tenant (the same
-   grouping, told by the client). And a fourth that is not llmgw's router, to show what the
-   load bound costs: the tenant keys with the bound lifted, each request sent straight to the
-   engine the bench's own Balancer picks on the ring of the replicas' ids, whatever the loads.
+   grouping, told by the client). Then three rows that are not llmgw's router, to show what the
+   load bound costs: the tenant keys placed by the bench's own Balancer on the ring of the
+   replicas' ids with the bound at 1.25 (as the router, but on the bench's own counts in flight
+   and no engine queue), at 1.5, and lifted (every request of a tenant to its replica, whatever
+   the loads), each request sent straight to the engine it picked. About 10 to 20 minutes on 2
+   cores, most of it starting 12 engines one after another.
 
    The KV cache is sized so that the cache matters, as on a loaded production engine: more
    tenants than one replica's cache holds, fewer than two replicas' caches hold between them.
@@ -69,20 +71,16 @@ Three parts, one run:
    8 at a time, because with m requests in flight over two replicas the bound allows
    max(1.25 * m / 2, ceil(m / 2)) on one: up to m = 4 that is the even split, so a replica
    takes a second request of its keys only when the other holds as many; at m = 8 it may hold
-   5 of the 8. Even so the bound spills: a key's replica already holds 5 of the 7 other
-   requests in flight (binomial) about 23 % of the time when it has half of the traffic, 36 %
-   when it has 4/7 of it.
+   5 of the 8.
 
-   Why 2x least-outstanding's hit rate is out of reach with two replicas: least-outstanding
-   keeps a tenant's prompt in at most 2 caches, prefix routing in 1, so routing can at most
-   halve what each engine must hold. Where an engine's cache holds a share of what it is sent
-   (LRU with requests in random order: a hit rate about proportional to the cache over the
-   working set), halving the working set at most doubles the hit rate, and only while prefix
-   routing's own working set still does not fit; every prompt's new tokens (its last turn and
-   the partial block) miss under both, the bound spills a share of requests off their replica,
-   and an uneven split overfills one engine, each lowering the ratio below 2. The printed best
-   possible hit rate bounds prefix routing from above: the ratio can never exceed it over
-   least-outstanding's.
+   What limits the ratio to least-outstanding's hit rate: the printed best possible hit rate
+   bounds every policy, so the ratio never exceeds it over least-outstanding's. Below that, the
+   load bound: at 8 in flight a key's replica already holds 5 of the 7 other requests (binomially)
+   about 23 % of the time when it has half of the traffic, 36 % when it has 4/7 of it, more when
+   its engine runs slower; the bound sends that request to the other replica, where its tenant's
+   prompt is not cached, and caching it there evicts the prompts of the tenants that replica
+   keeps. The rows with the bench's own Balancer at bounds 1.25, 1.5 and none show what the
+   bound costs, in hit rate and in TTFT and requests/s (an uneven split overloads one engine).
 
 Workloads:
   shared  several tenants, each with a long system prompt shared by all its conversations; each
@@ -704,9 +702,10 @@ def fmt(value, spec: str) -> str:
 
 def table(title: str, rows: dict[str, dict], columns: list[tuple[str, str, str]]) -> None:
     print(f"\n{title}")
-    print("  " + "policy".ljust(20) + "".join(label.rjust(14) for label, _, _ in columns))
+    width = max(20, *(len(policy) + 2 for policy in rows))
+    print("  " + "policy".ljust(width) + "".join(label.rjust(14) for label, _, _ in columns))
     for policy, row in rows.items():
-        print("  " + policy.ljust(20) + "".join(fmt(row.get(k), spec).rjust(14) for _, k, spec in columns))
+        print("  " + policy.ljust(width) + "".join(fmt(row.get(k), spec).rjust(14) for _, k, spec in columns))
 
 
 def ratios(rows: dict[str, dict], keys: list[str]) -> str:
