@@ -29,15 +29,15 @@ Three parts, one run:
    vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total, read from each engine's
    /metrics with its key), TTFT p50/p90, completed requests/s.
 
-   Three rows: least-outstanding; prefix with the key taken from the content (the system prompt
+   Three rows through the router: least-outstanding; prefix with the key taken from the content (the system prompt
    alone, since it is over 1 KiB: every conversation of a tenant goes where the tenant's prompt
    is cached); prefix with each request's `prompt_cache_key` set to its tenant (the same
    grouping, told by the client). Then three rows that are not llmgw's router, to show what the
    load bound costs: the tenant keys placed by the bench's own Balancer on the ring of the
    replicas' ids with the bound at 1.25 (as the router, but on the bench's own counts in flight
    and no engine queue), at 1.5, and lifted (every request of a tenant to its replica, whatever
-   the loads), each request sent straight to the engine it picked. About 10 to 20 minutes on 2
-   cores, most of it starting 12 engines one after another.
+   the loads), each request sent straight to the engine it picked. About 10 minutes on 2 cores
+   (longer while other work loads them), most of it starting 12 engines one after another.
 
    The KV cache is sized so that the cache matters, as on a loaded production engine: more
    tenants than one replica's cache holds, fewer than two replicas' caches hold between them.
@@ -54,8 +54,8 @@ Three parts, one run:
    7 / 3 (266 + 40) does not. How the ring splits the keys over 2 replicas depends on the
    replicas' ids, new in every run: over 200 random pairs of ids, 10 keys split 5 / 5 47 times,
    6 / 4 83, 7 / 3 45, 8 / 2 20, 9 / 1 4 and 10 / 0 once (7 keys: 4 / 3 109, 5 / 2 64, 6 / 1 25,
-   7 / 0 2): more tenants make a lopsided split rarer, not rare. --max-model-len 2048 is the tiny model's limit
-   (max_position_embeddings).
+   7 / 0 2): more tenants make a lopsided split rarer, not rare. --max-model-len 2048 is the
+   tiny model's limit (max_position_embeddings).
 
    Printed for each policy, to show why it gets the hit rate it gets: per engine the requests,
    prompt tokens, prefix-cache hits and preemptions (its own /metrics); for prefix routing the
