@@ -27,35 +27,60 @@ Three parts, one run:
    client, streamed. Each policy gets engines started for it, so neither finds the other's
    prompts in cache. Reported: the engines' own prefix-cache hit rate (deltas of
    vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total, read from each engine's
-   /metrics with its key), TTFT p50/p90, completed requests/s. About 8 minutes on 2 cores.
+   /metrics with its key), TTFT p50/p90, completed requests/s.
 
-   Three rows: least-outstanding; prefix with the key taken from the content (the system prompt
+   Three rows through the router: least-outstanding; prefix with the key taken from the content (the system prompt
    alone, since it is over 1 KiB: every conversation of a tenant goes where the tenant's prompt
    is cached); prefix with each request's `prompt_cache_key` set to its tenant (the same
-   grouping, told by the client).
+   grouping, told by the client). Then three rows that are not llmgw's router, to show what the
+   load bound costs: the tenant keys placed by the bench's own Balancer on the ring of the
+   replicas' ids with the bound at 1.25 (as the router, but on the bench's own counts in flight
+   and no engine queue), at 1.5, and lifted (every request of a tenant to its replica, whatever
+   the loads), each request sent straight to the engine it picked. About 10 minutes on 2 cores
+   (longer while other work loads them), most of it starting 12 engines one after another.
 
    The KV cache is sized so that the cache matters, as on a loaded production engine: more
    tenants than one replica's cache holds, fewer than two replicas' caches hold between them.
-   With the tiny model a word of the system prompt is about 4.8 tokens, so 300 words plus the
-   chat template are about 1,440 tokens, 45 blocks of 32 tokens; 7 tenants are 315 blocks. Each
-   engine gets 240 blocks (--num-gpu-blocks-override 240 --block-size 32: 7,680 tokens; the
-   bench prints the engine's own "KV cache size" line). A request under way holds its whole
-   prompt, up to 1,760 tokens (55 blocks), and with 8 requests at a time about 4 run on each
-   engine. Sent to an engine that has its tenant's prompt cached, a request adds only its own
-   turns (about 10 blocks); sent to one that has not, all 55. Least-outstanding sends every
-   tenant to both engines: each would need 315 blocks for the prompts alone, more than its 240,
-   and with the tenants in rotation LRU evicts a prompt before it comes back. Keyed by tenant,
-   a 4 / 3 split of the 7 tenants puts 180 blocks of prompts on the busier engine plus 4 x 10
-   for the turns under way, which fits. How the ring splits 7 keys over 2 replicas depends on
-   the replicas' ids, new in every run: over 20 random pairs of ids, 4 / 3 11 times, 5 / 2 4
-   times, 6 / 1 5 times (a 6 / 1 split does not fit, and the bound spills the busy one's keys).
-   The prompt tokens each engine was asked for are printed beside its hit rate.
-   --max-model-len 2048 is the tiny model's limit (max_position_embeddings).
+   With the tiny model a word of the system prompt is about 4.8 tokens, so 250 words plus the
+   chat template are about 1,200 tokens, 38 blocks of 32 tokens; 10 tenants are 375 blocks. Each
+   engine gets 280 blocks (--num-gpu-blocks-override 280 --block-size 32: 8,960 tokens; the
+   bench prints the engine's own "KV cache size" line), three quarters of the tenants' prompts.
+   A request under way holds its whole prompt, up to about 1,520 tokens (48 blocks), and with 8
+   requests at a time about 4 run on each engine. Sent to an engine that has its tenant's prompt
+   cached, a request adds only its own turns (about 10 blocks); sent to one that has not, all
+   48. Least-outstanding sends every tenant to both engines: each would need 375 blocks for the
+   prompts alone, more than its 280. Keyed by tenant, a 5 / 5 split puts 190 blocks of prompts
+   on each engine plus 4 x 10 for the turns under way, which fits, as 6 / 4 does (228 + 40);
+   7 / 3 (266 + 40) does not. How the ring splits the keys over 2 replicas depends on the
+   replicas' ids, new in every run: over 200 random pairs of ids, 10 keys split 5 / 5 47 times,
+   6 / 4 83, 7 / 3 45, 8 / 2 20, 9 / 1 4 and 10 / 0 once (7 keys: 4 / 3 109, 5 / 2 64, 6 / 1 25,
+   7 / 0 2): more tenants make a lopsided split rarer, not rare. --max-model-len 2048 is the
+   tiny model's limit (max_position_embeddings).
+
+   Printed for each policy, to show why it gets the hit rate it gets: per engine the requests,
+   prompt tokens, prefix-cache hits and preemptions (its own /metrics); for prefix routing the
+   ring's first choice for each tenant, and the share of requests that went there ("on ring
+   home"; the bound sent the rest to the other replica); per tenant the engine each of its
+   requests reached, from the engines' own logs (--enable-log-requests logs the id of every
+   request, which the client sees in the stream); the share of prompt tokens found cached per
+   turn (--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens). And the
+   best possible hit rate of the workload: every request finding the longest prefix it shares
+   with any earlier prompt in one cache that never evicts, in whole blocks, counted with the
+   engine's own tokenizer and chat template.
 
    8 at a time, because with m requests in flight over two replicas the bound allows
    max(1.25 * m / 2, ceil(m / 2)) on one: up to m = 4 that is the even split, so a replica
    takes a second request of its keys only when the other holds as many; at m = 8 it may hold
    5 of the 8.
+
+   What limits the ratio to least-outstanding's hit rate: the printed best possible hit rate
+   bounds every policy, so the ratio never exceeds it over least-outstanding's. Below that, the
+   load bound: at 8 in flight a key's replica already holds 5 of the 7 other requests (binomially)
+   about 23 % of the time when it has half of the traffic, 36 % when it has 4/7 of it, more when
+   its engine runs slower; the bound sends that request to the other replica, where its tenant's
+   prompt is not cached, and caching it there evicts the prompts of the tenants that replica
+   keeps. The rows with the bench's own Balancer at bounds 1.25, 1.5 and none show what the
+   bound costs, in hit rate and in TTFT and requests/s (an uneven split overloads one engine).
 
 Workloads:
   shared  several tenants, each with a long system prompt shared by all its conversations; each
@@ -94,6 +119,10 @@ from llmgw.contracts.endpoints import Endpoint  # noqa: E402
 
 POLICIES = (LEAST_OUTSTANDING, PREFIX)
 TENANT_KEY = "prefix, tenant key"  # prefix routing with each request's `prompt_cache_key` set to its tenant
+# The real part only, not llmgw's router: the tenant keys placed by the bench's own Balancer with
+# another load bound, each request sent straight to the engine (what the bound costs).
+DIRECT = (("tenant key, bound 1.25, bench", PREFIX_BOUND), ("tenant key, bound 1.5, bench", 1.5),
+          ("tenant key, no bound, bench", math.inf))
 VARIANTS = ((LEAST_OUTSTANDING, LEAST_OUTSTANDING, False), (PREFIX, PREFIX, False), (TENANT_KEY, PREFIX, True))
 TENANTS = 32
 CONVERSATION_RATE = 3.5
@@ -346,23 +375,94 @@ def run_doubles(requests: list[Request], variants, knobs: dict, replicas: int = 
 FLEET_NODES = ("cpu1", "cpu2")
 FLEET_START_TIMEOUT = 300.0  # a vLLM loading on a busy 2-core machine
 FLEET_BLOCK = 32  # tokens per KV-cache block
-FLEET_BLOCKS = 240  # per engine: 7,680 tokens, see the module docstring
+FLEET_BLOCKS = 280  # per engine: 8,960 tokens, see the module docstring
 FLEET_MAX_LEN = 2048  # the tiny model's max_position_embeddings
 
 
-def engine_counters(url: str, key: str) -> tuple[float, float]:
-    """vllm:prefix_cache_hits_total and vllm:prefix_cache_queries_total of one engine, in tokens."""
+# What each engine is asked for, from its own /metrics: counters summed over their labels.
+ENGINE_COUNTERS = {"hits": "vllm:prefix_cache_hits_total", "queries": "vllm:prefix_cache_queries_total",
+                   "requests": "vllm:request_success_total", "prompt": "vllm:prompt_tokens_total",
+                   "preempted": "vllm:num_preemptions_total"}
+
+
+def engine_counters(url: str, key: str) -> dict[str, float]:
+    """ENGINE_COUNTERS of one engine (tokens, requests, preemptions)."""
     import urllib.request
     request = urllib.request.Request(url + "/metrics", headers={"Authorization": "Bearer " + key})
     with urllib.request.urlopen(request, timeout=30) as response:
         text = response.read().decode()
-    hits = queries = 0.0
+    found = dict.fromkeys(ENGINE_COUNTERS, 0.0)
     for line in text.splitlines():
-        if line.startswith("vllm:prefix_cache_hits_total"):
-            hits += float(line.split()[-1])
-        elif line.startswith("vllm:prefix_cache_queries_total"):
-            queries += float(line.split()[-1])
-    return hits, queries
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for counter, metric in ENGINE_COUNTERS.items():
+            if name == metric:
+                found[counter] += float(line.split()[-1])
+    return found
+
+
+def engine_log(gateway, replica_id: str) -> str:
+    """The whole log of a replica's engine (its start-up lines and one line per request it received)."""
+    status, answer = gateway.admin(f"/api/replicas/{replica_id}/logs?lines=100000")
+    assert status == 200, answer
+    return "\n".join(answer["lines"])
+
+
+def best_hit_rate(requests: list[Request], model_dir: Path, block: int) -> float | None:
+    """The most any cache could give this workload, in the engine's own tokens: every request finds
+    cached the longest prefix it shares with any earlier prompt (one cache, never evicting), in whole
+    blocks and short of its last token, as vLLM counts; None when the tokenizer cannot run. Answers'
+    own tokens are left out: the next turn resends the bench's fixed answer text, not what was generated."""
+    import subprocess
+
+    from tests.testbed import engines as real
+    script = ("import json, sys\nfrom transformers import AutoTokenizer\n"
+              "t = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+              "for line in sys.stdin:\n"
+              "    ids = t.apply_chat_template(json.loads(line), add_generation_prompt=True, tokenize=True)\n"
+              "    print(json.dumps(list(ids['input_ids'] if isinstance(ids, dict) or hasattr(ids, 'keys') else ids)))\n")
+    lines = "".join(json.dumps(r.document()["messages"]) + "\n" for r in requests)
+    done = subprocess.run([str(real.VLLM_PYTHON), "-c", script, str(model_dir)], input=lines, capture_output=True,
+                          text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    if done.returncode != 0:
+        print(f"  (no best possible hit rate: the tokenizer failed: {done.stderr.strip()[-300:]})")
+        return None
+    prompts = [tuple(json.loads(line)) for line in done.stdout.splitlines()]
+    seen: set[tuple] = set()  # every whole-block prefix of every earlier prompt
+    hits = total = 0
+    for ids in prompts:
+        cached = 0
+        while cached + block <= len(ids) - 1 and ids[:cached + block] in seen:
+            cached += block
+        hits += cached
+        total += len(ids)
+        seen.update(ids[:end] for end in range(block, len(ids) + 1, block))
+    return hits / total if total else None
+
+
+def ring_homes(replica_ids: dict[str, str], requests: list[Request], tenant_key: bool) -> dict[int, str]:
+    """tenant -> the node its affinity key's first choice on the ring is on (every replica idle):
+    where prefix routing sends the tenant while loads stay within the bound."""
+    balancer = Balancer()
+    balancer.replace({"m": [Endpoint(rid, "m", f"x://{rid}", None) for rid in replica_ids]}, {"m": PREFIX})
+    homes = {}
+    for request in requests:
+        if request.tenant not in homes:
+            up = balancer.acquire("m", 0.0, key=affinity_key(request.document(tenant_key), {}))
+            balancer.release(up)
+            homes[request.tenant] = replica_ids[up.replica_id]
+    return dict(sorted(homes.items()))
+
+
+def placements(answers: list[dict], logs: dict[str, str]) -> dict[int, dict[str, int]]:
+    """tenant -> node -> requests, from the engines' own logs: each engine logs the id of every
+    request it receives (--enable-log-requests), and the client saw that id in the stream."""
+    found: dict[int, dict[str, int]] = {}
+    for answer in answers:
+        nodes = [node for node, text in logs.items() if answer["id"] and answer["id"] in text]
+        node = nodes[0] if len(nodes) == 1 else "?"
+        per = found.setdefault(answer["tenant"], {})
+        per[node] = per.get(node, 0) + 1
+    return dict(sorted(found.items()))
 
 
 def fleet_engines(bed, gateway, name: str) -> list[tuple[str, str, str]]:
@@ -419,38 +519,68 @@ def warm_up(engines, served: str) -> None:
 
 
 async def through_router(requests: list[Request], base_url: str, key: str, model: str, concurrency: int,
-                         tenant_key: bool = False) -> dict:
+                         tenant_key: bool = False, direct_to: list | None = None, bound: float = PREFIX_BOUND) -> dict:
     """The requests as streamed chat completions through llmgw's router with the official openai
     client, in their order, `concurrency` at a time; a turn is sent once its conversation's
-    previous turn has been answered."""
+    previous turn has been answered.
+
+    With `direct_to` (the engines' (replica id, url, key)), not through the router but straight to
+    the engine that this process's own Balancer picks by prefix with the load `bound` (infinite:
+    every request of a key goes to the key's replica on the ring, whatever the loads)."""
     import openai
     client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600)
+    direct = balancer = None
+    if direct_to is not None:
+        direct = {rid: openai.AsyncOpenAI(base_url=url + "/v1", api_key=k, max_retries=0, timeout=600)
+                  for rid, url, k in direct_to}
+        balancer = Balancer()
+        balancer.replace({model: [Endpoint(rid, model, url, k) for rid, url, k in direct_to]}, {model: PREFIX})
     answered: dict[tuple[int, int], asyncio.Event] = {(r.conversation, r.turn): asyncio.Event() for r in requests}
     slots = asyncio.Semaphore(concurrency)
     ttfts: list[float] = []
     prompt_tokens: list[int] = []
     failures: list[str] = []
+    answers: list[dict] = []
 
     async def send(request: Request) -> None:
+        answer = {"tenant": request.tenant, "conversation": request.conversation, "turn": request.turn,
+                  "id": None, "prompt": None, "cached": None}
+        answers.append(answer)
+        up = None
         try:
             started = time.monotonic()
             first = None
             extra = {"ignore_eos": True}
             if tenant_key:
                 extra["prompt_cache_key"] = f"tenant-{request.tenant}"
-            stream = await client.chat.completions.create(
+            target = client
+            if balancer is not None:  # counted in flight until its answer ends, as the router does
+                import llmgw.router.balancer as chosen
+                kept, chosen.PREFIX_BOUND = chosen.PREFIX_BOUND, bound
+                try:
+                    up = balancer.acquire(model, time.monotonic(), key=affinity_key(request.document(tenant_key), {}))
+                finally:
+                    chosen.PREFIX_BOUND = kept
+                target = direct[up.replica_id]
+            stream = await target.chat.completions.create(
                 model=model, messages=request.document()["messages"], max_tokens=request.output,
                 stream=True, stream_options={"include_usage": True}, extra_body=extra)
             async for chunk in stream:
+                answer["id"] = answer["id"] or chunk.id
                 if first is None and chunk.choices and chunk.choices[0].delta.content:
                     first = time.monotonic() - started
                 if chunk.usage is not None:
                     prompt_tokens.append(chunk.usage.prompt_tokens)
+                    answer["prompt"] = chunk.usage.prompt_tokens
+                    details = chunk.usage.prompt_tokens_details
+                    answer["cached"] = details.cached_tokens if details is not None else None
             if first is not None:
                 ttfts.append(first)
         except openai.OpenAIError as exc:
             failures.append(f"{type(exc).__name__}: {exc}")
         finally:
+            if up is not None:
+                balancer.release(up)
             answered[(request.conversation, request.turn)].set()
             slots.release()
 
@@ -467,13 +597,15 @@ async def through_router(requests: list[Request], base_url: str, key: str, model
     await dispatch()
     elapsed = time.monotonic() - started
     await client.close()
+    for other in (direct or {}).values():
+        await other.close()
     return {"ttft_p50": percentile(ttfts, 50) if ttfts else None, "ttft_p90": percentile(ttfts, 90) if ttfts else None,
             "rps": len(ttfts) / elapsed, "failures": len(failures), "failure_reasons": failures[:3],
             "requests": len(ttfts), "prompt_tokens": statistics.fmean(prompt_tokens) if prompt_tokens else None,
-            "seconds": elapsed}
+            "seconds": elapsed, "answers": answers}
 
 
-def run_fleet(requests: list[Request], concurrency: int) -> dict[str, dict]:
+def run_fleet(requests: list[Request], concurrency: int, blocks: int = FLEET_BLOCKS) -> dict[str, dict]:
     """Both policies on two real vLLM replicas on two testbed nodes (real sshd hosts), one policy
     after the other, each on engines started fresh for it (no cache carried over)."""
     from tests.integration import real_engines as rt
@@ -494,35 +626,62 @@ def run_fleet(requests: list[Request], concurrency: int) -> dict[str, dict]:
     gateway = None
     try:
         weights = rt.publish_hf_dir(bed, "tiny/chat", made["chat"])
+        # Each engine logs the id of every request it receives, and answers with the cached
+        # prompt tokens in usage: which engine served each request, and what it found cached.
         args = ["--max-model-len", str(FLEET_MAX_LEN), "--block-size", str(FLEET_BLOCK),
-                "--num-gpu-blocks-override", str(FLEET_BLOCKS)]
+                "--num-gpu-blocks-override", str(blocks), "--enable-log-requests",
+                "--enable-prompt-tokens-details"]
         profiles = {"vllm-fleet": {"engine": "vllm", "env": dict(real.VLLM_CPU_ENV), "args": args,
                                    "start_timeout": f"{FLEET_START_TIMEOUT:.0f}s"}}
         gateway = rt.start_gateway(bed, tmp, models=[], profiles=profiles)
-        for label, policy, tenant_key in VARIANTS:
-            name = f"chat-{policy}" + ("-tenant-key" if tenant_key else "")
+        bounds = dict(DIRECT)
+        for label, policy, tenant_key in (*VARIANTS, *((label, PREFIX, True) for label, _ in DIRECT)):
+            name = f"chat-{policy}" + ("-tenant-key" if tenant_key else "") + \
+                (f"-direct-{list(bounds).index(label)}" if label in bounds else "")
             began = time.monotonic()
             engines = fleet_up(bed, gateway, name, policy, weights)
             print(f"  {name}: two replicas serving on {[node for node, _, _ in engines]} "
                   f"after {time.monotonic() - began:.0f} s", flush=True)
-            for replica in rt.serving(gateway, name):  # the engines' own word on their cache size
-                said = [line.split("] ", 1)[-1] for line in rt.engine_log(gateway, replica["id"]).splitlines()
+            nodes = {replica["id"]: replica["shards"][0]["node"] for replica in rt.serving(gateway, name)}
+            for rid, node in sorted(nodes.items(), key=lambda item: item[1]):  # the engines' own word on their cache
+                said = [line.split("] ", 1)[-1] for line in engine_log(gateway, rid).splitlines()
                         if "KV cache size" in line]
-                print(f"    {replica['shards'][0]['node']}: {said[-1] if said else 'no KV cache size in its log'}")
+                print(f"    {node}: {said[-1] if said else 'no KV cache size in its log'}")
+            if policy == PREFIX:
+                homes = ring_homes(nodes, requests, tenant_key)
+                print("    the ring's first choice per tenant: " + ", ".join(
+                    f"{node} {sorted(t for t, home in homes.items() if home == node)}" for node in sorted(FLEET_NODES)))
             warm_up(engines, name)
+            by_node = {node: (url, k) for node, url, k in engines}
+            direct_to = [(rid, *by_node[node]) for rid, node in nodes.items()] if label in bounds else None
             _, key = rt.new_client(gateway, f"bench-{name}")
             before = [engine_counters(url, k) for _, url, k in engines]
-            row = asyncio.run(through_router(requests, gateway.url + "/v1", key, name, concurrency, tenant_key))
+            row = asyncio.run(through_router(requests, gateway.url + "/v1", key, name, concurrency, tenant_key,
+                                             direct_to, bounds.get(label, PREFIX_BOUND)))
             after = [engine_counters(url, k) for _, url, k in engines]
-            hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
-            queries = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
-            row["hit_rate"] = sum(hits) / sum(queries) if sum(queries) else None
-            row["per_engine"] = [(node, int(q), (h / q) if q else None)
-                                 for (node, _, _), h, q in zip(engines, hits, queries, strict=True)]
+            delta = [{f: a[f] - b[f] for f in ENGINE_COUNTERS} for a, b in zip(after, before, strict=True)]
+            queries = sum(d["queries"] for d in delta)
+            row["hit_rate"] = sum(d["hits"] for d in delta) / queries if queries else None
             rows[label] = row
             print(f"  {name}: {row['requests']} answered in {row['seconds']:.0f} s, {row['failures']} failed "
-                  f"{row['failure_reasons']}; prompt tokens queried / hit rate per engine: "
-                  + ", ".join(f"{node} {q} / {fmt(r, '.3f')}" for node, q, r in row["per_engine"]), flush=True)
+                  f"{row['failure_reasons']}", flush=True)
+            for (node, _, _), d in zip(engines, delta, strict=True):
+                print(f"    {node}: {d['requests']:.0f} requests, {d['prompt']:.0f} prompt tokens, prefix cache "
+                      f"{d['hits']:.0f} hit of {d['queries']:.0f} queried ("
+                      f"{fmt(d['hits'] / d['queries'] if d['queries'] else None, '.3f')}), "
+                      f"{d['preempted']:.0f} preempted")
+            logs = {node: engine_log(gateway, rid) for rid, node in nodes.items()}
+            placed = placements(row["answers"], logs)
+            print("    requests per tenant per engine (engine logs): " + "; ".join(
+                f"t{t} " + " ".join(f"{n} {c}" for n, c in sorted(per.items())) for t, per in placed.items()))
+            if policy == PREFIX:  # the rest went elsewhere because the bound spilled them
+                row["on_home"] = sum(per.get(homes[t], 0) for t, per in placed.items()) / len(row["answers"])
+            answers = row.pop("answers")
+            for turn in sorted({a["turn"] for a in answers}):
+                these = [a for a in answers if a["turn"] == turn and a["prompt"] and a["cached"] is not None]
+                if these:
+                    print(f"    turn {turn}: {len(these)} requests, prompt {statistics.fmean(a['prompt'] for a in these):.0f} "
+                          f"tokens, cached {sum(a['cached'] for a in these) / sum(a['prompt'] for a in these):.3f}")
             status, answer = gateway.admin(f"/api/models/{name}", "DELETE")
             assert status == 200, answer
             from tests.integration.gateway import wait_for
@@ -543,9 +702,10 @@ def fmt(value, spec: str) -> str:
 
 def table(title: str, rows: dict[str, dict], columns: list[tuple[str, str, str]]) -> None:
     print(f"\n{title}")
-    print("  " + "policy".ljust(20) + "".join(label.rjust(14) for label, _, _ in columns))
+    width = max(20, *(len(policy) + 2 for policy in rows))
+    print("  " + "policy".ljust(width) + "".join(label.rjust(14) for label, _, _ in columns))
     for policy, row in rows.items():
-        print("  " + policy.ljust(20) + "".join(fmt(row.get(k), spec).rjust(14) for _, k, spec in columns))
+        print("  " + policy.ljust(width) + "".join(fmt(row.get(k), spec).rjust(14) for _, k, spec in columns))
 
 
 def ratios(rows: dict[str, dict], keys: list[str]) -> str:
@@ -567,10 +727,12 @@ def main() -> None:
                         help="also 16 engine doubles with the simulated prefix cache, over HTTP in wall-clock time")
     parser.add_argument("--fleet", action="store_true",
                         help="also the real part: two vLLM replicas on two testbed nodes (root; several minutes)")
-    parser.add_argument("--system-words", type=int, default=300,
+    parser.add_argument("--system-words", type=int, default=250,
                         help="real part: words of each tenant's system prompt (about 4.8 tokens each with the tiny model)")
-    parser.add_argument("--tenants", type=int, default=7, help="real part: tenants (one system prompt each)")
-    parser.add_argument("--conversations", type=int, default=4, help="real part: conversations per tenant")
+    parser.add_argument("--tenants", type=int, default=10, help="real part: tenants (one system prompt each)")
+    parser.add_argument("--conversations", type=int, default=6, help="real part: conversations per tenant")
+    parser.add_argument("--blocks", type=int, default=FLEET_BLOCKS,
+                        help=f"real part: KV-cache blocks of {FLEET_BLOCK} tokens per engine")
     parser.add_argument("--max-tokens", type=int, default=16, help="real part: output tokens a request")
     parser.add_argument("--concurrency", type=int, default=8, help="real part: requests at a time")
     args = parser.parse_args()
@@ -651,17 +813,25 @@ def main() -> None:
                                 f"tenant {tenant} system prompt")
             request.output = args.max_tokens
         print(f"\nREAL vLLM through llmgw: two replicas on testbed nodes {', '.join(FLEET_NODES)} (vLLM "
-              f"{FLEET_BLOCKS} KV blocks of {FLEET_BLOCK} tokens each, --max-model-len {FLEET_MAX_LEN}, one OpenMP "
+              f"{args.blocks} KV blocks of {FLEET_BLOCK} tokens each, --max-model-len {FLEET_MAX_LEN}, one OpenMP "
               f"thread); shared workload: {args.tenants} tenants x {args.conversations} conversations x 3 turns = "
               f"{len(fleet)} requests, conversations in tenant rotation and their turns interleaved, system prompts of {args.system_words} words, "
               f"+12 user words a turn, {args.max_tokens} output tokens, {args.concurrency} requests at a time, "
               "streamed through the router", flush=True)
-        rows = run_fleet(fleet, args.concurrency)
+        from tests.testbed import engines as real
+        best = best_hit_rate(fleet, real.models()["chat"], FLEET_BLOCK) if real.missing("vllm") is None else None
+        print(f"  best possible hit rate of this workload (one cache that never evicts, every tenant on it): "
+              f"{fmt(best, '.3f')}", flush=True)
+        rows = run_fleet(fleet, args.concurrency, args.blocks)
         table("real vLLM x2 through llmgw, shared-prefix workload (engines' own prefix-cache counters)", rows,
               [("hit rate", "hit_rate", ".3f"), ("TTFT p50 s", "ttft_p50", ".3f"),
                ("TTFT p90 s", "ttft_p90", ".3f"), ("req/s", "rps", ".3f"), ("prompt tok", "prompt_tokens", ".0f"),
-               ("failures", "failures", "d")])
+               ("on ring home", "on_home", ".1%"), ("failures", "failures", "d")])
         print("  " + ratios(rows, ["hit_rate", "ttft_p50", "ttft_p90", "rps"]))
+        base = rows[LEAST_OUTSTANDING]["hit_rate"]
+        if base is not None and best is not None:
+            print(f"  2x least-outstanding's hit rate is {2 * base:.3f}; the best possible is {best:.3f} "
+                  f"({best / base:.2f}x least-outstanding)")
     print(json.dumps({"quick": args.quick, "seed": args.seed}))
 
 

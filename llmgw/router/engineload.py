@@ -202,13 +202,16 @@ class EnginePoller:
     async def poll_once(self) -> bool:
         """One reading of every endpoint; True when an endpoint's slot count changed."""
         ups = self.balancer.upstreams()
+        asked = [up.outstanding for up in ups]
         readings = await asyncio.gather(*(self._read(up) for up in ups), return_exceptions=True)
         changed = False
-        for up, reading in zip(ups, readings, strict=True):
+        for up, reading, before in zip(ups, readings, asked, strict=True):
             if isinstance(reading, BaseException):
                 reading = None
             up.engine = reading
-            up.queued = others(reading, up.outstanding)
+            # The engine counted ours at some moment during the poll: those in flight when it was
+            # asked that have ended since, and those sent since; the larger count takes both out.
+            up.queued = others(reading, max(before, up.outstanding))
             if reading is not None and reading.slots is not None and reading.slots != up.slots:
                 up.slots = reading.slots
                 changed = True

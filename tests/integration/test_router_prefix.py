@@ -73,6 +73,29 @@ async def test_r6_5c_explicit_key_wins_over_content(prefix_gateway):
     assert len(seen) == 1
 
 
+async def test_r6_5c_prompt_cache_key_from_the_openai_client_keeps_a_tenant_on_one_engine(prefix_gateway):
+    """The client's `prompt_cache_key`, as its own argument or in extra_body, reaches the key rule."""
+    gw, doubles = prefix_gateway
+    client = gw.client()
+    homes = {}
+    for tenant in range(6):
+        seen = set()
+        for i in range(4):
+            before = counts(doubles)
+            messages = [{"role": "user", "content": f"tenant {tenant}, unrelated question {i}"}]
+            if i % 2:
+                await client.chat.completions.create(model="m", max_tokens=2, messages=messages,
+                                                     prompt_cache_key=f"tenant-{tenant}")
+            else:
+                await client.chat.completions.create(model="m", max_tokens=2, messages=messages,
+                                                     extra_body={"prompt_cache_key": f"tenant-{tenant}"})
+            seen.add(served_by(doubles, before))
+        assert len(seen) == 1, f"tenant {tenant} went to {seen}"
+        homes[tenant] = seen.pop()
+    print("tenant -> engine:", homes)
+    assert len(set(homes.values())) > 1  # the tenants are spread over the replicas
+
+
 async def test_r6_5e_router_polls_engine_load_with_the_key(prefix_gateway):
     gw, doubles = prefix_gateway
     # The background poll runs once a second; one poll by hand makes the test independent of it.

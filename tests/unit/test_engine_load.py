@@ -293,3 +293,31 @@ async def test_r6_17_poller_reads_slots_alone_from_a_llama_server_without_metric
     assert (b.engine_load("plain").slots, b.engine_load("plain").running) == (3, 1)
     bare_load = b.engine_load("bare")
     assert (bare_load.source, bare_load.slots, bare_load.running, bare_load.waiting) == ("llama-server", 3, None, None)
+
+
+async def test_r6_5a_a_request_that_ends_during_the_poll_is_not_left_as_the_engines_queue():
+    """The engine counts a request of ours that ends while its /metrics answer is on the way: that
+    request is not the engine's own load once it has ended here (else it weighs on the replica, and
+    on prefix routing's bound, until the next poll)."""
+    b = Balancer()
+    ours: list = []
+
+    async def handler(request: web.Request) -> web.Response:
+        b.release(ours.pop())  # counted by the engine below, ended here before its answer arrives
+        return web.Response(text='vllm:num_requests_waiting{engine="0"} 0.0\nvllm:num_requests_running{engine="0"} 3.0\n')
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    b.replace({"m": [Endpoint("e", "m", url, "k")]})
+    ours.extend(b.acquire("m", 1.0) for _ in range(3))  # the engine's 3 are all ours
+    try:
+        async with aiohttp.ClientSession() as session:
+            await EnginePoller(b, session).poll_once()
+    finally:
+        await runner.cleanup()
+    up = b.endpoints("m")[0]
+    assert (up.outstanding, up.queued) == (2, 0)
