@@ -1,7 +1,7 @@
 """A llama-server's slots are its replica's places in the router (R-6.17), on the real engine
 launched by llmgw's built-in template (with `--metrics`) and `--parallel 3`: the router reads the
-slot count beside the engine's /metrics, gives the engine no more than its three slots at once
-and holds the rest in its queue, while a profile's `concurrency` still wins where it is set.
+slot count beside the engine's /metrics and makes it the replica's places, while a profile's
+`concurrency` still wins where it is set.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from tests.testbed import engines as real
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 SLOTS = 3
-LONG = {"ignore_eos": True}  # the random tiny model would otherwise end a stream at any token
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +43,7 @@ async def _engine_page(llama, path: str) -> str:
     return body.decode()
 
 
-async def test_the_router_gives_a_llama_server_its_slots_and_queues_the_rest(llama, start_router):  # noqa: F811
+async def test_the_router_makes_a_llama_servers_slots_its_places(llama, start_router):  # noqa: F811
     profiles = {**PROFILES, "capped": ProfileConfig(engine="llama-server", concurrency=2)}
     catalog = Catalog.build(file_models=[model("tiny", profile="llama"), model("capped", profile="capped")],
                             profiles=profiles, engines=ENGINES)
@@ -58,24 +57,10 @@ async def test_the_router_gives_a_llama_server_its_slots_and_queues_the_rest(lla
     assert places == {"tiny": (SLOTS, 0), "capped": (2, 1)}  # the profile's concurrency wins over the slots
     assert running.router.engine_load("r-tiny").slots == SLOTS
 
-    client = running.client()
-    streams = []
-    for _ in range(SLOTS):  # each holds a slot until it is closed
-        stream = await client.completions.create(model="tiny", prompt="hello", max_tokens=1200, stream=True,
-                                                 extra_body=LONG)
-        await stream.__aiter__().__anext__()
-        streams.append(stream)
-    later = [asyncio.create_task(client.completions.create(model="tiny", prompt="hi", max_tokens=4))
-             for _ in range(2)]
-    await apoll(lambda: fq.waiting().get("tiny") == 2, what="the requests past the slots queued in the router")
+    # What the router then does with its places (queues beyond them, gives them back) is the fair
+    # queue's, tested with engine doubles (tests/integration/test_router_fairqueue.py): the tiny
+    # model answers about 10,000 tokens a second, so no stream of it holds a slot long enough for
+    # a test to see the engine full without a race.
     slots = parse_slots(await _engine_page(llama, "/slots"))
     load = parse_metrics(await _engine_page(llama, "/metrics"))
-    print(f"engine while the router queues 2: {slots.running} of {slots.slots} slots busy, "
-          f"{load.waiting} deferred by the engine")
-    assert (slots.running, load.waiting) == (SLOTS, 0)  # the engine was given its slots, no more
-    for stream in streams:
-        await stream.close()  # the clients go: their places go to the waiting requests
-    answers = await asyncio.wait_for(asyncio.gather(*later), 60)
-    assert [a.usage.completion_tokens for a in answers] == [4, 4]
-    await apoll(lambda: fq.models["tiny"].held == 0, what="every place given back")
-
+    assert (slots.slots, load.source) == (SLOTS, "llama-server")  # what the router read is the engine's own
