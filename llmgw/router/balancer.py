@@ -18,7 +18,13 @@ choice possible (the least loaded replica is always within it); rounding up only
 chosen replica within PREFIX_BOUND times the mean wherever the counts allow it, and at the even
 spread where they do not (about one request per replica, where any rounded-up multiple of the
 mean would let one replica hold two or three times it). A replica joining or leaving moves only
-the keys whose first choice it is. Routers agree while loads are within the
+the keys whose first choice it is. A replica whose engine said at its last poll that nothing
+waits in it (a known `waiting` of 0: vLLM's num_requests_waiting, llama-server's deferred
+requests, SGLang's queue) has the looser bound IDLE_ENGINE_BOUND instead: while the engine runs
+everything it is given, a request kept on the replica that caches its prefix waits for nothing,
+and one spilled pays its whole prefill elsewhere and evicts that engine's own keys; once the
+engine queues, the tight bound applies again. An engine that does not report its queue gets the
+tight bound. Routers agree while loads are within the
 bound; near it, each sees its own in-flight counts and the queue as of its last poll, so two
 routers may spill the same key to different replicas.
 
@@ -39,14 +45,24 @@ EJECT_SECONDS = 5.0  # long enough to stop hammering a dead engine, short enough
 LEAST_OUTSTANDING = "least-outstanding"
 PREFIX = "prefix"
 PREFIX_BOUND = 1.25  # over the mean load with the request counted; see the module docstring
+# The bound for a replica whose engine said at its last poll that it queues nothing: room there
+# costs no wait, and a request sent elsewhere pays its whole prefill again and evicts what the
+# other engine had cached for its own keys.
+IDLE_ENGINE_BOUND = 2.0
 RING_POINTS = 64  # per replica: enough that shares stay within a few percent of even
 
 
-def bound_capacity(total: int, replicas: int) -> float:
+def bound_capacity(total: int, replicas: int, bound: float = PREFIX_BOUND) -> float:
     """The most load a replica may have after taking one more request, `total` being in flight
-    over `replicas` before it: PREFIX_BOUND times the mean, or the even spread when that is less."""
+    over `replicas` before it: `bound` times the mean, or the even spread when that is less."""
     placed = total + 1
-    return max(PREFIX_BOUND * placed / replicas, -(-placed // replicas))
+    return max(bound * placed / replicas, -(-placed // replicas))
+
+
+def _queues_nothing(up: Upstream) -> bool:
+    """The engine said at its last poll that no request waits in it (unknown is not nothing)."""
+    engine = up.engine
+    return engine is not None and engine.waiting == 0
 
 
 def ring_hash(data: bytes) -> int:
@@ -236,6 +252,7 @@ class Balancer:
             return None
         total = sum(up.outstanding + up.queued for up in eligible)
         capacity = bound_capacity(total, len(eligible))
+        idle_capacity = bound_capacity(total, len(eligible), IDLE_ENGINE_BOUND)
         points, owners = pool.ring()
         size = len(points)
         start = bisect.bisect_left(points, ring_hash(key))
@@ -247,8 +264,10 @@ class Balancer:
             if marker in seen:
                 continue
             seen.add(marker)
-            if marker in allowed and up.outstanding + up.queued + 1 <= capacity:
-                return up
+            if marker in allowed:
+                load = up.outstanding + up.queued + 1
+                if load <= capacity or (load <= idle_capacity and _queues_nothing(up)):
+                    return up
             if len(seen) >= len(pool.members):
                 break
         return min(eligible, key=lambda up: up.outstanding + up.queued)

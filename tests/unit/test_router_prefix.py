@@ -6,7 +6,8 @@ import math
 import random
 
 from llmgw.router.affinity import KEY_BYTES, affinity_key
-from llmgw.router.balancer import LEAST_OUTSTANDING, PREFIX, PREFIX_BOUND, Balancer, bound_capacity
+from llmgw.contracts.feed import EngineLoad
+from llmgw.router.balancer import IDLE_ENGINE_BOUND, LEAST_OUTSTANDING, PREFIX, PREFIX_BOUND, Balancer, bound_capacity
 from llmgw.contracts.endpoints import Endpoint
 
 
@@ -116,6 +117,41 @@ def test_r6_5_engine_queue_counts_toward_the_bound():
     b.release(home)
     home.queued = 50  # the engine reports a long queue llmgw did not send
     assert b.acquire("m", 1.0, key=key) is not home
+
+
+def test_r6_5_an_engine_that_queues_nothing_keeps_its_keys_up_to_the_looser_bound():
+    """While the home engine says nothing waits in it, the key stays there up to IDLE_ENGINE_BOUND
+    times the mean; once it reports a queue, or when it does not report one, the tight bound.
+    One key sent again and again, every request held: the case where affinity pulls hardest."""
+    key = b"tenant A"
+
+    def home_takes(replicas: int, waiting, most: int = 40) -> int:
+        b = prefix_balancer(replicas)
+        home = b.acquire("m", 1.0, key=key)
+        b.release(home)
+        for up in b.endpoints("m"):
+            up.engine = None if waiting is None else EngineLoad("vllm", waiting=waiting, running=0)
+            if up is not home:
+                up.queued = 2  # the other replicas busy with other clients' requests
+        for taken in range(most):
+            if b.acquire("m", 1.0, key=key) is not home:
+                return taken
+        return most
+    for replicas in (2, 4):
+        idle, queueing, unknown = (home_takes(replicas, w) for w in (0, 1, None))
+        print(f"{replicas} replicas: requests the home replica took before one spilled: engine idle {idle}, "
+              f"queueing {queueing}, not reporting {unknown}")
+        assert queueing == unknown  # unknown is not "nothing waits"
+        assert idle > queueing
+        others = 2 * (replicas - 1)
+        # Where it spilled, the next request was over that bound and the last one within it.
+        assert unknown + 1 > bound_capacity(others + unknown, replicas)
+        assert unknown <= bound_capacity(others + unknown - 1, replicas)
+        if replicas == 2:
+            assert idle == 40  # twice the mean of two is all of them: the engine's own queue is the limit
+        else:
+            assert idle + 1 > bound_capacity(others + idle, replicas, IDLE_ENGINE_BOUND)
+            assert idle <= bound_capacity(others + idle - 1, replicas, IDLE_ENGINE_BOUND)
 
 
 def test_r6_5_removed_replica_remaps_only_its_keys():
