@@ -68,10 +68,12 @@ Three parts, one run:
    with any earlier prompt in one cache that never evicts, in whole blocks, counted with the
    engine's own tokenizer and chat template.
 
-   8 at a time, because with m requests in flight over two replicas the bound allows
+   8 at a time, because with m requests in flight over two replicas the tight bound allows
    max(1.25 * m / 2, ceil(m / 2)) on one: up to m = 4 that is the even split, so a replica
    takes a second request of its keys only when the other holds as many; at m = 8 it may hold
-   5 of the 8.
+   5 of the 8. The router's looser bound for an engine that reports nothing waiting (2x the
+   mean: all 8 with two replicas) applies while vLLM runs everything it is given; the diagnostic
+   rows use the tight bound or none.
 
    What limits the ratio to least-outstanding's hit rate: the printed best possible hit rate
    bounds every policy, so the ratio never exceeds it over least-outstanding's. Below that, the
