@@ -143,11 +143,8 @@ def test_r6_5_malformed_slots_are_refused(text):
         parse_slots(text)
 
 
-async def engine(pages: dict[str, tuple[int, str]], seen: list):
-    async def handler(request: web.Request) -> web.Response:
-        seen.append((request.path, request.headers.get("Authorization")))
-        status, body = pages.get(request.path, (404, "not found"))
-        return web.Response(status=status, text=body)
+async def serving(handler) -> tuple[web.AppRunner, str]:
+    """An engine answering every GET with `handler` on a port of its own: (runner, url)."""
     app = web.Application()
     app.router.add_get("/{tail:.*}", handler)
     runner = web.AppRunner(app)
@@ -156,6 +153,14 @@ async def engine(pages: dict[str, tuple[int, str]], seen: list):
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     return runner, f"http://127.0.0.1:{port}"
+
+
+async def engine(pages: dict[str, tuple[int, str]], seen: list):
+    async def handler(request: web.Request) -> web.Response:
+        seen.append((request.path, request.headers.get("Authorization")))
+        status, body = pages.get(request.path, (404, "not found"))
+        return web.Response(status=status, text=body)
+    return await serving(handler)
 
 
 async def test_r6_5_poller_reads_with_the_key_and_keeps_unknown_unknown():
@@ -305,13 +310,7 @@ async def test_r6_5a_a_request_that_ends_during_the_poll_is_not_left_as_the_engi
     async def handler(request: web.Request) -> web.Response:
         b.release(ours.pop())  # counted by the engine below, ended here before its answer arrives
         return web.Response(text='vllm:num_requests_waiting{engine="0"} 0.0\nvllm:num_requests_running{engine="0"} 3.0\n')
-    app = web.Application()
-    app.router.add_get("/metrics", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    runner, url = await serving(handler)
     b.replace({"m": [Endpoint("e", "m", url, "k")]})
     ours.extend(b.acquire("m", 1.0) for _ in range(3))  # the engine's 3 are all ours
     try:
