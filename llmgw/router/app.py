@@ -246,7 +246,7 @@ class Router:
                 places += more
                 headroom += spare
             capacities[name] = router_share(places, len(routers), index)
-            headrooms[name] = headroom_share(headroom, len(routers), index)
+            headrooms[name] = router_share(headroom, len(routers), index, at_least=0)
         self.fairqueue.set_capacities(capacities, headrooms)
 
     # -- middleware: authentication and the one place errors become responses ---------------------
@@ -629,26 +629,16 @@ class Router:
             await self.close()
 
 
-def router_share(places: int, routers: int, index: int | None) -> int:
-    """One router's part of a model's `places` shared by `routers` routers: `index` is its place
-    among them in the order of their ids (None: not among them yet). The parts add up to `places`;
-    each router gets at least one place, so every router can serve (with more routers than places
-    they together exceed it), and 0 stays 0 (no endpoints: nothing is held back)."""
+def router_share(places: int, routers: int, index: int | None, at_least: int = 1) -> int:
+    """One router's part of `places` shared by `routers` routers: `index` is its place among them
+    in the order of their ids (None: not among them yet, the smaller part). The parts add up to
+    `places`, each at least `at_least`: one for a model's places, so every router can serve (with
+    more routers than places they together exceed it); none for the headroom, which is room above
+    the places. 0 stays 0 (no endpoints: nothing is held back)."""
     if places <= 0 or routers <= 1:
         return places
     part, rest = divmod(places, routers)
-    return max(1, part + (1 if index is not None and index < rest else 0))
-
-
-def headroom_share(headroom: int, routers: int, index: int | None) -> int:
-    """One router's part of a model's headroom: as router_share, but a router may get none (the
-    headroom is room above the places, not a place every router needs)."""
-    if headroom <= 0 or routers <= 1:
-        return headroom
-    if index is None:
-        return 0
-    part, rest = divmod(headroom, routers)
-    return part + (1 if index < rest else 0)
+    return max(at_least, part + (1 if index is not None and index < rest else 0))
 
 
 def _anthropic(request: web.Request) -> bool:

@@ -7,7 +7,7 @@ official `openai` client with `max_retries=0`, each on one connection of its own
 worker is the router id its `/healthz` names, asked on the same connection before and after.
 
 How the two workers share the replica: each has its own fair queue, and each holds its part of the
-model's places and of their headroom (`router_share`, `headroom_share`: divided among the routers
+model's places and of their headroom (`router_share`: divided among the routers
 of the last leases), so the replica is never given more than CONCURRENCY plus its headroom (one
 place, for a key below its share: the quiet one) at once, which the engine's own peak shows. Fairness
 is therefore per worker: each worker serves the requests it holds by priority class and then

@@ -48,6 +48,7 @@ def test_parts_add_up_to_the_places_and_each_router_gets_one():
     assert router_share(7, 1, None) == 7 and router_share(7, 0, None) == 7  # alone: every place
     assert router_share(7, 2, None) == 3  # not in the split yet: the smaller part
     assert router_share(0, 2, 0) == 0  # no endpoints: nothing is held back
+    assert [router_share(1, 2, i, at_least=0) for i in (0, 1)] == [1, 0]  # a headroom: a router may get none
 
 
 def test_two_routers_together_hold_a_replicas_concurrency_not_twice_it():
