@@ -193,7 +193,8 @@ async def test_r6_16_two_routers_share_one_keys_limit(tmp_path):
     engine = Engine()
     async with scripted_engine(engine.chat) as url:
         store = Store.open(tmp_path / "state.db")
-        _, secret = store.write_sync(lambda db: create_key(db, "shared", limits=Limits(rpm=rpm)))
+        shared, secret = store.write_sync(lambda db: create_key(db, "shared", limits=Limits(rpm=rpm)))
+        key_id = shared.id
         publisher = FeedPublisher(CatalogHolder(catalog(model("m"))), store, GatewayConfig())
         publisher.set_endpoints({"m": [Endpoint("r", "m", url, None)]})
         publisher.mark_ready()
@@ -247,14 +248,23 @@ async def test_r6_16_two_routers_share_one_keys_limit(tmp_path):
                 window = 6.0
                 started = time.monotonic()
                 await asyncio.gather(*(hammer(session, which, started + window) for which in (0, 0, 0, 1)))
-                elapsed = time.monotonic() - started
+                ended = time.monotonic()
+                elapsed = ended - started
             expected = rpm * elapsed / 60
+            # What the routers still held at the end and nobody asked for in time: on a machine
+            # whose cores other work holds, the clients may not keep up with the limit's pace.
+            unspent = 0.0
+            for router in routers:
+                bucket = router.limiter._budgets[(key_id, None)].requests
+                bucket.refill(ended)
+                unspent += max(0.0, bucket.level)
             shares = {r.router_id: dict(r.snapshot.leases.get(r.router_id, {})) for r in routers}
             print(f"two routers, rpm {rpm}: admitted {counts['admitted']} (a {admitted_by[0]}, b {admitted_by[1]}) "
                   f"in {elapsed:.2f} s, the limit's pace allows {expected:.0f}; refused {counts['refused']}; "
-                  f"leases {shares}")
+                  f"held unspent at the end {unspent:.0f}; leases {shares}")
             assert counts["refused"] > 0  # both were held back, not merely slow
-            assert abs(counts["admitted"] - expected) <= 0.1 * expected
+            assert counts["admitted"] <= 1.1 * expected  # the limit did not multiply with the routers
+            assert counts["admitted"] + unspent >= 0.9 * expected  # nor did the split lose it
         finally:
             for runner in runners:
                 await runner.cleanup()
