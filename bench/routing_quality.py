@@ -51,16 +51,17 @@ Three parts, one run:
    48. Least-outstanding sends every tenant to both engines: each would need 375 blocks for the
    prompts alone, more than its 280. Keyed by tenant, a 5 / 5 split puts 190 blocks of prompts
    on each engine plus 4 x 10 for the turns under way, which fits, as 6 / 4 does (228 + 40);
-   7 / 3 (266 + 40) does not. How the ring splits the keys over 2 replicas depends on the
-   replicas' ids, new in every run: over 200 random pairs of ids, 10 keys split 5 / 5 47 times,
-   6 / 4 83, 7 / 3 45, 8 / 2 20, 9 / 1 4 and 10 / 0 once (7 keys: 4 / 3 109, 5 / 2 64, 6 / 1 25,
-   7 / 0 2): more tenants make a lopsided split rarer, not rare. --max-model-len 2048 is the
-   tiny model's limit (max_position_embeddings).
+   7 / 3 (266 + 40) does not. Hashing alone would split the keys by the replicas' ids, new in
+   every run: over 200 random pairs of ids, 10 keys split 5 / 5 47 times, 6 / 4 83, 7 / 3 45,
+   8 / 2 20, 9 / 1 4 and 10 / 0 once. The router's key bound (a new key's home has at most 1.1x
+   the mean of the live keys, R-6.5b) splits them 5 / 5 whatever the ids. --max-model-len 2048
+   is the tiny model's limit (max_position_embeddings).
 
    Printed for each policy, to show why it gets the hit rate it gets: per engine the requests,
-   prompt tokens, prefix-cache hits and preemptions (its own /metrics); for prefix routing the
-   ring's first choice for each tenant, and the share of requests that went there ("on ring
-   home"; the bound sent the rest to the other replica); per tenant the engine each of its
+   prompt tokens, prefix-cache hits and preemptions (its own /metrics); for prefix routing each
+   tenant's home (as the router places it: its key's first request, in the workload's order),
+   and the share of requests that went there ("on home"; the load bound sent the rest to the
+   other replica); per tenant the engine each of its
    requests reached, from the engines' own logs (--enable-log-requests logs the id of every
    request, which the client sees in the stream); the share of prompt tokens found cached per
    turn (--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens). And the
@@ -442,8 +443,9 @@ def best_hit_rate(requests: list[Request], model_dir: Path, block: int) -> float
 
 
 def ring_homes(replica_ids: dict[str, str], requests: list[Request], tenant_key: bool) -> dict[int, str]:
-    """tenant -> the node its affinity key's first choice on the ring is on (every replica idle):
-    where prefix routing sends the tenant while loads stay within the bound."""
+    """tenant -> the node of its affinity key's home, placed as the router places it (the key's
+    first request, in the workload's order, every replica idle): where prefix routing sends the
+    tenant while loads stay within the bound."""
     balancer = Balancer()
     balancer.replace({"m": [Endpoint(rid, "m", f"x://{rid}", None) for rid in replica_ids]}, {"m": PREFIX})
     homes = {}
@@ -535,7 +537,7 @@ async def through_router(requests: list[Request], base_url: str, key: str, model
     if direct_to is not None:
         direct = {rid: openai.AsyncOpenAI(base_url=url + "/v1", api_key=k, max_retries=0, timeout=600)
                   for rid, url, k in direct_to}
-        balancer = Balancer()
+        balancer = Balancer(prefix_bound=bound)
         balancer.replace({model: [Endpoint(rid, model, url, k) for rid, url, k in direct_to]}, {model: PREFIX})
     answered: dict[tuple[int, int], asyncio.Event] = {(r.conversation, r.turn): asyncio.Event() for r in requests}
     slots = asyncio.Semaphore(concurrency)
@@ -557,12 +559,7 @@ async def through_router(requests: list[Request], base_url: str, key: str, model
                 extra["prompt_cache_key"] = f"tenant-{request.tenant}"
             target = client
             if balancer is not None:  # counted in flight until its answer ends, as the router does
-                import llmgw.router.balancer as chosen
-                kept, chosen.PREFIX_BOUND = chosen.PREFIX_BOUND, bound
-                try:
-                    up = balancer.acquire(model, time.monotonic(), key=affinity_key(request.document(tenant_key), {}))
-                finally:
-                    chosen.PREFIX_BOUND = kept
+                up = balancer.acquire(model, time.monotonic(), key=affinity_key(request.document(tenant_key), {}))
                 target = direct[up.replica_id]
             stream = await target.chat.completions.create(
                 model=model, messages=request.document()["messages"], max_tokens=request.output,
@@ -651,7 +648,7 @@ def run_fleet(requests: list[Request], concurrency: int, blocks: int = FLEET_BLO
                 print(f"    {node}: {said[-1] if said else 'no KV cache size in its log'}")
             if policy == PREFIX:
                 homes = ring_homes(nodes, requests, tenant_key)
-                print("    the ring's first choice per tenant: " + ", ".join(
+                print("    each tenant's home: " + ", ".join(
                     f"{node} {sorted(t for t, home in homes.items() if home == node)}" for node in sorted(FLEET_NODES)))
             warm_up(engines, name)
             by_node = {node: (url, k) for node, url, k in engines}
@@ -828,7 +825,7 @@ def main() -> None:
         table("real vLLM x2 through llmgw, shared-prefix workload (engines' own prefix-cache counters)", rows,
               [("hit rate", "hit_rate", ".3f"), ("TTFT p50 s", "ttft_p50", ".3f"),
                ("TTFT p90 s", "ttft_p90", ".3f"), ("req/s", "rps", ".3f"), ("prompt tok", "prompt_tokens", ".0f"),
-               ("on ring home", "on_home", ".1%"), ("failures", "failures", "d")])
+               ("on home", "on_home", ".1%"), ("failures", "failures", "d")])
         print("  " + ratios(rows, ["hit_rate", "ttft_p50", "ttft_p90", "rps"]))
         base = rows[LEAST_OUTSTANDING]["hit_rate"]
         if base is not None and best is not None:

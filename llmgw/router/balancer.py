@@ -8,25 +8,47 @@ own count as of the poll, kept current with llmgw's requests since; an engine th
 report a queue adds nothing.
 
 `routing: prefix` places each replica at RING_POINTS points of a hash ring, from its replica id
-alone, so every router worker and host builds the same ring; a request's affinity key
-(llmgw.router.affinity) hashes onto it and takes the first replica clockwise whose load stays
-within the bound (consistent hashing with bounded loads). The bound is PREFIX_BOUND times the mean
-load with this request counted, as a real number (no rounding up), but never below the fewest
-requests the busiest replica must hold, ceil((total + 1) / n): a replica takes the request while
-its load + 1 <= max(PREFIX_BOUND * (total + 1) / n, ceil((total + 1) / n)). The floor keeps a
-choice possible (the least loaded replica is always within it); rounding up only there leaves the
-chosen replica within PREFIX_BOUND times the mean wherever the counts allow it, and at the even
-spread where they do not (about one request per replica, where any rounded-up multiple of the
-mean would let one replica hold two or three times it). A replica joining or leaving moves only
-the keys whose first choice it is. A replica whose engine said at its last poll that nothing
+alone, so every router worker and host builds the same ring. A request's affinity key
+(llmgw.router.affinity) has a home replica, and the request goes there while that replica's load
+stays within the bound, else to the next replica clockwise within it (consistent hashing with
+bounded loads).
+
+A key's home is chosen at its first request and kept while the key is live (a request within
+KEY_IDLE_SECONDS; at most KEYS_KEPT keys per model, the least recently used forgotten first):
+the first replica clockwise from the key's hash whose count of live keys, this one counted, stays
+within KEY_BOUND times the mean (no rounding up, never below the even spread), skipping ejected
+replicas. Keys are what the engines cache, so this keeps the caches' working sets even: hashing
+alone splits a few keys unevenly (10 keys over 2 replicas 7 / 3 or worse about a third of the
+time), and the replica given most keys evicts them from its cache while the other's stays half
+empty. Placing a new key off its ring point costs nothing, since no engine caches it yet; once
+placed, a key stays, since moving it would pay its prefill again. Every key is counted alike,
+whatever its prefix's length.
+
+The load bound is PREFIX_BOUND times the mean load with this request counted, as a real number
+(no rounding up), but never below the fewest requests the busiest replica must hold,
+ceil((total + 1) / n): a replica takes the request while its load + 1 <= max(PREFIX_BOUND *
+(total + 1) / n, ceil((total + 1) / n)). The floor keeps a choice possible (the least loaded
+replica is always within it); rounding up only there leaves the chosen replica within
+PREFIX_BOUND times the mean wherever the counts allow it, and at the even spread where they do
+not (about one request per replica, where any rounded-up multiple of the mean would let one
+replica hold two or three times it). A replica whose engine said at its last poll that nothing
 waits in it (a known `waiting` of 0: vLLM's num_requests_waiting, llama-server's deferred
 requests, SGLang's queue) has the looser bound IDLE_ENGINE_BOUND instead: while the engine runs
 everything it is given, a request kept on the replica that caches its prefix waits for nothing,
 and one spilled pays its whole prefill elsewhere and evicts that engine's own keys; once the
 engine queues, the tight bound applies again. An engine that does not report its queue gets the
-tight bound. Routers agree while loads are within the
-bound; near it, each sees its own in-flight counts and the queue as of its last poll, so two
-routers may spill the same key to different replicas.
+tight bound.
+
+Membership: a replica leaving frees only the keys homed on it (placed again at their next
+request); a replica joining takes only the live keys whose ring point it now owns (they are
+placed again, and it has room for them), so the others' keys stay where they are cached.
+
+Where routers agree: a key on its ring point (its ring owner had room when it came) is homed
+alike by every router worker and host; a key placed elsewhere because its ring owner was full is
+placed by each router from the keys it has seen, in the order it saw them, so two routers may home
+it on different replicas (each caches it there). Near the load bound, each router sees its own
+in-flight counts and the engine queue as of its last poll, so two routers may spill the same key
+to different replicas.
 
 Runs on the event loop only, on every request: plain attributes and integer counters, no locks.
 """
@@ -37,6 +59,7 @@ import bisect
 import hashlib
 import struct
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 
 from llmgw.contracts.endpoints import Endpoint
@@ -50,6 +73,11 @@ PREFIX_BOUND = 1.25  # over the mean load with the request counted; see the modu
 # other engine had cached for its own keys.
 IDLE_ENGINE_BOUND = 2.0
 RING_POINTS = 64  # per replica: enough that shares stay within a few percent of even
+# Live keys per replica over the mean: tight, since placing a new key off its ring point costs no
+# cache (none holds it yet); 10 keys over 2 replicas split 5 / 5, 32 over 16 at most 2 each.
+KEY_BOUND = 1.1
+KEY_IDLE_SECONDS = 300.0  # a key with no request for this long is no longer counted as cached
+KEYS_KEPT = 65536  # live keys remembered per model; the least recently used is forgotten first
 
 
 def bound_capacity(total: int, replicas: int, bound: float = PREFIX_BOUND) -> float:
@@ -105,13 +133,17 @@ class Upstream:
 
 
 class Pool:
-    __slots__ = ("members", "next", "policy", "_ring")
+    __slots__ = ("members", "next", "policy", "_ring", "homes", "homed")
 
     def __init__(self, members: list[Upstream], policy: str = LEAST_OUTSTANDING):
         self.members = members
         self.next = 0
         self.policy = policy
         self._ring: tuple[list[int], list[Upstream]] | None = None
+        # Prefix routing's live keys: the key's ring position -> [its home, the time of its last
+        # request], least recently used first; and how many live keys each member is home to.
+        self.homes: OrderedDict[int, list] = OrderedDict()
+        self.homed: dict[Upstream, int] = {}
 
     def ring(self) -> tuple[list[int], list[Upstream]]:
         """(sorted ring positions, owners[i] holding points[i]); empty unless the policy is prefix.
@@ -126,6 +158,77 @@ class Pool:
             points = sorted(owner)
             self._ring = (points, [owner[point] for point in points])
         return self._ring
+
+    def home(self, point: int, now: float) -> Upstream:
+        """The home of the key at ring position `point`, placed now if the key is not live."""
+        homes = self.homes
+        horizon = now - KEY_IDLE_SECONDS
+        while homes:  # forget the keys gone idle, least recently used first
+            oldest = next(iter(homes.values()))
+            if oldest[1] >= horizon:
+                break
+            homes.popitem(last=False)
+            self._unhome(oldest[0])
+        entry = homes.get(point)
+        if entry is not None:
+            entry[1] = now
+            homes.move_to_end(point)
+            return entry[0]
+        up = self._place(point, now)
+        homes[point] = [up, now]
+        self.homed[up] = self.homed.get(up, 0) + 1
+        if len(homes) > KEYS_KEPT:
+            self._unhome(homes.popitem(last=False)[1][0])
+        return up
+
+    def _unhome(self, up: Upstream) -> None:
+        left = self.homed[up] - 1
+        if left:
+            self.homed[up] = left
+        else:
+            del self.homed[up]
+
+    def _place(self, point: int, now: float) -> Upstream:
+        """A new key's home: clockwise from its point, the first replica not ejected with room for
+        one more key within KEY_BOUND; when every one is ejected, the key's ring owner."""
+        points, owners = self.ring()
+        size = len(points)
+        start = bisect.bisect_left(points, point)
+        capacity = bound_capacity(len(self.homes), len(self.members), KEY_BOUND)
+        homed = self.homed
+        fewest: Upstream | None = None
+        seen: set[int] = set()
+        for step in range(size):
+            up = owners[(start + step) % size]
+            if id(up) in seen:
+                continue
+            seen.add(id(up))
+            if up.ejected_until <= now:
+                count = homed.get(up, 0)
+                if count + 1 <= capacity:
+                    return up
+                if fewest is None or count < homed.get(fewest, 0):
+                    fewest = up
+            if len(seen) >= len(self.members):
+                break
+        return fewest if fewest is not None else owners[start % size]
+
+    def inherit(self, old: Pool) -> None:
+        """Keep the live keys of `old` (the same model's previous pool) whose home is still a
+        member (by replica id: a new key or address leaves the replica's cache as it was), except
+        those whose ring point a member new to the pool now owns: a leaver frees its own keys, a
+        joiner takes its own (both are placed again at their next request)."""
+        members = {up.replica_id: up for up in self.members}
+        joined = set(members).difference(up.replica_id for up in old.members)
+        points, owners = self.ring() if joined else ((), ())
+        size = len(points)
+        homes, homed = self.homes, self.homed
+        for point, (was, seen) in old.homes.items():
+            up = members.get(was.replica_id)
+            if up is None or (joined and owners[bisect.bisect_left(points, point) % size].replica_id in joined):
+                continue
+            homes[point] = [up, seen]
+            homed[up] = homed.get(up, 0) + 1
 
     def same(self, members: Sequence[Endpoint], policy: str) -> bool:
         """Whether this pool already is `members` under `policy` (then it is kept as it is)."""
@@ -142,8 +245,9 @@ class Pool:
 class Balancer:
     """Endpoints per model and the choice among them."""
 
-    def __init__(self, eject_seconds: float = EJECT_SECONDS):
+    def __init__(self, eject_seconds: float = EJECT_SECONDS, prefix_bound: float = PREFIX_BOUND):
         self.eject_seconds = eject_seconds
+        self.prefix_bound = prefix_bound  # the load bound over the mean (R-6.5b); other values for benches
         self._pools: dict[str, Pool] = {}
         self._by_replica: dict[str, list[Upstream]] = {}
         self._retired: list[Upstream] = []  # taken off the lists with requests still in flight
@@ -170,7 +274,9 @@ class Balancer:
                 if up is None or up.endpoint.model != endpoint.model:
                     up = Upstream(endpoint)
                 ups.append(up)
-            pools[model] = Pool(ups, policy)
+            pool = pools[model] = Pool(ups, policy)
+            if old is not None and old.homes and policy == PREFIX and ups:
+                pool.inherit(old)
         self._pools = pools
         by_replica: dict[str, list[Upstream]] = {}
         for pool in pools.values():
@@ -241,35 +347,42 @@ class Balancer:
                 return up
         return None
 
-    @staticmethod
-    def _on_ring(pool: Pool, key: bytes, now: float, exclude: Iterable[Upstream],
+    def _on_ring(self, pool: Pool, key: bytes, now: float, exclude: Iterable[Upstream],
                  include_ejected: bool) -> Upstream | None:
-        """Walk the ring clockwise from the key's hash: the first eligible replica within the bound,
-        else the least loaded eligible one (only when every eligible one is over the bound)."""
+        """The key's home if it is eligible and within the bound, else clockwise from the key's
+        hash the first eligible replica within it, else the least loaded eligible one (only when
+        every eligible one is over the bound)."""
         eligible = [up for up in pool.members
                     if not ((up.ejected_until > now and not include_ejected) or (exclude and up in exclude))]
         if not eligible:
             return None
         total = sum(up.outstanding + up.queued for up in eligible)
-        capacity = bound_capacity(total, len(eligible))
-        idle_capacity = bound_capacity(total, len(eligible), IDLE_ENGINE_BOUND)
+        capacity = bound_capacity(total, len(eligible), self.prefix_bound)
+        idle_capacity = bound_capacity(total, len(eligible), max(IDLE_ENGINE_BOUND, self.prefix_bound))
+        point = ring_hash(key)
+        home = pool.home(point, now)
+        allowed = {id(up) for up in eligible}
+
+        def within(up: Upstream) -> bool:
+            load = up.outstanding + up.queued + 1
+            return load <= capacity or (load <= idle_capacity and _queues_nothing(up))
+
+        if id(home) in allowed and within(home):
+            return home
         points, owners = pool.ring()
         size = len(points)
-        start = bisect.bisect_left(points, ring_hash(key))
-        seen: set[int] = set()
-        allowed = {id(up) for up in eligible}
+        start = bisect.bisect_left(points, point)
+        seen = {id(home)}
         for step in range(size):
+            if len(seen) >= len(pool.members):
+                break
             up = owners[(start + step) % size]
             marker = id(up)
             if marker in seen:
                 continue
             seen.add(marker)
-            if marker in allowed:
-                load = up.outstanding + up.queued + 1
-                if load <= capacity or (load <= idle_capacity and _queues_nothing(up)):
-                    return up
-            if len(seen) >= len(pool.members):
-                break
+            if marker in allowed and within(up):
+                return up
         return min(eligible, key=lambda up: up.outstanding + up.queued)
 
     @staticmethod
@@ -298,6 +411,11 @@ class Balancer:
             if up.engine is not None:
                 return up.engine
         return None
+
+    def live_keys(self, model: str) -> dict[str, int]:
+        """replica_id -> the live affinity keys homed on it (prefix routing; R-6.5b)."""
+        pool = self._pools.get(model)
+        return {up.replica_id: count for up, count in pool.homed.items()} if pool is not None else {}
 
     def policies(self) -> dict[str, str]:
         return {model: pool.policy for model, pool in self._pools.items()}
