@@ -78,12 +78,14 @@ Three parts, one run:
 
    What limits the ratio to least-outstanding's hit rate: the printed best possible hit rate
    bounds every policy, so the ratio never exceeds it over least-outstanding's. Below that, the
-   load bound: at 8 in flight a key's replica already holds 5 of the 7 other requests (binomially)
-   about 23 % of the time when it has half of the traffic, 36 % when it has 4/7 of it, more when
-   its engine runs slower; the bound sends that request to the other replica, where its tenant's
-   prompt is not cached, and caching it there evicts the prompts of the tenants that replica
-   keeps. The rows with the bench's own Balancer at bounds 1.25, 1.5 and none show what the
-   bound costs, in hit rate and in TTFT and requests/s (an uneven split overloads one engine).
+   split of the keys and the load bound. The key bound splits the 10 tenants 5 / 5. The load
+   bound: at 8 in flight a key's replica already holds 5 of the 7 other requests (binomially)
+   about 23 % of the time when it has half of the traffic, more when its engine runs slower; the
+   tight bound sends that request to the other replica, where its tenant's prompt is not cached,
+   and caching it there evicts the prompts of the tenants that replica keeps. The router's rows
+   have the looser bound while vLLM reports nothing waiting; the rows with the bench's own
+   Balancer at bounds 1.25, 1.5 and none (no engine queue known to it) show what the tight bound
+   costs, in hit rate and in TTFT and requests/s.
 
 Workloads:
   shared  several tenants, each with a long system prompt shared by all its conversations; each
