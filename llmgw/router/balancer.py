@@ -60,7 +60,7 @@ import hashlib
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from llmgw.contracts.endpoints import Endpoint
 
@@ -159,6 +159,25 @@ class Pool:
             self._ring = (points, [owner[point] for point in points])
         return self._ring
 
+    def owner(self, point: int) -> Upstream:
+        """The member holding the first ring point clockwise from `point`."""
+        points, owners = self.ring()
+        return owners[bisect.bisect_left(points, point) % len(points)]
+
+    def clockwise(self, point: int) -> Iterator[Upstream]:
+        """Each member once, in ring order from `point`: its owner first."""
+        points, owners = self.ring()
+        size = len(points)
+        start = bisect.bisect_left(points, point)
+        seen: set[int] = set()
+        for step in range(size):
+            if len(seen) >= len(self.members):
+                return
+            up = owners[(start + step) % size]
+            if id(up) not in seen:
+                seen.add(id(up))
+                yield up
+
     def home(self, point: int, now: float) -> Upstream:
         """The home of the key at ring position `point`, placed now if the key is not live."""
         homes = self.homes
@@ -191,27 +210,18 @@ class Pool:
     def _place(self, point: int, now: float) -> Upstream:
         """A new key's home: clockwise from its point, the first replica not ejected with room for
         one more key within KEY_BOUND; when every one is ejected, the key's ring owner."""
-        points, owners = self.ring()
-        size = len(points)
-        start = bisect.bisect_left(points, point)
         capacity = bound_capacity(len(self.homes), len(self.members), KEY_BOUND)
         homed = self.homed
         fewest: Upstream | None = None
-        seen: set[int] = set()
-        for step in range(size):
-            up = owners[(start + step) % size]
-            if id(up) in seen:
+        for up in self.clockwise(point):
+            if up.ejected_until > now:
                 continue
-            seen.add(id(up))
-            if up.ejected_until <= now:
-                count = homed.get(up, 0)
-                if count + 1 <= capacity:
-                    return up
-                if fewest is None or count < homed.get(fewest, 0):
-                    fewest = up
-            if len(seen) >= len(self.members):
-                break
-        return fewest if fewest is not None else owners[start % size]
+            count = homed.get(up, 0)
+            if count + 1 <= capacity:
+                return up
+            if fewest is None or count < homed.get(fewest, 0):
+                fewest = up
+        return fewest if fewest is not None else self.owner(point)
 
     def inherit(self, old: Pool) -> None:
         """Keep the live keys of `old` (the same model's previous pool) whose home is still a
@@ -220,12 +230,10 @@ class Pool:
         joiner takes its own (both are placed again at their next request)."""
         members = {up.replica_id: up for up in self.members}
         joined = set(members).difference(up.replica_id for up in old.members)
-        points, owners = self.ring() if joined else ((), ())
-        size = len(points)
         homes, homed = self.homes, self.homed
         for point, (was, seen) in old.homes.items():
             up = members.get(was.replica_id)
-            if up is None or (joined and owners[bisect.bisect_left(points, point) % size].replica_id in joined):
+            if up is None or (joined and self.owner(point).replica_id in joined):
                 continue
             homes[point] = [up, seen]
             homed[up] = homed.get(up, 0) + 1
@@ -369,19 +377,8 @@ class Balancer:
 
         if id(home) in allowed and within(home):
             return home
-        points, owners = pool.ring()
-        size = len(points)
-        start = bisect.bisect_left(points, point)
-        seen = {id(home)}
-        for step in range(size):
-            if len(seen) >= len(pool.members):
-                break
-            up = owners[(start + step) % size]
-            marker = id(up)
-            if marker in seen:
-                continue
-            seen.add(marker)
-            if marker in allowed and within(up):
+        for up in pool.clockwise(point):
+            if up is not home and id(up) in allowed and within(up):
                 return up
         return min(eligible, key=lambda up: up.outstanding + up.queued)
 
