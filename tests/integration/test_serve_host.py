@@ -46,8 +46,17 @@ class Gateway:
                  str(self.state), "--listen", f"127.0.0.1:{free_port()}", "--admin", admin],
                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, umask=0o022,
                 env={k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")})
-        wait_for(lambda: self.alive() and (self.state / "admin.sock").exists()
-                 and "fleet settled" in self.log.read_text(), 30, "serve to listen on its admin socket")
+        wait_for(self.started, 60, "serve to listen on its admin socket and start its router")
+
+    def started(self) -> bool:
+        """Serve's start is done: its admin socket, the fleet settled and its router up. The router
+        comes last; a serve stopped before it leaves the router starting on its own (it outlives
+        serve), and the next serve, not seeing it yet, would start a second one that fails."""
+        if not (self.alive() and (self.state / "admin.sock").exists()):
+            return False
+        log = self.log.read_text()
+        return "fleet settled" in log and ("router supervisor started" in log
+                                           or "adopting the running router supervisor" in log)
 
     def alive(self) -> bool:
         if self.process.poll() is not None:
