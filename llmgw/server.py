@@ -448,7 +448,10 @@ async def spawn_router(state_dir: Path, listen: str, workers: int) -> int:
     """Start `llmgw router` for this state directory, detached, and wait until it serves; its pid.
 
     It runs in a session of its own with stdin on /dev/null and its log appended to router.log,
-    so it outlives serve, however serve ends, and holds none of serve's output open (R-10.4)."""
+    so it outlives serve, however serve ends, and holds none of serve's output open (R-10.4). One
+    that has not said ready when serve is stopped has served nothing and is killed: left to start
+    on its own, it would wait for a control plane that is gone, and the next serve would find it
+    half-started."""
     log_path = state_dir / ROUTER_LOG
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     os.fchmod(log_fd, 0o600)
@@ -463,7 +466,11 @@ async def spawn_router(state_dir: Path, listen: str, workers: int) -> int:
     finally:
         os.close(ready_w)
         os.close(log_fd)
-    line = await in_daemon_thread(lambda: _first_line(ready_r, ROUTER_START_TIMEOUT))
+    try:
+        line = await in_daemon_thread(lambda: _first_line(ready_r, ROUTER_START_TIMEOUT))
+    except asyncio.CancelledError:  # serve stopped during its start: a router that never served goes too
+        proc.kill()
+        raise
     if line is not None and line.startswith("ready"):
         said = dict(word.partition("=")[::2] for word in line.split()[1:])
         log.info("router supervisor started: pid %d, listening on %s, %s workers", proc.pid, said.get("listen", "-"),
