@@ -72,16 +72,20 @@ storage {"dirs": [{"path", "shared": bool}], "timeout": 5} -> {"filesystems": [{
     returns. shared: network filesystem types or a directory the request marked shared (R-2.5).
 
 holdings {"candidates": {KEY: [path, ...]}, "timeout": 10} -> {"held": {KEY: {"path",
-    "bytes", "file"}}, "stuck": [path]}
+    "bytes", "file", "verified"}}, "stuck": [path]}
     The first candidate holding weights: a non-empty regular file, or a directory with at least
     one regular file; a directory named llmgw-* only as a fetched entry llmgw made (R-2.6, see
     "Cache entries" below). file only for such an entry: its only file, as fetch reports it, or
-    null when it holds more.
+    null when it holds more; verified too: whether its big files are as this node last hashed
+    them (false: the control plane fetches it, which checks it by hash, before a launch).
 
 fetch {"source": {"kind": "https", "urls": [...]} | {"kind": "hf", "repo", "revision",
     "endpoint"}, "cache_dir", "name": "llmgw-<hex>", "token": str|null, "max_bytes": int|null,
     "stall_timeout": 60}
     -> events "progress" {"bytes", "total": int|null}; answer {"path", "bytes", "file": str|null}
+    An entry already complete there is checked by hash instead (events "checking" {"bytes",
+    "total"}: bytes checked so far), big files only when this node has not hashed them as they
+    are now; a mismatch fails the fetch (weights_integrity) and removes nothing.
     file: the path of the entry's only file when it holds one (a single URL's, saved under the
     unquoted last segment of its path, or "download" when that is empty or unsafe), else null.
     Written under cache_dir/.tmp-<name>-<random>/, marked complete with a sealed .llmgw-complete
@@ -1180,23 +1184,43 @@ def file_stamp(info):
     return [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
 
 
-def hash_stream(handle, chunk=HASH_CHUNK):
-    """Hex SHA-256 of what is left to read of an open binary file."""
+def hash_stream(handle, on_bytes=None, chunk=HASH_CHUNK):
+    """Hex SHA-256 of what is left to read of an open binary file; on_bytes(count) hears each
+    block read (it may raise to stop)."""
     digest = hashlib.sha256()
     while True:
         block = handle.read(chunk)
         if not block:
             return digest.hexdigest()
         digest.update(block)
+        if on_bytes is not None:
+            on_bytes(len(block))
 
 
-def verify_entry_content(path, entry, verified):
+def verified_here(path, entry, verified):
+    """Whether every big file of the sealed entry at path has, now, the stamp this node recorded
+    when it last found it as sealed: a launch then reads only the small files again."""
+    for relative, size in entry["files"]:
+        if always_verified(relative, size):
+            continue
+        full = os.path.join(path, relative)
+        try:
+            info = os.lstat(full)
+        except OSError:
+            return False
+        if verified.get(full) != file_stamp(info) + [entry["hashes"][relative]]:
+            return False
+    return True
+
+
+def verify_entry_content(path, entry, verified, on_bytes=None):
     """(problem, hashed) for the sealed entry at path (entry: what sealed_entry found).
 
     Every file is opened without following a link and its SHA-256 compared with the sealed one;
     a big file whose stamp (file_stamp) is the one verified[its path] holds with that hash is
     not read again. verified is updated in place with what was hashed and matched. problem
-    names the first file that differs (and both hashes), or None; hashed lists the files read."""
+    names the first file that differs (and both hashes), or None; hashed lists the files read.
+    on_bytes(count) hears the bytes checked, read or skipped."""
     hashed = []
     for relative, size in entry["files"]:
         full = os.path.join(path, relative)
@@ -1211,8 +1235,10 @@ def verify_entry_content(path, entry, verified):
                 return "%s changed while it was being checked" % full, hashed
             stamp = file_stamp(info)
             if not always_verified(relative, size) and verified.get(full) == stamp + [expected]:
+                if on_bytes is not None:
+                    on_bytes(size)
                 continue
-            actual = hash_stream(handle)
+            actual = hash_stream(handle, on_bytes)
         hashed.append(relative)
         if not hmac.compare_digest(actual, expected):
             verified.pop(full, None)
@@ -1882,23 +1908,32 @@ class NodeCore(object):
             if problem is not None:
                 raise HelperError("weights_integrity", "%s is not a sealed cache entry of this fleet (%s); the engine "
                                                        "was not started" % (path, problem))
-            before = self._load_verified()
-            verified = dict(before)
-            problem, hashed = verify_entry_content(path, entry, verified)
-            self.files_hashed += len(hashed)
-            changes = dict((key, value) for key, value in verified.items() if before.get(key) != value)
-            self._merge_verified(changes, dropped=[key for key in before if key not in verified])
+            problem = self.verify_entry(path, entry)
             if problem is not None:
                 raise HelperError("weights_integrity", problem + "; the engine was not started")
 
+    def verify_entry(self, path, entry, on_bytes=None):
+        """verify_entry_content against this node's record, which it then updates; the problem
+        or None."""
+        before = self._load_verified()
+        verified = dict(before)
+        problem, hashed = verify_entry_content(path, entry, verified, on_bytes)
+        self.files_hashed += len(hashed)
+        changes = dict((key, value) for key, value in verified.items() if before.get(key) != value)
+        self._merge_verified(changes, dropped=[key for key in before if key not in verified])
+        return problem
+
     def holding(self, path):
-        """{"bytes"} of the weights at path, and "file" for a cache entry; None when none."""
-        size = self.entry_bytes(path)
-        if size is None:
-            return None
+        """{"bytes"} of the weights at path, and for a cache entry "file" and "verified" (its big
+        files are as this node last hashed them: a launch need not read them); None when none."""
         if not os.path.basename(os.path.normpath(path)).startswith("llmgw-"):
-            return {"bytes": size}
-        return {"bytes": size, "file": entry_file(path)}
+            size = self.entry_bytes(path)
+            return None if size is None else {"bytes": size}
+        entry, _ = sealed_entry(path, self.secret)
+        if entry is None:
+            return None
+        return {"bytes": entry["bytes"], "file": entry_file(path),
+                "verified": verified_here(path, entry, self._load_verified())}
 
     def shard_dir(self, shard_id):
         return os.path.join(self.shards_dir(), shard_id)
@@ -2175,9 +2210,12 @@ class FetchOps(object):
         final = os.path.join(cache_dir, name)
         if self.secret is None:
             raise HelperError("no_secret", "no fleet secret on this node: a fetched entry could not be sealed (the control plane sends it)")
-        size = self.entry_bytes(final)
-        if size is not None:
-            return {"path": final, "bytes": size, "file": entry_file(final)}
+        entry, _ = sealed_entry(final, self.secret)
+        if entry is not None:
+            # Here already (another node of the fleet may have fetched it onto a shared filer):
+            # checked by hash instead of downloaded again (R-5.6).
+            self._check_present_entry(final, entry, ctx)
+            return {"path": final, "bytes": entry["bytes"], "file": entry_file(final)}
         key = (cache_dir, name)
         with self.fetch_lock:
             job = self.fetches.get(key)
@@ -2201,6 +2239,26 @@ class FetchOps(object):
         if job.error is not None:
             raise HelperError(job.error.kind, job.error.message)
         return dict(job.result, file=entry_file(job.result["path"]))
+
+    def _check_present_entry(self, final, entry, ctx):
+        """Hash a present entry's files against its seal, big ones only when they changed since
+        this node last did, with "checking" events (not "progress": no byte is downloaded, and
+        the control plane measures download rates from progress); weights_integrity on a
+        mismatch (nothing is removed)."""
+        state = {"done": 0, "shown": 0.0}
+
+        def on_bytes(count):
+            if ctx.cancelled.is_set():
+                raise HelperError("cancelled", "stopped checking %s" % final)
+            state["done"] += count
+            now = time.monotonic()
+            if now - state["shown"] >= PROGRESS_INTERVAL:
+                state["shown"] = now
+                ctx.emit("checking", {"bytes": state["done"], "total": entry["bytes"]})
+
+        problem = self.verify_entry(final, entry, on_bytes)
+        if problem is not None:
+            raise HelperError("weights_integrity", problem)
 
     def op_source_size(self, args, ctx):
         """How many bytes a source would download, from the hub listing or HEAD requests; null

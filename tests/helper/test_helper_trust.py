@@ -217,7 +217,8 @@ def test_a_fetched_entry_is_sealed_and_accepted_by_another_node_of_the_fleet(
     try:
         wanted = {"candidates": {"m": [str(filer / NAME)]}}
         assert same_fleet.call("holdings", wanted)["held"] == {"m": {"path": str(filer / NAME), "bytes": 64 * 1024,
-                                                                     "file": str(filer / NAME / "w.bin")}}
+                                                                     "file": str(filer / NAME / "w.bin"),
+                                                                     "verified": True}}  # no big file
         assert same_fleet.call("fetch", _fetch(https_server, filer))["bytes"] == 64 * 1024
         assert https_server.gets("/w.bin") == 1, "the other node took the entry, it did not fetch again"
         assert other_fleet.call("holdings", wanted)["held"] == {}

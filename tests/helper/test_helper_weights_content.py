@@ -100,9 +100,17 @@ def test_a_file_rewritten_in_place_on_a_shared_cache_is_refused_at_the_next_laun
     fetch = {"source": {"kind": "https", "urls": [https_server.url("/model.gguf")]}, "cache_dir": str(filer),
              "name": NAME}
     weights = node_a.call("fetch", fetch)["file"]
+    entry = os.path.dirname(weights)
+    wanted = {"candidates": {"m": [entry]}}
+    assert node_a.call("holdings", wanted)["held"]["m"]["verified"] is True, "hashed as it was downloaded"
     node_b = _other_node(tmp_path, "node-b", installed.secret, tls_env)
     try:
-        assert node_b.call("fetch", fetch)["file"] == weights
+        assert node_b.call("holdings", wanted)["held"]["m"]["verified"] is False, "never hashed on node B"
+        checked = node_b.send("fetch", fetch)
+        assert node_b.answer(checked)["result"]["file"] == weights
+        assert [event for event, _ in node_b.events_of(checked)] and \
+            {event for event, _ in node_b.events_of(checked)} == {"checking"}, "checked, not downloaded"
+        assert node_b.call("holdings", wanted)["held"]["m"]["verified"] is True
         launched = _launch(node_b, engines, "first", weights)
         assert launched["ok"], launched
         assert https_server.gets("/model.gguf") == 1, "node B used node A's download"
@@ -114,6 +122,10 @@ def test_a_file_rewritten_in_place_on_a_shared_cache_is_refused_at_the_next_laun
             handle.write(b"\0" * 16)
         os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
         assert os.stat(weights).st_size == before.st_size and os.stat(weights).st_mtime_ns == before.st_mtime_ns
+        assert node_b.call("holdings", wanted)["held"]["m"]["verified"] is False, "its ctime changed"
+        again = node_b.request("fetch", fetch)
+        assert again["ok"] is False and again["error"]["kind"] == "weights_integrity", again
+        assert weights in again["error"]["message"]
         refused = _launch(node_b, engines, "second", weights)
         assert refused["ok"] is False and refused["error"]["kind"] == "weights_integrity", refused
         message = refused["error"]["message"]
