@@ -1243,7 +1243,7 @@ def verify_entry_content(path, entry, verified, on_bytes=None):
         if not hmac.compare_digest(actual, expected):
             verified.pop(full, None)
             return ("%s has SHA-256 %s, not the %s its entry was sealed with: it was changed after the fetch "
-                    "(nothing was removed; check the node that wrote it, then reclaim the entry)"
+                    "(nothing was removed: find the node that wrote it, then remove the entry so that it is fetched again)"
                     % (full, actual, expected)), hashed
         if not always_verified(relative, size):
             verified[full] = stamp + [expected]
