@@ -91,9 +91,10 @@ fetch {"source": {"kind": "https", "urls": [...]} | {"kind": "hf", "repo", "revi
     Written under cache_dir/.tmp-<name>-<random>/, marked complete with a sealed .llmgw-complete
     holding every file's SHA-256, hashed as it streamed in, and renamed to cache_dir/<name> only
     at the end (R-5.2); a hub file whose bytes do not match the hub's published hash fails the
-    fetch (weights_integrity) and nothing is kept (R-5.6, see "Cache entries" below). An entry
-    already there that "Cache entries" accepts is answered as it is, not fetched again. A <name> that exists and is not
-    llmgw's (another user's, or unsealed) is never used or removed: the fetch fails (cache_dir).
+    fetch (weights_integrity) and nothing is kept (R-5.6, see "Cache entries" below). A <name>
+    that exists and is another user's is never used or removed: the fetch fails (cache_dir);
+    one of this user's that "Cache entries" does not accept (unfinished, or sealed before
+    content hashes) is downloaded again and replaced at the end.
     Refused (no_secret) before the control plane has handed over the fleet secret. Single-flight per cache dir and name:
     a second request attaches to the running download (R-5.3). total is known only when every
     file's length is. The token is sent as a bearer header to the source's host only, and is
