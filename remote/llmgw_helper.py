@@ -41,7 +41,7 @@ JSON lines over stdin/stdout, UTF-8, one object per line.
   unexpected exception; the helper keeps running), cancelled, not_found, alive, identity,
   port_in_use, engine_missing, integrity, launch_failed, no_secret, too_large, stalled, permissions (a directory of the helper is a link or open to
   others), disk_full, cache_dir (the cache cannot be written), http, network,
-  empty_source.
+  empty_source, weights_integrity (weights whose bytes are not the published or sealed ones).
 - Streamed event, zero or more before the answer: ``{"id", "event": "<name>", "data": {...}}``.
 
 Requests are served concurrently: ping and cancel inline, every other request on a
@@ -72,21 +72,29 @@ storage {"dirs": [{"path", "shared": bool}], "timeout": 5} -> {"filesystems": [{
     returns. shared: network filesystem types or a directory the request marked shared (R-2.5).
 
 holdings {"candidates": {KEY: [path, ...]}, "timeout": 10} -> {"held": {KEY: {"path",
-    "bytes", "file"}}, "stuck": [path]}
+    "bytes", "file", "verified"}}, "stuck": [path]}
     The first candidate holding weights: a non-empty regular file, or a directory with at least
     one regular file; a directory named llmgw-* only as a fetched entry llmgw made (R-2.6, see
     "Cache entries" below). file only for such an entry: its only file, as fetch reports it, or
-    null when it holds more.
+    null when it holds more; verified too: whether its big files are as this node last hashed
+    them (false: the control plane fetches it, which checks it by hash, before a launch).
 
 fetch {"source": {"kind": "https", "urls": [...]} | {"kind": "hf", "repo", "revision",
     "endpoint"}, "cache_dir", "name": "llmgw-<hex>", "token": str|null, "max_bytes": int|null,
     "stall_timeout": 60}
     -> events "progress" {"bytes", "total": int|null}; answer {"path", "bytes", "file": str|null}
+    An entry already complete there is checked by hash instead (events "checking" {"bytes",
+    "total"}: bytes checked so far), big files only when this node has not hashed them as they
+    are now; a mismatch fails the fetch (weights_integrity) and removes nothing.
     file: the path of the entry's only file when it holds one (a single URL's, saved under the
     unquoted last segment of its path, or "download" when that is empty or unsafe), else null.
     Written under cache_dir/.tmp-<name>-<random>/, marked complete with a sealed .llmgw-complete
-    and renamed to cache_dir/<name> only at the end (R-5.2). A <name> that exists and is not
-    llmgw's (another user's, or unsealed) is never used or removed: the fetch fails (cache_dir).
+    holding every file's SHA-256, hashed as it streamed in, and renamed to cache_dir/<name> only
+    at the end (R-5.2); a hub file whose bytes do not match the hub's published hash fails the
+    fetch (weights_integrity) and nothing is kept (R-5.6, see "Cache entries" below). A <name>
+    that exists and is another user's is never used or removed: the fetch fails (cache_dir);
+    one of this user's that "Cache entries" does not accept (unfinished, or sealed before
+    content hashes) is downloaded again and replaced at the end.
     Refused (no_secret) before the control plane has handed over the fleet secret. Single-flight per cache dir and name:
     a second request attaches to the running download (R-5.3). total is known only when every
     file's length is. The token is sent as a bearer header to the source's host only, and is
@@ -113,7 +121,9 @@ launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus", "files"
     element or an env value is replaced by that directory, and the answer's argv is the one
     really started. A port in use is refused (port_in_use), a live shard too
     (alive), and an argv[0] that is not an executable found with the launch env's PATH
-    (engine_missing, naming the program and the PATH searched).
+    (engine_missing, naming the program and the PATH searched). A cache entry the argv names
+    that is not sealed, or whose files do not hash to what it was sealed with, is refused
+    (weights_integrity; nothing is started or removed; see "Cache entries").
 
 status {"probe": false, "timeout": 2} -> {"shards": [{"shard_id", "pid", "pgid", "start_time",
     "argv", "gpus", "port", "health_url", "started_at", "alive", "exit_code", "ended_at",
@@ -173,18 +183,33 @@ directory others can write is therefore never a way to run code as this user, re
 key, plant weights, or delete another node's download. Downloads are bounded (fetch) and what
 a hub token fetched stays private to this user.
 
-Cache entries (R-2.6, R-5.2, R-5.5)
------------------------------------
+Cache entries (R-2.6, R-5.2, R-5.5, R-5.6)
+------------------------------------------
 A cache directory may be writable by others (a shared filer, a scratch space), so a directory
 named llmgw-* there counts as fetched weights only when it is a real directory (not a link)
 owned by the helper's user, holds only regular files and directories of that user that nobody
-else can write, and has a completion marker whose "seal" is HMAC-SHA256, keyed by the fleet
-secret, of the cache name and the entry's manifest (every file's relative path and size). So
-weights one node of the fleet fetched onto a shared filer are accepted by the others, and a
-directory someone else planted is never served nor reported as held. A marker from before seals
-(no "seal", name and byte count matching) is sealed once by a serving helper, not fetched
-again. File contents are not hashed (weights are large): the ownership checks keep others from
-changing them.
+else can write, and has a completion marker (format MARKER_FORMAT) whose "sha256" gives every
+file's SHA-256 ({relative path: hex}) and whose "seal" is HMAC-SHA256, keyed by the fleet
+secret, of the cache name and every file's relative path, size and SHA-256. So weights one node
+of the fleet fetched onto a shared filer are accepted by the others, and a directory someone
+else planted is never served nor reported as held.
+
+Every node holds the secret, so the seal only proves that some node of the fleet wrote the
+marker; what an engine loads is checked by content. fetch hashes each file as its bytes stream
+to disk, and a hub file whose bytes do not hash to what the hub listing publishes (lfs.sha256,
+or lfs.oid, for a file in LFS; the git blob id, sha1 of "blob SIZE\0" + bytes, for one kept in
+git) fails the fetch (weights_integrity, naming the file and both hashes; nothing is kept). A
+listing that publishes no hash for a file, and an https source, have their hashes recorded only.
+launch, before anything is written or started, checks every entry its argv names (a path with
+an llmgw-<hex> component): it must be sealed as above, and every file must hash to its sealed
+SHA-256, or the launch is refused (weights_integrity, naming the file and both hashes) and
+nothing is removed. Files of ALWAYS_VERIFIED_SUFFIXES, tokenizer*, and any file of at most
+ALWAYS_VERIFIED_BYTES are hashed at every launch; bigger ones only when their (device, inode,
+size, mtime, ctime) differ from the stamp this node recorded when it last hashed them (or
+fetched them) with that SHA-256. The record is ROOT/verified-<hostname>.json (0600), never on a
+cache's filer. A marker without hashes (from a helper that kept none) does not count: the entry
+is not held, a launch naming it is refused, and the next fetch downloads the weights again and
+replaces it. Hashing and resealing it instead would trust whatever a node had written into it.
 
 One-shot mode for operators (R-1.4)
 -----------------------------------
@@ -236,8 +261,15 @@ LEASE_FRESH = 300.0  # a lease renewed this recently is a download in progress (
 LEASE_GRACE = 30.0  # a temp dir this young without a lease may be a download just starting
 FLEET_SECRET_FILE = "fleet.key"
 FLEET_SECRET_RE = re.compile(r"[0-9a-f]{32,128}")
-MARKER_FORMAT = 2
-SEAL_CONTEXT = b"llmgw cache entry v2\n"
+MARKER_FORMAT = 3  # 3: the seal covers every file's SHA-256 (2: names and sizes only)
+SEAL_CONTEXT = b"llmgw cache entry v3\n"
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
+# Files hashed again at every launch, whatever the node-local record says: code and
+# configuration an engine reads (a model's *.py runs as this user), and anything small.
+ALWAYS_VERIFIED_BYTES = 4 << 20
+ALWAYS_VERIFIED_SUFFIXES = (".py", ".json", ".jinja", ".txt", ".model", ".tiktoken")
+VERIFIED_RECORD_MAX = 200000  # files the node-local record of verified big files keeps
+HASH_CHUNK = 1 << 20
 
 # Cache entries carry the hash of their canonical source; anything else in a cache directory
 # was put there by someone else and is never touched (R-5.5).
@@ -357,7 +389,7 @@ def loader_argv(python, path, sha256, size, args):
 ERROR_KINDS = (
     "bad_request", "unknown_op", "bad_args", "internal", "cancelled", "not_found", "alive", "identity",
     "port_in_use", "engine_missing", "integrity", "launch_failed", "no_secret", "too_large", "stalled",
-    "permissions", "disk_full", "cache_dir", "http", "network", "empty_source",
+    "permissions", "disk_full", "cache_dir", "http", "network", "empty_source", "weights_integrity",
 )
 
 
@@ -980,7 +1012,7 @@ def _walk_regular_files(top, follow_file_links, limit=WALK_LIMIT, skip_top=()):
     return total, files
 
 
-def weights_bytes(path, secret=None, remark=False):
+def weights_bytes(path, secret=None):
     """Bytes of weights at path, or None when path holds none (R-2.6).
 
     Weights are a non-empty regular file, or a directory with at least one regular file. A
@@ -989,7 +1021,7 @@ def weights_bytes(path, secret=None, remark=False):
     half-finished, and a directory someone else made is not llmgw's.
     """
     if os.path.basename(os.path.normpath(path)).startswith("llmgw-"):
-        return cache_entry(path, secret, remark)[0]
+        return cache_entry(path, secret)[0]
     try:
         info = os.stat(path)
     except (OSError, ValueError):
@@ -1012,13 +1044,13 @@ def _private_problem(what, info, uid):
 
 
 def entry_manifest(path, uid, limit=WALK_LIMIT):
-    """(manifest, bytes, files, problem) of a cache entry, walked without following links.
+    """(files, bytes, problem) of a cache entry, walked without following links.
 
-    The manifest lists "relative/path<TAB>size" of every file, sorted; names at the top that
-    start with .llmgw- (the marker, the lease) are llmgw's own and left out. problem says why
-    the entry cannot be llmgw's: a link or a special file inside, or a file or directory
-    another user owns or can write."""
-    lines = []
+    files lists (relative/path, size) of every file, sorted; names at the top that start with
+    .llmgw- (the marker, the lease) are llmgw's own and left out. problem says why the entry
+    cannot be llmgw's: a link or a special file inside, or a file or directory another user
+    owns or can write."""
+    files = []
     total = 0
     stack = [""]
     seen = 0
@@ -1028,36 +1060,38 @@ def entry_manifest(path, uid, limit=WALK_LIMIT):
         try:
             iterator = os.scandir(directory)
         except OSError as exc:
-            return None, None, 0, "%s cannot be read: %s" % (directory, exc.strerror or exc)
+            return None, None, "%s cannot be read: %s" % (directory, exc.strerror or exc)
         with iterator:
             for entry in iterator:
                 seen += 1
                 if seen > limit:
-                    return None, None, 0, "holds more than %d files" % limit
+                    return None, None, "holds more than %d files" % limit
                 if not relative and entry.name.startswith(".llmgw-"):
                     continue
                 name = relative + "/" + entry.name if relative else entry.name
                 try:
                     info = entry.stat(follow_symlinks=False)
                 except OSError as exc:
-                    return None, None, 0, "%s cannot be read: %s" % (name, exc.strerror or exc)
+                    return None, None, "%s cannot be read: %s" % (name, exc.strerror or exc)
                 if stat.S_ISDIR(info.st_mode):
                     stack.append(name)
                 elif not stat.S_ISREG(info.st_mode):
-                    return None, None, 0, "%s is a link or a special file, which llmgw never writes" % name
+                    return None, None, "%s is a link or a special file, which llmgw never writes" % name
                 else:
-                    lines.append("%s\t%d" % (name, info.st_size))
+                    files.append((name, info.st_size))
                     total += info.st_size
                 problem = _private_problem(name, info, uid)
                 if problem is not None:
-                    return None, None, 0, problem
-    lines.sort()
-    return "\n".join(lines), total, len(lines), None
+                    return None, None, problem
+    files.sort()
+    return files, total, None
 
 
-def entry_seal(secret, name, manifest):
-    """HMAC-SHA256, keyed by the fleet secret, of the cache name and the entry's manifest."""
-    message = SEAL_CONTEXT + name.encode("utf-8") + b"\n" + manifest.encode("utf-8", "surrogateescape")
+def entry_seal(secret, name, files, hashes):
+    """HMAC-SHA256, keyed by the fleet secret, of the cache name and every file's relative path,
+    size and SHA-256 (hashes: {relative path: hex}), so the seal covers content."""
+    lines = "\n".join("%s\t%d\t%s" % (path, size, hashes[path]) for path, size in files)
+    message = SEAL_CONTEXT + name.encode("utf-8") + b"\n" + lines.encode("utf-8", "surrogateescape")
     return hmac.new(secret.encode("ascii"), message, hashlib.sha256).hexdigest()
 
 
@@ -1077,7 +1111,7 @@ def _read_marker(path, uid):
         if problem is not None:
             return None, problem
         try:
-            marker = json.loads(handle.read(1 << 20).decode("utf-8"))
+            marker = json.loads(handle.read(64 << 20).decode("utf-8"))
         except ValueError:
             marker = None
     if not isinstance(marker, dict):
@@ -1085,12 +1119,16 @@ def _read_marker(path, uid):
     return marker, None
 
 
-def cache_entry(path, secret, remark=False):
-    """(bytes, None) when the directory at path is a fetched entry this fleet's llmgw made, else
-    (None, why). It must be a real directory (not a link) owned by this user, with only this
-    user's files in it, and a completion marker whose seal (entry_seal) matches its name and
-    files. A marker from before seals (no "seal") is accepted once, and sealed on the spot when
-    remark is set, if it names this entry and its byte count matches the files."""
+def sealed_entry(path, secret):
+    """({"files": [(relative path, size)], "hashes": {relative path: sha256}, "bytes"}, None)
+    when the directory at path is a fetched entry this fleet's llmgw made, else (None, why).
+
+    It must be a real directory (not a link) owned by this user, with only this user's files in
+    it, and a completion marker whose seal (entry_seal) matches its name, its files' sizes and
+    the SHA-256 the marker gives for each. The contents are not read here (see
+    verify_entry_content). A marker from before content hashes is refused: its seal covers no
+    content, and any node holding the secret could have written it, so the entry is fetched
+    again (the fetch replaces it) rather than hashed and trusted as it is now."""
     uid = os.getuid()
     name = os.path.basename(os.path.normpath(path))
     try:
@@ -1107,29 +1145,110 @@ def cache_entry(path, secret, remark=False):
     marker, problem = _read_marker(path, uid)
     if problem is not None:
         return None, problem
-    manifest, total, files, problem = entry_manifest(path, uid)
+    files, total, problem = entry_manifest(path, uid)
     if problem is not None:
         return None, "not llmgw's: " + problem
     if not files:
         return None, "holds no files"
     if secret is None:
         return None, "no fleet secret on this node to check its completion marker"
-    expected = entry_seal(secret, name, manifest)
+    hashes = marker.get("sha256")
+    if marker.get("format") != MARKER_FORMAT or not isinstance(hashes, dict):
+        return None, ("its completion marker predates content hashes (format %s), so what it holds cannot be "
+                      "checked; it is fetched again" % (marker.get("format", 1),))
+    for relative, _ in files:
+        if not isinstance(hashes.get(relative), str) or not SHA256_RE.fullmatch(hashes[relative]):
+            return None, "its completion marker gives no SHA-256 for %s" % relative
     seal = marker.get("seal")
-    if isinstance(seal, str):
-        if hmac.compare_digest(seal, expected):
-            return total, None
-        return None, "its completion marker was not sealed by this fleet's llmgw, or its files changed since"
-    if seal is None and marker.get("name") == name and marker.get("bytes") == total and marker.get("files", files) == files:
-        if not remark:
-            return None, "its completion marker predates sealed markers (sealed by the next serving helper)"
-        sealed = dict(marker, format=MARKER_FORMAT, seal=expected)
+    if isinstance(seal, str) and hmac.compare_digest(seal, entry_seal(secret, name, files, hashes)):
+        return {"files": files, "hashes": hashes, "bytes": total}, None
+    return None, "its completion marker was not sealed by this fleet's llmgw, or its files changed since"
+
+
+def cache_entry(path, secret):
+    """(bytes, None) when the directory at path is a fetched entry this fleet's llmgw made (see
+    sealed_entry), else (None, why)."""
+    entry, problem = sealed_entry(path, secret)
+    return (entry["bytes"], None) if entry is not None else (None, problem)
+
+
+def always_verified(relative, size):
+    """Whether a file of an entry is hashed at every launch: code, configuration, tokenizers
+    and anything small; big files only when they changed since this node last hashed them."""
+    base = relative.rsplit("/", 1)[-1]
+    return size <= ALWAYS_VERIFIED_BYTES or base.endswith(ALWAYS_VERIFIED_SUFFIXES) or base.startswith("tokenizer")
+
+
+def file_stamp(info):
+    """What the node-local record compares to skip hashing a big file again: any write, utime,
+    chmod or replacement changes the inode, size, mtime or (not settable by anyone) ctime."""
+    return [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+
+
+def hash_stream(handle, on_bytes=None, chunk=HASH_CHUNK):
+    """Hex SHA-256 of what is left to read of an open binary file; on_bytes(count) hears each
+    block read (it may raise to stop)."""
+    digest = hashlib.sha256()
+    while True:
+        block = handle.read(chunk)
+        if not block:
+            return digest.hexdigest()
+        digest.update(block)
+        if on_bytes is not None:
+            on_bytes(len(block))
+
+
+def verified_here(path, entry, verified):
+    """Whether every big file of the sealed entry at path has, now, the stamp this node recorded
+    when it last found it as sealed: a launch then reads only the small files again."""
+    for relative, size in entry["files"]:
+        if always_verified(relative, size):
+            continue
+        full = os.path.join(path, relative)
         try:
-            _write_json_atomic(os.path.join(path, COMPLETE_MARKER), sealed, mode=stat.S_IMODE(info.st_mode) & 0o644)
+            info = os.lstat(full)
+        except OSError:
+            return False
+        if verified.get(full) != file_stamp(info) + [entry["hashes"][relative]]:
+            return False
+    return True
+
+
+def verify_entry_content(path, entry, verified, on_bytes=None):
+    """(problem, hashed) for the sealed entry at path (entry: what sealed_entry found).
+
+    Every file is opened without following a link and its SHA-256 compared with the sealed one;
+    a big file whose stamp (file_stamp) is the one verified[its path] holds with that hash is
+    not read again. verified is updated in place with what was hashed and matched. problem
+    names the first file that differs (and both hashes), or None; hashed lists the files read.
+    on_bytes(count) hears the bytes checked, read or skipped."""
+    hashed = []
+    for relative, size in entry["files"]:
+        full = os.path.join(path, relative)
+        expected = entry["hashes"][relative]
+        try:
+            fd = open_below(path, relative.split("/"))
         except OSError as exc:
-            return None, "its old completion marker could not be sealed: %s" % (exc.strerror or exc)
-        return total, None
-    return None, "its completion marker does not match its files"
+            return "%s cannot be opened: %s" % (full, exc.strerror or exc), hashed
+        with os.fdopen(fd, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+                return "%s changed while it was being checked" % full, hashed
+            stamp = file_stamp(info)
+            if not always_verified(relative, size) and verified.get(full) == stamp + [expected]:
+                if on_bytes is not None:
+                    on_bytes(size)
+                continue
+            actual = hash_stream(handle, on_bytes)
+        hashed.append(relative)
+        if not hmac.compare_digest(actual, expected):
+            verified.pop(full, None)
+            return ("%s has SHA-256 %s, not the %s its entry was sealed with: it was changed after the fetch "
+                    "(nothing was removed: find the node that wrote it, then remove the entry so that it is fetched again)"
+                    % (full, actual, expected)), hashed
+        if not always_verified(relative, size):
+            verified[full] = stamp + [expected]
+    return None, hashed
 
 
 def entry_file(path):
@@ -1360,11 +1479,10 @@ def entry_last_used(path):
     return info.st_mtime if stat.S_ISREG(info.st_mode) else None
 
 
-def note_entry_use(argv):
-    """Mark the cache entries an engine's argv names as used now: the completion marker's mtime
-    is set, through fds that follow no link, on entries and markers of this user only. Nothing
-    fails a launch: a path that is not such an entry is left alone."""
-    seen = set()
+def entries_named(argv):
+    """The cache entries (absolute paths ending in an llmgw-<hex> directory) an engine's argv
+    names, in order, each once: a path argument, or the value of an --option=VALUE."""
+    found = []
     for part in argv:
         for value in part.split("=")[-1:] if part.startswith("-") else [part]:
             if not value.startswith("/"):
@@ -1373,10 +1491,18 @@ def note_entry_use(argv):
             for index, component in enumerate(parts):
                 if CACHE_NAME_RE.fullmatch(component):
                     entry = "/".join(parts[: index + 1])
-                    if entry not in seen:
-                        seen.add(entry)
-                        _touch_marker(entry)
+                    if entry not in found:
+                        found.append(entry)
                     break
+    return found
+
+
+def note_entry_use(argv):
+    """Mark the cache entries an engine's argv names as used now: the completion marker's mtime
+    is set, through fds that follow no link, on entries and markers of this user only. Nothing
+    fails a launch: a path that is not such an entry is left alone."""
+    for entry in entries_named(argv):
+        _touch_marker(entry)
 
 
 def _touch_marker(entry):
@@ -1580,6 +1706,7 @@ class FetchJob(object):
         self.error = None
         self.temp_name = None
         self.thread = None
+        self.hashes = {}  # relative path -> SHA-256 of the bytes written, computed as they stream
         self._last_progress = 0.0
 
     def attach(self, key, emit):
@@ -1658,8 +1785,10 @@ class NodeCore(object):
         self.running_jobs = set()  # every job not yet ended, abandoned ones included
         self.fetch_lock = threading.Lock()
         self.launch_lock = threading.Lock()
+        self.verified_lock = threading.Lock()  # the node-local record of verified files
         self.closing = threading.Event()
         self._opener = None
+        self.files_hashed = 0  # files of cache entries read to check them at launch
         self.secret = self._stored_secret()
 
     # -- bookkeeping ----------------------------------------------------------------------
@@ -1724,17 +1853,88 @@ class NodeCore(object):
         return {"stored": True}
 
     def entry_bytes(self, path):
-        """weights_bytes with this node's fleet secret; a serving helper seals old markers."""
-        return weights_bytes(path, self.secret, remark=self.sha256 is not None)
+        """weights_bytes with this node's fleet secret."""
+        return weights_bytes(path, self.secret)
+
+    # -- the node-local record of big files verified (see verify_weights) -----------------
+
+    def _verified_file(self):
+        # In ROOT, never on the cache's filer; named by host in case ROOT is a shared home.
+        return "verified-%s.json" % re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
+
+    def _load_verified(self):
+        """{file path: file_stamp + [sha256]} this node hashed and found as sealed; {} when none."""
+        record = _read_json(None, lambda: open_below(self.root, [self._verified_file()]))
+        files = record.get("files") if record is not None else None
+        return files if isinstance(files, dict) else {}
+
+    def _merge_verified(self, changes, dropped=()):
+        if not changes and not dropped:
+            return
+        with self.verified_lock:
+            files = self._load_verified()
+            for path in dropped:
+                files.pop(path, None)
+            files.update(changes)
+            if len(files) > VERIFIED_RECORD_MAX:  # the first recorded go first: dicts keep their order
+                files = dict(list(files.items())[-VERIFIED_RECORD_MAX:])
+            try:
+                _write_json_atomic(os.path.join(self.root, self._verified_file()), {"files": files})
+            except OSError:
+                pass  # only a cache of work done: the next launch hashes again
+
+    def note_verified(self, path, files, hashes):
+        """Record the big files of the entry at path as verified with hashes (a fetch hashed
+        them while writing them)."""
+        changes = {}
+        for relative, size in files:
+            if always_verified(relative, size):
+                continue
+            full = os.path.join(path, relative)
+            try:
+                info = os.lstat(full)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                changes[full] = file_stamp(info) + [hashes[relative]]
+        self._merge_verified(changes)
+
+    def verify_weights(self, argv):
+        """Refuse (weights_integrity) a launch whose argv names a cache entry that is not sealed
+        by this fleet, or whose files do not have the SHA-256 the seal covers (R-5.6). Small files
+        and code are hashed every time, big ones when they changed since this node last did.
+        Nothing is removed: a rewritten or planted entry is refused, never trusted."""
+        for path in entries_named(argv):
+            entry, problem = sealed_entry(path, self.secret)
+            if problem is not None:
+                raise HelperError("weights_integrity", "%s is not a sealed cache entry of this fleet (%s); the engine "
+                                                       "was not started" % (path, problem))
+            problem = self.verify_entry(path, entry)
+            if problem is not None:
+                raise HelperError("weights_integrity", problem + "; the engine was not started")
+
+    def verify_entry(self, path, entry, on_bytes=None):
+        """verify_entry_content against this node's record, which it then updates; the problem
+        or None."""
+        before = self._load_verified()
+        verified = dict(before)
+        problem, hashed = verify_entry_content(path, entry, verified, on_bytes)
+        self.files_hashed += len(hashed)
+        changes = dict((key, value) for key, value in verified.items() if before.get(key) != value)
+        self._merge_verified(changes, dropped=[key for key in before if key not in verified])
+        return problem
 
     def holding(self, path):
-        """{"bytes"} of the weights at path, and "file" for a cache entry; None when none."""
-        size = self.entry_bytes(path)
-        if size is None:
-            return None
+        """{"bytes"} of the weights at path, and for a cache entry "file" and "verified" (its big
+        files are as this node last hashed them: a launch need not read them); None when none."""
         if not os.path.basename(os.path.normpath(path)).startswith("llmgw-"):
-            return {"bytes": size}
-        return {"bytes": size, "file": entry_file(path)}
+            size = self.entry_bytes(path)
+            return None if size is None else {"bytes": size}
+        entry, _ = sealed_entry(path, self.secret)
+        if entry is None:
+            return None
+        return {"bytes": entry["bytes"], "file": entry_file(path),
+                "verified": verified_here(path, entry, self._load_verified())}
 
     def shard_dir(self, shard_id):
         return os.path.join(self.shards_dir(), shard_id)
@@ -2011,9 +2211,12 @@ class FetchOps(object):
         final = os.path.join(cache_dir, name)
         if self.secret is None:
             raise HelperError("no_secret", "no fleet secret on this node: a fetched entry could not be sealed (the control plane sends it)")
-        size = self.entry_bytes(final)
-        if size is not None:
-            return {"path": final, "bytes": size, "file": entry_file(final)}
+        entry, _ = sealed_entry(final, self.secret)
+        if entry is not None:
+            # Here already (another node of the fleet may have fetched it onto a shared filer):
+            # checked by hash instead of downloaded again (R-5.6).
+            self._check_present_entry(final, entry, ctx)
+            return {"path": final, "bytes": entry["bytes"], "file": entry_file(final)}
         key = (cache_dir, name)
         with self.fetch_lock:
             job = self.fetches.get(key)
@@ -2038,6 +2241,26 @@ class FetchOps(object):
             raise HelperError(job.error.kind, job.error.message)
         return dict(job.result, file=entry_file(job.result["path"]))
 
+    def _check_present_entry(self, final, entry, ctx):
+        """Hash a present entry's files against its seal, big ones only when they changed since
+        this node last did, with "checking" events (not "progress": no byte is downloaded, and
+        the control plane measures download rates from progress); weights_integrity on a
+        mismatch (nothing is removed)."""
+        state = {"done": 0, "shown": 0.0}
+
+        def on_bytes(count):
+            if ctx.cancelled.is_set():
+                raise HelperError("cancelled", "stopped checking %s" % final)
+            state["done"] += count
+            now = time.monotonic()
+            if now - state["shown"] >= PROGRESS_INTERVAL:
+                state["shown"] = now
+                ctx.emit("checking", {"bytes": state["done"], "total": entry["bytes"]})
+
+        problem = self.verify_entry(final, entry, on_bytes)
+        if problem is not None:
+            raise HelperError("weights_integrity", problem)
+
     def op_source_size(self, args, ctx):
         """How many bytes a source would download, from the hub listing or HEAD requests; null
         when the server does not say (R-5.1: the size is learned before placement)."""
@@ -2045,7 +2268,7 @@ class FetchOps(object):
         token = _arg(args, "token", (str,), None)
         job = FetchJob(None, None, "size", source, token)
         files = self._plan_files(job)
-        sizes = [size if size is not None else self._head_length(job, url) for url, _, size in files]
+        sizes = [size if size is not None else self._head_length(job, url) for url, _, size, _ in files]
         total = sum(sizes) if all(size is not None for size in sizes) else None
         return {"bytes": total, "files": len(files)}
 
@@ -2096,10 +2319,12 @@ class FetchOps(object):
             if job.total is not None and job.total > job.limit:
                 raise HelperError("too_large", "%s would be %d bytes, more than the %d allowed (%s)"
                                   % (job.name, job.total, job.limit, job.limit_origin))
-            for url, parts, size in files:
-                self._download_file(job, url, temp, parts, single=len(files) == 1, expected=size)
+            for url, parts, size, published in files:
+                self._download_file(job, url, temp, parts, single=len(files) == 1, expected=size, published=published)
             job.progress(force=True)
-            manifest, total, count, problem = entry_manifest(temp, os.getuid())
+            manifest, total, problem = entry_manifest(temp, os.getuid())
+            if problem is None and sorted(job.hashes) != [relative for relative, _ in manifest]:
+                problem = "its files are not the ones downloaded"
             if problem is not None:
                 raise HelperError("cache_dir", "the download of %s was changed while written: %s" % (job.name, problem))
             marker = {
@@ -2107,15 +2332,16 @@ class FetchOps(object):
                 "name": job.name,
                 "source": _shown_source(job.source),
                 "bytes": total,
-                "files": count,
+                "files": len(manifest),
                 "finished_at": time.time(),
-                "seal": entry_seal(self.secret, job.name, manifest),
+                "sha256": job.hashes,
+                "seal": entry_seal(self.secret, job.name, manifest, job.hashes),
             }
             try:
                 _write_json_atomic(os.path.join(temp, COMPLETE_MARKER), marker, mode=0o600 if job.private else 0o644)
                 os.chmod(temp, 0o700 if job.private else 0o755)
                 if os.path.lexists(final):
-                    size = cache_entry(final, self.secret, remark=True)[0]
+                    size = cache_entry(final, self.secret)[0]
                     if size is not None:
                         # Another helper (of this node or another) finished it first.
                         remove_tree_within(cache_dir, os.path.basename(temp))
@@ -2134,6 +2360,9 @@ class FetchOps(object):
                 os.unlink(os.path.join(final, LEASE_FILE))
             except OSError:
                 pass  # left out of the seal and of reclaim's judgement of an entry anyway
+            # These bytes were hashed as they streamed in: the first launch here need not
+            # read the big files again.
+            self.note_verified(final, manifest, job.hashes)
             return {"path": final, "bytes": job.bytes}
         finally:
             if lease is not None:
@@ -2194,8 +2423,9 @@ class FetchOps(object):
             raise HelperError("network", "could not fetch %s: %s" % (redact_url(url), exc))
 
     def _plan_files(self, job):
-        """[(url, path parts inside the entry, size or None)]; also sets the job's total when
-        every size is known beforehand."""
+        """[(url, path parts inside the entry, size or None, published hash or None)]; also sets
+        the job's total when every size is known beforehand. A published hash is ("sha256", hex)
+        for a hub file kept in LFS, ("git-blob", hex) for one kept in git (the hub's blob id)."""
         source = job.source
         if source["kind"] == "https":
             files = []
@@ -2206,16 +2436,16 @@ class FetchOps(object):
                 if parts[0] in seen:
                     raise bad_args("two URLs would both be saved as %r" % parts[0])
                 seen.add(parts[0])
-                files.append((url, parts, None))
+                files.append((url, parts, None, None))
         else:
             files = self._hf_files(job)
         if len(files) > 1:
-            sizes = [size for _, _, size in files]
+            sizes = [size for _, _, size, _ in files]
             if any(size is None for size in sizes):
-                sizes = [self._head_length(job, url) if size is None else size for url, _, size in files]
+                sizes = [self._head_length(job, url) if size is None else size for url, _, size, _ in files]
             if all(size is not None for size in sizes):
                 job.set_total(sum(sizes))
-                files = [(url, parts, size) for (url, parts, _), size in zip(files, sizes)]
+                files = [(url, parts, size, published) for (url, parts, _, published), size in zip(files, sizes)]
         return files
 
     def _hf_files(self, job):
@@ -2223,7 +2453,9 @@ class FetchOps(object):
         endpoint = source["endpoint"].rstrip("/")
         repo = urllib.parse.quote(source["repo"], safe="/")
         revision = urllib.parse.quote(source["revision"], safe="")
-        api = "%s/api/models/%s/revision/%s" % (endpoint, repo, revision)
+        # blobs=true: each sibling then carries its size, its git blob id and, for a file kept
+        # in LFS, {"sha256", "size"} (the tree API spells the LFS hash "oid"; both are read).
+        api = "%s/api/models/%s/revision/%s?blobs=true" % (endpoint, repo, revision)
         with self._request(job, api) as response:
             try:
                 body = response.read(HUB_LISTING_MAX_BYTES + 1)
@@ -2250,7 +2482,7 @@ class FetchOps(object):
             size = sibling.get("size")
             size = size if isinstance(size, int) and not isinstance(size, bool) and size >= 0 else None
             url = "%s/%s/resolve/%s/%s" % (endpoint, repo, revision, urllib.parse.quote(name, safe="/"))
-            files.append((url, parts, size))
+            files.append((url, parts, size, _published_hash(sibling)))
         if not files:
             raise HelperError("empty_source", "%s at revision %s lists no files" % (source["repo"], source["revision"]))
         return files
@@ -2262,9 +2494,12 @@ class FetchOps(object):
         except HelperError:
             return None
 
-    def _download_file(self, job, url, temp, parts, single, expected=None):
-        """Write one file of the entry. It may not outgrow its announced length (the listing's
-        size or Content-Length) nor the job's limit; no byte for stall_timeout fails it."""
+    def _download_file(self, job, url, temp, parts, single, expected=None, published=None):
+        """Write one file of the entry, hashing its bytes as they stream to disk (job.hashes).
+        It may not outgrow its announced length (the listing's size or Content-Length) nor the
+        job's limit; no byte for stall_timeout fails it; bytes that do not hash to the hash the
+        hub published for the file fail it (weights_integrity)."""
+        relative = "/".join(parts)
         response = self._request(job, url, timeout=job.stall_timeout)
         with response:
             length = _content_length(response)
@@ -2274,6 +2509,9 @@ class FetchOps(object):
             if length is not None and job.bytes + length > job.limit:
                 raise HelperError("too_large", "%s announces %d bytes: %s would outgrow the %d allowed (%s)"
                                   % (redact_url(url), length, job.name, job.limit, job.limit_origin))
+            digest = hashlib.sha256()
+            # git names a blob by sha1("blob <size>\0" + content): known up front with its size.
+            blob = hashlib.sha1(b"blob %d\0" % bound) if published and published[0] == "git-blob" and bound is not None else None
             written = 0
             try:
                 fd = _create_below(temp, parts, job.private)
@@ -2309,6 +2547,9 @@ class FetchOps(object):
                                 "%s outgrew the %d bytes allowed (%s) while reading %s; stopped"
                                 % (job.name, job.limit, job.limit_origin, redact_url(url)),
                             )
+                        digest.update(chunk)
+                        if blob is not None:
+                            blob.update(chunk)
                         view = memoryview(chunk)
                         while view:
                             count = out.write(view)
@@ -2324,7 +2565,41 @@ class FetchOps(object):
                 raise HelperError(
                     "network", "%s sent %d bytes, announced %d" % (redact_url(url), written, length)
                 )
+        job.hashes[relative] = digest.hexdigest()
+        if published is None:
+            return
+        kind, wanted = published
+        if kind == "sha256":
+            actual = job.hashes[relative]
+        elif blob is not None and written == bound:
+            actual = blob.hexdigest()
+        else:
+            # No size known before the bytes came (or a short file): git's hash needs it first.
+            # Only a small file is kept in git rather than LFS, so reading it back is cheap.
+            with os.fdopen(open_below(temp, parts), "rb") as handle:
+                actual = hashlib.sha1(b"blob %d\0" % written + handle.read()).hexdigest()
+        if not hmac.compare_digest(actual, wanted):
+            what = "LFS SHA-256" if kind == "sha256" else "git blob id (sha1)"
+            raise HelperError(
+                "weights_integrity",
+                "%s of %s at %s: the hub publishes %s %s, the %d bytes received hash to %s; the download of %s "
+                "was given up and nothing was kept" % (relative, job.source.get("repo"), job.source.get("revision"),
+                                                      what, wanted, written, actual, job.name))
 
+
+
+def _published_hash(sibling):
+    """("sha256", hex) for a hub listing entry kept in LFS, ("git-blob", hex) for one kept in
+    git, None when the listing gives neither (a mirror that publishes no hashes)."""
+    lfs = sibling.get("lfs")
+    if isinstance(lfs, dict):
+        # The blob id of an LFS file names its pointer, not its content: only the LFS hash counts.
+        value = lfs.get("sha256", lfs.get("oid"))
+        return ("sha256", value.lower()) if isinstance(value, str) and SHA256_RE.fullmatch(value.lower()) else None
+    value = sibling.get("blobId", sibling.get("oid"))
+    if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{40}", value.lower()):
+        return ("git-blob", value.lower())
+    return None
 
 
 def _check_source(source):
@@ -2469,6 +2744,9 @@ class ProcessOps(object):
             # program is missing and where it was looked for.
             where = "is not an executable file" if "/" in argv[0] else "is not on PATH=" + search_path
             raise HelperError("engine_missing", f"{argv[0]} {where} on this node")
+        # Outside the launch lock: hashing a big entry for the first time here must not hold
+        # up other launches.
+        self.verify_weights(argv)
         state_path = os.path.join(shard_dir, STATE_FILE)
         log_path = os.path.join(shard_dir, LOG_FILE)
         with self.launch_lock:

@@ -160,7 +160,9 @@ class Actions:
         if source is None:
             return model.name
         held = (self.fleet.facts[shard.node].holdings or {}).get(model.name)
-        if held is not None:
+        # An entry held but not yet hashed here goes through fetch, which checks it by hash
+        # with progress instead of downloading it again, so the launch need not.
+        if held is not None and (held.verified is not False or not source.fetched):
             return _engine_path(source, held.path, held.file)
         if not source.fetched:
             paths = self.fleet.paths(node.name)

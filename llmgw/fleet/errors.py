@@ -148,6 +148,12 @@ class EmptySource(RemoteError):
     """The weights' source lists no files."""
 
 
+class WeightsIntegrity(RemoteError):
+    """Weights whose bytes are not the ones they should be: a fetched file that does not hash to
+    what the hub publishes (nothing was kept), or a cache entry a launch found unsealed or
+    changed since its seal (the engine was not started; nothing was removed)."""
+
+
 # The one table from the helper's kind to its class; every kind the helper declares in its
 # ERROR_KINDS is in it (tests/unit/test_node_ops.py checks).
 REMOTE_ERRORS: dict[str, type[RemoteError]] = {
@@ -172,6 +178,7 @@ REMOTE_ERRORS: dict[str, type[RemoteError]] = {
     "http": SourceHTTPError,
     "network": SourceNetworkError,
     "empty_source": EmptySource,
+    "weights_integrity": WeightsIntegrity,
 }
 for _kind, _cls in REMOTE_ERRORS.items():
     _cls.KIND = _kind  # a class built directly (PortInUse(...)) carries its kind too

@@ -237,6 +237,9 @@ class Held:
     path: str
     bytes: int | None
     file: str | None = None  # a cache entry's one file (a fetched URL's), as the helper named it
+    # A cache entry whose big files this node has not hashed as they are now (another node
+    # fetched them onto a shared filer, or they changed): False. None: not a cache entry.
+    verified: bool | None = None
 
 
 def holdings(answer: Any) -> dict[str, Held]:
@@ -247,7 +250,7 @@ def holdings(answer: Any) -> dict[str, Held]:
         where = f"held[{name!r}]."
         entry = _object(entry, where.rstrip("."))
         found[name] = Held(_required(entry, "path", TEXT, where), _field(entry, "bytes", INT, where),
-                           _field(entry, "file", TEXT, where))
+                           _field(entry, "file", TEXT, where), _field(entry, "verified", FLAG, where))
     return found
 
 

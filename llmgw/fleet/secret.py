@@ -2,8 +2,9 @@
 
 Helpers seal the cache entries they fetch with an HMAC keyed by it, and accept an entry only
 with a seal that matches, so weights one node fetched onto a shared filer are accepted by the
-others while a directory someone else planted there never is. It travels only inside the helper
-session (never in an argv, never logged); a helper keeps it in its 0700 root.
+others while a directory someone else planted there never is. Every node holds it, so the seal
+also covers each file's SHA-256 and a helper hashes what it launches (R-5.6). It travels only
+inside the helper session (never in an argv, never logged); a helper keeps it in its 0700 root.
 """
 
 from __future__ import annotations

@@ -216,15 +216,18 @@ def kill_recorded_engines(root):
                     pass
 
 
-def write_sealed_marker(entry, secret, **extra):
+def write_sealed_marker(entry, secret, hashes=None, **extra):
     """Mark a cache entry complete as the helper does after a fetch: its seal is the HMAC, keyed
-    by the fleet secret, of its name and files. Returns the marker."""
+    by the fleet secret, of its name and every file's path, size and SHA-256 (the files' own,
+    unless `hashes` gives others: {relative path: hex}). Returns the marker."""
     module = load_helper()
     entry = Path(entry)
-    manifest, total, files, problem = module.entry_manifest(str(entry), os.getuid())
+    files, total, problem = module.entry_manifest(str(entry), os.getuid())
     assert problem is None, problem
-    marker = {"format": 2, "name": entry.name, "bytes": total, "files": files,
-              "seal": module.entry_seal(secret, entry.name, manifest)}
+    sha256 = {name: hashlib.sha256((entry / name).read_bytes()).hexdigest() for name, _ in files}
+    sha256.update(hashes or {})
+    marker = {"format": module.MARKER_FORMAT, "name": entry.name, "bytes": total, "files": len(files),
+              "sha256": sha256, "seal": module.entry_seal(secret, entry.name, files, sha256)}
     marker.update(extra)
     (entry / ".llmgw-complete").write_text(json.dumps(marker))
     return marker

@@ -88,7 +88,7 @@ def test_a_single_url_fetch_reports_the_file_it_saved(start_helper, tls_env, htt
     assert os.path.isfile(result["file"]) and open(result["file"], "rb").read() == body
     assert os.path.realpath(result["file"]).startswith(str(final) + os.sep), "inside the entry"
     held = helper.call("holdings", {"candidates": {"m": [str(final)]}})["held"]
-    assert held == {"m": {"path": str(final), "bytes": len(body), "file": result["file"]}}
+    assert held == {"m": {"path": str(final), "bytes": len(body), "file": result["file"], "verified": True}}
     assert helper.call("fetch", _fetch_args(https_server, cache, [path]))["file"] == result["file"], \
         "answered from the disk, the same file"
 

@@ -1,6 +1,7 @@
 """The node side trusts only what llmgw made: how helper processes start, which directories the
 helper accepts, which cache entries count as fetched weights (R-1.3, R-1.6, R-5.2, R-5.5)."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -208,14 +209,16 @@ def test_a_fetched_entry_is_sealed_and_accepted_by_another_node_of_the_fleet(
     first = start_helper(env=tls_env)
     assert first.call("fetch", _fetch(https_server, filer))["bytes"] == 64 * 1024
     marker = json.loads((filer / NAME / ".llmgw-complete").read_text())
-    manifest = load_helper().entry_manifest(str(filer / NAME), os.getuid())[0]
-    assert marker["seal"] == load_helper().entry_seal(installed.secret, NAME, manifest)
+    files = load_helper().entry_manifest(str(filer / NAME), os.getuid())[0]
+    assert marker["sha256"] == {"w.bin": hashlib.sha256((filer / NAME / "w.bin").read_bytes()).hexdigest()}
+    assert marker["seal"] == load_helper().entry_seal(installed.secret, NAME, files, marker["sha256"])
     same_fleet = _other_helper(tmp_path, "node-b", installed.secret, tls_env)
     other_fleet = _other_helper(tmp_path, "node-c", "0" * 64, tls_env)
     try:
         wanted = {"candidates": {"m": [str(filer / NAME)]}}
         assert same_fleet.call("holdings", wanted)["held"] == {"m": {"path": str(filer / NAME), "bytes": 64 * 1024,
-                                                                     "file": str(filer / NAME / "w.bin")}}
+                                                                     "file": str(filer / NAME / "w.bin"),
+                                                                     "verified": True}}  # no big file
         assert same_fleet.call("fetch", _fetch(https_server, filer))["bytes"] == 64 * 1024
         assert https_server.gets("/w.bin") == 1, "the other node took the entry, it did not fetch again"
         assert other_fleet.call("holdings", wanted)["held"] == {}
@@ -250,19 +253,25 @@ def test_a_directory_planted_on_a_shared_cache_is_never_served_nor_held(start_he
     assert refused["action"] == "refused" and "uid 4242" in refused["reason"]
 
 
-def test_an_entry_made_before_seals_is_sealed_once_not_fetched_again(start_helper, tls_env, https_server, tmp_path):
+@pytest.mark.parametrize("old", [pytest.param({"name": NAME, "source": {}, "bytes": 4096, "files": 1}, id="unsealed"),
+                                 pytest.param({"format": 2, "name": NAME, "bytes": 4096, "files": 1, "seal": "ab" * 32},
+                                              id="sealed-without-hashes")])
+def test_an_entry_made_before_content_hashes_is_fetched_again(start_helper, tls_env, https_server, tmp_path, old):
+    """Its seal covers no content, and any node of the fleet could have written it: it is not
+    held, and the next fetch replaces it with a download checked as it streams (R-5.6)."""
     https_server.routes["/w.bin"] = Route(b"x" * 4096)
     cache = tmp_path / "cache"
     entry = cache / NAME
     entry.mkdir(parents=True)
-    (entry / "w.bin").write_bytes(b"x" * 4096)
-    (entry / ".llmgw-complete").write_text(json.dumps({"name": NAME, "source": {}, "bytes": 4096, "files": 1}))
+    (entry / "w.bin").write_bytes(b"y" * 4096)
+    (entry / ".llmgw-complete").write_text(json.dumps(old))
     helper = start_helper(env=tls_env)
-    assert helper.call("holdings", {"candidates": {"m": [str(entry)]}})["held"] == {
-        "m": {"path": str(entry), "bytes": 4096, "file": str(entry / "w.bin")}}
-    assert "seal" in json.loads((entry / ".llmgw-complete").read_text())
+    assert helper.call("holdings", {"candidates": {"m": [str(entry)]}})["held"] == {}
+    assert json.loads((entry / ".llmgw-complete").read_text()) == old, "never sealed as it is"
     assert helper.call("fetch", _fetch(https_server, cache))["bytes"] == 4096
-    assert https_server.gets("/w.bin") == 0
+    assert https_server.gets("/w.bin") == 1
+    assert (entry / "w.bin").read_bytes() == b"x" * 4096
+    assert json.loads((entry / ".llmgw-complete").read_text())["format"] == 3
 
 
 def test_the_fleet_secret_is_kept_private_in_the_root_and_never_echoed(helper, installed):

@@ -12,6 +12,9 @@ Three one-GPU nodes each serve one replica of `chat` (min 3). Then:
   C. (two other nodes) a scratch filer anyone can write is both nodes' cache: what one fetched
      the other takes without downloading again, and a directory another user planted under a
      model's cache name is never held nor served; the fetch says whose it is.
+  D. Code on a node of the fleet (it holds the fleet secret) rewrites the fetched weights on
+     the filer in place, same size, mtime put back: the next start there is refused, naming the
+     file in `ctl replicas`, and nothing is removed or downloaded again.
 """
 
 from __future__ import annotations
@@ -279,5 +282,24 @@ def test_a_shared_filer_serves_what_the_fleet_fetched_and_never_what_was_planted
         assert "not llmgw's" in reason and "uid 4242" in reason, reason
         assert serving("planted") == [] and bed.weights.hits(planted_url) == 0
         assert (planted / "model.gguf").read_bytes() == b"poisoned" * 512
+
+        # D. Rewritten in place by a node of the fleet: refused at the next start (R-5.6).
+        weights = shared / parse_weights(url).cache_name / "model.gguf"
+        before = weights.stat()
+        with open(weights, "r+b") as handle:
+            handle.seek(before.st_size // 2)
+            handle.write(b"\0" * 64)
+        os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+        kill_pids(bed.engine_pids(other))  # the engine there ends; its replacement starts from the filer
+
+        def tampered_refused():
+            return [reason for r in ctl.json("replicas")["replicas"] if r["model"] == "chat" and r["state"] == "failed"
+                    for reason in [r["shards"][0]["reason"] or r["reason"] or ""] if str(weights) in reason]
+
+        [refusal, *_] = wait_for(tampered_refused, 120, f"the rewritten weights refused\n{gateway.log()[-3000:]}")
+        print(f"D. rewritten in place on the filer: {refusal}")
+        assert "SHA-256" in refusal and "was changed after the fetch" in refusal, refusal
+        assert weights.stat().st_size == before.st_size, "nothing removed"
+        assert bed.weights.hits(url) == 1, "not downloaded again"
     finally:
         gateway.stop()

@@ -40,6 +40,7 @@ class WeightFile:
     throttle: int | None = None  # bytes per second
     cut_after: int | None = None  # drop the connection after this many body bytes
     _block: bytes = field(default=b"", repr=False)
+    _sha256: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.content is None:
@@ -58,10 +59,25 @@ class WeightFile:
         return bytes(out)
 
     def sha256(self) -> str:
-        h = hashlib.sha256()
-        for start in range(0, self.size, BLOCK):
-            h.update(self.read(start, min(self.size, start + BLOCK)))
-        return h.hexdigest()
+        if self._sha256 is None:
+            h = hashlib.sha256()
+            for start in range(0, self.size, BLOCK):
+                h.update(self.read(start, min(self.size, start + BLOCK)))
+            self._sha256 = h.hexdigest()
+        return self._sha256
+
+    def git_blob_id(self) -> str:
+        """What git names this content by: sha1 of `blob <size>\\0` and the bytes."""
+        return hashlib.sha1(b"blob %d\0" % self.size + self.read(0, self.size)).hexdigest()
+
+
+def _sibling(name: str, f: WeightFile) -> dict:
+    """A file as the hub lists it with `?blobs=true`: a file given by its size is kept in LFS
+    (its SHA-256 published), one given by its bytes in git (its blob id)."""
+    if f.content is not None:
+        return {"rfilename": name, "size": f.size, "blobId": f.git_blob_id()}
+    return {"rfilename": name, "size": f.size, "blobId": hashlib.sha1(name.encode()).hexdigest(),
+            "lfs": {"sha256": f.sha256(), "size": f.size, "pointerSize": 134}}
 
 
 @dataclass
@@ -233,7 +249,7 @@ class _Handler(BaseHTTPRequestHandler):
             if not self._token_ok(r):
                 return self._json(401, {"error": "Invalid credentials in Authorization header"})
             return self._json(200, {"id": repo, "modelId": repo, "sha": r.sha,
-                                    "siblings": [{"rfilename": name} for name in r.files]})
+                                    "siblings": [_sibling(name, f) for name, f in r.files.items()]})
         if len(parts) >= 5 and parts[2] == "resolve":
             repo, revision, name = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
             r = owner._lookup_repo(repo, revision)

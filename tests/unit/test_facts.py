@@ -41,6 +41,8 @@ def test_sound_answers_parse_and_unknown_stays_none():
     shards = shard_statuses(STATUS)
     assert shards["chat-1-0"].health_status == 200 and shards["chat-0-0"].log_tail == ("CUDA out of memory",)
     assert holdings({"held": {"chat": {"path": "/m/chat", "bytes": None}}}) == {"chat": Held("/m/chat", None)}
+    entry = {"path": "/c/llmgw-ab", "bytes": 5, "file": None, "verified": False}
+    assert holdings({"held": {"chat": entry}}) == {"chat": Held("/c/llmgw-ab", 5, None, verified=False)}
     assert Inventory.from_helper({}).memory_bytes is None  # nothing reported: unknown, not zero
 
 

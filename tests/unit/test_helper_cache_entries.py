@@ -1,6 +1,8 @@
 """Which cache entries count as fetched weights (R-2.6, R-5.2): a real directory of the helper's
-user, holding only that user's files, with a completion marker sealed by the fleet secret."""
+user, holding only that user's files, with a completion marker sealed by the fleet secret over
+every file's size and SHA-256; and what a launch checks of their content (R-5.6)."""
 
+import hashlib
 import json
 import os
 
@@ -92,27 +94,105 @@ def test_a_directory_another_user_planted_never_counts(tmp_path):
     for path in (entry, entry / "sub", entry / "model.safetensors", entry / "sub" / "config.json",
                  entry / ".llmgw-complete"):
         os.chown(path, 4242, 4242)
-    size, why = helper.cache_entry(str(entry), SECRET, remark=True)
+    size, why = helper.cache_entry(str(entry), SECRET)
     assert size is None and "uid 4242" in why
     assert "seal" not in _marker(entry), "never sealed on someone else's behalf"
 
 
-def test_an_old_marker_is_sealed_once_when_the_entry_passes_the_checks(tmp_path):
-    entry = _files(tmp_path / NAME)
-    old = {"name": NAME, "source": {"kind": "https", "urls": ["https://x/m"]}, "bytes": 1002, "files": 2,
-           "finished_at": 1.0}
-    (entry / ".llmgw-complete").write_text(json.dumps(old))
-    assert helper.cache_entry(str(entry), SECRET, remark=False)[0] is None, "a one-shot look writes nothing"
-    assert "seal" not in _marker(entry)
-    assert helper.cache_entry(str(entry), SECRET, remark=True) == (1002, None)
-    sealed = _marker(entry)
-    assert sealed["seal"] and sealed["source"] == old["source"] and sealed["format"] == 2
-    assert helper.cache_entry(str(entry), SECRET) == (1002, None)
-
-
-@pytest.mark.parametrize("old", [{}, {"name": NAME, "bytes": 5}, {"name": "llmgw-" + "9" * 32, "bytes": 1002}])
-def test_an_old_marker_that_does_not_match_is_not_sealed(tmp_path, old):
+@pytest.mark.parametrize("old", [
+    pytest.param({"name": NAME, "source": {}, "bytes": 1002, "files": 2, "finished_at": 1.0}, id="unsealed"),
+    pytest.param({"format": 2, "name": NAME, "bytes": 1002, "files": 2, "seal": "ab" * 32}, id="sealed-over-sizes"),
+])
+def test_a_marker_from_before_content_hashes_does_not_count_and_is_left_as_it_is(tmp_path, old):
+    """Hashing such an entry now and sealing the result would trust whatever a node wrote into
+    it before: it is fetched again instead (the fetch replaces it)."""
     entry = _files(tmp_path / NAME)
     (entry / ".llmgw-complete").write_text(json.dumps(old))
-    assert helper.cache_entry(str(entry), SECRET, remark=True)[0] is None
-    assert "seal" not in _marker(entry)
+    size, why = helper.cache_entry(str(entry), SECRET)
+    assert size is None and "predates content hashes" in why and "fetched again" in why
+    assert _marker(entry) == old
+
+
+def test_a_marker_that_leaves_a_file_without_a_hash_does_not_count(tmp_path):
+    entry = _files(tmp_path / NAME)
+    marker = write_sealed_marker(entry, SECRET)
+    del marker["sha256"]["sub/config.json"]
+    (entry / ".llmgw-complete").write_text(json.dumps(marker))
+    size, why = helper.cache_entry(str(entry), SECRET)
+    assert size is None and "no SHA-256 for sub/config.json" in why
+
+
+def test_the_seal_covers_the_hashes(tmp_path):
+    entry = _files(tmp_path / NAME)
+    marker = write_sealed_marker(entry, SECRET)
+    marker["sha256"]["model.safetensors"] = hashlib.sha256(b"other weights").hexdigest()
+    (entry / ".llmgw-complete").write_text(json.dumps(marker))
+    assert helper.cache_entry(str(entry), SECRET)[0] is None
+
+
+# --------------------------------------------------------------------------------------------
+# What a launch checks of an entry's content (Node.verify_weights)
+
+BIG = helper.ALWAYS_VERIFIED_BYTES + 1
+
+
+def _big_entry(cache):
+    entry = cache / NAME
+    entry.mkdir(parents=True)
+    (entry / "model.safetensors").write_bytes(b"w" * BIG)
+    (entry / "config.json").write_bytes(b"{}")
+    (entry / "modeling_x.py").write_bytes(b"x = 1\n")
+    write_sealed_marker(entry, SECRET)
+    return entry
+
+
+def _node(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700, exist_ok=True)
+    (root / "fleet.key").write_text(SECRET + "\n")
+    os.chmod(root / "fleet.key", 0o600)
+    return helper.Node(str(root), str(tmp_path / "helper.py"))
+
+
+def test_a_big_file_is_hashed_again_only_when_it_changed(tmp_path):
+    entry = _big_entry(tmp_path / "cache")
+    node = _node(tmp_path)
+    argv = ["vllm", "serve", "--model=" + str(entry), "--port", "8000"]
+    node.verify_weights(argv)
+    assert node.files_hashed == 3, "every file, the first time on this node"
+    record = json.loads((tmp_path / "root" / node._verified_file()).read_text())
+    assert list(record["files"]) == [str(entry / "model.safetensors")], "only big files are recorded"
+    node.verify_weights(argv)
+    assert node.files_hashed == 3 + 2, "code and configuration again, not the unchanged big file"
+    fresh = _node(tmp_path)  # a restarted helper reads the record
+    fresh.verify_weights(argv)
+    assert fresh.files_hashed == 2
+    os.utime(entry / "model.safetensors")  # a changed stamp: hashed again
+    fresh.verify_weights(argv)
+    assert fresh.files_hashed == 2 + 3
+
+
+def test_a_file_rewritten_with_the_same_size_is_refused_and_kept(tmp_path):
+    entry = _big_entry(tmp_path / "cache")
+    node = _node(tmp_path)
+    argv = ["llama-server", "--model", str(entry / "model.safetensors")]
+    node.verify_weights(argv)
+    before = os.stat(entry / "model.safetensors")
+    with open(entry / "model.safetensors", "r+b") as handle:
+        handle.write(b"poison")
+    os.utime(entry / "model.safetensors", ns=(before.st_atime_ns, before.st_mtime_ns))  # mtime put back
+    with pytest.raises(helper.HelperError) as refused:
+        node.verify_weights(argv)
+    assert refused.value.kind == "weights_integrity"
+    assert str(entry / "model.safetensors") in refused.value.message
+    assert hashlib.sha256(b"w" * BIG).hexdigest() in refused.value.message
+    assert (entry / "model.safetensors").stat().st_size == BIG
+    record = json.loads((tmp_path / "root" / node._verified_file()).read_text())
+    assert record["files"] == {}, "a file that failed is not remembered as verified"
+
+
+def test_a_launch_naming_no_cache_entry_hashes_nothing(tmp_path):
+    node = _node(tmp_path)
+    (tmp_path / "models").mkdir()
+    node.verify_weights(["vllm", "serve", str(tmp_path / "models"), "--served-model-name", "llmgw-" + "0" * 16])
+    assert node.files_hashed == 0

@@ -14,6 +14,7 @@ from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, Prof
 from llmgw.contracts import states
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.state import FAILED
+from llmgw.fleet.facts import Held
 from llmgw.store import Store
 from tests.unit.fake_fleet import FakeFleet
 
@@ -344,6 +345,22 @@ async def test_shards_waiting_for_the_same_weights_on_a_node_share_one_fetch():
     assert len(serving(reconciler, "m")) == 2
     assert len([c for c in fleet.calls if c[1] == "fetch"]) == 1
     assert not reconciler.actions.fetches  # the job is gone once its download ended
+
+
+@pytest.mark.parametrize("verified,fetches", [pytest.param(True, 0, id="hashed-here"),
+                                               pytest.param(False, 1, id="not-hashed-here")])
+async def test_a_held_entry_not_yet_hashed_on_the_node_goes_through_fetch_first(verified, fetches):
+    """R-5.6: weights another node fetched onto a shared filer are checked by hash on this node
+    (the helper's fetch of a present entry) before the launch, so the launch reads no big file."""
+    reconciler, fleet, _, _ = build([{"name": "m"}], nodes=("a",))
+    path = "/cache/llmgw-" + "ab" * 16
+    fleet.facts["a"].holdings = {"m": Held(path, 10**9, None, verified)}
+    await settle(reconciler, fleet)
+    assert serving(reconciler, "m")
+    fetched = [f"{c[2]['cache_dir']}/{c[2]['name']}" for c in fleet.calls if c[1] == "fetch"]
+    assert len(fetched) == fetches
+    [launch] = [c for c in fleet.calls if c[1] == "launch"]
+    assert any((fetched or [path])[0] in part for part in launch[2]["argv"]), "launched from what fetch answered"
 
 
 async def test_an_on_demand_load_on_a_full_node_evicts_the_longest_idle_replica():
