@@ -391,6 +391,8 @@ class FeedClient:
         self._live = False
         self._down_since: float | None = time.time()
         self._live_at: float | None = None  # when the feed last confirmed the router's snapshot
+        # Why there is no feed, in words for /healthz: no address, no host, no upstream message.
+        self._problem = "waiting for the control plane's first snapshot"
         self._warned = False
         self._post_attempt = 0
         self._post_after = 0.0
@@ -425,6 +427,7 @@ class FeedClient:
             log.info("serving with the last-known-good snapshot %s/%d from %s until the control plane at %s "
                      "answers", snapshot.epoch, snapshot.version, path, self.control.address)
         self._update_status()
+        self.router.snapshot_age = self._snapshot_age
         self.router.on_demand = self._wake.set
         self._swept_at = time.monotonic()  # a slot freed just now is likely a restarted worker's: not at once
         if self.control.socket_path is not None:
@@ -481,11 +484,14 @@ class FeedClient:
                 reason, quiet, attempt = str(exc), True, 0
             except _Refused as exc:
                 reason = str(exc)
+                self._problem = "the control plane refused this router's feed (see the router's log)"
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 reason = _describe(exc)
+                self._problem = "the control plane is unreachable"
             except Exception:  # a fault of this side: say it, and keep serving with what the router has
                 log.exception("router feed from %s failed; reconnecting", self.control.address)
                 reason, quiet = "an error in this router (logged)", True
+                self._problem = "an error in this router (see its log)"
             if self._live:
                 attempt = 0
             self._lost(reason, quiet)
@@ -567,10 +573,16 @@ class FeedClient:
             state = "last-known-good"
         else:
             state = "no-snapshot"
-        self.router.feed_status = {"state": state, "control": self.control.address,
-                                   "since": None if self._live else self._down_since,
+        # The control plane's address stays out: /healthz may show this to a client (the log and
+        # the supervisor's status.json name it).
+        self.router.feed_status = {"state": state, "since": None if self._live else self._down_since,
+                                   "reason": None if snapshot is not None else self._problem,
                                    "snapshot": about, "unacked_reports": self.unacked,
                                    "router_id": self.router_id}
+
+    def _snapshot_age(self) -> float | None:
+        """Seconds since the control plane last confirmed the router's snapshot; None: never."""
+        return None if self._live_at is None else max(0.0, time.time() - self._live_at)
 
     # -- the snapshot file ---------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2 as httpx
+import openai
 import pytest
 
 from tests.integration.gateway import free_port, wait_for
@@ -40,8 +41,10 @@ def alive(pid: int) -> bool:
 class RouterProcess:
     """`llmgw router` with the stand-in worker, its own state directory and port."""
 
-    def __init__(self, tmp_path: Path, workers: int = 1, port: int | None = None, env: dict | None = None):
+    def __init__(self, tmp_path: Path, workers: int = 1, port: int | None = None, env: dict | None = None,
+                 worker_module: str = SLEEP_WORKER):
         self.base = tmp_path
+        self.worker_module = worker_module
         self.state_dir = tmp_path / "router"
         self.port = port or free_port()
         self.workers = workers
@@ -53,7 +56,7 @@ class RouterProcess:
     def argv(self, state_dir: Path | None = None, port: int | None = None) -> list[str]:
         return [sys.executable, "-m", "llmgw.cli.main", "router", "--control", f"unix:{self.base}/feed.sock",
                 "--listen", f"127.0.0.1:{port or self.port}", "--workers", str(self.workers),
-                "--state-dir", str(state_dir or self.state_dir), "--worker-module", SLEEP_WORKER]
+                "--state-dir", str(state_dir or self.state_dir), "--worker-module", self.worker_module]
 
     @property
     def url(self) -> str:
@@ -120,6 +123,27 @@ def routers(tmp_path):
     yield make
     for router in reversed(made):
         router.close()
+
+
+def test_r10_2_a_router_with_no_snapshot_and_no_control_plane_answers_at_once_with_503s(routers):
+    # The real worker, an empty state directory and a feed socket nobody listens on: the router
+    # has nothing to route with, and says so instead of holding connections in the socket's queue.
+    router = routers(workers=1, worker_module="llmgw.router.worker")
+    assert not (router.state_dir / "snapshot.json").exists()
+    assert [worker["snapshot"] for worker in router.status()["workers"]] == [False]
+    with httpx.Client(timeout=60) as http:
+        health = http.get(router.url + "/healthz")
+    assert health.status_code == 503, health.text
+    body = health.json()
+    assert body["status"] == "starting" and body["snapshot_age_s"] is None
+    assert body["reason"] in ("waiting for the control plane's first snapshot", "the control plane is unreachable")
+    assert "feed.sock" not in health.text  # the control plane's address is for the log, not for anyone asking
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="sk-llmgw-any", max_retries=0, timeout=60)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.status_code == 503
+    assert refused.value.response.headers["Retry-After"].isdigit()
+    assert refused.value.body["code"] == "not_ready" and "retry" in refused.value.body["message"]
 
 
 def get_pid(url: str) -> int:
