@@ -36,6 +36,7 @@ from llmgw.fleet.fleet import Fleet
 from llmgw.localfeed import LocalFeed
 from llmgw.router import RUNNER_OPTIONS, Router
 from llmgw.router.metrics import ReportedRouterMetrics
+from llmgw.router.private import untrusted
 from llmgw.router.serving import SHUTDOWN_GRACE, finish_requests_within
 from llmgw.store import Store
 
@@ -53,16 +54,20 @@ def secure_state_dir(state_dir: Path) -> None:
     """The state directory 0700 and its files 0600, on every start (R-9.3).
 
     A directory or database left readable by an earlier version, a restored backup or a
-    hand-made directory is closed up here rather than trusted; symlinks are left alone.
+    hand-made directory is closed up here rather than trusted; symlinks are left alone. What
+    another user owns is refused, by the rule the router applies to its state too (R-10.9): as
+    root, the chmod alone would succeed on it.
     """
     try:
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(state_dir, 0o700)
+        problems = [untrusted(state_dir, follow=True)]
         for name in PRIVATE_FILES:
             path = state_dir / name
             try:
                 if stat.S_ISREG(os.lstat(path).st_mode):
                     os.chmod(path, 0o600)
+                    problems.append(untrusted(path))
             except FileNotFoundError:
                 pass
     except PermissionError as exc:
@@ -70,6 +75,9 @@ def secure_state_dir(state_dir: Path) -> None:
         raise StartupError(f"cannot make the state directory private: {exc.strerror}: {exc.filename} "
                            f"(owner uid {_owner(exc.filename)}, this process runs as uid {os.geteuid()}); "
                            "run llmgw serve as its owner or give --state-dir") from None
+    problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        raise StartupError(f"refusing the state directory: {problem}") from None
 
 
 def _owner(path) -> str:

@@ -18,6 +18,8 @@
   the supervisor dies, however, its workers see end of file and stop, so a new supervisor never
   serves beside orphans.
 - `status.json` (0600, replaced atomically) says who runs: pid, listen address, workers, restarts.
+- The state directory, status.json and desired.json are trusted only when they are this user's
+  and nobody else may write them (`private.untrusted`, R-10.9): otherwise refused, saying why.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmgw.router import pidlock
+from llmgw.router.private import untrusted
 from llmgw.router.serving import SHUTDOWN_GRACE
 
 log = logging.getLogger("llmgw.router.supervisor")
@@ -75,6 +78,9 @@ def hold_supervisor_lock(state_dir: Path) -> int:
 
     The kernel drops the lock when the process ends, however it ends; returns the descriptor."""
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    problem = untrusted(state_dir, follow=True)
+    if problem is not None:
+        raise SupervisorError(f"refusing the router state directory: {problem}")
     path = state_dir / LOCK_FILE
     try:
         return pidlock.take(path)
@@ -203,8 +209,15 @@ def write_private_json(path: Path, value: dict) -> None:
 
 
 def read_status(state_dir: Path) -> dict | None:
+    """The supervisor's status.json, or None when there is none, it does not parse or another user
+    could have written it (R-10.9)."""
+    path = state_dir / STATUS_FILE
+    problem = untrusted(path)
+    if problem is not None:
+        log.warning("not reading the router status: %s", problem)
+        return None
     try:
-        return json.loads((state_dir / STATUS_FILE).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
@@ -496,6 +509,10 @@ class Supervisor:
         log.info("rolling restart done: workers %s", ", ".join(str(slot.worker.pid) for slot in self.slots if slot.worker))
 
     async def _resize(self) -> None:
+        problem = untrusted(self.config.state_dir / DESIRED_FILE)
+        if problem is not None:
+            log.error("not reading %s: %s; the worker count stays %d", DESIRED_FILE, problem, len(self.slots))
+            return
         try:
             wanted = int(json.loads((self.config.state_dir / DESIRED_FILE).read_text())["workers"])
         except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -24,6 +24,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from llmgw.router.supervisor import read_status
 from tests.integration.gateway import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -269,6 +270,37 @@ def test_a_router_on_a_port_another_process_holds_exits_at_once_naming_the_addre
     assert f"cannot listen on 127.0.0.1:{port} for the router: the address is already in use by pid {os.getpid()}" \
         in refused.stderr
     assert not (router.state_dir / "status.json").exists()  # no worker was started
+
+
+def test_r10_9_a_router_state_directory_others_may_write_ends_the_start_naming_it(tmp_path):
+    router = RouterProcess(tmp_path)
+    router.state_dir.mkdir(mode=0o700)
+    os.chmod(router.state_dir, 0o777)
+    refused = subprocess.run(router.argv(), capture_output=True, text=True, env=router.env, cwd=ROOT, timeout=60)
+    assert refused.returncode == 1, refused.stderr
+    assert f"refusing the router state directory: {router.state_dir} is writable by its group and others " \
+           "(mode 0777)" in refused.stderr, refused.stderr
+    assert not (router.state_dir / "supervisor.lock").exists()  # nothing was taken or started
+
+
+def test_r10_9_a_status_file_others_may_write_is_not_read(tmp_path, caplog):
+    (tmp_path / "status.json").write_text('{"pid": 1, "state": "serving", "listen": "0.0.0.0:80", "workers": []}')
+    os.chmod(tmp_path / "status.json", 0o600)
+    assert read_status(tmp_path)["listen"] == "0.0.0.0:80"
+    os.chmod(tmp_path / "status.json", 0o622)
+    assert read_status(tmp_path) is None
+    assert "not reading the router status" in caplog.text and "writable by its group and others" in caplog.text
+
+
+def test_r10_9_a_desired_count_others_may_write_is_not_applied(routers):
+    router = routers(workers=1)
+    desired = router.state_dir / "desired.json"
+    desired.write_text('{"workers": 3}')
+    os.chmod(desired, 0o666)
+    os.kill(router.proc.pid, signal.SIGUSR1)
+    wait_for(lambda: "not reading desired.json" in router.log(), 30, "the supervisor to refuse desired.json")
+    assert "writable by its group and others (mode 0666)" in router.log()
+    assert len(router.worker_pids()) == 1  # the count it was started with
 
 
 def test_a_worker_that_cannot_start_fails_the_start_with_its_reason(tmp_path):
