@@ -120,10 +120,16 @@ class Gateway:
 
 
 async def worker_of(http: httpx2.AsyncClient, url: str, key: str) -> str:
-    """The router id of the worker that holds this client's connection (named to a valid key only)."""
-    response = await http.get(url + "/healthz", headers={"Authorization": f"Bearer {key}"})
-    assert response.status_code == 200, response.text
-    return response.json()["router_id"]
+    """The router id of the worker that holds this client's connection. It is named to a key the
+    worker knows only: a new key reaches it with the feed's next change, so ask until then."""
+    deadline = time.monotonic() + 30
+    while True:
+        response = await http.get(url + "/healthz", headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 200, response.text
+        if "router_id" in response.json():
+            return response.json()["router_id"]
+        assert time.monotonic() < deadline, f"the key did not reach the worker: {response.text}"
+        await asyncio.sleep(0.05)
 
 
 async def close(connections: list[Connection], url: str) -> None:
