@@ -39,6 +39,7 @@ class LocalFeed:
         # With nobody to start a replica on demand, the router does not wait for one.
         router.on_demand = self._report_now.set if publisher.note_demand is not None else None
         router.feed_status = {"transport": "in-process", "router": self.router_id, "version": None}
+        router.snapshot_age = lambda: 0.0  # in one process the router always holds the publisher's latest
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._follow(), name="local-feed-follow"),

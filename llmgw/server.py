@@ -36,6 +36,7 @@ from llmgw.fleet.fleet import Fleet
 from llmgw.localfeed import LocalFeed
 from llmgw.router import RUNNER_OPTIONS, Router
 from llmgw.router.metrics import ReportedRouterMetrics
+from llmgw.router.private import untrusted
 from llmgw.router.serving import SHUTDOWN_GRACE, finish_requests_within
 from llmgw.store import Store
 
@@ -53,16 +54,20 @@ def secure_state_dir(state_dir: Path) -> None:
     """The state directory 0700 and its files 0600, on every start (R-9.3).
 
     A directory or database left readable by an earlier version, a restored backup or a
-    hand-made directory is closed up here rather than trusted; symlinks are left alone.
+    hand-made directory is closed up here rather than trusted; symlinks are left alone. What
+    another user owns is refused, by the rule the router applies to its state too (R-10.9): as
+    root, the chmod alone would succeed on it.
     """
     try:
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(state_dir, 0o700)
+        problems = [untrusted(state_dir, follow=True)]
         for name in PRIVATE_FILES:
             path = state_dir / name
             try:
                 if stat.S_ISREG(os.lstat(path).st_mode):
                     os.chmod(path, 0o600)
+                    problems.append(untrusted(path))
             except FileNotFoundError:
                 pass
     except PermissionError as exc:
@@ -70,6 +75,9 @@ def secure_state_dir(state_dir: Path) -> None:
         raise StartupError(f"cannot make the state directory private: {exc.strerror}: {exc.filename} "
                            f"(owner uid {_owner(exc.filename)}, this process runs as uid {os.geteuid()}); "
                            "run llmgw serve as its owner or give --state-dir") from None
+    problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        raise StartupError(f"refusing the state directory: {problem}") from None
 
 
 def _owner(path) -> str:
@@ -376,6 +384,7 @@ class Gateway:
 ROUTER_DIR = "router"  # the spawned supervisor's state directory, inside serve's
 ROUTER_LOG = "router.log"
 ROUTER_START_TIMEOUT = 180.0  # its workers wait for the first snapshot before they say ready
+ROUTER_STOP_TIMEOUT = 40.0  # its workers' requests in flight get SHUTDOWN_GRACE, then the supervisor kills them
 
 
 @dataclass(frozen=True)
@@ -486,6 +495,43 @@ async def spawn_router(state_dir: Path, listen: str, workers: int) -> int:
     raise StartupError(f"the router exited (code {code}) before it served; see {log_path}")
 
 
+async def stop_router(state_dir: Path) -> None:
+    """SIGTERM to the router supervisor of this state directory, and wait until it is gone (its
+    workers finish their requests in flight first): an interactive stop of serve (R-10.4)."""
+    from llmgw.router.supervisor import running_supervisor
+
+    pid = running_supervisor(state_dir / ROUTER_DIR)
+    if pid is None or pid <= 0:
+        return
+    log.info("stopping the router supervisor (pid %d): its workers finish their requests in flight first", pid)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + ROUTER_STOP_TIMEOUT
+    # Its lock is released a moment before the process ends: wait for the process itself.
+    while running_supervisor(state_dir / ROUTER_DIR) is not None or not _process_gone(pid):
+        if time.monotonic() > deadline:
+            log.warning("the router supervisor (pid %d) did not stop within %.0fs; stop it with `llmgw router stop "
+                        "--state-dir %s`", pid, ROUTER_STOP_TIMEOUT, state_dir / ROUTER_DIR)
+            return
+        await asyncio.sleep(0.1)
+    log.info("router stopped (pid %d); the client port is free", pid)
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:  # spawned by this serve: reaped here
+            return True
+    except ChildProcessError:  # another's child (adopted): gone once it is no process or a zombie
+        pass
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state == "Z"
+
+
 def _first_line(fd: int, timeout: float) -> str | None:
     import selectors
 
@@ -511,7 +557,9 @@ async def serve(inventory_path: str | None, *, state_dir: str | None = None, lis
 
     `workers` None: the router runs in this process. Otherwise the control plane runs here and
     `workers` router workers (none: 0) run under a supervisor of their own that this serve spawns,
-    or adopts when one already runs on the state directory; it outlives this process (R-10.4)."""
+    or adopts when one already runs on the state directory. On SIGTERM (systemd, a restart) the
+    supervisor outlives this process; on SIGINT (Ctrl-C in a terminal) it is stopped too, once its
+    requests in flight end. Engines keep running either way (R-10.4)."""
     inventory, document, source = load_configuration(inventory_path)
     resolved = resolve_state_dir(inventory, state_dir)
     client_listen = listen or inventory.gateway.listen
@@ -532,9 +580,15 @@ async def serve(inventory_path: str | None, *, state_dir: str | None = None, lis
     gateway = Gateway(inventory, document, resolved, source, listen, admin)
     gateway.serve_router = workers is None
     stop = asyncio.Event()
+    signals: list[signal.Signals] = []  # the first one decides how serve stops
+
+    def stop_on(sig: signal.Signals) -> None:
+        signals.append(sig)
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_on, sig)
     loop.add_signal_handler(signal.SIGHUP, reload_on_signal, gateway)  # R-10.5, as `llmgw ctl reload`
 
     async def start() -> None:
@@ -549,16 +603,25 @@ async def serve(inventory_path: str | None, *, state_dir: str | None = None, lis
     try:
         await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():
-            log.info("stopping during start-up")
+            log.info("stopping during start-up (%s)", signals[0].name)
             await cancel_and_wait(starting)
+            if workers and signals[0] == signal.SIGINT:
+                await stop_router(resolved)
             return
         starting.result()  # a start-up failure propagates from here, after the teardown below
         await stopping
         if workers is None:
             log.info("shutting down: in-flight requests get up to %.0fs; engines keep running", SHUTDOWN_GRACE)
+        elif workers and signals[0] == signal.SIGINT:
+            # Ctrl-C in a terminal: whoever tries llmgw out expects the port to be free afterwards.
+            # The router goes first, so its final reports reach this control plane.
+            log.info("interrupted (SIGINT): stopping the router workers once their requests end, then the "
+                     "control plane; engines keep running (the next llmgw serve adopts them)")
+            await stop_router(resolved)
         elif workers:
-            log.info("shutting down the control plane; the router workers keep serving (stop them with "
-                     "`llmgw router stop --state-dir %s`); engines keep running", resolved / ROUTER_DIR)
+            log.info("shutting down the control plane (%s); the router workers keep serving (stop them with "
+                     "`llmgw router stop --state-dir %s`, or stop serve with Ctrl-C/SIGINT); engines keep running",
+                     signals[0].name, resolved / ROUTER_DIR)
         else:
             log.info("shutting down the control plane; engines keep running")
     finally:

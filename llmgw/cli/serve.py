@@ -30,9 +30,10 @@ def serve(
     """Run the gateway: reach the nodes, keep the models' replicas running, serve the OpenAI API.
 
     The router workers run under a supervisor of their own (`llmgw router`, its log in
-    STATE/router.log) that outlives serve: SIGTERM, Ctrl-C or a crash of serve stops the control
-    plane only, the workers keep serving with what they were last told, and the next serve adopts
-    them, as it adopts the engines. `llmgw router stop --state-dir STATE/router` stops them.
+    STATE/router.log). Ctrl-C (SIGINT) stops them too, once their requests in flight end. SIGTERM
+    (systemd, a restart) or a crash of serve stops the control plane only: the workers keep serving
+    with what they were last told, and the next serve adopts them; `llmgw router stop --state-dir
+    STATE/router` stops them. Engines keep running either way, and the next serve adopts them.
     One serve runs per state directory. Exit code 2: the inventory is invalid; 1: it could not
     start (a port in use, another serve with the same state directory, a router that cannot start).
     """

@@ -102,7 +102,10 @@ class Router:
         # reports at once rather than at its next tick (R-6.8). None: nobody starts replicas on
         # demand, so a request does not wait for one.
         self.on_demand: Callable[[], None] | None = None
-        self.feed_status: dict | None = None  # set by the feed client; /healthz shows it as "feed"
+        # Set by the feed client: its state, which /healthz shows only to a request with a valid key
+        # (it names this router and host), and the seconds since the snapshot was last confirmed.
+        self.feed_status: dict | None = None
+        self.snapshot_age: Callable[[], float | None] | None = None
         self._snapshot: Snapshot | None = None
         self._models: Mapping[str, RoutedModel] = {}
         self._max_body = 0
@@ -258,7 +261,7 @@ class Router:
         try:
             if self._snapshot is None:
                 raise NotReady("the gateway is starting: this router has not yet received the control plane's "
-                               "models and keys; retry in a moment")
+                               f"models and keys ({self._not_ready_reason()}); retry in a moment")
             headers = request.headers
             authorization = headers.get("Authorization")
             key = self.keys.authenticate(authorization, None if authorization else headers.get("x-api-key"))
@@ -282,9 +285,26 @@ class Router:
         return landing_page(request)
 
     async def _healthz(self, request: web.Request) -> web.Response:
+        """Ready or not, and the snapshot's age, to anyone (a load balancer); the feed's state and
+        this router's id only to a request with a valid key (R-10.2)."""
         if self._snapshot is None:  # it cannot authenticate anyone yet
-            return web.json_response({"status": "starting", "feed": self.feed_status}, status=503)
-        return web.json_response({"status": "ok", "feed": self.feed_status})
+            return web.json_response({"status": "starting", "reason": self._not_ready_reason(),
+                                      "snapshot_age_s": None}, status=503)
+        age = self.snapshot_age() if self.snapshot_age is not None else None
+        body = {"status": "ok", "snapshot_age_s": None if age is None else round(age, 3)}
+        authorization = request.headers.get("Authorization")
+        if authorization or request.headers.get("x-api-key"):
+            try:
+                self.keys.authenticate(authorization, None if authorization else request.headers.get("x-api-key"))
+            except RouterError:
+                pass  # a health check with a wrong key still learns only what anyone may
+            else:
+                body.update(router_id=self.router_id, feed=self.feed_status)
+        return web.json_response(body)
+
+    def _not_ready_reason(self) -> str:
+        reason = (self.feed_status or {}).get("reason")
+        return reason or "no snapshot from the control plane yet"
 
     def _model_entry(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self._created, "owned_by": "llmgw"}

@@ -16,6 +16,7 @@ from llmgw.router.routes import served_list
 
 RETRY_AFTER_NO_CAPACITY = 5  # seconds; a replica may come back or be placed elsewhere soon
 RETRY_AFTER_LOADING = 15  # seconds; an on-demand model that is still loading takes longer
+RETRY_AFTER_NOT_READY = 5  # seconds; a router without a snapshot has it as soon as the control plane answers
 
 
 class RouterError(Exception):
@@ -97,6 +98,9 @@ class NoCapacity(RouterError):
 class NotReady(RouterError):
     """The router has no snapshot from the control plane yet: it knows no key and no model."""
     status, type, code = 503, "service_unavailable", "not_ready"
+
+    def __init__(self, message: str, *, retry_after: int = RETRY_AFTER_NOT_READY):
+        super().__init__(message, retry_after=retry_after)
 
 
 class ModelLoading(NoCapacity):

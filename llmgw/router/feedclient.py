@@ -14,6 +14,11 @@ What it keeps on disk, in its state directory (0700; files 0600, written atomica
   finds the predecessor's slot locked and takes another: two processes never share a spool.
   Slots nobody holds (a killed process's) are swept: their unacknowledged reports are delivered.
 
+Every directory and file here is used only when it is this user's and nobody else may write it
+(`private.untrusted`, R-10.9): a planted snapshot would route clients, a planted spool would
+count usage. A state directory or slot that is not is refused (the worker does not start, saying
+why); a snapshot file that is not is left unused, with the reason in the log.
+
 Reports: each is appended to the spool and fsynced before it is sent, and dropped from it when the
 control plane acknowledges its seq; the control plane counts a (router, seq) once, so resending
 after a restart of either side counts nothing twice. The spool stays small: a report that was
@@ -45,6 +50,7 @@ import aiohttp
 
 from llmgw.contracts.backoff import backoff_delay
 from llmgw.contracts.feed import Ack, Change, FeedError, Report, Snapshot, UsageRow, from_wire, to_wire
+from llmgw.router.private import untrusted
 
 log = logging.getLogger(__name__)
 
@@ -150,12 +156,20 @@ def _fsync_dir(directory: Path) -> None:
 
 def _private_dir(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    problem = untrusted(path)
+    if problem is not None:
+        raise FeedClientError(f"refusing the router state directory: {problem}")
     os.chmod(path, 0o700)
 
 
 def load_snapshot_file(path: Path) -> Snapshot | None:
     """The snapshot kept in `path`, or None when there is none or it does not parse (then it is
-    renamed `*.bad` and the reason logged: a router starts without it rather than with a guess)."""
+    renamed `*.bad` and the reason logged: a router starts without it rather than with a guess).
+    One that another user owns or may write is not read (R-10.9)."""
+    problem = untrusted(path)
+    if problem is not None:
+        log.warning("not using the last-known-good snapshot: %s; starting without it", problem)
+        return None
     try:
         text = path.read_bytes()
     except FileNotFoundError:
@@ -313,7 +327,11 @@ class _Slot:
     @classmethod
     def try_take(cls, directory: Path) -> _Slot | None:
         _private_dir(directory)
-        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        for name in (LOCK_FILE, ROUTER_ID_FILE, SPOOL_FILE):
+            problem = untrusted(directory / name)
+            if problem is not None:
+                raise FeedClientError(f"refusing the report slot {directory}: {problem}")
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -391,10 +409,13 @@ class FeedClient:
         self._live = False
         self._down_since: float | None = time.time()
         self._live_at: float | None = None  # when the feed last confirmed the router's snapshot
+        # Why there is no feed, in words for /healthz: no address, no host, no upstream message.
+        self._problem = "waiting for the control plane's first snapshot"
         self._warned = False
         self._post_attempt = 0
         self._post_after = 0.0
         self._swept_at = 0.0
+        self._refused_slots: set[str] = set()  # slots another user could have written: said once
         self._closing = False
 
     def __repr__(self) -> str:  # the token stays out of tracebacks
@@ -425,6 +446,7 @@ class FeedClient:
             log.info("serving with the last-known-good snapshot %s/%d from %s until the control plane at %s "
                      "answers", snapshot.epoch, snapshot.version, path, self.control.address)
         self._update_status()
+        self.router.snapshot_age = self._snapshot_age
         self.router.on_demand = self._wake.set
         self._swept_at = time.monotonic()  # a slot freed just now is likely a restarted worker's: not at once
         if self.control.socket_path is not None:
@@ -481,11 +503,14 @@ class FeedClient:
                 reason, quiet, attempt = str(exc), True, 0
             except _Refused as exc:
                 reason = str(exc)
+                self._problem = "the control plane refused this router's feed (see the router's log)"
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 reason = _describe(exc)
+                self._problem = "the control plane is unreachable"
             except Exception:  # a fault of this side: say it, and keep serving with what the router has
                 log.exception("router feed from %s failed; reconnecting", self.control.address)
                 reason, quiet = "an error in this router (logged)", True
+                self._problem = "an error in this router (see its log)"
             if self._live:
                 attempt = 0
             self._lost(reason, quiet)
@@ -567,10 +592,16 @@ class FeedClient:
             state = "last-known-good"
         else:
             state = "no-snapshot"
-        self.router.feed_status = {"state": state, "control": self.control.address,
-                                   "since": None if self._live else self._down_since,
+        # The control plane's address stays out: /healthz may show this to a client (the log and
+        # the supervisor's status.json name it).
+        self.router.feed_status = {"state": state, "since": None if self._live else self._down_since,
+                                   "reason": None if snapshot is not None else self._problem,
                                    "snapshot": about, "unacked_reports": self.unacked,
                                    "router_id": self.router_id}
+
+    def _snapshot_age(self) -> float | None:
+        """Seconds since the control plane last confirmed the router's snapshot; None: never."""
+        return None if self._live_at is None else max(0.0, time.time() - self._live_at)
 
     # -- the snapshot file ---------------------------------------------------------------------
 
@@ -685,7 +716,13 @@ class FeedClient:
         for name in names:
             if not (slots / name / SPOOL_FILE).exists():
                 continue
-            orphan = await asyncio.to_thread(_Slot.try_take, slots / name)
+            try:
+                orphan = await asyncio.to_thread(_Slot.try_take, slots / name)
+            except FeedClientError as exc:  # its reports are not this router's to deliver
+                if name not in self._refused_slots:
+                    self._refused_slots.add(name)
+                    log.warning("%s; its reports are not delivered", exc)
+                continue
             if orphan is None:
                 continue  # a running process holds it
             try:

@@ -7,6 +7,10 @@
   them), each kept open here for the supervisor's whole life and handed to its worker. While a
   slot's worker is replaced, connections wait in its socket's queue for the next one: none is
   refused.
+- A worker counts as up once it accepts (`listening` or `ready` on its readiness pipe): one without
+  a snapshot answers 503s at once rather than leaving connections queued (R-10.2). The
+  supervisor's own `ready` line, which `llmgw serve` waits for, comes once every worker holds a
+  snapshot (`ready` from each); status.json says which do.
 - A worker that dies is restarted, with a capped backoff. SIGHUP restarts the workers one by one:
   the new one starts on the slot's socket and reports ready before the old one gets SIGTERM (and
   lets its requests in flight finish). SIGUSR1 applies the worker count in `desired.json`.
@@ -14,6 +18,8 @@
   the supervisor dies, however, its workers see end of file and stop, so a new supervisor never
   serves beside orphans.
 - `status.json` (0600, replaced atomically) says who runs: pid, listen address, workers, restarts.
+- The state directory, status.json and desired.json are trusted only when they are this user's
+  and nobody else may write them (`private.untrusted`, R-10.9): otherwise refused, saying why.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmgw.router import pidlock
+from llmgw.router.private import untrusted
 from llmgw.router.serving import SHUTDOWN_GRACE
 
 log = logging.getLogger("llmgw.router.supervisor")
@@ -41,7 +48,7 @@ LOCK_FILE = "supervisor.lock"
 STATUS_FILE = "status.json"
 DESIRED_FILE = "desired.json"
 WORKER_MODULE = "llmgw.router.worker"
-WORKER_START_TIMEOUT = 120.0  # a worker waits for its first snapshot before it says ready
+WORKER_START_TIMEOUT = 120.0  # for a worker's first readiness line (and, in a rolling restart, its snapshot)
 RESTART_BACKOFF = (0.2, 10.0)  # first delay, cap; doubled after each quick death
 STABLE_AFTER = 30.0  # a worker that served this long resets its slot's backoff
 STOP_GRACE = SHUTDOWN_GRACE + 5.0  # then SIGKILL
@@ -71,6 +78,9 @@ def hold_supervisor_lock(state_dir: Path) -> int:
 
     The kernel drops the lock when the process ends, however it ends; returns the descriptor."""
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    problem = untrusted(state_dir, follow=True)
+    if problem is not None:
+        raise SupervisorError(f"refusing the router state directory: {problem}")
     path = state_dir / LOCK_FILE
     try:
         return pidlock.take(path)
@@ -199,8 +209,15 @@ def write_private_json(path: Path, value: dict) -> None:
 
 
 def read_status(state_dir: Path) -> dict | None:
+    """The supervisor's status.json, or None when there is none, it does not parse or another user
+    could have written it (R-10.9)."""
+    path = state_dir / STATUS_FILE
+    problem = untrusted(path)
+    if problem is not None:
+        log.warning("not reading the router status: %s", problem)
+        return None
     try:
-        return json.loads((state_dir / STATUS_FILE).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
@@ -213,7 +230,8 @@ class Worker:
     slot: int
     proc: asyncio.subprocess.Process
     started: float  # wall-clock time
-    ready: bool = False
+    ready: bool = False  # it accepts on its slot's socket
+    fed: bool = False  # it holds a snapshot (said `ready`), not only answering 503s
 
     @property
     def pid(self) -> int:
@@ -265,6 +283,7 @@ class Supervisor:
     _roll_requests: int = 0
     _resize_requested: bool = False
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
+    _ready_fd: int | None = None  # until the `ready` line is said to whoever started this supervisor
 
     # -- start --
 
@@ -309,13 +328,32 @@ class Supervisor:
                 return 1
             host, port = self.bound
             self._write_status("serving")  # before the ready line: whoever waits on it may read the file
-            _say(ready_fd, f"ready pid={os.getpid()} listen={host}:{port} workers={len(self.slots)}")
             log.info("router serving on %s:%d with %d workers (pids %s)", host, port, len(self.slots),
                      ", ".join(str(slot.worker.pid) for slot in self.slots))
+            self._ready_fd = ready_fd
+            self._say_ready_when_fed()
+            if self._ready_fd is not None or not all(slot.worker.fed for slot in self.slots):
+                log.info("router workers answer 503 until they hold a snapshot from the control plane at %s",
+                         self.config.control)
             await self._supervise()
             return 0
         finally:
+            if self._ready_fd is not None:  # never fed: whoever waits reads end of file
+                os.close(self._ready_fd)
+                self._ready_fd = None
             await self._shutdown()
+
+    def _say_ready_when_fed(self) -> None:
+        """The `ready` line once every slot's worker holds a snapshot: serve waits for it, and must
+        not take workers that answer 503s (no control plane has fed them yet) for serving ones."""
+        if self._ready_fd is None:
+            return
+        if not all(slot.worker is not None and slot.worker.fed for slot in self.slots):
+            return
+        host, port = self.bound
+        _say(self._ready_fd, f"ready pid={os.getpid()} listen={host}:{port} workers={len(self.slots)}")
+        self._ready_fd = None
+        log.info("router workers hold a snapshot: ready")
 
     async def _start_all(self) -> str | None:
         started = await asyncio.gather(*(self._start_worker(slot) for slot in self.slots))
@@ -324,8 +362,9 @@ class Supervisor:
             slot.worker = worker
         return failures[0] if failures else None
 
-    async def _start_worker(self, slot: Slot) -> tuple[Worker | None, str]:
-        """A new worker on `slot`'s socket, once it says ready; (None, why) when it does not."""
+    async def _start_worker(self, slot: Slot, fed: bool = False) -> tuple[Worker | None, str]:
+        """A new worker on `slot`'s socket, once it accepts (`fed`: once it holds a snapshot too);
+        (None, why) when it does not."""
         ready_r, ready_w = os.pipe()
         lifeline_r = self._lifeline[0]
         fds = [sock.fileno() for sock in slot.sockets]
@@ -347,11 +386,22 @@ class Supervisor:
         worker = Worker(slot.index, proc, time.time())
         self._workers.add(worker)
         asyncio.get_running_loop().create_task(self._watch(slot, worker), name=f"worker-{proc.pid}")
-        line = await _read_line(ready_r, WORKER_START_TIMEOUT)
+        pipe = await ReadinessPipe.open(ready_r)
+        deadline = time.monotonic() + WORKER_START_TIMEOUT
+        line = await pipe.line(WORKER_START_TIMEOUT)
+        if line == "listening" and fed:  # a rolling restart: the new worker must route as the old one did
+            line = await pipe.line(deadline - time.monotonic())
         if line == "ready":
-            worker.ready = True
+            pipe.close()
+            worker.ready = worker.fed = True
             log.info("worker %d (pid %d) ready", slot.index, proc.pid)
             return worker, ""
+        if line == "listening":
+            worker.ready = True
+            log.info("worker %d (pid %d) listening, without a snapshot yet", slot.index, proc.pid)
+            asyncio.get_running_loop().create_task(self._wait_fed(worker, pipe), name=f"worker-{proc.pid}-fed")
+            return worker, ""
+        pipe.close()
         worker.signal(signal.SIGKILL if line is None else signal.SIGTERM)
         await proc.wait()
         if line is None:
@@ -361,6 +411,16 @@ class Supervisor:
         else:
             why = f"worker {slot.index} (pid {proc.pid}) cannot start: {line.removeprefix('error: ')}"
         return None, why
+
+    async def _wait_fed(self, worker: Worker, pipe: ReadinessPipe) -> None:
+        try:
+            line = await pipe.line(None)
+        finally:
+            pipe.close()
+        if line == "ready":
+            worker.fed = True
+            log.info("worker %d (pid %d) holds a snapshot", worker.slot, worker.pid)
+            self._wake.set()
 
     # -- supervision --
 
@@ -420,6 +480,7 @@ class Supervisor:
                     self._roll_requests = 0
                     await self._roll()
                 self._write_status("serving")
+                self._say_ready_when_fed()
         finally:
             stopping.cancel()
 
@@ -430,7 +491,7 @@ class Supervisor:
         for slot in list(self.slots):
             if self._stop.is_set():
                 return
-            worker, why = await self._start_worker(slot)
+            worker, why = await self._start_worker(slot, fed=slot.worker is not None and slot.worker.fed)
             if worker is None:
                 self.roll_failures += 1
                 self.last_roll_error = why
@@ -448,6 +509,10 @@ class Supervisor:
         log.info("rolling restart done: workers %s", ", ".join(str(slot.worker.pid) for slot in self.slots if slot.worker))
 
     async def _resize(self) -> None:
+        problem = untrusted(self.config.state_dir / DESIRED_FILE)
+        if problem is not None:
+            log.error("not reading %s: %s; the worker count stays %d", DESIRED_FILE, problem, len(self.slots))
+            return
         try:
             wanted = int(json.loads((self.config.state_dir / DESIRED_FILE).read_text())["workers"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -521,7 +586,8 @@ class Supervisor:
         host, port = self.bound or (None, None)
         status = {"pid": os.getpid(), "state": state, "listen": f"{host}:{port}", "control": self.config.control,
                   "workers": [{"slot": slot.index, "pid": slot.worker.pid if slot.worker else None,
-                               "started": slot.worker.started if slot.worker else None, "restarts": slot.restarts}
+                               "started": slot.worker.started if slot.worker else None,
+                               "snapshot": slot.worker.fed if slot.worker else False, "restarts": slot.restarts}
                               for slot in self.slots],
                   "restarts": sum(slot.restarts for slot in self.slots), "rolls": self.rolls,
                   "roll_failures": self.roll_failures, "last_roll_error": self.last_roll_error}
@@ -541,18 +607,30 @@ def _say(fd: int | None, line: str) -> None:
         pass
 
 
-async def _read_line(fd: int, timeout: float) -> str | None:
-    """The first line written to pipe `fd` ("" at end of file), or None after `timeout`; closes `fd`."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0))
-    try:
-        line = await asyncio.wait_for(reader.readline(), timeout)
+class ReadinessPipe:
+    """The read end of a worker's readiness pipe, a line at a time."""
+
+    def __init__(self, reader: asyncio.StreamReader, transport: asyncio.ReadTransport):
+        self._reader, self._transport = reader, transport
+
+    @classmethod
+    async def open(cls, fd: int) -> ReadinessPipe:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                                    os.fdopen(fd, "rb", 0))
+        return cls(reader, transport)
+
+    async def line(self, timeout: float | None) -> str | None:
+        """The next line ("" at end of file), or None after `timeout` seconds (None: no limit)."""
+        try:
+            line = await asyncio.wait_for(self._reader.readline(), None if timeout is None else max(0.0, timeout))
+        except asyncio.TimeoutError:
+            return None
         return line.decode(errors="replace").strip()
-    except asyncio.TimeoutError:
-        return None
-    finally:
-        transport.close()
+
+    def close(self) -> None:
+        self._transport.close()
 
 
 def run_supervisor(config: SupervisorConfig, ready_fd: int | None = None) -> int:

@@ -6,8 +6,11 @@ hands it (R-10.3).
 
 The supervisor (llmgw.router.supervisor) keeps the listening socket open for its whole life, so
 connections that arrive while this process starts or stops wait in the socket's queue for the
-next worker rather than being refused. The worker writes one line to the readiness pipe: `ready`
-once it serves, or `error: WHY` when it cannot. On SIGTERM (or when the lifeline pipe from the
+next worker rather than being refused. So a worker accepts as soon as it can, snapshot or not: a
+router without a snapshot answers at once (`/healthz` 503 with the reason, API requests a 503
+`not_ready` with Retry-After) instead of leaving connections queued (R-10.2). On the readiness
+pipe it writes `ready` when it serves with a snapshot, or `listening` when it accepts without one
+and then `ready` once the first comes; `error: WHY` when it cannot serve. On SIGTERM (or when the lifeline pipe from the
 supervisor reaches end of file: the supervisor is gone) it stops accepting, answers what comes on
 connections already open with `Connection: close`, gives the requests in flight SHUTDOWN_GRACE to
 finish, closes what the app opened and exits 0.
@@ -52,8 +55,11 @@ class WorkerArgs:
 
 
 Closer = Callable[[], Awaitable[None]]
-# What a worker serves: an aiohttp app built from its arguments, and what to close after it stopped.
-AppBuilder = Callable[[WorkerArgs], Awaitable[tuple[web.Application, Closer]]]
+# Resolves once the app holds what it routes with (the router: its first snapshot).
+Fed = Callable[[], Awaitable[None]]
+# What a worker serves: an aiohttp app built from its arguments, what to close after it stopped,
+# and what to wait for before it says `ready` (None: it is ready once it accepts).
+AppBuilder = Callable[[WorkerArgs], Awaitable[tuple[web.Application, Closer, Fed | None]]]
 
 
 def parse_args(argv: list[str]) -> WorkerArgs:
@@ -72,19 +78,20 @@ def parse_args(argv: list[str]) -> WorkerArgs:
 
 
 class Readiness:
-    """The one line a worker owes its supervisor; written once, then the pipe is closed."""
+    """The lines a worker owes its supervisor: `listening` (not final), then `ready` or `error: WHY`,
+    after which the pipe is closed."""
 
     def __init__(self, fd: int | None):
         self._fd = fd
 
-    def say(self, line: str) -> None:
+    def say(self, line: str, final: bool = True) -> None:
         if self._fd is None:
             return
         try:
             os.write(self._fd, (line.replace("\n", " ") + "\n").encode())
         except OSError:  # the supervisor stopped waiting: nothing to tell
-            pass
-        finally:
+            final = True
+        if final:
             os.close(self._fd)
             self._fd = None
 
@@ -102,13 +109,13 @@ async def run_worker(args: WorkerArgs, build: AppBuilder) -> int:
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([building, stopping], return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
-    if not building.done():  # stopped while it waits for its first snapshot
+    if not building.done():  # stopped while it builds the app (reads its state)
         building.cancel()
         await asyncio.gather(building, return_exceptions=True)
         log.info("worker %d stopped before it served", args.slot)
         return 0
     try:
-        app, close = building.result()
+        app, close, fed = building.result()
     except Exception as exc:  # told to the supervisor, which logs it and retries with backoff
         log.error("worker %d cannot start: %s", args.slot, exc, exc_info=log.isEnabledFor(logging.DEBUG))
         ready.say(f"error: {exc}")
@@ -135,9 +142,18 @@ async def run_worker(args: WorkerArgs, build: AppBuilder) -> int:
         await runner.cleanup()
         await close()
         return 1
-    ready.say("ready")
-    log.info("worker %d serving", args.slot)
+    feeding = None
+    if fed is None:
+        ready.say("ready")
+        log.info("worker %d serving", args.slot)
+    else:
+        ready.say("listening", final=False)
+        log.info("worker %d listening; it answers 503 until it holds a snapshot", args.slot)
+        feeding = asyncio.ensure_future(_say_ready_when(fed, ready, args.slot))
     await stop.wait()
+    if feeding is not None:
+        feeding.cancel()
+        await asyncio.gather(feeding, return_exceptions=True)
     draining = True
     log.info("worker %d stopping: no new connections; requests in flight get up to %.0fs", args.slot,
              SHUTDOWN_GRACE)
@@ -148,6 +164,12 @@ async def run_worker(args: WorkerArgs, build: AppBuilder) -> int:
     await close()
     log.info("worker %d stopped", args.slot)
     return 0
+
+
+async def _say_ready_when(fed: Fed, ready: Readiness, slot: int) -> None:
+    await fed()
+    ready.say("ready")
+    log.info("worker %d serving", slot)
 
 
 def _watch_lifeline(loop: asyncio.AbstractEventLoop, fd: int, stop: asyncio.Event) -> None:
@@ -183,9 +205,9 @@ def main(build: AppBuilder, argv: list[str] | None = None) -> None:
     sys.exit(asyncio.run(run_worker(args, build)))
 
 
-async def build_router(args: WorkerArgs) -> tuple[web.Application, Closer]:
-    """The router fed over the feed: served once it holds a snapshot, the last-known-good one
-    from disk or the first from the control plane (R-10.2)."""
+async def build_router(args: WorkerArgs) -> tuple[web.Application, Closer, Fed | None]:
+    """The router fed over the feed, with the last-known-good snapshot from disk when there is one;
+    without, it is served all the same and says `ready` once the control plane's first comes (R-10.2)."""
     from llmgw.router.app import Router
     from llmgw.router.feedclient import FeedClient
 
@@ -195,18 +217,16 @@ async def build_router(args: WorkerArgs) -> tuple[web.Application, Closer]:
     router = Router()
     client = FeedClient(router, args.control, token, args.state_dir, ca=str(args.ca) if args.ca else None)
     await client.start()
-    try:
+
+    async def fed() -> None:
         while router.snapshot is None:
             await asyncio.sleep(0.05)
-    except asyncio.CancelledError:  # stopped before the first snapshot came
-        await client.close()
-        raise
 
     async def close() -> None:
         await client.close()  # its final report: what the requests just finished counted
         await router.close()
 
-    return router.web_app(), close
+    return router.web_app(), close, None if router.snapshot is not None else fed
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ async def build(args: WorkerArgs):
     async def close() -> None:
         pass
 
-    return app, close
+    return app, close, None
 
 
 if __name__ == "__main__":

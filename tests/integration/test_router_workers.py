@@ -21,8 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2 as httpx
+import openai
 import pytest
 
+from llmgw.router.supervisor import read_status
 from tests.integration.gateway import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,8 +42,10 @@ def alive(pid: int) -> bool:
 class RouterProcess:
     """`llmgw router` with the stand-in worker, its own state directory and port."""
 
-    def __init__(self, tmp_path: Path, workers: int = 1, port: int | None = None, env: dict | None = None):
+    def __init__(self, tmp_path: Path, workers: int = 1, port: int | None = None, env: dict | None = None,
+                 worker_module: str = SLEEP_WORKER):
         self.base = tmp_path
+        self.worker_module = worker_module
         self.state_dir = tmp_path / "router"
         self.port = port or free_port()
         self.workers = workers
@@ -53,7 +57,7 @@ class RouterProcess:
     def argv(self, state_dir: Path | None = None, port: int | None = None) -> list[str]:
         return [sys.executable, "-m", "llmgw.cli.main", "router", "--control", f"unix:{self.base}/feed.sock",
                 "--listen", f"127.0.0.1:{port or self.port}", "--workers", str(self.workers),
-                "--state-dir", str(state_dir or self.state_dir), "--worker-module", SLEEP_WORKER]
+                "--state-dir", str(state_dir or self.state_dir), "--worker-module", self.worker_module]
 
     @property
     def url(self) -> str:
@@ -120,6 +124,27 @@ def routers(tmp_path):
     yield make
     for router in reversed(made):
         router.close()
+
+
+def test_r10_2_a_router_with_no_snapshot_and_no_control_plane_answers_at_once_with_503s(routers):
+    # The real worker, an empty state directory and a feed socket nobody listens on: the router
+    # has nothing to route with, and says so instead of holding connections in the socket's queue.
+    router = routers(workers=1, worker_module="llmgw.router.worker")
+    assert not (router.state_dir / "snapshot.json").exists()
+    assert [worker["snapshot"] for worker in router.status()["workers"]] == [False]
+    with httpx.Client(timeout=60) as http:
+        health = http.get(router.url + "/healthz")
+    assert health.status_code == 503, health.text
+    body = health.json()
+    assert body["status"] == "starting" and body["snapshot_age_s"] is None
+    assert body["reason"] in ("waiting for the control plane's first snapshot", "the control plane is unreachable")
+    assert "feed.sock" not in health.text  # the control plane's address is for the log, not for anyone asking
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="sk-llmgw-any", max_retries=0, timeout=60)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.status_code == 503
+    assert refused.value.response.headers["Retry-After"].isdigit()
+    assert refused.value.body["code"] == "not_ready" and "retry" in refused.value.body["message"]
 
 
 def get_pid(url: str) -> int:
@@ -245,6 +270,37 @@ def test_a_router_on_a_port_another_process_holds_exits_at_once_naming_the_addre
     assert f"cannot listen on 127.0.0.1:{port} for the router: the address is already in use by pid {os.getpid()}" \
         in refused.stderr
     assert not (router.state_dir / "status.json").exists()  # no worker was started
+
+
+def test_r10_9_a_router_state_directory_others_may_write_ends_the_start_naming_it(tmp_path):
+    router = RouterProcess(tmp_path)
+    router.state_dir.mkdir(mode=0o700)
+    os.chmod(router.state_dir, 0o777)
+    refused = subprocess.run(router.argv(), capture_output=True, text=True, env=router.env, cwd=ROOT, timeout=60)
+    assert refused.returncode == 1, refused.stderr
+    assert f"refusing the router state directory: {router.state_dir} is writable by its group and others " \
+           "(mode 0777)" in refused.stderr, refused.stderr
+    assert not (router.state_dir / "supervisor.lock").exists()  # nothing was taken or started
+
+
+def test_r10_9_a_status_file_others_may_write_is_not_read(tmp_path, caplog):
+    (tmp_path / "status.json").write_text('{"pid": 1, "state": "serving", "listen": "0.0.0.0:80", "workers": []}')
+    os.chmod(tmp_path / "status.json", 0o600)
+    assert read_status(tmp_path)["listen"] == "0.0.0.0:80"
+    os.chmod(tmp_path / "status.json", 0o622)
+    assert read_status(tmp_path) is None
+    assert "not reading the router status" in caplog.text and "writable by its group and others" in caplog.text
+
+
+def test_r10_9_a_desired_count_others_may_write_is_not_applied(routers):
+    router = routers(workers=1)
+    desired = router.state_dir / "desired.json"
+    desired.write_text('{"workers": 3}')
+    os.chmod(desired, 0o666)
+    os.kill(router.proc.pid, signal.SIGUSR1)
+    wait_for(lambda: "not reading desired.json" in router.log(), 30, "the supervisor to refuse desired.json")
+    assert "writable by its group and others (mode 0666)" in router.log()
+    assert len(router.worker_pids()) == 1  # the count it was started with
 
 
 def test_a_worker_that_cannot_start_fails_the_start_with_its_reason(tmp_path):

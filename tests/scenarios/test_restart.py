@@ -11,13 +11,18 @@ first time.
 - `llmgw serve` is killed with SIGKILL and left down for 60 s: the workers serve the existing
   replicas with their last snapshot; when it returns, what the clients were answered is counted
   once in `ctl usage` (nothing lost, nothing twice) and no replica is duplicated.
+- `llmgw serve` gets SIGINT (Ctrl-C in a terminal): the router stops too and the client port is
+  free when serve has exited; the engines keep running and the next serve adopts them.
 """
 
 from __future__ import annotations
 
+import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -108,6 +113,7 @@ def test_control_plane_restart_fails_no_request_and_restarts_no_engine(fleet):
     # The router was never restarted: the new serve adopted it.
     assert running_supervisor(fleet.gateway.router_dir) == supervisor and _workers(fleet) == workers
     assert f"adopting the running router supervisor: pid {supervisor}" in fleet.gateway.log()
+    assert "the router workers keep serving" in fleet.gateway.log()  # serve said which stop it was
 
 
 def test_router_workers_restarted_one_by_one_fail_no_request(fleet):
@@ -171,3 +177,44 @@ def test_control_plane_killed_and_down_a_minute_fails_no_request_and_counts_usag
     assert fleet.engines() == engines_before  # no replica duplicated or restarted after the return
     assert sorted(r["id"] for r in fleet.serving()) == sorted(r["id"] for r in before)
     assert {k: usage()[k] for k in counted} == counted  # still: nothing was delivered twice meanwhile
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections in TIME_WAIT hold no port
+        try:
+            sock.bind(("127.0.0.1", port))  # no SO_REUSEPORT: fails while a router's listening socket holds it
+        except OSError:
+            return False
+        return True
+
+
+def test_r10_4_sigint_stops_the_router_too_and_leaves_the_engines_running(fleet):
+    engines_before, before = fleet.engines(), fleet.serving()
+    assert sum(len(e) for e in engines_before.values()) == 2
+    supervisor, workers = running_supervisor(fleet.gateway.router_dir), _workers(fleet)
+    log_from = len(fleet.gateway.log())
+    fleet.gateway.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends serve (the router has a session of its own)
+    assert fleet.gateway.proc.wait(120) == 0, fleet.log_tail()
+    said = fleet.gateway.log()[log_from:]
+    print(said[-2000:])
+    # serve waited for its router: once serve is gone, so is the router, and the port is free.
+    assert running_supervisor(fleet.gateway.router_dir) is None, fleet.gateway.router_log()[-3000:]
+    assert [pid for pid in (supervisor, *workers) if _alive(pid)] == []
+    assert _port_free(fleet.gateway.port)
+    assert "interrupted (SIGINT)" in said and f"router stopped (pid {supervisor})" in said
+    assert fleet.engines() == engines_before  # same engine processes, still running
+    assert all(_alive(e.pid) for engines in engines_before.values() for e in engines)
+
+    fleet.start()  # a new router; the engines are adopted, not started again
+    assert running_supervisor(fleet.gateway.router_dir) not in (None, supervisor)
+    after = fleet.wait_serving(2, START_TIMEOUT * 3, " after the restart")
+    assert sorted(r["id"] for r in after) == sorted(r["id"] for r in before)
+    assert fleet.engines() == engines_before

@@ -4,7 +4,8 @@ A real `llmgw serve --workers 2`, one testbed node, one replica of an SGLang eng
 answers take a fixed time (streamed tokens TOKEN_DELAY apart), and a profile that lets the replica
 take CONCURRENCY requests at once, so a handful of streams saturate it. The clients are the
 official `openai` client with `max_retries=0`, each on one connection of its own; a connection's
-worker is the router id its `/healthz` names, asked on the same connection before and after.
+worker is the router id its `/healthz` names to a request with the key, asked on the same connection
+before and after.
 
 How the two workers share the replica: each has its own fair queue, and each holds its part of the
 model's places and of their headroom (`router_share`: divided among the routers
@@ -100,7 +101,7 @@ class Gateway:
         http = httpx2.AsyncClient(limits=httpx2.Limits(max_connections=1, max_keepalive_connections=1,
                                                        keepalive_expiry=600), timeout=60)
         client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, http_client=http)
-        return Connection(http, client, await worker_of(http, self.url))
+        return Connection(http, client, await worker_of(http, self.url, key))
 
     async def connections(self, key: str, per_worker: int) -> list[Connection]:
         """`per_worker` connections on each worker: the kernel spreads new connections over the
@@ -118,18 +119,24 @@ class Gateway:
         raise AssertionError(f"connections did not reach both workers: {({w: len(c) for w, c in kept.items()})}")
 
 
-async def worker_of(http: httpx2.AsyncClient, url: str) -> str:
-    """The router id of the worker that holds this client's connection."""
-    response = await http.get(url + "/healthz")
-    assert response.status_code == 200, response.text
-    return response.json()["feed"]["router_id"]
+async def worker_of(http: httpx2.AsyncClient, url: str, key: str) -> str:
+    """The router id of the worker that holds this client's connection. It is named to a key the
+    worker knows only: a new key reaches it with the feed's next change, so ask until then."""
+    deadline = time.monotonic() + 30
+    while True:
+        response = await http.get(url + "/healthz", headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 200, response.text
+        if "router_id" in response.json():
+            return response.json()["router_id"]
+        assert time.monotonic() < deadline, f"the key did not reach the worker: {response.text}"
+        await asyncio.sleep(0.05)
 
 
 async def close(connections: list[Connection], url: str) -> None:
     """Each connection still on its worker (so what it was answered is that worker's), then closed."""
     moved = []
     for connection in connections:
-        now = await worker_of(connection.http, url)
+        now = await worker_of(connection.http, url, connection.client.api_key)
         if now != connection.worker:
             moved.append((connection.worker, now))
         await connection.http.aclose()

@@ -109,6 +109,7 @@ class FakeRouter:
         self.messages: list[Snapshot | Change] = []
         self.on_demand = None
         self.feed_status: dict | None = None
+        self.snapshot_age = None
         self.usage: list[UsageRow] = []
 
     def apply(self, message) -> None:
@@ -470,7 +471,7 @@ async def test_a_server_restart_is_followed_by_a_new_snapshot(control, clients, 
     await until(lambda: router.feed_status["state"] == "last-known-good", "last-known-good")
     status = router.feed_status
     assert status["snapshot"]["epoch"] == "epoch-1" and status["snapshot"]["version"] == 2
-    assert status["since"] is not None and status["control"] == control.address
+    assert status["since"] is not None and "control" not in status  # the address is in the log, not in /healthz
     assert router.snapshot.version == 2  # still serving with it
     await control.start(FakePublisher("epoch-2"))
     await until(lambda: router.snapshot.epoch == "epoch-2", "the new run's snapshot")
@@ -521,6 +522,9 @@ async def test_a_snapshot_file_that_does_not_parse_is_set_aside(place, clients, 
     assert names in message and ".bad" in message
     await until(lambda: router.feed_status["since"] is not None, "a failed connection")
     assert router.feed_status["state"] == "no-snapshot"
+    # What /healthz may show says why without naming the control plane.
+    await until(lambda: router.feed_status["reason"] == "the control plane is unreachable", "the reason")
+    assert "nothing.sock" not in json.dumps(router.feed_status)
 
 
 async def test_state_files_and_sockets_are_private(control, clients, place):
@@ -783,3 +787,97 @@ async def test_shutdown_ends_the_feed_streams_instead_of_waiting_for_them(place,
     await until(lambda: control.server.streams == 1, "a connected router")
     await asyncio.wait_for(control.stop(), DEADLINE)
     assert control.server.streams == 0
+
+
+# -- state files another user could have written (R-10.9) ----------------------------------------
+
+OTHER_UID = 65534  # nobody: a user that is not this process's
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user takes root")
+
+
+def foreign(path: Path) -> None:
+    os.chown(path, OTHER_UID, OTHER_UID)
+
+
+def open_to_others(path: Path) -> None:
+    os.chmod(path, 0o666)
+
+
+@pytest.mark.parametrize("spoil, says", [
+    pytest.param(foreign, f"owned by uid {OTHER_UID}", id="another-users", marks=needs_root),
+    pytest.param(open_to_others, "writable by its group and others (mode 0666)", id="writable-by-others"),
+])
+async def test_r10_9_a_snapshot_file_another_user_could_have_written_is_not_used(place, clients, caplog, spoil,
+                                                                                 says):
+    state_dir = place / "router"
+    state_dir.mkdir(mode=0o700)
+    path = state_dir / SNAPSHOT_FILE
+    path.write_text(json.dumps(to_wire(make_snapshot("planted"))))
+    os.chmod(path, 0o600)
+    spoil(path)
+    router = FakeRouter()
+    await clients(router, f"unix:{place}/nothing.sock", state_dir)
+    assert router.snapshot is None  # not routed with: it starts as if it had none
+    (message,) = [r.getMessage() for r in caplog.records if "not using the last-known-good snapshot" in r.getMessage()]
+    assert says in message and str(path) in message, message
+    assert path.exists()  # left where it is, for the operator to look at
+
+
+def spoil_state_dir(state_dir: Path) -> Path:
+    state_dir.mkdir(mode=0o700)
+    os.chmod(state_dir, 0o777)
+    return state_dir
+
+
+def spoil_slots(state_dir: Path) -> Path:
+    (state_dir / "slots").mkdir(parents=True, mode=0o700)
+    os.chmod(state_dir / "slots", 0o770)
+    return state_dir / "slots"
+
+
+def spoil_spool(state_dir: Path) -> Path:
+    slot = state_dir / "slots" / "0"
+    slot.mkdir(parents=True, mode=0o700)
+    (slot / "spool.ndjson").write_text('{"acked": 0}\n')
+    foreign(slot / "spool.ndjson")
+    return slot / "spool.ndjson"
+
+
+@pytest.mark.parametrize("spoil, says", [
+    pytest.param(spoil_state_dir, "writable by its group and others (mode 0777)", id="state-dir-open"),
+    pytest.param(spoil_slots, "writable by its group (mode 0770)", id="slots-dir-open-to-group"),
+    pytest.param(spoil_spool, f"owned by uid {OTHER_UID}", id="spool-of-another-user", marks=needs_root),
+])
+async def test_r10_9_a_state_directory_or_slot_another_user_could_have_written_is_refused(place, spoil, says):
+    state_dir = place / "router"
+    spoiled = spoil(state_dir)
+    client = FeedClient(FakeRouter(), f"unix:{place}/nothing.sock", TOKEN, state_dir, **FAST)
+    with pytest.raises(FeedClientError) as refused:
+        await client.start()
+    assert says in str(refused.value) and str(spoiled) in str(refused.value), refused.value
+    assert not (state_dir / SNAPSHOT_FILE).exists()
+
+
+@needs_root
+async def test_r10_9_reports_planted_in_a_slot_of_another_user_are_never_delivered(place, clients, caplog):
+    control = await Control(place).start()
+    try:
+        state_dir = place / "router"
+        planted = state_dir / "slots" / "7"
+        planted.mkdir(parents=True, mode=0o700)
+        (planted / "router-id").write_text("forged-router\n")
+        spool = Spool(planted, "forged-router")
+        spool.add({"usage": (UsageRow(bucket=3600, key_id="k1", model="m", requests=1000, prompt_tokens=1,
+                                      completion_tokens=1),)}, 1.0)
+        for path in (planted / "router-id", planted / "spool.ndjson"):
+            foreign(path)
+        client = await clients(FakeRouter(), control.address, state_dir)
+        await until(lambda: any("its reports are not delivered" in r.getMessage() for r in caplog.records),
+                    "the sweep to refuse the planted slot")
+        client.router.count(2)  # this router's own reports still go through
+        await until(lambda: control.publisher.requests(client.router_id) == 2, "this router's report")
+        assert control.publisher.requests("forged-router") == 0
+        (message,) = {r.getMessage() for r in caplog.records if "its reports are not delivered" in r.getMessage()}
+        assert f"owned by uid {OTHER_UID}" in message and str(planted) in message
+    finally:
+        await control.stop()

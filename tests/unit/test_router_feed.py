@@ -89,19 +89,52 @@ def test_r10_1_a_change_out_of_step_raises_and_changes_nothing():
 
 async def test_r6_3_before_a_snapshot_healthz_says_starting_and_requests_get_a_clear_503(served):
     router, client = served
+    router.feed_status = {"state": "no-snapshot", "reason": "the control plane is unreachable"}
     health = await client.get("/healthz")
-    assert health.status == 503 and (await health.json())["status"] == "starting"
+    assert health.status == 503 and await health.json() == {
+        "status": "starting", "reason": "the control plane is unreachable", "snapshot_age_s": None}
     refused = await client.post("/v1/chat/completions", headers=AUTH, json={"model": "m", "messages": []})
     body = await refused.json()
     assert refused.status == 503 and body["error"]["code"] == "not_ready"  # not a 401: no key is known yet
+    assert refused.headers["Retry-After"].isdigit()
     assert set(body["error"]) == {"message", "type", "code", "param"} and "starting" in body["error"]["message"]
+    assert "the control plane is unreachable" in body["error"]["message"]
 
     router.feed_status = {"transport": "test"}
+    router.snapshot_age = lambda: 2.5
     router.apply(snapshot(CATALOG, keys=[KEY]))
     health = await client.get("/healthz")
-    assert health.status == 200 and await health.json() == {"status": "ok", "feed": {"transport": "test"}}
+    assert health.status == 200 and await health.json() == {"status": "ok", "snapshot_age_s": 2.5}
     listed = await client.get("/v1/models", headers=AUTH)
     assert [m["id"] for m in (await listed.json())["data"]] == ["lazy", "m", "n"]
+
+
+FEED_DETAIL = {"state": "live", "since": None, "reason": None, "snapshot": {"epoch": "test", "version": 1},
+               "unacked_reports": 0, "router_id": "routerhost-0-abcd"}
+
+
+@pytest.mark.parametrize("headers, detail", [
+    pytest.param({}, False, id="no-key"),
+    pytest.param({"Authorization": "Bearer sk-llmgw-not-a-key"}, False, id="wrong-key"),
+    pytest.param({"x-api-key": "sk-llmgw-not-a-key"}, False, id="wrong-x-api-key"),
+    pytest.param(AUTH, True, id="valid-key"),
+    pytest.param({"x-api-key": SECRET}, True, id="valid-x-api-key"),
+])
+async def test_r10_2_healthz_says_ready_and_the_snapshot_age_and_names_the_router_only_to_a_key(served, headers,
+                                                                                                detail):
+    router, client = served
+    router.router_id = "routerhost-0-abcd"
+    router.feed_status = FEED_DETAIL
+    router.snapshot_age = lambda: 1.25
+    router.apply(snapshot(CATALOG, keys=[KEY]))
+    health = await client.get("/healthz", headers=headers)
+    body = await health.json()
+    assert health.status == 200
+    if detail:
+        assert body == {"status": "ok", "snapshot_age_s": 1.25, "router_id": "routerhost-0-abcd", "feed": FEED_DETAIL}
+    else:
+        assert body == {"status": "ok", "snapshot_age_s": 1.25}
+        assert "routerhost" not in await health.text()
 
 
 async def test_r10_1_a_new_max_body_applies_to_the_next_request(served):
