@@ -328,5 +328,17 @@ def router_snapshot(router: dict) -> str:
 
 
 def reported_ago(router: dict) -> str:
+    if router["reported_ago"] is None:
+        return "no report taken"  # every report it sent was refused
     ago = f"{router['reported_ago']:.1f} s ago"
     return ago + ", silent" if router["stale"] else ago
+
+
+def router_refused(router: dict) -> str:
+    """What the control plane refused of a router's reports (R-10.8): '2 reports, 1 row', '-'."""
+    refused = router.get("refused")
+    if not refused:
+        return UNKNOWN
+    parts = [f"{n} {what}{'' if n == 1 else 's'}" for what, n in (("report", refused["reports"]),
+                                                                   ("row", refused["rows"])) if n]
+    return ", ".join(parts) or UNKNOWN
