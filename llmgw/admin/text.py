@@ -160,10 +160,14 @@ def last_scale(model: dict, now: float) -> str | None:
 
 
 def scaling_listed(listed: dict) -> str:
-    """The scaling as `ctl models` and the dashboard list it: with `evictable` when its idle replicas
-    may be stopped to make room for another model (scaling.evictable, or on demand by default)."""
+    """The scaling as `ctl models` and the dashboard list it: with `evictable after 10m idle` when
+    its idle replicas may be stopped to make room for another model (scaling.evictable, or on demand
+    by default), after its idle_timeout where it sets one, else gateway.evict_idle (R-6.8c)."""
     words = scaling(listed)
-    return words + ", evictable" if listed.get("evictable") else words
+    if not listed.get("evictable"):
+        return words
+    after = listed.get("evict_idle")
+    return words + (f", evictable after {format_duration(after)} idle" if after is not None else ", evictable")
 
 
 def what_if(entry: dict) -> str:
