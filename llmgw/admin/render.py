@@ -318,4 +318,10 @@ def reload(answer: dict) -> Group:
     restart = answer.get("restart_needed") or []
     if restart:
         parts.append(Text(f"needs a restart of llmgw serve (left as they are): {', '.join(restart)}"))
+    for entry in answer.get("unplaceable") or []:
+        when = "" if entry["made_by_reload"] else " (already so before this reload)"
+        parts.append(Text(f"no node of the new inventory could ever run {entry['model']} (min {entry['min']}){when}: "
+                          f"{entry['reason']}"))
+    if answer.get("refused"):
+        parts.append(Text(f"refused: {answer['refused']}"))
     return Group(*parts)
