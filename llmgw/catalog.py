@@ -60,7 +60,17 @@ class Model:
 
     @property
     def idle_timeout(self) -> float | None:
+        """How long an on-demand model's replicas stay unused before they stop (R-6.8): its
+        `idle_timeout`, 10 minutes when it sets none; None: they never stop on their own."""
         return self.config.scaling.idle_timeout
+
+    def evict_idle(self, gateway_evict_idle: float) -> float:
+        """How long a replica of this model must be unused before it may be evicted (R-6.8c): the
+        model's own `idle_timeout` where its definition sets one, else `gateway.evict_idle`."""
+        scaling = self.config.scaling
+        if "idle_timeout" in scaling.model_fields_set and scaling.idle_timeout is not None:
+            return scaling.idle_timeout
+        return gateway_evict_idle
 
     @property
     def evictable(self) -> bool:

@@ -145,7 +145,7 @@ class GatewayConfig(_Strict):
     settling_window: Duration = 30.0
     on_demand_wait: Duration = 120.0
     queue_wait: Duration = 30.0  # a request waits this long for a place of a saturated model, then 503
-    evict_idle: Duration = 600.0  # idle time before a replica of a model without idle_timeout may be evicted
+    evict_idle: Duration = 600.0  # idle time before a replica of a model that sets no idle_timeout may be evicted
     request_timeout: Duration = 600.0
     # A download is capped at its declared or learned size plus a margin (reconciler.fetch_cap); this caps one whose
     # size is unknown. No byte for fetch_stall fails it.
@@ -235,10 +235,15 @@ class ProfileConfig(_Strict):
         return self
 
 
+DEFAULT_IDLE_TIMEOUT = 600.0  # seconds: scaling.idle_timeout of a model that does not set it
+
+
 class ScalingConfig(_Strict):
     min: int = Field(1, ge=0)
     max: int | None = Field(None, ge=0)
-    idle_timeout: Duration | None = 600.0
+    # An on-demand model's replicas stop once all are unused this long; null: never. When
+    # the model leaves it unset, eviction waits gateway.evict_idle instead (R-6.8c, Model.evict_idle).
+    idle_timeout: Duration | None = DEFAULT_IDLE_TIMEOUT
     evictable: bool | None = None  # None: evictable when on demand (min 0); see control/evict.py
     # Load-based scaling between min and max (llmgw.control.scaling): the requests in flight per
     # replica it aims at, and how long the load must stay above (below) that before a replica is

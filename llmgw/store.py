@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 import sqlite_utils
 
+from llmgw.contracts.feed import MAX_COUNT
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -269,10 +271,12 @@ def audit(db: sqlite_utils.Database, actor: str | None, action: str, target: str
 
 
 def add_usage(db: sqlite_utils.Database, rows: list[tuple[int, str, str, int, int, int]]) -> None:
-    """Add (bucket, key_id, model, requests, prompt_tokens, completion_tokens) to the counters."""
+    """Add (bucket, key_id, model, requests, prompt_tokens, completion_tokens) to the counters.
+
+    Each sum saturates at MAX_COUNT (R-10.8): SQLite would turn an integer overflow into a float."""
     db.conn.executemany(
         "INSERT INTO usage (bucket, key_id, model, requests, prompt_tokens, completion_tokens) "
         "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (bucket, key_id, model) DO UPDATE SET "
-        "requests = requests + excluded.requests, "
-        "prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
-        "completion_tokens = completion_tokens + excluded.completion_tokens", rows)
+        f"requests = MIN(requests + excluded.requests, {MAX_COUNT}), "
+        f"prompt_tokens = MIN(prompt_tokens + excluded.prompt_tokens, {MAX_COUNT}), "
+        f"completion_tokens = MIN(completion_tokens + excluded.completion_tokens, {MAX_COUNT})", rows)

@@ -271,8 +271,12 @@ class Api:
         dry_run = body.get("dry_run", False)
         if not isinstance(dry_run, bool):
             raise ServiceError(400, "dry_run must be true or false", code="bad_argument")
+        force = body.get("force", False)
+        if not isinstance(force, bool):
+            raise ServiceError(400, "force must be true or false", code="bad_argument")
         kwargs = {} if body.get("grace") is None else {"grace": _duration(body["grace"], "grace")}
-        return _json(await self.gateway.control.reload(_actor(request, body), dry_run=dry_run, **kwargs))
+        return _json(await self.gateway.control.reload(_actor(request, body), dry_run=dry_run, force=force,
+                                                       **kwargs))
 
     async def reclaim_list(self, request: web.Request) -> web.Response:
         return _json(await self.gateway.control.reclaim(False, _actor(request)))

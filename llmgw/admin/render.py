@@ -74,11 +74,15 @@ def status(status: dict) -> Group:
     parts.append(Text(f"models: {models['total']} ({words.counts(models['by_state']) or 'none'})"))
     routers = status.get("routers")
     if routers:
-        table = _table("ROUTER", "SNAPSHOT", "LAST REPORT", "IN FLIGHT", title="Routers reporting to this control plane")
+        table = _table("ROUTER", "SNAPSHOT", "LAST REPORT", "IN FLIGHT", "REFUSED",
+                       title="Routers reporting to this control plane")
         for entry in routers:
             table.add_row(_t(entry["router"]), _t(words.router_snapshot(entry)), _t(words.reported_ago(entry)),
-                          _t(entry["in_flight"]))
+                          _t(entry["in_flight"]), _t(words.router_refused(entry)))
         parts += [Text(""), table]
+        for entry in routers:
+            if entry.get("refused"):
+                parts.append(Text(f"{entry['router']}: last refusal: {entry['refused']['last']}"))
     elif routers is not None:
         parts.append(Text("routers: none has reported yet"))
     if status["unplaceable"]:
@@ -314,4 +318,10 @@ def reload(answer: dict) -> Group:
     restart = answer.get("restart_needed") or []
     if restart:
         parts.append(Text(f"needs a restart of llmgw serve (left as they are): {', '.join(restart)}"))
+    for entry in answer.get("unplaceable") or []:
+        when = "" if entry["made_by_reload"] else " (already so before this reload)"
+        parts.append(Text(f"no node of the new inventory could ever run {entry['model']} (min {entry['min']}){when}: "
+                          f"{entry['reason']}"))
+    if answer.get("refused"):
+        parts.append(Text(f"refused: {answer['refused']}"))
     return Group(*parts)

@@ -160,10 +160,14 @@ def last_scale(model: dict, now: float) -> str | None:
 
 
 def scaling_listed(listed: dict) -> str:
-    """The scaling as `ctl models` and the dashboard list it: with `evictable` when its idle replicas
-    may be stopped to make room for another model (scaling.evictable, or on demand by default)."""
+    """The scaling as `ctl models` and the dashboard list it: with `evictable after 10m idle` when
+    its idle replicas may be stopped to make room for another model (scaling.evictable, or on demand
+    by default), after its idle_timeout where it sets one, else gateway.evict_idle (R-6.8c)."""
     words = scaling(listed)
-    return words + ", evictable" if listed.get("evictable") else words
+    if not listed.get("evictable"):
+        return words
+    after = listed.get("evict_idle")
+    return words + (f", evictable after {format_duration(after)} idle" if after is not None else ", evictable")
 
 
 def what_if(entry: dict) -> str:
@@ -328,5 +332,17 @@ def router_snapshot(router: dict) -> str:
 
 
 def reported_ago(router: dict) -> str:
+    if router["reported_ago"] is None:
+        return "no report taken"  # every report it sent was refused
     ago = f"{router['reported_ago']:.1f} s ago"
     return ago + ", silent" if router["stale"] else ago
+
+
+def router_refused(router: dict) -> str:
+    """What the control plane refused of a router's reports (R-10.8): '2 reports, 1 row', '-'."""
+    refused = router.get("refused")
+    if not refused:
+        return UNKNOWN
+    parts = [f"{n} {what}{'' if n == 1 else 's'}" for what, n in (("report", refused["reports"]),
+                                                                   ("row", refused["rows"])) if n]
+    return ", ".join(parts) or UNKNOWN

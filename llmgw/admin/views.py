@@ -241,7 +241,9 @@ class Listings:
             "weights": str(model.source) if model.source is not None else None,
             "disk_bytes": model.disk_bytes,
             "scaling": {"min": model.min_replicas, "max": model.max_replicas, "on_demand": model.on_demand,
-                        "idle_timeout": model.idle_timeout, "evictable": model.evictable, "scales": model.scales,
+                        "idle_timeout": model.idle_timeout, "evictable": model.evictable,
+                        # unused this long before a replica may be evicted (R-6.8c); None: not evictable or not known
+                        "evict_idle": known.evict_idle if known is not None else None, "scales": model.scales,
                         "target": model.config.scaling.target, "up_delay": model.config.scaling.up_delay,
                         "down_delay": model.config.scaling.down_delay},
             # What load-based scaling wants now and its latest decision (R-6.8a, R-6.8b); None: not yet.

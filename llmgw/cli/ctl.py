@@ -350,6 +350,8 @@ def reload(ctx: typer.Context,
            dry_run: bool = typer.Option(False, "--dry-run", help="Print what would change; change nothing."),
            grace: str | None = typer.Option(None, "--grace", help="How long replicas of a removed node wait for "
                                                                   "their replacements before they stop (default 10m)."),
+           force: bool = typer.Option(False, "--force", help="Apply a file that leaves a model's min with no node "
+                                                             "that could ever run it."),
            as_json: bool = JSON_OPTION) -> None:
     """Re-read the inventory file `llmgw serve` was started with and apply what changed.
 
@@ -357,13 +359,19 @@ def reload(ctx: typer.Context,
     removed are drained and then forgotten, a node's connection settings reconnect it, profiles,
     models and gateway settings change; gateway.listen, gateway.admin and gateway.state_dir need a
     restart and are left as they are. A file with a problem is refused with file, line and field,
-    and nothing changes. SIGHUP to `llmgw serve` does the same.
+    and nothing changes. A file that removes every node able to run a model with a min (its GPU
+    class or count, memory, labels, fabric size) is refused naming each such model, unless
+    --force; a change that only has to wait for room is not. --dry-run says so too, and exits 1
+    where the reload would be refused. SIGHUP to `llmgw serve` does the same, without --force.
     """
     with _refusals():
-        body: dict[str, Any] = {"dry_run": dry_run}
+        body: dict[str, Any] = {"dry_run": dry_run, "force": force}
         if grace is not None:
             body["grace"] = grace
-        _emit(_client(ctx).post("/api/reload", body), as_json, render.reload)
+        answer = _client(ctx).post("/api/reload", body)
+        _emit(answer, as_json, render.reload)
+    if answer.get("refused"):
+        raise typer.Exit(EXIT_REFUSED)
 
 
 # -- storage and reclaim -----------------------------------------------------------------------------

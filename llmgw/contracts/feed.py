@@ -36,6 +36,10 @@ PROTOCOL = 1  # bumped when a message changes meaning; a peer speaking another i
 ABANDONED_KEPT = 256  # replicas given up that a snapshot still names (Snapshot.abandoned)
 ROUTING_POLICIES = ("least-outstanding", "prefix")
 ENGINE_KINDS = ("vllm", "sglang", "llama-server")  # built-in engines; None: any command or a static endpoint
+# The largest count a report carries (tokens, requests, queue lengths): 2^53, what every JSON
+# reader holds exactly, far below SQLite's 2^63. Routers clamp engine figures to it and sums
+# saturate at it, so no number an engine makes up can make a report unwritable (R-10.8).
+MAX_COUNT = 2**53
 
 
 class FeedError(ValueError):
@@ -238,11 +242,22 @@ class Report:
 
 
 @dataclass(frozen=True, slots=True)
+class Refusal:
+    """One part of a report the control plane did not take (a usage row, an entry of a state part),
+    named by its place in the report (`report.usage[3]`), with why (R-10.8)."""
+
+    where: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
 class Ack:
-    """The control plane has applied (or had already applied) the router's reports up to `seq`."""
+    """The control plane has applied (or had already applied) the router's reports up to `seq`;
+    `refused` names the rows of this report it left out, the rest being applied."""
 
     router: str
     seq: int
+    refused: tuple[Refusal, ...] = ()
 
 
 # -- wire form ---------------------------------------------------------------------------------
@@ -306,11 +321,21 @@ def _opt_str(value, where):
     return _expect(value, (str, type(None)), where)
 
 
-def _int(value, where, minimum: int = 0):
+def _int(value, where, minimum: int = 0, maximum: int | None = None):
     value = _expect(value, (int,), where)
     if value < minimum:
         raise FeedError(f"{where}: must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise FeedError(f"{where}: must be at most {maximum}, got {value}")
     return value
+
+
+def _count(value, where):
+    return _int(value, where, 0, MAX_COUNT)
+
+
+def _opt_count(value, where):
+    return None if value is None else _count(value, where)
 
 
 def _opt_int(value, where):
@@ -503,13 +528,13 @@ def _load_to_wire(load: EngineLoad) -> dict:
 def _load_from_wire(d, where: str) -> EngineLoad:
     d = _obj(d, where)
     return EngineLoad(source=_str(_field(d, "source", where), f"{where}.source"),
-                      waiting=_opt_int(d.get("waiting"), f"{where}.waiting"),
-                      running=_opt_int(d.get("running"), f"{where}.running"),
+                      waiting=_opt_count(d.get("waiting"), f"{where}.waiting"),
+                      running=_opt_count(d.get("running"), f"{where}.running"),
                       kv_cache=_opt_num(d.get("kv_cache"), f"{where}.kv_cache"),
-                      prefix_hits=_opt_int(d.get("prefix_hits"), f"{where}.prefix_hits"),
-                      prefix_queries=_opt_int(d.get("prefix_queries"), f"{where}.prefix_queries"),
+                      prefix_hits=_opt_count(d.get("prefix_hits"), f"{where}.prefix_hits"),
+                      prefix_queries=_opt_count(d.get("prefix_queries"), f"{where}.prefix_queries"),
                       at=_opt_num(d.get("at"), f"{where}.at"),
-                      slots=None if d.get("slots") is None else _int(d["slots"], f"{where}.slots", 1))
+                      slots=None if d.get("slots") is None else _int(d["slots"], f"{where}.slots", 1, MAX_COUNT))
 
 
 def _counters_to_wire(c: RouterCounters) -> dict:
@@ -602,7 +627,9 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
                 "counters": None if message.counters is None else _counters_to_wire(message.counters),
                 **({"asked": dict(message.asked)} if message.asked else {})}
     if isinstance(message, Ack):
-        return {"type": "ack", "protocol": PROTOCOL, "router": message.router, "seq": message.seq}
+        return {"type": "ack", "protocol": PROTOCOL, "router": message.router, "seq": message.seq,
+                **({"refused": [{"where": r.where, "status": 400, "message": r.message} for r in message.refused]}
+                   if message.refused else {})}
     raise TypeError(f"not a feed message: {type(message).__name__}")
 
 
@@ -636,36 +663,82 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
                                     for i, r in enumerate(_list(d.get("abandon", []), "change.abandon"))),
                       leases=_leases_from_wire(d["leases"], "change.leases") if "leases" in d else None)
     if kind == "report":
-        usage = []
-        for i, row in enumerate(_list(d.get("usage", []), "report.usage")):
-            where = f"report.usage[{i}]"
-            row = _list(row, where)
-            if len(row) != 6:
-                raise FeedError(f"{where}: expected [bucket, key, model, requests, prompt, completion]")
-            usage.append(UsageRow(_int(row[0], f"{where}[0]"), _str(row[1], f"{where}[1]"), _str(row[2], f"{where}[2]"),
-                                  _int(row[3], f"{where}[3]"), _int(row[4], f"{where}[4]"), _int(row[5], f"{where}[5]")))
-        snapshot = d.get("snapshot")
-        if snapshot is not None:
-            pair = _list(snapshot, "report.snapshot")
-            if len(pair) != 2:
-                raise FeedError("report.snapshot: expected [epoch, version]")
-            snapshot = (_str(pair[0], "report.snapshot[0]"), _int(pair[1], "report.snapshot[1]"))
-        return Report(router=_str(_field(d, "router", kind), "report.router"),
-                      seq=_int(_field(d, "seq", kind), "report.seq", 1),
-                      sent_at=_num(_field(d, "sent_at", kind), "report.sent_at"), usage=tuple(usage),
-                      key_use={k: _num(v, f"report.key_use[{k!r}]")
-                               for k, v in _obj(d.get("key_use", {}), "report.key_use").items()},
-                      last_used={r: _num(v, f"report.last_used[{r!r}]")
-                                 for r, v in _obj(d.get("last_used", {}), "report.last_used").items()},
-                      inflight={r: _int(v, f"report.inflight[{r!r}]")
-                                for r, v in _obj(d.get("inflight", {}), "report.inflight").items()},
-                      engine_load={r: _load_from_wire(v, f"report.engine_load[{r!r}]")
-                                   for r, v in _obj(d.get("engine_load", {}), "report.engine_load").items()},
-                      demand=tuple(_str(m, f"report.demand[{i}]")
-                                   for i, m in enumerate(_list(d.get("demand", []), "report.demand"))),
-                      snapshot=snapshot,
-                      counters=None if d.get("counters") is None else _counters_from_wire(d["counters"]),
-                      asked={k: _int(v, f"report.asked[{k!r}]") for k, v in _obj(d.get("asked", {}), "report.asked").items()})
+        report, refused = _report_from_wire(d)
+        if refused:
+            raise FeedError(refused[0].message)
+        return report
     if kind == "ack":
-        return Ack(router=_str(_field(d, "router", kind), "ack.router"), seq=_int(_field(d, "seq", kind), "ack.seq"))
+        refused = tuple(_refusal_from_wire(r, f"ack.refused[{i}]")
+                        for i, r in enumerate(_list(d.get("refused", []), "ack.refused")))
+        return Ack(router=_str(_field(d, "router", kind), "ack.router"), seq=_int(_field(d, "seq", kind), "ack.seq"),
+                   refused=refused)
     raise FeedError(f"message.type: {kind!r} is not a feed message (snapshot, change, report, ack)")
+
+
+def read_report(document) -> tuple[Report, tuple[Refusal, ...]]:
+    """A report as the control plane takes it (R-10.8): the rows that parse, and a Refusal for
+    each one that does not (a usage row, an entry of key_use, last_used, in flight, engine load,
+    asked or demand, the counters), so that one bad row does not cost the rest. FeedError when
+    the report itself is wrong (its type, protocol, router, seq, sent_at, a part of the wrong shape)."""
+    d = _obj(document, "message")
+    kind = _str(_field(d, "type", "message"), "message.type")
+    if kind != "report":
+        raise FeedError(f"message.type: expected a report, got {kind!r}")
+    protocol = _field(d, "protocol", kind)
+    if protocol != PROTOCOL:
+        raise FeedError(f"{kind}: protocol {protocol!r}, this llmgw speaks {PROTOCOL}")
+    return _report_from_wire(d)
+
+
+def _usage_row_from_wire(row, where: str) -> UsageRow:
+    row = _list(row, where)
+    if len(row) != 6:
+        raise FeedError(f"{where}: expected [bucket, key, model, requests, prompt, completion]")
+    return UsageRow(_int(row[0], f"{where}[0]"), _str(row[1], f"{where}[1]"), _str(row[2], f"{where}[2]"),
+                    _count(row[3], f"{where}[3]"), _count(row[4], f"{where}[4]"), _count(row[5], f"{where}[5]"))
+
+
+def _refusal_from_wire(d, where: str) -> Refusal:
+    d = _obj(d, where)
+    return Refusal(_str(_field(d, "where", where), f"{where}.where"), _str(_field(d, "message", where), f"{where}.message"))
+
+
+def _report_from_wire(d: dict) -> tuple[Report, tuple[Refusal, ...]]:
+    kind = "report"
+    refused: list[Refusal] = []
+
+    def rows(name: str, parse, container=_obj, default=None) -> list:
+        """(key, parsed) of each entry of part `name` that parses; a Refusal for each that does not."""
+        part = container(d.get(name, {} if default is None else default), f"report.{name}")
+        entries = enumerate(part) if container is _list else part.items()
+        out = []
+        for key, value in entries:
+            where = f"report.{name}[{key!r}]" if container is _obj else f"report.{name}[{key}]"
+            try:
+                out.append((key, parse(value, where)))
+            except FeedError as exc:
+                refused.append(Refusal(where, str(exc)))
+        return out
+
+    snapshot = d.get("snapshot")
+    if snapshot is not None:
+        pair = _list(snapshot, "report.snapshot")
+        if len(pair) != 2:
+            raise FeedError("report.snapshot: expected [epoch, version]")
+        snapshot = (_str(pair[0], "report.snapshot[0]"), _int(pair[1], "report.snapshot[1]"))
+    router = _str(_field(d, "router", kind), "report.router")
+    seq = _int(_field(d, "seq", kind), "report.seq", 1)
+    sent_at = _num(_field(d, "sent_at", kind), "report.sent_at")
+    counters = None
+    if d.get("counters") is not None:
+        try:
+            counters = _counters_from_wire(d["counters"])
+        except FeedError as exc:
+            refused.append(Refusal("report.counters", str(exc)))
+    report = Report(router=router, seq=seq, sent_at=sent_at,
+                    usage=tuple(row for _, row in rows("usage", _usage_row_from_wire, _list, [])),
+                    key_use=dict(rows("key_use", _num)), last_used=dict(rows("last_used", _num)),
+                    inflight=dict(rows("inflight", _count)), engine_load=dict(rows("engine_load", _load_from_wire)),
+                    demand=tuple(m for _, m in rows("demand", _str, _list, [])), snapshot=snapshot,
+                    counters=counters, asked=dict(rows("asked", _count)))
+    return report, tuple(refused)

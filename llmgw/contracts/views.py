@@ -179,6 +179,7 @@ class ModelState:
     last_scale: ScaleDecision | None = None  # the latest change of `desired`
     scale_ups: int = 0  # changes of `desired` since the gateway started, by direction
     scale_downs: int = 0
+    evict_idle: float | None = None  # seconds unused before a replica may be evicted (R-6.8c); None: not evictable
 
 
 @dataclass(frozen=True, slots=True)

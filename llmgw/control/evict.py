@@ -10,8 +10,8 @@ Who may be evicted (a *candidate*):
   (`min: 0`) are evictable and models with a minimum are not;
 - never taking its model below its min: of a model with N serving replicas, only the N - min
   longest idle are candidates;
-- idle at least its model's `idle_timeout` (a model with `idle_timeout: null`: the gateway's
-  `evict_idle`, 10 min by default). Idle since the router last used it; a replica the router
+- idle at least its model's `idle_timeout` where the model sets one, else (unset or `null`) the
+  gateway's `evict_idle`, 10 min by default (`Model.evict_idle`). Idle since the router last used it; a replica the router
   has not reported counts from when it began serving, and one adopted after a restart (its
   start not seen) from the control plane's start, as the idle stop of on-demand models does.
 
@@ -31,7 +31,7 @@ from llmgw.control import placement
 from llmgw.control.state import DRAINING_PHASE, ModelHealth, Replica
 from llmgw.units import format_bytes
 
-DEFAULT_EVICT_IDLE = 600.0  # seconds; `gateway.evict_idle` for models with `idle_timeout: null`
+DEFAULT_EVICT_IDLE = 600.0  # seconds; `gateway.evict_idle` for models that set no `idle_timeout`
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +73,7 @@ def candidates(replicas: Iterable[Replica], models: Mapping[str, Model], last_us
         idle_since = last_used.get(replica.id) or replica.serving_since or started_at
         if idle_since is None:
             continue  # no known time to count from: not known to be idle
-        window = model.idle_timeout if model.idle_timeout is not None else default_idle
+        window = model.evict_idle(default_idle)
         if now - idle_since < window:
             continue
         found.append((idle_since, replica.id, replica))

@@ -46,8 +46,8 @@ import sqlite_utils
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import GatewayConfig, runtime_key_env_problem
 from llmgw.contracts.endpoints import STATIC_PREFIX, Endpoint
-from llmgw.contracts.feed import (Ack, Change, EngineLoad, GatewaySettings, KeyEntry, Lease, Report, RoutedModel,
-                                  RouterCounters, Snapshot)
+from llmgw.contracts.feed import (Ack, Change, EngineLoad, GatewaySettings, KeyEntry, Lease, Refusal, Report,
+                                  RoutedModel, RouterCounters, Snapshot)
 from llmgw.engines import VLLM, LlamaServer, SGLang
 from llmgw.keys import key_entries, record_key_use
 from llmgw.store import Store, add_usage
@@ -59,6 +59,7 @@ LISTENER_QUEUE = 1000  # changes a listener may fall behind by before it gets a 
 STALE_SECONDS = 10.0  # routers report about every 0.5 s: one silent this long no longer counts
 SEQ_RETENTION_SECONDS = 7 * 86400  # a router id not heard from for this long is forgotten
 FORGET_SECONDS = 3600.0  # the state of a router silent this long is dropped from memory (its seq stays)
+REFUSALS_KEPT = 256  # routers whose refused reports and rows are counted for operators
 
 LEASE_SECONDS = 1.0  # how often each limited key's budget is split again among the routers
 LEASE_FLOOR = 0.05  # the share of a key's limits every recent router keeps (at most 1/routers)
@@ -216,6 +217,8 @@ class FeedPublisher:
         self._ready = asyncio.Event()
         self._listeners: set[FeedListener] = set()
         self._routers: dict[str, _RouterState] = {}
+        # router id -> reports refused whole, rows left out, the last reason (R-10.8)
+        self._refusals: dict[str, dict] = {}
         # replica id -> the version whose change took its last endpoint away (see outstanding())
         self._removed_at: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -281,9 +284,14 @@ class FeedPublisher:
         """Each router's latest request counters, for /metrics (R-9.7)."""
         return [state.report.counters for state in list(self._routers.values()) if state.report.counters is not None]
 
-    async def apply_report(self, report: Report) -> Ack:
-        """Count a report's usage once per (router, seq) and take its state; the Ack says it is applied."""
+    async def apply_report(self, report: Report, refused: tuple[Refusal, ...] = ()) -> Ack:
+        """Count a report's usage once per (router, seq) and take its state; the Ack says it is applied.
+
+        `refused`: the rows the feed server left out of it (R-10.8), counted per router for
+        operators and handed back in the Ack."""
         now = time.time()
+        if refused:
+            self._note_refusal(report.router, rows=len(refused), reason=refused[-1].message)
         if report.usage or report.key_use:
             await self.store.write(lambda db: apply_counted(db, report, now))
         previous = self._routers.get(report.router)
@@ -304,7 +312,22 @@ class FeedPublisher:
                         self.note_demand(model)
                     except Exception:
                         log.exception("noting demand for on-demand model %s failed", model)
-        return Ack(router=report.router, seq=report.seq)
+        return Ack(router=report.router, seq=report.seq, refused=refused)
+
+    def report_refused(self, router: str | None, reason: str) -> None:
+        """A report refused as a whole (R-10.8): counted for its router, when it names one."""
+        if router is not None:
+            self._note_refusal(router, reports=1, reason=reason)
+
+    def _note_refusal(self, router: str, *, reports: int = 0, rows: int = 0, reason: str) -> None:
+        counts = self._refusals.get(router)
+        if counts is None:
+            if len(self._refusals) >= REFUSALS_KEPT:  # a router id is any text: keep the table bounded
+                del self._refusals[next(iter(self._refusals))]
+            counts = self._refusals[router] = {"reports": 0, "rows": 0, "last": None}
+        counts["reports"] += reports
+        counts["rows"] += rows
+        counts["last"] = reason
 
     # -- what the reconciler and the admin read ---------------------------------------------------------
 
@@ -351,8 +374,16 @@ class FeedPublisher:
                 "current": (current is not None and snapshot is not None
                             and snapshot == (current.epoch, current.version)),
                 "in_flight": sum(state.report.inflight.values()),
+                "refused": self._refused_of(router_id),
             })
+        for router_id in sorted(self._refusals.keys() - self._routers.keys()):  # every report refused
+            out.append({"router": router_id, "reported_ago": None, "stale": True, "snapshot": None, "current": False,
+                        "in_flight": None, "refused": self._refused_of(router_id)})
         return out
+
+    def _refused_of(self, router: str) -> dict | None:
+        counts = self._refusals.get(router)
+        return None if counts is None else dict(counts)
 
     def reported_in_flight(self, replica_id: str) -> int | None:
         """Requests in flight to a replica as the routers heard recently report them, for operators

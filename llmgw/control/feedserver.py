@@ -7,7 +7,11 @@ state directory's `feed.sock` (0600, for routers on this host):
   `Snapshot`, then each `Change` in order, a `Snapshot` again when this router fell behind. A
   blank line every `keepalive` seconds lets both sides notice a peer that is gone (a write to a
   closed connection fails here; the router's read times out there).
-- `POST /v1/feed/report`: one `Report`; the answer is the publisher's `Ack`.
+- `POST /v1/feed/report`: one `Report`; the answer is the publisher's `Ack`. A row of it that
+  does not parse (a negative count, one above `MAX_COUNT`, a wrong type) is left out and named in
+  the Ack's `refused`, the rest applied; only a report wrong as a whole (not JSON, not a report,
+  its router, seq or sent_at, a part of the wrong shape) is a 400, which the router sets aside
+  rather than sending it again (R-10.8).
 
 Both require the admin token as `Authorization: Bearer`, compared in constant time. Whole wire
 documents are never logged: they hold engine keys and key hashes.
@@ -28,7 +32,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from llmgw.contracts.feed import Ack, FeedError, Report, from_wire, to_wire
+from llmgw.contracts.feed import Ack, FeedError, Refusal, Report, read_report, to_wire
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,8 @@ class Publisher(Protocol):
 
     async def ready(self) -> None: ...
     def listen(self) -> Any: ...
-    async def apply_report(self, report: Report) -> Ack: ...
+    async def apply_report(self, report: Report, refused: tuple[Refusal, ...] = ()) -> Ack: ...
+    def report_refused(self, router: str | None, reason: str) -> None: ...
 
 
 def _error(status: int, message: str, code: str, headers: dict | None = None) -> web.Response:
@@ -165,16 +170,25 @@ class FeedServer:
         try:
             document = json.loads(body)
         except ValueError as exc:
-            return _error(400, f"the report is not JSON: {exc}", "bad_report")
+            return self._bad_report(None, f"the report is not JSON: {exc}")
         try:
-            report = from_wire(document)
+            report, refused = read_report(document)
         except FeedError as exc:
-            return _error(400, str(exc), "bad_report")
-        if not isinstance(report, Report):
-            return _error(400, f"message.type: expected a report, got {document.get('type')!r}", "bad_report")
+            router = document.get("router") if isinstance(document, dict) else None
+            return self._bad_report(router if isinstance(router, str) else None, str(exc))
+        if refused:
+            log.warning("router feed: report %d of router %s: %d row(s) left out, the rest applied: %s",
+                        report.seq, report.router, len(refused),
+                        "; ".join(r.message for r in refused[:5]) + ("; ..." if len(refused) > 5 else ""))
         await self.publisher.ready()
-        ack = await self.publisher.apply_report(report)
+        ack = await self.publisher.apply_report(report, refused)
         return web.json_response(to_wire(ack), dumps=_dumps)
+
+    def _bad_report(self, router: str | None, reason: str) -> web.Response:
+        """A report refused as a whole: said in the log and to the publisher, a 400 to the router."""
+        log.warning("router feed: a report of router %s refused: %s", router or "(unnamed)", reason)
+        self.publisher.report_refused(router, reason)
+        return _error(400, reason, "bad_report")
 
     async def _end_streams(self, app: web.Application) -> None:
         """A feed never ends by itself: end the streams so that shutdown does not wait for them."""

@@ -20,7 +20,7 @@ import functools
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from llmgw.catalog import Model
@@ -172,6 +172,38 @@ def place(model: Model, nodes: Sequence[NodeView], allocated: Mapping[str, Set[i
             by_fabric.setdefault(fabric, []).append(candidate)
     chosen = _choose_fabric(by_fabric, need.nodes)
     return None if chosen is None else _multi_plan(model, need, chosen[0], chosen[1], allocated)
+
+
+def never_fits(model: Model, nodes: Sequence[NodeView]) -> str | None:
+    """Why no replica of `model` could ever run on `nodes`, None when one could (R-10.5).
+
+    Whatever runs on the nodes now and whatever their state: each node is taken as ready and
+    active with every GPU free and healthy, its cache space and holdings unknown; what a node has
+    not reported (GPUs, class, memory) does not exclude it (R-3.6). What is left to exclude it is
+    what no wait mends: GPU class and count, memory, labels, and for a multi-node profile the
+    size of its fabric. The reason is placement's own summary on those nodes.
+    """
+    need = _Need.of(model)
+    if need is None:
+        return None  # static endpoints: not placed
+    ideal = [replace(node, state=READY, state_reason=None, admin=ACTIVE, cache_free_bytes=None, holds=None,
+                     gpus=None if node.gpus is None else tuple(GPUView(g.index, True) for g in node.gpus))
+             for node in nodes]
+    fitting: dict[str | None, int] = {}
+    for node in ideal:
+        free = None if node.gpus is None else len(node.gpus)
+        _, categories = need.shortfalls(node, free, True, {})
+        if all(category == "gpus-unknown" for category in categories):
+            fitting[node.fabric] = fitting.get(node.fabric, 0) + 1
+    if need.nodes == 1 and fitting or any(count >= need.nodes for fabric, count in fitting.items() if fabric):
+        return None
+    explained = explain_placement(model, ideal, {})
+    shown = [f"{v.node}: {', '.join(v.reasons)}" for v in explained.verdicts if not v.fits and v.reasons][:NODES_NAMED]
+    more = len(explained.verdicts) - len(shown)
+    return explained.summary + (" (" + "; ".join(shown) + (f"; {more} more" if more > 0 else "") + ")" if shown else "")
+
+
+NODES_NAMED = 5  # nodes whose shortfalls never_fits names
 
 
 class WhatIfHook(Protocol):

@@ -111,7 +111,9 @@ def control_view(reconciler: Reconciler, pass_number: int, published_at: float) 
             demand=reconciler.demand.get(model.name),
             learned_size=reconciler.learned_sizes.get(source.canonical) if source is not None else None,
             desired=scale.desired if scale is not None else None, last_scale=scale.last if scale is not None else None,
-            scale_ups=scale.ups if scale is not None else 0, scale_downs=scale.downs if scale is not None else 0)
+            scale_ups=scale.ups if scale is not None else 0, scale_downs=scale.downs if scale is not None else 0,
+            evict_idle=model.evict_idle(reconciler.gateway.evict_idle) if model.evictable and not model.static
+            else None)
     return ControlView(
         pass_number=pass_number, published_at=published_at, catalog=catalog, nodes=tuple(nodes),
         replicas=tuple(_replica(r, reconciler.last_used.get(r.id), retired=False) for r in live),

@@ -58,6 +58,7 @@ class Reconciler:
         self.outstanding = outstanding  # the router's requests in flight per replica (scaling, draining)
         self.engine_load = engine_load  # the engine's own load per replica as the router polled it, or None
         self.scaling: dict[str, scaling.Scale] = {}  # model -> its scaling (llmgw.control.scaling)
+        self._engine_capped: set[str] = set()  # replicas whose engine's count is capped now, said once (R-6.8a)
         self.replicas: dict[str, Replica] = {}
         self.retired: list[tuple[float, Replica]] = []
         self.admin: dict[str, NodeAdmin] = {name: NodeAdmin() for name in fleet.nodes}
@@ -331,7 +332,7 @@ class Reconciler:
                                           admin=self.admin, demand=self.demand.get(model.name),
                                           last_used=self.last_used, started_at=self.started_at,
                                           scale=self.scaling.get(model.name),
-                                          load=self._loads(live) if model.scales else None)
+                                          load=self._loads(model, live) if model.scales else None)
                 for action in actions:
                     if not self._act(action, now, model):
                         break
@@ -408,13 +409,28 @@ class Reconciler:
             self.demand.pop(action.model, None)
         return True
 
-    def _loads(self, live: list[Replica]) -> dict[str, float]:
-        """Each replica's load as scaling counts it (llmgw.control.scaling.replica_load)."""
+    def _loads(self, model: Model, live: list[Replica]) -> dict[str, float]:
+        """Each replica's load as scaling counts it (llmgw.control.scaling.replica_load), an
+        engine's own count capped at `scaling.engine_cap` (logged once per replica while it lasts)."""
         outstanding, engine_load = self.outstanding, self.engine_load
         if outstanding is None:
             return {}
-        return {r.id: scaling.replica_load(outstanding(r.id), engine_load(r.id) if engine_load else None)
-                for r in live}
+        cap = scaling.engine_cap(model)
+        loads = {}
+        for replica in live:
+            reading = engine_load(replica.id) if engine_load else None
+            own = scaling.engine_count(reading)
+            if own is not None and own > cap:
+                if replica.id not in self._engine_capped:
+                    if len(self._engine_capped) > 4096:  # of replicas long gone: say it again rather than grow
+                        self._engine_capped.clear()
+                    self._engine_capped.add(replica.id)
+                    log.warning("replica %s: its engine reports %d requests waiting or running, more than the %d "
+                                "the routers may send it; scaling counts %d", replica.id, own, cap, cap)
+            else:
+                self._engine_capped.discard(replica.id)
+            loads[replica.id] = scaling.replica_load(outstanding(replica.id), reading, cap)
+        return loads
 
     def _scaled(self, action: plan.Scaled) -> None:
         """Keep the model's scaling; a new decision is logged and audited (R-6.8b)."""

@@ -15,7 +15,10 @@ The rule, per model:
   replica has to do: the router does not see requests of other clients, the engine does not yet
   see requests still on their way, and a request the router sent is in both, so their sum would
   count it twice. An engine that reports nothing leaves the router's figure alone (unknown is
-  not zero). The model's load is the sum over its live replicas.
+  not zero). What an engine's own count can add is capped at what the routers may send the
+  replica at once (`engine_cap`: its places, the profile's `concurrency` or 64, and their
+  headroom, R-6.17): an engine claiming 1e12 waiting would otherwise scale its model to max and
+  evict others. The model's load is the sum over its live replicas.
 - wanted = ceil(load / target), within the bounds. Only when every pass for `up_delay` wanted
   more than now does the count go up, and only when every pass for `down_delay` wanted fewer
   does it go down, in both cases to what the mean load (time-weighted) of the trend's last
@@ -51,16 +54,34 @@ class Scale:
     downs: int = 0
 
 
-def replica_load(in_flight: int, engine) -> float:
+# The places of a replica whose profile sets no `concurrency`: the router's default (R-6.17,
+# llmgw.router.fairqueue.DEFAULT_REPLICA_CONCURRENCY).
+DEFAULT_PLACES = 64
+
+
+def engine_cap(model: Model) -> int:
+    """The most an engine's own count may add to its replica's load (R-6.8a): the requests the
+    routers may send it at once, its places (the profile's `concurrency`, else 64) and their
+    headroom of an eighth (R-6.17). The engine's slot count is not used: the engine says it."""
+    places = (model.profile.concurrency if model.profile is not None else None) or DEFAULT_PLACES
+    return places + max(1, places // 8)
+
+
+def engine_count(engine) -> int | None:
+    """The engine's own waiting + running, None where it reports neither."""
+    if engine is None or (engine.waiting is None and engine.running is None):
+        return None
+    return (engine.waiting or 0) + (engine.running or 0)
+
+
+def replica_load(in_flight: int, engine, cap: int | None = None) -> float:
     """One replica's load: the router's requests in flight to it, or the engine's own count
-    (waiting + running, `engineload.EngineLoad`) where that is larger; None from the engine
-    (it does not say) leaves the router's figure."""
-    if engine is None:
+    (waiting + running, `engineload.EngineLoad`) where that is larger, the engine's taken as at
+    most `cap` (`engine_cap`); None from the engine (it does not say) leaves the router's figure."""
+    own = engine_count(engine)
+    if own is None:
         return in_flight
-    waiting, running = engine.waiting, engine.running
-    if waiting is None and running is None:
-        return in_flight
-    return max(in_flight, (waiting or 0) + (running or 0))
+    return max(in_flight, own if cap is None else min(own, cap))
 
 
 def bounds(model: Model, awake: bool) -> tuple[int, int]:

@@ -200,10 +200,13 @@ class ControlPlane:
 
     # -- reload (R-10.5) -----------------------------------------------------------------------
 
-    async def reload(self, actor: str, *, dry_run: bool = False, grace: float = REMOVAL_GRACE) -> dict:
+    async def reload(self, actor: str, *, dry_run: bool = False, grace: float = REMOVAL_GRACE,
+                     force: bool = False) -> dict:
         """Re-read the inventory file `llmgw serve` was started with and apply what changed: the
         diff first (`llmgw.control.reload`), then nodes, settings and the catalog. A file that
         does not build (YAML, schema, catalog) is refused with its problems and changes nothing.
+        A file that leaves a model's min with no node that could ever run it (one the running
+        inventory could place, or a model it adds) is refused too, unless `force` (R-10.5).
         One reload at a time; `dry_run` says what would change and changes nothing."""
         path = self.document.source if self.document is not None else None
         if path is None:
@@ -224,8 +227,19 @@ class ControlPlane:
                                    code="bad_inventory") from None
             diff = inventory_diff(self.inventory, new, removal_grace=grace)
             new = kept_restart_settings(self.inventory, new)  # reported in the diff, applied by a restart
-            self._reload_catalog(new, document)  # a file whose catalog does not build is refused, dry run or not
-            answer = {"source": path, "dry_run": dry_run, "applied": False, **diff.to_json()}
+            # A file whose catalog does not build is refused, dry run or not.
+            unplaceable = self._unplaceable_mins(self._reload_catalog(new, document), new)
+            answer = {"source": path, "dry_run": dry_run, "applied": False, **diff.to_json(),
+                      "unplaceable": unplaceable, "forced": force}
+            lost = [entry for entry in unplaceable if entry["made_by_reload"]]
+            if lost and not force:
+                message = (f"{path}: {_unplaceable_words(lost)}; nothing changed. Fix the file, or apply it anyway "
+                           "with `llmgw ctl reload --force`")
+                if dry_run:
+                    answer["refused"] = message
+                    return answer
+                raise ServiceError(409, message, code="min_unplaceable",
+                                   problems=[f"{e['model']} (min {e['min']}): {e['reason']}" for e in lost])
             if dry_run:
                 return answer
             async with self._lock:
@@ -235,12 +249,44 @@ class ControlPlane:
             detail = {"source": path, "changes": len(diff.lines), "nodes_added": list(diff.nodes_added),
                       "nodes_removed": list(diff.nodes_removed), "nodes_changed": list(diff.nodes_changed),
                       "gateway": list(diff.gateway_changed), "restart_needed": list(diff.restart_needed)}
+            if unplaceable:
+                detail["unplaceable"] = [e["model"] for e in unplaceable]
+                detail["forced"] = force
+                log.warning("reload: %s", _unplaceable_words(unplaceable))
             await self.store.write(lambda db: audit(db, actor, "reload", "inventory", detail))
         finally:
             self._reloading = None
         self.publish()
         self.reconciler.wake()
         return answer
+
+    def _unplaceable_mins(self, catalog: Catalog, new: Inventory) -> list[dict]:
+        """The models with a min that no node of `new` could ever run (`placement.never_fits`: room
+        taken by replicas now, node state and cache space aside), each with why and whether the
+        reload makes it so: the running inventory could place it, or the model is new (R-10.5)."""
+        now_nodes = [self._ideal_view(node) for node in self.inventory.nodes]
+        new_nodes = [self._ideal_view(node) for node in new.nodes]
+        running = self.holder.current.models
+        out = []
+        for model in catalog.models.values():
+            if model.min_replicas < 1 or model.static:
+                continue
+            reason = placement.never_fits(model, new_nodes)
+            if reason is None:
+                continue
+            before = running.get(model.name)
+            made = before is None or before.static or placement.never_fits(before, now_nodes) is None
+            out.append({"model": model.name, "min": model.min_replicas, "reason": reason, "made_by_reload": made})
+        return out
+
+    def _ideal_view(self, node) -> placement.NodeView:
+        """The node as `node` (its config) describes it, with the facts it last reported, if any."""
+        if node.name in self.fleet.nodes:
+            view = self.reconciler.node_view(node.name)
+            facts = self.fleet.facts[node.name].inventory
+            return dataclasses.replace(view, fabric=node.fabric, labels=node.labels,
+                                       gpu_class=node.gpu_class or (facts.gpu_class if facts is not None else None))
+        return placement.NodeView(name=node.name, fabric=node.fabric, labels=node.labels, gpu_class=node.gpu_class)
 
     def _reload_catalog(self, inventory: Inventory, document: Document) -> Catalog:
         """The catalog exactly as a start would build it: the file's models and the stored ones."""
@@ -357,6 +403,12 @@ class ControlPlane:
         async with stream:
             async for event in stream:
                 yield replica.without_key(event.lines)
+
+
+def _unplaceable_words(entries: list[dict]) -> str:
+    """`no node of the new inventory could ever run qwen (min 1): no node fits: ...`."""
+    return "no node of the new inventory could ever run " + "; ".join(
+        f"{e['model']} (min {e['min']}): {e['reason']}" for e in entries)
 
 
 _SIGNALLED: set[asyncio.Task] = set()

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import aiohttp
 
 from llmgw.contracts.feed import EngineLoad
+from llmgw.router.engine_figures import clamp
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,8 @@ def parse_metrics(text: str, at: float | None = None) -> EngineLoad | None:
             break
     if not found:
         return None
-    values = {field: (int(v) if field in _COUNTS else v) for field, v in found.items()}
+    # A count past MAX_COUNT (an engine's +Inf or 1e30 included) is clamped and logged.
+    values = {field: (clamp(v, f"{source} {field}") if field in _COUNTS else v) for field, v in found.items()}
     if "kv_cache" in values:
         values["kv_cache"] = min(values["kv_cache"], 1.0)
     return EngineLoad(source=source, at=at, **values)
@@ -168,7 +170,7 @@ def parse_props(text: str) -> int:
     total = props.get("total_slots") if isinstance(props, dict) else None
     if type(total) is not int or total < 1:
         raise Malformed("/props gives no slot count (total_slots)")
-    return total
+    return clamp(total, "llama-server total_slots")
 
 
 def others(reading: EngineLoad | None, outstanding: int) -> int:

@@ -18,13 +18,18 @@ Every directory and file here is used only when it is this user's and nobody els
 (`private.untrusted`, R-10.9): a planted snapshot would route clients, a planted spool would
 count usage. A state directory or slot that is not is refused (the worker does not start, saying
 why); a snapshot file that is not is left unused, with the reason in the log.
+- `refused/ROUTER-SEQ.json`: a report the control plane refused as a whole (400 or 413: sending
+  it again cannot succeed), kept with the refusal's reason for whoever looks into it (R-10.8).
 
 Reports: each is appended to the spool and fsynced before it is sent, and dropped from it when the
 control plane acknowledges its seq; the control plane counts a (router, seq) once, so resending
 after a restart of either side counts nothing twice. The spool stays small: a report that was
 never handed to the network (the control plane unreachable, the connection refused) is not sent
 by then, so the next period's report is merged into it, keeping its seq. Only a report that may
-have reached the control plane keeps its own seq and content until it is acknowledged.
+have reached the control plane keeps its own seq and content until it is acknowledged. A report
+refused as a whole is set aside in `refused/` (logged, counted in the feed status) and the next
+one goes on, so that one bad report never holds back those after it; rows the control plane left
+out of a report it took are named in its ack, logged and counted.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import aiohttp
 from llmgw.contracts.backoff import backoff_delay
 from llmgw.contracts.feed import Ack, Change, FeedError, Report, Snapshot, UsageRow, from_wire, to_wire
 from llmgw.router.private import untrusted
+from llmgw.router.engine_figures import add as add_count
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +67,9 @@ SLOTS_DIR = "slots"
 ROUTER_ID_FILE = "router-id"
 SPOOL_FILE = "spool.ndjson"
 LOCK_FILE = "lock"
+REFUSED_DIR = "refused"
+# A report answered with one of these is wrong in itself: sending it again cannot succeed (R-10.8).
+SET_ASIDE_STATUSES = frozenset({400, 413})
 
 REPORT_INTERVAL = 0.5  # seconds between reports
 SNAPSHOT_EVERY = 1.0  # at most one snapshot file written per this many seconds
@@ -200,9 +209,9 @@ def merge_reports(older: Report, newer: Report) -> Report:
     usage: dict[tuple[int, str, str], list[int]] = {}
     for row in (*older.usage, *newer.usage):
         counts = usage.setdefault((row.bucket, row.key_id, row.model), [0, 0, 0])
-        counts[0] += row.requests
-        counts[1] += row.prompt_tokens
-        counts[2] += row.completion_tokens
+        counts[0] = add_count(counts[0], row.requests)  # saturating: a row never exceeds MAX_COUNT (R-10.8)
+        counts[1] = add_count(counts[1], row.prompt_tokens)
+        counts[2] = add_count(counts[2], row.completion_tokens)
     key_use = dict(older.key_use)
     for key, at in newer.key_use.items():
         key_use[key] = max(at, key_use.get(key, at))
@@ -417,6 +426,9 @@ class FeedClient:
         self._swept_at = 0.0
         self._refused_slots: set[str] = set()  # slots another user could have written: said once
         self._closing = False
+        self._set_aside = 0  # reports in refused/ (counted at start, then as they are set aside)
+        self._rows_refused = 0  # rows the control plane left out of reports it took, since start
+        self._last_refusal: dict | None = None
 
     def __repr__(self) -> str:  # the token stays out of tracebacks
         return f"FeedClient({self.control.address})"
@@ -437,6 +449,7 @@ class FeedClient:
         self.slot = await asyncio.to_thread(take_slot, self.state_dir)
         self.router.router_id = self.slot.router_id
         await asyncio.to_thread(self.slot.spool.load)
+        self._set_aside = await asyncio.to_thread(_count_refused, self.state_dir / REFUSED_DIR)
         path = self.state_dir / SNAPSHOT_FILE
         snapshot = await asyncio.to_thread(load_snapshot_file, path)
         if snapshot is not None:
@@ -597,7 +610,10 @@ class FeedClient:
         self.router.feed_status = {"state": state, "since": None if self._live else self._down_since,
                                    "reason": None if snapshot is not None else self._problem,
                                    "snapshot": about, "unacked_reports": self.unacked,
-                                   "router_id": self.router_id}
+                                   "router_id": self.router_id,
+                                   # R-10.8: what the control plane refused (a whole report, rows of one)
+                                   "refused_reports": self._set_aside, "refused_rows": self._rows_refused,
+                                   "last_refusal": self._last_refusal}
 
     def _snapshot_age(self) -> float | None:
         """Seconds since the control plane last confirmed the router's snapshot; None: never."""
@@ -665,6 +681,9 @@ class FeedClient:
             try:
                 ack = await self._post(entry)
             except _Refused as exc:
+                if exc.status in SET_ASIDE_STATUSES:
+                    await self._put_aside(spool, entry.report, str(exc))
+                    continue  # the next report goes on
                 self._post_failed(f"report {entry.report.seq} refused: {exc}", log.error)
                 return False
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
@@ -674,8 +693,31 @@ class FeedClient:
                 self._post_failed(f"report {entry.report.seq} answered with ack {ack.router}/{ack.seq}", log.error)
                 return False
             self._post_attempt = 0
+            if ack.refused:
+                self._rows_refused += len(ack.refused)
+                self._last_refusal = {"seq": entry.report.seq, "at": time.time(), "rows": len(ack.refused),
+                                      "reason": "; ".join(f"{r.message}" for r in ack.refused[:5])}
+                log.warning("router feed: the control plane left %d row(s) out of report %d, the rest applied: %s",
+                            len(ack.refused), entry.report.seq, self._last_refusal["reason"])
             await asyncio.to_thread(spool.acknowledge, ack.seq)
         return True
+
+    async def _put_aside(self, spool: Spool, report: Report, reason: str) -> None:
+        """Keep a report the control plane refused as a whole in refused/ and drop it from the spool."""
+        directory = self.state_dir / REFUSED_DIR
+        path = directory / f"{report.router}-{report.seq}.json"
+        document = {"refused_at": time.time(), "reason": reason, "report": to_wire(report)}
+
+        def keep() -> None:
+            _private_dir(directory)
+            _write_atomic(path, _dumps(document).encode() + b"\n")
+            spool.acknowledge(report.seq)  # written first: a crash in between only sends it again
+
+        await asyncio.to_thread(keep)
+        self._set_aside += 1
+        self._last_refusal = {"seq": report.seq, "at": document["refused_at"], "rows": None, "reason": reason}
+        log.error("router feed: report %d refused by the control plane (%s); set aside as %s, the next reports go on",
+                  report.seq, reason, path)
 
     def _post_failed(self, message: str, say) -> None:
         (say if self._post_attempt == 0 else log.debug)("router feed: %s", message)  # once per failing spell
@@ -691,7 +733,7 @@ class FeedClient:
                                           headers={"Content-Type": "application/json"}) as response:
                 entry.sent = True
                 if response.status != 200:
-                    raise _Refused(await _refusal(response))
+                    raise _Refused(await _refusal(response), response.status)
                 document = await response.json(content_type=None)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
             raise
@@ -739,7 +781,12 @@ class FeedClient:
 
 
 class _Refused(Exception):
-    """The control plane answered, but not with what was asked for (a wrong token, a refusal)."""
+    """The control plane answered, but not with what was asked for (a wrong token, a refusal);
+    `status` is the HTTP status it answered with, None when the answer was not what it should be."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 async def _refusal(response: aiohttp.ClientResponse) -> str:
@@ -749,6 +796,13 @@ async def _refusal(response: aiohttp.ClientResponse) -> str:
     except (ValueError, KeyError, TypeError, aiohttp.ClientError):
         message = response.reason or "no reason given"
     return f"{response.status}: {message}"
+
+
+def _count_refused(directory: Path) -> int:
+    try:
+        return sum(1 for p in directory.iterdir() if p.suffix == ".json")
+    except FileNotFoundError:
+        return 0
 
 
 def _describe(exc: BaseException) -> str:

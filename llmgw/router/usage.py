@@ -13,6 +13,7 @@ import json
 import time
 
 from llmgw.contracts.feed import UsageRow
+from llmgw.router.engine_figures import add, clamp
 
 BUCKET_SECONDS = 3600  # usage rows are per hour: `bucket` is the unix time the hour starts
 TAIL_BYTES = 4096
@@ -83,8 +84,11 @@ def strip_usage_event(data: bytes) -> tuple[bytes, dict | None]:
     return b"\n\n".join(kept), usage
 
 
-def _count(value: object) -> int:
-    return value if type(value) is int else 0
+def _count(usage: dict, name: str) -> int:
+    """A token count of the engine's usage: 0 when it is not an integer, clamped to [0, MAX_COUNT]
+    (logged) when it is out of range, so that no figure an engine makes up stops the reports (R-10.8)."""
+    value = usage.get(name)
+    return clamp(value, f"usage.{name}") if type(value) is int else 0
 
 
 def tokens(usage: dict | None) -> tuple[int, int]:
@@ -97,10 +101,10 @@ def tokens(usage: dict | None) -> tuple[int, int]:
     if not usage:
         return 0, 0
     if "prompt_tokens" in usage or "completion_tokens" in usage:
-        return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
-    prompt = _count(usage.get("input_tokens")) + _count(usage.get("cache_read_input_tokens")) \
-        + _count(usage.get("cache_creation_input_tokens"))
-    return prompt, _count(usage.get("output_tokens"))
+        return _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
+    prompt = add(add(_count(usage, "input_tokens"), _count(usage, "cache_read_input_tokens")),
+                 _count(usage, "cache_creation_input_tokens"))
+    return prompt, _count(usage, "output_tokens")
 
 
 def anthropic_stream_usage(head: bytes, tail: bytes) -> dict | None:
@@ -121,7 +125,8 @@ def anthropic_stream_usage(head: bytes, tail: bytes) -> dict | None:
 
 
 class UsageMeter:
-    """Counts per (key id, model) in memory; `drain` hands them over once, for the router's next report."""
+    """Counts per (key id, model) in memory; `drain` hands them over once, for the router's next report.
+    Sums saturate at MAX_COUNT, the most a report's row may carry (R-10.8)."""
 
     def __init__(self):
         self._counts: dict[tuple[str, str], list[int]] = {}
@@ -131,9 +136,9 @@ class UsageMeter:
         counts = self._counts.get((key_id, model))
         if counts is None:
             counts = self._counts[(key_id, model)] = [0, 0, 0]
-        counts[0] += 1
-        counts[1] += prompt
-        counts[2] += completion
+        counts[0] = add(counts[0], 1)
+        counts[1] = add(counts[1], prompt)
+        counts[2] = add(counts[2], completion)
 
     def key_used(self, key_id: str, when: float) -> None:
         self._key_use[key_id] = when

@@ -162,7 +162,8 @@ def test_models(gw):
     assert "serving" in lines["chat"] and "min 1, max 1" in lines["chat"] and "file" in lines["chat"]
     models = {m["name"]: m for m in gw.ctl_json("models")["models"]}
     assert models["chat"]["scaling"] == {"min": 1, "max": 1, "on_demand": False, "idle_timeout": 600.0,
-                                         "evictable": False, "scales": False, "target": 2.0, "up_delay": 30.0, "down_delay": 600.0}
+                                         "evictable": False, "evict_idle": None, "scales": False, "target": 2.0,
+                                         "up_delay": 30.0, "down_delay": 600.0}
     # Its one replica is what scaling wants, decided without a change: no decision yet.
     assert models["chat"]["desired"] == 1 and models["chat"]["last_scale"] is None
     assert models["chat"]["scale_decisions"] == {"up": 0, "down": 0}

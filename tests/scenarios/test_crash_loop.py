@@ -97,7 +97,15 @@ def test_engine_crash_loop_backs_off_and_says_why(bed, tmp_path):
         gaps = [b - a for a, b in zip(launches, launches[1:])]
         failed = [r for r in seen.values() if r["state"] == "failed"]
         text = ctl.ok("replicas").stdout
-        models = {m["name"]: m for m in ctl.json("models")["models"]}
+
+        def crashy_failing() -> dict | None:
+            listed = {m["name"]: m for m in ctl.json("models")["models"]}
+            return listed if listed["crashy"]["state"] == "failing" else None
+
+        # Between launches crashy is `failing` (waiting out its backoff), while one runs it is
+        # `starting`: wait for the state rather than read whichever a moment shows.
+        models = wait_for(crashy_failing, 120, f"crashy to be listed as failing\n{gateway.log()[-2000:]}",
+                          interval=0.2)
         # Read after the last listing: a launch placed in between is in the log and not yet listed.
         placed_in_log = set(re.findall(r"placing crashy as (\S+) on ", gateway.log()))
         least, most = _launch_bounds(WINDOW)

@@ -102,7 +102,12 @@ def run(bed, gateway: GatewayProcess) -> None:
                          f"answers for wanted from its own replica\n{gateway.log()[-3000:]}")
     outcomes = traffic.outcomes
 
-    after = ctl.json("replicas")["replicas"]
+    # An evicted replica is listed live (retiring) until its engine has exited, then retired:
+    # wait for that event rather than read whichever a moment shows.
+    after = wait_for(lambda: (listed := ctl.json("replicas")["replicas"])
+                     and any(r["retired"] for r in listed)
+                     and not any(r["retiring"] for r in listed if not r["retired"]) and listed, 60,
+                     f"the evicted replica to be stopped\n{gateway.log()[-3000:]}", interval=0.2)
     live = {r["model"]: r for r in after if not r["retired"]}
     retired = [r for r in after if r["retired"]]
     wanted = live["wanted"]

@@ -190,3 +190,26 @@ def test_a_model_below_its_minimum_is_partly_serving(gateway):
     gateway.publish()
     chat = by_name(listings(gateway).models())["chat"]
     assert chat["state"] == "partly serving" and chat["replicas"] == {"total": 2, "serving": 2}
+
+
+def test_r6_8c_ctl_models_says_when_an_idle_replica_may_be_evicted(gateway):
+    """An on-demand model that sets no idle_timeout stops after the default 10 minutes but may be
+    evicted after gateway.evict_idle, and the listing says both; one that sets its own uses it for both."""
+    from llmgw.catalog import Catalog
+    from llmgw.config import GatewayConfig, ModelConfig
+    from tests.unit.admin_gateway import PROFILES
+
+    current = gateway.holder.current
+    configs = [*(m.config for m in current.models.values()),
+               ModelConfig(name="own", profile="one", scaling={"min": 0, "idle_timeout": "5m"})]
+    gateway.holder.swap(Catalog.build(file_models=configs, profiles=PROFILES, version=current.version + 1))
+    gateway.reconciler.configure(GatewayConfig(evict_idle="2m"))
+    gateway.publish()
+    models = by_name(listings(gateway).models())
+    shared, own, chat = models["shared"]["scaling"], models["own"]["scaling"], models["chat"]["scaling"]
+    assert (shared["idle_timeout"], shared["evict_idle"]) == (600.0, 120.0)
+    assert (own["idle_timeout"], own["evict_idle"]) == (300.0, 300.0)
+    assert chat["evict_idle"] is None and not chat["evictable"]
+    assert text.scaling_listed(shared) == "on demand (max 1), stops after 10m idle, evictable after 2m idle"
+    assert text.scaling_listed(own) == "on demand (max 1), stops after 5m idle, evictable after 5m idle"
+    assert text.scaling_listed(chat) == "min 1, max 1"

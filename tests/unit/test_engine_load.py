@@ -17,7 +17,7 @@ from aiohttp import web
 
 from llmgw.router.balancer import Balancer
 from llmgw.contracts.endpoints import Endpoint
-from llmgw.contracts.feed import EngineLoad, FeedError, Report, from_wire, to_wire
+from llmgw.contracts.feed import MAX_COUNT, EngineLoad, FeedError, Report, from_wire, to_wire
 from llmgw.router.engineload import EnginePoller, Malformed, others, parse_metrics, parse_props, parse_slots
 from llmgw.router.metrics import RouterMetrics
 
@@ -81,6 +81,16 @@ def test_r6_17_a_slot_count_travels_in_reports_and_is_checked():
         wire["engine_load"]["x"]["slots"] = bad
         with pytest.raises(FeedError, match=r"engine_load\['x'\]\.slots"):
             from_wire(wire)
+
+
+@pytest.mark.parametrize("value", ["+Inf", "1e30", "9007199254740993"])
+def test_r10_8_an_engine_count_past_the_maximum_is_clamped(value, caplog):
+    text = f"vllm:num_requests_waiting{{model_name=\"m\"}} {value}\nvllm:num_requests_running 1\n"
+    load = parse_metrics(text)
+    assert load.waiting == MAX_COUNT and load.running == 1
+    assert from_wire(json.loads(json.dumps(to_wire(Report(router="r", seq=1, sent_at=1.0,
+                                                            engine_load={"x": load}))))).engine_load["x"] == load
+    assert parse_props(f'{{"total_slots": {2**70}}}') == MAX_COUNT
 
 
 @pytest.mark.parametrize("text", [

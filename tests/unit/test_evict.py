@@ -124,6 +124,29 @@ def test_default_window_is_the_gateways():
     assert evict.DEFAULT_EVICT_IDLE == 600.0
 
 
+@pytest.mark.parametrize("name,scaling_config,window", [
+    pytest.param("unset", {"min": 0}, 2 * MIN, id="idle-timeout-unset-waits-evict-idle"),
+    pytest.param("null", {"min": 0, "idle_timeout": None}, 2 * MIN, id="idle-timeout-null-waits-evict-idle"),
+    pytest.param("own", {"min": 0, "idle_timeout": "5m"}, 5 * MIN, id="its-own-idle-timeout"),
+    pytest.param("ten", {"min": 0, "idle_timeout": "10m"}, 10 * MIN, id="its-own-even-when-it-is-the-default"),
+])
+def test_r6_8c_a_model_that_sets_no_idle_timeout_is_evictable_after_the_gateways_evict_idle(name, scaling_config,
+                                                                                             window):
+    (model,) = catalog_of(name, scaling_config).values()
+    assert model.evict_idle(2 * MIN) == window
+    rep = replica("r1", name, {"n1": (0,)})
+    for idle, expected in ((window - 1, []), (window + 1, ["r1"])):
+        assert ids(candidates([rep], {name: model}, {"r1": NOW - idle}, NOW, for_model="big",
+                              default_idle=2 * MIN)) == expected, idle
+    # Its idle stop is another rule: 10 minutes unless it sets its own (null: never, R-6.8).
+    assert model.idle_timeout == {"unset": 600.0, "null": None, "own": 300.0, "ten": 600.0}[name]
+
+
+def catalog_of(name, scaling_config):
+    config = ModelConfig(name=name, weights=f"hf:org/{name}", profile="one", scaling=scaling_config)
+    return Catalog.build(file_models=[config], profiles={"one": ProfileConfig(engine="vllm", gpus=1)}).models
+
+
 def test_no_eviction_for_a_model_in_failure_backoff():
     assert may_evict_for(None, NOW)
     assert may_evict_for(ModelHealth(), NOW)

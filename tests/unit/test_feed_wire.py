@@ -22,7 +22,7 @@ from aiohttp import web
 
 from llmgw.contracts.endpoints import Endpoint
 from llmgw.contracts.feed import (Ack, Change, FeedError, GatewaySettings, KeyEntry, Report, RoutedModel, Snapshot,
-                                  UsageRow, to_wire)
+                                  UsageRow, from_wire, to_wire)
 from llmgw.control.feedserver import FEED_SOCKET, FeedServer, listen_unix
 from llmgw.router.feedclient import (SNAPSHOT_FILE, FeedClient, FeedClientError, Spool, merge_reports,
                                      parse_control)
@@ -68,6 +68,7 @@ class FakePublisher:
         self.snapshot = make_snapshot(epoch)
         self.listeners: list[FakeListener] = []
         self.received: list[Report] = []
+        self.refused: list[tuple] = []
         self.counted: dict[tuple[str, int], Report] = {}
 
     async def ready(self) -> None:
@@ -91,10 +92,13 @@ class FakePublisher:
             listener.queue.put_nowait(change)
         return change
 
-    async def apply_report(self, report: Report) -> Ack:
+    async def apply_report(self, report: Report, refused=()) -> Ack:
         self.received.append(report)
         self.counted.setdefault((report.router, report.seq), report)
-        return Ack(router=report.router, seq=report.seq)
+        return Ack(router=report.router, seq=report.seq, refused=refused)
+
+    def report_refused(self, router, reason) -> None:
+        self.refused.append((router, reason))
 
     def requests(self, router: str | None = None) -> int:
         return sum(row.requests for (r, _), report in self.counted.items() if router in (None, r)
@@ -347,8 +351,8 @@ async def test_feed_and_reports_refuse_without_the_token(control, headers):
 @pytest.mark.parametrize("body,status,names", [
     pytest.param(json.dumps({**to_wire(Report(router="r", seq=1, sent_at=1.0)), "seq": "one"}), 400, "report.seq",
                  id="seq-not-a-number"),
-    pytest.param(json.dumps({**to_wire(Report(router="r", seq=1, sent_at=1.0)), "usage": [[0, "k", "m", -1, 0, 0]]}),
-                 400, "report.usage[0][3]", id="negative-count"),
+    pytest.param(json.dumps({**to_wire(Report(router="r", seq=1, sent_at=1.0)), "usage": {"k": 1}}),
+                 400, "report.usage: expected list", id="usage-not-a-list"),
     pytest.param(json.dumps(to_wire(Ack("r", 1))), 400, "expected a report", id="not-a-report"),
     pytest.param("{not json", 400, "not JSON", id="not-json"),
     pytest.param(json.dumps({**to_wire(Report(router="r", seq=1, sent_at=1.0)), "pad": "x" * 5000}), 413,
@@ -364,8 +368,34 @@ async def test_a_bad_report_is_refused_naming_what_is_wrong(place, body, status,
                 assert answer.status == status
                 assert names in (await answer.json())["error"]["message"]
         assert control.publisher.received == []
+        if status == 400:  # counted for the router it names, for `ctl status`
+            assert [router for router, _ in control.publisher.refused] == [None if names == "not JSON" else "r"]
     finally:
         await control.stop()
+
+
+async def test_r10_8_a_report_with_bad_rows_is_applied_without_them_and_the_ack_names_them(control):
+    good = [3600, "k1", "m", 2, 10, 5]
+    document = {**to_wire(Report(router="r", seq=1, sent_at=1.0)),
+                "usage": [[3600, "k1", "m", 1, -5, 0], good, [3600, "k2", "m", 1, 2**64, 0]],
+                "inflight": {"r1": 2, "r2": -1}, "key_use": {"k1": 5.0, "k2": "soon"},
+                "engine_load": {"r1": {"source": "vllm", "waiting": 2**60}}}
+    connector = aiohttp.UnixConnector(path=str(control.path))
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async with session.post("http://localhost/v1/feed/report", json=document,
+                                headers={"Authorization": f"Bearer {TOKEN}"}) as answer:
+            assert answer.status == 200
+            ack = await answer.json()
+    (report,) = control.publisher.received
+    assert report.usage == (UsageRow(*good),)  # the rest of the report is applied
+    assert report.inflight == {"r1": 2} and report.key_use == {"k1": 5.0} and report.engine_load == {}
+    refused = {r["where"]: r for r in ack["refused"]}
+    assert set(refused) == {"report.usage[0]", "report.usage[2]", "report.inflight['r2']", "report.key_use['k2']",
+                            "report.engine_load['r1']"}
+    assert {r["status"] for r in ack["refused"]} == {400}
+    assert "must be at least 0, got -5" in refused["report.usage[0]"]["message"]
+    assert f"must be at most {2**53}" in refused["report.usage[2]"]["message"]
+    assert from_wire(ack).refused[0].where == "report.usage[0]"
 
 
 # -- reports -----------------------------------------------------------------------------------
@@ -417,8 +447,8 @@ async def test_a_report_that_may_have_been_counted_keeps_its_seq_and_is_resent(p
     class Lossy(FakePublisher):
         lose = 1
 
-        async def apply_report(self, report):
-            ack = await super().apply_report(report)
+        async def apply_report(self, report, refused=()):
+            ack = await super().apply_report(report, refused)
             if self.lose and report.usage:
                 self.lose -= 1
                 raise ConnectionResetError("answer lost")

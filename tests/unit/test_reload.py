@@ -34,10 +34,10 @@ def write(path: Path, nodes=("a",), models=None, profiles=None, gateway=None) ->
     return path
 
 
-def plane(path: Path, tmp_path: Path, stored: list[StoredModel] = ()):
+def plane(path: Path, tmp_path: Path, stored: list[StoredModel] = (), gpus: dict[str, int] | None = None):
     inventory, document = load_inventory(path)
     holder = CatalogHolder(Catalog.from_inventory(inventory, document, stored=list(stored)))
-    fleet = FakeFleet(inventory)
+    fleet = FakeFleet(inventory, gpus=gpus)
     store = Store.open(tmp_path / "state.db")
     reconciler = Reconciler(holder, fleet, store, inventory.gateway)
     control = ControlPlane(inventory, document, holder, store, reconciler, fleet, str(path))
@@ -207,7 +207,7 @@ async def test_a_node_put_back_while_it_drains_is_kept(tmp_path):
     await settle(reconciler, fleet)
     (replica,) = serving(reconciler, "m")
     write(path, nodes=())
-    await control.reload("ops", grace=60)
+    await control.reload("ops", grace=60, force=True)  # m's min has nowhere to go (R-10.5)
     await settle(reconciler, fleet)
     assert reconciler.admin["a"].state == "draining" and "a" in fleet.nodes  # nowhere to move it: it waits
     write(path, nodes=("a",))
@@ -218,3 +218,116 @@ async def test_a_node_put_back_while_it_drains_is_kept(tmp_path):
     assert serving(reconciler, "m") == [replica] and not replica.draining
     assert ("a", "add_node", {}) not in fleet.calls  # the same link, not a second one
     store.close()
+
+
+# -- a reload that leaves a model's min nowhere to go (R-10.5) ----------------------------------
+
+
+def write_nodes(path: Path, nodes: list[dict], models: list[dict], profiles: dict) -> Path:
+    doc = {"gateway": {"settling_window": "0.3s"}, "nodes": [{"host": f"h-{n['name']}", **n} for n in nodes],
+           "profiles": profiles, "models": models}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+PROFILES = {"whole": GPU_PROFILE, "zoned": {"engine": "vllm", "gpus": 1, "node_selector": {"zone": "z1"}},
+            "pair": {"engine": "vllm", "gpus": 2, "nodes": 2}, "small": {"engine": "vllm", "gpus": 1}}
+
+
+@pytest.mark.parametrize("before,after,model,why", [
+    pytest.param([{"name": "a"}, {"name": "b"}], [{"name": "b"}], {"name": "m", "profile": "whole"},
+                 "2 of 2 GPUs free, needs 8", id="the-only-node-with-8-gpus-removed"),
+    pytest.param([{"name": "a", "labels": {"zone": "z1"}}, {"name": "b"}], [{"name": "a"}, {"name": "b"}],
+                 {"name": "m", "profile": "zoned"}, "no label zone, needs zone=z1", id="the-label-taken-away"),
+    pytest.param([{"name": "a", "fabric": "ib"}, {"name": "b", "fabric": "ib"}], [{"name": "a", "fabric": "ib"}],
+                 {"name": "m", "profile": "pair"}, "ib has 1 node", id="the-fabric-too-small"),
+])
+async def test_r10_5_a_reload_that_leaves_a_min_nowhere_is_refused_unless_forced(tmp_path, before, after, model, why):
+    path = write_nodes(tmp_path / "inventory.yaml", before, [{**model, "weights": "hf:org/m"}], PROFILES)
+    control, reconciler, fleet, holder, store = plane(path, tmp_path, gpus={"b": 2})
+    await settle(reconciler, fleet)
+    running = control.inventory
+    write_nodes(path, after, [{**model, "weights": "hf:org/m"}], PROFILES)
+
+    preview = await control.reload("ops", dry_run=True)
+    (entry,) = preview["unplaceable"]
+    assert (entry["model"], entry["min"], entry["made_by_reload"]) == ("m", 1, True)
+    assert why in entry["reason"], entry["reason"]
+    assert "no node of the new inventory could ever run m (min 1)" in preview["refused"]
+    assert "--force" in preview["refused"] and not preview["applied"]
+
+    with pytest.raises(ServiceError) as refused:
+        await control.reload("ops")
+    assert refused.value.status == 409 and refused.value.code == "min_unplaceable"
+    assert "m (min 1)" in refused.value.message and why in refused.value.problems[0]
+    assert control.inventory is running and set(fleet.nodes) == {n["name"] for n in before}  # nothing changed
+    assert all(admin.state == "active" for admin in reconciler.admin.values()) and audit_rows(store) == []
+
+    forced = await control.reload("ops", force=True)
+    assert forced["applied"] and forced["forced"] and [e["model"] for e in forced["unplaceable"]] == ["m"]
+    assert [n.name for n in control.inventory.nodes] == [n["name"] for n in after]
+    (row,) = audit_rows(store)
+    assert json.loads(row["detail"])["unplaceable"] == ["m"] and json.loads(row["detail"])["forced"] is True
+    store.close()
+
+
+async def test_r10_5_a_change_that_only_waits_for_room_is_not_refused(tmp_path):
+    """Node a leaves while b's GPUs are all taken: m's replacement must wait for room there, but
+    b could run it, so the reload goes on; a model no node could run before is named, not refused."""
+    nodes = [{"name": "a"}, {"name": "b"}]
+    models = [{"name": "m", "profile": "small", "weights": "hf:org/m"},
+              {"name": "filler", "profile": "whole", "weights": "hf:org/f"},
+              {"name": "never", "profile": "zoned", "weights": "hf:org/n"}]
+    path = write_nodes(tmp_path / "inventory.yaml", nodes, models, PROFILES)
+    control, reconciler, fleet, holder, store = plane(path, tmp_path)
+    await settle(reconciler, fleet)
+    (filler,) = serving(reconciler, "filler")
+    (m,) = serving(reconciler, "m")
+    gone = m.leader.node
+    assert filler.leader.node != gone  # the other node is full
+    write_nodes(path, [n for n in nodes if n["name"] != gone], models, PROFILES)
+    answer = await control.reload("ops")
+    assert answer["applied"] and "refused" not in answer
+    assert [(e["model"], e["made_by_reload"]) for e in answer["unplaceable"]] == [("never", False)]
+    store.close()
+
+
+async def test_r10_5_ctl_reload_names_the_model_and_exits_1_unless_forced(tmp_path):
+    """`llmgw ctl reload` (and --dry-run) against the real admin app: the model named, exit 1, nothing
+    changed; `--force` applies it."""
+    from aiohttp.test_utils import TestClient, TestServer
+    from typer.testing import CliRunner
+
+    from llmgw.admin.app import build_admin_app
+    from llmgw.cli.main import app
+    from tests.unit.admin_gateway import TOKEN, FakeGateway
+
+    path = write_nodes(tmp_path / "inventory.yaml", [{"name": "a"}, {"name": "b"}],
+                       [{"name": "m", "profile": "whole", "weights": "hf:org/m"}], PROFILES)
+    control, reconciler, fleet, holder, store = plane(path, tmp_path, gpus={"b": 2})
+    await settle(reconciler, fleet)
+    gateway = FakeGateway(holder, fleet, reconciler, store, control=control)
+    client = TestClient(TestServer(build_admin_app(gateway)))
+    await client.start_server()
+    runner = CliRunner(env={"COLUMNS": "400", "LLMGW_ADMIN_TOKEN": None, "LLMGW_ADMIN": None, "LLMGW_STATE_DIR": None})
+
+    async def ctl(*args):
+        address = f"{client.server.host}:{client.server.port}"
+        return await asyncio.to_thread(runner.invoke, app, ["ctl", "--admin", address, "--token", TOKEN, "reload", *args])
+
+    try:
+        write_nodes(path, [{"name": "b"}], [{"name": "m", "profile": "whole", "weights": "hf:org/m"}], PROFILES)
+        preview = await ctl("--dry-run")
+        assert preview.exit_code == 1, preview.output
+        assert "a" in preview.stdout and "removed" in preview.stdout  # the diff is still shown
+        assert "no node of the new inventory could ever run m (min 1)" in preview.stdout
+        refused = await ctl()
+        assert refused.exit_code == 1 and "m (min 1)" in refused.stderr and "--force" in refused.stderr
+        assert "a" in fleet.nodes and reconciler.admin["a"].state == "active"  # nothing changed
+        forced = await ctl("--force")
+        assert forced.exit_code == 0, forced.output
+        assert "applied" in forced.stdout and "could ever run m (min 1)" in forced.stdout
+        assert reconciler.admin["a"].state == "draining"
+    finally:
+        await client.close()
+        store.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llmgw.catalog import Catalog
 from llmgw.config import ModelConfig, ProfileConfig
 from llmgw.control import plan, scaling
@@ -116,6 +118,35 @@ def test_unknown_engine_load_counts_only_the_routers_figure():
     # The engine's own count where it is larger: requests of other clients, or queued behind.
     assert replica_load(3, EngineLoad(source="vllm", waiting=4, running=2)) == 6
     assert replica_load(0, EngineLoad(source="vllm", waiting=0, running=0)) == 0
+
+
+@pytest.mark.parametrize("concurrency,waiting,running,load", [
+    pytest.param(None, 10**12, 0, 72, id="hostile-default-places-64-and-headroom-8"),
+    pytest.param(4, 10**12, 3, 5, id="hostile-profile-concurrency-4-and-headroom-1"),
+    pytest.param(None, 30, 10, 40, id="within-the-cap-counted-whole"),
+    pytest.param(16, 0, 0, 3, id="the-routers-figure-stays-when-larger"),
+])
+def test_r6_8a_an_engines_own_count_adds_at_most_what_the_routers_may_send_it(concurrency, waiting, running, load):
+    m = Catalog.build(file_models=[ModelConfig(name="m", profile="c", scaling={"min": 1, "max": 100})],
+                      profiles={"c": ProfileConfig(engine="vllm", concurrency=concurrency)}).models["m"]
+    reading = EngineLoad(source="vllm", waiting=waiting, running=running)
+    assert replica_load(3, reading, scaling.engine_cap(m)) == load
+
+
+def test_r6_8a_a_hostile_engine_does_not_scale_its_model_to_max(caplog):
+    from tests.unit.test_reconciler import build
+    reconciler, _, holder, _ = build([{"name": "m", "scaling": {"min": 1, "max": 100, "up_delay": "10s"}}])
+    m = holder.current.models["m"]
+    live = [serving("r1")]
+    reconciler.outstanding = lambda rid: 1
+    reconciler.engine_load = lambda rid: EngineLoad(source="vllm", waiting=10**12, running=0)
+    loads = reconciler._loads(m, live)
+    assert loads == {"r1": scaling.engine_cap(m)} == {"r1": 72}
+    assert sum("more than the 72 the routers may send it" in r.getMessage() for r in caplog.records) == 1
+    reconciler._loads(m, live)
+    assert sum("more than the 72" in r.getMessage() for r in caplog.records) == 1  # said once while it lasts
+    states = run(m, Scale(1), [(0, loads["r1"]), (10, loads["r1"])])
+    assert states[-1].desired == 36  # ceil(72 / 2), not max
 
 
 def serving(rid, created=0.0):
