@@ -14,12 +14,13 @@ What it keeps on disk, in its state directory (0700; files 0600, written atomica
   finds the predecessor's slot locked and takes another: two processes never share a spool.
   Slots nobody holds (a killed process's) are swept: their unacknowledged reports are delivered.
 
+- `refused/ROUTER-SEQ.json`: a report the control plane refused as a whole (400 or 413: sending
+  it again cannot succeed), kept with the refusal's reason for whoever looks into it (R-10.8).
+
 Every directory and file here is used only when it is this user's and nobody else may write it
 (`private.untrusted`, R-10.9): a planted snapshot would route clients, a planted spool would
 count usage. A state directory or slot that is not is refused (the worker does not start, saying
 why); a snapshot file that is not is left unused, with the reason in the log.
-- `refused/ROUTER-SEQ.json`: a report the control plane refused as a whole (400 or 413: sending
-  it again cannot succeed), kept with the refusal's reason for whoever looks into it (R-10.8).
 
 Reports: each is appended to the spool and fsynced before it is sent, and dropped from it when the
 control plane acknowledges its seq; the control plane counts a (router, seq) once, so resending
