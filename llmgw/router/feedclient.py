@@ -13,7 +13,6 @@ What it keeps on disk, in its state directory (0700; files 0600, written atomica
   (`spool.ndjson`). A worker restarted while its predecessor still finishes streams
   finds the predecessor's slot locked and takes another: two processes never share a spool.
   Slots nobody holds (a killed process's) are swept: their unacknowledged reports are delivered.
-
 - `refused/ROUTER-SEQ.json`: a report the control plane refused as a whole (400 or 413: sending
   it again cannot succeed), kept with the refusal's reason for whoever looks into it (R-10.8).
 
