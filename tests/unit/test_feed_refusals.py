@@ -154,7 +154,8 @@ async def test_r10_8_a_report_refused_whole_is_set_aside_and_the_next_ones_go_on
         assert len(document["report"]["usage"]) == 200 and kept.stat().st_mode & 0o777 == 0o600
         status = gateway.router.feed_status
         assert status["last_refusal"]["seq"] == document["report"]["seq"]
-        health = await (await gateway.client.get("/healthz")).json()
+        # The feed's state shows on /healthz to a request with a valid key.
+        health = await (await gateway.client.get("/healthz", headers={"Authorization": f"Bearer {gateway.secret}"})).json()
         assert health["feed"]["refused_reports"] == 1
         assert any("set aside" in r.getMessage() for r in caplog.records)
     # A restarted router still says what it keeps set aside.
