@@ -201,8 +201,12 @@ class FeedPublisher:
     """The router feed's source of truth, on the control plane's event loop."""
 
     def __init__(self, holder: CatalogHolder, store: Store, gateway: GatewayConfig, *, epoch: str | None = None,
-                 note_demand: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 note_demand: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 response_secret: str | None = None):
         self.holder = holder
+        # Seals the Responses ids routers hand out (R-6.14): the state directory's, so ids outlive a
+        # restart; without one (tests), one for this publisher's life.
+        self._response_secret = response_secret or secrets.token_hex(32)
         self.store = store
         self.epoch = epoch or secrets.token_hex(8)
         self.note_demand = note_demand  # the reconciler's: an on-demand model was asked for (R-6.8)
@@ -255,7 +259,8 @@ class FeedPublisher:
             return
         self._remember_loop()
         self._snapshot = Snapshot(epoch=self.epoch, version=1, models=self._models,
-                                  endpoints=MappingProxyType(self._merged()), keys=self._keys, gateway=self._gateway)
+                                  endpoints=MappingProxyType(self._merged()), keys=self._keys, gateway=self._gateway,
+                                  response_secret=self._response_secret)
         self._ready.set()
         for listener in list(self._listeners):
             listener._notify()

@@ -62,6 +62,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
+from yarl import URL
+
 from llmgw.contracts.endpoints import Endpoint
 
 EJECT_SECONDS = 5.0  # long enough to stop hammering a dead engine, short enough to notice it is back
@@ -110,7 +112,7 @@ class Upstream:
     """The router's live view of one endpoint: what is in flight to it and whether it is ejected."""
 
     __slots__ = ("endpoint", "replica_id", "model", "outstanding", "queued", "engine", "slots", "ejected_until",
-                 "headers", "stream_headers")
+                 "headers", "stream_headers", "base_url")
 
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
@@ -127,6 +129,7 @@ class Upstream:
             headers["Authorization"] = "Bearer " + endpoint.api_key
         self.headers = headers
         self.stream_headers = {**headers, "Accept": "text/event-stream"}
+        self.base_url = str(URL(endpoint.url))  # percent-encoded once: the forwarder appends route paths to it as they are
 
     def __repr__(self) -> str:
         return f"Upstream({self.replica_id} {self.endpoint.url} outstanding={self.outstanding})"

@@ -17,8 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from urllib.parse import quote
 
 from llmgw.contracts.feed import ENGINE_KINDS
+from llmgw.router.response_ids import ENGINE_ID
 
 # How a route's model is found.
 JSON = "json"  # the request body's "model"
@@ -54,9 +56,16 @@ class Route:
         return self.model_from == JSON and self.dialect != ANTHROPIC
 
     def upstream_path(self, engine: str | None, response_id: str | None = None) -> str:
-        """The path to send to this engine (custom engines: the router's own path)."""
+        """The path to send to this engine (custom engines: the router's own path), percent-encoded.
+
+        The only text of a client's that may enter it is an engine's response id, and only in the
+        form engines write it (R-6.14a): anything else is a ValueError, never a path."""
         path = self.engines.get(engine, self.path) if engine is not None else self.path
-        return path.replace("{response_id}", response_id) if response_id is not None else path
+        if response_id is None:
+            return path
+        if not ENGINE_ID.fullmatch(response_id):
+            raise ValueError(f"not an engine's response id: {response_id[:200]!r}")
+        return path.replace("{response_id}", quote(response_id, safe=""))
 
     @property
     def name(self) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 import anthropic
 import pytest
 
-from llmgw.router import Endpoint, response_ids
+from llmgw.router import Endpoint
 from llmgw.keys import list_keys
 from tests.integration.test_router_support import apoll, catalog, free_port, model, poll, start_router  # noqa: F401
 
@@ -133,8 +133,8 @@ async def test_r6_12_responses_on_the_real_vllm(vllm, start_router):  # noqa: F8
                                                max_output_tokens=4)
         fetched = await client.responses.retrieve(reply.id)
     print("vLLM Responses usage:", reply.usage, done.usage, follow.usage)
-    assert response_ids.decode(reply.id)[:2] == ("m", "real-1")
-    assert events[-1].type == "response.completed" and response_ids.decode(done.id)[1] == "real-1"
+    assert gw.opened(reply.id)[:2] == ("m", "real-1")
+    assert events[-1].type == "response.completed" and gw.opened(done.id)[1] == "real-1"
     assert follow.previous_response_id == reply.id and fetched.id == reply.id
     reported = [(r.usage.input_tokens, r.usage.output_tokens) for r in (reply, done, follow)]
     assert all(i > 0 and o > 0 for i, o in reported)
