@@ -490,6 +490,10 @@ async def test_r6_15_audio_transcription_with_the_openai_client(engines, start_r
     pytest.param([("file", b"abc", "a.wav")], 400, "before the file", id="no-model"),
     pytest.param([("language", "en", None)], 400, "no 'model' field", id="only-other-fields"),
     pytest.param([("model", "m", None), ("file", b"x" * 5000, "a.wav")], 413, "limit", id="too-large"),
+    pytest.param([("model", "m", None), ("model", "other", None), ("file", b"abc", "a.wav")], 400,
+                 "more than one 'model' field", id="model-twice"),
+    pytest.param([("model", "m", None), ("language", "en", None), ("file", b"abc", "a.wav"), ("model", "other", None)],
+                 400, "more than one 'model' field", id="model-again-after-the-file"),
 ])
 async def test_r6_15_bad_uploads_are_refused_clearly(engines, start_router, parts, status, fragment):  # noqa: F811
     engine = engines.start("m")
@@ -524,6 +528,37 @@ async def test_r6_15_an_upload_without_length_over_the_limit_is_cut(engines, sta
         document = await response.json()
     assert response.status == 413 and "limit" in document["error"]["message"]
     assert engine.counters()["requests"] == 0
+
+
+@pytest.mark.parametrize("cut", [1, 9, 30, 60])
+async def test_r6_15_a_second_model_field_in_the_streamed_rest_is_refused_wherever_the_reads_cut_it(
+        start_router, cut):  # noqa: F811
+    """A recording engine, which takes only a whole body: the router cuts the upload short."""
+    async with recording_engine() as (url, seen):
+        gw = await start_router(catalog(model("m", profile="custom")), {"m": [Endpoint("r", "m", url, None)]})
+        status, document = await _upload_with_model_again(gw, cut)
+        assert status == 400 and document["error"]["param"] == "model", document
+        assert "more than one 'model' field" in document["error"]["message"]
+        assert seen == []
+
+
+async def _upload_with_model_again(gw, cut: int) -> tuple[int, dict]:
+    boundary = "b0undary"
+    again = f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nother".encode()
+
+    async def body():
+        yield (f"--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n"
+               f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\n").encode()
+        yield b"\x01" * 70_000
+        await asyncio.sleep(0.05)  # each piece its own read at the router
+        yield again[:cut]
+        await asyncio.sleep(0.05)
+        yield again[cut:] + f"\r\n--{boundary}--\r\n".encode()
+    async with aiohttp.ClientSession() as session, \
+            session.post(gw.url + "/v1/audio/transcriptions", data=body(),
+                         headers={"Authorization": f"Bearer {gw.secret}",
+                                  "Content-Type": f"multipart/form-data; boundary={boundary}"}) as response:
+        return response.status, await response.json()
 
 
 async def test_r6_13_comment_pings_keep_a_slow_stream_alive(start_router):  # noqa: F811
