@@ -91,7 +91,7 @@ def static_endpoints(catalog: Catalog) -> dict[str, list[Endpoint]]:
                     log.warning("model %s: endpoint %s names api_key_env %s, which is not set",
                                 model.name, static.url, static.api_key_env)
             endpoints.append(Endpoint(replica_id=f"{STATIC_PREFIX}{model.name}:{index}", model=model.name,
-                                      url=static.url.rstrip("/"), api_key=key))
+                                      url=static.root, api_key=key))
         out[model.name] = endpoints
     return out
 

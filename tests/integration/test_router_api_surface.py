@@ -18,7 +18,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from llmgw.config import GatewayConfig
+from llmgw.config import GatewayConfig, StaticEndpoint
 from llmgw.router import Endpoint
 from llmgw.keys import list_keys
 from llmgw.router.routes import ROUTES
@@ -424,6 +424,24 @@ async def test_r6_7_every_route_falls_back(start_router, route):  # noqa: F811
         status, body = await _call(gw, route, path, how, {"Authorization": f"Bearer {gw.secret}"})
         assert status == 200, body
         assert seen[-1]["path"] == route.path
+
+
+@pytest.mark.parametrize("written,prefix", [
+    pytest.param("", "", id="host-only"),
+    pytest.param("/v1", "", id="v1-as-clients-write-it"),
+    pytest.param("/v1/", "", id="v1-slash"),
+    pytest.param("/openai/v1", "/openai", id="v1-under-a-prefix"),
+    pytest.param("/openai", "/openai", id="a-prefix-without-v1"),
+])
+async def test_r6_10_a_static_endpoint_url_with_or_without_v1_reaches_the_route(start_router, written, prefix):  # noqa: F811
+    async with recording_engine() as (url, seen):
+        gw = await start_router(catalog(model("s", profile=None, endpoints=[StaticEndpoint(url=url + written)])))
+        status, _, body = await post(gw, "/v1/chat/completions", {"model": "s", "messages": [], "max_tokens": 1})
+        assert status == 200, body
+        status, _, body = await post(gw, "/tokenize", {"model": "s", "prompt": "p"})
+        assert status == 200, body
+    # (the engine-load poller's GETs under a prefix are recorded too)
+    assert [r["path"] for r in seen if r["method"] == "POST"] == [prefix + "/v1/chat/completions", prefix + "/tokenize"]
 
 
 # -- streams: comments and named events untouched ---------------------------------------------
