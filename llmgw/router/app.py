@@ -471,7 +471,7 @@ class Router:
     def _acquire(self, models: Mapping[str, RoutedModel], route: Route, model: RoutedModel, key: KeyEntry,
                  now: float, tried: list[Upstream], include_ejected: bool = False,
                  affinity: bytes | None = None) -> Upstream | None:
-        up = self.balancer.acquire(model.name, now, tried, include_ejected, affinity)
+        up = self.balancer.acquire(model.name, now, tried, include_ejected, affinity, key.id)
         if up is None and model.fallbacks:
             for fallback in model.fallbacks:
                 if not allows(key, fallback):  # skipped: a fallback is no way around the key's limits
@@ -532,8 +532,10 @@ class Router:
         tried: list[Upstream] = []
         waited_since: float | None = None
         last_error: RouterError | None = None
-        affinity = (affinity_key(document, request.headers)
-                    if document is not None and self.balancer.policy(model.name) == PREFIX else None)
+        # Only requests that run the model choose or use a home; tokenizing is balanced by load (R-6.5b).
+        affinity = (affinity_key(document, request.headers, key.id)
+                    if document is not None and route.inference and self.balancer.policy(model.name) == PREFIX
+                    else None)
         fairqueue = self.fairqueue
         while True:
             now = time.monotonic()
@@ -562,11 +564,15 @@ class Router:
             else:
                 served = models.get(up.model)
                 path = route.upstream_path(served.engine if served is not None else None)
+            # The key is homed once the engine has accepted the request (R-6.5b), not when it is sent.
+            accepted = (None if affinity is None or up.model != model.name
+                        else functools.partial(self.balancer.keep_home, model.name, affinity, key.id, now))
             try:
                 return await self._forwarder.send(
                     request, up, path, self._upstream_body(models, up, model.name, document, body, None),
                     relay, strip_usage, key.id, route.method,
-                    None if plain else self._headers(request, route, up, stream, body), route.dialect)
+                    None if plain else self._headers(request, route, up, stream, body), route.dialect,
+                    accepted=accepted)
             except RouterError as exc:
                 if isinstance(body, Upload) and body.problem is not None:
                     raise body.problem from None

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -179,10 +180,11 @@ class Forwarder:
 
     async def send(self, request: web.Request, up: Upstream, path: str, body, stream: bool | None,
                    strip_usage: bool, key_id: str, method: str = "POST", headers: dict | None = None,
-                   dialect: str = OPENAI, inference: bool = True) -> web.StreamResponse:
+                   dialect: str = OPENAI, inference: bool = True,
+                   accepted: Callable[[], None] | None = None) -> web.StreamResponse:
         """One attempt. `stream` None: relay the answer as a stream when the engine sends an event
         stream. `inference` False: a stored answer read back, counted as a request, its usage not
-        counted again."""
+        counted again. `accepted` is called once the engine answers with a status below 400."""
         started = time.monotonic()
         resp = None
         finished = False
@@ -202,6 +204,8 @@ class Forwarder:
                     if status == 401:  # passed on, it would tell the client its own key is wrong
                         raise UpstreamRejectedKey(f"the engine of replica {up.replica_id} refused the "
                                                   "router's engine key; check the replica's api key")
+                    if accepted is not None and status < 400:
+                        accepted()
                     relay = status == 200 and (stream if stream is not None
                                                else resp.content_type == "text/event-stream")
                     if relay:

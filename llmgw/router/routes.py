@@ -43,6 +43,7 @@ class Route:
     dialect: str
     engines: Mapping[str, str]  # built-in engine name -> the path that engine serves it on
     chat_stream: bool = False  # streams carry OpenAI's usage-only event, asked for with include_usage
+    inference: bool = True  # runs the model over the request, so prefix routing homes its key (R-6.5b)
 
     @property
     def fixed_path(self) -> str | None:
@@ -87,13 +88,13 @@ ROUTES: tuple[Route, ...] = (
           _same("/v1/responses/{response_id}/cancel", ("vllm", "sglang"))),
     Route("POST", "/v1/messages", JSON, ANTHROPIC, _same("/v1/messages", ("vllm", "llama-server"))),
     Route("POST", "/v1/messages/count_tokens", JSON, ANTHROPIC,
-          _same("/v1/messages/count_tokens", ("vllm", "llama-server"))),
+          _same("/v1/messages/count_tokens", ("vllm", "llama-server")), inference=False),
     Route("POST", "/v1/rerank", JSON, OPENAI, _same("/v1/rerank")),
     Route("POST", "/rerank", JSON, OPENAI,
           MappingProxyType({"vllm": "/rerank", "sglang": "/v1/rerank", "llama-server": "/rerank"})),
     Route("POST", "/v1/score", JSON, OPENAI, _same("/v1/score", ("vllm", "sglang"))),
-    Route("POST", "/tokenize", JSON, OPENAI, _same("/tokenize")),
-    Route("POST", "/detokenize", JSON, OPENAI, _same("/detokenize")),
+    Route("POST", "/tokenize", JSON, OPENAI, _same("/tokenize"), inference=False),
+    Route("POST", "/detokenize", JSON, OPENAI, _same("/detokenize"), inference=False),
     Route("POST", "/v1/audio/transcriptions", FORM, OPENAI, _same("/v1/audio/transcriptions", ("vllm", "llama-server"))),
     Route("POST", "/v1/audio/translations", FORM, OPENAI, _same("/v1/audio/translations", ("vllm",))),
 )
