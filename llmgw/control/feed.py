@@ -3,8 +3,8 @@
 The publisher holds what routing needs, as one versioned `Snapshot`: the catalog's models (engine
 kind, served name, routing policy, on-demand, fallback chain), the endpoint lists (those the
 reconciler pushes and the static ones of the catalog, R-6.10), the keys in force (read off the
-loop every couple of seconds, so `llmgw keys create/revoke` apply without a restart) and the
-gateway settings routers read. Each decision after that is one `Change` with only what changed,
+loop every couple of seconds, so `llmgw keys create/revoke` apply without a restart), the
+gateway settings routers read and the secret that seals their Responses ids (R-6.14). Each decision after that is one `Change` with only what changed,
 handed to every listener in order; a listener that falls behind gets a fresh snapshot instead.
 
 Each limited key's budget is split among the routers heard recently (R-6.16): every LEASE_SECONDS
