@@ -253,7 +253,7 @@ def simulate(requests: list[Request], policy: str, replicas: int, tenant_key: bo
             _, _, up = heapq.heappop(ends)
             balancer.release(up)
         total = sum(up.outstanding for up in ups.values())
-        key = affinity_key(request.document(tenant_key), {}) if policy == PREFIX else None
+        key = affinity_key(request.document(tenant_key), {}, "bench") if policy == PREFIX else None
         up = balancer.acquire("m", request.at, key=key)
         # Sampled at each arrival, just after the choice: requests in flight per replica, this
         # one counted. The least max/mean any placement could have here is ceil(m / n) / (m / n).
@@ -291,7 +291,7 @@ def choice_cost(requests: list[Request], rounds: int = 3) -> float:
     for _ in range(rounds):
         started = time.perf_counter()
         for document in documents:
-            up = balancer.acquire("m", 1.0, key=affinity_key(document, {}))
+            up = balancer.acquire("m", 1.0, key=affinity_key(document, {}, "bench"))
             balancer.release(up)
         best = min(best, (time.perf_counter() - started) / len(documents) * 1e6)
     return best
@@ -318,7 +318,7 @@ async def replay_on_doubles(requests: list[Request], policy: str, tenant_key: bo
         nonlocal failures
         await asyncio.sleep(max(0.0, begin + request.at - time.monotonic()))
         document = request.document(tenant_key)
-        key = affinity_key(document, {}) if policy == PREFIX else None
+        key = affinity_key(document, {}, "bench") if policy == PREFIX else None
         up = balancer.acquire("m", time.monotonic(), key=key)
         counts = [u.outstanding for u in ups]  # this one counted, as in the simulation
         mean = sum(counts) / len(counts)
@@ -453,7 +453,7 @@ def ring_homes(replica_ids: dict[str, str], requests: list[Request], tenant_key:
     homes = {}
     for request in requests:
         if request.tenant not in homes:
-            up = balancer.acquire("m", 0.0, key=affinity_key(request.document(tenant_key), {}))
+            up = balancer.acquire("m", 0.0, key=affinity_key(request.document(tenant_key), {}, "bench"))
             balancer.release(up)
             homes[request.tenant] = replica_ids[up.replica_id]
     return dict(sorted(homes.items()))
@@ -561,7 +561,7 @@ async def through_router(requests: list[Request], base_url: str, key: str, model
                 extra["prompt_cache_key"] = f"tenant-{request.tenant}"
             target = client
             if balancer is not None:  # counted in flight until its answer ends, as the router does
-                up = balancer.acquire(model, time.monotonic(), key=affinity_key(request.document(tenant_key), {}))
+                up = balancer.acquire(model, time.monotonic(), key=affinity_key(request.document(tenant_key), {}, "bench"))
                 target = direct[up.replica_id]
             stream = await target.chat.completions.create(
                 model=model, messages=request.document()["messages"], max_tokens=request.output,

@@ -279,6 +279,14 @@ class StaticEndpoint(_Strict):
                              "give the endpoint's key with api_key_env")
         return value.rstrip("/")
 
+    @property
+    def root(self) -> str:
+        """Where the router's paths (`/v1/chat/completions`, `/tokenize`) are appended (R-6.10). A URL
+        ending in `/v1` is the API root as OpenAI clients write a base URL (`http://host:8000/v1`):
+        its `/v1` is the one every `/v1/...` path already has. Any other URL gets the paths whole."""
+        path = self.url.split("://", 1)[1].partition("/")[2]  # after the host
+        return self.url[:-len("/v1")] if path == "v1" or path.endswith("/v1") else self.url
+
 
 class ModelConfig(_Strict):
     """One model as written in the inventory's `models:` list or in a `ctl model add` file."""

@@ -33,6 +33,7 @@ from llmgw.control.feedserver import FEED_SOCKET, FeedServer, FeedSocket, listen
 from llmgw.control.service import ControlPlane, load_stored_models, reload_on_signal
 from llmgw.aio import cancel_and_wait
 from llmgw.fleet.fleet import Fleet
+from llmgw.fleet.secret import SecretError, response_secret
 from llmgw.localfeed import LocalFeed
 from llmgw.router import RUNNER_OPTIONS, Router
 from llmgw.router.metrics import ReportedRouterMetrics
@@ -247,7 +248,12 @@ class Gateway:
         self.fleet = Fleet(self.inventory, self.state_dir, on_state=lambda _: self._wake_reconciler())
         # The router is fed by the publisher only: models, endpoints, keys and settings go
         # out as a snapshot and changes; counts and state come back as reports.
-        self.publisher = FeedPublisher(self.holder, self.store, gateway, note_demand=self._on_demand)
+        try:
+            sealing = response_secret(self.state_dir)
+        except SecretError as exc:
+            raise StartupError(str(exc)) from None
+        self.publisher = FeedPublisher(self.holder, self.store, gateway, note_demand=self._on_demand,
+                                       response_secret=sealing)
         if self.serve_router:
             self.router = Router(registry=self.registry)
         else:  # no router here; the router metrics are what the router processes report

@@ -14,8 +14,9 @@ or across a socket.
   acknowledged. So nothing is counted twice or lost when either side restarts.
 - The state parts of a report (requests in flight, last use, engine load, demand) replace what
   that router said before; they are not counted, so a repeat changes nothing.
-- Engine keys and key hashes travel here. No type below puts them in its repr, so a log line or a
-  traceback through one never shows them (R-4.6, R-6.2).
+- Engine keys, key hashes and the secret that seals Responses ids travel here. No type below puts
+  them in its repr, so a log line or a traceback through one never shows them (R-4.6, R-6.2,
+  R-6.14).
 
 Wire form: each message is one JSON object (`to_wire` / `from_wire`), one per line on a stream.
 `from_wire` checks every field's type and says which one is wrong (`FeedError`): a snapshot read
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import math
 import operator
+import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -134,6 +137,9 @@ class Snapshot:
     gateway: GatewaySettings
     leases: Mapping[str, Mapping[str, Lease]] = field(default_factory=lambda: NO_LEASES)  # router id -> key id -> lease
     abandoned: tuple[str, ...] = ()
+    # The secret that seals the Responses ids routers hand out (R-6.14), 64 hex digits: the control
+    # plane's, kept in its state directory; one made here when a snapshot is built without it.
+    response_secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
 
     def apply(self, change: Change) -> Snapshot:
         """The snapshot after `change`; FeedError when the change does not follow this version."""
@@ -156,7 +162,8 @@ class Snapshot:
                         gateway=self.gateway if change.gateway is None else change.gateway,
                         leases=self.leases if change.leases is None else change.leases,
                         abandoned=(self.abandoned + change.abandon)[-ABANDONED_KEPT:] if change.abandon
-                        else self.abandoned)
+                        else self.abandoned,
+                        response_secret=self.response_secret)
 
 
 @dataclass(frozen=True)
@@ -356,6 +363,15 @@ def _obj(value, where) -> dict:
 
 def _list(value, where) -> list:
     return _expect(value, (list,), where)
+
+
+_SECRET = re.compile(r"[0-9a-f]{64}")
+
+
+def _secret(value, where: str) -> str:
+    if not _SECRET.fullmatch(_str(value, where)):  # the value itself is never shown
+        raise FeedError(f"{where}: expected 64 hex digits")
+    return value
 
 
 def _field(document: dict, name: str, where: str):
@@ -597,7 +613,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
                               for model, members in message.endpoints.items()},
                 "keys": [key_to_wire(k) for k in message.keys], "gateway": gateway_to_wire(message.gateway),
                 **({"leases": _leases_to_wire(message.leases)} if message.leases else {}),
-                **({"abandoned": list(message.abandoned)} if message.abandoned else {})}
+                **({"abandoned": list(message.abandoned)} if message.abandoned else {}),
+                "response_secret": message.response_secret}
     if isinstance(message, Change):
         out = {"type": "change", "protocol": PROTOCOL, "epoch": message.epoch, "version": message.version}
         if message.models is not None:
@@ -650,7 +667,8 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
                         gateway=gateway_from_wire(_field(d, "gateway", kind), "snapshot.gateway"),
                         leases=_leases_from_wire(d["leases"], "snapshot.leases") if "leases" in d else NO_LEASES,
                         abandoned=tuple(_str(r, f"snapshot.abandoned[{i}]") for i, r in
-                                        enumerate(_list(d.get("abandoned", []), "snapshot.abandoned"))))
+                                        enumerate(_list(d.get("abandoned", []), "snapshot.abandoned"))),
+                        response_secret=_secret(_field(d, "response_secret", kind), "snapshot.response_secret"))
     if kind == "change":
         return Change(epoch=_str(_field(d, "epoch", kind), "change.epoch"),
                       version=_int(_field(d, "version", kind), "change.version", 2),

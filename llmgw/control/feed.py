@@ -3,8 +3,8 @@
 The publisher holds what routing needs, as one versioned `Snapshot`: the catalog's models (engine
 kind, served name, routing policy, on-demand, fallback chain), the endpoint lists (those the
 reconciler pushes and the static ones of the catalog, R-6.10), the keys in force (read off the
-loop every couple of seconds, so `llmgw keys create/revoke` apply without a restart) and the
-gateway settings routers read. Each decision after that is one `Change` with only what changed,
+loop every couple of seconds, so `llmgw keys create/revoke` apply without a restart), the
+gateway settings routers read and the secret that seals their Responses ids (R-6.14). Each decision after that is one `Change` with only what changed,
 handed to every listener in order; a listener that falls behind gets a fresh snapshot instead.
 
 Each limited key's budget is split among the routers heard recently (R-6.16): every LEASE_SECONDS
@@ -92,7 +92,7 @@ def static_endpoints(catalog: Catalog) -> dict[str, list[Endpoint]]:
                     log.warning("model %s: endpoint %s names api_key_env %s, which is not set",
                                 model.name, static.url, static.api_key_env)
             endpoints.append(Endpoint(replica_id=f"{STATIC_PREFIX}{model.name}:{index}", model=model.name,
-                                      url=static.url.rstrip("/"), api_key=key))
+                                      url=static.root, api_key=key))
         out[model.name] = endpoints
     return out
 
@@ -202,8 +202,12 @@ class FeedPublisher:
     """The router feed's source of truth, on the control plane's event loop."""
 
     def __init__(self, holder: CatalogHolder, store: Store, gateway: GatewayConfig, *, epoch: str | None = None,
-                 note_demand: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 note_demand: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 response_secret: str | None = None):
         self.holder = holder
+        # Seals the Responses ids routers hand out (R-6.14): the state directory's, so ids outlive a
+        # restart; without one (tests), one for this publisher's life.
+        self._response_secret = response_secret or secrets.token_hex(32)
         self.store = store
         self.epoch = epoch or secrets.token_hex(8)
         self.note_demand = note_demand  # the reconciler's: an on-demand model was asked for (R-6.8)
@@ -258,7 +262,8 @@ class FeedPublisher:
             return
         self._remember_loop()
         self._snapshot = Snapshot(epoch=self.epoch, version=1, models=self._models,
-                                  endpoints=MappingProxyType(self._merged()), keys=self._keys, gateway=self._gateway)
+                                  endpoints=MappingProxyType(self._merged()), keys=self._keys, gateway=self._gateway,
+                                  response_secret=self._response_secret)
         self._ready.set()
         for listener in list(self._listeners):
             listener._notify()

@@ -1,7 +1,9 @@
 """The affinity key of a request routed by prefix (R-6.5): what its engine can reuse from cache.
 
 An explicit key wins, first found in this order: the body's `prompt_cache_key` (OpenAI's field for
-exactly this), the `X-Session-ID` header, the body's `user`. Without one, the key is taken from
+exactly this), the `X-Session-ID` header, the body's `user`. A client chooses these, so each is
+taken within its API key (`tenant`): two tenants choosing the same string do not share a home, nor
+can one aim its requests at another's. Without one, the key is taken from
 the content every request of a conversation starts with:
 
 - chat: the system (or developer) messages before the first user message, and that first user
@@ -34,16 +36,17 @@ def _text(content: object) -> bytes:
     return json.dumps(content, separators=(",", ":"), ensure_ascii=False).encode()[:KEY_BYTES]
 
 
-def affinity_key(document: Mapping, headers: Mapping[str, str]) -> bytes | None:
+def affinity_key(document: Mapping, headers: Mapping[str, str], tenant: str) -> bytes | None:
+    """The request's affinity key; `tenant`, the id of its API key, namespaces the explicit ones."""
     explicit = document.get("prompt_cache_key")
     if isinstance(explicit, str) and explicit:
-        return b"k\0" + explicit.encode()[:KEY_BYTES]
+        return b"k\0" + tenant.encode() + b"\0" + explicit.encode()[:KEY_BYTES]
     session = headers.get(SESSION_HEADER)
     if session:
-        return b"s\0" + session.encode()[:KEY_BYTES]
+        return b"s\0" + tenant.encode() + b"\0" + session.encode()[:KEY_BYTES]
     user = document.get("user")
     if isinstance(user, str) and user:
-        return b"u\0" + user.encode()[:KEY_BYTES]
+        return b"u\0" + tenant.encode() + b"\0" + user.encode()[:KEY_BYTES]
     messages = document.get("messages")
     if isinstance(messages, list):
         parts = [b"c"]

@@ -30,7 +30,7 @@ from llmgw.router.balancer import PREFIX, Balancer, Upstream
 from llmgw.router.engineload import EnginePoller
 from llmgw.router.fairqueue import FairQueue, replica_places
 from llmgw.router import response_ids
-from llmgw.router.errors import (BadRequest, BodyTooLarge, InternalError, InvalidType, ModelLoading, ModelNotAllowed,
+from llmgw.router.errors import (BadRequest, BodyTooLarge, InternalError, InvalidType, ModelLoading,
                                  ModelNotFound, NoCapacity, NotReady, ResponseNotFound, RouteNotServed, RouterError,
                                  UnsupportedEncoding, UpstreamFailed, UploadNotReplayed, error_response,
                                  from_http_exception)
@@ -115,6 +115,7 @@ class Router:
         self._demand: dict[str, None] = {}  # on-demand models asked for since the last report, in order
         self._arrivals: dict[str, asyncio.Event] = {}  # on-demand models someone is waiting for
         self._forwarder: Forwarder | None = None
+        self.response_ids: response_ids.ResponseIds | None = None  # from the snapshot's secret (R-6.14)
         self._created = int(time.time())
         self._closed = False
 
@@ -140,6 +141,10 @@ class Router:
         else:
             raise TypeError(f"not a snapshot or a change: {type(message).__name__}")
         self._snapshot = new
+        if old is None or new.response_secret != old.response_secret:
+            self.response_ids = response_ids.ResponseIds(new.response_secret)
+            if self._forwarder is not None:
+                self._forwarder.response_ids = self.response_ids
         if old is None or new.keys is not old.keys:
             self.keys.replace(new.keys)
             self.limiter.keep({k.id for k in new.keys if k.limits is not None or k.model_limits})
@@ -321,13 +326,12 @@ class Router:
         return web.json_response(self._model_entry(name))
 
     def _resolve(self, name: str, key: KeyEntry) -> RoutedModel:
+        """The model, when it exists and the key may use it. Both refusals are one answer (R-6.1):
+        a key learns nothing of the models it may not use, not even that they exist."""
         model = self._models.get(name)
-        if model is None:
+        if model is None or not allows(key, name):
             raise ModelNotFound(f"model {name!r} does not exist; GET /v1/models lists the models "
                                 "this key may use")
-        if key.models is not None and name not in key.models:
-            raise ModelNotAllowed(f"this API key may not use model {name!r}; GET /v1/models lists "
-                                  "the models it may use")
         return model
 
     async def _read_body(self, request: web.Request) -> bytes:
@@ -383,12 +387,17 @@ class Router:
             raise BadRequest("the request body must be a JSON object")
         return document
 
-    def _pinned(self, response_id: str, param: str | None = None) -> Pinned:
-        found = response_ids.decode(response_id)
-        if found is None:
-            raise ResponseNotFound(f"response {response_id!r} was not made through this gateway (its ids "
-                                   "start with 'resp_' and name the replica that holds the response)", param=param)
-        return Pinned(*found, client_id=response_id)
+    def _pinned(self, response_id: str, key: KeyEntry, param: str | None = None) -> Pinned:
+        """The stored response an id names, when this gateway sealed it for this key (R-6.14).
+
+        Any other id, another key's included, gets the same answer: an id says nothing about
+        responses the key did not make."""
+        found = self.response_ids.open(response_id)
+        if found is None or found.key_id != key.id:
+            shown = response_id if len(response_id) <= 256 else response_id[:256] + "..."
+            raise ResponseNotFound(f"no response {shown!r} was made through this gateway with this API key",
+                                   param=param)
+        return Pinned(found.model, found.replica_id, found.engine_id, client_id=response_id)
 
     async def _proxy(self, request: web.Request, route: Route) -> web.StreamResponse:
         key: KeyEntry = request[_KEY]
@@ -397,7 +406,7 @@ class Router:
         pinned: Pinned | None = None
         stream = strip_usage = False
         if route.model_from == RESPONSE_ID:
-            pinned = self._pinned(request.match_info["response_id"])
+            pinned = self._pinned(request.match_info["response_id"], key)
             name = pinned.model
         elif route.model_from == FORM:
             body = await read_upload(request, self._max_body)
@@ -413,7 +422,7 @@ class Router:
             how = streaming(document)
             stream = how.stream
             if route.dialect == RESPONSES:
-                pinned = self._previous(document, name)
+                pinned = self._previous(document, name, key)
             if stream and route.chat_stream:  # every stream asks for usage; the client sees it only if it asked (R-6.9)
                 body = ask_for_usage(document, body)
                 strip_usage = not how.client_wants_usage
@@ -450,14 +459,14 @@ class Router:
         if budgets:
             response.headers.update(limits.headers(budgets, time.monotonic()))
 
-    def _previous(self, document: dict, name: str) -> Pinned | None:
+    def _previous(self, document: dict, name: str, key: KeyEntry) -> Pinned | None:
         """The stored response a Responses request continues, when it names one (previous_response_id)."""
         previous = document.get("previous_response_id")
         if previous is None:
             return None
         if type(previous) is not str:
             raise InvalidType("'previous_response_id' must be a string", param="previous_response_id")
-        pinned = self._pinned(previous, "previous_response_id")
+        pinned = self._pinned(previous, key, "previous_response_id")
         if pinned.model != name:
             raise BadRequest(f"previous_response_id {previous!r} was made by model {pinned.model!r}, which "
                              f"holds it; continue it with model {pinned.model!r}", param="previous_response_id")
@@ -482,7 +491,7 @@ class Router:
     def _acquire(self, models: Mapping[str, RoutedModel], route: Route, model: RoutedModel, key: KeyEntry,
                  now: float, tried: list[Upstream], include_ejected: bool = False,
                  affinity: bytes | None = None) -> Upstream | None:
-        up = self.balancer.acquire(model.name, now, tried, include_ejected, affinity)
+        up = self.balancer.acquire(model.name, now, tried, include_ejected, affinity, key.id)
         if up is None and model.fallbacks:
             for fallback in model.fallbacks:  # R-6.7
                 if not allows(key, fallback):  # skipped: a fallback is no way around the key's limits
@@ -543,8 +552,10 @@ class Router:
         tried: list[Upstream] = []
         waited_since: float | None = None
         last_error: RouterError | None = None
-        affinity = (affinity_key(document, request.headers)
-                    if document is not None and self.balancer.policy(model.name) == PREFIX else None)
+        # Only requests that run the model choose or use a home; tokenizing is balanced by load (R-6.5b).
+        affinity = (affinity_key(document, request.headers, key.id)
+                    if document is not None and route.inference and self.balancer.policy(model.name) == PREFIX
+                    else None)
         fairqueue = self.fairqueue
         while True:
             now = time.monotonic()
@@ -573,11 +584,15 @@ class Router:
             else:
                 served = models.get(up.model)
                 path = route.upstream_path(served.engine if served is not None else None)
+            # The key is homed once the engine has accepted the request (R-6.5b), not when it is sent.
+            accepted = (None if affinity is None or up.model != model.name
+                        else functools.partial(self.balancer.keep_home, model.name, affinity, key.id, now))
             try:
                 return await self._forwarder.send(
                     request, up, path, self._upstream_body(models, up, model.name, document, body, None),
                     relay, strip_usage, key.id, route.method,
-                    None if plain else self._headers(request, route, up, stream, body), route.dialect)
+                    None if plain else self._headers(request, route, up, stream, body), route.dialect,
+                    accepted=accepted)
             except RouterError as exc:
                 if isinstance(body, Upload) and body.problem is not None:
                     raise body.problem from None
@@ -635,7 +650,7 @@ class Router:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT, sock_read=None)
         session = aiohttp.ClientSession(connector=connector, timeout=timeout,
                                         skip_auto_headers=("Accept-Encoding", "User-Agent"))
-        self._forwarder = Forwarder(session, self.metrics, self.usage, self._request_timeout)
+        self._forwarder = Forwarder(session, self.metrics, self.usage, self._request_timeout, self.response_ids)
         tasks = [asyncio.create_task(self._forwarder.watchdog.run()),
                  asyncio.create_task(EnginePoller(self.balancer, session, on_slots=self._set_capacities).run())]
         try:

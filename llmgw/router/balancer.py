@@ -13,8 +13,10 @@ alone, so every router worker and host builds the same ring. A request's affinit
 stays within the bound, else to the next replica clockwise within it (consistent hashing with
 bounded loads).
 
-A key's home is chosen at its first request and kept while the key is live (a request within
-KEY_IDLE_SECONDS; at most KEYS_KEPT keys per model, the least recently used forgotten first):
+A key's home is chosen when the engine accepts its first request (an answer below 400) and kept
+while the key is live (a request within KEY_IDLE_SECONDS; at most KEYS_KEPT keys per model, the
+least recently used forgotten first, and at most KEYS_PER_API_KEY per API key that made them;
+past that the API key's requests with new keys are balanced by load and home nothing):
 the first replica clockwise from the key's hash whose count of live keys, this one counted, stays
 within KEY_BOUND times the mean (no rounding up, never below the even spread), skipping ejected
 replicas. Keys are what the engines cache, so this keeps the caches' working sets even: hashing
@@ -62,6 +64,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
+from yarl import URL
+
 from llmgw.contracts.endpoints import Endpoint
 
 EJECT_SECONDS = 5.0  # long enough to stop hammering a dead engine, short enough to notice it is back
@@ -78,6 +82,9 @@ RING_POINTS = 64  # per replica: enough that shares stay within a few percent of
 KEY_BOUND = 1.1
 KEY_IDLE_SECONDS = 300.0  # a key with no request for this long is no longer counted as cached
 KEYS_KEPT = 65536  # live keys remembered per model; the least recently used is forgotten first
+# Live keys one API key may have homed per model: past it, its requests with a new key are balanced
+# by load and home nothing, so that one API key's cheap requests cannot churn the others' homes.
+KEYS_PER_API_KEY = 1024
 
 
 def bound_capacity(total: int, replicas: int, bound: float = PREFIX_BOUND) -> float:
@@ -110,7 +117,7 @@ class Upstream:
     """The router's live view of one endpoint: what is in flight to it and whether it is ejected."""
 
     __slots__ = ("endpoint", "replica_id", "model", "outstanding", "queued", "engine", "slots", "ejected_until",
-                 "headers", "stream_headers")
+                 "headers", "stream_headers", "base_url")
 
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
@@ -127,13 +134,14 @@ class Upstream:
             headers["Authorization"] = "Bearer " + endpoint.api_key
         self.headers = headers
         self.stream_headers = {**headers, "Accept": "text/event-stream"}
+        self.base_url = str(URL(endpoint.url))  # percent-encoded once: the forwarder appends route paths to it as they are
 
     def __repr__(self) -> str:
         return f"Upstream({self.replica_id} {self.endpoint.url} outstanding={self.outstanding})"
 
 
 class Pool:
-    __slots__ = ("members", "next", "policy", "_ring", "homes", "homed")
+    __slots__ = ("members", "next", "policy", "_ring", "homes", "homed", "owned")
 
     def __init__(self, members: list[Upstream], policy: str = LEAST_OUTSTANDING):
         self.members = members
@@ -141,9 +149,11 @@ class Pool:
         self.policy = policy
         self._ring: tuple[list[int], list[Upstream]] | None = None
         # Prefix routing's live keys: the key's ring position -> [its home, the time of its last
-        # request], least recently used first; and how many live keys each member is home to.
+        # request, the API key id that homed it], least recently used first; how many live keys
+        # each member is home to, and how many each API key homed.
         self.homes: OrderedDict[int, list] = OrderedDict()
         self.homed: dict[Upstream, int] = {}
+        self.owned: dict[str | None, int] = {}
 
     def ring(self) -> tuple[list[int], list[Upstream]]:
         """(sorted ring positions, owners[i] holding points[i]); empty unless the policy is prefix.
@@ -178,8 +188,8 @@ class Pool:
                 seen.add(id(up))
                 yield up
 
-    def home(self, point: int, now: float) -> Upstream:
-        """The home of the key at ring position `point`, placed now if the key is not live."""
+    def live(self, point: int, now: float) -> Upstream | None:
+        """The home of the live key at ring position `point` (its use noted), None when it is not live."""
         homes = self.homes
         horizon = now - KEY_IDLE_SECONDS
         while homes:  # forget the keys gone idle, least recently used first
@@ -187,25 +197,51 @@ class Pool:
             if oldest[1] >= horizon:
                 break
             homes.popitem(last=False)
-            self._unhome(oldest[0])
+            self._unhome(oldest)
         entry = homes.get(point)
-        if entry is not None:
-            entry[1] = now
-            homes.move_to_end(point)
-            return entry[0]
-        up = self._place(point, now)
-        homes[point] = [up, now]
-        self.homed[up] = self.homed.get(up, 0) + 1
-        if len(homes) > KEYS_KEPT:
-            self._unhome(homes.popitem(last=False)[1][0])
+        if entry is None:
+            return None
+        entry[1] = now
+        homes.move_to_end(point)
+        return entry[0]
+
+    def home(self, point: int, now: float, owner: str | None = None) -> Upstream:
+        """The home of the key at ring position `point`, placed and homed now if the key is not live."""
+        up = self.live(point, now)
+        if up is None:
+            up = self._place(point, now)
+            self._add(point, up, now, owner)
         return up
 
-    def _unhome(self, up: Upstream) -> None:
+    def capped(self, point: int, owner: str) -> bool:
+        """Whether a request of API key `owner` with this key may not make it a home (KEYS_PER_API_KEY)."""
+        return point not in self.homes and self.owned.get(owner, 0) >= KEYS_PER_API_KEY
+
+    def keep(self, point: int, now: float, owner: str) -> None:
+        """The engine accepted a request of API key `owner` with this key: home it if it is not live."""
+        if self.live(point, now) is None and not self.capped(point, owner):
+            self._add(point, self._place(point, now), now, owner)
+
+    def _add(self, point: int, up: Upstream, now: float, owner: str | None) -> None:
+        homes = self.homes
+        homes[point] = [up, now, owner]
+        self.homed[up] = self.homed.get(up, 0) + 1
+        self.owned[owner] = self.owned.get(owner, 0) + 1
+        if len(homes) > KEYS_KEPT:
+            self._unhome(homes.popitem(last=False)[1])
+
+    def _unhome(self, entry: list) -> None:
+        up, _, owner = entry
         left = self.homed[up] - 1
         if left:
             self.homed[up] = left
         else:
             del self.homed[up]
+        left = self.owned[owner] - 1
+        if left:
+            self.owned[owner] = left
+        else:
+            del self.owned[owner]
 
     def _place(self, point: int, now: float) -> Upstream:
         """A new key's home: clockwise from its point, the first replica not ejected with room for
@@ -230,13 +266,14 @@ class Pool:
         joiner takes its own (both are placed again at their next request)."""
         members = {up.replica_id: up for up in self.members}
         joined = set(members).difference(up.replica_id for up in old.members)
-        homes, homed = self.homes, self.homed
-        for point, (was, seen) in old.homes.items():
+        homes, homed, owned = self.homes, self.homed, self.owned
+        for point, (was, seen, owner) in old.homes.items():
             up = members.get(was.replica_id)
             if up is None or (joined and self.owner(point).replica_id in joined):
                 continue
-            homes[point] = [up, seen]
+            homes[point] = [up, seen, owner]
             homed[up] = homed.get(up, 0) + 1
+            owned[owner] = owned.get(owner, 0) + 1
 
     def same(self, members: Sequence[Endpoint], policy: str) -> bool:
         """Whether this pool already is `members` under `policy` (then it is kept as it is)."""
@@ -310,13 +347,17 @@ class Balancer:
         return pool.policy if pool is not None else LEAST_OUTSTANDING
 
     def acquire(self, model: str, now: float, exclude: Iterable[Upstream] = (),
-                include_ejected: bool = False, key: bytes | None = None) -> Upstream | None:
+                include_ejected: bool = False, key: bytes | None = None, owner: str | None = None) -> Upstream | None:
         """The endpoint with the least load (ties: round-robin), now counted as busy; for a model
         routed by prefix and a request with an affinity `key`, the key's replica on the ring
         within the load bound.
 
         Ejected endpoints and those in `exclude` (already tried by this request) are skipped,
         unless `include_ejected` asks for a last resort when every endpoint is ejected.
+
+        `owner`, the id of the request's API key: a key not live yet is homed only by keep_home,
+        once the engine accepts the request, and an owner at KEYS_PER_API_KEY is balanced by
+        load. Without one (benches, placement tests) the key is homed at once.
         """
         pool = self._pools.get(model)
         if pool is None:
@@ -325,8 +366,8 @@ class Balancer:
         count = len(members)
         if count == 0:
             return None
-        if key is not None and pool.policy == PREFIX:
-            best = self._on_ring(pool, key, now, exclude, include_ejected)
+        if key is not None and pool.policy == PREFIX and not (owner is not None and pool.capped(ring_hash(key), owner)):
+            best = self._on_ring(pool, key, now, exclude, include_ejected, owner)
             if best is not None:
                 best.outstanding += 1
                 self._last_used[best.replica_id] = now
@@ -355,8 +396,15 @@ class Balancer:
                 return up
         return None
 
+    def keep_home(self, model: str, key: bytes, owner: str, now: float) -> None:
+        """The engine accepted a request of API key `owner` with affinity `key`: the key is homed
+        if it is not live (within KEYS_PER_API_KEY)."""
+        pool = self._pools.get(model)
+        if pool is not None and pool.policy == PREFIX and pool.members:
+            pool.keep(ring_hash(key), now, owner)
+
     def _on_ring(self, pool: Pool, key: bytes, now: float, exclude: Iterable[Upstream],
-                 include_ejected: bool) -> Upstream | None:
+                 include_ejected: bool, owner: str | None = None) -> Upstream | None:
         """The key's home if it is eligible and within the bound, else clockwise from the key's
         hash the first eligible replica within it, else the least loaded eligible one (only when
         every eligible one is over the bound)."""
@@ -368,7 +416,10 @@ class Balancer:
         capacity = bound_capacity(total, len(eligible), self.prefix_bound)
         idle_capacity = bound_capacity(total, len(eligible), max(IDLE_ENGINE_BOUND, self.prefix_bound))
         point = ring_hash(key)
-        home = pool.home(point, now)
+        if owner is None:
+            home = pool.home(point, now)
+        else:  # where the key would be homed, homed once the engine accepts (keep_home)
+            home = pool.live(point, now) or pool._place(point, now)
         allowed = {id(up) for up in eligible}
 
         def within(up: Upstream) -> bool:

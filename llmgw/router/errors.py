@@ -40,10 +40,6 @@ class InvalidKey(RouterError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
 
 
-class ModelNotAllowed(RouterError):
-    status, type, code = 403, "permission_error", "model_not_allowed"
-
-
 class ModelNotFound(RouterError):
     status, type, code = 404, "invalid_request_error", "model_not_found"
 

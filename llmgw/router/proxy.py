@@ -22,9 +22,11 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from llmgw.router import response_ids
 from llmgw.router.balancer import Upstream
@@ -147,8 +149,9 @@ class Forwarder:
     """Sends one attempt to one endpoint and relays its answer."""
 
     def __init__(self, session: aiohttp.ClientSession, metrics: RouterMetrics, usage: UsageMeter,
-                 read_timeout: float):
+                 read_timeout: float, ids: response_ids.ResponseIds | None = None):
         self.session = session
+        self.response_ids = ids  # seals the Responses ids handed out (R-6.14); set by the router's snapshot
         self._fresh: aiohttp.ClientSession | None = None  # for resends: never a pooled connection
         self.metrics = metrics
         self.usage = usage
@@ -177,10 +180,11 @@ class Forwarder:
 
     async def send(self, request: web.Request, up: Upstream, path: str, body, stream: bool | None,
                    strip_usage: bool, key_id: str, method: str = "POST", headers: dict | None = None,
-                   dialect: str = OPENAI, inference: bool = True) -> web.StreamResponse:
+                   dialect: str = OPENAI, inference: bool = True,
+                   accepted: Callable[[], None] | None = None) -> web.StreamResponse:
         """One attempt. `stream` None: relay the answer as a stream when the engine sends an event
         stream. `inference` False: a stored answer read back, counted as a request, its usage not
-        counted again."""
+        counted again. `accepted` is called once the engine answers with a status below 400."""
         started = time.monotonic()
         resp = None
         finished = False
@@ -192,7 +196,7 @@ class Forwarder:
                 async with asyncio.timeout(self.read_timeout):
                     if headers is None:
                         headers = up.stream_headers if stream else up.headers
-                    resp = await self._request(method, up.endpoint.url + path, body, headers)
+                    resp = await self._request(method, up.base_url + path, body, headers)
                     status = resp.status
                     self.metrics.upstream_latency(up.model, time.monotonic() - started)
                     if status == 502 or status == 503:
@@ -200,6 +204,8 @@ class Forwarder:
                     if status == 401:  # passed on, it would tell the client its own key is wrong
                         raise UpstreamRejectedKey(f"the engine of replica {up.replica_id} refused the "
                                                   "router's engine key; check the replica's api key")
+                    if accepted is not None and status < 400:
+                        accepted()
                     relay = status == 200 and (stream if stream is not None
                                                else resp.content_type == "text/event-stream")
                     if relay:
@@ -213,7 +219,7 @@ class Forwarder:
                             log.info("replica %s began an Anthropic stream without message_start; asking again",
                                      up.replica_id)
                             resp.close()
-                            resp = await self._request(method, up.endpoint.url + path, body, headers)
+                            resp = await self._request(method, up.base_url + path, body, headers)
                             if resp.status != 200:
                                 raise UpstreamRefused(f"the engine of replica {up.replica_id} answered {resp.status}")
                             first = await resp.content.readany()
@@ -249,7 +255,7 @@ class Forwarder:
                                                         relay_headers)
             else:
                 if dialect == RESPONSES:  # the ids clients see name the replica that holds the response
-                    answer = response_ids.rewrite(answer, up.model, up.replica_id)
+                    answer = self.response_ids.rewrite(answer, up.model, up.replica_id, key_id)
                 if status == 200:
                     prompt, completion = tokens(usage_from_body(answer)) if inference else (0, 0)
                     self._count(key_id, up.model, prompt, completion)
@@ -269,6 +275,9 @@ class Forwarder:
                     resp.close()  # the engine sees the connection go: cancels its work (R-6.11)
 
     async def _request(self, method: str, url: str, body, headers) -> aiohttp.ClientResponse:
+        # `url` is the endpoint's encoded base and a path built by the route table: taken as it is,
+        # so that nothing in it is decoded or normalised (a `..` collapsed) out of the route (R-6.14a).
+        url = URL(url, encoded=True)
         try:
             return await self.session.request(method, url, data=body, headers=headers)
         except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
@@ -374,7 +383,7 @@ class Forwarder:
         await response.prepare(request)
         readany = resp.content.readany
         watch = self.watchdog.watch(resp)
-        rewrite = dialect == RESPONSES
+        rewrite = self.response_ids.rewrite if dialect == RESPONSES else None
         head = b""
         oldest = older = old = b""
         pending = b""
@@ -387,8 +396,8 @@ class Forwarder:
                 if end or len(chunk) > MAX_PENDING:
                     if end:
                         chunk, pending = chunk[:end], chunk[end:]
-                    if rewrite:
-                        chunk = response_ids.rewrite(chunk, up.model, up.replica_id)
+                    if rewrite is not None:
+                        chunk = rewrite(chunk, up.model, up.replica_id, key_id)
                     await response.write(chunk)
                     if len(head) < HEAD_BYTES:
                         head += chunk[:HEAD_BYTES]

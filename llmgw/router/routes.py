@@ -17,8 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from urllib.parse import quote
 
 from llmgw.contracts.feed import ENGINE_KINDS
+from llmgw.router.response_ids import ENGINE_ID
 
 # How a route's model is found.
 JSON = "json"  # the request body's "model"
@@ -41,6 +43,7 @@ class Route:
     dialect: str
     engines: Mapping[str, str]  # built-in engine name -> the path that engine serves it on
     chat_stream: bool = False  # streams carry OpenAI's usage-only event, asked for with include_usage
+    inference: bool = True  # runs the model over the request, so prefix routing homes its key (R-6.5b)
 
     @property
     def fixed_path(self) -> str | None:
@@ -54,9 +57,16 @@ class Route:
         return self.model_from == JSON and self.dialect != ANTHROPIC
 
     def upstream_path(self, engine: str | None, response_id: str | None = None) -> str:
-        """The path to send to this engine (custom engines: the router's own path)."""
+        """The path to send to this engine (custom engines: the router's own path), percent-encoded.
+
+        The only text of a client's that may enter it is an engine's response id, and only in the
+        form engines write it (R-6.14a): anything else is a ValueError, never a path."""
         path = self.engines.get(engine, self.path) if engine is not None else self.path
-        return path.replace("{response_id}", response_id) if response_id is not None else path
+        if response_id is None:
+            return path
+        if not ENGINE_ID.fullmatch(response_id):
+            raise ValueError(f"not an engine's response id: {response_id[:200]!r}")
+        return path.replace("{response_id}", quote(response_id, safe=""))
 
     @property
     def name(self) -> str:
@@ -78,13 +88,13 @@ ROUTES: tuple[Route, ...] = (
           _same("/v1/responses/{response_id}/cancel", ("vllm", "sglang"))),
     Route("POST", "/v1/messages", JSON, ANTHROPIC, _same("/v1/messages", ("vllm", "llama-server"))),
     Route("POST", "/v1/messages/count_tokens", JSON, ANTHROPIC,
-          _same("/v1/messages/count_tokens", ("vllm", "llama-server"))),
+          _same("/v1/messages/count_tokens", ("vllm", "llama-server")), inference=False),
     Route("POST", "/v1/rerank", JSON, OPENAI, _same("/v1/rerank")),
     Route("POST", "/rerank", JSON, OPENAI,
           MappingProxyType({"vllm": "/rerank", "sglang": "/v1/rerank", "llama-server": "/rerank"})),
     Route("POST", "/v1/score", JSON, OPENAI, _same("/v1/score", ("vllm", "sglang"))),
-    Route("POST", "/tokenize", JSON, OPENAI, _same("/tokenize")),
-    Route("POST", "/detokenize", JSON, OPENAI, _same("/detokenize")),
+    Route("POST", "/tokenize", JSON, OPENAI, _same("/tokenize"), inference=False),
+    Route("POST", "/detokenize", JSON, OPENAI, _same("/detokenize"), inference=False),
     Route("POST", "/v1/audio/transcriptions", FORM, OPENAI, _same("/v1/audio/transcriptions", ("vllm", "llama-server"))),
     Route("POST", "/v1/audio/translations", FORM, OPENAI, _same("/v1/audio/translations", ("vllm",))),
 )

@@ -5,6 +5,11 @@ field, which must come before the file (OpenAI's clients send fields first; with
 `-F model=...` before `-F file=@...`). The rest goes from the client to the engine as it arrives,
 counted against gateway.max_body. The head can be sent again, the rest cannot: once the engine
 has started to take the file, a failure is not retried elsewhere (the router keeps no copy).
+
+A form has one `model` field (R-6.15): the key was checked against that one, so a second one
+anywhere in the form, which an engine or provider might read instead, is a 400. The streamed
+rest is searched for part headers as it passes (no copy is kept); one naming `model` ends the
+upload, and the client gets the 400 since the engine answers only once it has the whole body.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from aiohttp import web
 from llmgw.router.errors import BadRequest, BodyTooLarge, RouterError, UnsupportedEncoding
 
 HEAD_LIMIT = 64 * 1024  # the fields before the file; a model name is far shorter
+PART_HEADERS_LIMIT = 16 * 1024  # a part's headers longer than this are not read for its name
 _BOUNDARY = re.compile(r';\s*boundary=("?)([^";]+)\1', re.I)
 _NAME = re.compile(r'(?:^|;)\s*name="([^"]*)"', re.I)
 _FILENAME = re.compile(r";\s*filename\*?=", re.I)
@@ -56,16 +62,56 @@ def find_model_field(data: bytes, delimiter: bytes):
         pos = end + 2
 
 
+def _second_model() -> BadRequest:
+    return BadRequest("the form has more than one 'model' field; send the model name once", param="model")
+
+
+def _names_model(headers: bytes) -> bool:
+    for line in headers.decode("latin-1").split("\r\n"):
+        if line.lower().startswith("content-disposition:"):
+            name = _NAME.search(line.partition(":")[2])
+            return name is not None and name.group(1) == "model"
+    return False
+
+
+class PartNames:
+    """Finds, in a form's bytes as they pass, a part whose headers name it `model`."""
+
+    def __init__(self, delimiter: bytes):
+        self.marker = b"\r\n" + delimiter
+        self.tail = b""
+
+    def has_model(self, data: bytes) -> bool:
+        window = self.tail + data if self.tail else data
+        marker = self.marker
+        pos = window.find(marker)
+        keep_from = max(0, len(window) - len(marker) + 1)  # a marker cut between two reads
+        while pos >= 0:
+            start = pos + len(marker)
+            end = window.find(b"\r\n\r\n", start)
+            if end < 0:
+                if len(window) - start <= PART_HEADERS_LIMIT:
+                    keep_from = min(keep_from, pos)  # these headers end in a later read
+                break
+            if _names_model(window[start:end]):
+                return True
+            pos = window.find(marker, end)
+        self.tail = window[keep_from:]
+        return False
+
+
 class Upload:
     """One multipart request: its head, held, and the rest of its body, still with the client."""
 
-    def __init__(self, request: web.Request, head: bytes, model: str, span: tuple[int, int], limit: int):
+    def __init__(self, request: web.Request, head: bytes, model: str, span: tuple[int, int], limit: int,
+                 parts: PartNames):
         self.content = request.content
         self.content_type = request.headers["Content-Type"]
         self.head = head
         self.model = model
         self.span = span
         self.limit = limit
+        self.parts = parts  # for a second `model` field in the rest of the form
         self.started = False  # bytes past the head went to an engine: nothing can be resent
         self.problem: RouterError | None = None
 
@@ -88,6 +134,9 @@ class Upload:
             total += len(chunk)
             if total > self.limit:
                 self.problem = BodyTooLarge(f"request body is over the limit of {self.limit} bytes (gateway.max_body)")
+                raise self.problem
+            if self.parts.has_model(chunk):
+                self.problem = _second_model()
                 raise self.problem
             yield chunk
 
@@ -120,4 +169,7 @@ async def read_upload(request: web.Request, limit: int) -> Upload:
     if len(head) > limit:
         raise BodyTooLarge(f"request body is over the limit of {limit} bytes (gateway.max_body)")
     model, start, end = found
-    return Upload(request, head, model, (start, end), limit)
+    parts = PartNames(delimiter)
+    if parts.has_model(head[end:]):  # the fields after it that came in the same reads
+        raise _second_model()
+    return Upload(request, head, model, (start, end), limit, parts)

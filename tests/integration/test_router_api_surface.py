@@ -18,12 +18,12 @@ import openai
 import pytest
 from aiohttp import web
 
-from llmgw.config import GatewayConfig
-from llmgw.router import Endpoint, response_ids
+from llmgw.config import GatewayConfig, StaticEndpoint
+from llmgw.router import Endpoint
 from llmgw.keys import list_keys
 from llmgw.router.routes import ROUTES
 from tests.integration.test_router_support import (apoll, catalog, engines, free_port, model,  # noqa: F401
-                                                   scripted_engine, start_router)
+                                                   raw_request, scripted_engine, start_router)
 
 STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 
@@ -60,7 +60,7 @@ async def test_r6_12_responses_with_the_openai_client_plain_and_streamed(engines
         reply = await client.responses.create(model="m", input="one two three", max_output_tokens=6)
         assert reply.output_text == "m heard 3 words la la"
         assert (reply.usage.input_tokens, reply.usage.output_tokens) == (3, 6)
-        assert response_ids.decode(reply.id)[:2] == ("m", "replica-a")
+        assert gw.opened(reply.id)[:2] == ("m", "replica-a")
         stream = await client.responses.create(model="m", input="four five", stream=True)
         events = [event async for event in stream]
     kinds = [event.type for event in events]
@@ -68,39 +68,39 @@ async def test_r6_12_responses_with_the_openai_client_plain_and_streamed(engines
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == "m heard 2 words la la la la"
     done = events[-1].response
-    assert events[0].response.id == done.id and response_ids.decode(done.id)[1] == "replica-a"
+    assert events[0].response.id == done.id and gw.opened(done.id)[1] == "replica-a"
     assert (done.usage.input_tokens, done.usage.output_tokens) == (2, 8)
     # recorded as the engine reported, in both forms
     assert await usage_of(gw, requests=2) == (3 + 2, 6 + 8)
 
 
-async def test_r6_14_follow_ups_go_to_the_replica_that_holds_the_response(engines, start_router, tmp_path):  # noqa: F811
+async def test_r6_14_follow_ups_go_to_the_replica_that_holds_the_response(engines, start_router):  # noqa: F811
     a = engines.start("m", env=STORE)
     b = engines.start("m", env=STORE)
     endpoints = {"m": [a.endpoint("replica-a"), b.endpoint("replica-b")]}
     gw = await start_router(catalog(model("m")), endpoints)
     async with gw.client() as client:
         first = await client.responses.create(model="m", input="one two three", max_output_tokens=4)
-        holder = response_ids.decode(first.id)[1]
+        holder = gw.opened(first.id)[1]
         previous = first.id
         for _ in range(4):  # balancing alone would send half of these to the other replica, which holds nothing
             follow = await client.responses.create(model="m", input="and more", previous_response_id=previous,
                                                    max_output_tokens=4)
-            assert response_ids.decode(follow.id)[1] == holder
+            assert gw.opened(follow.id)[1] == holder
             assert follow.previous_response_id == previous
             previous = follow.id
         fetched = await client.responses.retrieve(first.id)
         assert fetched.id == first.id and fetched.output_text == first.output_text
     # five created (3 words, then "and more" on top of all before it), one read back: not counted again
     assert await usage_of(gw, requests=6) == (3 + 9 + 15 + 21 + 27, 5 * 4)
-    # another router (a second worker, or another host) with the same endpoints and no shared state
-    other = await start_router(catalog(model("m")), endpoints, store_path=tmp_path / "other.db")
-    async with other.client() as client:
+    # another router (a second worker, or another host) fed by the same control plane, no state shared with this one
+    other = await start_router(catalog(model("m")), endpoints)
+    async with other.client(gw.secret) as client:
         assert (await client.responses.retrieve(previous)).id == previous
     # a key that may not use the model may not read its responses either
     limited = gw.key("limited", ["another"])
     async with gw.client(limited) as client:
-        with pytest.raises(openai.PermissionDeniedError):
+        with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(first.id)
     # the replica goes: a clear 404 naming it, not another replica's "not found"
     gw.set_endpoints({"m": [b.endpoint("replica-b")] if holder == "replica-a" else [a.endpoint("replica-a")]})
@@ -114,9 +114,9 @@ async def test_r6_14_follow_ups_go_to_the_replica_that_holds_the_response(engine
 
 
 @pytest.mark.parametrize("response_id,fragment", [
-    pytest.param("resp_123", "not made through this gateway", id="engine-id"),
-    pytest.param("resp_%%%.x", "not made through this gateway", id="garbage"),
-    pytest.param("chatcmpl-1", "not made through this gateway", id="not-a-response"),
+    pytest.param("resp_123", "was made through this gateway with this API key", id="engine-id"),
+    pytest.param("resp_%%%.x", "was made through this gateway with this API key", id="garbage"),
+    pytest.param("chatcmpl-1", "was made through this gateway with this API key", id="not-a-response"),
 ])
 async def test_r6_14_unknown_response_ids_are_a_clear_404(engines, start_router, response_id, fragment):  # noqa: F811
     engine = engines.start("m", env=STORE)
@@ -137,6 +137,109 @@ async def test_r6_14_a_follow_up_must_name_the_model_that_holds_it(engines, star
         with pytest.raises(openai.BadRequestError) as refused:
             await client.responses.create(model="other", input="hi", previous_response_id=first.id)
     assert "continue it with model 'm'" in refused.value.message
+
+
+# What a forged id appends to (or puts in place of) an id the router handed out, as it is written in a
+# request's path: each tries to leave /v1/responses/{id} on the engine (R-6.14a).
+FORGED_IN_PATH = {
+    "slash": "%2F..%2F..%2F..%2Fget_server_info",
+    "slash-lower": "%2f..%2f..%2f..%2fstart_profile",
+    "slash-twice-encoded": "%252F..%252F..%252F..%252Fget_server_info",
+    "query": "%2F..%2F..%2F..%2Fstart_profile%3Fz=",
+    "fragment": "%23x",
+    "dot-dot": "..",
+    "dot-dot-encoded": "%2E%2E%2F%2E%2E%2F%2E%2E%2Fget_server_info",
+    "backslash": "\\..\\..\\..\\get_server_info",
+    "backslash-encoded": "%5C..%5C..%5C..%5Cget_server_info",
+    "one-dot-leader": "%E2%80%A4%E2%80%A4%2Fget_server_info",  # U+2024
+    "fullwidth-dot": "%EF%BC%8E%EF%BC%8E%2Fget_server_info",  # U+FF0E
+    "ideographic-dot": "%E3%80%82%E3%80%82%2Fget_server_info",  # U+3002
+    "nul": "%00",
+    "overlong": "A" * 3000,
+}
+# The same as a client's JSON carries them in previous_response_id (decoded text)
+FORGED_IN_BODY = {
+    "slash": "/../../../get_server_info", "query": "/../../../start_profile?z=", "fragment": "#x", "dot-dot": "..",
+    "backslash": "\\..\\..\\get_server_info", "one-dot-leader": "\u2024\u2024/get_server_info",
+    "fullwidth-dot": "\uff0e\uff0e/get_server_info", "ideographic-dot": "\u3002\u3002/get_server_info", "nul": "\0",
+    "overlong": "A" * 100000, "slash-encoded": "%2F..%2F..%2Fget_server_info",
+}
+ROUTE_PATHS = {"/v1/responses", "/v1/responses/resp_engine1", "/v1/responses/resp_engine1/cancel"}
+
+
+def _not_found(status: int, body: bytes, param: str | None = None) -> str:
+    """The error's message, once it is checked to be OpenAI's 404 response_not_found."""
+    error = json.loads(body)["error"]
+    assert status == 404 and set(error) == {"message", "type", "code", "param"}, body[:300]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "response_not_found", param)
+    return error["message"]
+
+
+async def test_r6_14a_no_forged_id_reaches_an_engine_path_outside_the_route(start_router):  # noqa: F811
+    async with recording_engine() as (url, seen):
+        gw = await start_router(catalog(model("m", profile="custom")),
+                                {"m": [Endpoint("replica-live", "m", url, "engine-key-live")]})
+        auth = {"Authorization": f"Bearer {gw.secret}"}
+        status, _, body = await post(gw, "/v1/responses", {"model": "m", "input": "hi"})
+        genuine = json.loads(body)["id"]
+        assert status == 200 and gw.opened(genuine) == ("m", "replica-live", "resp_engine1")
+        token, seal = genuine[len("resp_"):].split(".")
+        tampered = {**{f"after-the-id, {name}": genuine + text for name, text in FORGED_IN_PATH.items()},
+                    **{f"inside-the-id, {name}": f"resp_{token}{text}.{seal}" for name, text in FORGED_IN_PATH.items()},
+                    "seal-changed": genuine[:-2] + ("AA" if not genuine.endswith("AA") else "BB"),
+                    "overlong-alone": "resp_" + "A" * 3000 + "." + "A" * 22}
+        for name, forged in tampered.items():
+            for method, path in (("GET", f"/v1/responses/{forged}"), ("POST", f"/v1/responses/{forged}/cancel")):
+                status, _, body = await raw_request(gw.url, method, path, auth)  # sent exactly as written
+                _not_found(status, body)
+        for name, text in FORGED_IN_BODY.items():
+            for forged in (genuine + text, f"resp_{token}{text}.{seal}"):
+                status, _, body = await post(gw, "/v1/responses", {"model": "m", "input": "x",
+                                                                   "previous_response_id": forged})
+                _not_found(status, body, "previous_response_id")
+        assert [(r["method"], r["path"]) for r in seen] == [("POST", "/v1/responses")], "only the genuine request"
+        # the genuine id still works, for its key, on each route
+        assert (await raw_request(gw.url, "GET", f"/v1/responses/{genuine}", auth))[0] == 200
+        assert (await raw_request(gw.url, "POST", f"/v1/responses/{genuine}/cancel", auth))[0] == 200
+        status, _, body = await post(gw, "/v1/responses", {"model": "m", "input": "x", "previous_response_id": genuine})
+        assert status == 200
+        assert [(r["method"], r["path"]) for r in seen[1:]] == [
+            ("GET", "/v1/responses/resp_engine1"), ("POST", "/v1/responses/resp_engine1/cancel"), ("POST", "/v1/responses")]
+        assert json.loads(seen[-1]["body"])["previous_response_id"] == "resp_engine1"
+        assert {r["path"] for r in seen} <= ROUTE_PATHS
+
+
+async def test_r6_14_another_tenants_response_is_refused_like_an_unknown_one(start_router):  # noqa: F811
+    async with recording_engine() as (url, seen):
+        gw = await start_router(catalog(model("m", profile="custom")),
+                                {"m": [Endpoint("replica-live", "m", url, "engine-key-live")]})
+        status, _, body = await post(gw, "/v1/responses", {"model": "m", "input": "hi"})
+        mine = json.loads(body)["id"]
+        other = gw.key("other-tenant", ["m"])  # allowed on the same model
+        theirs = {"Authorization": f"Bearer {other}"}
+        unknown = "resp_" + mine[len("resp_"):][::-1]
+        for response_id in (mine, unknown):
+            status, _, body = await raw_request(gw.url, "GET", f"/v1/responses/{response_id}", theirs)
+            got = _not_found(status, body)
+            assert got == f"no response {response_id!r} was made through this gateway with this API key"
+            status, _, body = await raw_request(gw.url, "POST", f"/v1/responses/{response_id}/cancel", theirs)
+            _not_found(status, body)
+            status, _, body = await post(gw, "/v1/responses", {"model": "m", "input": "x", "previous_response_id": response_id},
+                                         headers=theirs)
+            _not_found(status, body, "previous_response_id")
+        # the same with the official client
+        async with gw.client(other) as client:
+            with pytest.raises(openai.NotFoundError) as refused:
+                await client.responses.retrieve(mine)
+        assert refused.value.code == "response_not_found"
+        # an id sealed for the other key, with this key's seal: tampered, refused
+        token, seal = mine[len("resp_"):].split(".")
+        swapped = gw.response_id("m", "replica-live", "resp_engine1", other).split(".")[0] + "." + seal
+        status, _, body = await raw_request(gw.url, "GET", f"/v1/responses/{swapped}", theirs)
+        _not_found(status, body)
+        assert len(seen) == 1
+        async with gw.client() as client:  # still the owner's
+            assert (await client.responses.retrieve(mine)).id == mine
 
 
 # -- Anthropic Messages -----------------------------------------------------------------------
@@ -195,7 +298,7 @@ async def test_r6_12_a_route_the_engine_does_not_serve_is_a_404_naming_it(engine
     engine = engines.start("m", mode=mode)
     gw = await start_router(catalog(model("m", profile=profile)), {"m": [engine.endpoint("replica-a")]})
     if "/resp_x/" in path:
-        path = path.replace("resp_x", response_ids.encode("m", "replica-a", "resp_x"))
+        path = path.replace("resp_x", gw.response_id("m", "replica-a", "resp_x"))
     if path.startswith("/v1/audio"):
         form = aiohttp.FormData()
         form.add_field("model", "m")
@@ -260,8 +363,8 @@ async def recording_engine():
         yield url, seen
 
 
-def _request_for(route, model_name: str, replica: str) -> tuple[str, dict]:
-    path = route.path.replace("{response_id}", response_ids.encode(model_name, replica, "resp_engine1"))
+def _request_for(gw, route, model_name: str, replica: str) -> tuple[str, dict]:
+    path = route.path.replace("{response_id}", gw.response_id(model_name, replica, "resp_engine1"))
     if route.model_from == "form":
         return path, {"form": True}
     if route.model_from == "response_id":
@@ -291,7 +394,7 @@ async def test_r6_12_every_route_sends_the_engine_key_as_bearer_and_retries(star
         live = Endpoint("replica-live", "m", url, "engine-key-live")
         pinned = route.model_from == "response_id"
         gw = await start_router(catalog(model("m", profile="custom")), {"m": [live] if pinned else [dead, live]})
-        path, how = _request_for(route, "m", "replica-live")
+        path, how = _request_for(gw, route, "m", "replica-live")
         for auth in ({"Authorization": f"Bearer {gw.secret}"}, {"x-api-key": gw.secret, "anthropic-version": "2023-06-01"}):
             status, body = await _call(gw, route, path, how, auth)
             assert status == 200, body
@@ -303,13 +406,13 @@ async def test_r6_12_every_route_sends_the_engine_key_as_bearer_and_retries(star
         if route.path.startswith("/v1/messages"):
             assert got["headers"]["anthropic-version"] == "2023-06-01"
         if route.dialect == "responses":  # the engine's id is handed out naming the replica
-            assert response_ids.decode(json.loads(body)["id"]) == ("m", "replica-live", "resp_engine1")
+            assert gw.opened(json.loads(body)["id"]) == ("m", "replica-live", "resp_engine1")
         if not pinned:
             assert gw.registry.get_sample_value("llmgw_router_retries_total", {"model": "m"}) >= 1
         # a key limited to other models may not use this one on any route
         limited = gw.key("limited", ["other"])
         status, body = await _call(gw, route, path, how, {"Authorization": f"Bearer {limited}"})
-        assert status == 403, body
+        assert status == 404, body
 
 
 @pytest.mark.parametrize("route", [pytest.param(r, id=r.name) for r in ROUTES if r.model_from != "response_id"])
@@ -317,10 +420,28 @@ async def test_r6_7_every_route_falls_back(start_router, route):  # noqa: F811
     async with recording_engine() as (url, seen):
         gw = await start_router(catalog(model("m", profile="custom", fallback="f"), model("f", profile="custom")),
                                 {"m": [], "f": [Endpoint("replica-f", "f", url, "engine-key-f")]})
-        path, how = _request_for(route, "m", "replica-f")
+        path, how = _request_for(gw, route, "m", "replica-f")
         status, body = await _call(gw, route, path, how, {"Authorization": f"Bearer {gw.secret}"})
         assert status == 200, body
         assert seen[-1]["path"] == route.path
+
+
+@pytest.mark.parametrize("written,prefix", [
+    pytest.param("", "", id="host-only"),
+    pytest.param("/v1", "", id="v1-as-clients-write-it"),
+    pytest.param("/v1/", "", id="v1-slash"),
+    pytest.param("/openai/v1", "/openai", id="v1-under-a-prefix"),
+    pytest.param("/openai", "/openai", id="a-prefix-without-v1"),
+])
+async def test_r6_10_a_static_endpoint_url_with_or_without_v1_reaches_the_route(start_router, written, prefix):  # noqa: F811
+    async with recording_engine() as (url, seen):
+        gw = await start_router(catalog(model("s", profile=None, endpoints=[StaticEndpoint(url=url + written)])))
+        status, _, body = await post(gw, "/v1/chat/completions", {"model": "s", "messages": [], "max_tokens": 1})
+        assert status == 200, body
+        status, _, body = await post(gw, "/tokenize", {"model": "s", "prompt": "p"})
+        assert status == 200, body
+    # (the engine-load poller's GETs under a prefix are recorded too)
+    assert [r["path"] for r in seen if r["method"] == "POST"] == [prefix + "/v1/chat/completions", prefix + "/tokenize"]
 
 
 # -- streams: comments and named events untouched ---------------------------------------------
@@ -364,7 +485,7 @@ async def test_r6_14_a_streamed_response_id_cut_between_reads_is_still_rewritten
     async with streaming_engine("/v1/responses", [b": ping\n\n", created[:cut], created[cut:], done]) as url:
         gw = await start_router(catalog(model("m", profile="custom")), {"m": [Endpoint("r", "m", url, None)]})
         status, _, body = await post(gw, "/v1/responses", {"model": "m", "stream": True, "input": "x"})
-    mine = response_ids.encode("m", "r", "resp_abc").encode()
+    mine = gw.response_id("m", "r", "resp_abc").encode()
     assert status == 200 and body == (b": ping\n\n" + created + done).replace(b'"resp_abc"', b'"' + mine + b'"')
     assert await usage_of(gw) == (4, 2)
 
@@ -387,6 +508,10 @@ async def test_r6_15_audio_transcription_with_the_openai_client(engines, start_r
     pytest.param([("file", b"abc", "a.wav")], 400, "before the file", id="no-model"),
     pytest.param([("language", "en", None)], 400, "no 'model' field", id="only-other-fields"),
     pytest.param([("model", "m", None), ("file", b"x" * 5000, "a.wav")], 413, "limit", id="too-large"),
+    pytest.param([("model", "m", None), ("model", "other", None), ("file", b"abc", "a.wav")], 400,
+                 "more than one 'model' field", id="model-twice"),
+    pytest.param([("model", "m", None), ("language", "en", None), ("file", b"abc", "a.wav"), ("model", "other", None)],
+                 400, "more than one 'model' field", id="model-again-after-the-file"),
 ])
 async def test_r6_15_bad_uploads_are_refused_clearly(engines, start_router, parts, status, fragment):  # noqa: F811
     engine = engines.start("m")
@@ -421,6 +546,37 @@ async def test_r6_15_an_upload_without_length_over_the_limit_is_cut(engines, sta
         document = await response.json()
     assert response.status == 413 and "limit" in document["error"]["message"]
     assert engine.counters()["requests"] == 0
+
+
+@pytest.mark.parametrize("cut", [1, 9, 30, 60])
+async def test_r6_15_a_second_model_field_in_the_streamed_rest_is_refused_wherever_the_reads_cut_it(
+        start_router, cut):  # noqa: F811
+    """A recording engine, which takes only a whole body: the router cuts the upload short."""
+    async with recording_engine() as (url, seen):
+        gw = await start_router(catalog(model("m", profile="custom")), {"m": [Endpoint("r", "m", url, None)]})
+        status, document = await _upload_with_model_again(gw, cut)
+        assert status == 400 and document["error"]["param"] == "model", document
+        assert "more than one 'model' field" in document["error"]["message"]
+        assert seen == []
+
+
+async def _upload_with_model_again(gw, cut: int) -> tuple[int, dict]:
+    boundary = "b0undary"
+    again = f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nother".encode()
+
+    async def body():
+        yield (f"--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n"
+               f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\n").encode()
+        yield b"\x01" * 70_000
+        await asyncio.sleep(0.05)  # each piece its own read at the router
+        yield again[:cut]
+        await asyncio.sleep(0.05)
+        yield again[cut:] + f"\r\n--{boundary}--\r\n".encode()
+    async with aiohttp.ClientSession() as session, \
+            session.post(gw.url + "/v1/audio/transcriptions", data=body(),
+                         headers={"Authorization": f"Bearer {gw.secret}",
+                                  "Content-Type": f"multipart/form-data; boundary={boundary}"}) as response:
+        return response.status, await response.json()
 
 
 async def test_r6_13_comment_pings_keep_a_slow_stream_alive(start_router):  # noqa: F811

@@ -15,7 +15,7 @@ import anthropic
 import openai
 import pytest
 
-from llmgw.router import Endpoint, response_ids
+from llmgw.router import Endpoint
 from tests.integration.test_router_api_surface_vllm import ENGINES_DIR, recorded, running_engine, tiny_model
 from tests.integration.test_router_support import catalog, free_port, model, poll, start_router  # noqa: F401
 
@@ -66,7 +66,7 @@ async def test_r6_12_responses_and_tokenize_on_the_real_llama_server(llama, star
             await client.responses.retrieve(reply.id)
     done = events[-1].response
     print("llama-server Responses usage:", reply.usage, done.usage)
-    assert response_ids.decode(reply.id)[:2] == ("m", "real-l") and response_ids.decode(done.id)[1] == "real-l"
+    assert gw.opened(reply.id)[:2] == ("m", "real-l") and gw.opened(done.id)[1] == "real-l"
     assert "runs on llama-server" in not_served.value.message
     reported = [(r.usage.input_tokens, r.usage.output_tokens) for r in (reply, done)]
     async with aiohttp.ClientSession() as session:

@@ -20,9 +20,10 @@ import urllib.request
 from pathlib import Path
 
 import anthropic
+import openai
 import pytest
 
-from llmgw.router import Endpoint, response_ids
+from llmgw.router import Endpoint
 from llmgw.keys import list_keys
 from tests.integration.test_router_support import apoll, catalog, free_port, model, poll, start_router  # noqa: F401
 
@@ -133,13 +134,24 @@ async def test_r6_12_responses_on_the_real_vllm(vllm, start_router):  # noqa: F8
                                                max_output_tokens=4)
         fetched = await client.responses.retrieve(reply.id)
     print("vLLM Responses usage:", reply.usage, done.usage, follow.usage)
-    assert response_ids.decode(reply.id)[:2] == ("m", "real-1")
-    assert events[-1].type == "response.completed" and response_ids.decode(done.id)[1] == "real-1"
+    assert gw.opened(reply.id)[:2] == ("m", "real-1")
+    assert events[-1].type == "response.completed" and gw.opened(done.id)[1] == "real-1"
     assert follow.previous_response_id == reply.id and fetched.id == reply.id
     reported = [(r.usage.input_tokens, r.usage.output_tokens) for r in (reply, done, follow)]
     assert all(i > 0 and o > 0 for i, o in reported)
     # the stored response read back is a request, not tokens spent again
     assert await recorded(gw, 4) == (sum(i for i, _ in reported), sum(o for _, o in reported))
+    # another key allowed on the model: the same 404 as an unknown id, for reading and continuing
+    async with gw.client(gw.key("other-tenant", ["m"]), timeout=120) as client:
+        with pytest.raises(openai.NotFoundError) as read:
+            await client.responses.retrieve(reply.id)
+        with pytest.raises(openai.NotFoundError) as continued:
+            await client.responses.create(model="m", input="x", previous_response_id=reply.id, max_output_tokens=2)
+    assert read.value.code == continued.value.code == "response_not_found"
+    # a forged suffix that walked out of the route before reaches no vLLM page (R-6.14a)
+    async with gw.client(timeout=120) as client:
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(reply.id + "%2F..%2F..%2F..%2Fmetrics")
 
 
 async def test_r6_13_anthropic_messages_on_the_real_vllm(vllm, start_router):  # noqa: F811

@@ -66,11 +66,34 @@ async def test_r6_2_key_limited_to_some_models(gw):
         assert [m.id async for m in client.models.list()] == ["m1"]
         answer = await client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}])
         assert answer.model == "m1"
-        with pytest.raises(openai.PermissionDeniedError) as refused:
+        with pytest.raises(openai.NotFoundError) as refused:
             await client.chat.completions.create(model="m2", messages=[{"role": "user", "content": "x"}])
-        with pytest.raises(openai.PermissionDeniedError):
+        with pytest.raises(openai.NotFoundError):
             await client.models.retrieve("m2")
-    assert refused.value.code == "model_not_allowed"
+    assert refused.value.code == "model_not_found"
+
+
+async def test_r6_1_a_model_the_key_may_not_use_is_answered_as_one_that_does_not_exist(gw):
+    """The same status, code and message (the name aside) as an unknown model: a key cannot tell
+    which models exist by asking for them, through any route or dialect."""
+    secret = gw.key("only-m1", ["m1"])
+    headers = {"Authorization": f"Bearer {secret}"}
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    async with aiohttp.ClientSession() as session:
+        async def ask(method: str, path: str, body: dict | None = None) -> tuple[int, str]:
+            async with session.request(method, gw.url + path, json=body, headers=headers) as response:
+                return response.status, await response.text()
+        for method, path, body in (("POST", "/v1/chat/completions", {"model": "{}", **chat}),
+                                   ("GET", "/v1/models/{}", None),
+                                   ("POST", "/v1/messages", {"model": "{}", **chat})):
+            answers = set()
+            for name in ("m2", "no-such-model"):
+                status, text = await ask(method, path.format(name),
+                                         None if body is None else {**body, "model": name})
+                answers.add((status, text.replace(name, "NAME")))
+            assert len(answers) == 1, answers
+            status, text = answers.pop()
+            assert status == 404 and ("model_not_found" in text or "not_found_error" in text), text
 
 
 @pytest.mark.parametrize("secret", [

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import aiohttp
 import pytest
+from aiohttp import web
 
+from llmgw.router import Endpoint, balancer
 from llmgw.router.engineload import EnginePoller
-from tests.integration.test_router_support import apoll, catalog, engines, model, start_router  # noqa: F401
+from tests.integration.test_router_support import (apoll, catalog, engines, model, scripted_engine,  # noqa: F401
+                                                   start_router)
 
 SYSTEM = "You answer questions about the tax code of a small country. " * 30  # 1,830 bytes: a long one
 SHORT_SYSTEM = "You answer questions about the tax code of a small country. " * 10  # 610 bytes
@@ -104,3 +108,45 @@ async def test_r6_5e_router_polls_engine_load_with_the_key(prefix_gateway):
         load = gw.router.engine_load(f"m-{i}")
         assert load is not None and load.source == "vllm"
         assert load.running == 0 and load.waiting is None and load.kv_cache is None  # the double says no more
+
+
+# -- the live-key table: whose keys, which requests, how many (R-6.5b, R-6.5c) ---------------------
+
+async def test_r6_5b_a_key_is_homed_only_by_an_inference_request_its_engine_accepted(start_router, monkeypatch):  # noqa: F811
+    async def answer(request: web.Request) -> web.Response:
+        document = await request.json()
+        if document.get("max_tokens") == 0:  # the engine refuses this one
+            return web.json_response({"error": {"message": "max_tokens must be at least 1"}}, status=400)
+        return web.json_response({"id": "x", "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+
+    monkeypatch.setattr(balancer, "KEYS_PER_API_KEY", 3)
+    async with scripted_engine(answer, "/{tail:.*}") as one, scripted_engine(answer, "/{tail:.*}") as two:
+        gw = await start_router(catalog(model("m", profile="custom", routing="prefix")),
+                                {"m": [Endpoint("m-0", "m", one, None), Endpoint("m-1", "m", two, None)]})
+        other = gw.key("other-tenant", ["m"])
+
+        async def send(path: str, body: dict, secret: str | None = None) -> int:
+            async with aiohttp.ClientSession() as session, \
+                    session.post(gw.url + path, json={"model": "m", **body},
+                                 headers={"Authorization": f"Bearer {secret or gw.secret}"}) as response:
+                return response.status
+
+        def live() -> int:
+            return sum(gw.router.balancer.live_keys("m").values())
+
+        # refused by the engine, or a route that does not run the model: no home
+        assert await send("/v1/chat/completions", {"prompt_cache_key": "c", "max_tokens": 0, "messages": []}) == 400
+        assert await send("/tokenize", {"prompt_cache_key": "t", "prompt": "x"}) == 200
+        assert await send("/v1/messages/count_tokens", {"user": "u", "messages": []}) == 200
+        assert live() == 0
+        # accepted: homed; the same string of another tenant is another key
+        assert await send("/v1/chat/completions", {"prompt_cache_key": "c", "messages": []}) == 200
+        assert live() == 1
+        assert await send("/v1/chat/completions", {"prompt_cache_key": "c", "messages": []}, other) == 200
+        assert live() == 2
+        # one API key homes at most KEYS_PER_API_KEY keys; past it, served all the same, homing nothing
+        for n in range(5):
+            assert await send("/v1/chat/completions", {"prompt_cache_key": f"many-{n}", "messages": []}) == 200
+        assert live() == 2 + 2  # its "c" and two of the five
+        assert await send("/v1/chat/completions", {"prompt_cache_key": "c2", "messages": []}, other) == 200
+        assert live() == 5  # the other tenant still has room

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import EngineConfig, GatewayConfig, ModelConfig, ProfileConfig, ScalingConfig
 from llmgw.control.feed import FeedPublisher
+from llmgw.fleet.secret import response_secret
 from llmgw.keys import create_key, key_entries
 from llmgw.localfeed import LocalFeed
 from llmgw.router import RUNNER_OPTIONS, Endpoint, Router
@@ -232,6 +233,16 @@ class RunningRouter:
         await self.feed.report()
         return self.publisher.take_last_used()
 
+    def response_id(self, model: str, replica: str, engine_id: str, secret: str | None = None) -> str:
+        """The id this router hands out for the engine's `engine_id` made with `secret`'s key (the first key's by default)."""
+        key = self.router.keys.authenticate(f"Bearer {secret or self.secret}")
+        return self.router.response_ids.seal(model, replica, key.id, engine_id)
+
+    def opened(self, response_id: str) -> tuple[str, str, str] | None:
+        """(model, replica, engine id) of an id this router handed out, None when it did not."""
+        sealed = self.router.response_ids.open(response_id)
+        return None if sealed is None else (sealed.model, sealed.replica_id, sealed.engine_id)
+
     async def usage_rows(self) -> list[dict]:
         return await self.store.read(lambda db: list(db["usage"].rows))
 
@@ -246,7 +257,9 @@ async def start_router(tmp_path):
         store = Store.open(store_path or tmp_path / "state.db")
         _, secret = store.write_sync(lambda db: create_key(db, f"test-{len(running)}"))
         registry = CollectorRegistry()
-        publisher = FeedPublisher(CatalogHolder(cat), store, gateway or GatewayConfig(), note_demand=on_demand)
+        # one control plane's secret for every router of the test, as every router of a gateway is fed it
+        publisher = FeedPublisher(CatalogHolder(cat), store, gateway or GatewayConfig(), note_demand=on_demand,
+                                  response_secret=response_secret(tmp_path))
         router = Router(registry=registry)
         if endpoints:
             publisher.set_endpoints(endpoints)

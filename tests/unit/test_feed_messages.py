@@ -57,6 +57,7 @@ def test_r10_1_a_snapshot_read_back_holds_the_dataclasses_own_frozen_entries():
             setattr(entry, first, "changed")
         assert getattr(entry, first) == getattr(expected, first)
     assert KEY_HASH not in repr(back.keys) and ENGINE_KEY not in repr(back.endpoints)
+    assert back.response_secret == original.response_secret and original.response_secret not in repr(back)
 
 
 def counting_init(monkeypatch, cls, calls: list) -> None:
@@ -134,6 +135,9 @@ def set_at(document: dict, path: tuple, value) -> None:
     pytest.param(("endpoints", "a", 1, "draining"), 1, "snapshot.endpoints['a'][1].draining: expected bool, got int",
                  id="endpoint-draining"),
     # models
+    pytest.param(("response_secret",), DELETE, "snapshot: 'response_secret' is missing", id="response-secret-missing"),
+    pytest.param(("response_secret",), "short", "snapshot.response_secret: expected 64 hex digits",
+                 id="response-secret"),
     pytest.param(("models", 1, "name"), 1, "snapshot.models[1].name: expected str, got int", id="model-name"),
     pytest.param(("models", 0, "engine"), "vllm2", "snapshot.models[0].engine: 'vllm2' is not one of", id="model-engine"),
     pytest.param(("models", 0, "engine"), ["vllm"], "snapshot.models[0].engine: expected str or null, got list",

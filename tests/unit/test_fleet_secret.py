@@ -10,7 +10,7 @@ import pytest
 
 from llmgw.config import NodeConfig
 from llmgw.fleet.link import LocalLink
-from llmgw.fleet.secret import SecretError, fleet_secret
+from llmgw.fleet.secret import SecretError, fleet_secret, response_secret
 
 
 def test_made_once_private_and_stable(tmp_path):
@@ -20,6 +20,15 @@ def test_made_once_private_and_stable(tmp_path):
     assert os.stat(state / "fleet.key").st_mode & 0o777 == 0o600
     assert fleet_secret(state) == first
     assert [p.name for p in state.iterdir()] == ["fleet.key"], "no temp file left"
+
+
+def test_r6_14_the_response_id_secret_is_made_once_private_and_apart_from_the_fleet_secret(tmp_path):
+    first = response_secret(tmp_path)
+    assert len(first) == 64 and os.stat(tmp_path / "responses.key").st_mode & 0o777 == 0o600
+    assert response_secret(tmp_path) == first != fleet_secret(tmp_path)  # a restart seals and opens alike
+    (tmp_path / "responses.key").write_text("not a secret")
+    with pytest.raises(SecretError, match="does not hold the response-id secret"):
+        response_secret(tmp_path)
 
 
 def test_concurrent_first_uses_agree(tmp_path):

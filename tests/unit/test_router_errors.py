@@ -13,7 +13,6 @@ from llmgw.router.errors import error_response, from_http_exception
 
 @pytest.mark.parametrize("error,status,code,retryable", [
     pytest.param(errors.InvalidKey("x"), 401, "invalid_api_key", False, id="401"),
-    pytest.param(errors.ModelNotAllowed("x"), 403, "model_not_allowed", False, id="403"),
     pytest.param(errors.ModelNotFound("x"), 404, "model_not_found", False, id="404"),
     pytest.param(errors.BadRequest("x"), 400, "invalid_request", False, id="400"),
     pytest.param(errors.BodyTooLarge("x"), 413, "request_too_large", False, id="413"),

@@ -305,41 +305,41 @@ def test_r6_5_turns_of_a_conversation_share_their_key():
     later = {"messages": [SYSTEM, {"role": "user", "content": "hello"},
                           {"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]}
     other = {"messages": [SYSTEM, {"role": "user", "content": "another question"}]}
-    assert affinity_key(first, {}) == affinity_key(later, {})
-    assert affinity_key(first, {}) != affinity_key(other, {})
+    assert affinity_key(first, {}, "key-1") == affinity_key(later, {}, "key-1")
+    assert affinity_key(first, {}, "key-1") != affinity_key(other, {}, "key-1")
 
 
 def test_r6_5_a_long_system_prompt_alone_is_the_key_of_every_conversation_that_shares_it():
     long_system = {"role": "system", "content": "You are a tax assistant. " * 41}  # 1,025 bytes
     one = {"messages": [long_system, {"role": "user", "content": "hello"}]}
     another = {"messages": [long_system, {"role": "user", "content": "another question"}]}
-    assert affinity_key(one, {}) == affinity_key(another, {})
+    assert affinity_key(one, {}, "key-1") == affinity_key(another, {}, "key-1")
     other_tenant = {"messages": [{"role": "system", "content": "You are a travel agent. " * 45},
                                  {"role": "user", "content": "hello"}]}
-    assert affinity_key(one, {}) != affinity_key(other_tenant, {})
+    assert affinity_key(one, {}, "key-1") != affinity_key(other_tenant, {}, "key-1")
     # Below the threshold (SYSTEM is 1,000 bytes) conversations keep keys of their own.
     short = [{"messages": [SYSTEM, {"role": "user", "content": text}]} for text in ("hello", "another question")]
-    assert affinity_key(short[0], {}) != affinity_key(short[1], {})
+    assert affinity_key(short[0], {}, "key-1") != affinity_key(short[1], {}, "key-1")
 
 
 def test_r6_5_explicit_keys_win_in_their_order():
     body = {"messages": [{"role": "user", "content": "x"}], "user": "alice", "prompt_cache_key": "c1"}
     session = {"X-Session-ID": "s1"}
-    assert affinity_key(body, session) == affinity_key({"prompt_cache_key": "c1"}, {})
+    assert affinity_key(body, session, "key-1") == affinity_key({"prompt_cache_key": "c1"}, {}, "key-1")
     without_cache_key = {k: v for k, v in body.items() if k != "prompt_cache_key"}
-    assert affinity_key(without_cache_key, session) == affinity_key({}, session)
-    assert affinity_key(without_cache_key, {}) == affinity_key({"user": "alice"}, {})
-    assert affinity_key({"user": "alice"}, {}) != affinity_key({}, {"X-Session-ID": "alice"})
+    assert affinity_key(without_cache_key, session, "key-1") == affinity_key({}, session, "key-1")
+    assert affinity_key(without_cache_key, {}, "key-1") == affinity_key({"user": "alice"}, {}, "key-1")
+    assert affinity_key({"user": "alice"}, {}, "key-1") != affinity_key({}, {"X-Session-ID": "alice"}, "key-1")
 
 
 def test_r6_5_key_is_bounded_and_prompts_have_one():
     huge = {"messages": [{"role": "system", "content": "s" * 10**6}, {"role": "user", "content": "u" * 10**6}]}
-    assert len(affinity_key(huge, {})) <= 2 * KEY_BYTES + 8
-    assert affinity_key({"prompt": "p" * 10**5}, {}) == affinity_key({"prompt": "p" * 10**5 + "tail"}, {})
-    assert affinity_key({"prompt": ["first", "second"]}, {}) == affinity_key({"prompt": "first"}, {})
-    assert affinity_key({"prompt": [1, 2, 3]}, {}) is not None
-    assert affinity_key({"messages": [{"role": "assistant", "content": "x"}]}, {}) is None
-    assert affinity_key({"prompt_cache_key": 5, "messages": "bad"}, {}) is None
+    assert len(affinity_key(huge, {}, "key-1")) <= 2 * KEY_BYTES + 8
+    assert affinity_key({"prompt": "p" * 10**5}, {}, "key-1") == affinity_key({"prompt": "p" * 10**5 + "tail"}, {}, "key-1")
+    assert affinity_key({"prompt": ["first", "second"]}, {}, "key-1") == affinity_key({"prompt": "first"}, {}, "key-1")
+    assert affinity_key({"prompt": [1, 2, 3]}, {}, "key-1") is not None
+    assert affinity_key({"messages": [{"role": "assistant", "content": "x"}]}, {}, "key-1") is None
+    assert affinity_key({"prompt_cache_key": 5, "messages": "bad"}, {}, "key-1") is None
 
 
 def test_r6_5_the_load_bound_is_the_balancers_own():
@@ -351,3 +351,29 @@ def test_r6_5_the_load_bound_is_the_balancers_own():
         ups = [b.acquire("m", 1.0, key=b"one tenant") for _ in range(8)]
         held[bound] = max(ups.count(up) for up in ups)
     assert held == {PREFIX_BOUND: 5, math.inf: 8}
+
+
+def test_r6_5c_keys_a_client_chooses_are_taken_within_its_api_key():
+    for chosen, headers in (({"prompt_cache_key": "shared"}, {}), ({}, {"X-Session-ID": "shared"}),
+                            ({"user": "shared"}, {})):
+        assert affinity_key(chosen, headers, "key-1") != affinity_key(chosen, headers, "key-2")
+        assert affinity_key(chosen, headers, "key-1") == affinity_key(chosen, headers, "key-1")
+    # a key taken from the content is the content's, whoever sends it: the engines cache it alike
+    chat = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
+    assert affinity_key(chat, {}, "key-1") == affinity_key(chat, {}, "key-2")
+
+
+def test_r6_5b_an_api_key_homes_at_most_its_share_of_live_keys(monkeypatch):
+    monkeypatch.setattr(balancer, "KEYS_PER_API_KEY", 4)
+    b = Balancer()
+    b.replace({"m": [Endpoint(r, "m", f"http://{r}", None) for r in ("a", "b", "c")]}, {"m": "prefix"})
+    for n in range(10):
+        key = b"churn %d" % n
+        up = b.acquire("m", 1.0, key=key, owner="greedy")
+        assert up is not None  # served all the same
+        b.release(up)
+        assert sum(b.live_keys("m").values()) == min(n, 4)  # this one not homed before the engine accepts
+        b.keep_home("m", key, "greedy", 1.0)
+    assert sum(b.live_keys("m").values()) == 4
+    b.keep_home("m", b"mine", "polite", 1.0)
+    assert sum(b.live_keys("m").values()) == 5

@@ -37,27 +37,51 @@ def test_r6_12_custom_engines_and_static_endpoints_get_every_route():
     assert ROUTE["POST /rerank"].upstream_path(None) == "/rerank"
 
 
+IDS = response_ids.ResponseIds("ab" * 32)
+
+
 @pytest.mark.parametrize("model,replica", [("m", "m-1a2b3c4d"), ("qwen-0.5b:q4", "static:qwen-0.5b:q4:0"), ("é", "r.1")])
-def test_r6_14_response_ids_carry_model_and_replica(model, replica):
-    client_id = response_ids.encode(model, replica, "resp_abc-123_x")
-    assert client_id.startswith("resp_") and "/" not in client_id
-    assert response_ids.decode(client_id) == (model, replica, "resp_abc-123_x")
+def test_r6_14_response_ids_carry_model_replica_and_key(model, replica):
+    client_id = IDS.seal(model, replica, "key-1", "resp_abc-123_x")
+    assert client_id.startswith("resp_") and "/" not in client_id and "resp_abc" not in client_id
+    assert IDS.open(client_id).fields() == (model, replica, "key-1", "resp_abc-123_x")
+    # another gateway's secret (or none) opens nothing
+    assert response_ids.ResponseIds("cd" * 32).open(client_id) is None
 
 
-@pytest.mark.parametrize("client_id", ["resp_abc", "resp_.x", "resp_x.", "chatcmpl-1", "resp_bm90IGpzb24.x",
-                                       "resp_WyJtIl0.x", "resp_WzEsMl0.x", "resp_%%%.x", ""])
-def test_r6_14_ids_not_issued_by_the_router_decode_to_none(client_id):
-    assert response_ids.decode(client_id) is None
+def _tampered(client_id: str) -> str:
+    token, seal = client_id[len("resp_"):].split(".")
+    other = response_ids.ResponseIds("cd" * 32).seal("m", "r", "key-2", "resp_1")
+    return "resp_" + other[len("resp_"):].split(".")[0] + "." + seal
+
+
+@pytest.mark.parametrize("client_id", [
+    "resp_abc", "resp_.x", "resp_x.", "chatcmpl-1", "resp_bm90IGpzb24.x", "resp_WyJtIl0.x", "resp_%%%.x", "",
+    IDS.seal("m", "r", "k", "resp_1")[:-1] + "A", IDS.seal("m", "r", "k", "resp_1") + "x",
+    _tampered(IDS.seal("m", "r", "k", "resp_1")), "resp_" + "A" * 3000 + ".AAAAAAAAAAAAAAAAAAAAAA",
+])
+def test_r6_14_ids_not_sealed_by_this_gateway_open_to_none(client_id):
+    assert IDS.open(client_id) is None
+
+
+@pytest.mark.parametrize("engine_id", ["resp_x/../metrics", "resp_x?z=1", "resp_x#y", "resp_x\\y", "resp_x\0",
+                                       "resp_x\u2024", "resp_", "x_1", "resp_" + "a" * 129])
+def test_r6_14a_only_an_engine_id_as_engines_write_it_is_sealed_or_put_in_a_path(engine_id):
+    with pytest.raises(ValueError):
+        IDS.seal("m", "r", "k", engine_id)
+    with pytest.raises(ValueError):
+        ROUTE["GET /v1/responses/{response_id}"].upstream_path("vllm", engine_id)
 
 
 def test_r6_14_rewrite_touches_response_ids_only():
     body = (b'{"id": "resp_1", "previous_response_id":"resp_0", "output": [{"id": "msg_1", "text": "\\"id\\": resp_9"}],'
             b' "item_id": "resp_2"}')
-    out = response_ids.rewrite(body, "m", "r")
-    assert response_ids.encode("m", "r", "resp_1").encode() in out
-    assert response_ids.encode("m", "r", "resp_0").encode() in out
+    out = IDS.rewrite(body, "m", "r", "k")
+    assert IDS.seal("m", "r", "k", "resp_1").encode() in out
+    assert IDS.seal("m", "r", "k", "resp_0").encode() in out
     assert b'"id": "msg_1"' in out and b'"item_id": "resp_2"' in out and b"resp_9" in out
-    assert response_ids.rewrite(b'{"id": "chatcmpl-1"}', "m", "r") == b'{"id": "chatcmpl-1"}'
+    assert IDS.rewrite(b'{"id": "chatcmpl-1"}', "m", "r", "k") == b'{"id": "chatcmpl-1"}'
+    assert "ab" * 32 not in repr(IDS)
 
 
 D = b"--xyz"
