@@ -143,9 +143,8 @@ class Router:
         if old is None or new.gateway is not old.gateway:
             self._set_gateway(new)
         if old is None or new.leases is not old.leases:
-            mine = new.leases.get(self.router_id, {}) if self.router_id is not None else {}
-            self.limiter.set_leases({key_id: lease.share for key_id, lease in mine.items()}, len(new.leases) or 1,
-                                    time.monotonic())
+            self.limiter.set_leases({router: {key_id: lease.share for key_id, lease in per_key.items()}
+                                     for router, per_key in new.leases.items()}, self.router_id, time.monotonic())
         if old is None or new.models is not old.models or new.endpoints is not old.endpoints:
             self._models = new.models
             self._install(new)
@@ -372,6 +371,18 @@ class Router:
 
     async def _proxy(self, request: web.Request, route: Route) -> web.StreamResponse:
         key: KeyEntry = request[_KEY]
+        if not limits.Limiter.applies(key):
+            return await self._forward(request, route, key, None)
+        # The key's own place and request are taken before its body is read: a limited key's
+        # request is refused without the router reading (up to gateway.max_body of) it (R-6.16).
+        held = self._hold(request, key)
+        try:
+            return await self._forward(request, route, key, held)
+        finally:
+            held.release()
+
+    async def _forward(self, request: web.Request, route: Route, key: KeyEntry,
+                       held: limits.Admission | None) -> web.StreamResponse:
         document: dict | None = None
         body: bytes | Upload | None = None
         pinned: Pinned | None = None
@@ -404,21 +415,33 @@ class Router:
             served = ", ".join(sorted(route.engines)) or "no built-in engine"
             raise RouteNotServed(f"model {name!r} runs on {model.engine}, which does not serve "
                                  f"{route.name} (served by: {served})")
-        if key.limits is None and not key.model_limits:
+        if held is None:
             return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned)
-        admission = self._admit(request, key, name, body, document)
+        admission = self._admit(request, key, name, body, document, held)
         token = limits.CURRENT.set(admission)
         try:
             return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned)
         finally:
-            admission.release()
             limits.CURRENT.reset(token)
 
-    def _admit(self, request: web.Request, key: KeyEntry, name: str, body, document: dict | None) -> limits.Admission:
-        """The key's limits admit this request or refuse it with a 429 (R-6.16)."""
+    def _hold(self, request: web.Request, key: KeyEntry) -> limits.Admission:
+        """The key's own concurrency and requests per minute, which need no body (R-6.16)."""
+        try:
+            held = self.limiter.hold(key, time.monotonic())
+        except limits.RateLimited as exc:
+            request[_LIMITED] = exc.budgets
+            raise
+        request[_LIMITED] = held.budgets
+        return held
+
+    def _admit(self, request: web.Request, key: KeyEntry, name: str, body, document: dict | None,
+               held: limits.Admission) -> limits.Admission:
+        """The key's tokens and its limits for the model admit this request or refuse it with a
+        429 (R-6.16, R-6.16a); `held` is what `_hold` took for it."""
         size = len(body) if type(body) is bytes else request.content_length or 0
         try:
-            admission = self.limiter.admit(key, name, limits.estimate(size, document), time.monotonic())
+            admission = self.limiter.admit(key, name, limits.estimate(size, document), time.monotonic(),
+                                           capped=limits.answer_cap(document) is not None, held=held)
         except limits.RateLimited as exc:
             request[_LIMITED] = exc.budgets
             raise
