@@ -110,7 +110,8 @@ def routed_models(catalog: Catalog) -> Mapping[str, RoutedModel]:
 
 def gateway_settings(gateway: GatewayConfig) -> GatewaySettings:
     return GatewaySettings(max_body=int(gateway.max_body), request_timeout=float(gateway.request_timeout),
-                           on_demand_wait=float(gateway.on_demand_wait), queue_wait=float(gateway.queue_wait))
+                           on_demand_wait=float(gateway.on_demand_wait), queue_wait=float(gateway.queue_wait),
+                           max_waiting_per_key=gateway.max_waiting_per_key, max_answer=int(gateway.max_answer))
 
 
 # -- applying reports: one write per report --------------------------------------------------------

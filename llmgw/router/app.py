@@ -38,7 +38,7 @@ from llmgw.router.keys import KeyRing, allows
 from llmgw.router.landing import landing_page
 from llmgw.router import limits
 from llmgw.router.metrics import NO_MODEL, RouterMetrics
-from llmgw.router.proxy import Forwarder
+from llmgw.router.proxy import DEFAULT_MAX_ANSWER, Forwarder
 from llmgw.router.routes import ANTHROPIC, FORM, RESPONSE_ID, RESPONSES, ROUTES, Route, serves
 from llmgw.router.streams import ask_for_usage, streaming
 from llmgw.router.uploads import Upload, read_upload
@@ -109,6 +109,7 @@ class Router:
         self._on_demand_wait = 0.0
         self._queue_wait = 0.0
         self._request_timeout = DEFAULT_REQUEST_TIMEOUT
+        self._max_answer = DEFAULT_MAX_ANSWER
         self._demand: dict[str, None] = {}  # on-demand models asked for since the last report, in order
         self._arrivals: dict[str, asyncio.Event] = {}  # on-demand models someone is waiting for
         self._forwarder: Forwarder | None = None
@@ -213,8 +214,11 @@ class Router:
         self._on_demand_wait = gateway.on_demand_wait
         self._queue_wait = gateway.queue_wait
         self._request_timeout = gateway.request_timeout
+        self.fairqueue.max_waiting_per_key = gateway.max_waiting_per_key
+        self._max_answer = gateway.max_answer
         if self._forwarder is not None:
             self._forwarder.set_read_timeout(gateway.request_timeout)
+            self._forwarder.max_answer = gateway.max_answer
 
     def _install(self, snapshot: Snapshot) -> None:
         endpoints = snapshot.endpoints
@@ -398,6 +402,9 @@ class Router:
         else:
             body = await self._read_body(request)
             document = self._parse_json(body)
+            if "priority" in document:  # the engine's queue order is the gateway's to decide, not the client's
+                del document["priority"]
+                body = json.dumps(document).encode()
             name = document.get("model")
             if type(name) is not str or not name:
                 raise BadRequest("'model' is required: a model name from GET /v1/models", param="model")
@@ -639,6 +646,7 @@ class Router:
         session = aiohttp.ClientSession(connector=connector, timeout=timeout,
                                         skip_auto_headers=("Accept-Encoding", "User-Agent"))
         self._forwarder = Forwarder(session, self.metrics, self.usage, self._request_timeout)
+        self._forwarder.max_answer = self._max_answer
         tasks = [asyncio.create_task(self._forwarder.watchdog.run()),
                  asyncio.create_task(EnginePoller(self.balancer, session, on_slots=self._set_capacities).run())]
         try:
