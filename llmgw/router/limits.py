@@ -25,7 +25,9 @@ N being the number of routers in the last leases it got (1 when none). Requests 
 whole places: `split_places` divides a concurrency limit among the routers of the leases in
 proportion to their shares so that the places add up to the limit, one for each router first
 when there are enough, and a limit below the number of routers only to those with the most
-demand (R-6.16b). Every router computes the same split from the same leases.
+demand (R-6.16b). Every router computes the same split from the same leases. A router knows only
+its own requests: a request running where a place moved from runs to its end, one more at once
+for the key while it lasts.
 
 Over a limit the request is refused with a 429 in OpenAI's shape (`rate_limit_error`,
 `rate_limit_exceeded`, the message names the limit) and Retry-After: the seconds until the
