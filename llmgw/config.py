@@ -145,6 +145,8 @@ class GatewayConfig(_Strict):
     settling_window: Duration = 30.0
     on_demand_wait: Duration = 120.0
     queue_wait: Duration = 30.0  # a request waits this long for a place of a saturated model, then 503
+    max_waiting_per_key: int = Field(256, ge=1)  # requests of one key waiting in one router, then 429 (R-6.17a)
+    max_answer: Size = Field(64 * 1024**2, ge=1)  # the largest non-streamed engine answer, then 502
     evict_idle: Duration = 600.0  # idle time before a replica of a model that sets no idle_timeout may be evicted
     request_timeout: Duration = 600.0
     # A download is capped at its declared or learned size plus a margin (reconciler.fetch_cap); this caps one whose

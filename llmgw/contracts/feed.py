@@ -119,6 +119,8 @@ class GatewaySettings:
     request_timeout: float
     on_demand_wait: float
     queue_wait: float = 30.0  # seconds a request waits for a place of a saturated model
+    max_waiting_per_key: int = 256  # requests of one key waiting for places in one router (R-6.17a)
+    max_answer: int = 64 * 1024**2  # bytes of a non-streamed engine answer
 
 
 @dataclass(frozen=True)
@@ -496,7 +498,7 @@ def _model_limits_from_wire(d, where: str) -> Mapping[str, Limits]:
 
 def gateway_to_wire(g: GatewaySettings) -> dict:
     return {"max_body": g.max_body, "request_timeout": g.request_timeout, "on_demand_wait": g.on_demand_wait,
-            "queue_wait": g.queue_wait}
+            "queue_wait": g.queue_wait, "max_waiting_per_key": g.max_waiting_per_key, "max_answer": g.max_answer}
 
 
 def gateway_from_wire(d, where: str) -> GatewaySettings:
@@ -504,7 +506,9 @@ def gateway_from_wire(d, where: str) -> GatewaySettings:
     return GatewaySettings(max_body=_int(_field(d, "max_body", where), f"{where}.max_body", 1),
                            request_timeout=_num(_field(d, "request_timeout", where), f"{where}.request_timeout"),
                            on_demand_wait=_num(_field(d, "on_demand_wait", where), f"{where}.on_demand_wait"),
-                           queue_wait=_num(d.get("queue_wait", 30.0), f"{where}.queue_wait"))
+                           queue_wait=_num(d.get("queue_wait", 30.0), f"{where}.queue_wait"),
+                           max_waiting_per_key=_int(d.get("max_waiting_per_key", 256), f"{where}.max_waiting_per_key", 1),
+                           max_answer=_int(d.get("max_answer", 64 * 1024**2), f"{where}.max_answer", 1))
 
 
 def _models_from_wire(d, where: str) -> Mapping[str, RoutedModel]:

@@ -18,7 +18,9 @@ by at most the moved share's pace for the time the change takes to reach every r
 that is not in the split yet (one that just started) holds 1/N of each limit, N the routers in the
 last leases it got, the whole limit when it got none, until the next split includes it (within
 LEASE_SECONDS of its first report). With a single router there are no leases: it holds every limit
-whole. A router keeps the last leases while the control plane is away.
+whole. A router keeps the last leases while the control plane is away. Requests at once are
+whole places: each router computes its part of a key's concurrency from the same leases
+(llmgw.router.limits.split_places), so that the parts add up to the limit (R-6.16b).
 
 Routers answer with `Report`s. Their counted parts (usage, key use) are written in one
 transaction that also records the report's seq per router, so a report sent twice is counted
@@ -109,7 +111,8 @@ def routed_models(catalog: Catalog) -> Mapping[str, RoutedModel]:
 
 def gateway_settings(gateway: GatewayConfig) -> GatewaySettings:
     return GatewaySettings(max_body=int(gateway.max_body), request_timeout=float(gateway.request_timeout),
-                           on_demand_wait=float(gateway.on_demand_wait), queue_wait=float(gateway.queue_wait))
+                           on_demand_wait=float(gateway.on_demand_wait), queue_wait=float(gateway.queue_wait),
+                           max_waiting_per_key=gateway.max_waiting_per_key, max_answer=int(gateway.max_answer))
 
 
 # -- applying reports: one write per report --------------------------------------------------------

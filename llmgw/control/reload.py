@@ -47,6 +47,8 @@ GATEWAY_EFFECTS = {
     "request_timeout": "the time a request may take, for requests from now on, and the grace of replicas stopped "
                        "from now on",
     "max_body": "the largest request body, for requests from now on",
+    "max_waiting_per_key": "how many requests of one key may wait in a router, for requests from now on",
+    "max_answer": "the largest non-streamed engine answer, for requests from now on",
     "fetch_limit": "caps the next downloads",
     "fetch_stall": "the next downloads",
     "cache_low_water": "the clean-up's mark from the next pass",
@@ -54,7 +56,7 @@ GATEWAY_EFFECTS = {
 }
 DURATIONS = frozenset({"tick", "settling_window", "on_demand_wait", "evict_idle", "request_timeout", "fetch_stall",
                        "keepalive_interval", "connect_timeout", "connect_stagger", "queue_wait"})
-SIZES = frozenset({"max_body", "fetch_limit"})
+SIZES = frozenset({"max_body", "fetch_limit", "max_answer"})
 
 
 @dataclass(frozen=True, slots=True)

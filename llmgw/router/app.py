@@ -38,7 +38,7 @@ from llmgw.router.keys import KeyRing, allows
 from llmgw.router.landing import landing_page
 from llmgw.router import limits
 from llmgw.router.metrics import NO_MODEL, RouterMetrics
-from llmgw.router.proxy import Forwarder
+from llmgw.router.proxy import DEFAULT_MAX_ANSWER, Forwarder
 from llmgw.router.routes import ANTHROPIC, FORM, RESPONSE_ID, RESPONSES, ROUTES, Route, serves
 from llmgw.router.streams import ask_for_usage, streaming
 from llmgw.router.uploads import Upload, read_upload
@@ -112,6 +112,7 @@ class Router:
         self._on_demand_wait = 0.0
         self._queue_wait = 0.0
         self._request_timeout = DEFAULT_REQUEST_TIMEOUT
+        self._max_answer = DEFAULT_MAX_ANSWER
         self._demand: dict[str, None] = {}  # on-demand models asked for since the last report, in order
         self._arrivals: dict[str, asyncio.Event] = {}  # on-demand models someone is waiting for
         self._forwarder: Forwarder | None = None
@@ -151,9 +152,8 @@ class Router:
         if old is None or new.gateway is not old.gateway:
             self._set_gateway(new)
         if old is None or new.leases is not old.leases:
-            mine = new.leases.get(self.router_id, {}) if self.router_id is not None else {}
-            self.limiter.set_leases({key_id: lease.share for key_id, lease in mine.items()}, len(new.leases) or 1,
-                                    time.monotonic())
+            self.limiter.set_leases({router: {key_id: lease.share for key_id, lease in per_key.items()}
+                                     for router, per_key in new.leases.items()}, self.router_id, time.monotonic())
         if old is None or new.models is not old.models or new.endpoints is not old.endpoints:
             self._models = new.models
             self._install(new)
@@ -222,8 +222,11 @@ class Router:
         self._on_demand_wait = gateway.on_demand_wait
         self._queue_wait = gateway.queue_wait
         self._request_timeout = gateway.request_timeout
+        self.fairqueue.max_waiting_per_key = gateway.max_waiting_per_key
+        self._max_answer = gateway.max_answer
         if self._forwarder is not None:
             self._forwarder.set_read_timeout(gateway.request_timeout)
+            self._forwarder.max_answer = gateway.max_answer
 
     def _install(self, snapshot: Snapshot) -> None:
         endpoints = snapshot.endpoints
@@ -401,6 +404,18 @@ class Router:
 
     async def _proxy(self, request: web.Request, route: Route) -> web.StreamResponse:
         key: KeyEntry = request[_KEY]
+        if not limits.Limiter.applies(key):
+            return await self._forward(request, route, key, None)
+        # The key's own place and request are taken before its body is read: a limited key's
+        # request is refused without the router reading (up to gateway.max_body of) it (R-6.16).
+        held = self._hold(request, key)
+        try:
+            return await self._forward(request, route, key, held)
+        finally:
+            held.release()
+
+    async def _forward(self, request: web.Request, route: Route, key: KeyEntry,
+                       held: limits.Admission | None) -> web.StreamResponse:
         document: dict | None = None
         body: bytes | Upload | None = None
         pinned: Pinned | None = None
@@ -416,6 +431,9 @@ class Router:
         else:
             body = await self._read_body(request)
             document = self._parse_json(body)
+            if "priority" in document:  # the engine's queue order is the gateway's to decide, not the client's (R-6.19)
+                del document["priority"]
+                body = json.dumps(document).encode()
             name = document.get("model")
             if type(name) is not str or not name:
                 raise BadRequest("'model' is required: a model name from GET /v1/models", param="model")
@@ -433,21 +451,33 @@ class Router:
             served = ", ".join(sorted(route.engines)) or "no built-in engine"
             raise RouteNotServed(f"model {name!r} runs on {model.engine}, which does not serve "
                                  f"{route.name} (served by: {served})")
-        if key.limits is None and not key.model_limits:
+        if held is None:
             return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned)
-        admission = self._admit(request, key, name, body, document)
+        admission = self._admit(request, key, name, body, document, held)
         token = limits.CURRENT.set(admission)
         try:
             return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned)
         finally:
-            admission.release()
             limits.CURRENT.reset(token)
 
-    def _admit(self, request: web.Request, key: KeyEntry, name: str, body, document: dict | None) -> limits.Admission:
-        """The key's limits admit this request or refuse it with a 429 (R-6.16)."""
+    def _hold(self, request: web.Request, key: KeyEntry) -> limits.Admission:
+        """The key's own concurrency and requests per minute, which need no body (R-6.16)."""
+        try:
+            held = self.limiter.hold(key, time.monotonic())
+        except limits.RateLimited as exc:
+            request[_LIMITED] = exc.budgets
+            raise
+        request[_LIMITED] = held.budgets
+        return held
+
+    def _admit(self, request: web.Request, key: KeyEntry, name: str, body, document: dict | None,
+               held: limits.Admission) -> limits.Admission:
+        """The key's tokens and its limits for the model admit this request or refuse it with a
+        429 (R-6.16, R-6.16a); `held` is what `_hold` took for it."""
         size = len(body) if type(body) is bytes else request.content_length or 0
         try:
-            admission = self.limiter.admit(key, name, limits.estimate(size, document), time.monotonic())
+            admission = self.limiter.admit(key, name, limits.estimate(size, document), time.monotonic(),
+                                           capped=limits.answer_cap(document) is not None, held=held)
         except limits.RateLimited as exc:
             request[_LIMITED] = exc.budgets
             raise
@@ -651,6 +681,7 @@ class Router:
         session = aiohttp.ClientSession(connector=connector, timeout=timeout,
                                         skip_auto_headers=("Accept-Encoding", "User-Agent"))
         self._forwarder = Forwarder(session, self.metrics, self.usage, self._request_timeout, self.response_ids)
+        self._forwarder.max_answer = self._max_answer
         tasks = [asyncio.create_task(self._forwarder.watchdog.run()),
                  asyncio.create_task(EnginePoller(self.balancer, session, on_slots=self._set_capacities).run())]
         try:

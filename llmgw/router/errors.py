@@ -138,6 +138,12 @@ class UploadNotReplayed(RouterError):
     status, type, code = 502, "upstream_error", "upstream_unavailable"
 
 
+class UpstreamAnswerTooLarge(RouterError):
+    """A non-streamed answer past gateway.max_answer: another engine would answer the same."""
+
+    status, type, code = 502, "upstream_error", "upstream_answer_too_large"
+
+
 class UpstreamTimeout(RouterError):
     """The engine accepted the request but went silent: retrying would double its load."""
 

@@ -37,6 +37,10 @@ instead of after a place of the backlog ends. This is the router's counterpart o
 least-served client into a continuous batch as soon as there is room (the Virtual Token Counter
 of Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024), with the room bounded.
 
+How many requests of one key wait in one router, over all its models, is bounded too
+(`GatewaySettings.max_waiting_per_key`, R-6.17a): one more is refused at once with TooManyWaiting,
+a 429, so a key's backlog costs the router a bounded amount of memory; a request sent again
+after an engine failure had its place already and is never refused for it.
 A wait is bounded (`GatewaySettings.queue_wait`): after it the request is refused with
 QueueTimeout, a 503 whose Retry-After is estimated from the measured service time (an EWMA of how
 long a place is held) and the requests ahead of it. A request that took a place and must be sent
@@ -58,19 +62,26 @@ import math
 import time
 from collections import deque
 
-from llmgw.router.errors import NoCapacity
+from llmgw.router.errors import NoCapacity, RouterError
 
 DEFAULT_REPLICA_CONCURRENCY = 64  # requests one replica is given at once when neither its profile nor its engine says
 HEADROOM_DIVISOR = 8  # a replica's headroom: its places / 8, rounded up (see the module docstring)
 SERVICE_EWMA_ALPHA = 0.2  # weight of the newest hold time in the measured service time
 FALLBACK_RETRY_AFTER = 5  # seconds, before any service time is measured
 NOBODY: tuple[()] = ()  # the waiters given a place when nobody waits
+DEFAULT_MAX_WAITING_PER_KEY = 256  # until the first snapshot says otherwise (GatewaySettings.max_waiting_per_key)
 
 
 class QueueTimeout(NoCapacity):
     """Every place of the model stayed taken for the whole bounded wait."""
 
     code = "queue_timeout"
+
+
+class TooManyWaiting(RouterError):
+    """The key already has gateway.max_waiting_per_key requests waiting in this router."""
+
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
 
 
 def replica_places(concurrency: int | None, slots: int | None) -> tuple[int, int]:
@@ -278,6 +289,8 @@ class FairQueue:
 
     def __init__(self):
         self.models: dict[str, ModelQueue] = {}
+        self.max_waiting_per_key = DEFAULT_MAX_WAITING_PER_KEY
+        self._waiting_by_key: dict[str, int] = {}  # key id -> its requests in `wait`, over every model
 
     def set_capacity(self, model: str, capacity: int, headroom: int = 0) -> None:
         """A model's capacity and headroom now (0: no endpoints); waiters get the places it frees."""
@@ -317,6 +330,12 @@ class FairQueue:
             return
         if queue.take(key_id, priority, weight):
             return
+        waiting = self._waiting_by_key.get(key_id, 0)
+        if waiting >= self.max_waiting_per_key and not resumed:
+            raise TooManyWaiting(f"this key already has {waiting} requests waiting for a place in this router "
+                                 f"(gateway.max_waiting_per_key is {self.max_waiting_per_key}); send fewer at once, "
+                                 "or retry when some have been answered", retry_after=queue.retry_after(queue.waiting))
+        self._waiting_by_key[key_id] = waiting + 1
         loop = asyncio.get_running_loop()
         waiter = queue.push(key_id, priority, weight, loop.create_future(), resumed)
         # A timer rather than asyncio.wait_for, which can swallow a cancellation that comes just as
@@ -340,6 +359,11 @@ class FairQueue:
             raise
         finally:
             timer.cancel()
+            left = self._waiting_by_key[key_id] - 1
+            if left:
+                self._waiting_by_key[key_id] = left
+            else:
+                del self._waiting_by_key[key_id]
 
     def leave(self, model: str, since: float, key_id: str = "") -> None:
         """Give back a place a key took at time.monotonic() `since`."""

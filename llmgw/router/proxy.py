@@ -30,7 +30,8 @@ from yarl import URL
 
 from llmgw.router import response_ids
 from llmgw.router.balancer import Upstream
-from llmgw.router.errors import UpstreamConnectFailed, UpstreamRefused, UpstreamRejectedKey, UpstreamTimeout
+from llmgw.router.errors import (UpstreamAnswerTooLarge, UpstreamConnectFailed, UpstreamRefused, UpstreamRejectedKey,
+                                 UpstreamTimeout)
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.routes import ANTHROPIC, OPENAI, RESPONSES
 from llmgw.router import limits
@@ -40,6 +41,7 @@ from llmgw.router.usage import (UsageMeter, anthropic_stream_usage, complete_eve
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 1 << 20  # an engine that never ends an event still gets relayed past this
+DEFAULT_MAX_ANSWER = 64 * 1024**2  # bytes of a non-streamed answer, until told otherwise
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -156,6 +158,7 @@ class Forwarder:
         self.metrics = metrics
         self.usage = usage
         self.read_timeout = read_timeout
+        self.max_answer = DEFAULT_MAX_ANSWER  # gateway.max_answer, set by the router (R-6.18)
         self.watchdog = Watchdog(read_timeout)
         self._attempts: dict[str, set[_Attempt]] = {}
 
@@ -227,7 +230,7 @@ class Forwarder:
                             raise UpstreamConnectFailed(f"the engine of replica {up.replica_id} ended the "
                                                         "stream before sending anything")
                     else:
-                        answer = await resp.read()
+                        answer = await self._read_answer(resp, up)
             except aiohttp.ConnectionTimeoutError as exc:
                 raise _connect_error(up, exc) from None
             except TimeoutError:
@@ -273,6 +276,23 @@ class Forwarder:
                     resp.release()
                 else:
                     resp.close()  # the engine sees the connection go: cancels its work (R-6.11)
+
+    async def _read_answer(self, resp: aiohttp.ClientResponse, up: Upstream) -> bytes:
+        """A non-streamed answer, read as it comes and refused past gateway.max_answer, so that
+        an engine cannot make the router hold more than that for it (R-6.18)."""
+        limit = self.max_answer
+        length = resp.content_length
+        parts, size = [], 0
+        while length is None or length <= limit:
+            chunk = await resp.content.readany()
+            if not chunk:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            size += len(chunk)
+            if size > limit:
+                break
+            parts.append(chunk)
+        raise UpstreamAnswerTooLarge(f"the engine of replica {up.replica_id} answered with more than {limit} bytes "
+                                     "(gateway.max_answer); ask for a shorter answer, or stream it")
 
     async def _request(self, method: str, url: str, body, headers) -> aiohttp.ClientResponse:
         # `url` is the endpoint's encoded base and a path built by the route table: taken as it is,

@@ -26,13 +26,15 @@ class Engine:
     def __init__(self):
         self.requests = 0
         self.hold: asyncio.Event | None = None
+        self.held = False
         self.arrived = asyncio.Event()
 
     async def chat(self, request: web.Request) -> web.Response:
         self.requests += 1
         document = await request.json()
         self.arrived.set()
-        if self.hold is not None and self.requests == 1:  # only the first: a test never waits on a later one
+        if self.hold is not None and not self.held:  # only the first: a test never waits on a later one
+            self.held = True
             await self.hold.wait()
         usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": document.get("max_tokens") or 1}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -177,10 +179,50 @@ async def test_r6_16_a_model_limit_applies_on_top_of_the_key(start_router):  # n
             assert json.loads(raw.text)["usage"]["completion_tokens"] == 1
 
 
-async def test_r6_16_two_routers_share_one_keys_limit(tmp_path):
-    """Two routers fed by one control plane: together they admit the key's rpm, not twice it."""
-    from aiohttp import ClientSession
+async def test_r6_16a_a_request_over_the_keys_whole_tpm_is_refused_at_once(start_router):  # noqa: F811
+    engine = Engine()
+    engine.hold = asyncio.Event()
+    async with scripted_engine(engine.chat) as url:
+        gw = await start_router(catalog(model("m")), {"m": [Endpoint("r", "m", url, None)]})
+        secret = limited_key(gw, "tight", limits=Limits(tpm=6000))
+        async with gw.client(secret) as client:
+            # vLLM honours the largest of the caps, for each of the n answers: 5,000,000 tokens at
+            # most, of a key that may use 6000 a minute; its bucket is full, and it is still refused.
+            try:
+                await client.chat.completions.create(model="m", messages=HELLO, max_tokens=1,
+                                                     max_completion_tokens=100000, n=50)
+            except openai.RateLimitError as exc:
+                refused = exc
+            else:
+                raise AssertionError("a request estimated at 5,000,000 tokens was admitted by a 6000-token key")
+            print("refusal:", refused.message)
+            assert refused.body["code"] == "rate_limit_exceeded"
+            estimated = int(re.search(r"estimated at (\d+) tokens", refused.message).group(1))
+            assert estimated >= 5_000_000 and "6000 tokens per minute" in refused.message
+            assert "retry-after" not in refused.response.headers  # waiting would not help
+            assert engine.requests == 0 and gw.router.fairqueue.waiting().get("m", 0) == 0  # not sent, not queued
 
+            # A request that sets no cap is never refused for its estimate: its body alone is
+            # estimated at more than the whole minute, and it reserves what the bucket holds.
+            big = [{"role": "user", "content": "x" * 30_000}]
+            first = asyncio.create_task(client.chat.completions.create(model="m", messages=big))
+            await engine.arrived.wait()
+            try:  # while it is in flight the bucket is empty, and only for a minute: what it reserved is bounded
+                await client.chat.completions.create(model="m", messages=big)
+            except openai.RateLimitError as exc:
+                second = exc
+            else:
+                raise AssertionError("a second request was admitted while the first held the whole bucket")
+            print("while the first holds the bucket:", second.message, second.response.headers["retry-after"])
+            assert 1 <= int(second.response.headers["retry-after"]) <= 60
+            engine.hold.set()
+            answer = await first
+            assert answer.usage.completion_tokens == 1 and engine.requests == 1
+
+
+async def two_routers(tmp_path, url: str, limits: Limits):
+    """Two routers fed by one control plane, sharing a key with these limits, once both hold leases:
+    (routers, their chat URLs, the key's id and secret, and a close() for the end)."""
     from llmgw.catalog import CatalogHolder
     from llmgw.config import GatewayConfig
     from llmgw.control.feed import FeedPublisher
@@ -189,16 +231,22 @@ async def test_r6_16_two_routers_share_one_keys_limit(tmp_path):
     from llmgw.store import Store
     from tests.integration.test_router_support import apoll
 
-    rpm = 6000  # 100 a second
-    engine = Engine()
-    async with scripted_engine(engine.chat) as url:
-        store = Store.open(tmp_path / "state.db")
-        shared, secret = store.write_sync(lambda db: create_key(db, "shared", limits=Limits(rpm=rpm)))
-        key_id = shared.id
-        publisher = FeedPublisher(CatalogHolder(catalog(model("m"))), store, GatewayConfig())
-        publisher.set_endpoints({"m": [Endpoint("r", "m", url, None)]})
-        publisher.mark_ready()
-        routers, feeds, runners, urls = [], [], [], []
+    store = Store.open(tmp_path / "state.db")
+    shared, secret = store.write_sync(lambda db: create_key(db, "shared", limits=limits))
+    publisher = FeedPublisher(CatalogHolder(catalog(model("m"))), store, GatewayConfig())
+    publisher.set_endpoints({"m": [Endpoint("r", "m", url, None)]})
+    publisher.mark_ready()
+    routers, feeds, runners, urls = [], [], [], []
+
+    async def close():
+        for runner in runners:
+            await runner.cleanup()
+        for feed in feeds:
+            await feed.close()
+        await publisher.close()
+        store.close()
+
+    try:
         for name in ("a", "b"):
             router = Router()
             feed = LocalFeed(publisher, router, router_id=f"router-{name}")
@@ -212,8 +260,101 @@ async def test_r6_16_two_routers_share_one_keys_limit(tmp_path):
             feeds.append(feed)
             runners.append(runner)
             urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions")
+        await apoll(lambda: all(len(r.snapshot.leases) == 2 for r in routers), what="leases for both routers")
+    except BaseException:
+        await close()
+        raise
+    return routers, urls, shared.id, secret, close
+
+
+async def test_r6_16b_a_concurrency_of_one_behind_two_routers_is_one_request_at_once(tmp_path):
+    from aiohttp import ClientSession
+
+    from tests.integration.test_router_support import DEADLINE
+
+    engine = Engine()
+    async with scripted_engine(engine.chat) as url:
+        routers, urls, key_id, secret, close = await two_routers(tmp_path, url, Limits(concurrency=1))
+        headers = {"Authorization": f"Bearer {secret}"}
         try:
-            await apoll(lambda: all(len(r.snapshot.leases) == 2 for r in routers), what="leases for both routers")
+            async with ClientSession() as session:
+                async def post(which: int, **fields) -> tuple[int, dict]:
+                    body = {"model": "m", "messages": HELLO, "max_tokens": 1, **fields}
+                    async with session.post(urls[which], json=body, headers=headers) as response:
+                        return response.status, await response.json()
+
+                places = [r.limiter.places(key_id, None, 1) for r in routers]
+                print("places of a concurrency of 1 on two routers:", places)
+                assert sorted(places) == [0, 1]  # they add up to the limit
+
+                # One request at each router at once, the engine holding the first it gets: one
+                # goes through, the other router has no place and refuses.
+                engine.hold = asyncio.Event()
+                tasks = [asyncio.create_task(post(which)) for which in (0, 1)]
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED, timeout=DEADLINE)
+                refused = done.pop().result()
+                assert refused[0] == 429, refused
+                assert "1 requests in flight at once" in refused[1]["error"]["message"]
+                await asyncio.wait_for(engine.arrived.wait(), DEADLINE)  # the other one, held by the engine
+                engine.hold.set()
+                statuses = sorted(status for status, _ in await asyncio.gather(*tasks))
+                assert statuses == [200, 429] and engine.requests == 1
+
+                # The place follows demand: the router without it is asked (and refuses, which
+                # counts as asking) until the next splits give it the place, then it admits.
+                loser = places.index(0)
+                deadline = time.monotonic() + DEADLINE
+                while True:
+                    status, answer = await post(loser)
+                    if status == 200:
+                        break
+                    assert status == 429, answer
+                    assert time.monotonic() < deadline, "the place never moved to the router asked for it"
+                    await asyncio.sleep(0.02)
+                moved = [r.limiter.places(key_id, None, 1) for r in routers]
+                print("after the other router was asked:", moved)
+                assert moved[loser] == 1 and sum(moved) == 1
+        finally:
+            await close()
+
+
+async def test_r6_16a_behind_two_routers_the_estimate_is_refused_against_the_whole_tpm(tmp_path):
+    from aiohttp import ClientSession
+
+    engine = Engine()
+    async with scripted_engine(engine.chat) as url:
+        routers, urls, key_id, secret, close = await two_routers(tmp_path, url, Limits(tpm=6000))
+        headers = {"Authorization": f"Bearer {secret}"}
+        try:
+            shares = [r.limiter.share(key_id) for r in routers]
+            print("shares of a 6000-token minute:", shares)
+            assert max(shares) * 6000 < 4000
+            async with ClientSession() as session:
+                async def post(which: int, max_tokens: int) -> tuple[int, dict]:
+                    body = {"model": "m", "messages": HELLO, "max_tokens": max_tokens}
+                    async with session.post(urls[which], json=body, headers=headers) as response:
+                        return response.status, await response.json()
+
+                # More than either router's share and less than the whole: admitted once its
+                # router's bucket is full (it is), never refused as too large.
+                status, answer = await post(0, 4000)
+                assert status == 200, answer
+                status, answer = await post(1, 6001)  # more than the whole: refused, by a router with a full bucket
+                assert status == 429 and "more than the 6000 tokens per minute" in answer["error"]["message"], answer
+                assert engine.requests == 1
+        finally:
+            await close()
+
+
+async def test_r6_16_two_routers_share_one_keys_limit(tmp_path):
+    """Two routers fed by one control plane: together they admit the key's rpm, not twice it."""
+    from aiohttp import ClientSession
+
+    rpm = 6000  # 100 a second
+    engine = Engine()
+    async with scripted_engine(engine.chat) as url:
+        routers, urls, key_id, secret, close = await two_routers(tmp_path, url, Limits(rpm=rpm))
+        try:
             headers = {"Authorization": f"Bearer {secret}"}
             body = {"model": "m", "messages": HELLO, "max_tokens": 1}
             counts = {"admitted": 0, "refused": 0}
@@ -266,9 +407,30 @@ async def test_r6_16_two_routers_share_one_keys_limit(tmp_path):
             assert counts["admitted"] <= 1.1 * expected  # the limit did not multiply with the routers
             assert counts["admitted"] + unspent >= 0.9 * expected  # nor did the split lose it
         finally:
-            for runner in runners:
-                await runner.cleanup()
-            for feed in feeds:
-                await feed.close()
-            await publisher.close()
-            store.close()
+            await close()
+
+
+async def test_r6_16_a_limited_keys_request_is_refused_before_its_body_is_read(start_router):  # noqa: F811
+    from tests.integration.test_router_support import DEADLINE
+
+    engine = Engine()
+    async with scripted_engine(engine.chat) as url:
+        gw = await start_router(catalog(model("m")), {"m": [Endpoint("r", "m", url, None)]})
+        secret = limited_key(gw, "one-a-minute", limits=Limits(rpm=1))
+        async with gw.client(secret) as client:
+            await client.chat.completions.create(model="m", messages=HELLO, max_tokens=1)
+        # The headers of a 10 MB request, and none of its body: the router answers without it.
+        host, port = gw.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                          f"Authorization: Bearer {secret}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {10_000_000}\r\n\r\n").encode() + b'{"model": "m", ')
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE)
+        finally:
+            writer.close()
+        print("answered without the body:", head.split(b"\r\n")[0])
+        assert head.startswith(b"HTTP/1.1 429 ")
+        assert b"retry-after" in head.lower() and b"x-ratelimit-limit-requests: 1" in head.lower()
+        assert engine.requests == 1

@@ -157,6 +157,11 @@ def set_at(document: dict, path: tuple, value) -> None:
                  id="model-concurrency"),
     pytest.param(("models", 0, "concurrency"), 1.5, "snapshot.models[0].concurrency: expected int, got float",
                  id="model-concurrency-type"),
+    # gateway settings
+    pytest.param(("gateway", "max_waiting_per_key"), 0, "snapshot.gateway.max_waiting_per_key: must be at least 1",
+                 id="gateway-max-waiting-per-key"),
+    pytest.param(("gateway", "max_answer"), "64MiB", "snapshot.gateway.max_answer: expected int, got str",
+                 id="gateway-max-answer"),
 ])
 def test_r10_1_a_wrong_field_of_a_snapshot_is_named(path, value, names):
     document = copy.deepcopy(WIRE)
@@ -173,6 +178,10 @@ def test_r10_1_a_wrong_field_of_a_snapshot_is_named(path, value, names):
     pytest.param(("endpoints", "a", 0, "key"), lambda s: s.endpoints["a"][0].api_key is None,
                  id="endpoint-without-key"),
     pytest.param(("models", 0, "fallbacks"), lambda s: s.models["a"].fallbacks == (), id="model-without-fallbacks"),
+    pytest.param(("gateway", "max_waiting_per_key"), lambda s: s.gateway.max_waiting_per_key == 256,
+                 id="gateway-without-max-waiting-per-key"),
+    pytest.param(("gateway", "max_answer"), lambda s: s.gateway.max_answer == 64 * 1024**2,
+                 id="gateway-without-max-answer"),
 ])
 def test_r10_1_a_field_left_out_takes_its_default(path, check):
     document = copy.deepcopy(WIRE)
