@@ -182,8 +182,10 @@ class UsageRow:
     key_id: str
     model: str
     requests: int
-    prompt_tokens: int
+    prompt_tokens: int  # estimated tokens included (R-6.9a)
     completion_tokens: int
+    estimated_tokens: int = 0  # the part of prompt + completion estimated from what a cut stream relayed
+    unmetered: int = 0  # requests whose tokens nobody knows: no usage, nothing to estimate from (not 0 tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -592,8 +594,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
     if isinstance(message, Report):
         return {"type": "report", "protocol": PROTOCOL, "router": message.router, "seq": message.seq,
                 "sent_at": message.sent_at,
-                "usage": [[u.bucket, u.key_id, u.model, u.requests, u.prompt_tokens, u.completion_tokens]
-                          for u in message.usage],
+                "usage": [[u.bucket, u.key_id, u.model, u.requests, u.prompt_tokens, u.completion_tokens,
+                           u.estimated_tokens, u.unmetered] for u in message.usage],
                 "key_use": dict(message.key_use), "last_used": dict(message.last_used),
                 "inflight": dict(message.inflight),
                 "engine_load": {r: _load_to_wire(load) for r, load in message.engine_load.items()},
@@ -640,10 +642,12 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
         for i, row in enumerate(_list(d.get("usage", []), "report.usage")):
             where = f"report.usage[{i}]"
             row = _list(row, where)
-            if len(row) != 6:
-                raise FeedError(f"{where}: expected [bucket, key, model, requests, prompt, completion]")
+            if len(row) not in (6, 8):  # 6: a router from before estimates and unmetered requests
+                raise FeedError(f"{where}: expected [bucket, key, model, requests, prompt, completion, "
+                                "estimated, unmetered]")
             usage.append(UsageRow(_int(row[0], f"{where}[0]"), _str(row[1], f"{where}[1]"), _str(row[2], f"{where}[2]"),
-                                  _int(row[3], f"{where}[3]"), _int(row[4], f"{where}[4]"), _int(row[5], f"{where}[5]")))
+                                  _int(row[3], f"{where}[3]"), _int(row[4], f"{where}[4]"), _int(row[5], f"{where}[5]"),
+                                  *(_int(row[i], f"{where}[{i}]") for i in range(6, len(row)))))
         snapshot = d.get("snapshot")
         if snapshot is not None:
             pair = _list(snapshot, "report.snapshot")

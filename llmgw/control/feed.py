@@ -120,8 +120,8 @@ def apply_counted(db: sqlite_utils.Database, report: Report, now: float) -> bool
     if row is not None and report.seq <= row[0]:
         return False
     if report.usage:
-        add_usage(db, [(u.bucket, u.key_id, u.model, u.requests, u.prompt_tokens, u.completion_tokens)
-                       for u in report.usage])
+        add_usage(db, [(u.bucket, u.key_id, u.model, u.requests, u.prompt_tokens, u.completion_tokens,
+                        u.estimated_tokens, u.unmetered) for u in report.usage])
     if report.key_use:
         record_key_use(db, dict(report.key_use))
     db.execute("INSERT INTO router_seq (router, seq, updated_at) VALUES (?, ?, ?) ON CONFLICT (router) "

@@ -185,10 +185,12 @@ def merge_reports(older: Report, newer: Report) -> Report:
     older's seq. Only for a report that was never sent: one that may have been counted keeps its seq."""
     usage: dict[tuple[int, str, str], list[int]] = {}
     for row in (*older.usage, *newer.usage):
-        counts = usage.setdefault((row.bucket, row.key_id, row.model), [0, 0, 0])
+        counts = usage.setdefault((row.bucket, row.key_id, row.model), [0, 0, 0, 0, 0])
         counts[0] += row.requests
         counts[1] += row.prompt_tokens
         counts[2] += row.completion_tokens
+        counts[3] += row.estimated_tokens
+        counts[4] += row.unmetered
     key_use = dict(older.key_use)
     for key, at in newer.key_use.items():
         key_use[key] = max(at, key_use.get(key, at))
