@@ -289,6 +289,9 @@ class ModelConfig(_Strict):
     # least-outstanding balances by load alone; prefix keeps a conversation's (or a shared
     # prompt's) requests on one replica, within a load bound, so the engine's prefix cache serves.
     routing: Literal["least-outstanding", "prefix"] = "least-outstanding"
+    # R-6.9b: Responses `background: true` is refused unless the model allows it: a background
+    # response answers `queued` with no usage, and the engine's store keeps it for the later GET.
+    background_responses: bool = False
 
     @field_validator("weights")
     @classmethod

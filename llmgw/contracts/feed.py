@@ -56,6 +56,7 @@ class RoutedModel:
     on_demand: bool  # no replica until asked for
     fallbacks: tuple[str, ...] = ()  # the fallback chain in order, the model itself left out
     concurrency: int | None = None  # requests one replica accepts at once, as configured; None: not set
+    background_responses: bool = False  # Responses `background: true` allowed (R-6.9b)
 
     @property
     def upstream_name(self) -> str:
@@ -366,7 +367,8 @@ def endpoint_from_wire(d, where: str) -> Endpoint:
 
 def model_to_wire(m: RoutedModel) -> dict:
     return {"name": m.name, "engine": m.engine, "served_name": m.served_name, "routing": m.routing,
-            "on_demand": m.on_demand, "fallbacks": list(m.fallbacks), "concurrency": m.concurrency}
+            "on_demand": m.on_demand, "fallbacks": list(m.fallbacks), "concurrency": m.concurrency,
+            **({"background_responses": True} if m.background_responses else {})}
 
 
 def model_from_wire(d, where: str) -> RoutedModel:
@@ -378,8 +380,9 @@ def model_from_wire(d, where: str) -> RoutedModel:
         else:
             if type(n) is str and (e is None or e in ENGINE_KINDS) and (s is None or type(s) is str) \
                     and r in ROUTING_POLICIES and type(od) is bool and type(fb) is list \
-                    and _ONLY_STR.issuperset(map(type, fb)) and (c is None or type(c) is int and c >= 1):
-                return RoutedModel(n, e, s, r, od, tuple(fb), c)
+                    and _ONLY_STR.issuperset(map(type, fb)) and (c is None or type(c) is int and c >= 1) \
+                    and type(d.get("background_responses", False)) is bool:
+                return RoutedModel(n, e, s, r, od, tuple(fb), c, d.get("background_responses", False))
     d = _obj(d, where)
     engine = _opt_str(d.get("engine"), f"{where}.engine")
     if engine is not None and engine not in ENGINE_KINDS:
@@ -393,7 +396,9 @@ def model_from_wire(d, where: str) -> RoutedModel:
                        served_name=_opt_str(d.get("served_name"), f"{where}.served_name"), routing=routing,
                        on_demand=_expect(d.get("on_demand", False), (bool,), f"{where}.on_demand"),
                        fallbacks=fallbacks,
-                       concurrency=None if d.get("concurrency") is None else _int(d["concurrency"], f"{where}.concurrency", 1))
+                       concurrency=None if d.get("concurrency") is None else _int(d["concurrency"], f"{where}.concurrency", 1),
+                       background_responses=_expect(d.get("background_responses", False), (bool,),
+                                                    f"{where}.background_responses"))
 
 
 def key_to_wire(k: KeyEntry) -> dict:

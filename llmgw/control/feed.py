@@ -102,7 +102,8 @@ def routed_models(catalog: Catalog) -> Mapping[str, RoutedModel]:
         name: RoutedModel(name=name, engine=_ENGINE_KINDS.get(type(model.engine)) if model.engine else None,
                           served_name=model.config.served_name, routing=model.config.routing,
                           on_demand=model.on_demand, fallbacks=tuple(catalog.fallback_chain(name)),
-                          concurrency=model.profile.concurrency if model.profile is not None else None)
+                          concurrency=model.profile.concurrency if model.profile is not None else None,
+                          background_responses=model.config.background_responses)
         for name, model in catalog.models.items()})
 
 

@@ -401,6 +401,11 @@ class Router:
             served = ", ".join(sorted(route.engines)) or "no built-in engine"
             raise RouteNotServed(f"model {name!r} runs on {model.engine}, which does not serve "
                                  f"{route.name} (served by: {served})")
+        if route.dialect == RESPONSES and document is not None and document.get("background") not in (None, False) \
+                and not model.background_responses:
+            raise BadRequest(f"model {name!r} does not take background responses: send the request without "
+                             "'background' (the operator allows it with background_responses: true on the model)",
+                             param="background")
         if stream and route.chat_stream:  # every stream asks for usage; the client sees it only if it asked
             continuous = model.engine in CONTINUOUS_USAGE_ENGINES  # in every chunk, where the engine can (R-6.9a)
             body = ask_for_usage(document, body, continuous)

@@ -169,3 +169,22 @@ async def test_r6_9a_a_responses_stream_cut_early_is_counted_from_its_events(eng
     print("row:", found)
     assert found["requests"] == 1 and READ - 2 <= found["completion_tokens"] < LONG
     assert found["estimated_tokens"] == found["prompt_tokens"] + found["completion_tokens"]
+
+
+async def test_r6_9b_background_responses_are_refused_unless_the_model_allows_them(engines, start_router):  # noqa: F811
+    """`background: true` answers `queued` with no usage, and the later GET counts none: refused
+    with a 400 naming the field unless the model sets background_responses: true."""
+    import openai
+
+    engine = engines.start("m")
+    allowed = engines.start("bg")
+    gw = await start_router(catalog(model("m"), model("bg", background_responses=True)),
+                            {"m": [engine.endpoint()], "bg": [allowed.endpoint()]})
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(model="m", input="one two three", background=True)
+        answer = await client.responses.create(model="bg", input="one two three", background=True)
+        plain = await client.responses.create(model="m", input="one two three", background=False)
+    assert refused.value.param == "background" and "background_responses: true" in refused.value.message
+    assert engine.counters()["requests"] == 1  # only the request without background reached it
+    assert answer.id and plain.id
