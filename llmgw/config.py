@@ -227,6 +227,9 @@ class ProfileConfig(_Strict):
     start_timeout: Duration = 900.0
     # Requests one replica is given at once; beyond it they wait in the router. None: 64.
     concurrency: int | None = Field(None, ge=1)
+    # SGLang keeps every stored Response in its memory and never empties it: off unless set, the
+    # router sending SGLang `store: false` (vLLM's store is its env VLLM_ENABLE_RESPONSES_API_STORE).
+    responses_store: bool = False
 
     @model_validator(mode="after")
     def _multi_node_needs_gpus(self) -> ProfileConfig:

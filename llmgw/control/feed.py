@@ -103,7 +103,8 @@ def routed_models(catalog: Catalog) -> Mapping[str, RoutedModel]:
                           served_name=model.config.served_name, routing=model.config.routing,
                           on_demand=model.on_demand, fallbacks=tuple(catalog.fallback_chain(name)),
                           concurrency=model.profile.concurrency if model.profile is not None else None,
-                          background_responses=model.config.background_responses)
+                          background_responses=model.config.background_responses,
+                          responses_store=model.profile is not None and model.profile.responses_store)
         for name, model in catalog.models.items()})
 
 

@@ -406,6 +406,11 @@ class Router:
             raise BadRequest(f"model {name!r} does not take background responses: send the request without "
                              "'background' (the operator allows it with background_responses: true on the model)",
                              param="background")
+        if route.dialect == RESPONSES and route.model_from != RESPONSE_ID and model.engine == "sglang" \
+                and not model.responses_store and document.get("store") is not False:
+            # SGLang never empties its response store: kept off unless the profile opts in.
+            document["store"] = False
+            body = json.dumps(document).encode()
         if stream and route.chat_stream:  # every stream asks for usage; the client sees it only if it asked
             continuous = model.engine in CONTINUOUS_USAGE_ENGINES  # in every chunk, where the engine can (R-6.9a)
             body = ask_for_usage(document, body, continuous)

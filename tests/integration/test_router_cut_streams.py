@@ -188,3 +188,26 @@ async def test_r6_9b_background_responses_are_refused_unless_the_model_allows_th
     assert refused.value.param == "background" and "background_responses: true" in refused.value.message
     assert engine.counters()["requests"] == 1  # only the request without background reached it
     assert answer.id and plain.id
+
+
+async def test_sglang_response_store_is_off_unless_the_profile_opts_in(engines, start_router):  # noqa: F811
+    """SGLang keeps every stored Response in memory for good: the router sends it `store: false`
+    unless the profile sets responses_store: true, as vLLM's store is off unless its env sets it."""
+    import openai
+
+    from llmgw.catalog import Catalog
+    from llmgw.config import ProfileConfig
+    from tests.integration.test_router_support import ENGINES, PROFILES
+
+    plain = engines.start("m", mode="sglang")
+    keeps = engines.start("kept", mode="sglang")
+    profiles = {**PROFILES, "sglang-store": ProfileConfig(engine="sglang", responses_store=True)}
+    cat = Catalog.build(file_models=[model("m", profile="sglang"), model("kept", profile="sglang-store")],
+                        profiles=profiles, engines=ENGINES)
+    gw = await start_router(cat, {"m": [plain.endpoint()], "kept": [keeps.endpoint()]})
+    async with gw.client() as client:
+        made = await client.responses.create(model="m", input="one two three")
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(made.id)
+        stored = await client.responses.create(model="kept", input="one two three")
+        assert (await client.responses.retrieve(stored.id)).id == stored.id
