@@ -406,6 +406,8 @@ class Router:
             raise BadRequest(f"model {name!r} does not take background responses: send the request without "
                              "'background' (the operator allows it with background_responses: true on the model)",
                              param="background")
+        if isinstance(body, Upload) and model.engine == "vllm" and route.path.endswith("transcriptions"):
+            body.ask_for_usage()  # a streamed transcription has usage only when its form asks (R-6.9a)
         if route.dialect == RESPONSES and route.model_from != RESPONSE_ID and model.engine == "sglang" \
                 and not model.responses_store and document.get("store") is not False:
             # SGLang never empties its response store: kept off unless the profile opts in.

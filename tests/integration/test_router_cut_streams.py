@@ -211,3 +211,22 @@ async def test_sglang_response_store_is_off_unless_the_profile_opts_in(engines, 
             await client.responses.retrieve(made.id)
         stored = await client.responses.create(model="kept", input="one two three")
         assert (await client.responses.retrieve(stored.id)).id == stored.id
+
+
+async def test_r6_9a_a_streamed_transcription_asks_vllm_for_usage(engines, start_router):  # noqa: F811
+    """A streamed transcription (multipart `stream=true`): vLLM sends usage only when the form has
+    `stream_include_usage`; the router adds it and counts it exactly (not estimated)."""
+    engine = engines.start("m")
+    gw = await start_router(catalog(model("m")), {"m": [engine.endpoint()]})
+    async with gw.client() as client:
+        stream = await client.audio.transcriptions.create(model="m", file=("a.wav", b"RIFF" + bytes(996), "audio/wav"),
+                                                          stream=True)
+        events = [event async for event in stream]
+    assert events
+
+    async def rows():
+        await gw.feed.report()
+        return await gw.usage_rows() or None
+    found = (await apoll(rows, what="the usage row"))[0]
+    assert (found["requests"], found["prompt_tokens"], found["estimated_tokens"]) == (1, 10, 0)
+    assert found["completion_tokens"] == 4  # "m heard 1000 bytes", as the double counts it

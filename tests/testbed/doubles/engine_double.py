@@ -976,6 +976,18 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(404, error_body(404, "The model `%s` does not exist." % fields["model"].decode(), "NotFoundError"))
         audio = fields["file"]
         verb = "heard" if path.endswith("transcriptions") else "translated"
+        if self.state.engine.mode == "vllm" and path.endswith("transcriptions") \
+                and fields.get("stream", b"").lower() == b"true":
+            # vLLM streams a transcription as chat-like SSE; its usage event only with the
+            # `stream_include_usage` form field (the last of a field given twice wins, as Starlette's form).
+            words = ("%s %s %d bytes" % (self.state.engine.name, verb, len(audio))).split()
+            rid, created, model = "trsc-%d" % self.state.next_id(), int(time.time()), fields["model"].decode()
+            events = [{"id": rid, "object": "transcription.chunk", "created": created, "model": model,
+                       "choices": [{"delta": {"content": " " + w}, "finish_reason": None}]} for w in words]
+            usage = {"prompt_tokens": 10, "completion_tokens": len(words), "total_tokens": 10 + len(words)}
+            include = fields.get("stream_include_usage", b"").lower() == b"true"
+            return self._stream({"stream_options": {"include_usage": include}}, events, rid, created, model, usage,
+                                "transcription.chunk")
         self._send(200, dumps({"text": "%s %s %d bytes sha256 %s" % (self.state.engine.name, verb, len(audio),
                                                                         hashlib.sha256(audio).hexdigest()),
                                "usage": {"type": "duration", "seconds": 1}}).encode())
