@@ -229,6 +229,9 @@ class ProfileConfig(_Strict):
     start_timeout: Duration = 900.0
     # Requests one replica is given at once; beyond it they wait in the router. None: 64.
     concurrency: int | None = Field(None, ge=1)
+    # SGLang keeps every stored Response in its memory and never empties it: off unless set, the
+    # router sending SGLang `store: false` (vLLM's store is its env VLLM_ENABLE_RESPONSES_API_STORE).
+    responses_store: bool = False
 
     @model_validator(mode="after")
     def _multi_node_needs_gpus(self) -> ProfileConfig:
@@ -304,6 +307,9 @@ class ModelConfig(_Strict):
     # least-outstanding balances by load alone; prefix keeps a conversation's (or a shared
     # prompt's) requests on one replica, within a load bound, so the engine's prefix cache serves.
     routing: Literal["least-outstanding", "prefix"] = "least-outstanding"
+    # R-6.9b: Responses `background: true` is refused unless the model allows it: a background
+    # response answers `queued` with no usage, and the engine's store keeps it for the later GET.
+    background_responses: bool = False
 
     @field_validator("weights")
     @classmethod

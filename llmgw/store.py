@@ -29,7 +29,7 @@ from llmgw.contracts.feed import MAX_COUNT
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # How long an opener waits for another process's write transaction before giving up.
 BUSY_TIMEOUT = 30.0
 
@@ -78,8 +78,15 @@ def _migrate_4(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE api_keys SET priority = 0, weight = 1")
 
 
+def _migrate_5(db: sqlite_utils.Database) -> None:
+    """Usage rows get the estimated part of their tokens (a stream cut before its usage, R-6.9a)
+    and the requests whose tokens are unknown; rows from before had neither."""
+    db["usage"].add_column("estimated_tokens", int, not_null_default=0)
+    db["usage"].add_column("unmetered", int, not_null_default=0)
+
+
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _migrate_1, 2: _migrate_2, 3: _migrate_3,
-                                                                  4: _migrate_4}
+                                                                  4: _migrate_4, 5: _migrate_5}
 
 
 def schema_version(db: sqlite_utils.Database) -> int:
@@ -270,13 +277,16 @@ def audit(db: sqlite_utils.Database, actor: str | None, action: str, target: str
                         "target": target, "detail": json.dumps(detail) if detail is not None else None})
 
 
-def add_usage(db: sqlite_utils.Database, rows: list[tuple[int, str, str, int, int, int]]) -> None:
-    """Add (bucket, key_id, model, requests, prompt_tokens, completion_tokens) to the counters.
+def add_usage(db: sqlite_utils.Database, rows: list[tuple]) -> None:
+    """Add (bucket, key_id, model, requests, prompt_tokens, completion_tokens[, estimated_tokens,
+    unmetered]) to the counters.
 
     Each sum saturates at MAX_COUNT (R-10.8): SQLite would turn an integer overflow into a float."""
     db.conn.executemany(
-        "INSERT INTO usage (bucket, key_id, model, requests, prompt_tokens, completion_tokens) "
-        "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (bucket, key_id, model) DO UPDATE SET "
+        "INSERT INTO usage (bucket, key_id, model, requests, prompt_tokens, completion_tokens, estimated_tokens, "
+        "unmetered) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (bucket, key_id, model) DO UPDATE SET "
         f"requests = MIN(requests + excluded.requests, {MAX_COUNT}), "
         f"prompt_tokens = MIN(prompt_tokens + excluded.prompt_tokens, {MAX_COUNT}), "
-        f"completion_tokens = MIN(completion_tokens + excluded.completion_tokens, {MAX_COUNT})", rows)
+        f"completion_tokens = MIN(completion_tokens + excluded.completion_tokens, {MAX_COUNT}), "
+        f"estimated_tokens = MIN(estimated_tokens + excluded.estimated_tokens, {MAX_COUNT}), "
+        f"unmetered = MIN(unmetered + excluded.unmetered, {MAX_COUNT})", [(*row, 0, 0)[:8] for row in rows])

@@ -225,9 +225,9 @@ def usage_page(snapshot: Listings, by_model: dict, by_key: dict, period: str) ->
     periods = "".join(_link(f"/usage?since={p}", p, p == period) for p in USAGE_PERIODS)
 
     def listing(report: dict, what: str) -> Markup:
-        return table([what, "requests", "prompt tokens", "completion tokens", "total tokens"],
-                     [[r["name"], r["requests"], r["prompt_tokens"], r["completion_tokens"], r["total_tokens"]]
-                      for r in report["rows"]], empty=text.NO_REQUESTS)
+        return table([what, "requests", "prompt tokens", "completion tokens", "total tokens", "estimated", "unmetered"],
+                     [[r["name"], r["requests"], r["prompt_tokens"], r["completion_tokens"], r["total_tokens"],
+                       r["estimated_tokens"], r["unmetered"]] for r in report["rows"]], empty=text.NO_REQUESTS)
     start = text.period_start(by_model)
     return Markup(template("usage.html").substitute(
         periods=Markup(periods), start=esc(start), by_model=listing(by_model, "model"), by_key=listing(by_key, "key")))

@@ -29,6 +29,10 @@ def _t(value: Any, style: str | None = None) -> Text:
     return Text(words.UNKNOWN if value is None else str(value), style=style or "")
 
 
+def _or_unknown(value: Any) -> Any:
+    return words.UNKNOWN if value is None else value
+
+
 def _table(*headers: str, title: str | None = None) -> Table:
     table = Table(title=title, title_justify="left", title_style="bold", header_style="bold", box=None,
                   pad_edge=False, padding=(0, 2, 0, 0))
@@ -261,10 +265,11 @@ def usage(report: dict) -> Group:
     by_key = report["by"] == "key"
     limits = ("RPM", "TPM", "CONC", "MODEL LIMITS") if by_key else ()
     table = _table("KEY" if by_key else "MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS", "TOTAL TOKENS",
-                   *limits)
+                   "ESTIMATED", "UNMETERED", *limits)
     for row in report["rows"]:
         cells = [_t(row["name"], "bold"), _t(row["requests"]), _t(row["prompt_tokens"]),
-                 _t(row["completion_tokens"]), _t(row["total_tokens"])]
+                 _t(row["completion_tokens"]), _t(row["total_tokens"]), _t(row.get("estimated_tokens")),
+                 _t(row.get("unmetered"))]
         if by_key:  # the key's limits beside what it used
             cells += [_t(row.get(name)) for name in ("rpm", "tpm", "concurrency")]
             cells.append(_t(words.model_limits(row.get("model_limits"))))
@@ -273,7 +278,9 @@ def usage(report: dict) -> Group:
     start = words.period_start(report)
     parts: list[Any] = [table] if report["rows"] else [Text(words.NO_REQUESTS)]
     parts.append(Text(f"since {start} (counted per hour): {totals['requests']} requests, "
-                      f"{totals['prompt_tokens']} prompt + {totals['completion_tokens']} completion tokens"))
+                      f"{_or_unknown(totals['prompt_tokens'])} prompt + {_or_unknown(totals['completion_tokens'])} "
+                      "completion tokens"
+                      + words.usage_caveats(totals)))
     return Group(*parts)
 
 

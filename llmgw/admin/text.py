@@ -271,6 +271,17 @@ def verdict(entry: dict) -> str:
     return "fits" if entry["fits"] else "rejected"
 
 
+def usage_caveats(totals: dict) -> str:
+    """What in a usage total is estimated or unknown (R-6.9a), as a tail for its summary line."""
+    out = ""
+    if totals.get("estimated_tokens"):
+        out += (f", of which {totals['estimated_tokens']} estimated (streams cut before the engine's usage "
+                "arrived, counted from what was relayed)")
+    if totals.get("unmetered"):
+        out += f"; {totals['unmetered']} requests whose tokens are unknown (not counted)"
+    return out
+
+
 def period_start(report: dict) -> str:
     """Where a usage report's period starts (counters are per hour, so at an hour)."""
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(report["from"]))

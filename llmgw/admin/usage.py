@@ -1,5 +1,10 @@
 """Token usage per key or per model over a period, read from the store's hourly counters (R-6.9).
 
+`prompt_tokens` and `completion_tokens` include what was estimated for streams cut before their
+usage arrived; `estimated_tokens` is that part (R-6.9a). `unmetered` counts requests whose tokens
+nobody knows (no usage, nothing relayed to estimate from): a row made only of those has None
+tokens, not 0.
+
 By key, each row also carries the key's limits as they are now (R-6.16): `rpm`, `tpm`,
 `concurrency` (None where it has none) and `model_limits` (model -> the same three); all None
 for a row whose key is gone from the store, since then nobody knows them."""
@@ -28,26 +33,39 @@ def usage_report(db: sqlite_utils.Database, by: str, since_seconds: float, now: 
     now = time.time() if now is None else now
     start = int(now - since_seconds) // BUCKET_SECONDS * BUCKET_SECONDS
     if by == "model":
-        sql = ("SELECT model AS name, SUM(requests), SUM(prompt_tokens), SUM(completion_tokens) FROM usage "
+        sql = ("SELECT model AS name, SUM(requests), SUM(prompt_tokens), SUM(completion_tokens), "
+               "SUM(estimated_tokens), SUM(unmetered) FROM usage "
                "WHERE bucket >= ? GROUP BY model ORDER BY SUM(prompt_tokens + completion_tokens) DESC, model")
     else:
         # A key's name, even once revoked: usage stays attributable. A row whose key is gone
         # entirely shows the stored id.
         sql = ("SELECT COALESCE(k.name, u.key_id) AS name, SUM(u.requests), SUM(u.prompt_tokens), "
-               "SUM(u.completion_tokens), u.key_id FROM usage u LEFT JOIN api_keys k ON k.id = u.key_id "
+               "SUM(u.completion_tokens), SUM(u.estimated_tokens), SUM(u.unmetered), u.key_id "
+               "FROM usage u LEFT JOIN api_keys k ON k.id = u.key_id "
                "WHERE u.bucket >= ? GROUP BY u.key_id "
                "ORDER BY SUM(u.prompt_tokens + u.completion_tokens) DESC, name")
     found = db.execute(sql, [start]).fetchall()
-    rows = [{"name": name, "requests": requests or 0, "prompt_tokens": prompt or 0,
-             "completion_tokens": completion or 0, "total_tokens": (prompt or 0) + (completion or 0)}
-            for name, requests, prompt, completion, *_ in found]
+    rows = [_row(name, requests or 0, prompt or 0, completion or 0, estimated or 0, unmetered or 0)
+            for name, requests, prompt, completion, estimated, unmetered, *_ in found]
     if by == "key":
-        keys = _keys(db, [row[4] for row in found])
+        keys = _keys(db, [row[6] for row in found])
         for row, (*_, key_id) in zip(rows, found):
             row.update(_limits(keys.get(key_id)))
-    totals = {key: sum(r[key] for r in rows) for key in ("requests", "prompt_tokens", "completion_tokens",
-                                                        "total_tokens")}
+    totals = _row(None, *(sum(r[key] for r in rows) for key in ("requests", "_prompt", "_completion",
+                                                                 "estimated_tokens", "unmetered")))
+    del totals["name"]
+    for row in (*rows, totals):
+        del row["_prompt"], row["_completion"]
     return {"by": by, "since_seconds": since_seconds, "from": start, "to": now, "rows": rows, "totals": totals}
+
+
+def _row(name: str | None, requests: int, prompt: int, completion: int, estimated: int, unmetered: int) -> dict:
+    """One row of counts; its tokens None when every request in it is unmetered (unknown, not 0)."""
+    known = requests > unmetered or prompt or completion
+    return {"name": name, "requests": requests,
+            "prompt_tokens": prompt if known else None, "completion_tokens": completion if known else None,
+            "total_tokens": prompt + completion if known else None,
+            "estimated_tokens": estimated, "unmetered": unmetered, "_prompt": prompt, "_completion": completion}
 
 
 def _keys(db: sqlite_utils.Database, ids: list[str]) -> dict[str, ApiKey]:

@@ -63,6 +63,8 @@ class RoutedModel:
     on_demand: bool  # no replica until asked for
     fallbacks: tuple[str, ...] = ()  # the fallback chain in order, the model itself left out
     concurrency: int | None = None  # requests one replica accepts at once, as configured; None: not set
+    background_responses: bool = False  # Responses `background: true` allowed (R-6.9b)
+    responses_store: bool = False  # SGLang: keep stored Responses (else the router sends it `store: false`)
 
     @property
     def upstream_name(self) -> str:
@@ -195,8 +197,10 @@ class UsageRow:
     key_id: str
     model: str
     requests: int
-    prompt_tokens: int
+    prompt_tokens: int  # estimated tokens included (R-6.9a)
     completion_tokens: int
+    estimated_tokens: int = 0  # the part of prompt + completion estimated from what a cut stream relayed
+    unmetered: int = 0  # requests whose tokens nobody knows: no usage, nothing to estimate from (not 0 tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,7 +411,9 @@ def endpoint_from_wire(d, where: str) -> Endpoint:
 
 def model_to_wire(m: RoutedModel) -> dict:
     return {"name": m.name, "engine": m.engine, "served_name": m.served_name, "routing": m.routing,
-            "on_demand": m.on_demand, "fallbacks": list(m.fallbacks), "concurrency": m.concurrency}
+            "on_demand": m.on_demand, "fallbacks": list(m.fallbacks), "concurrency": m.concurrency,
+            **({"background_responses": True} if m.background_responses else {}),
+            **({"responses_store": True} if m.responses_store else {})}
 
 
 def model_from_wire(d, where: str) -> RoutedModel:
@@ -419,8 +425,11 @@ def model_from_wire(d, where: str) -> RoutedModel:
         else:
             if type(n) is str and (e is None or e in ENGINE_KINDS) and (s is None or type(s) is str) \
                     and r in ROUTING_POLICIES and type(od) is bool and type(fb) is list \
-                    and _ONLY_STR.issuperset(map(type, fb)) and (c is None or type(c) is int and c >= 1):
-                return RoutedModel(n, e, s, r, od, tuple(fb), c)
+                    and _ONLY_STR.issuperset(map(type, fb)) and (c is None or type(c) is int and c >= 1) \
+                    and type(d.get("background_responses", False)) is bool \
+                    and type(d.get("responses_store", False)) is bool:
+                return RoutedModel(n, e, s, r, od, tuple(fb), c, d.get("background_responses", False),
+                                   d.get("responses_store", False))
     d = _obj(d, where)
     engine = _opt_str(d.get("engine"), f"{where}.engine")
     if engine is not None and engine not in ENGINE_KINDS:
@@ -434,7 +443,10 @@ def model_from_wire(d, where: str) -> RoutedModel:
                        served_name=_opt_str(d.get("served_name"), f"{where}.served_name"), routing=routing,
                        on_demand=_expect(d.get("on_demand", False), (bool,), f"{where}.on_demand"),
                        fallbacks=fallbacks,
-                       concurrency=None if d.get("concurrency") is None else _int(d["concurrency"], f"{where}.concurrency", 1))
+                       concurrency=None if d.get("concurrency") is None else _int(d["concurrency"], f"{where}.concurrency", 1),
+                       background_responses=_expect(d.get("background_responses", False), (bool,),
+                                                    f"{where}.background_responses"),
+                       responses_store=_expect(d.get("responses_store", False), (bool,), f"{where}.responses_store"))
 
 
 def key_to_wire(k: KeyEntry) -> dict:
@@ -638,8 +650,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
     if isinstance(message, Report):
         return {"type": "report", "protocol": PROTOCOL, "router": message.router, "seq": message.seq,
                 "sent_at": message.sent_at,
-                "usage": [[u.bucket, u.key_id, u.model, u.requests, u.prompt_tokens, u.completion_tokens]
-                          for u in message.usage],
+                "usage": [[u.bucket, u.key_id, u.model, u.requests, u.prompt_tokens, u.completion_tokens,
+                           u.estimated_tokens, u.unmetered] for u in message.usage],
                 "key_use": dict(message.key_use), "last_used": dict(message.last_used),
                 "inflight": dict(message.inflight),
                 "engine_load": {r: _load_to_wire(load) for r, load in message.engine_load.items()},
@@ -714,10 +726,11 @@ def read_report(document) -> tuple[Report, tuple[Refusal, ...]]:
 
 def _usage_row_from_wire(row, where: str) -> UsageRow:
     row = _list(row, where)
-    if len(row) != 6:
-        raise FeedError(f"{where}: expected [bucket, key, model, requests, prompt, completion]")
+    if len(row) not in (6, 8):  # 6: a router from before estimates and unmetered requests (R-6.9a)
+        raise FeedError(f"{where}: expected [bucket, key, model, requests, prompt, completion, estimated, unmetered]")
     return UsageRow(_int(row[0], f"{where}[0]"), _str(row[1], f"{where}[1]"), _str(row[2], f"{where}[2]"),
-                    _count(row[3], f"{where}[3]"), _count(row[4], f"{where}[4]"), _count(row[5], f"{where}[5]"))
+                    _count(row[3], f"{where}[3]"), _count(row[4], f"{where}[4]"), _count(row[5], f"{where}[5]"),
+                    *(_count(row[i], f"{where}[{i}]") for i in range(6, len(row))))
 
 
 def _refusal_from_wire(d, where: str) -> Refusal:

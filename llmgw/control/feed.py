@@ -105,7 +105,9 @@ def routed_models(catalog: Catalog) -> Mapping[str, RoutedModel]:
         name: RoutedModel(name=name, engine=_ENGINE_KINDS.get(type(model.engine)) if model.engine else None,
                           served_name=model.config.served_name, routing=model.config.routing,
                           on_demand=model.on_demand, fallbacks=tuple(catalog.fallback_chain(name)),
-                          concurrency=model.profile.concurrency if model.profile is not None else None)
+                          concurrency=model.profile.concurrency if model.profile is not None else None,
+                          background_responses=model.config.background_responses,
+                          responses_store=model.profile is not None and model.profile.responses_store)
         for name, model in catalog.models.items()})
 
 
@@ -124,8 +126,8 @@ def apply_counted(db: sqlite_utils.Database, report: Report, now: float) -> bool
     if row is not None and report.seq <= row[0]:
         return False
     if report.usage:
-        add_usage(db, [(u.bucket, u.key_id, u.model, u.requests, u.prompt_tokens, u.completion_tokens)
-                       for u in report.usage])
+        add_usage(db, [(u.bucket, u.key_id, u.model, u.requests, u.prompt_tokens, u.completion_tokens,
+                        u.estimated_tokens, u.unmetered) for u in report.usage])
     if report.key_use:
         record_key_use(db, dict(report.key_use))
     db.execute("INSERT INTO router_seq (router, seq, updated_at) VALUES (?, ?, ?) ON CONFLICT (router) "

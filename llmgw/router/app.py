@@ -40,7 +40,7 @@ from llmgw.router import limits
 from llmgw.router.metrics import NO_MODEL, RouterMetrics
 from llmgw.router.proxy import DEFAULT_MAX_ANSWER, Forwarder
 from llmgw.router.routes import ANTHROPIC, FORM, RESPONSE_ID, RESPONSES, ROUTES, Route, serves
-from llmgw.router.streams import ask_for_usage, streaming
+from llmgw.router.streams import CONTINUOUS_USAGE_ENGINES, ask_for_usage, streaming
 from llmgw.router.uploads import Upload, read_upload
 from llmgw.router.usage import UsageMeter
 
@@ -419,7 +419,7 @@ class Router:
         document: dict | None = None
         body: bytes | Upload | None = None
         pinned: Pinned | None = None
-        stream = strip_usage = False
+        stream = strip_usage = strip_continuous = False
         if route.model_from == RESPONSE_ID:
             pinned = self._pinned(request.match_info["response_id"], key)
             name = pinned.model
@@ -441,9 +441,6 @@ class Router:
             stream = how.stream
             if route.dialect == RESPONSES:
                 pinned = self._previous(document, name, key)
-            if stream and route.chat_stream:  # every stream asks for usage; the client sees it only if it asked
-                body = ask_for_usage(document, body)
-                strip_usage = not how.client_wants_usage
         models = self._models
         model = self._resolve(name, key)
         request[_MODEL] = name
@@ -451,12 +448,31 @@ class Router:
             served = ", ".join(sorted(route.engines)) or "no built-in engine"
             raise RouteNotServed(f"model {name!r} runs on {model.engine}, which does not serve "
                                  f"{route.name} (served by: {served})")
+        if route.dialect == RESPONSES and document is not None and document.get("background") not in (None, False) \
+                and not model.background_responses:
+            raise BadRequest(f"model {name!r} does not take background responses: send the request without "
+                             "'background' (the operator allows it with background_responses: true on the model)",
+                             param="background")
+        if isinstance(body, Upload) and model.engine == "vllm" and route.path.endswith("transcriptions"):
+            body.ask_for_usage()  # a streamed transcription has usage only when its form asks (R-6.9a)
+        if route.dialect == RESPONSES and route.model_from != RESPONSE_ID and model.engine == "sglang" \
+                and not model.responses_store and document.get("store") is not False:
+            # SGLang never empties its response store: kept off unless the profile opts in.
+            document["store"] = False
+            body = json.dumps(document).encode()
+        if stream and route.chat_stream:  # every stream asks for usage; the client sees it only if it asked
+            continuous = model.engine in CONTINUOUS_USAGE_ENGINES  # in every chunk, where the engine can (R-6.9a)
+            body = ask_for_usage(document, body, continuous)
+            strip_usage = not how.client_wants_usage
+            strip_continuous = continuous and not how.client_wants_continuous
         if held is None:
-            return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned)
+            return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned,
+                                     strip_continuous)
         admission = self._admit(request, key, name, body, document, held)
         token = limits.CURRENT.set(admission)
         try:
-            return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned)
+            return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned,
+                                     strip_continuous)
         finally:
             limits.CURRENT.reset(token)
 
@@ -573,7 +589,7 @@ class Router:
     async def _route(self, request: web.Request, route: Route, models: Mapping[str, RoutedModel],
                      model: RoutedModel, key: KeyEntry,
                      document: dict | None, body, stream: bool, strip_usage: bool,
-                     pinned: Pinned | None = None) -> web.StreamResponse:
+                     pinned: Pinned | None = None, strip_continuous: bool = False) -> web.StreamResponse:
         if pinned is not None:
             return await self._pinned_route(request, route, models, model, key, document, body, stream, pinned)
         fixed_path, plain = route.fixed_path, route.plain
@@ -622,7 +638,7 @@ class Router:
                     request, up, path, self._upstream_body(models, up, model.name, document, body, None),
                     relay, strip_usage, key.id, route.method,
                     None if plain else self._headers(request, route, up, stream, body), route.dialect,
-                    accepted=accepted)
+                    accepted=accepted, strip_continuous=strip_continuous)
             except RouterError as exc:
                 if isinstance(body, Upload) and body.problem is not None:
                     raise body.problem from None

@@ -208,10 +208,11 @@ def merge_reports(older: Report, newer: Report) -> Report:
     older's seq. Only for a report that was never sent: one that may have been counted keeps its seq."""
     usage: dict[tuple[int, str, str], list[int]] = {}
     for row in (*older.usage, *newer.usage):
-        counts = usage.setdefault((row.bucket, row.key_id, row.model), [0, 0, 0])
-        counts[0] = add_count(counts[0], row.requests)  # saturating: a row never exceeds MAX_COUNT (R-10.8)
-        counts[1] = add_count(counts[1], row.prompt_tokens)
-        counts[2] = add_count(counts[2], row.completion_tokens)
+        counts = usage.setdefault((row.bucket, row.key_id, row.model), [0, 0, 0, 0, 0])
+        # saturating: a row never exceeds MAX_COUNT (R-10.8)
+        for i, value in enumerate((row.requests, row.prompt_tokens, row.completion_tokens, row.estimated_tokens,
+                                   row.unmetered)):
+            counts[i] = add_count(counts[i], value)
     key_use = dict(older.key_use)
     for key, at in newer.key_use.items():
         key_use[key] = max(at, key_use.get(key, at))

@@ -8,7 +8,10 @@ event and a cut connection, so the client cannot take a truncated answer for a c
 
 The hot loop relays bytes as they come (`readany`) with no per-chunk parsing or logging; usage is
 taken from the tail of the stream, and the usage-only event is removed only where the client did
-not ask for it (R-6.9).
+not ask for it (R-6.9), as is the usage vLLM and SGLang put in every chunk when asked (R-6.9a).
+Every request that got an answer is counted once, however its stream ended: a stream that carried
+no usage is counted from the events relayed, as an estimate (usage.estimate_stream), and a limited
+key's reservation settles to that.
 
 Read timeouts: until the first byte, one `asyncio.timeout` per attempt. After it, a `Watchdog`
 sweeps the streams in flight once a second and ends those whose engine has been silent too long.
@@ -35,11 +38,12 @@ from llmgw.router.errors import (UpstreamAnswerTooLarge, UpstreamConnectFailed, 
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.routes import ANTHROPIC, OPENAI, RESPONSES
 from llmgw.router import limits
-from llmgw.router.usage import (UsageMeter, anthropic_stream_usage, complete_events_end, find_usage,
-                                strip_usage_event, tokens, usage_from_body)
+from llmgw.router.usage import (UsageMeter, anthropic_stream_usage, complete_events_end, estimate_stream,
+                                find_usage, strip_usage, tokens, usage_from_body)
 
 log = logging.getLogger(__name__)
 
+_USAGE = b'"usage"'
 MAX_PENDING = 1 << 20  # an engine that never ends an event still gets relayed past this
 DEFAULT_MAX_ANSWER = 64 * 1024**2  # bytes of a non-streamed answer, until told otherwise
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -184,10 +188,13 @@ class Forwarder:
     async def send(self, request: web.Request, up: Upstream, path: str, body, stream: bool | None,
                    strip_usage: bool, key_id: str, method: str = "POST", headers: dict | None = None,
                    dialect: str = OPENAI, inference: bool = True,
-                   accepted: Callable[[], None] | None = None) -> web.StreamResponse:
+                   accepted: Callable[[], None] | None = None,
+                   strip_continuous: bool = False) -> web.StreamResponse:
         """One attempt. `stream` None: relay the answer as a stream when the engine sends an event
         stream. `inference` False: a stored answer read back, counted as a request, its usage not
-        counted again. `accepted` is called once the engine answers with a status below 400."""
+        counted again. `accepted` is called once the engine answers with a status below 400.
+        `strip_usage`: remove the usage-only event; `strip_continuous`: the usage of every chunk
+        (asked for by the router, not by the client)."""
         started = time.monotonic()
         resp = None
         finished = False
@@ -241,6 +248,8 @@ class Forwarder:
                 if attempt.abandoned and asyncio.current_task().uncancel() == 0:
                     raise UpstreamConnectFailed(f"replica {up.replica_id} was given up while this request "
                                                 "waited for it (its node is unreachable)") from None
+                # The client left before the engine answered: a request, whose tokens nobody knows.
+                self.usage.add(key_id, up.model, 0, 0, unmetered=True)
                 raise
             # From here on a cancellation is the client's; an abandoned replica's stream is cut
             # by closing its response instead.
@@ -251,17 +260,22 @@ class Forwarder:
                 # Only SSE is edited; any other streamed format is relayed exactly as it comes.
                 sse = resp.content_type == "text/event-stream"
                 relay_headers = SSE_HEADERS if sse else {**SSE_HEADERS, "Content-Type": resp.content_type}
+                size = len(body) if isinstance(body, bytes) else 0  # a prompt estimated from it
                 if sse and dialect != OPENAI:
-                    response = await self._relay_events(request, resp, up, first, key_id, relay_headers, dialect)
+                    response = await self._relay_events(request, resp, up, first, key_id, relay_headers, dialect,
+                                                        size)
                 else:
-                    response = await self._relay_stream(request, resp, up, first, strip_usage and sse, key_id,
-                                                        relay_headers)
+                    response = await self._relay_stream(request, resp, up, first, strip_usage and sse,
+                                                        strip_continuous and sse, key_id, relay_headers, size)
             else:
                 if dialect == RESPONSES:  # the ids clients see name the replica that holds the response
                     answer = self.response_ids.rewrite(answer, up.model, up.replica_id, key_id)
                 if status == 200:
-                    prompt, completion = tokens(usage_from_body(answer)) if inference else (0, 0)
-                    self._count(key_id, up.model, prompt, completion)
+                    usage = usage_from_body(answer) if inference else {}
+                    if usage is None:  # an answer without usage: its tokens are unknown, not 0
+                        self.usage.add(key_id, up.model, 0, 0, unmetered=True)
+                    else:
+                        self._count(key_id, up.model, *tokens(usage))
                 response = web.Response(body=answer, status=status,
                                         headers={"Content-Type": resp.headers.get("Content-Type",
                                                                                   "application/json")})
@@ -325,7 +339,8 @@ class Forwarder:
             self._fresh = None
 
     async def _relay_stream(self, request: web.Request, resp: aiohttp.ClientResponse, up: Upstream,
-                            chunk: bytes, strip: bool, key_id: str, headers: dict) -> web.StreamResponse:
+                            chunk: bytes, strip: bool, strip_continuous: bool, key_id: str, headers: dict,
+                            body_size: int) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(request)
         readany = resp.content.readany
@@ -334,10 +349,12 @@ class Forwarder:
         usage = None
         oldest = older = old = b""  # the last three chunks relayed: where the usage event is
         pending = b""
+        events = 0  # relayed: a cut stream's completion is estimated from them
         try:
-            if not strip:
+            if not (strip or strip_continuous):
                 while chunk:
                     await write(chunk)
+                    events += chunk.count(b"\n\n")
                     oldest, older, old = older, old, chunk
                     chunk = await readany()
                     watch.progress += 1
@@ -353,12 +370,14 @@ class Forwarder:
                         else:
                             chunk, pending = b"", chunk
                     if chunk:
-                        if b"[]" in chunk:  # a usage-only event has "choices": []
-                            chunk, found = strip_usage_event(chunk)
+                        # A usage-only event has "choices": []; continuous usage is in every chunk.
+                        if b"[]" in chunk or (strip_continuous and _USAGE in chunk):
+                            chunk, found = strip_usage(chunk, strip, strip_continuous)
                             if found is not None:
                                 usage = found
                         if chunk:
                             await write(chunk)
+                            events += chunk.count(b"\n\n")
                             oldest, older, old = older, old, chunk
                     chunk = await readany()
                     watch.progress += 1
@@ -366,17 +385,14 @@ class Forwarder:
                     await write(pending)
         except asyncio.CancelledError:
             # The client left: after `data: [DONE]` the openai client closes at once, while
-            # llama-server may not yet have ended its body. Usage already relayed still counts.
-            found = usage if usage is not None else find_usage(oldest + older + old)
-            if found is not None:
-                self._count(key_id, up.model, *tokens(found))
+            # llama-server may not yet have ended its body. Usage already relayed still counts;
+            # without it, what was relayed is counted as an estimate (R-6.9a).
+            self._count_stream(key_id, up.model, usage or find_usage(oldest + older + old), body_size, events)
             raise
         except (aiohttp.ClientError, ConnectionError) as exc:
             # Usage the engine reported before the break is counted all the same: llama-server
             # may close the connection after its last event without ending the chunked body.
-            found = usage if usage is not None else find_usage(oldest + older + old)
-            if found is not None:
-                self._count(key_id, up.model, *tokens(found))
+            self._count_stream(key_id, up.model, usage or find_usage(oldest + older + old), body_size, events)
             transport = request.transport
             if transport is None or transport.is_closing():
                 # The client went away: returning closes the engine's connection (R-6.11).
@@ -388,14 +404,19 @@ class Forwarder:
             return response
         finally:
             self.watchdog.forget(watch)
-        if usage is None:
-            usage = find_usage(oldest + older + old)
-        prompt, completion = tokens(usage)
-        self._count(key_id, up.model, prompt, completion)
+        self._count_stream(key_id, up.model, usage or find_usage(oldest + older + old), body_size, events)
         return response
 
+    def _count_stream(self, key_id: str, model: str, usage: dict | None, body_size: int, events: int,
+                      prompt: int | None = None) -> None:
+        """A relayed stream, counted once: from its usage, else estimated from what was relayed."""
+        if usage is not None:
+            self._count(key_id, model, *tokens(usage))
+        else:
+            self._count(key_id, model, *estimate_stream(body_size, events, prompt))
+
     async def _relay_events(self, request: web.Request, resp: aiohttp.ClientResponse, up: Upstream, chunk: bytes,
-                            key_id: str, headers: dict, dialect: str) -> web.StreamResponse:
+                            key_id: str, headers: dict, dialect: str, body_size: int) -> web.StreamResponse:
         """A Responses or Anthropic stream: whole events relayed as they complete, comments and
         named events untouched; Responses ids rewritten to name their replica; usage from
         `response.completed`, or from Anthropic's message_start and message_delta."""
@@ -407,6 +428,7 @@ class Forwarder:
         head = b""
         oldest = older = old = b""
         pending = b""
+        events = 0
         stopped, silent = _CUTS.get(dialect, _OPENAI_CUTS)
         try:
             while chunk:
@@ -419,6 +441,7 @@ class Forwarder:
                     if rewrite is not None:
                         chunk = rewrite(chunk, up.model, up.replica_id, key_id)
                     await response.write(chunk)
+                    events += chunk.count(b"\n\n")
                     if len(head) < HEAD_BYTES:
                         head += chunk[:HEAD_BYTES]
                     oldest, older, old = older, old, chunk
@@ -431,11 +454,11 @@ class Forwarder:
                 oldest, older, old = older, old, pending
         except asyncio.CancelledError:
             # The client left (after the last event, at times before the engine ended its body):
-            # usage already relayed still counts, as on chat streams.
-            self._count_events(key_id, up.model, dialect, head, oldest + older + old, broken=True)
+            # usage already relayed still counts, as on chat streams, else what was relayed.
+            self._count_events(key_id, up.model, dialect, head, oldest + older + old, body_size, events)
             raise
         except (aiohttp.ClientError, ConnectionError) as exc:
-            self._count_events(key_id, up.model, dialect, head, oldest + older + old, broken=True)
+            self._count_events(key_id, up.model, dialect, head, oldest + older + old, body_size, events)
             transport = request.transport
             if transport is None or transport.is_closing():
                 return response
@@ -445,16 +468,21 @@ class Forwarder:
             return response
         finally:
             self.watchdog.forget(watch)
-        self._count_events(key_id, up.model, dialect, head, oldest + older + old, broken=False)
+        self._count_events(key_id, up.model, dialect, head, oldest + older + old, body_size, events)
         return response
 
-    def _count_events(self, key_id: str, model: str, dialect: str, head: bytes, tail: bytes, *, broken: bool) -> None:
-        """Usage of a Responses or Anthropic stream from its first and last events. A stream that
-        broke counts only if it carried usage; a whole one counts as a request in any case."""
-        usage = anthropic_stream_usage(head, tail) if dialect == ANTHROPIC else find_usage(tail)
-        if broken and usage is None:
+    def _count_events(self, key_id: str, model: str, dialect: str, head: bytes, tail: bytes, body_size: int,
+                      events: int) -> None:
+        """Usage of a Responses or Anthropic stream from its first and last events; without its
+        final usage, estimated from what was relayed (Anthropic's message_start gives the prompt)."""
+        if dialect != ANTHROPIC:
+            self._count_stream(key_id, model, find_usage(tail), body_size, events)
             return
-        self._count(key_id, model, *tokens(usage))
+        if b"message_delta" in tail and find_usage(tail) is not None:
+            self._count(key_id, model, *tokens(anthropic_stream_usage(head, tail)))
+            return
+        start = anthropic_stream_usage(head, b"")  # message_start's: the prompt the engine counted
+        self._count_stream(key_id, model, None, body_size, events, tokens(start)[0] if start else None)
 
     @staticmethod
     async def _cut(request: web.Request, response: web.StreamResponse, event: bytes) -> None:
@@ -466,8 +494,8 @@ class Forwarder:
         if transport is not None:
             transport.close()  # no final chunk: the client cannot mistake this for a whole answer
 
-    def _count(self, key_id: str, model: str, prompt: int, completion: int) -> None:
-        self.usage.add(key_id, model, prompt, completion)
+    def _count(self, key_id: str, model: str, prompt: int, completion: int, estimated: int = 0) -> None:
+        self.usage.add(key_id, model, prompt, completion, estimated)
         if prompt or completion:  # a limited key's reservation becomes what was used; unknown keeps the estimate
             admission = limits.CURRENT.get()
             if admission is not None:

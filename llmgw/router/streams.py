@@ -6,7 +6,9 @@ carries usage must mean one thing to the router and to the engine: `stream` is a
 absent/null, `stream_options` an object or absent/null and allowed only with `stream: true` (as
 OpenAI's API has it), `include_usage` a boolean. Anything else is refused, naming the field,
 before an engine sees the request: an engine that took `"stream": 1` as true would stream an
-answer the router expected whole, and its tokens would go uncounted.
+answer the router expected whole, and its tokens would go uncounted. `continuous_usage_stats`
+(vLLM's and SGLang's usage in every chunk) is a boolean too: the router asks those engines for it on
+every stream, so a stream the client cuts short is still counted exactly (R-6.9a).
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ from dataclasses import dataclass
 from llmgw.router.errors import BadRequest, InvalidType
 
 _ASK_FOR_USAGE = b'{"stream_options": {"include_usage": true}, '
+_ASK_FOR_EVERY_USAGE = b'{"stream_options": {"include_usage": true, "continuous_usage_stats": true}, '
+# The engines whose streams put usage in every chunk when asked (`continuous_usage_stats`): vLLM
+# and SGLang. llama-server has no such option; a custom engine or a provider may refuse the field.
+CONTINUOUS_USAGE_ENGINES = frozenset({"vllm", "sglang"})
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,7 @@ class Streaming:
 
     stream: bool
     client_wants_usage: bool
+    client_wants_continuous: bool = False  # usage in every chunk, as vLLM has it with include_usage
 
 
 def _json_type(value: object) -> str:
@@ -55,29 +62,33 @@ def streaming(document: dict) -> Streaming:
                           param="stream_options")
     if stream is not True:
         raise BadRequest("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    if "include_usage" in options and type(options["include_usage"]) is not bool:
-        raise InvalidType(f"'include_usage' in 'stream_options' must be a boolean (true or false), "
-                          f"got {_json_type(options['include_usage'])}", param="stream_options.include_usage")
-    return Streaming(True, options.get("include_usage") is True)
+    for name in ("include_usage", "continuous_usage_stats"):
+        if name in options and type(options[name]) is not bool:
+            raise InvalidType(f"'{name}' in 'stream_options' must be a boolean (true or false), "
+                              f"got {_json_type(options[name])}", param=f"stream_options.{name}")
+    usage = options.get("include_usage") is True
+    return Streaming(True, usage, usage and options.get("continuous_usage_stats") is True)
 
 
-def ask_for_usage(document: dict, body: bytes) -> bytes:
-    """The body of a streamed request with `include_usage: true`; `document` is changed to match.
+def ask_for_usage(document: dict, body: bytes, continuous: bool = False) -> bytes:
+    """The body of a streamed request with `include_usage: true` (and `continuous_usage_stats: true`
+    when `continuous`); `document` is changed to match.
 
     The engine sends usage in a stream only when asked, and the router counts every answer.
     """
+    wanted = {"include_usage": True, "continuous_usage_stats": True} if continuous else {"include_usage": True}
     options = document.get("stream_options")
     if options is not None:
-        if options.get("include_usage") is True:
+        if all(options.get(name) is True for name in wanted):
             return body
-        options["include_usage"] = True
+        options.update(wanted)
         return json.dumps(document).encode()
     present = "stream_options" in document  # as null: a key put first would be overridden by it
-    document["stream_options"] = {"include_usage": True}
+    document["stream_options"] = wanted
     if not present:
         # The body is a JSON object without the key, so it can go first without re-encoding.
         start = body.find(b"{")
         if start >= 0 and not body[:start].strip() and json.detect_encoding(body) == "utf-8":
-            return _ASK_FOR_USAGE + body[start + 1:]
+            return (_ASK_FOR_EVERY_USAGE if continuous else _ASK_FOR_USAGE) + body[start + 1:]
     # A null to replace, a byte-order mark or another encoding (UTF-16 and -32 need no mark).
     return json.dumps(document).encode()

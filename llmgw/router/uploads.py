@@ -104,7 +104,8 @@ class Upload:
     """One multipart request: its head, held, and the rest of its body, still with the client."""
 
     def __init__(self, request: web.Request, head: bytes, model: str, span: tuple[int, int], limit: int,
-                 parts: PartNames):
+                 parts: PartNames, delimiter: bytes):
+        self.delimiter = delimiter
         self.content = request.content
         self.content_type = request.headers["Content-Type"]
         self.head = head
@@ -114,6 +115,19 @@ class Upload:
         self.parts = parts  # for a second `model` field in the rest of the form
         self.started = False  # bytes past the head went to an engine: nothing can be resent
         self.problem: RouterError | None = None
+
+    def ask_for_usage(self) -> None:
+        """vLLM's transcription form gets `stream_include_usage=true` right after its model field
+        (only a stream reads it). The rest of the form is not read before the engine is asked, so
+        a field of the client's later on wins (the last of a repeated field does, in Starlette's
+        forms), and the usage event is relayed as it comes: the router cannot tell whether the
+        client asked for it."""
+        if b'name="stream_include_usage"' in self.head:
+            return
+        start, end = self.span
+        field = (b"\r\n" + self.delimiter + b'\r\nContent-Disposition: form-data; name="stream_include_usage"'
+                 b"\r\n\r\ntrue")
+        self.head = self.head[:end] + field + self.head[end:]
 
     @property
     def replayable(self) -> bool:
@@ -172,4 +186,4 @@ async def read_upload(request: web.Request, limit: int) -> Upload:
     parts = PartNames(delimiter)
     if parts.has_model(head[end:]):  # the fields after it that came in the same reads
         raise _second_model()
-    return Upload(request, head, model, (start, end), limit, parts)
+    return Upload(request, head, model, (start, end), limit, parts, delimiter)

@@ -4,7 +4,16 @@ Answers are never parsed whole on the hot path: `usage` sits at the end of an Op
 the last event of a stream (Responses: `response.completed`; Anthropic: `message_delta`, with the
 input counts also in `message_start` at the head), so it is looked for in the tail. For a stream the router asks the
 engine for `stream_options.include_usage` and, when the client did not ask for it, removes the
-usage-only event (`"choices": []` with `usage`) before it reaches the client.
+usage-only event (`"choices": []` with `usage`) before it reaches the client. vLLM and SGLang are
+also asked for `continuous_usage_stats` (usage in every chunk), removed from each chunk unless the
+client asked for it, so a stream cut before its end still has exact counts.
+
+A stream that ends without usage (cut by the client or the engine before the usage event, or from
+an engine that sends none) is counted from what was relayed (R-6.9a): the prompt from the engine's
+own count where an event carried it (Anthropic's message_start), else the request body's bytes / 4
+as the limits estimate it; the completion as one token per event relayed. That is an estimate,
+reported apart (`estimated_tokens`). A request with no usage and nothing relayed is `unmetered`:
+its tokens are unknown, not 0.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import time
 
 from llmgw.contracts.feed import UsageRow
 from llmgw.router.engine_figures import add, clamp
+from llmgw.router.limits import BYTES_PER_TOKEN
 
 BUCKET_SECONDS = 3600  # usage rows are per hour: `bucket` is the unix time the hour starts
 TAIL_BYTES = 4096
@@ -64,22 +74,64 @@ def complete_events_end(data: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
-def strip_usage_event(data: bytes) -> tuple[bytes, dict | None]:
-    """Remove usage-only events from complete SSE events; returns what is left and the usage."""
+def _usage_member(event: bytes, at: int) -> tuple[int, int, dict] | None:
+    """(start, end, value) of the `"usage": {...}` member at `at` in a JSON event, with the comma
+    that separates it from its neighbour, so that event[:start] + event[end:] is the event without it."""
+    i = at + len(_USAGE)
+    while i < len(event) and event[i] in b" \t":
+        i += 1
+    if i >= len(event) or event[i] != 0x3A:  # ':'
+        return None
+    i += 1
+    while i < len(event) and event[i] in b" \t":
+        i += 1
+    try:
+        value, size = _decoder.raw_decode(event[i:].decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(value, dict) or not ("prompt_tokens" in value or "completion_tokens" in value):
+        return None
+    end = i + size
+    start = at
+    while start > 0 and event[start - 1] in b" \t":
+        start -= 1
+    if start > 0 and event[start - 1] == 0x2C:  # ',' before: the member is not the first
+        return start - 1, end, value
+    while end < len(event) and event[end] in b" \t":
+        end += 1
+    if end < len(event) and event[end] == 0x2C:
+        end += 1
+    return at, end, value
+
+
+def strip_usage(data: bytes, final: bool, continuous: bool) -> tuple[bytes, dict | None]:
+    """Complete SSE events without their usage: the usage-only event when `final`, the usage
+    member of every other chunk when `continuous`; returns what is left and the last usage seen
+    (the engine's counts are cumulative, so the last is the latest)."""
     usage = None
     kept = []
     for event in data.split(b"\n\n"):
-        if b"[]" in event and _USAGE in event:
+        at = event.rfind(_USAGE)
+        if at < 0:
+            kept.append(event)
+            continue
+        if b"[]" in event:
             payload = event.strip()
+            document = None
             if payload.startswith(b"data:"):
                 try:
                     document = json.loads(payload[5:])
                 except ValueError:
-                    document = None
-                if isinstance(document, dict) and document.get("choices") == [] \
-                        and isinstance(document.get("usage"), dict):
-                    usage = document["usage"]
-                    continue
+                    pass
+            if isinstance(document, dict) and document.get("choices") == [] \
+                    and isinstance(document.get("usage"), dict):
+                usage = document["usage"]
+                if not final:
+                    kept.append(event)
+                continue
+        if continuous and (member := _usage_member(event, at)) is not None:
+            start, end, usage = member
+            event = event[:start] + event[end:]
         kept.append(event)
     return b"\n\n".join(kept), usage
 
@@ -124,6 +176,15 @@ def anthropic_stream_usage(head: bytes, tail: bytes) -> dict | None:
     return {**start, **(end or {})}
 
 
+def estimate_stream(body_size: int, events: int, prompt: int | None = None) -> tuple[int, int, int]:
+    """(prompt, completion, estimated) of a stream that carried no usage (R-6.9a): the prompt the
+    engine reported, else body bytes / 4 (as limits.estimate reads a body); a token per event relayed."""
+    guessed = prompt is None
+    if guessed:
+        prompt = body_size // BYTES_PER_TOKEN
+    return prompt, events, (prompt if guessed else 0) + events
+
+
 class UsageMeter:
     """Counts per (key id, model) in memory; `drain` hands them over once, for the router's next report.
     Sums saturate at MAX_COUNT, the most a report's row may carry (R-10.8)."""
@@ -132,13 +193,17 @@ class UsageMeter:
         self._counts: dict[tuple[str, str], list[int]] = {}
         self._key_use: dict[str, float] = {}
 
-    def add(self, key_id: str, model: str, prompt: int, completion: int) -> None:
+    def add(self, key_id: str, model: str, prompt: int, completion: int, estimated: int = 0,
+            unmetered: bool = False) -> None:
+        """One request: its tokens (`estimated` of them estimated), or `unmetered`: tokens unknown."""
         counts = self._counts.get((key_id, model))
         if counts is None:
-            counts = self._counts[(key_id, model)] = [0, 0, 0]
+            counts = self._counts[(key_id, model)] = [0, 0, 0, 0, 0]
         counts[0] = add(counts[0], 1)
         counts[1] = add(counts[1], prompt)
         counts[2] = add(counts[2], completion)
+        counts[3] = add(counts[3], estimated)
+        counts[4] = add(counts[4], int(unmetered))
 
     def key_used(self, key_id: str, when: float) -> None:
         self._key_use[key_id] = when
@@ -149,5 +214,5 @@ class UsageMeter:
         counts, self._counts = self._counts, {}
         key_use, self._key_use = self._key_use, {}
         bucket = int(time.time()) // BUCKET_SECONDS * BUCKET_SECONDS
-        rows = tuple(UsageRow(bucket, key_id, model, c[0], c[1], c[2]) for (key_id, model), c in counts.items())
+        rows = tuple(UsageRow(bucket, key_id, model, *c) for (key_id, model), c in counts.items())
         return rows, key_use

@@ -114,4 +114,5 @@ async def test_r6_19_a_clients_priority_never_reaches_the_engine(start_router): 
                 pass
     print("the engine saw:", seen)
     assert len(seen) == 2 and all("priority" not in body for body in seen)
-    assert seen[1]["stream_options"] == {"include_usage": True}  # the rest of the body is as it was
+    # The rest of the body is as the router makes it for a vLLM stream: usage at the end and in every chunk (R-6.9a).
+    assert seen[1]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}

@@ -68,14 +68,37 @@ def test_r6_16_ctl_usage_by_key_shows_limits_beside_usage_and_dash_where_none(st
     lines = console.export_text().splitlines()
     print("\n".join(lines))
     assert lines[0].split() == ["KEY", "REQUESTS", "PROMPT", "TOKENS", "COMPLETION", "TOKENS", "TOTAL", "TOKENS",
-                                "RPM", "TPM", "CONC", "MODEL", "LIMITS"]
-    shown = {line.split()[0]: line.split()[5:] for line in lines[1:4]}
+                                "ESTIMATED", "UNMETERED", "RPM", "TPM", "CONC", "MODEL", "LIMITS"]
+    shown = {line.split()[0]: line.split()[7:] for line in lines[1:4]}
     assert shown["batch"] == ["30", "-", "4", "chat:", "tpm=9000;", "embed:", "rpm=5,concurrency=1"]
     assert shown["ops"] == ["-", "-", "-", "-"]
     assert shown["gone"] == ["-", "-", "-", "-"]
     console = Console(width=200, record=True)
     console.print(render.usage(store.read_sync(lambda db: usage_report(db, "model", 3600, NOW))))
     assert "RPM" not in console.export_text()  # limits belong to keys
+
+
+def test_r6_9a_estimated_share_and_unknown_tokens_are_shown_as_such(store):
+    """A row's estimate is part of its tokens and shown apart; a row made only of requests whose
+    tokens nobody knows has no token counts (`-`, null), not 0."""
+    store.write_sync(lambda db: add_usage(db, [(HOUR, "k1", "cut", 2, 20, 300, 250, 0),
+                                               (HOUR, "k1", "blind", 3, 0, 0, 0, 3)]))
+    report = store.read_sync(lambda db: usage_report(db, "model", 3600, NOW))
+    rows = {r["name"]: r for r in report["rows"]}
+    assert {k: rows["cut"][k] for k in ("requests", "prompt_tokens", "completion_tokens", "total_tokens",
+                                        "estimated_tokens", "unmetered")} == {
+        "requests": 2, "prompt_tokens": 20, "completion_tokens": 300, "total_tokens": 320, "estimated_tokens": 250,
+        "unmetered": 0}
+    blind = rows["blind"]
+    assert (blind["prompt_tokens"], blind["completion_tokens"], blind["total_tokens"], blind["unmetered"]) == \
+        (None, None, None, 3)
+    assert report["totals"]["estimated_tokens"] == 250 and report["totals"]["unmetered"] == 3
+    console = Console(width=200, record=True)
+    console.print(render.usage(report))
+    lines = console.export_text().splitlines()
+    assert next(line.split() for line in lines if line.startswith("blind")) == ["blind", "3", "-", "-", "-", "0", "3"]
+    summary = " ".join(" ".join(lines).split())
+    assert "of which 250 estimated" in summary and "3 requests whose tokens are unknown" in summary
 
 
 def test_period_starts_at_the_hour_that_holds_it(store):

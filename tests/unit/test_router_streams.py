@@ -20,7 +20,9 @@ from llmgw.router.streams import Streaming, ask_for_usage, streaming
     pytest.param({"stream": True, "stream_options": {"include_usage": False}}, Streaming(True, False),
                  id="usage-false"),
     pytest.param({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-                 Streaming(True, True), id="usage-true-other-options-kept"),
+                 Streaming(True, True, True), id="usage-true-continuous"),
+    pytest.param({"stream": True, "stream_options": {"continuous_usage_stats": True}}, Streaming(True, False, False),
+                 id="continuous-without-usage-is-none"),
 ])
 def test_r6_9_accepted_stream_fields(fields, expected):
     assert streaming({"model": "m", **fields}) == expected

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llmgw.router.usage import (BUCKET_SECONDS, TAIL_BYTES, UsageMeter, complete_events_end, find_usage, strip_usage_event,
+from llmgw.router.usage import (BUCKET_SECONDS, TAIL_BYTES, UsageMeter, complete_events_end, find_usage, strip_usage,
                                 tokens, usage_from_body)
 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
@@ -48,14 +48,32 @@ def test_r6_9_strip_the_usage_only_event():
     content = event({"choices": [{"delta": {"content": "[]"}}]})
     usage_event = event({"id": "c", "choices": [], "usage": USAGE})
     data = content + usage_event + b"data: [DONE]\n\n"
-    kept, usage = strip_usage_event(data)
+    kept, usage = strip_usage(data, final=True, continuous=False)
     assert usage == USAGE
     assert kept == content + b"data: [DONE]\n\n"
 
 
 def test_r6_9_events_with_empty_choices_but_no_usage_are_kept():
     data = event({"choices": [], "usage": None}) + event({"choices": [], "note": "usage"})
-    assert strip_usage_event(data) == (data, None)
+    assert strip_usage(data, final=True, continuous=True) == (data, None)
+
+
+@pytest.mark.parametrize("spacing", [pytest.param(b",", id="compact"), pytest.param(b", ", id="spaced")])
+def test_r6_9a_continuous_usage_is_cut_from_each_chunk_and_the_last_kept(spacing):
+    """vLLM's `continuous_usage_stats` puts cumulative usage last in every chunk; a client that did
+    not ask gets each chunk as it would have without it, and the router keeps the latest counts."""
+    def chunk(n):
+        return (b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"la"}}]' + spacing
+                + b'"usage":{"prompt_tokens":5,"total_tokens":%d,"completion_tokens":%d}}' % (5 + n, n))
+    data = chunk(1) + b"\n\n" + chunk(2) + b"\n\n"
+    final = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}\n\n'
+    kept, usage = strip_usage(data, final=False, continuous=True)
+    plain = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"la"}}]}'
+    assert kept == plain + b"\n\n" + plain + b"\n\n"
+    assert usage == {"prompt_tokens": 5, "total_tokens": 7, "completion_tokens": 2}
+    assert strip_usage(data + final, final=False, continuous=True)[0] == kept + final  # include_usage kept
+    first = b'data: {"usage":{"prompt_tokens":5,"completion_tokens":0},"choices":[]}'.replace(b"[]", b"[{}]")
+    assert strip_usage(first + b"\n\n", final=True, continuous=True)[0] == b'data: {"choices":[{}]}\n\n'
 
 
 @pytest.mark.parametrize("data,end", [

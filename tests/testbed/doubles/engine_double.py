@@ -19,7 +19,9 @@ engines in flags/, see flags/README.md):
 
 HTTP (HTTP/1.1, keep-alive): GET /health, GET /v1/models, GET /metrics, POST
 /v1/chat/completions, /v1/completions, /v1/embeddings (SSE when `stream: true`; a usage chunk only
-with `stream_options.include_usage`). The reply is deterministic: "<model> heard <N> words" padded
+with `stream_options.include_usage`, and on vLLM and SGLang the counts so far in every chunk with
+`continuous_usage_stats` too; `min_tokens` on vLLM and SGLang, `n_predict` on llama-server).
+The reply is deterministic: "<model> heard <N> words" padded
 with "la" to `max_tokens` tokens (default 8). /v1/* needs `Authorization: Bearer KEY` when a key
 is set (never `x-api-key`, which vLLM ignores); /health and /metrics stay open, except on
 llama-server, which needs the key on every path but /health and serves /metrics (its own
@@ -760,8 +762,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def _generation(self, request, prompt_words, prompt=None):
         max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
+        if max_tokens is None and self.state.engine.mode == "llama-server":
+            max_tokens = request.get("n_predict")  # llama-server's own name for the cap
         limited = max_tokens is not None
         max_tokens = int(max_tokens) if limited else DEFAULT_MAX_TOKENS
+        if self.state.engine.mode in ("vllm", "sglang") and type(request.get("min_tokens")) is int:
+            max_tokens = max(max_tokens, request["min_tokens"])  # as their sampling params: at least this many
         tokens = reply_tokens(self._model_name(request), prompt_words, max_tokens)
         usage = {"prompt_tokens": max(1, prompt_words), "completion_tokens": len(tokens),
                  "total_tokens": max(1, prompt_words) + len(tokens)}
@@ -970,6 +976,18 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(404, error_body(404, "The model `%s` does not exist." % fields["model"].decode(), "NotFoundError"))
         audio = fields["file"]
         verb = "heard" if path.endswith("transcriptions") else "translated"
+        if self.state.engine.mode == "vllm" and path.endswith("transcriptions") \
+                and fields.get("stream", b"").lower() == b"true":
+            # vLLM streams a transcription as chat-like SSE; its usage event only with the
+            # `stream_include_usage` form field (the last of a field given twice wins, as Starlette's form).
+            words = ("%s %s %d bytes" % (self.state.engine.name, verb, len(audio))).split()
+            rid, created, model = "trsc-%d" % self.state.next_id(), int(time.time()), fields["model"].decode()
+            events = [{"id": rid, "object": "transcription.chunk", "created": created, "model": model,
+                       "choices": [{"delta": {"content": " " + w}, "finish_reason": None}]} for w in words]
+            usage = {"prompt_tokens": 10, "completion_tokens": len(words), "total_tokens": 10 + len(words)}
+            include = fields.get("stream_include_usage", b"").lower() == b"true"
+            return self._stream({"stream_options": {"include_usage": include}}, events, rid, created, model, usage,
+                                "transcription.chunk")
         self._send(200, dumps({"text": "%s %s %d bytes sha256 %s" % (self.state.engine.name, verb, len(audio),
                                                                         hashlib.sha256(audio).hexdigest()),
                                "usage": {"type": "duration", "seconds": 1}}).encode())
@@ -997,7 +1015,18 @@ class Handler(BaseHTTPRequestHandler):
 
     def _stream(self, request, events, rid, created, model, usage, kind):
         """SSE over chunked transfer encoding, one write per event, `token_delay` between tokens."""
-        include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
+        options = request.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage"))
+        # vLLM and SGLang put the counts so far in every chunk with `continuous_usage_stats` (vLLM
+        # only together with include_usage); llama-server has no such option and ignores the field.
+        if include_usage and options.get("continuous_usage_stats") and self.state.engine.mode in ("vllm", "sglang"):
+            done = 0
+            for event in events:
+                choice = event["choices"][0]
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    done += 1
+                event["usage"] = {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["prompt_tokens"] + done,
+                                  "completion_tokens": done}
         if include_usage:
             events.append({"id": rid, "object": kind, "created": created, "model": model, "choices": [], "usage": usage})
         head = ("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
