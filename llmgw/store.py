@@ -27,7 +27,7 @@ import sqlite_utils
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # How long an opener waits for another process's write transaction before giving up.
 BUSY_TIMEOUT = 30.0
 
@@ -76,8 +76,17 @@ def _migrate_4(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE api_keys SET priority = 0, weight = 1")
 
 
+def _migrate_5(db: sqlite_utils.Database) -> None:
+    """Routers get credentials of their own (R-10.7): one row per router name, holding the verifier
+    (SHA-256) of its credential, never the credential, and while a rotation's grace runs the
+    previous verifier with the time it stops being accepted."""
+    db["router_credentials"].create({"name": str, "verifier": str, "prefix": str, "created_at": float,
+                                     "rotated_at": float, "revoked_at": float, "previous_verifier": str,
+                                     "previous_until": float}, pk="name")
+
+
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _migrate_1, 2: _migrate_2, 3: _migrate_3,
-                                                                  4: _migrate_4}
+                                                                  4: _migrate_4, 5: _migrate_5}
 
 
 def schema_version(db: sqlite_utils.Database) -> int:

@@ -315,3 +315,52 @@ def reload(answer: dict) -> Group:
     if restart:
         parts.append(Text(f"needs a restart of llmgw serve (left as they are): {', '.join(restart)}"))
     return Group(*parts)
+
+
+# -- credentials (R-9.3, R-10.7) -----------------------------------------------------------------
+
+
+def routers(document: dict) -> Table:
+    table = _table("ROUTER", "CREDENTIAL", "STATE", "CREATED", "ROTATED", "PREVIOUS ACCEPTED UNTIL")
+    for entry in document["routers"]:
+        table.add_row(_t(entry["name"]), _t(entry["prefix"] + "…"), _t(entry["state"]),
+                      _t(words.clock(entry["created_at"])),
+                      _t(None if entry["rotated_at"] is None else words.clock(entry["rotated_at"])),
+                      _t(None if entry["previous_until"] is None else words.clock(entry["previous_until"])))
+    return table
+
+
+def router_credential(verb: str) -> Callable[[dict], Text]:
+    """`routers add` and `routers rotate`: the credential, shown this once, and what to do with it."""
+
+    def layout(answer: dict) -> Text:
+        router = answer["router"]
+        line = Text(f"router {router['name']} {verb}")
+        if router.get("previous_until") is not None:
+            line.append(f"; its previous credential is accepted until {words.clock(router['previous_until'])}")
+        line.append("\n")
+        line.append(answer["credential"])
+        line.append("\nThis is the only time it is shown: put it in a 0600 file on the router's host and start "
+                    "the router with --credential-file FILE (a running router reads the file again on its own).")
+        return line
+
+    return layout
+
+
+def router_revoked(answer: dict) -> Text:
+    name = answer["router"]["name"]
+    if answer["revoked"]:
+        return Text(f"router {name} revoked: its feed streams are ended and its reports refused")
+    return Text(f"router {name} was already revoked")
+
+
+def token_rotated(answer: dict) -> Text:
+    where = f" in {answer['file']}" if answer.get("file") else ""
+    line = Text(f"new admin token written{where}")
+    if answer.get("previous_until") is not None:
+        line.append(f"; the previous one is accepted until {words.clock(answer['previous_until'])}")
+    else:
+        line.append("; the previous one is refused from now on")
+    line.append("\n")
+    line.append(answer["token"])
+    return line
