@@ -149,8 +149,8 @@ class FeedServer:
             return _error(400, f"router must be a name and nonce 16 to {MAX_NONCE} characters", "bad_challenge")
         keys = self.credentials.accepted(name) if routerauth.valid_name(name) else ()
         if not keys:
-            return _unauthorized(f"no router credential named {name!r} is in force; make one with "
-                                 f"`llmgw ctl routers add {name}` on the control plane")
+            return _unauthorized(f"no router credential named {name!r} is in force (never added, or revoked); "
+                                 f"make one with `llmgw ctl routers add {name}` on the control plane")
         now = time.monotonic()
         while self._challenges and (len(self._challenges) >= MAX_CHALLENGES
                                     or next(iter(self._challenges.values())).expires < now):
