@@ -4,7 +4,9 @@ Every request carries the admin token (R-9.3). API clients and Prometheus send i
 `Authorization: Bearer <token>`; a browser opens the dashboard once through the tokenised URL
 that `llmgw ctl dashboard` prints, and gets an HttpOnly, SameSite=Strict cookie in exchange
 (as Jupyter does). The cookie opens dashboard pages only, never the API: the dashboard is
-read-only, so a stolen cookie changes nothing.
+read-only, so a stolen cookie changes nothing. During a rotation's grace the previous token (and
+its cookie) still opens them. The router feed mounted here checks router credentials itself and
+never takes the admin token (R-10.7).
 
 Operator refusals (`ServiceError`) become `{"error": {"message", "code", "problems"}}` with their
 status here, in one place.

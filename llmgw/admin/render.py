@@ -330,21 +330,14 @@ def routers(document: dict) -> Table:
     return table
 
 
-def router_credential(verb: str) -> Callable[[dict], Text]:
-    """`routers add` and `routers rotate`: the credential, shown this once, and what to do with it."""
-
-    def layout(answer: dict) -> Text:
-        router = answer["router"]
-        line = Text(f"router {router['name']} {verb}")
-        if router.get("previous_until") is not None:
-            line.append(f"; its previous credential is accepted until {words.clock(router['previous_until'])}")
-        line.append("\n")
-        line.append(answer["credential"])
-        line.append("\nThis is the only time it is shown: put it in a 0600 file on the router's host and start "
-                    "the router with --credential-file FILE (a running router reads the file again on its own).")
-        return line
-
-    return layout
+def router_credential_note(verb: str, answer: dict) -> str:
+    """What `routers add` and `routers rotate` say beside the credential (which goes alone to stdout)."""
+    router = answer["router"]
+    line = f"router {router['name']} {verb}"
+    if router.get("previous_until") is not None:
+        line += f"; its previous credential is accepted until {words.clock(router['previous_until'])}"
+    return (line + ". This is the only time the credential is shown: put it in a 0600 file on the router's host "
+            "for --credential-file FILE (a running router reads that file again by itself).")
 
 
 def router_revoked(answer: dict) -> Text:
@@ -354,13 +347,10 @@ def router_revoked(answer: dict) -> Text:
     return Text(f"router {name} was already revoked")
 
 
-def token_rotated(answer: dict) -> Text:
-    where = f" in {answer['file']}" if answer.get("file") else ""
-    line = Text(f"new admin token written{where}")
+def token_rotated_note(answer: dict) -> str:
+    """What `token rotate` says beside the new token (which goes alone to stdout)."""
+    where = f" to {answer['file']}" if answer.get("file") else ""
+    line = f"new admin token written{where}"
     if answer.get("previous_until") is not None:
-        line.append(f"; the previous one is accepted until {words.clock(answer['previous_until'])}")
-    else:
-        line.append("; the previous one is refused from now on")
-    line.append("\n")
-    line.append(answer["token"])
-    return line
+        return line + f"; the previous one is accepted until {words.clock(answer['previous_until'])}"
+    return line + "; the previous one is refused from now on"

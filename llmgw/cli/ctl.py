@@ -473,7 +473,8 @@ def routers_add(ctx: typer.Context, name: str = typer.Argument(..., help="The ro
                 as_json: bool = JSON_OPTION) -> None:
     """Make a router's credential and print it, this once (the gateway keeps only its hash)."""
     with _refusals():
-        _emit(_client(ctx).post("/api/routers", {"name": name}), as_json, render.router_credential("added"))
+        _secret(_client(ctx).post("/api/routers", {"name": name}), "credential", as_json,
+                lambda answer: render.router_credential_note("added", answer))
 
 
 @routers_app.command("list")
@@ -488,8 +489,8 @@ def routers_rotate(ctx: typer.Context, name: str = typer.Argument(..., help="The
                    grace: str = GRACE_OPTION, as_json: bool = JSON_OPTION) -> None:
     """Give a router a new credential and print it; the old one works for --grace more."""
     with _refusals():
-        _emit(_client(ctx).post(f"/api/routers/{_quote(name)}/rotate", {"grace": grace}), as_json,
-              render.router_credential("has a new credential"))
+        _secret(_client(ctx).post(f"/api/routers/{_quote(name)}/rotate", {"grace": grace}), "credential", as_json,
+                lambda answer: render.router_credential_note("has a new credential", answer))
 
 
 @routers_app.command("revoke")
@@ -506,4 +507,13 @@ def token_rotate(ctx: typer.Context, grace: str = GRACE_OPTION, as_json: bool = 
 
     The grace is kept by the running gateway: a restart of `llmgw serve` ends it."""
     with _refusals():
-        _emit(_client(ctx).post("/api/token/rotate", {"grace": grace}), as_json, render.token_rotated)
+        _secret(_client(ctx).post("/api/token/rotate", {"grace": grace}), "token", as_json, render.token_rotated_note)
+
+
+def _secret(answer: dict, field: str, as_json: bool, note: Callable[[dict], str]) -> None:
+    """A secret shown once: alone on stdout (`> FILE` keeps just it), what to do with it on stderr."""
+    if as_json:
+        typer.echo(json.dumps(answer, indent=2))
+        return
+    typer.echo(answer[field])
+    typer.echo(words.printable(note(answer)), err=True)
