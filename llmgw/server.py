@@ -24,6 +24,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from llmgw.admin.tokens import AdminTokens, write_token_file
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import Document, Inventory, is_loopback, load_configuration, resolve_state_dir, split_address
 from llmgw.router import pidlock
@@ -37,8 +38,10 @@ from llmgw.fleet.secret import SecretError, response_secret
 from llmgw.localfeed import LocalFeed
 from llmgw.router import RUNNER_OPTIONS, Router
 from llmgw.router.metrics import ReportedRouterMetrics
+from llmgw.router.credential import CREDENTIAL_FILE
 from llmgw.router.private import untrusted
 from llmgw.router.serving import SHUTDOWN_GRACE, finish_requests_within
+from llmgw.routers import Verifiers, list_routers, serve_router_credential
 from llmgw.store import Store
 
 log = logging.getLogger(__name__)
@@ -173,9 +176,7 @@ def admin_token(state_dir: Path) -> str:
     except FileNotFoundError:
         pass
     token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(token + "\n")
+    write_token_file(path, token)
     return token
 
 
@@ -215,6 +216,8 @@ class Gateway:
     control: ControlPlane = field(init=False)
     registry: CollectorRegistry = field(init=False)
     token: str = field(init=False)
+    admin_tokens: AdminTokens = field(init=False)  # the token, and the previous one during a rotation's grace
+    router_credentials: Verifiers = field(init=False)  # what the router feed accepts (R-10.7)
     _runners: list[web.AppRunner] = field(default_factory=list, init=False)
     _sockets: dict[str, list[socket.socket]] = field(default_factory=dict, init=False)
     _lock_fd: int | None = field(default=None, init=False)
@@ -241,6 +244,8 @@ class Gateway:
             self.store = await in_daemon_thread(lambda: Store.open(path))
         except (sqlite3.Error, RuntimeError) as exc:
             raise StartupError(f"cannot open the state database {path}: {exc}") from None
+        self.admin_tokens = AdminTokens(self.token, self.state_dir / TOKEN_FILE)
+        self.router_credentials = Verifiers(self.store.read_sync(list_routers))
         stored = load_stored_models(self.store)
         catalog = Catalog.from_inventory(self.inventory, self.document, stored=stored)
         self.holder = CatalogHolder(catalog)
@@ -268,7 +273,8 @@ class Gateway:
                                     self.fleet, self.inventory_source)
         self.control.on_reload.append(self._reloaded)
         self.holder.subscribe(lambda _: self.reconciler.wake())
-        self.feed_server = FeedServer(self.publisher, self.token)  # routers of other processes and hosts (R-10.1)
+        # Routers of other processes and hosts (R-10.1), each with a credential of its own (R-10.7).
+        self.feed_server = FeedServer(self.publisher, self.router_credentials)
         await self.reconciler.load()
         # Adopted replicas are pushed before the router listens, once their nodes confirm them.
         await self.fleet.start()
@@ -299,6 +305,24 @@ class Gateway:
         self.serving = True
         log.info("llmgw serving %d models on %d nodes; state in %s", len(catalog.models),
                  len(self.inventory.nodes), self.state_dir)
+
+    async def keep_router_credential(self) -> Path:
+        """Give the router this serve spawns or adopts its credential (R-10.7), in a 0600 file of
+        its state directory that it reads for every exchange: the one it has while it is still in
+        force, else a new one. Never argv or the environment, which other processes may read."""
+        path = self.state_dir / ROUTER_DIR / CREDENTIAL_FILE
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        try:
+            kept = path.read_text().strip() or None
+        except (FileNotFoundError, UnicodeDecodeError):
+            kept = None
+        credential = await self.store.write(lambda db: serve_router_credential(db, kept))
+        if credential != kept:
+            await asyncio.to_thread(write_token_file, path, credential)
+            log.info("gave the router in %s a new credential (router %s)", path.parent, "local")
+        self.router_credentials.load(await self.store.read(list_routers))
+        self.feed_server.recheck()
+        return path
 
     def _wake_reconciler(self) -> None:
         # A node that (re)connects or drops is worth a pass now rather than at the next tick.
@@ -473,7 +497,7 @@ async def spawn_router(state_dir: Path, listen: str, workers: int) -> int:
     ready_r, ready_w = os.pipe()
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     argv = [sys.executable, "-m", "llmgw.cli.main", "router", "--control", f"unix:{state_dir / FEED_SOCKET}",
-            "--token-file", str(state_dir / TOKEN_FILE), "--state-dir", str(state_dir / ROUTER_DIR),
+            "--credential-file", str(state_dir / ROUTER_DIR / CREDENTIAL_FILE), "--state-dir", str(state_dir / ROUTER_DIR),
             "--listen", listen, "--workers", str(workers), "--ready-fd", str(ready_w), "--log-level", level]
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, pass_fds=(ready_w,),
@@ -599,6 +623,8 @@ async def serve(inventory_path: str | None, *, state_dir: str | None = None, lis
 
     async def start() -> None:
         await gateway.start()
+        if workers:
+            await gateway.keep_router_credential()
         if running is not None:
             adopt_router(resolved, running, client_listen, workers)
         elif workers:

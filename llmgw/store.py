@@ -29,7 +29,7 @@ from llmgw.contracts.feed import MAX_COUNT
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # How long an opener waits for another process's write transaction before giving up.
 BUSY_TIMEOUT = 30.0
 
@@ -85,8 +85,17 @@ def _migrate_5(db: sqlite_utils.Database) -> None:
     db["usage"].add_column("unmetered", int, not_null_default=0)
 
 
+def _migrate_6(db: sqlite_utils.Database) -> None:
+    """Routers get credentials of their own (R-10.7): one row per router name, holding the verifier
+    (SHA-256) of its credential, never the credential, and while a rotation's grace runs the
+    previous verifier with the time it stops being accepted."""
+    db["router_credentials"].create({"name": str, "verifier": str, "prefix": str, "created_at": float,
+                                     "rotated_at": float, "revoked_at": float, "previous_verifier": str,
+                                     "previous_until": float}, pk="name")
+
+
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _migrate_1, 2: _migrate_2, 3: _migrate_3,
-                                                                  4: _migrate_4, 5: _migrate_5}
+                                                                  4: _migrate_4, 5: _migrate_5, 6: _migrate_6}
 
 
 def schema_version(db: sqlite_utils.Database) -> int:

@@ -4,7 +4,9 @@ Every request carries the admin token (R-9.3). API clients and Prometheus send i
 `Authorization: Bearer <token>`; a browser opens the dashboard once through the tokenised URL
 that `llmgw ctl dashboard` prints, and gets an HttpOnly, SameSite=Strict cookie in exchange
 (as Jupyter does). The cookie opens dashboard pages only, never the API: the dashboard is
-read-only, so a stolen cookie changes nothing.
+read-only, so a stolen cookie changes nothing. During a rotation's grace the previous token (and
+its cookie) still opens them. The router feed mounted here checks router credentials itself and
+never takes the admin token (R-10.7).
 
 Operator refusals (`ServiceError`) become `{"error": {"message", "code", "problems"}}` with their
 status here, in one place.
@@ -13,9 +15,8 @@ status here, in one place.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import json
+import time
 import logging
 from functools import partial
 from typing import Any
@@ -25,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw.admin import dashboard
 from llmgw.admin.metrics import FleetCollector
+from llmgw.admin.tokens import AdminTokens, NotText, cookie_value
 from llmgw.admin.usage import BY, usage_report
 from llmgw.admin.views import Listings, explanation_json, listings
 from llmgw.control.service import ServiceError
@@ -43,7 +45,8 @@ DEFAULT_USAGE_SINCE = "24h"
 DASHBOARD_PATHS = frozenset({"/", *dashboard.PAGES, dashboard.STYLESHEET_PATH})
 
 GATEWAY = web.AppKey("gateway", Any)
-TOKEN = web.AppKey("token", str)
+TOKEN = web.AppKey("token", AdminTokens)
+FEED_PATHS = web.AppKey("feed_paths", frozenset)
 FOLLOWS = web.AppKey("follows", set)
 
 _dumps = partial(json.dumps, separators=(",", ":"))
@@ -55,42 +58,26 @@ def error_response(status: int, message: str, code: str, problems: list[str] | N
                              status=status, headers=headers, dumps=_dumps)
 
 
-def cookie_value(token: str) -> str:
-    """What the dashboard cookie holds: derived from the token, useless as an API token."""
-    return hmac.new(token.encode(), b"llmgw dashboard cookie", hashlib.sha256).hexdigest()
-
-
 def _bearer(request: web.Request) -> str | None:
     scheme, _, value = request.headers.get("Authorization", "").partition(" ")
     return value.strip() if scheme.lower() == "bearer" and value.strip() else None
 
 
-def _same(given: str | None, expected: str) -> bool:
-    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+UNAUTHORIZED = ("missing or wrong admin token: send 'Authorization: Bearer <token>' with the token from the "
+                "admin-token file of the state directory (a router credential is for the router feed only)")
 
 
 @web.middleware
 async def _guard(request: web.Request, handler) -> web.StreamResponse:
     """Token check on every request, then ServiceError and unexpected failures as JSON."""
-    token = request.app[TOKEN]
-    if request.path in DASHBOARD_PATHS and request.method in ("GET", "HEAD"):
-        offered = request.query.get("token")
-        if offered is not None:
-            if not _same(offered, token):
-                return dashboard.refused()
-            # Trade the token in the URL for a cookie, and drop it from the address bar and history.
-            rest = request.rel_url.with_query([(k, v) for k, v in request.query.items() if k != "token"])
-            response = web.Response(status=303, headers={"Location": str(rest), "Cache-Control": "no-store",
-                                                         "Referrer-Policy": "no-referrer"})
-            response.set_cookie(COOKIE, cookie_value(token), httponly=True, samesite="Strict", path="/")
-            return response
-        if not (_same(request.cookies.get(COOKIE), cookie_value(token)) or _same(_bearer(request), token)):
-            return dashboard.refused()
-        return await handler(request)
-    if not _same(_bearer(request), token):
-        return error_response(401, "missing or wrong admin token: send 'Authorization: Bearer <token>' with "
-                                   "the token from the admin-token file of the state directory",
-                              "unauthorized", headers={"WWW-Authenticate": "Bearer"})
+    tokens: AdminTokens = request.app[TOKEN]
+    try:
+        refused = _refused(request, tokens)
+    except NotText as exc:
+        return error_response(401, f"{exc}: send the token from the admin-token file as it is", "unauthorized",
+                              headers={"WWW-Authenticate": "Bearer"})
+    if refused is not None:
+        return refused
     try:
         return await handler(request)
     except ServiceError as exc:
@@ -106,11 +93,35 @@ async def _guard(request: web.Request, handler) -> web.StreamResponse:
         return error_response(500, "internal error; the gateway's log has the details", "internal")
 
 
+def _refused(request: web.Request, tokens: AdminTokens) -> web.StreamResponse | None:
+    """None when the request may go on; the refusal otherwise. The router feed checks its own
+    credentials (R-10.7): the admin token is never one of them."""
+    if request.path in request.app.get(FEED_PATHS, ()):
+        return None
+    if request.path in DASHBOARD_PATHS and request.method in ("GET", "HEAD"):
+        offered = request.query.get("token")
+        if offered is not None:
+            if not tokens.accepts(offered):
+                return dashboard.refused()
+            # Trade the token in the URL for a cookie, and drop it from the address bar and history.
+            rest = request.rel_url.with_query([(k, v) for k, v in request.query.items() if k != "token"])
+            response = web.Response(status=303, headers={"Location": str(rest), "Cache-Control": "no-store",
+                                                         "Referrer-Policy": "no-referrer"})
+            response.set_cookie(COOKIE, cookie_value(offered), httponly=True, samesite="Strict", path="/")
+            return response
+        if not (tokens.accepts_cookie(request.cookies.get(COOKIE)) or tokens.accepts(_bearer(request))):
+            return dashboard.refused()
+        return None
+    if not tokens.accepts(_bearer(request)):
+        return error_response(401, UNAUTHORIZED, "unauthorized", headers={"WWW-Authenticate": "Bearer"})
+    return None
+
+
 def build_admin_app(gateway: Any) -> web.Application:
     """The admin aiohttp application for a started `Gateway` (see llmgw.server)."""
     app = web.Application(middlewares=[_guard], client_max_size=MAX_BODY)
     app[GATEWAY] = gateway
-    app[TOKEN] = gateway.token
+    app[TOKEN] = getattr(gateway, "admin_tokens", None) or AdminTokens(gateway.token)
     app[FOLLOWS] = set()
     gateway.registry.register(FleetCollector(lambda: listings(gateway)))
     api = Api(gateway)
@@ -131,12 +142,18 @@ def build_admin_app(gateway: Any) -> web.Application:
         web.post("/api/reload", api.reload),
         web.get("/api/usage", api.usage),
         web.get("/api/listener", api.listener),
+        web.post("/api/token/rotate", api.rotate_token),
+        web.get("/api/routers", api.routers),
+        web.post("/api/routers", api.add_router),
+        web.post("/api/routers/{name}/rotate", api.rotate_router),
+        web.delete("/api/routers/{name}", api.revoke_router),
         web.get("/metrics", api.metrics),
     ])
     dashboard.add_routes(app, gateway)
     feed = getattr(gateway, "feed_server", None)  # the router feed (llmgw.control.feedserver), when served
     if feed is not None:
         feed.mount(app)
+        app[FEED_PATHS] = feed.paths
     app.on_shutdown.append(_end_follows)
     return app
 
@@ -354,3 +371,76 @@ class Api:
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.gateway.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # -- credentials (R-9.3, R-10.7) -------------------------------------------------------------
+
+    async def rotate_token(self, request: web.Request) -> web.Response:
+        """A new admin token in the admin-token file; the one this request came with works for `grace`."""
+        body = await _json_body(request)
+        grace = _duration(body.get("grace", "0s"), "grace")
+        tokens: AdminTokens = request.app[TOKEN]
+        token, until = await asyncio.to_thread(tokens.rotate, grace)
+        await self._audit(_actor(request, body), "token.rotate", "admin-token", {"grace_s": grace})
+        return _json({"token": token, "file": str(tokens.path) if tokens.path is not None else None,
+                      "previous_until": until})
+
+    async def routers(self, request: web.Request) -> web.Response:
+        from llmgw.routers import list_routers
+
+        now = time.time()
+        found = await self.gateway.store.read(list_routers)
+        return _json({"routers": [r.as_json(now) for r in found]})
+
+    async def add_router(self, request: web.Request) -> web.Response:
+        from llmgw.routers import add_router
+
+        body = await _json_body(request)
+        name = body.get("name")
+        if not isinstance(name, str):
+            raise ServiceError(400, "name is required", code="bad_argument")
+        router, credential = await self._credentials(lambda db: add_router(db, name))
+        await self._audit(_actor(request, body), "router.add", router.name)
+        return _json({"router": router.as_json(time.time()), "credential": credential}, status=201)
+
+    async def rotate_router(self, request: web.Request) -> web.Response:
+        from llmgw.routers import rotate_router
+
+        body = await _json_body(request)
+        grace = _duration(body.get("grace", "0s"), "grace")
+        name = request.match_info["name"]
+        router, credential = await self._credentials(lambda db: rotate_router(db, name, grace))
+        await self._audit(_actor(request, body), "router.rotate", router.name, {"grace_s": grace})
+        return _json({"router": router.as_json(time.time()), "credential": credential})
+
+    async def revoke_router(self, request: web.Request) -> web.Response:
+        from llmgw.routers import revoke_router
+
+        name = request.match_info["name"]
+        router, newly = await self._credentials(lambda db: revoke_router(db, name))
+        if newly:
+            await self._audit(_actor(request), "router.revoke", router.name)
+        return _json({"router": router.as_json(time.time()), "revoked": newly})
+
+    async def _credentials(self, change):
+        """Apply a change to the router credentials, then let the feed see it at once."""
+        from llmgw.routers import RouterRefused, list_routers
+
+        def apply(db):
+            try:
+                return change(db), list_routers(db)
+            except RouterRefused as exc:
+                raise ServiceError(400, str(exc), code="refused") from None
+
+        result, every = await self.gateway.store.write(apply)
+        verifiers = getattr(self.gateway, "router_credentials", None)
+        if verifiers is not None:
+            verifiers.load(every)
+        feed = getattr(self.gateway, "feed_server", None)
+        if feed is not None:
+            feed.recheck()
+        return result
+
+    async def _audit(self, actor: str, action: str, target: str, detail: Any = None) -> None:
+        from llmgw.store import audit
+
+        await self.gateway.store.write(lambda db: audit(db, actor, action, target, detail))

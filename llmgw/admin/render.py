@@ -332,3 +332,42 @@ def reload(answer: dict) -> Group:
     if answer.get("refused"):
         parts.append(Text(f"refused: {answer['refused']}"))
     return Group(*parts)
+
+
+# -- credentials (R-9.3, R-10.7) -----------------------------------------------------------------
+
+
+def routers(document: dict) -> Table:
+    table = _table("ROUTER", "CREDENTIAL", "STATE", "CREATED", "ROTATED", "PREVIOUS ACCEPTED UNTIL")
+    for entry in document["routers"]:
+        table.add_row(_t(entry["name"]), _t(entry["prefix"] + "…"), _t(entry["state"]),
+                      _t(words.clock(entry["created_at"])),
+                      _t(None if entry["rotated_at"] is None else words.clock(entry["rotated_at"])),
+                      _t(None if entry["previous_until"] is None else words.clock(entry["previous_until"])))
+    return table
+
+
+def router_credential_note(verb: str, answer: dict) -> str:
+    """What `routers add` and `routers rotate` say beside the credential (which goes alone to stdout)."""
+    router = answer["router"]
+    line = f"router {router['name']} {verb}"
+    if router.get("previous_until") is not None:
+        line += f"; its previous credential is accepted until {words.clock(router['previous_until'])}"
+    return (line + ". This is the only time the credential is shown: put it in a 0600 file on the router's host "
+            "for --credential-file FILE (a running router reads that file again by itself).")
+
+
+def router_revoked(answer: dict) -> Text:
+    name = answer["router"]["name"]
+    if answer["revoked"]:
+        return Text(f"router {name} revoked: its feed streams are ended and its reports refused")
+    return Text(f"router {name} was already revoked")
+
+
+def token_rotated_note(answer: dict) -> str:
+    """What `token rotate` says beside the new token (which goes alone to stdout)."""
+    where = f" to {answer['file']}" if answer.get("file") else ""
+    line = f"new admin token written{where}"
+    if answer.get("previous_until") is not None:
+        return line + f"; the previous one is accepted until {words.clock(answer['previous_until'])}"
+    return line + "; the previous one is refused from now on"

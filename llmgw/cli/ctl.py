@@ -463,3 +463,65 @@ def dashboard(ctx: typer.Context, as_json: bool = JSON_OPTION) -> None:
             typer.echo(json.dumps({"url": url}))
         else:
             typer.echo(url)
+
+
+# -- credentials (R-9.3, R-10.7) -------------------------------------------------------------------
+
+routers_app = typer.Typer(help="Credentials of the routers fed by this control plane: one per router.",
+                          no_args_is_help=True)
+ctl.add_typer(routers_app, name="routers")
+token_app = typer.Typer(help="The admin token.", no_args_is_help=True)
+ctl.add_typer(token_app, name="token")
+GRACE_OPTION = typer.Option("0s", "--grace", metavar="DURATION",
+                            help="How long the credential it replaces stays accepted, e.g. 10m (default: not at all).")
+
+
+@routers_app.command("add")
+def routers_add(ctx: typer.Context, name: str = typer.Argument(..., help="The router's name, e.g. edge1."),
+                as_json: bool = JSON_OPTION) -> None:
+    """Make a router's credential and print it, this once (the gateway keeps only its hash)."""
+    with _refusals():
+        _secret(_client(ctx).post("/api/routers", {"name": name}), "credential", as_json,
+                lambda answer: render.router_credential_note("added", answer))
+
+
+@routers_app.command("list")
+def routers_list(ctx: typer.Context, as_json: bool = JSON_OPTION) -> None:
+    """The routers with a credential, revoked ones included."""
+    with _refusals():
+        _emit(_client(ctx).get("/api/routers"), as_json, render.routers)
+
+
+@routers_app.command("rotate")
+def routers_rotate(ctx: typer.Context, name: str = typer.Argument(..., help="The router's name."),
+                   grace: str = GRACE_OPTION, as_json: bool = JSON_OPTION) -> None:
+    """Give a router a new credential and print it; the old one works for --grace more."""
+    with _refusals():
+        _secret(_client(ctx).post(f"/api/routers/{_quote(name)}/rotate", {"grace": grace}), "credential", as_json,
+                lambda answer: render.router_credential_note("has a new credential", answer))
+
+
+@routers_app.command("revoke")
+def routers_revoke(ctx: typer.Context, name: str = typer.Argument(..., help="The router's name."),
+                   as_json: bool = JSON_OPTION) -> None:
+    """Refuse a router's credential: its feed streams end and its reports are refused."""
+    with _refusals():
+        _emit(_client(ctx).call("DELETE", f"/api/routers/{_quote(name)}"), as_json, render.router_revoked)
+
+
+@token_app.command("rotate")
+def token_rotate(ctx: typer.Context, grace: str = GRACE_OPTION, as_json: bool = JSON_OPTION) -> None:
+    """Write a new admin token to the admin-token file and print it; the old one works for --grace more.
+
+    The grace is kept by the running gateway: a restart of `llmgw serve` ends it."""
+    with _refusals():
+        _secret(_client(ctx).post("/api/token/rotate", {"grace": grace}), "token", as_json, render.token_rotated_note)
+
+
+def _secret(answer: dict, field: str, as_json: bool, note: Callable[[dict], str]) -> None:
+    """A secret shown once: alone on stdout (`> FILE` keeps just it), what to do with it on stderr."""
+    if as_json:
+        typer.echo(json.dumps(answer, indent=2))
+        return
+    typer.echo(answer[field])
+    typer.echo(words.printable(note(answer)), err=True)

@@ -40,9 +40,10 @@ def router(
     control: str | None = typer.Option(None, "--control",
                                        help="The control plane: unix:PATH (its feed.sock) or https://HOST:PORT "
                                             "(its admin listener)."),
-    token_file: Path | None = typer.Option(None, "--token-file",
-                                           help="File holding the admin token (default for unix:PATH: the "
-                                                "admin-token file beside the socket)."),
+    credential_file: Path | None = typer.Option(None, "--credential-file",
+                                                help="File holding this router's credential (`llmgw ctl routers "
+                                                     "add NAME`). Default: LLMGW_ROUTER_CREDENTIAL when set, else "
+                                                     "the credential file of the state directory."),
     listen: str = typer.Option("127.0.0.1:8080", "--listen", help="Client listener HOST:PORT."),
     workers: int = typer.Option(1, "--workers", min=1, help="Worker processes sharing the client port."),
     state_dir: Path | None = StateDir,
@@ -65,15 +66,14 @@ def router(
     if control is None:
         typer.echo("llmgw router: --control unix:PATH or --control https://HOST:PORT is required", err=True)
         raise typer.Exit(EXIT_START)
-    if token_file is None:
-        if not control.startswith("unix:"):
-            typer.echo("llmgw router: --token-file is required with an https control plane", err=True)
-            raise typer.Exit(EXIT_START)
-        token_file = Path(control.removeprefix("unix:")).parent / "admin-token"
+    from llmgw.router import credential
+
+    state_dir = state_dir or default_router_state_dir()
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO), format=LOG_FORMAT)
     os.environ["LLMGW_LOG_LEVEL"] = log_level  # the workers log at the same level
-    config = SupervisorConfig(listen=listen, workers=workers, state_dir=state_dir or default_router_state_dir(),
-                              control=control, token_file=token_file, ca=ca, worker_module=worker_module)
+    config = SupervisorConfig(listen=listen, workers=workers, state_dir=state_dir, control=control,
+                              credential_file=credential.resolve(credential_file, state_dir), ca=ca,
+                              worker_module=worker_module)
     try:
         code = run_supervisor(config, ready_fd)
     except SupervisorError as exc:

@@ -48,11 +48,13 @@ import time
 import urllib.parse
 from dataclasses import dataclass, replace
 from functools import partial
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from llmgw.contracts import routerauth
 from llmgw.contracts.backoff import backoff_delay
 from llmgw.contracts.feed import Ack, Change, FeedError, Report, Snapshot, UsageRow, from_wire, to_wire
 from llmgw.router.private import untrusted
@@ -62,6 +64,7 @@ log = logging.getLogger(__name__)
 
 FEED_PATH = "/v1/feed"
 REPORT_PATH = "/v1/feed/report"
+CHALLENGE_PATH = routerauth.CHALLENGE_PATH
 SNAPSHOT_FILE = "snapshot.json"
 SLOTS_DIR = "slots"
 ROUTER_ID_FILE = "router-id"
@@ -128,7 +131,7 @@ def parse_control(control: str) -> Control:
     if parsed.path not in ("", "/") or parsed.query:
         raise FeedClientError(f"{control!r}: give the admin listener's address only (scheme, host, port)")
     if parsed.scheme == "http" and not _loopback(parsed.hostname):
-        raise FeedClientError(f"{control!r}: plain http is refused off this host, because the admin token and the "
+        raise FeedClientError(f"{control!r}: plain http is refused off this host, because the "
                               "engine keys of the feed would cross the network in clear; give the control plane's "
                               "admin listener a certificate (gateway.admin_tls) and use https://, with --ca FILE if "
                               "it is not signed by a public authority")
@@ -328,17 +331,17 @@ class Spool:
 class _Slot:
     """One `slots/N` directory, held by an exclusive flock on its lock file."""
 
-    def __init__(self, directory: Path, fd: int):
+    def __init__(self, directory: Path, fd: int, name: str | None = None):
         self.directory = directory
         self.fd = fd
-        self.router_id = self._router_id()
+        self.router_id = self._router_id(name)
         self.spool = Spool(directory, self.router_id)
 
     @classmethod
-    def try_take(cls, directory: Path) -> _Slot | None:
+    def try_take(cls, directory: Path, name: str | None = None) -> _Slot | None:
         _private_dir(directory)
-        for name in (LOCK_FILE, ROUTER_ID_FILE, SPOOL_FILE):
-            problem = untrusted(directory / name)
+        for file in (LOCK_FILE, ROUTER_ID_FILE, SPOOL_FILE):
+            problem = untrusted(directory / file)
             if problem is not None:
                 raise FeedClientError(f"refusing the report slot {directory}: {problem}")
         fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -351,21 +354,24 @@ class _Slot:
             os.close(fd)
             raise
         try:
-            return cls(directory, fd)
+            return cls(directory, fd, name)
         except BaseException:
             os.close(fd)
             raise
 
-    def _router_id(self) -> str:
+    def _router_id(self, name: str | None) -> str:
+        """The slot's router id, `NAME/HOST-SLOT-RANDOM`: the control plane takes reports only
+        under the name of the credential they came with (R-10.7). `name` None: keep whatever the
+        slot has (a swept slot's reports are delivered under their own id)."""
         path = self.directory / ROUTER_ID_FILE
         # The spool remembers the id's highest seq; without it a seq could be used twice, and the
         # control plane would take the second report for the first. So no spool, a new id.
         if (self.directory / SPOOL_FILE).exists():
             with contextlib.suppress(FileNotFoundError):
                 value = path.read_text().strip()
-                if value:
+                if value and (name is None or routerauth.router_of(value) == name):
                     return value
-        value = f"{socket.gethostname()}-{self.directory.name}-{secrets.token_hex(4)}"
+        value = f"{name or 'router'}/{socket.gethostname()}-{self.directory.name}-{secrets.token_hex(4)}"
         _write_atomic(path, value.encode() + b"\n")
         return value
 
@@ -373,13 +379,13 @@ class _Slot:
         os.close(self.fd)  # closing the descriptor releases the flock
 
 
-def take_slot(state_dir: Path) -> _Slot:
-    """The first slot of `state_dir` no other process holds."""
+def take_slot(state_dir: Path, name: str | None = None) -> _Slot:
+    """The first slot of `state_dir` no other process holds, its router id under `name`."""
     slots = state_dir / SLOTS_DIR
     _private_dir(slots)
     number = 0
     while True:
-        slot = _Slot.try_take(slots / str(number))
+        slot = _Slot.try_take(slots / str(number), name)
         if slot is not None:
             return slot
         number += 1
@@ -391,13 +397,15 @@ def take_slot(state_dir: Path) -> _Slot:
 class FeedClient:
     """Feeds `router` from the control plane at `control` and reports back; see the module's docstring."""
 
-    def __init__(self, router: Any, control: str, token: str, state_dir: Path, *, ca: str | None = None,
+    def __init__(self, router: Any, control: str, credential: str | Callable[[], str], state_dir: Path, *,
+                 ca: str | None = None,
                  report_interval: float = REPORT_INTERVAL, snapshot_every: float = SNAPSHOT_EVERY,
                  read_timeout: float = READ_TIMEOUT, backoff_base: float = BACKOFF_BASE,
                  backoff_cap: float = BACKOFF_CAP, sweep_every: float = SWEEP_EVERY):
         self.router = router
         self.control = parse_control(control)
-        self._token = token
+        # The router's credential (R-10.7), read again for every exchange: a rotation replaces the file.
+        self._credential: Callable[[], str] = (lambda: credential) if isinstance(credential, str) else credential
         self.state_dir = Path(state_dir)
         self.report_interval = report_interval
         self.snapshot_every = snapshot_every
@@ -431,7 +439,7 @@ class FeedClient:
         self._rows_refused = 0  # rows the control plane left out of reports it took, since start
         self._last_refusal: dict | None = None
 
-    def __repr__(self) -> str:  # the token stays out of tracebacks
+    def __repr__(self) -> str:  # the credential stays out of tracebacks
         return f"FeedClient({self.control.address})"
 
     @property
@@ -447,7 +455,8 @@ class FeedClient:
     async def start(self) -> None:
         """Take a slot, give the router the last-known-good snapshot, then run the feed and reports."""
         _private_dir(self.state_dir)
-        self.slot = await asyncio.to_thread(take_slot, self.state_dir)
+        name = routerauth.credential_name(await asyncio.to_thread(self._credential))
+        self.slot = await asyncio.to_thread(take_slot, self.state_dir, name)
         self.router.router_id = self.slot.router_id
         await asyncio.to_thread(self.slot.spool.load)
         self._set_aside = await asyncio.to_thread(_count_refused, self.state_dir / REFUSED_DIR)
@@ -467,7 +476,7 @@ class FeedClient:
             connector = aiohttp.UnixConnector(path=self.control.socket_path)
         else:
             connector = aiohttp.TCPConnector(limit=4, ssl=self._ssl)
-        self._session = aiohttp.ClientSession(connector=connector, headers={"Authorization": f"Bearer {self._token}"})
+        self._session = aiohttp.ClientSession(connector=connector)
         self._tasks = [asyncio.create_task(self._feed_loop(), name="feed"),
                        asyncio.create_task(self._report_loop(), name="feed reports"),
                        asyncio.create_task(self._snapshot_loop(), name="feed snapshot file")]
@@ -531,11 +540,50 @@ class FeedClient:
             await asyncio.sleep(backoff_delay(attempt, self.backoff_base, self.backoff_cap))
             attempt += 1
 
-    async def _follow(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT, sock_read=self.read_timeout)
-        async with self._session.get(self.control.base_url + FEED_PATH, timeout=timeout) as response:
+    # -- proving who is who (R-10.7) ------------------------------------------------------------
+
+    async def _authorize(self, method: str, path: str) -> tuple[dict[str, str], str]:
+        """The headers of one request, made only once the other side has proved it knows this
+        router's credential, and the proof its answer must carry; see llmgw.contracts.routerauth."""
+        try:
+            credential = await asyncio.to_thread(self._credential)
+            name, key = routerauth.credential_name(credential), routerauth.verifier(credential)
+        except ValueError as exc:  # the file went missing or was replaced by something else
+            raise _Refused(str(exc)) from None
+        nonce = secrets.token_urlsafe(24)
+        timeout = aiohttp.ClientTimeout(total=POST_TIMEOUT, sock_connect=CONNECT_TIMEOUT)
+        async with self._session.post(self.control.base_url + CHALLENGE_PATH, json={"router": name, "nonce": nonce},
+                                      timeout=timeout) as response:
             if response.status != 200:
                 raise _Refused(await _refusal(response))
+            try:
+                document = await response.json(content_type=None)
+                challenge, proofs = document["challenge"], document["proofs"]
+            except (ValueError, KeyError, TypeError):
+                challenge, proofs = None, None
+        if not isinstance(challenge, str) or not isinstance(proofs, list):
+            raise _Refused(f"{self.control.address} did not answer the challenge as a control plane does")
+        expected = routerauth.server_proof(key, name, nonce, challenge)
+        if not any(isinstance(p, str) and routerauth.same(p, expected) for p in proofs):
+            raise _Refused(f"{self.control.address} did not prove that it knows router {name!r}'s credential: "
+                           "it is not this router's control plane, or the credential was replaced there; "
+                           "nothing was sent to it")
+        proof = routerauth.router_proof(key, name, nonce, challenge, method, path)
+        return ({"Authorization": routerauth.authorization(name, challenge, proof)},
+                routerauth.answer_proof(key, name, nonce, challenge))
+
+    def _check_answer(self, response: aiohttp.ClientResponse, expected: str) -> None:
+        if not routerauth.same(response.headers.get(routerauth.PROOF_HEADER, ""), expected):
+            raise _Refused(f"an answer from {self.control.address} without the control plane's proof; ignored")
+
+    async def _follow(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT, sock_read=self.read_timeout)
+        headers, answer = await self._authorize("GET", FEED_PATH)
+        async with self._session.get(self.control.base_url + FEED_PATH, timeout=timeout,
+                                     headers=headers) as response:
+            if response.status != 200:
+                raise _Refused(await _refusal(response))
+            self._check_answer(response, answer)  # before any line is read
             parts: list[bytes] = []  # of a line not yet complete
             size = 0
             async for chunk in response.content.iter_any():
@@ -728,13 +776,19 @@ class FeedClient:
     async def _post(self, entry: _Spooled) -> Ack:
         timeout = aiohttp.ClientTimeout(total=POST_TIMEOUT, sock_connect=CONNECT_TIMEOUT)
         body = _dumps(to_wire(entry.report)).encode()
+        headers, answer = await self._authorize("POST", REPORT_PATH)  # a refusal here sent no report
         try:
             # A connection that cannot be made sends nothing: that report may still be merged.
             async with self._session.post(self.control.base_url + REPORT_PATH, data=body, timeout=timeout,
-                                          headers={"Content-Type": "application/json"}) as response:
+                                          headers={"Content-Type": "application/json", **headers}) as response:
                 entry.sent = True
                 if response.status != 200:
-                    raise _Refused(await _refusal(response), response.status)
+                    if response.status in SET_ASIDE_STATUSES:
+                        # Set aside only what the control plane itself refused (its proof is on the answer).
+                        self._check_answer(response, answer)
+                        raise _Refused(await _refusal(response), response.status)
+                    raise _Refused(await _refusal(response))
+                self._check_answer(response, answer)  # an ack nobody proved would drop the report
                 document = await response.json(content_type=None)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError):
             raise
@@ -782,7 +836,7 @@ class FeedClient:
 
 
 class _Refused(Exception):
-    """The control plane answered, but not with what was asked for (a wrong token, a refusal);
+    """The control plane answered, but not with what was asked for (a wrong credential, a refusal);
     `status` is the HTTP status it answered with, None when the answer was not what it should be."""
 
     def __init__(self, message: str, status: int | None = None):

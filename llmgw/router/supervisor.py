@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmgw.router import pidlock
+from llmgw.router import credential, pidlock
 from llmgw.router.private import untrusted
 from llmgw.router.serving import SHUTDOWN_GRACE
 
@@ -64,7 +64,7 @@ class SupervisorConfig:
     workers: int
     state_dir: Path
     control: str
-    token_file: Path
+    credential_file: Path | None  # None: the workers read LLMGW_ROUTER_CREDENTIAL (R-10.7)
     ca: Path | None = None
     worker_module: str = WORKER_MODULE
     listen_option: str = "--listen"  # named in the message when the port is in use
@@ -278,6 +278,7 @@ class Supervisor:
     _lock_fd: int | None = None
     _lifeline: tuple[int, int] | None = None
     _workers: set[Worker] = field(default_factory=set)  # every worker alive, replaced ones included
+    _waiting_fed: set[asyncio.Task] = field(default_factory=set)  # tasks that wait for a worker's first snapshot
     _stopping: bool = False
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _roll_requests: int = 0
@@ -288,17 +289,15 @@ class Supervisor:
     # -- start --
 
     def prepare(self) -> None:
-        """The lock, the token file, the port: everything that may refuse the start, at once."""
+        """The lock, the credential, the port: everything that may refuse the start, at once."""
         if self.config.workers < 1:
             raise SupervisorError(f"--workers {self.config.workers}: a router needs at least one worker")
         self._lock_fd = hold_supervisor_lock(self.config.state_dir)
         os.chmod(self.config.state_dir, 0o700)
         try:
-            with open(self.config.token_file, "rb"):
-                pass
-        except OSError as exc:
-            raise SupervisorError(f"cannot read the admin token file {self.config.token_file}: "
-                                  f"{exc.strerror or exc}; give it with --token-file") from None
+            credential.source(self.config.credential_file)
+        except credential.CredentialError as exc:
+            raise SupervisorError(str(exc)) from None
         probe_port(self.config.listen, self.config.listen_option)
         self.addresses = resolve(self.config.listen)
         first = bind_slot(self.addresses)
@@ -371,8 +370,9 @@ class Supervisor:
         argv = [sys.executable, "-m", self.config.worker_module, "--slot", str(slot.index),
                 *[arg for fd in fds for arg in ("--listen-fd", str(fd))],
                 "--ready-fd", str(ready_w), "--lifeline-fd", str(lifeline_r),
-                "--control", self.config.control, "--token-file", str(self.config.token_file),
-                "--state-dir", str(self.config.state_dir)]
+                "--control", self.config.control, "--state-dir", str(self.config.state_dir)]
+        if self.config.credential_file is not None:  # else the workers inherit the environment's
+            argv += ["--credential-file", str(self.config.credential_file)]
         if self.config.ca is not None:
             argv += ["--ca", str(self.config.ca)]
         try:
@@ -399,7 +399,11 @@ class Supervisor:
         if line == "listening":
             worker.ready = True
             log.info("worker %d (pid %d) listening, without a snapshot yet", slot.index, proc.pid)
-            asyncio.get_running_loop().create_task(self._wait_fed(worker, pipe), name=f"worker-{proc.pid}-fed")
+            # Held until done: the loop keeps only a weak reference to a task, and a collected one
+            # would never say that its worker holds a snapshot.
+            task = asyncio.get_running_loop().create_task(self._wait_fed(worker, pipe), name=f"worker-{proc.pid}-fed")
+            self._waiting_fed.add(task)
+            task.add_done_callback(self._waiting_fed.discard)
             return worker, ""
         pipe.close()
         worker.signal(signal.SIGKILL if line is None else signal.SIGTERM)

@@ -2,7 +2,7 @@
 hands it (R-10.3).
 
     python -m llmgw.router.worker --slot N --listen-fd FD [...] --ready-fd FD --lifeline-fd FD \
-        --control unix:PATH --token-file FILE --state-dir DIR [--ca FILE]
+        --control unix:PATH [--credential-file FILE] --state-dir DIR [--ca FILE]
 
 The supervisor (llmgw.router.supervisor) keeps the listening socket open for its whole life, so
 connections that arrive while this process starts or stops wait in the socket's queue for the
@@ -49,7 +49,7 @@ class WorkerArgs:
     ready_fd: int | None
     lifeline_fd: int | None
     control: str
-    token_file: Path
+    credential_file: Path | None  # None: LLMGW_ROUTER_CREDENTIAL
     state_dir: Path
     ca: Path | None
 
@@ -69,11 +69,11 @@ def parse_args(argv: list[str]) -> WorkerArgs:
     parser.add_argument("--ready-fd", type=int)
     parser.add_argument("--lifeline-fd", type=int)
     parser.add_argument("--control", required=True)
-    parser.add_argument("--token-file", type=Path, required=True)
+    parser.add_argument("--credential-file", type=Path)
     parser.add_argument("--state-dir", type=Path, required=True)
     parser.add_argument("--ca", type=Path)
     ns = parser.parse_args(argv)
-    return WorkerArgs(ns.slot, tuple(ns.listen_fd), ns.ready_fd, ns.lifeline_fd, ns.control, ns.token_file,
+    return WorkerArgs(ns.slot, tuple(ns.listen_fd), ns.ready_fd, ns.lifeline_fd, ns.control, ns.credential_file,
                       ns.state_dir, ns.ca)
 
 
@@ -209,13 +209,12 @@ async def build_router(args: WorkerArgs) -> tuple[web.Application, Closer, Fed |
     """The router fed over the feed, with the last-known-good snapshot from disk when there is one;
     without, it is served all the same and says `ready` once the control plane's first comes (R-10.2)."""
     from llmgw.router.app import Router
+    from llmgw.router import credential
     from llmgw.router.feedclient import FeedClient
 
-    token = args.token_file.read_text().strip()
-    if not token:
-        raise ValueError(f"the admin token file {args.token_file} is empty")
     router = Router()
-    client = FeedClient(router, args.control, token, args.state_dir, ca=str(args.ca) if args.ca else None)
+    client = FeedClient(router, args.control, credential.source(args.credential_file), args.state_dir,
+                        ca=str(args.ca) if args.ca else None)
     await client.start()
 
     async def fed() -> None:

@@ -50,8 +50,9 @@ class RouterProcess:
         self.port = port or free_port()
         self.workers = workers
         self.log_path = tmp_path / f"router-{self.port}.log"
-        (tmp_path / "admin-token").write_text("not-used-by-the-stand-in\n")
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        # The stand-in worker never connects; the supervisor still checks that there is a credential.
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT),
+                    "LLMGW_ROUTER_CREDENTIAL": "llmgw-router.test.not-used-by-the-stand-in", **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     def argv(self, state_dir: Path | None = None, port: int | None = None) -> list[str]:

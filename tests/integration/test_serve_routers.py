@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import urllib.error
 import urllib.request
 
 from llmgw.router.supervisor import running_supervisor
-from tests.integration.gateway import GatewayProcess, wait_for
+from tests.integration.gateway import GatewayProcess, free_port, wait_for
 
 
 def models(gateway: GatewayProcess, key: str) -> int:
@@ -52,8 +55,90 @@ def test_serve_spawns_its_router_which_outlives_a_kill_and_is_adopted(tmp_path):
         pids = [w["pid"] for w in second.router_status()["workers"]]
         assert worker in pids  # the running worker was kept, one was added
         assert models(second, key) == 200
+        # The adopted router is still fed by the new serve, with the credential serve gave it (R-10.7).
+        later = second.create_key("after-adoption")
+        wait_for(lambda: models(second, later) == 200, 30, "a key made after the restart to reach the router")
     finally:
         first.kill()
         if second is not None:
             second.stop()
         first.stop_router()
+
+
+def ctl(gateway: GatewayProcess, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmgw.cli.main", "ctl", "--state-dir", str(gateway.state_dir), *args],
+                          capture_output=True, text=True, env=gateway.env, timeout=60)
+
+
+def feed_state(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=5) as response:
+            document = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        document = json.loads(exc.read())
+    except OSError:
+        return None
+    return (document.get("feed") or {}).get("state")
+
+
+def test_r10_7_a_second_router_runs_on_a_credential_of_its_own_until_it_is_revoked(tmp_path):
+    """The serve-spawned router needs no step (its credential is serve's doing); another router is
+    given one by `ctl routers add`, is fed over the admin listener with it, and is cut off by
+    `ctl routers revoke` while serve's own router goes on."""
+    gateway = GatewayProcess(None, tmp_path / "state", workers=1).start()
+    edge = None
+    try:
+        credential_file = gateway.router_dir / "credential"
+        assert credential_file.stat().st_mode & 0o777 == 0o600
+        assert credential_file.read_text().startswith("llmgw-router.local.")
+        argv_of = [open(f"/proc/{pid}/cmdline", "rb").read() for pid in
+                   [w["pid"] for w in gateway.router_status()["workers"]]]
+        secret = credential_file.read_text().strip().encode()
+        assert all(secret not in argv for argv in argv_of)
+
+        added = ctl(gateway, "routers", "add", "edge1")
+        assert added.returncode == 0, added.stderr
+        credential = added.stdout.strip()
+        assert credential.startswith("llmgw-router.edge1.") and "only time" in added.stderr
+        assert ctl(gateway, "routers", "add", "edge1").returncode == 1  # it has one already
+        path = tmp_path / "edge1.credential"
+        path.write_text(credential + "\n")
+        path.chmod(0o600)
+
+        port = free_port()
+        argv = [sys.executable, "-m", "llmgw.cli.main", "router", "--control", f"http://127.0.0.1:{gateway.admin_port}",
+                "--credential-file", str(path), "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "edge")]
+        # The admin token is no router credential: refused at the start, naming what to do.
+        (tmp_path / "token-copy").write_text((gateway.state_dir / "admin-token").read_text())
+        refused = subprocess.run([*argv[:argv.index("--credential-file") + 1], str(tmp_path / "token-copy"),
+                                  *argv[argv.index("--credential-file") + 2:]],
+                                 capture_output=True, text=True, env=gateway.env, timeout=60)
+        assert refused.returncode == 1 and "routers add" in refused.stderr
+        edge = subprocess.Popen(argv, stdout=open(tmp_path / "edge.log", "ab"), stderr=subprocess.STDOUT,
+                                env=gateway.env)
+        url = f"http://127.0.0.1:{port}"
+        key = gateway.create_key("edge-user")
+        wait_for(lambda: feed_state(url) == "live", 60, "the edge router fed over the admin listener")
+        wait_for(lambda: models(_At(url), key) == 200, 30, "the key on the edge router")
+        listed = json.loads(ctl(gateway, "routers", "list", "--json").stdout)
+        assert {r["name"]: r["state"] for r in listed["routers"]} == {"local": "active", "edge1": "active"}
+        assert credential not in json.dumps(listed)
+        wait_for(lambda: any(r["router"].startswith("edge1/") for r in gateway.admin("/api/status")[1]["routers"]),
+                 30, "the edge router's reports, under its name")
+
+        revoked = ctl(gateway, "routers", "revoke", "edge1")
+        assert revoked.returncode == 0 and "revoked" in revoked.stdout
+        wait_for(lambda: feed_state(url) == "last-known-good", 30, "the revoked router cut off")
+        later = gateway.create_key("after-revoke")
+        wait_for(lambda: models(gateway, later) == 200, 30, "serve's own router still fed")
+        assert feed_state(url) == "last-known-good"
+    finally:
+        if edge is not None:
+            edge.terminate()
+            edge.wait(30)
+        gateway.stop()
+
+
+class _At:
+    def __init__(self, url: str):
+        self.url = url

@@ -24,9 +24,10 @@ from llmgw.control.feedserver import FEED_SOCKET, FeedServer, listen_unix
 from llmgw.keys import create_key
 from llmgw.router import Router
 from llmgw.router.feedclient import REFUSED_DIR, FeedClient
+from tests.unit.routerkit import accepting, authorized
 from llmgw.store import Store
 
-TOKEN = "refusals-test-admin-token"
+TOKEN = "llmgw-router.refusals.refusals-test-router-secret"  # the router credential
 DEADLINE = 20.0  # a guard against hanging, not a timing assertion
 FAST = dict(report_interval=0.05, snapshot_every=0.05, read_timeout=2.0, backoff_base=0.02, backoff_cap=0.1,
             sweep_every=0.1)
@@ -84,7 +85,7 @@ class Gateway:
         self.publisher.set_endpoints(endpoints)
         self.publisher.mark_ready()
         options = {} if self.max_report is None else {"max_report": self.max_report}
-        self.server = FeedServer(self.publisher, TOKEN, keepalive=0.2, **options)
+        self.server = FeedServer(self.publisher, accepting(TOKEN), keepalive=0.2, **options)
         self.socket = await listen_unix(self.server, self.place / FEED_SOCKET, shutdown_timeout=0.5)
         self.router = Router()
         self.client = TestClient(TestServer(self.router.web_app()))
@@ -165,24 +166,24 @@ async def test_r10_8_a_report_refused_whole_is_set_aside_and_the_next_ones_go_on
 
 async def test_r10_8_a_report_with_a_bad_row_gets_the_rest_applied_and_operators_see_it(place):
     async with Gateway(place) as gateway:
-        document = {**to_wire(Report(router="old-router", seq=1, sent_at=1.0,
+        document = {**to_wire(Report(router="refusals/old-router", seq=1, sent_at=1.0,
                                      usage=(UsageRow(3600, "k1", "sane", 2, 10, 5),))),
                     }
         document["usage"].append([3600, "k2", "sane", 1, -5, 0])
         connector = aiohttp.UnixConnector(path=str(place / FEED_SOCKET))
         async with aiohttp.ClientSession(connector=connector) as session:
-            async with session.post("http://localhost/v1/feed/report", json=document,
-                                    headers={"Authorization": f"Bearer {TOKEN}"}) as answer:
+            auth, _ = await authorized(session, "http://localhost", TOKEN, "POST", "/v1/feed/report")
+            async with session.post("http://localhost/v1/feed/report", json=document, headers=auth) as answer:
                 assert answer.status == 200
                 ack = await answer.json()
             bad = {**document, "seq": 2, "sent_at": "noon"}
-            async with session.post("http://localhost/v1/feed/report", json=bad,
-                                    headers={"Authorization": f"Bearer {TOKEN}"}) as answer:
+            auth, _ = await authorized(session, "http://localhost", TOKEN, "POST", "/v1/feed/report")
+            async with session.post("http://localhost/v1/feed/report", json=bad, headers=auth) as answer:
                 assert answer.status == 400
                 assert "report.sent_at" in (await answer.json())["error"]["message"]
         assert [r["where"] for r in ack["refused"]] == ["report.usage[1]"]
         assert usage(gateway.store)["sane"] == (2, 10, 5)
-        (listed,) = [r for r in gateway.publisher.routers() if r["router"] == "old-router"]
+        (listed,) = [r for r in gateway.publisher.routers() if r["router"] == "refusals/old-router"]
         assert listed["refused"]["reports"] == 1 and listed["refused"]["rows"] == 1
         assert "report.sent_at" in listed["refused"]["last"]
 

@@ -26,8 +26,9 @@ from llmgw.contracts.feed import (Ack, Change, FeedError, GatewaySettings, KeyEn
 from llmgw.control.feedserver import FEED_SOCKET, FeedServer, listen_unix
 from llmgw.router.feedclient import (SNAPSHOT_FILE, FeedClient, FeedClientError, Spool, merge_reports,
                                      parse_control)
+from tests.unit.routerkit import accepting, authorized
 
-TOKEN = "feed-test-admin-token"
+TOKEN = "llmgw-router.test.feed-test-router-secret"  # the router credential
 ENGINE_KEY = "engine-key-never-logged"
 KEY_HASH = "f" * 64
 DEADLINE = 20.0  # a guard against hanging, not a timing assertion
@@ -174,7 +175,7 @@ class Control:
     async def start(self, publisher: FakePublisher | None = None) -> Control:
         if publisher is not None:
             self.publisher = publisher
-        self.server = FeedServer(self.publisher, TOKEN, **self.options)
+        self.server = FeedServer(self.publisher, accepting(TOKEN), **self.options)
         self.socket = await listen_unix(self.server, self.path, shutdown_timeout=self.shutdown_timeout)
         return self
 
@@ -243,7 +244,7 @@ async def test_snapshot_then_changes_arrive_in_order(control, clients, place):
 async def test_feed_over_tcp_mounted_on_an_application(clients, place):
     publisher = FakePublisher()
     app = web.Application()
-    FeedServer(publisher, TOKEN, keepalive=0.2).mount(app)
+    FeedServer(publisher, accepting(TOKEN), keepalive=0.2).mount(app)
     runner = web.AppRunner(app, shutdown_timeout=0.5)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -270,21 +271,28 @@ async def test_admin_app_mounts_the_feed(tmp_path):
 
     gateway = make_gateway(tmp_path)
     publisher = FakePublisher()
-    gateway.feed_server = FeedServer(publisher, ADMIN_TOKEN, keepalive=0.2)
+    gateway.feed_server = FeedServer(publisher, accepting(TOKEN), keepalive=0.2)
     client = TestClient(TestServer(build_admin_app(gateway)))
     await client.start_server()
     try:
-        auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-        report = Report(router="r", seq=1, sent_at=1.0, usage=(UsageRow(0, "k1", "m", 1, 2, 3),))
+        base = str(client.make_url(""))
+        auth, _ = await authorized(client.session, base, TOKEN, "POST", "/v1/feed/report")
+        report = Report(router="test/r", seq=1, sent_at=1.0, usage=(UsageRow(0, "k1", "m", 1, 2, 3),))
         # A report over the admin listener's 1 MB body limit still fits the feed's own.
         body = json.dumps({**to_wire(report), "pad": "x" * (2 * 1024 * 1024)})
         answer = await client.post("/v1/feed/report", data=body, headers=auth)
         assert answer.status == 200, await answer.text()
-        assert await answer.json() == to_wire(Ack("r", 1))
+        assert await answer.json() == to_wire(Ack("test/r", 1))
+        auth, _ = await authorized(client.session, base, TOKEN, "GET", "/v1/feed")
         async with client.get("/v1/feed", headers=auth) as stream:
             first = json.loads(await stream.content.readline())
         assert first["type"] == "snapshot" and first["version"] == 1
         assert (await client.get("/v1/feed")).status == 401
+        # The admin token opens the admin API, never the feed.
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        assert (await client.get("/api/status", headers=admin)).status == 200
+        refused = await client.get("/v1/feed", headers=admin)
+        assert refused.status == 401 and "not the admin token" in (await refused.json())["error"]["message"]
     finally:
         await client.close()
         gateway.store.close()
@@ -305,7 +313,8 @@ async def test_a_change_that_does_not_follow_makes_the_client_take_a_snapshot_ag
 async def test_a_quiet_feed_carries_keep_alive_lines(control):
     connector = aiohttp.UnixConnector(path=str(control.path))
     async with aiohttp.ClientSession(connector=connector) as session:
-        async with session.get("http://localhost/v1/feed", headers={"Authorization": f"Bearer {TOKEN}"}) as answer:
+        auth, _ = await authorized(session, "http://localhost", TOKEN, "GET", "/v1/feed")
+        async with session.get("http://localhost/v1/feed", headers=auth) as answer:
             assert answer.headers["Content-Type"] == "application/x-ndjson"
             assert json.loads(await answer.content.readline())["type"] == "snapshot"
             assert await answer.content.readline() == b"\n"  # nothing published: a keep-alive
@@ -333,7 +342,9 @@ async def test_a_control_plane_that_accepts_but_never_answers_is_left_and_tried_
 @pytest.mark.parametrize("headers", [
     pytest.param({}, id="no-token"),
     pytest.param({"Authorization": "Bearer wrong-token"}, id="wrong-token"),
+    pytest.param({"Authorization": f"Bearer {TOKEN}"}, id="credential-as-bearer"),
     pytest.param({"Authorization": f"Basic {TOKEN}"}, id="not-bearer"),
+    pytest.param({"Authorization": "Llmgw-Router test:made-up-challenge:" + "0" * 64}, id="unissued-challenge"),
 ])
 async def test_feed_and_reports_refuse_without_the_token(control, headers):
     connector = aiohttp.UnixConnector(path=str(control.path))
@@ -363,27 +374,28 @@ async def test_a_bad_report_is_refused_naming_what_is_wrong(place, body, status,
     try:
         connector = aiohttp.UnixConnector(path=str(control.path))
         async with aiohttp.ClientSession(connector=connector) as session:
-            async with session.post("http://localhost/v1/feed/report", data=body,
-                                    headers={"Authorization": f"Bearer {TOKEN}"}) as answer:
+            auth, _ = await authorized(session, "http://localhost", TOKEN, "POST", "/v1/feed/report")
+            async with session.post("http://localhost/v1/feed/report", data=body, headers=auth) as answer:
                 assert answer.status == status
                 assert names in (await answer.json())["error"]["message"]
         assert control.publisher.received == []
         if status == 400:  # counted for the router it names, for `ctl status`
-            assert [router for router, _ in control.publisher.refused] == [None if names == "not JSON" else "r"]
+            # Recorded under the router that sent it, whatever the report claims.
+            assert [router for router, _ in control.publisher.refused] == ["test"]
     finally:
         await control.stop()
 
 
 async def test_r10_8_a_report_with_bad_rows_is_applied_without_them_and_the_ack_names_them(control):
     good = [3600, "k1", "m", 2, 10, 5]
-    document = {**to_wire(Report(router="r", seq=1, sent_at=1.0)),
+    document = {**to_wire(Report(router="test/r", seq=1, sent_at=1.0)),
                 "usage": [[3600, "k1", "m", 1, -5, 0], good, [3600, "k2", "m", 1, 2**64, 0]],
                 "inflight": {"r1": 2, "r2": -1}, "key_use": {"k1": 5.0, "k2": "soon"},
                 "engine_load": {"r1": {"source": "vllm", "waiting": 2**60}}}
     connector = aiohttp.UnixConnector(path=str(control.path))
     async with aiohttp.ClientSession(connector=connector) as session:
-        async with session.post("http://localhost/v1/feed/report", json=document,
-                                headers={"Authorization": f"Bearer {TOKEN}"}) as answer:
+        auth, _ = await authorized(session, "http://localhost", TOKEN, "POST", "/v1/feed/report")
+        async with session.post("http://localhost/v1/feed/report", json=document, headers=auth) as answer:
             assert answer.status == 200
             ack = await answer.json()
     (report,) = control.publisher.received
@@ -739,7 +751,7 @@ async def _https_app(certificate, app: web.Application):
 async def test_the_feed_over_https_checks_the_certificate(certificate, clients, place, caplog):
     publisher = FakePublisher()
     app = web.Application()
-    FeedServer(publisher, TOKEN, keepalive=0.2).mount(app)
+    FeedServer(publisher, accepting(TOKEN), keepalive=0.2).mount(app)
     runner, port = await _https_app(certificate, app)
     try:
         trusting = FakeRouter()

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from llmgw.cli.main import app as cli
 from llmgw.contracts.feed import FeedError, KeyEntry, Limits, key_from_wire, key_to_wire
 from llmgw.keys import KeyRefused, create_key, key_entries, list_keys, parse_model_limit, set_key
-from llmgw.store import MIGRATIONS, migrate, schema_version
+from llmgw.store import MIGRATIONS, SCHEMA_VERSION, migrate, schema_version
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def test_r6_16_migration_adds_limits_to_keys_made_before(tmp_path):
     database["api_keys"].insert({"id": "k1", "name": "old", "hash": "h", "prefix": "sk-llmgw-abc", "models": None,
                                  "created_at": 1.0, "revoked_at": None, "last_used_at": None})
     migrate(database)
-    assert schema_version(database) == 4
+    assert schema_version(database) == SCHEMA_VERSION
     assert {"rpm", "tpm", "concurrency", "priority", "weight", "model_limits"} <= set(database["api_keys"].columns_dict)
     (old,) = list_keys(database)
     assert (old.limits, old.priority, old.weight, dict(old.model_limits)) == (None, 0, 1, {})

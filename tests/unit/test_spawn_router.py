@@ -17,7 +17,8 @@ def test_r10_4_a_router_still_starting_when_serve_stops_is_killed(tmp_path, monk
             started.append(self)
 
     monkeypatch.setattr(server.subprocess, "Popen", Recorded)
-    (tmp_path / "admin-token").write_text("t" * 32 + "\n")
+    (tmp_path / "router").mkdir(mode=0o700)
+    (tmp_path / "router" / "credential").write_text("llmgw-router.local." + "t" * 32 + "\n")
 
     async def stopped_during_start() -> None:
         # No control plane answers on the feed socket, so the router never says ready.
