@@ -13,8 +13,8 @@ What it keeps on disk, in its state directory (0700; files 0600, written atomica
   (`spool.ndjson`). A worker restarted while its predecessor still finishes streams
   finds the predecessor's slot locked and takes another: two processes never share a spool.
   Slots nobody holds (a killed process's) are swept: their unacknowledged reports are delivered.
-- `refused/ROUTER-SEQ.json`: a report the control plane refused as a whole (400 or 413: sending
-  it again cannot succeed), kept with the refusal's reason for whoever looks into it (R-10.8).
+- `refused/ROUTER-SEQ.json` (the router id's `/` as `_`): a report the control plane refused as a
+  whole (400 or 413: sending it again cannot succeed), kept with the refusal's reason for whoever looks into it (R-10.8).
 
 Every directory and file here is used only when it is this user's and nobody else may write it
 (`private.untrusted`, R-10.9): a planted snapshot would route clients, a planted spool would
@@ -754,7 +754,8 @@ class FeedClient:
     async def _put_aside(self, spool: Spool, report: Report, reason: str) -> None:
         """Keep a report the control plane refused as a whole in refused/ and drop it from the spool."""
         directory = self.state_dir / REFUSED_DIR
-        path = directory / f"{report.router}-{report.seq}.json"
+        # Router ids are NAME/HOST-SLOT-RANDOM (R-10.7): the file name takes the id with '/' as '_'.
+        path = directory / f"{report.router.replace('/', '_')}-{report.seq}.json"
         document = {"refused_at": time.time(), "reason": reason, "report": to_wire(report)}
 
         def keep() -> None:

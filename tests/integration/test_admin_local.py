@@ -384,10 +384,11 @@ def test_usage_and_router_metrics_after_a_request(gw):
         "model_limits": {"chat": {"rpm": None, "tpm": 100000, "concurrency": None}}}  # its limits
     rendered = gw.ctl("usage", "--by", "key")
     assert rendered.stdout.splitlines()[0].split() == ["KEY", "REQUESTS", "PROMPT", "TOKENS", "COMPLETION",
-                                                       "TOKENS", "TOTAL", "TOKENS", "RPM", "TPM", "CONC", "MODEL",
-                                                       "LIMITS"]
+                                                       "TOKENS", "TOTAL", "TOKENS", "ESTIMATED", "UNMETERED",
+                                                       "RPM", "TPM", "CONC", "MODEL", "LIMITS"]
     row = rendered.stdout.splitlines()[1].split()
-    assert row[0] == "ops-team" and row[5:] == ["600", "-", "-", "chat:", "tpm=100000"]
+    # None of its tokens estimated, none of its requests unmetered (R-6.9a), then its limits.
+    assert row[0] == "ops-team" and row[5:] == ["0", "0", "600", "-", "-", "chat:", "tpm=100000"]
     assert gw.ctl("usage", "--by", "colour").exit_code == 1
 
     status, metrics = gw.api("/metrics")

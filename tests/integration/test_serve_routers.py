@@ -70,9 +70,11 @@ def ctl(gateway: GatewayProcess, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=gateway.env, timeout=60)
 
 
-def feed_state(url: str) -> str | None:
+def feed_state(url: str, key: str) -> str | None:
+    """The router's feed state as /healthz shows it to a request with a valid key (R-10.2)."""
+    request = urllib.request.Request(url + "/healthz", headers={"Authorization": f"Bearer {key}"})
     try:
-        with urllib.request.urlopen(url + "/healthz", timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             document = json.loads(response.read())
     except urllib.error.HTTPError as exc:
         document = json.loads(exc.read())
@@ -118,8 +120,8 @@ def test_r10_7_a_second_router_runs_on_a_credential_of_its_own_until_it_is_revok
                                 env=gateway.env)
         url = f"http://127.0.0.1:{port}"
         key = gateway.create_key("edge-user")
-        wait_for(lambda: feed_state(url) == "live", 60, "the edge router fed over the admin listener")
-        wait_for(lambda: models(_At(url), key) == 200, 30, "the key on the edge router")
+        wait_for(lambda: models(_At(url), key) == 200, 60, "the edge router fed over the admin listener, with the key")
+        assert feed_state(url, key) == "live"
         listed = json.loads(ctl(gateway, "routers", "list", "--json").stdout)
         assert {r["name"]: r["state"] for r in listed["routers"]} == {"local": "active", "edge1": "active"}
         assert credential not in json.dumps(listed)
@@ -128,10 +130,10 @@ def test_r10_7_a_second_router_runs_on_a_credential_of_its_own_until_it_is_revok
 
         revoked = ctl(gateway, "routers", "revoke", "edge1")
         assert revoked.returncode == 0 and "revoked" in revoked.stdout
-        wait_for(lambda: feed_state(url) == "last-known-good", 30, "the revoked router cut off")
+        wait_for(lambda: feed_state(url, key) == "last-known-good", 30, "the revoked router cut off")
         later = gateway.create_key("after-revoke")
         wait_for(lambda: models(gateway, later) == 200, 30, "serve's own router still fed")
-        assert feed_state(url) == "last-known-good"
+        assert feed_state(url, key) == "last-known-good"
     finally:
         if edge is not None:
             edge.terminate()
