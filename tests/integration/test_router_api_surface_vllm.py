@@ -154,6 +154,35 @@ async def test_r6_12_responses_on_the_real_vllm(vllm, start_router):  # noqa: F8
             await client.responses.retrieve(reply.id + "%2F..%2F..%2F..%2Fmetrics")
 
 
+async def test_r6_9a_a_stream_left_early_is_counted_exactly_from_the_real_vllms_chunks(vllm, start_router):  # noqa: F811
+    """Every vLLM stream asks for usage in each chunk (stream_options.continuous_usage_stats): the
+    real vLLM takes it, the client that did not ask sees none of it, and a stream the client
+    leaves is counted from the last chunk relayed, exactly, nothing estimated (R-6.9a). Whether
+    the tiny model has finished by the time the client leaves does not matter to the assertions:
+    either way the counts are vLLM's own."""
+    gw = await start_router(catalog(model("m")), {"m": [Endpoint("real-1", "m", vllm, KEY)]})
+    async with gw.client(timeout=120) as client:
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "count"}], max_tokens=900, stream=True,
+            extra_body={"ignore_eos": True, "min_tokens": 900})
+        read = 0
+        async for chunk in stream:
+            assert chunk.usage is None  # the client asked for no usage
+            read += 1
+            if read == 20:
+                break
+        await stream.close()
+    keys = {k.name: k.id for k in gw.store.read_sync(list_keys)}
+
+    async def row():
+        await gw.feed.report()
+        return next((r for r in await gw.usage_rows() if r["key_id"] == keys["test-0"]), None)
+    found = await apoll(row, what="the stream's usage row")
+    print("vLLM stream left after 20 chunks:", found)
+    assert found["requests"] == 1 and found["unmetered"] == 0 and found["estimated_tokens"] == 0
+    assert found["prompt_tokens"] > 0 and 19 <= found["completion_tokens"] <= 900
+
+
 async def test_r6_13_anthropic_messages_on_the_real_vllm(vllm, start_router):  # noqa: F811
     gw = await start_router(catalog(model("m")), {"m": [Endpoint("real-1", "m", vllm, KEY)]})
     hello = [{"role": "user", "content": "hello there"}]
