@@ -21,6 +21,7 @@ import itertools
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -123,6 +124,9 @@ def _mib(size: int) -> str:
     return f"{size / 1024**2:.1f} MiB"
 
 
+STDERR_BURST = 200  # helper stderr lines logged per second and node; the rest are counted
+
+
 def _printable(text: str) -> str:
     """Node-written text for the log: control characters (terminal sequences) become '?'."""
     return "".join(c if c.isprintable() or c == "\t" else "?" for c in text)
@@ -130,19 +134,44 @@ def _printable(text: str) -> str:
 
 async def drain_to_log(node: str, stderr: ChunkReader) -> None:
     """Log what the helper writes on stderr, line by line, until EOF; a pipe nobody reads
-    fills up and then blocks the helper's next write, and with it the helper."""
+    fills up and then blocks the helper's next write, and with it the helper.
+
+    At most STDERR_BURST lines a second are logged: a node that floods its stderr must not
+    flood the control plane's log or hold its loop. The lines left out are counted, and a line
+    says how many and what the last one was (at the next line after the second, or when the
+    session ends)."""
     lines = LineReader(stderr, MAX_STDERR_LINE)
-    while True:
-        line = await lines.next()
-        if isinstance(line, Overlong):
-            log.warning("%s: helper stderr: %s… (%d bytes)", node,
-                        _printable(line.head.decode(errors="replace")), line.size)
-            continue
-        if not line:
-            return
-        text = line.decode(errors="replace").rstrip()
-        if text:
-            log.warning("%s: helper stderr: %s", node, _printable(text))
+    window, budget, left_out, last = time.monotonic(), STDERR_BURST, 0, ""
+
+    def say_left_out() -> None:
+        log.warning("%s: helper stderr: %d more line(s) not logged; the last: %s", node, left_out, _printable(last))
+
+    try:
+        while True:
+            line = await lines.next()
+            if not line:
+                return
+            now = time.monotonic()
+            if now - window >= 1.0:
+                if left_out:
+                    say_left_out()
+                window, budget, left_out = now, STDERR_BURST, 0
+            if budget <= 0:
+                left_out += 1
+                last = (f"{line.head.decode(errors='replace')}… ({line.size} bytes)" if isinstance(line, Overlong)
+                        else line.decode(errors="replace").rstrip())
+                continue
+            budget -= 1
+            if isinstance(line, Overlong):
+                log.warning("%s: helper stderr: %s… (%d bytes)", node,
+                            _printable(line.head.decode(errors="replace")), line.size)
+                continue
+            text = line.decode(errors="replace").rstrip()
+            if text:
+                log.warning("%s: helper stderr: %s", node, _printable(text))
+    finally:
+        if left_out:
+            say_left_out()
 
 
 class Stream:
