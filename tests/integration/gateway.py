@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import signal
 import socket
@@ -69,8 +71,15 @@ class GatewayProcess:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         # The router workers may be serving already (adopted): wait for this serve's own word too.
-        wait_for(lambda: (self.workers == 0 or self._healthy()) and self._started(), timeout,
-                 "llmgw serve to start and answer /healthz")
+        try:
+            wait_for(lambda: (self.workers == 0 or self._healthy()) and self._started(), timeout,
+                     "llmgw serve to start and answer /healthz")
+        except BaseException:
+            # A start that did not finish leaves no serve and no router behind it: the caller's
+            # cleanup never saw this process.
+            with contextlib.suppress(Exception):
+                self.stop()
+            raise
         return self
 
     def _started(self) -> bool:
