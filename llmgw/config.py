@@ -217,8 +217,27 @@ class EngineConfig(_Strict):
     workers_serve_http: bool = False
 
 
+CONTAINER_FIELDS = ("image", "container", "pull", "shm_size")
+VENV_FIELDS = ("packages", "index_url", "find_links", "python", "post_install")
+RUNTIME_FIELDS = {"host": (), "container": CONTAINER_FIELDS, "venv": VENV_FIELDS}
+IMAGE_PATTERN = r"^[a-z0-9][a-z0-9._/:@+-]{0,254}$"
+
+
 class ProfileConfig(_Strict):
     engine: str
+    # Where the engine's program comes from: `host`, the node's PATH; `container`, an
+    # image the node's docker or podman runs; `venv`, a Python environment the helper builds
+    # from `packages`. Each runtime's fields are refused under another runtime.
+    runtime: Literal["host", "container", "venv"] = "host"
+    image: str | None = Field(None, pattern=IMAGE_PATTERN)
+    container: Literal["docker", "podman"] | None = None  # None: whichever the node has, docker first
+    pull: Literal["if_missing", "always"] | None = None  # None: if_missing
+    shm_size: Size | None = None  # None: the container shares the host's IPC namespace (--ipc=host)
+    packages: list[str] | None = Field(None, min_length=1)
+    index_url: str | None = None
+    find_links: list[str] | None = None
+    python: str | None = None  # the interpreter the environment is made from; None: the node's python3
+    post_install: list[str] | None = None
     gpus: int = Field(0, ge=0)
     nodes: int = Field(1, ge=1)
     gpu_class: str | None = None
@@ -237,6 +256,23 @@ class ProfileConfig(_Strict):
     def _multi_node_needs_gpus(self) -> ProfileConfig:
         if self.nodes > 1 and self.gpus == 0:
             raise ValueError("a multi-node profile needs gpus (per node) > 0")
+        return self
+
+    @model_validator(mode="after")
+    def _runtime_fields(self) -> ProfileConfig:
+        for runtime, names in RUNTIME_FIELDS.items():
+            if runtime == self.runtime:
+                continue
+            for name in names:
+                if getattr(self, name) is not None and name not in RUNTIME_FIELDS[self.runtime]:
+                    raise ValueError(f"{name} belongs to runtime: {runtime}, not to runtime: {self.runtime}")
+        if self.runtime == "container" and self.image is None:
+            raise ValueError("runtime: container needs an image (e.g. vllm/vllm-openai:v0.32.0)")
+        if self.runtime == "venv" and self.packages is None:
+            raise ValueError('runtime: venv needs packages (pip requirements, e.g. ["vllm==0.32.0"])')
+        for text in [*(self.packages or ()), *(self.post_install or ())]:
+            if not text.strip() or "\0" in text or "\n" in text:
+                raise ValueError(f"{text!r}: packages and post_install are single non-empty lines")
         return self
 
 

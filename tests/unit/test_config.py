@@ -399,3 +399,48 @@ def test_the_clean_up_is_off_by_default():
 ])
 def test_a_broken_low_water_mark_or_pin_names_file_line_and_field(tmp_path, text, line, message):
     assert_refused(tmp_path, text, line, message)
+
+
+RUNTIME_BASE = "nodes: [{name: n1, host: 10.0.0.1}]\nprofiles:\n  p:\n    engine: vllm\n"
+
+
+@pytest.mark.parametrize("lines, said", [
+    ("    runtime: conda\n", "profiles.p.runtime: Input should be 'host', 'container' or 'venv'"),
+    ("    runtime: container\n", "profiles.p: runtime: container needs an image"),
+    ("    runtime: venv\n", "profiles.p: runtime: venv needs packages"),
+    ("    image: vllm/vllm-openai:v0.32.0\n", "image belongs to runtime: container, not to runtime: host"),
+    ("    runtime: venv\n    packages: [vllm]\n    shm_size: 1GB\n",
+     "shm_size belongs to runtime: container, not to runtime: venv"),
+    ("    runtime: container\n    image: x:1\n    packages: [vllm]\n",
+     "packages belongs to runtime: venv, not to runtime: container"),
+    ("    runtime: container\n    image: 'Bad Image'\n", "profiles.p.image: String should match pattern"),
+    ("    runtime: container\n    image: x:1\n    container: lxc\n",
+     "profiles.p.container: Input should be 'docker' or 'podman'"),
+    ("    runtime: venv\n    packages: ['']\n", "packages and post_install are single non-empty lines"),
+])
+def test_a_profile_runtime_and_its_fields_are_checked_naming_the_field(lines, said):
+    with pytest.raises(ConfigError) as caught:
+        load_inventory_text(RUNTIME_BASE + lines, "inv.yaml")
+    assert said in str(caught.value), str(caught.value)
+    assert str(caught.value).startswith("inv.yaml:")
+
+
+def test_each_runtime_takes_its_own_fields():
+    inventory, _ = load_inventory_text(RUNTIME_BASE + (
+        "    runtime: container\n"
+        "    image: vllm/vllm-openai:v0.32.0@sha256:0123abcd\n"
+        "    container: podman\n"
+        "    pull: always\n"
+        "    shm_size: 2GB\n"
+        "  q:\n"
+        "    engine: vllm\n"
+        "    runtime: venv\n"
+        '    packages: ["vllm==0.32.0"]\n'
+        "    find_links: [/srv/wheels]\n"
+        '    post_install: ["pip uninstall -y triton"]\n'
+        "  h:\n"
+        "    engine: llama-server\n"), "inv.yaml")
+    p, q, h = (inventory.profiles[name] for name in "pqh")
+    assert (p.runtime, p.container, p.pull, p.shm_size) == ("container", "podman", "always", 2 * 10**9)
+    assert (q.runtime, q.packages, q.find_links) == ("venv", ["vllm==0.32.0"], ["/srv/wheels"])
+    assert h.runtime == "host" and h.image is None
