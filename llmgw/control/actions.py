@@ -127,6 +127,13 @@ class Actions:
 
     async def _launch(self, replica: Replica, model: Model) -> None:
         try:
+            runtime = model.profile.runtime if model.profile is not None else "host"
+            if runtime != "host":
+                # Accepted by the profile format, not yet launched by this control plane:
+                # refused rather than run from the node's PATH, which is not what the profile asks.
+                self._fail_replica(replica, f"profile {model.profile_name}: runtime: {runtime} is not supported by this "
+                                            "version of llmgw yet; only runtime: host engines are started")
+                return
             leader = replica.leader
             leader_node = self.fleet.nodes[leader.node]
             if len(replica.shards) > 1:
