@@ -254,6 +254,7 @@ EXIT_PERMISSIONS = 98
 DEFAULT_ROOT = "~/.llmgw"
 STATE_FILE = "state.json"
 LOG_FILE = "engine.log"
+CONTAINER_ID_FILE = "container.id"  # written by `docker run --cidfile`
 COMPLETE_MARKER = ".llmgw-complete"
 LEASE_FILE = ".llmgw-lease"  # in a download's temp dir: who is writing it; renewed while it runs
 LEASE_RENEW = 15.0
@@ -390,6 +391,7 @@ ERROR_KINDS = (
     "bad_request", "unknown_op", "bad_args", "internal", "cancelled", "not_found", "alive", "identity",
     "port_in_use", "engine_missing", "integrity", "launch_failed", "no_secret", "too_large", "stalled",
     "permissions", "disk_full", "cache_dir", "http", "network", "empty_source", "weights_integrity",
+    "runtime_missing", "provision_failed",
 )
 
 
@@ -1785,6 +1787,8 @@ class NodeCore(object):
         self.running_jobs = set()  # every job not yet ended, abandoned ones included
         self.fetch_lock = threading.Lock()
         self.launch_lock = threading.Lock()
+        self.pulls = {}  # (container program, image) -> the PullJob new provisions attach to
+        self.pull_lock = threading.Lock()
         self.verified_lock = threading.Lock()  # the node-local record of verified files
         self.closing = threading.Event()
         self._opener = None
@@ -2693,6 +2697,338 @@ def _disk_error(exc, cache_dir, job):
 # Processes: engines launched under the supervisor, watched, stopped, their logs (R-4.4, R-4.7).
 
 
+# --------------------------------------------------------------------------------------------
+# Containers: engines run from an image through the node's docker or podman (R-4.10).
+
+CONTAINER_PROGRAMS = ("docker", "podman")
+CONTAINER_CLI_TIMEOUT = 60.0  # a docker command that does not answer in this long has failed
+CONTAINER_WAIT = 120.0  # how long the supervisor waits for `run` to create the container
+IMAGE_RE = re.compile(r"[a-z0-9]([a-z0-9._/:@+-]{0,254})")  # as the profile field's pattern
+PULL_TAIL_LINES = 15
+
+
+def container_program(runtime):
+    """(name, path) of the container program a runtime names, or the first of docker, podman on
+    PATH; runtime_missing saying what was looked for."""
+    wanted = runtime.get("container")
+    names = [wanted] if wanted else list(CONTAINER_PROGRAMS)
+    search_path = os.environ.get("PATH", os.defpath)
+    for name in names:
+        path = find_program(name, search_path)
+        if path is not None:
+            return name, path
+    raise HelperError("runtime_missing", "%s is not on PATH=%s on this node: the profile runs its engine in a "
+                                         "container" % (" or ".join(names), search_path))
+
+
+def container_cli(path, args, timeout=CONTAINER_CLI_TIMEOUT):
+    """(exit code, stdout, stderr) of one docker/podman command; runtime_missing when it does not
+    answer (the daemon is not reachable: DOCKER_HOST in this node's environment says where)."""
+    try:
+        done = subprocess.run([path] + list(args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, timeout=timeout, close_fds=True)
+    except subprocess.TimeoutExpired:
+        raise HelperError("runtime_missing", "%s %s did not answer within %g s (is its daemon running? DOCKER_HOST=%s)"
+                          % (os.path.basename(path), args[0], timeout, os.environ.get("DOCKER_HOST", "unset")))
+    except OSError as exc:
+        raise HelperError("runtime_missing", "could not run %s: %s" % (path, exc))
+    return done.returncode, done.stdout.decode("utf-8", "replace"), done.stderr.decode("utf-8", "replace")
+
+
+def _daemon_problem(name, stderr):
+    """The daemon-not-reachable sentence of a failed command, or None for any other failure."""
+    text = stderr.strip()
+    if "Cannot connect to the" in text or "Is the docker daemon running" in text or "connection refused" in text:
+        return "%s cannot reach its daemon (DOCKER_HOST=%s): %s" % (name, os.environ.get("DOCKER_HOST", "unset"),
+                                                                     text.splitlines()[-1] if text else "")
+    return None
+
+
+def image_id(path, name, image):
+    """The id of an image present on this node, or None when it is not here."""
+    code, out, err = container_cli(path, ["image", "inspect", "--format", "{{.Id}}", image])
+    if code == 0 and out.strip():
+        return out.strip().splitlines()[0]
+    problem = _daemon_problem(name, err)
+    if problem is not None:
+        raise HelperError("runtime_missing", problem)
+    return None
+
+
+def inspect_containers(path, ids):
+    """{container id: inspect document} of those that exist (one command for them all)."""
+    if not ids:
+        return {}
+    code, out, err = container_cli(path, ["inspect", "--type", "container"] + list(ids))
+    try:
+        docs = json.loads(out) if out.strip() else []
+    except ValueError:
+        docs = []
+    found = {}
+    for doc in docs if isinstance(docs, list) else []:
+        if isinstance(doc, dict) and isinstance(doc.get("Id"), str):
+            found[doc["Id"]] = doc
+    return found
+
+
+def fleet_id(secret):
+    """The id of the control plane whose secret this node holds, as containers are labelled
+    with it: a digest, never the secret."""
+    if secret is None:
+        return None
+    if not isinstance(secret, bytes):
+        secret = str(secret).encode("utf-8")
+    return hashlib.sha256(b"llmgw fleet id\0" + secret).hexdigest()[:16]
+
+
+def _check_image(image):
+    if not isinstance(image, str) or not IMAGE_RE.fullmatch(image):
+        raise bad_args("image %r is not an image reference" % (image,))
+    return image
+
+
+def _check_container_runtime(runtime):
+    if runtime.get("kind") != "container":
+        raise bad_args("runtime kind must be container here")
+    _check_image(runtime.get("image"))
+    if runtime.get("container") not in (None,) + CONTAINER_PROGRAMS:
+        raise bad_args("container must be one of %s" % ", ".join(CONTAINER_PROGRAMS))
+    if runtime.get("pull") not in (None, "if_missing", "always"):
+        raise bad_args("pull must be if_missing or always")
+    shm = runtime.get("shm_size")
+    if shm is not None and (not isinstance(shm, int) or isinstance(shm, bool) or shm <= 0):
+        raise bad_args("shm_size must be a positive number of bytes")
+    mounts = runtime.get("mounts") or []
+    if not isinstance(mounts, list) or not all(isinstance(m, str) and m.startswith("/") and "\0" not in m
+                                                 and ":" not in m and "," not in m for m in mounts):
+        raise bad_args("mounts must be absolute paths without ':' or ','")
+    labels = runtime.get("labels") or {}
+    if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) and "=" not in k
+                                                 and "\n" not in v for k, v in labels.items()):
+        raise bad_args("labels must map names to strings")
+    return runtime
+
+
+class PullJob(object):
+    """One `docker pull` in progress, shared by every provision that asked for the image."""
+
+    def __init__(self, key):
+        self.key = key
+        self.lock = threading.Lock()
+        self.listeners = {}
+        self.lines = []
+        self.done = threading.Event()
+        self.abort = threading.Event()
+        self.result = None
+        self.error = None
+
+    def attach(self, key, emit):
+        with self.lock:
+            if self.abort.is_set():
+                return False
+            self.listeners[key] = emit
+            last = self.lines[-1] if self.lines else None
+        emit("progress", {"phase": "pull", "line": last})
+        return True
+
+    def detach(self, key):
+        with self.lock:
+            self.listeners.pop(key, None)
+            if not self.listeners and not self.done.is_set():
+                self.abort.set()
+
+    def line(self, text):
+        with self.lock:
+            self.lines.append(text)
+            del self.lines[:-PULL_TAIL_LINES]
+            listeners = list(self.listeners.values())
+        for emit in listeners:
+            try:
+                emit("progress", {"phase": "pull", "line": text})
+            except Exception:
+                pass
+
+
+class ContainerOps(object):
+    """provision of a container runtime (the image, pulled single-flight) and the container a
+    launch runs: a part of Node (below)."""
+
+    def provision_container(self, runtime, ctx):
+        _check_container_runtime(runtime)
+        name, path = container_program(runtime)
+        image = runtime["image"]
+        present = image_id(path, name, image)
+        if present is not None and runtime.get("pull") != "always":
+            return {"kind": "container", "image": image, "image_id": present, "program": name, "pulled": False}
+        key = (path, image)
+        with self.pull_lock:
+            job = self.pulls.get(key)
+            start = job is None or not job.attach(ctx.key, ctx.emit)
+            if start:
+                job = self.pulls[key] = PullJob(key)
+                job.attach(ctx.key, ctx.emit)
+        if start:
+            threading.Thread(target=self._run_pull, args=(job, name, path, image), name="llmgw-pull",
+                             daemon=True).start()
+        try:
+            while not job.done.wait(0.05):
+                if ctx.cancelled.is_set():
+                    raise HelperError("cancelled", "stopped waiting for the pull of %s" % image)
+        finally:
+            job.detach(ctx.key)
+        if job.error is not None:
+            raise HelperError(job.error.kind, job.error.message)
+        return dict(job.result)
+
+    def _run_pull(self, job, name, path, image):
+        try:
+            try:
+                process = subprocess.Popen([path, "pull", image], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, close_fds=True)
+            except OSError as exc:
+                raise HelperError("runtime_missing", "could not run %s: %s" % (path, exc))
+            stopper = threading.Thread(target=_stop_when, args=(job.abort, job.done, process), daemon=True)
+            stopper.start()
+            for raw in process.stdout:
+                text = raw.decode("utf-8", "replace").rstrip()
+                if text:
+                    job.line(text)
+            code = process.wait()
+            if job.abort.is_set():
+                raise HelperError("cancelled", "the pull of %s was abandoned" % image)
+            present = image_id(path, name, image) if code == 0 else None
+            if present is None:
+                tail = " | ".join(job.lines[-5:]) or "no output"
+                raise HelperError("provision_failed", "%s pull %s failed (exit %d): %s. Make the image available on "
+                                  "this node with `%s load -i FILE` (a file written by `%s save %s`), or let the node "
+                                  "reach its registry" % (name, image, code, tail, name, name, image))
+            job.result = {"kind": "container", "image": image, "image_id": present, "program": name, "pulled": True}
+        except HelperError as exc:
+            job.error = exc
+        except Exception as exc:  # the waiters must hear of it rather than wait forever
+            job.error = HelperError("internal", "pulling %s: %s" % (image, exc))
+        finally:
+            with self.pull_lock:
+                if self.pulls.get(job.key) is job:
+                    del self.pulls[job.key]
+            job.done.set()
+
+    def container_launch(self, runtime, shard_id, argv, env, gpus, shard_dir):
+        """(the command the supervisor runs, its environment, what state.json records) for an
+        engine in a container: the template's argv in place of the image's entrypoint, host
+        networking, the shard directory and the node's model directories read-only at their own
+        paths, the launch env by name only (values stay out of every argv), the GPUs, labels."""
+        _check_container_runtime(runtime)
+        name, path = container_program(runtime)
+        image = runtime["image"]
+        present = image_id(path, name, image)
+        if present is None:
+            raise HelperError("engine_missing", "image %s is not on this node; provision pulls it (pull: %s)"
+                              % (image, runtime.get("pull") or "if_missing"))
+        if self.secret is None:
+            raise HelperError("no_secret", "no fleet secret on this node: its containers could not be labelled")
+        container_name = "llmgw-" + shard_id
+        self._remove_stale_container(name, path, container_name, shard_id)
+        cid_file = os.path.join(shard_dir, CONTAINER_ID_FILE)
+        command = [path, "run", "--rm", "--name", container_name, "--cidfile", cid_file,
+                   "--network", "host", "--workdir", shard_dir, "--entrypoint", argv[0]]
+        if runtime.get("shm_size"):
+            command += ["--shm-size", "%db" % runtime["shm_size"]]
+        else:
+            command += ["--ipc", "host"]
+        labels = dict(runtime.get("labels") or {})
+        labels.update({"llmgw.shard": shard_id, "llmgw.fleet": fleet_id(self.secret)})
+        for label, value in sorted(labels.items()):
+            command += ["--label", "%s=%s" % (label, value)]
+        mounts = [shard_dir] + [m for m in runtime.get("mounts") or [] if os.path.isdir(m)]
+        seen = set()
+        for mount in mounts:
+            if mount not in seen:
+                seen.add(mount)
+                command += ["--volume", "%s:%s:ro" % (mount, mount)]
+        for var in sorted(env):
+            if var != "PATH":  # the image's own PATH finds its engine
+                command += ["--env", var]  # the value comes from the client's environment
+        if gpus:
+            devices = ",".join(str(index) for index in gpus)
+            if name == "podman":
+                for index in gpus:
+                    command += ["--device", "nvidia.com/gpu=%d" % index]
+            else:
+                command += ["--gpus", '"device=%s"' % devices]
+        command += [image] + list(argv[1:])
+        client_env = dict(env)
+        client_env.pop("PATH", None)
+        record = {"program": name, "program_path": path, "image": image, "image_id": present,
+                  "name": container_name, "id": None, "started": None, "pid": None}
+        return command, client_env, record
+
+    def _remove_stale_container(self, name, path, container_name, shard_id):
+        """A container of this name left by an earlier start of the shard (its client was
+        killed) is removed, only when llmgw labelled it for this shard and fleet; any other is
+        refused, never touched."""
+        docs = inspect_containers(path, [container_name])
+        for doc in docs.values():
+            labels = (doc.get("Config") or {}).get("Labels") or {}
+            if labels.get("llmgw.shard") != shard_id or labels.get("llmgw.fleet") != fleet_id(self.secret):
+                raise HelperError("identity", "a container named %s that llmgw did not start for this shard exists on "
+                                              "this node; nothing was started or removed" % container_name)
+            if (doc.get("State") or {}).get("Running"):
+                raise HelperError("alive", "container %s of shard %s is still running" % (doc["Id"][:12], shard_id))
+            container_cli(path, ["rm", "-f", doc["Id"]])
+
+    def container_status(self, states):
+        """{shard id: ("alive"|"gone"|"mismatch", why, inspect document|None)} for the shards that
+        run in containers, one inspect for them all."""
+        by_program = {}
+        for shard_id, state in states:
+            container = state.get("container")
+            if isinstance(container, dict) and isinstance(container.get("id"), str):
+                by_program.setdefault(container.get("program_path"), []).append((shard_id, container))
+        verdicts = {}
+        for path, shards in by_program.items():
+            try:
+                docs = inspect_containers(path, [c["id"] for _, c in shards])
+            except HelperError as exc:
+                for shard_id, _ in shards:
+                    verdicts[shard_id] = ("unknown", exc.message, None)
+                continue
+            for shard_id, container in shards:
+                verdicts[shard_id] = _container_identity(shard_id, container, docs.get(container["id"]),
+                                                         fleet_id(self.secret))
+        return verdicts
+
+
+def _container_identity(shard_id, container, doc, fleet):
+    """("alive" | "gone" | "mismatch", why, doc) of a recorded container: the same id, started
+    at the recorded time, labelled for this shard and fleet (R-4.4)."""
+    short = container["id"][:12]
+    if doc is None:
+        return "gone", "container %s no longer exists" % short, None
+    state = doc.get("State") or {}
+    labels = (doc.get("Config") or {}).get("Labels") or {}
+    if labels.get("llmgw.shard") != shard_id or (fleet is not None and labels.get("llmgw.fleet") != fleet):
+        return "mismatch", "container %s is not labelled as this shard's" % short, doc
+    if container.get("started") and state.get("StartedAt") != container["started"]:
+        return "mismatch", "container %s started at %s, not %s: it was restarted" % (
+            short, state.get("StartedAt"), container["started"]), doc
+    if not state.get("Running"):
+        return "gone", "container %s has exited (%s)" % (short, state.get("ExitCode")), doc
+    return "alive", None, doc
+
+
+def _stop_when(abort, done, process):
+    while not done.is_set():
+        if abort.wait(0.2):
+            try:
+                process.terminate()
+            except OSError:
+                pass
+            return
+        if process.poll() is not None:
+            return
+
+
 class ProcessOps(object):
     """launch, status, stop, forget, logs: a part of Node (below)."""
 
@@ -2729,8 +3065,10 @@ class ProcessOps(object):
             raise bad_args("gpus must be a list of GPU indices")
         files = _arg(args, "files", (dict,), {})
         for file_name, text in files.items():
-            if not SHARD_FILE_RE.fullmatch(file_name) or file_name in (STATE_FILE, LOG_FILE) or not isinstance(text, str):
-                raise bad_args("files must map plain file names (not %s or %s) to text; %r does not" % (STATE_FILE, LOG_FILE, file_name))
+            if (not SHARD_FILE_RE.fullmatch(file_name) or file_name in (STATE_FILE, LOG_FILE, CONTAINER_ID_FILE)
+                    or not isinstance(text, str)):
+                raise bad_args("files must map plain file names (not %s, %s or %s) to text; %r does not"
+                               % (STATE_FILE, LOG_FILE, CONTAINER_ID_FILE, file_name))
         file_sha256 = _arg(args, "file_sha256", (dict,), {})
         for file_name, digest in file_sha256.items():
             if file_name not in files or not isinstance(digest, str):
@@ -2738,8 +3076,14 @@ class ProcessOps(object):
         shard_dir = self.shard_dir(shard_id)
         argv = [part.replace(SHARD_DIR_PLACEHOLDER, shard_dir) for part in argv]
         env = {key: value.replace(SHARD_DIR_PLACEHOLDER, shard_dir) for key, value in env.items()}
+        runtime = _arg(args, "runtime", (dict,), None) or {"kind": "host"}
+        container = None
+        if runtime.get("kind") == "container":
+            argv, env, container = self.container_launch(runtime, shard_id, argv, env, gpus, shard_dir)
+        elif runtime.get("kind") != "host":
+            raise bad_args("runtime kind must be host or container, got %r" % (runtime.get("kind"),))
         search_path = env.get("PATH", os.environ.get("PATH", os.defpath))
-        if find_program(argv[0], search_path) is None:
+        if container is None and find_program(argv[0], search_path) is None:
             # Found now rather than by the supervisor's exec failing: the operator learns which
             # program is missing and where it was looked for.
             where = "is not an executable file" if "/" in argv[0] else "is not on PATH=" + search_path
@@ -2761,6 +3105,8 @@ class ProcessOps(object):
                 os.replace(log_path, log_path + ".1")
             if os.path.exists(state_path):
                 os.unlink(state_path)
+            if os.path.lexists(os.path.join(shard_dir, CONTAINER_ID_FILE)):
+                os.unlink(os.path.join(shard_dir, CONTAINER_ID_FILE))
             for file_name, text in files.items():
                 _write_private_file(os.path.join(shard_dir, file_name), text)
             for file_name, digest in file_sha256.items():
@@ -2778,6 +3124,7 @@ class ProcessOps(object):
                 "host": host,
                 "health_url": health_url,
                 "log_path": log_path,
+                "container": container,
             }
             log_fd = open_below(self.root, ["shards", shard_id, LOG_FILE],
                                 os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
@@ -2821,15 +3168,34 @@ class ProcessOps(object):
         if state.get("pid") is None:
             raise HelperError("launch_failed", "could not start %s: %s" % (shard_id, state.get("error")))
         note_entry_use(argv)  # the clean-up's "last used" (Reclaim section)
-        return dict((key, state.get(key)) for key in ("shard_id", "pid", "pgid", "start_time", "argv", "log_path", "started_at"))
+        return dict((key, state.get(key)) for key in ("shard_id", "pid", "pgid", "start_time", "argv", "log_path",
+                                                      "started_at", "container"))
+
+    def op_provision(self, args, ctx):
+        runtime = _arg(args, "runtime", (dict,))
+        kind = runtime.get("kind")
+        if kind == "container":
+            return self.provision_container(runtime, ctx)
+        raise bad_args("runtime kind %r has nothing to provision" % (kind,))
 
     def op_status(self, args, ctx):
         probe = _arg(args, "probe", (bool,), False)
         timeout = _arg_timeout(args, "timeout", DEFAULT_PROBE_TIMEOUT, upper=60.0)
         shards = []
         probes = []
-        for shard_id, state in self._all_states():
+        states = self._all_states()
+        containers = self.container_status(states)
+        for shard_id, state in states:
             alive = _identity(state)[0] == "alive"
+            container = None
+            if isinstance(state.get("container"), dict):
+                recorded = state["container"]
+                verdict, why, doc = containers.get(shard_id, (None, None, None))
+                if alive and verdict in ("gone", "mismatch"):
+                    alive = False  # the client runs, the container it ran is not the one recorded
+                container = {"id": recorded.get("id"), "name": recorded.get("name"), "image": recorded.get("image"),
+                             "image_id": recorded.get("image_id"), "program": recorded.get("program"),
+                             "state": verdict, "why": why}
             entry = {
                 "shard_id": shard_id,
                 "pid": state.get("pid"),
@@ -2845,6 +3211,7 @@ class ProcessOps(object):
                 "ended_at": state.get("ended_at"),
                 "health": None,
                 "log_tail": None,
+                "container": container,
             }
             if not alive:
                 entry["log_tail"] = self.shard_log_tail(shard_id, LOG_TAIL_LINES)
@@ -2879,6 +3246,18 @@ class ProcessOps(object):
             raise HelperError(
                 "identity", "shard %s: %s; it is not the engine llmgw started, nothing was signalled" % (shard_id, why)
             )
+        container = state.get("container") if isinstance(state.get("container"), dict) else None
+        if container is not None and isinstance(container.get("id"), str):
+            found = self.container_status([(shard_id, state)]).get(shard_id, ("unknown", None, None))
+            if found[0] == "mismatch":
+                raise HelperError("identity", "shard %s: %s; nothing was stopped" % (shard_id, found[1]))
+            if found[0] == "alive":
+                # The engine in the container gets TERM, KILL after the grace; the client it
+                # was attached to then exits, and the supervisor records the exit.
+                container_cli(container["program_path"], ["stop", "--time", "%d" % max(0, int(grace)), container["id"]],
+                              timeout=grace + CONTAINER_CLI_TIMEOUT)
+            if found[0] != "unknown":
+                container_cli(container["program_path"], ["rm", "-f", container["id"]])
         if verdict == "gone":
             return {"was_alive": False, "stopped": True}
         pid = state["pid"]
@@ -3043,6 +3422,10 @@ def probe_engine(state, timeout):
         info = read_proc_stat(state["pid"]) if isinstance(state.get("pid"), int) else None
         if info is not None and info["pgid"] not in groups:
             groups.append(info["pgid"])  # the engine left the group it was started in
+        container = state.get("container") if isinstance(state.get("container"), dict) else {}
+        inner = read_proc_stat(container["pid"]) if isinstance(container.get("pid"), int) else None
+        if inner is not None and inner["pgid"] not in groups:
+            groups.append(inner["pgid"])  # the engine inside the container, in the host's view
         why = foreign_listener(port, groups)
         if why is not None:
             return {"status": None, "error": why}
@@ -3119,7 +3502,7 @@ class ReclaimOps(object):
 # The node: every part together.
 
 
-class Node(NodeCore, InventoryOps, StorageOps, FetchOps, ProcessOps, ReclaimOps):
+class Node(NodeCore, InventoryOps, StorageOps, FetchOps, ContainerOps, ProcessOps, ReclaimOps):
     """The operations of the protocol; each is op_<name>(args, ctx) -> result dict, defined in
     the section of its part."""
 
@@ -3130,6 +3513,7 @@ class Node(NodeCore, InventoryOps, StorageOps, FetchOps, ProcessOps, ReclaimOps)
         "holdings",
         "fetch",
         "source_size",
+        "provision",
         "launch",
         "status",
         "stop",
@@ -3153,7 +3537,8 @@ def supervise(root, helper_sha256):
     state_path = os.path.join(shard_dir, STATE_FILE)
     env = dict(os.environ)
     env.update(spec.get("env") or {})
-    if spec.get("gpus") is not None:
+    container = spec.get("container")
+    if spec.get("gpus") is not None and container is None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in spec["gpus"])
     # A stop signals the whole group; the supervisor outlives TERM to record the exit. Python
     # handlers (unlike SIG_IGN) are reset by exec, so the engine gets the default behaviour.
@@ -3174,6 +3559,7 @@ def supervise(root, helper_sha256):
         "helper_sha256": helper_sha256,
         "exit_code": None,
         "ended_at": None,
+        "container": container,
     }
     try:
         engine = subprocess.Popen(
@@ -3198,13 +3584,45 @@ def supervise(root, helper_sha256):
         }
     )
     _write_json_atomic(state_path, state)
+    if container is not None:
+        _record_container(engine, container, shard_dir, state, state_path)
     code = engine.wait()
+    if container is not None and container.get("id"):
+        # A client killed before its container ended would leave the engine running unseen.
+        container_cli(container["program_path"], ["rm", "-f", container["id"]])
     state["exit_code"] = code
     state["ended_at"] = time.time()
     _write_json_atomic(state_path, state)
     print("llmgw supervisor: engine pid %d exited with %d" % (engine.pid, code), flush=True)
     _end_leftovers(os.getpgid(0))
     return 0
+
+
+def _record_container(client, container, shard_dir, state, state_path):
+    """Once `run` has created the container: its id, start time, image and main pid in the
+    shard's state (what status and stop check the container against)."""
+    cid_path = os.path.join(shard_dir, CONTAINER_ID_FILE)
+    deadline = time.monotonic() + CONTAINER_WAIT
+    cid = None
+    while time.monotonic() < deadline and client.poll() is None:
+        try:
+            with open(cid_path) as handle:
+                cid = handle.read().strip() or None
+        except OSError:
+            cid = None
+        if cid:
+            doc = inspect_containers(container["program_path"], [cid]).get(cid)
+            started = ((doc or {}).get("State") or {}).get("StartedAt")
+            if doc is not None and started and not started.startswith("0001-"):
+                container.update({"id": cid, "started": started, "pid": doc["State"].get("Pid") or None,
+                                  "image_id": doc.get("Image") or container.get("image_id")})
+                _write_json_atomic(state_path, state)
+                print("llmgw supervisor: container %s (%s) started" % (cid[:12], container["image"]), flush=True)
+                return
+        time.sleep(0.1)
+    if cid:
+        container["id"] = cid
+        _write_json_atomic(state_path, state)
 
 
 def _end_leftovers(pgid):
@@ -3397,7 +3815,8 @@ operations of the protocol (serve):
   storage   {dirs: [{path, shared}], timeout}        free/total per filesystem
   holdings  {candidates: {KEY: [path, ...]}}         which weights are present and complete
   fetch     {source, cache_dir, name, token}         download into the cache (progress events)
-  launch    {shard_id, argv, env, port, host, health_url, gpus, files}
+  provision {runtime}                                the image a container runtime needs (progress events)
+  launch    {shard_id, argv, env, port, host, health_url, gpus, files, runtime}
   status    {probe, timeout}                         engines this node runs or ran
   stop      {shard_id, grace}                        TERM the group, KILL after the grace
   forget    {shard_id}                               drop a stopped shard's records
@@ -3406,7 +3825,7 @@ operations of the protocol (serve):
   cancel    {target}                                 end a follow or a fetch wait
   fleet_secret {secret}                              the key cache entries are sealed with
 
-launch, stop, forget, fetch and reclaim with collect are reachable only through
+launch, stop, forget, fetch, provision and reclaim with collect are reachable only through
 'serve --expect-sha256 HEX'. The one-shot commands below print what the control plane sees.
 
 exit codes: 0 ok, 1 failed, 2 bad command line, %d integrity mismatch, %d unsafe helper directory

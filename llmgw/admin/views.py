@@ -181,6 +181,8 @@ class Listings:
             if shard.progress is not None:
                 done, total = shard.progress
                 progress = {"bytes": done, "total": total, "line": progress_line(done, total)}
+            elif shard.activity is not None:
+                progress = {"bytes": None, "total": None, "line": shard.activity}
             shards.append({
                 "rank": shard.rank, "node": shard.node, "gpus": list(shard.gpus), "port": shard.port,
                 "state": shard.state, "state_since": shard.state_since, "reason": shard.reason,

@@ -123,6 +123,7 @@ class ShardState:
     reason: str | None
     log_tail: tuple[str, ...] | None
     progress: tuple[int, int | None] | None  # bytes fetched so far, total when the source said
+    activity: str | None  # what a fetch without byte counts is doing: an image pull's last line
     pid: int | None
     created_at: float
 

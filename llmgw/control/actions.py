@@ -22,7 +22,9 @@ from llmgw.fleet.fleet import Fleet
 from llmgw.contracts.backoff import backoff_delay
 from llmgw.fleet.link import READY
 from llmgw.fleet.errors import DiskFull, EngineProgramMissing, IdentityMismatch, NodeError, PortInUse, ShardNotFound
-from llmgw.fleet.ops import FetchRequest, Fetched, ForgetRequest, LaunchRequest, LogsRequest, SourceSizeRequest, StopRequest
+from llmgw.fleet.ops import (FetchRequest, Fetched, ForgetRequest, LaunchRequest, LogsRequest, Provisioned, ProvisionRequest,
+                             SourceSizeRequest, StopRequest)
+from llmgw.runtimes import runtime_key, runtime_spec
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,24 @@ class FetchJob:
             shard.progress = (done, total)
 
 
+@dataclass
+class ProvisionJob:
+    """One provision of an engine's runtime on a node (an image pull), shared by every shard
+    waiting for it; its last line rides on their status (R-4.10)."""
+
+    node: str
+    key: tuple[str, ...]
+    watchers: list[Shard] = field(default_factory=list)
+    task: asyncio.Task | None = None
+    line: str | None = None
+
+    def progress(self, phase: str, line: str | None) -> None:
+        if line:
+            self.line = f"{phase}: {line}"[:200]
+        for shard in self.watchers:
+            shard.activity = self.line or phase
+
+
 class Actions:
     """The running node tasks, by what they are for, and how to start each."""
 
@@ -68,6 +88,7 @@ class Actions:
         self.launches: dict[str, asyncio.Task] = {}  # replica id ->
         self.stops: dict[str, asyncio.Task] = {}  # replica id ->
         self.fetches: dict[tuple[str, str], FetchJob] = {}  # (node, cache name) ->
+        self.provisions: dict[tuple[str, tuple[str, ...]], ProvisionJob] = {}  # (node, runtime key) ->
         self.sizing: dict[str, asyncio.Task] = {}  # canonical source ->
         # node -> bytes per second of its latest completed fetch; absent: never measured (unknown, not 0)
         self.download_rates: dict[str, float] = {}
@@ -76,6 +97,7 @@ class Actions:
         yield from self.launches.values()
         yield from self.stops.values()
         yield from (job.task for job in self.fetches.values() if job.task is not None)
+        yield from (job.task for job in self.provisions.values() if job.task is not None)
         yield from self.sizing.values()
 
     # -- starting tasks ------------------------------------------------------------------------
@@ -139,8 +161,9 @@ class Actions:
             if len(replica.shards) > 1:
                 leader.dist_port = self._free_port(leader.node, exclude=set())
             paths = await asyncio.gather(*(self._weights(replica, shard, model) for shard in replica.shards))
-            await asyncio.gather(*(self._start_shard(replica, shard, model, path, leader_node)
-                                   for shard, path in zip(replica.shards, paths)))
+            runtimes = await asyncio.gather(*(self._provision(replica, shard, model) for shard in replica.shards))
+            await asyncio.gather(*(self._start_shard(replica, shard, model, path, leader_node, runtime)
+                                   for shard, path, runtime in zip(replica.shards, paths, runtimes)))
         except asyncio.CancelledError:
             raise
         except NodeError as exc:
@@ -190,6 +213,49 @@ class Actions:
             job.watchers.remove(shard)
         return _engine_path(source, fetched.path, fetched.file)
 
+    def _runtime(self, replica: Replica, shard: Shard, model: Model) -> dict | None:
+        """The helper's runtime for this shard: its profile's, with the node's weight directories
+        to mount and the replica's label."""
+        assert model.profile is not None
+        paths = self.fleet.paths(shard.node)
+        mounts = [*paths.model_dirs, *paths.shared_dirs, *([paths.cache_dir] if paths.cache_dir else [])]
+        return runtime_spec(model.profile, mounts=mounts, labels={"llmgw.replica": replica.id})
+
+    async def _provision(self, replica: Replica, shard: Shard, model: Model) -> dict | None:
+        """The shard's runtime, made present on its node first (an image pulled when missing,
+        one pull per node and image however many shards wait for it; R-4.10)."""
+        spec = self._runtime(replica, shard, model)
+        if spec is None:
+            return None
+        key = (shard.node, runtime_key(spec))
+        job = self.provisions.get(key)
+        if job is None:
+            job = self.provisions[key] = ProvisionJob(shard.node, key[1])
+            job.task = asyncio.create_task(self._run_provision(job, spec, model), name=f"provision-{shard.node}")
+            job.task.add_done_callback(lambda _: self.provisions.pop(key, None))
+        if shard.state == PENDING:
+            shard.set_state(FETCHING)
+        shard.activity = job.line or f"checking image {spec.get('image')}"
+        self.save(replica)
+        job.watchers.append(shard)
+        try:
+            await asyncio.shield(job.task)
+        finally:
+            job.watchers.remove(shard)
+            shard.activity = None
+        return spec
+
+    async def _run_provision(self, job: ProvisionJob, spec: dict, model: Model) -> Provisioned:
+        started = time.monotonic()
+        async with self.fleet.ops(job.node).provision(ProvisionRequest(spec)) as stream:
+            async for progress in stream:
+                job.progress(progress.phase, progress.line)
+        result = stream.result
+        if result.pulled:
+            log.info("%s: pulled %s (%s) for %s in %.1f s", job.node, result.image, result.image_id, model.name,
+                     time.monotonic() - started)
+        return result
+
     async def _fetch(self, node: NodeConfig, model: Model, job: FetchJob) -> Fetched:
         source = model.source
         assert source is not None and source.fetched
@@ -232,7 +298,7 @@ class Actions:
         raise NodeError(node, "launch", "ports", f"no free port left in {low}-{high}")
 
     async def _start_shard(self, replica: Replica, shard: Shard, model: Model, weights: str,
-                           leader_node: NodeConfig) -> None:
+                           leader_node: NodeConfig, runtime: dict | None = None) -> None:
         node = self.fleet.nodes[shard.node]
         profile = model.profile
         assert profile is not None and model.engine is not None
@@ -257,7 +323,7 @@ class Actions:
                 shard.id, spec.argv, env=spec.env, files=spec.files, file_sha256=spec.file_sha256,
                 port=port if shard.serves_http else None, host=variables.host,
                 health_url=f"http://127.0.0.1:{port}{spec.health_path}" if spec.health_path else None,
-                gpus=shard.gpus)
+                gpus=shard.gpus, runtime=runtime)
             try:
                 launched = await self.fleet.ops(shard.node).launch(request)
             except PortInUse:

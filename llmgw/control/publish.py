@@ -136,5 +136,5 @@ def _replica(replica: Replica, last_used: float | None, *, retired: bool) -> Rep
         shards=tuple(ShardState(rank=s.rank, node=s.node, gpus=tuple(s.gpus), port=s.port, dist_port=s.dist_port,
                                 state=s.state, state_since=s.state_since, reason=s.reason,
                                 log_tail=tuple(s.log_tail) if s.log_tail is not None else None,
-                                progress=s.progress, pid=s.pid, created_at=s.created_at)
+                                progress=s.progress, activity=s.activity, pid=s.pid, created_at=s.created_at)
                      for s in replica.shards))

@@ -43,6 +43,7 @@ class Shard:
     start_time: int | None = None
     serves_http: bool = True
     progress: tuple[int, int | None] | None = None  # bytes so far, total when known
+    activity: str | None = None  # what a fetch without byte counts is doing (an image pull, R-4.10)
     created_at: float = field(default_factory=time.time)
 
     def set_state(self, state: ShardState, reason: str | None = None) -> bool:
@@ -57,6 +58,7 @@ class Shard:
         self.state = state
         self.reason = reason
         self.progress = None
+        self.activity = None
         return True
 
     def row(self) -> dict:

@@ -154,6 +154,16 @@ class WeightsIntegrity(RemoteError):
     changed since its seal (the engine was not started; nothing was removed)."""
 
 
+class RuntimeMissing(RemoteError):
+    """The engine's runtime is not usable on the node: no docker or podman on its PATH, its
+    daemon not answering, or no interpreter for an environment (the message says which)."""
+
+
+class ProvisionFailed(RemoteError):
+    """Installing the engine failed: an image that could not be pulled (the message names it and
+    the command that loads it), an installer that failed (its last lines)."""
+
+
 # The one table from the helper's kind to its class; every kind the helper declares in its
 # ERROR_KINDS is in it (tests/unit/test_node_ops.py checks).
 REMOTE_ERRORS: dict[str, type[RemoteError]] = {
@@ -179,6 +189,8 @@ REMOTE_ERRORS: dict[str, type[RemoteError]] = {
     "network": SourceNetworkError,
     "empty_source": EmptySource,
     "weights_integrity": WeightsIntegrity,
+    "runtime_missing": RuntimeMissing,
+    "provision_failed": ProvisionFailed,
 }
 for _kind, _cls in REMOTE_ERRORS.items():
     _cls.KIND = _kind  # a class built directly (PortInUse(...)) carries its kind too

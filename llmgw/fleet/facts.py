@@ -210,11 +210,14 @@ class ShardStatus:
     health_status: int | None
     health_error: str | None
     log_tail: tuple[str, ...] | None
+    container_id: str | None = None  # the engine's container, when it runs in one
+    image_id: str | None = None  # the image that container was started from
 
     @classmethod
     def from_helper(cls, data: Any, where: str = "") -> ShardStatus:
         data = _object(data, where.rstrip(".") or "a shard")
         health = _field(data, "health", (dict,), where, default={})
+        container = _field(data, "container", (dict,), where, default=None) or {}
         return cls(shard_id=_required(data, "shard_id", TEXT, where), pid=_field(data, "pid", INT, where),
                    start_time=_field(data, "start_time", INT, where), argv=_strings(data, "argv", where),
                    alive=_field(data, "alive", FLAG, where, default=False),
@@ -222,7 +225,9 @@ class ShardStatus:
                    started_at=_field(data, "started_at", NUMBER, where), port=_field(data, "port", INT, where),
                    health_status=_field(health, "status", INT, f"{where}health."),
                    health_error=_field(health, "error", TEXT, f"{where}health."),
-                   log_tail=_strings(data, "log_tail", where) if data.get("log_tail") is not None else None)
+                   log_tail=_strings(data, "log_tail", where) if data.get("log_tail") is not None else None,
+                   container_id=_field(container, "id", TEXT, f"{where}container."),
+                   image_id=_field(container, "image_id", TEXT, f"{where}container."))
 
 
 def shard_statuses(answer: Any) -> dict[str, ShardStatus]:

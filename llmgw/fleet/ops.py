@@ -264,11 +264,59 @@ class LaunchRequest(Request):
     host: str | None = None
     health_url: str | None = None
     gpus: Sequence[int] = ()
+    runtime: Mapping[str, Any] | None = None  # None: the host's PATH; else as ProvisionRequest's (R-4.9)
 
     def args(self) -> dict[str, Any]:
-        return {"shard_id": self.shard_id, "argv": list(self.argv), "env": dict(self.env), "files": dict(self.files),
+        args = {"shard_id": self.shard_id, "argv": list(self.argv), "env": dict(self.env), "files": dict(self.files),
                 "file_sha256": dict(self.file_sha256), "port": self.port, "host": self.host,
                 "health_url": self.health_url, "gpus": list(self.gpus)}
+        if self.runtime is not None:
+            args["runtime"] = dict(self.runtime)
+        return args
+
+
+@dataclass(frozen=True)
+class ProvisionRequest(Request):
+    """Make the engine a runtime needs present on the node: a container image (pulled when
+    missing, single-flight per node and image; R-4.10)."""
+
+    OP = "provision"
+    runtime: Mapping[str, Any]  # {"kind": "container", "image", "container", "pull", ...}
+
+    def args(self) -> dict[str, Any]:
+        return {"runtime": dict(self.runtime)}
+
+
+@dataclass(frozen=True)
+class ProvisionProgress:
+    """What the installer is doing: its phase and its last line (no byte counts: a pull without
+    a terminal prints none)."""
+
+    phase: str
+    line: str | None
+
+    @classmethod
+    def from_helper(cls, data: Any) -> ProvisionProgress:
+        data = _object(data, "the event")
+        return cls(_required(data, "phase", TEXT, ""), _field(data, "line", TEXT, ""))
+
+
+@dataclass(frozen=True)
+class Provisioned:
+    """The engine installed: for a container, the image and the id it has on the node."""
+
+    kind: str
+    image: str | None
+    image_id: str | None
+    program: str | None
+    pulled: bool | None
+
+    @classmethod
+    def from_helper(cls, data: Any) -> Provisioned:
+        data = _object(data, "the answer")
+        return cls(_required(data, "kind", TEXT, ""), _field(data, "image", TEXT, ""),
+                   _field(data, "image_id", TEXT, ""), _field(data, "program", TEXT, ""),
+                   _field(data, "pulled", FLAG, ""))
 
 
 @dataclass(frozen=True)
@@ -518,6 +566,11 @@ class NodeOps:
 
     async def source_size(self, request: SourceSizeRequest, *, timeout: float | None = None) -> SourceSize:
         return await self._call(request, SourceSize.from_helper, timeout)
+
+    def provision(self, request: ProvisionRequest) -> OpStream[ProvisionProgress, Provisioned]:
+        """Events: ProvisionProgress; result: Provisioned. Not bounded by a time, as a fetch."""
+        return OpStream(self.node, request.OP, self._transport.stream(request.OP, request.args()),
+                        {"progress": ProvisionProgress.from_helper}, Provisioned.from_helper)
 
     async def launch(self, request: LaunchRequest, *, timeout: float | None = None) -> Launched:
         return await self._call(request, Launched.from_helper, timeout)
