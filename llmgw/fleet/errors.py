@@ -154,6 +154,16 @@ class WeightsIntegrity(RemoteError):
     changed since its seal (the engine was not started; nothing was removed)."""
 
 
+class RuntimeMissing(RemoteError):
+    """The interpreter an engine's environment is made from is not on the node, or does not run
+    (the message names what was looked for, and where)."""
+
+
+class ProvisionFailed(RemoteError):
+    """A step building an engine's environment failed (pip, uv, a post_install command): the
+    message gives the command and its last lines; nothing of the build was kept."""
+
+
 # The one table from the helper's kind to its class; every kind the helper declares in its
 # ERROR_KINDS is in it (tests/unit/test_node_ops.py checks).
 REMOTE_ERRORS: dict[str, type[RemoteError]] = {
@@ -179,6 +189,8 @@ REMOTE_ERRORS: dict[str, type[RemoteError]] = {
     "network": SourceNetworkError,
     "empty_source": EmptySource,
     "weights_integrity": WeightsIntegrity,
+    "runtime_missing": RuntimeMissing,
+    "provision_failed": ProvisionFailed,
 }
 for _kind, _cls in REMOTE_ERRORS.items():
     _cls.KIND = _kind  # a class built directly (PortInUse(...)) carries its kind too

@@ -105,6 +105,7 @@ PARTS = {
     "InventoryOps": {"inventory"},
     "StorageOps": {"storage", "holdings"},
     "FetchOps": {"fetch", "source_size"},
+    "VenvOps": {"provision", "envs"},
     "ProcessOps": {"launch", "status", "stop", "forget", "logs"},
     "ReclaimOps": {"reclaim"},
 }
