@@ -41,7 +41,9 @@ JSON lines over stdin/stdout, UTF-8, one object per line.
   unexpected exception; the helper keeps running), cancelled, not_found, alive, identity,
   port_in_use, engine_missing, integrity, launch_failed, no_secret, too_large, stalled, permissions (a directory of the helper is a link or open to
   others), disk_full, cache_dir (the cache cannot be written), http, network,
-  empty_source, weights_integrity (weights whose bytes are not the published or sealed ones).
+  empty_source, weights_integrity (weights whose bytes are not the published or sealed ones),
+  runtime_missing (the interpreter an environment is made from is not on the node),
+  provision_failed (a step building an environment failed: the command and its last lines).
 - Streamed event, zero or more before the answer: ``{"id", "event": "<name>", "data": {...}}``.
 
 Requests are served concurrently: ping and cancel inline, every other request on a
@@ -108,8 +110,44 @@ source_size {"source", "token"} -> {"bytes": int|null, "files": int}
     What a fetch of that source would download, from the hub listing's sizes or HEAD requests;
     null when any length is unknown (R-5.1: the size is learned before placement).
 
+provision {"runtime": RUNTIME} -> events "progress" {"phase": "venv"|"pip"|"post_install"|"seal",
+    "line": str|null}; answer {"kind": "venv", "id": hex, "path", "bytes", "created": bool,
+    "python": version, "installer": "pip"|"uv"}
+    RUNTIME is {"kind": "venv", "packages": [requirement, ...] (one at least, none starting
+    with "-"), "index_url": str|null, "find_links": [dir or URL, ...], "python": name on PATH |
+    absolute path | null (the interpreter running this helper), "post_install": [shell command,
+    ...]}; another kind is refused (bad_args). Builds the environment of that recipe once (see
+    "Environments" below), single-flight per recipe on the node: a second request attaches to
+    the running build and gets the same answer; the build is abandoned, its step killed and what
+    it made removed, when its last waiter cancels or the helper's stdin ends. created is false
+    when it was there already, sealed, and its files as sealed. Steps: ``PY -m venv ENV``; then
+    ``ENV/bin/python -m pip install --disable-pip-version-check --progress-bar off`` (or
+    ``uv pip install --python ENV/bin/python`` when uv is on PATH) with ``--index-url X``, or
+    ``--no-index`` when find_links are given without one, each ``--find-links Y``, and the
+    packages; then each post_install command as ``sh -c CMD`` with ENV/bin first on PATH,
+    VIRTUAL_ENV=ENV and ENV as working directory. Steps run with the helper's environment (the
+    node's pip configuration, proxies and certificates included) without PYTHONPATH,
+    PYTHONHOME, PIP_USER, PIP_TARGET, PIP_PREFIX or PIP_ROOT. progress: each step's start
+    (line null, or what it is doing), then its output lines, at most one each
+    PROGRESS_INTERVAL (the step's last line always). Refused: no_secret before the fleet secret
+    is handed over; runtime_missing when the python is not found (naming it and the PATH) or
+    does not run; integrity when a directory llmgw did not build or seal is at the
+    environment's path, or a sealed one was changed (never removed, never run);
+    provision_failed when a step fails (the command, its status and its last ENV_OUTPUT_LINES
+    lines); disk_full when the disk fills (naming the directory). After any failure nothing of
+    the build is left.
+
+envs {} -> {"envs": [{"kind": "venv", "name", "id", "path", "bytes", "created_at", "last_used",
+    "sealed": bool, "python", "packages", "installer", "reason", "used_by": [shard_id]}]}
+    Every directory named venv-<32 hex> under ROOT/envs. reason (null when sealed) says why one
+    is not usable: being built, left half-built (the next provision of its recipe replaces it),
+    or not llmgw's / changed after its seal (never run or removed). last_used: the seal's mtime,
+    set when it was built and at each launch from it; used_by: live shards running from it. id,
+    python, packages, created_at and installer are known (not null) only for a sealed one.
+
 launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus", "files",
-    "file_sha256"} -> {"shard_id", "pid", "pgid", "start_time", "argv", "log_path", "started_at"}
+    "file_sha256", "runtime"} -> {"shard_id", "pid", "pgid", "start_time", "argv", "log_path",
+    "started_at"}
     The engine runs under a supervisor (this file in supervise mode) in a new session; the
     supervisor records ROOT/shards/<shard_id>/state.json atomically, and the exit code
     (negative signal number when killed) and end time when the engine exits (R-4.4). env
@@ -123,10 +161,16 @@ launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus", "files"
     (alive), and an argv[0] that is not an executable found with the launch env's PATH
     (engine_missing, naming the program and the PATH searched). A cache entry the argv names
     that is not sealed, or whose files do not hash to what it was sealed with, is refused
-    (weights_integrity; nothing is started or removed; see "Cache entries").
+    (weights_integrity; nothing is started or removed; see "Cache entries"). With runtime (the
+    RUNTIME of provision; null: the program on the node's PATH) the engine runs from that
+    recipe's environment: ENV/bin first on PATH, VIRTUAL_ENV=ENV, PYTHONDONTWRITEBYTECODE=1
+    unless env sets it, and a bare argv[0] found in ENV/bin named by its path; checked first,
+    the environment missing or unfinished is engine_missing (provision builds it), one that is
+    not sealed by this fleet or whose files are not as sealed is integrity (nothing is started
+    or removed). The shard's state records {"kind", "id"} of the runtime (status's "runtime").
 
 status {"probe": false, "timeout": 2} -> {"shards": [{"shard_id", "pid", "pgid", "start_time",
-    "argv", "gpus", "port", "health_url", "started_at", "alive", "exit_code", "ended_at",
+    "argv", "gpus", "port", "health_url", "started_at", "alive", "exit_code", "ended_at", "runtime",
     "health": {"status": int|null, "error": str|null}|null, "log_tail": [str]|null}]}
     alive means identity holds: same boot, same pid start time (field 22 of /proc/PID/stat),
     and the command line recorded when the engine started (or the recorded supervisor is still
@@ -165,8 +209,13 @@ reclaim {"cache_dir", "names": [str]|null, "collect": false} -> {"entries": [{"n
     this fleet's secret (a leftover temp dir or another fleet's entry is refused), and removal
     stops as soon as the cache's filesystem has BYTES free (statvfs f_bavail): the names left are
     answered "kept". The answer then adds "free_bytes", the filesystem's free bytes after.
+    With "envs": [NAME] (environment names, venv-<32 hex>; cache_dir may then be left out) the
+    answer adds "envs", entries of the same shape for those environments: one is listed or
+    (collect) removed only when llmgw built it (sealed, or left half-built by a build of this
+    fleet), no build holds it and no live shard runs from it (refused with that reason);
+    removal makes its read-only directories writable on the way, fd-relative as above.
 
-cancel {"target": request id} -> {"cancelled": bool}     ends a log follow or a fetch wait.
+cancel {"target": request id} -> {"cancelled": bool}     ends a log follow, a fetch or provision wait.
 
 fleet_secret {"secret": hex} -> {"stored": true}
     The control plane's fleet secret, sent right after hello on every start (never in an argv,
@@ -178,10 +227,35 @@ Trust model
 The helper trusts only what llmgw made, because a node is shared with other users: the code it
 runs (LOADER runs the bytes it hashed, with -I), the directories it keeps state and keys in
 (ROOT, ROOT/shards and everything above them, judged as StrictModes judges a home; files in
-them opened without following links), and the cache entries it serves or reports (below). A
+them opened without following links), the cache entries it serves or reports and the
+environments it runs engines from (below). A
 directory others can write is therefore never a way to run code as this user, read an engine's
 key, plant weights, or delete another node's download. Downloads are bounded (fetch) and what
 a hub token fetched stays private to this user.
+
+Environments (R-4.11)
+---------------------
+An environment lives at ROOT/envs/venv-<first 32 hex of its recipe id>/ (ROOT/envs 0700, as
+ROOT/shards). The recipe id is the SHA-256 of the canonical JSON (sorted keys, no spaces) of
+{"kind": "venv", "python": the version the interpreter reports, "interpreter": its resolved
+path, "packages", "index_url", "find_links", "post_install"}. A venv cannot be moved once
+built (its scripts name their interpreter by path), so it is built at its final path: first
+the directory (0700) and a building mark, .llmgw-building, holding an HMAC of the name and the
+id keyed by the fleet secret; last the seal, .llmgw-complete (format ENV_MARKER_FORMAT), after
+every write permission below it was taken off (an engine run from it cannot add bytecode or
+change a file) and every file hashed: its "seal" is entry_seal with ENV_SEAL_CONTEXT over every
+file's relative path, size and SHA-256, every symbolic link's target and the recipe. The mark
+then goes and the top directory becomes read-only (0500). A build holds ROOT/envs/.lock-<name>
+(flock), so two helper processes of the node never build one environment at once.
+
+So what is at an environment's path is one of: sealed (it is used, once its files are found as
+sealed: every file's size against the seal, and its SHA-256 whenever its (device, inode, size,
+mtime, ctime) differ from what this node recorded when it last hashed it, in the record
+weights use; any write changes ctime, so a changed file is hashed and refused); ours and
+unfinished (the building mark, no seal, no build holding its lock: a cut-off build, removed and
+rebuilt by the next provision); or anything else (no valid mark, another owner, a link, a file
+added, changed or removed after the seal, a forged seal), which is refused with the reason
+(integrity) and never run nor removed.
 
 Cache entries (R-2.6, R-5.2, R-5.5, R-5.6)
 ------------------------------------------
@@ -213,14 +287,17 @@ replaces it. Hashing and resealing it instead would trust whatever a node had wr
 
 One-shot mode for operators (R-1.4)
 -----------------------------------
-``python3 llmgw_helper.py inventory|storage|holdings|status|logs|reclaim ... [--json]`` prints
-the result the control plane sees, readable by default (unknown shown as ``-``), exact JSON
-with --json. Destructive operations (launch, stop, forget, fetch, reclaim with collect) are
-reachable only through ``serve --expect-sha256``.
+``python3 llmgw_helper.py inventory|storage|holdings|status|logs|reclaim|envs ... [--json]``
+prints the result the control plane sees, readable by default (unknown shown as ``-``), exact
+JSON with --json. ``provision PACKAGE... [--find-links DIR]... [--index-url URL] [--python PY]
+[--post-install CMD]...`` builds an environment by hand (its progress on stderr; it needs the
+fleet secret a serve stored in ROOT). Destructive operations (launch, stop, forget, fetch,
+reclaim with collect) are reachable only through ``serve --expect-sha256``.
 """
 
 import argparse
 import errno
+import fcntl
 import hashlib
 import hmac
 import json
@@ -279,6 +356,19 @@ TEMP_NAME_RE = re.compile(r"\.tmp-(llmgw-[0-9a-f]{16,64})-[A-Za-z0-9_]{1,64}")
 SHARD_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 SHARD_FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SHARD_DIR_PLACEHOLDER = "{shard_dir}"
+
+# Environments the helper builds for an engine (runtime: venv), one per recipe under ROOT/envs.
+RUNTIME_KINDS = ("venv", "container")  # what a launch's and a provision's runtime may name
+ENVS_DIR = "envs"
+ENV_NAME_RE = re.compile(r"venv-[0-9a-f]{32}")
+ENV_BUILDING_MARKER = ".llmgw-building"  # written first: llmgw is building this directory
+ENV_MARKER_FORMAT = 1
+ENV_SEAL_CONTEXT = b"llmgw environment v1\n"
+ENV_MARK_CONTEXT = b"llmgw environment being built v1\n"
+ENV_OUTPUT_LINES = 15  # lines of a failed step's output its error quotes
+PYTHON_QUERY_TIMEOUT = 30.0
+# What a failed step's output says when the disk filled (errno 28 ENOSPC, 122 EDQUOT).
+_DISK_FULL_OUTPUT = re.compile(r"\[Errno (?:28|122)\]|No space left on device|Disk quota exceeded")
 
 NVIDIA_SMI_TIMEOUT = 10.0
 GPU_QUERY_FIELDS = (
@@ -451,6 +541,15 @@ def _arg_shard_id(args):
     if not SHARD_ID_RE.fullmatch(shard_id) or shard_id in (".", ".."):
         raise bad_args("shard_id %r must be 1-128 of A-Z a-z 0-9 . _ - (and not . or ..)" % shard_id)
     return shard_id
+
+
+def _arg_runtime(args):
+    """A request's runtime (None: the engine program on the node's PATH); its kind is checked
+    here, its fields by the part of Node that handles that kind."""
+    runtime = _arg(args, "runtime", (dict,), None)
+    if runtime is not None and runtime.get("kind") not in RUNTIME_KINDS:
+        raise bad_args("runtime.kind must be one of %s, got %r" % (", ".join(RUNTIME_KINDS), runtime.get("kind")))
+    return runtime
 
 
 def _arg_path(args, name, default=_REQUIRED):
@@ -1045,13 +1144,14 @@ def _private_problem(what, info, uid):
     return None
 
 
-def entry_manifest(path, uid, limit=WALK_LIMIT):
+def entry_manifest(path, uid, limit=WALK_LIMIT, links=None):
     """(files, bytes, problem) of a cache entry, walked without following links.
 
     files lists (relative/path, size) of every file, sorted; names at the top that start with
     .llmgw- (the marker, the lease) are llmgw's own and left out. problem says why the entry
     cannot be llmgw's: a link or a special file inside, or a file or directory another user
-    owns or can write."""
+    owns or can write. With links (a list), symbolic links of this user are not a problem but
+    appended to it as (relative/path, target), sorted (an environment holds bin/python -> ...)."""
     files = []
     total = 0
     stack = [""]
@@ -1077,6 +1177,14 @@ def entry_manifest(path, uid, limit=WALK_LIMIT):
                     return None, None, "%s cannot be read: %s" % (name, exc.strerror or exc)
                 if stat.S_ISDIR(info.st_mode):
                     stack.append(name)
+                elif links is not None and stat.S_ISLNK(info.st_mode):
+                    if info.st_uid != uid:
+                        return None, None, "%s is a link owned by uid %d, not by uid %d" % (name, info.st_uid, uid)
+                    try:
+                        links.append((name, os.readlink(entry.path)))
+                    except OSError as exc:
+                        return None, None, "%s cannot be read: %s" % (name, exc.strerror or exc)
+                    continue
                 elif not stat.S_ISREG(info.st_mode):
                     return None, None, "%s is a link or a special file, which llmgw never writes" % name
                 else:
@@ -1086,21 +1194,33 @@ def entry_manifest(path, uid, limit=WALK_LIMIT):
                 if problem is not None:
                     return None, None, problem
     files.sort()
+    if links is not None:
+        links.sort()
     return files, total, None
 
 
-def entry_seal(secret, name, files, hashes):
+def entry_seal(secret, name, files, hashes, links=(), context=SEAL_CONTEXT, recipe=None):
     """HMAC-SHA256, keyed by the fleet secret, of the cache name and every file's relative path,
-    size and SHA-256 (hashes: {relative path: hex}), so the seal covers content."""
+    size and SHA-256 (hashes: {relative path: hex}), so the seal covers content. An environment's
+    seal (its own context) covers its links' targets and its recipe too."""
     lines = "\n".join("%s\t%d\t%s" % (path, size, hashes[path]) for path, size in files)
-    message = SEAL_CONTEXT + name.encode("utf-8") + b"\n" + lines.encode("utf-8", "surrogateescape")
+    for path, target in links:
+        lines += "\nlink\t%s\t%s" % (path, target)
+    if recipe is not None:
+        lines += "\nrecipe\t" + canonical_json(recipe)
+    message = context + name.encode("utf-8") + b"\n" + lines.encode("utf-8", "surrogateescape")
     return hmac.new(secret.encode("ascii"), message, hashlib.sha256).hexdigest()
 
 
-def _read_marker(path, uid):
-    """(marker dict, None) or (None, why) for the completion marker of the entry at path."""
+def canonical_json(value):
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _read_marker(path, uid, marker_name=COMPLETE_MARKER):
+    """(marker dict, None) or (None, why) for the completion marker of the entry at path (or
+    its other marker of that name)."""
     try:
-        fd = open_below(path, [COMPLETE_MARKER])
+        fd = open_below(path, [marker_name])
     except OSError as exc:
         if exc.errno == errno.ENOENT:
             return None, "incomplete: no completion marker"
@@ -1200,11 +1320,17 @@ def hash_stream(handle, on_bytes=None, chunk=HASH_CHUNK):
             on_bytes(len(block))
 
 
-def verified_here(path, entry, verified):
+def never_rehashed(relative, size):
+    """An environment's policy: every file is hashed again only when its stamp changed (it holds
+    tens of thousands of small files, and its directories are read-only once sealed)."""
+    return False
+
+
+def verified_here(path, entry, verified, always=always_verified):
     """Whether every big file of the sealed entry at path has, now, the stamp this node recorded
     when it last found it as sealed: a launch then reads only the small files again."""
     for relative, size in entry["files"]:
-        if always_verified(relative, size):
+        if always(relative, size):
             continue
         full = os.path.join(path, relative)
         try:
@@ -1216,13 +1342,14 @@ def verified_here(path, entry, verified):
     return True
 
 
-def verify_entry_content(path, entry, verified, on_bytes=None):
+def verify_entry_content(path, entry, verified, on_bytes=None, always=always_verified):
     """(problem, hashed) for the sealed entry at path (entry: what sealed_entry found).
 
     Every file is opened without following a link and its SHA-256 compared with the sealed one;
-    a big file whose stamp (file_stamp) is the one verified[its path] holds with that hash is
-    not read again. verified is updated in place with what was hashed and matched. problem
-    names the first file that differs (and both hashes), or None; hashed lists the files read.
+    a file always(relative, size) does not insist on (a big one, by default) whose stamp
+    (file_stamp) is the one verified[its path] holds with that hash is not read again. verified
+    is updated in place with what was hashed and matched. problem names the first file that
+    differs (and both hashes), or None; hashed lists the files read.
     on_bytes(count) hears the bytes checked, read or skipped."""
     hashed = []
     for relative, size in entry["files"]:
@@ -1237,7 +1364,7 @@ def verify_entry_content(path, entry, verified, on_bytes=None):
             if not stat.S_ISREG(info.st_mode) or info.st_size != size:
                 return "%s changed while it was being checked" % full, hashed
             stamp = file_stamp(info)
-            if not always_verified(relative, size) and verified.get(full) == stamp + [expected]:
+            if not always(relative, size) and verified.get(full) == stamp + [expected]:
                 if on_bytes is not None:
                     on_bytes(size)
                 continue
@@ -1248,7 +1375,7 @@ def verify_entry_content(path, entry, verified, on_bytes=None):
             return ("%s has SHA-256 %s, not the %s its entry was sealed with: it was changed after the fetch "
                     "(nothing was removed: find the node that wrote it, then remove the entry so that it is fetched again)"
                     % (full, actual, expected)), hashed
-        if not always_verified(relative, size):
+        if not always(relative, size):
             verified[full] = stamp + [expected]
     return None, hashed
 
@@ -1282,9 +1409,10 @@ def _same_inode(a, b):
     return a.st_dev == b.st_dev and a.st_ino == b.st_ino
 
 
-def _remove_at(parent_fd, name, top_dev):
+def _remove_at(parent_fd, name, top_dev, unlock=False):
     """Remove parent_fd/name without following links: links and files are unlinked, dirs are
-    opened O_NOFOLLOW relative to their parent and emptied the same way."""
+    opened O_NOFOLLOW relative to their parent and emptied the same way (with unlock, made
+    writable first: a sealed environment's directories are read-only)."""
     info = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
     if not stat.S_ISDIR(info.st_mode):
         os.unlink(name, dir_fd=parent_fd)
@@ -1295,16 +1423,18 @@ def _remove_at(parent_fd, name, top_dev):
     try:
         if not _same_inode(os.fstat(fd), info):
             raise OSError(errno.ESTALE, "directory changed while being removed", name)
+        if unlock:
+            os.fchmod(fd, 0o700)
         with os.scandir(fd) as iterator:
             children = [entry.name for entry in iterator]
         for child in children:
-            _remove_at(fd, child, top_dev)
+            _remove_at(fd, child, top_dev, unlock)
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=parent_fd)
 
 
-def remove_tree_within(directory, name, expected=None):
+def remove_tree_within(directory, name, expected=None, unlock=False):
     """Remove directory/name fd-relative; directory itself is opened O_NOFOLLOW and, when
     expected (an lstat result) is given, must still be that directory."""
     root_fd = os.open(directory, _DIR_FLAGS)
@@ -1312,7 +1442,7 @@ def remove_tree_within(directory, name, expected=None):
         root_info = os.fstat(root_fd)
         if expected is not None and not _same_inode(root_info, expected):
             raise OSError(errno.ESTALE, "directory changed while being checked", directory)
-        _remove_at(root_fd, name, root_info.st_dev)
+        _remove_at(root_fd, name, root_info.st_dev, unlock)
     finally:
         os.close(root_fd)
 
@@ -1784,6 +1914,8 @@ class NodeCore(object):
         self.stuck = {}
         self.stuck_lock = threading.Lock()
         self.fetches = {}  # (cache_dir, name) -> the job new requests attach to
+        self.provisions = {}  # recipe id -> the environment build new requests attach to
+        self.python_versions = {}  # (interpreter, inode, mtime) -> the version it reports
         self.running_jobs = set()  # every job not yet ended, abandoned ones included
         self.fetch_lock = threading.Lock()
         self.launch_lock = threading.Lock()
@@ -1887,12 +2019,12 @@ class NodeCore(object):
             except OSError:
                 pass  # only a cache of work done: the next launch hashes again
 
-    def note_verified(self, path, files, hashes):
+    def note_verified(self, path, files, hashes, always=always_verified):
         """Record the big files of the entry at path as verified with hashes (a fetch hashed
         them while writing them)."""
         changes = {}
         for relative, size in files:
-            if always_verified(relative, size):
+            if always(relative, size):
                 continue
             full = os.path.join(path, relative)
             try:
@@ -1917,12 +2049,12 @@ class NodeCore(object):
             if problem is not None:
                 raise HelperError("weights_integrity", problem + "; the engine was not started")
 
-    def verify_entry(self, path, entry, on_bytes=None):
+    def verify_entry(self, path, entry, on_bytes=None, always=always_verified):
         """verify_entry_content against this node's record, which it then updates; the problem
         or None."""
         before = self._load_verified()
         verified = dict(before)
-        problem, hashed = verify_entry_content(path, entry, verified, on_bytes)
+        problem, hashed = verify_entry_content(path, entry, verified, on_bytes, always)
         self.files_hashed += len(hashed)
         changes = dict((key, value) for key, value in verified.items() if before.get(key) != value)
         self._merge_verified(changes, dropped=[key for key in before if key not in verified])
@@ -2694,6 +2826,725 @@ def _disk_error(exc, cache_dir, job):
 
 
 # --------------------------------------------------------------------------------------------
+# Environments: Python environments the helper builds for an engine (runtime: venv, R-4.11).
+# See "Environments" in the module docstring: built in place, sealed like cache entries.
+
+
+def check_venv_runtime(runtime):
+    """The venv runtime of a request, checked and complete (every field present)."""
+    packages = runtime.get("packages")
+    if not isinstance(packages, list) or not packages:
+        raise bad_args("runtime.packages must list at least one pip requirement")
+    for index, package in enumerate(packages):
+        _check_line(package, "runtime.packages[%d]" % index)
+        if package.lstrip().startswith("-"):
+            raise bad_args("runtime.packages[%d] %r is a pip option, not a requirement" % (index, package))
+    index_url = runtime.get("index_url")
+    if index_url is not None:
+        _check_line(index_url, "runtime.index_url")
+        if index_url.startswith("-"):
+            raise bad_args("runtime.index_url %r is not a URL" % index_url)
+    find_links = runtime.get("find_links")
+    find_links = [] if find_links is None else find_links
+    if not isinstance(find_links, list):
+        raise bad_args("runtime.find_links must be a list of directories or URLs")
+    for index, link in enumerate(find_links):
+        _check_line(link, "runtime.find_links[%d]" % index)
+        if link.startswith("-"):
+            raise bad_args("runtime.find_links[%d] %r is not a directory or a URL" % (index, link))
+    python = runtime.get("python")
+    if python is not None:
+        _check_line(python, "runtime.python")
+        if "/" in python and not os.path.isabs(python):
+            raise bad_args("runtime.python %r must be a program name or an absolute path" % python)
+    post_install = runtime.get("post_install")
+    post_install = [] if post_install is None else post_install
+    if not isinstance(post_install, list):
+        raise bad_args("runtime.post_install must be a list of shell commands")
+    for index, command in enumerate(post_install):
+        _check_line(command, "runtime.post_install[%d]" % index)
+    return {"kind": "venv", "packages": list(packages), "index_url": index_url, "find_links": list(find_links),
+            "python": python, "post_install": list(post_install)}
+
+
+def _check_line(value, what):
+    if not isinstance(value, str) or not value.strip() or "\0" in value or "\n" in value:
+        raise bad_args("%s must be a single non-empty line, got %r" % (what, value))
+
+
+def venv_recipe(spec, interpreter, version):
+    """(id, recipe) of a venv runtime built with that interpreter: the id is the SHA-256 of the
+    recipe's canonical JSON, so any change of what the environment is made from is another one."""
+    recipe = {"kind": "venv", "python": version, "interpreter": interpreter, "packages": spec["packages"],
+              "index_url": spec["index_url"], "find_links": spec["find_links"], "post_install": spec["post_install"]}
+    return hashlib.sha256(canonical_json(recipe).encode("utf-8")).hexdigest(), recipe
+
+
+def env_name(recipe_id):
+    return "venv-" + recipe_id[:32]
+
+
+def building_seal(secret, name, recipe_id):
+    """The HMAC in a building marker: proves a helper of this fleet made the directory."""
+    message = ENV_MARK_CONTEXT + name.encode("ascii") + b"\n" + recipe_id.encode("ascii")
+    return hmac.new(secret.encode("ascii"), message, hashlib.sha256).hexdigest()
+
+
+def sealed_env(path, secret):
+    """({"files", "hashes", "links", "bytes", "marker"}, None) when the directory at path is an
+    environment this fleet's llmgw built and sealed, else (None, why).
+
+    As sealed_entry judges a cache entry, and more: its seal (entry_seal with the environment's
+    context) covers every file's size and SHA-256, every link's target and the recipe, and the
+    recipe must hash to the id its name carries. Contents are not read here."""
+    uid = os.getuid()
+    name = os.path.basename(os.path.normpath(path))
+    try:
+        info = os.lstat(path)
+    except (OSError, ValueError):
+        return None, "not present"
+    if stat.S_ISLNK(info.st_mode):
+        return None, "a symbolic link, not an environment; never followed"
+    if not stat.S_ISDIR(info.st_mode):
+        return None, "not a directory"
+    problem = _private_problem("the environment", info, uid)
+    if problem is not None:
+        return None, "not llmgw's: " + problem
+    marker, problem = _read_marker(path, uid)
+    if problem is not None:
+        return None, problem.replace("completion marker", "seal")
+    links = []
+    files, total, problem = entry_manifest(path, uid, links=links)
+    if problem is not None:
+        return None, "not llmgw's: " + problem
+    if secret is None:
+        return None, "no fleet secret on this node to check its seal"
+    hashes, recipe, recipe_id = marker.get("sha256"), marker.get("recipe"), marker.get("id")
+    if (marker.get("format") != ENV_MARKER_FORMAT or not isinstance(hashes, dict) or not isinstance(recipe, dict)
+            or not isinstance(recipe_id, str)):
+        return None, "its seal is not an environment's"
+    for relative, _ in files:
+        if not isinstance(hashes.get(relative), str) or not SHA256_RE.fullmatch(hashes[relative]):
+            return None, "its seal gives no SHA-256 for %s" % relative
+    seal = marker.get("seal")
+    expected = entry_seal(secret, name, files, hashes, links=links, context=ENV_SEAL_CONTEXT, recipe=recipe)
+    if not isinstance(seal, str) or not hmac.compare_digest(seal, expected):
+        return None, "its seal was not made by this fleet's llmgw, or its files or links changed since"
+    if hashlib.sha256(canonical_json(recipe).encode("utf-8")).hexdigest() != recipe_id or env_name(recipe_id) != name:
+        return None, "its seal is for another recipe than its name says"
+    return {"files": files, "hashes": hashes, "links": links, "bytes": total, "marker": marker}, None
+
+
+def env_state(path, secret):
+    """("absent" | "sealed" | "unfinished" | "foreign", detail) of the directory at an
+    environment's path. sealed: detail is what sealed_env found; unfinished: a build of this
+    fleet's llmgw marked it and did not seal it (detail: its building marker); foreign: detail
+    says why it is not llmgw's, or was changed after its seal: it is never run nor removed."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "absent", None
+    except OSError as exc:
+        return "foreign", "it cannot be checked: %s" % (exc.strerror or exc)
+    entry, why = sealed_env(path, secret)
+    if entry is not None:
+        return "sealed", entry
+    if not stat.S_ISDIR(info.st_mode) or stat.S_ISLNK(info.st_mode) or why.startswith("not llmgw's: "):
+        return "foreign", why
+    if os.path.lexists(os.path.join(path, COMPLETE_MARKER)):
+        return "foreign", why  # sealed once: changed since, or a seal forged; kept as it is for a look
+    marker, problem = _read_marker(path, os.getuid(), ENV_BUILDING_MARKER)
+    if problem is not None:
+        return "foreign", "llmgw did not make it: it has neither the mark llmgw writes first nor its seal"
+    name = os.path.basename(os.path.normpath(path))
+    recipe_id = marker.get("id")
+    if (secret is None or not isinstance(recipe_id, str) or not isinstance(marker.get("seal"), str)
+            or not hmac.compare_digest(marker["seal"], building_seal(secret, name, recipe_id))):
+        return "foreign", "its building mark was not made by this fleet's llmgw"
+    return "unfinished", marker
+
+
+def freeze_tree(top):
+    """Take every write permission off what is below top (links excepted; llmgw's own .llmgw-*
+    names at the top too): an engine run from the environment cannot add a file to it (an
+    interpreter would write its bytecode caches there) nor change one in place."""
+    stack = [top]
+    while stack:
+        directory = stack.pop()
+        with os.scandir(directory) as iterator:
+            entries = list(iterator)
+        for entry in entries:
+            if directory == top and entry.name.startswith(".llmgw-"):
+                continue
+            info = entry.stat(follow_symlinks=False)
+            if stat.S_ISLNK(info.st_mode):
+                continue
+            os.chmod(entry.path, stat.S_IMODE(info.st_mode) & ~0o222)
+            if stat.S_ISDIR(info.st_mode):
+                stack.append(entry.path)
+
+
+def step_environment(path):
+    """The environment a build step runs in: the helper's, inside the venv (its bin first on
+    PATH, VIRTUAL_ENV set), without what would send pip's installs or imports elsewhere. The
+    node's pip configuration (pip.conf, PIP_* proxies, certificates, mirrors) is kept."""
+    env = dict(os.environ)
+    for name in ("PYTHONHOME", "PYTHONPATH", "PYTHONSTARTUP", "PYTHONUSERBASE", "PIP_USER", "PIP_TARGET",
+                 "PIP_PREFIX", "PIP_ROOT"):
+        env.pop(name, None)
+    env["VIRTUAL_ENV"] = path
+    env["PATH"] = os.path.join(path, "bin") + os.pathsep + env.get("PATH", os.defpath)
+    return env
+
+
+def install_argv(spec, env_python, uv):
+    """The install command: pip of the environment, or uv when the node has it."""
+    options = []
+    if spec["index_url"] is not None:
+        options += ["--index-url", spec["index_url"]]
+    elif spec["find_links"]:
+        options.append("--no-index")  # a wheelhouse only: no index is asked
+    for link in spec["find_links"]:
+        options += ["--find-links", link]
+    if uv is not None:
+        return [uv, "pip", "install", "--python", env_python] + options + spec["packages"]
+    return ([env_python, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
+            + options + spec["packages"])
+
+
+def _disk_full(path, what):
+    return HelperError("disk_full", "no space left in %s while %s; the half-made environment was removed: free space "
+                                    "there, or reclaim environments or weights" % (path, what))
+
+
+class EnvJob(object):
+    """One environment being built, shared by every request that asked for it (single-flight per
+    recipe): their progress, the build's abort when the last of them leaves, its answer."""
+
+    cache_dir = None  # not a download: the fetch bookkeeping it shares (running_jobs) passes over it
+    temp_name = None
+
+    def __init__(self, recipe_id, recipe, spec, path, interpreter):
+        self.key = recipe_id
+        self.recipe = recipe
+        self.spec = spec
+        self.path = path
+        self.name = os.path.basename(path)
+        self.interpreter = interpreter
+        self.lock = threading.Lock()
+        self.listeners = {}
+        self.done = threading.Event()
+        self.abort = threading.Event()
+        self.result = None
+        self.error = None
+        self.thread = None
+        self.phase = None
+        self.tail = []  # the running step's last lines, for its error
+        self._pending = None  # a line not yet shown (rate-limited)
+        self._last_progress = 0.0
+
+    def attach(self, key, emit):
+        """As FetchJob.attach: the new waiter hears the phase so far at once."""
+        with self.lock:
+            if self.abort.is_set():
+                return False
+            self.listeners[key] = emit
+            phase = self.phase
+        if phase is not None:
+            emit("progress", {"phase": phase, "line": None})
+        return True
+
+    def detach(self, key):
+        with self.lock:
+            self.listeners.pop(key, None)
+            if not self.listeners and not self.done.is_set():
+                self.abort.set()
+
+    def start_phase(self, phase, line=None):
+        with self.lock:
+            self.phase = phase
+            self.tail = []
+            self._pending = None
+        self._emit({"phase": phase, "line": line})
+
+    def line(self, text):
+        """One line a step printed: kept for its error, shown at most every PROGRESS_INTERVAL."""
+        now = time.monotonic()
+        with self.lock:
+            self.tail.append(text)
+            if len(self.tail) > ENV_OUTPUT_LINES:
+                del self.tail[0]
+            if now - self._last_progress < PROGRESS_INTERVAL:
+                self._pending = text
+                return
+            self._pending = None
+            phase = self.phase
+        self._emit({"phase": phase, "line": text})
+
+    def flush(self):
+        """Show the step's last line when the rate limit held it back."""
+        with self.lock:
+            text, self._pending = self._pending, None
+            phase = self.phase
+        if text is not None:
+            self._emit({"phase": phase, "line": text})
+
+    def _emit(self, data):
+        with self.lock:
+            self._last_progress = time.monotonic()
+            listeners = list(self.listeners.values())
+        for emit in listeners:
+            try:
+                emit("progress", dict(data))
+            except Exception:
+                pass
+
+
+class VenvOps(object):
+    """provision, envs: a part of Node (below); venv_launch for launch, envs_reclaim for reclaim."""
+
+    def envs_dir(self):
+        return os.path.join(self.root, ENVS_DIR)
+
+    def op_provision(self, args, ctx):
+        runtime = _arg(args, "runtime", (dict,))
+        kind = runtime.get("kind")
+        if kind == "venv":
+            return self.provision_venv(runtime, ctx)
+        if kind == "container":
+            return self.provision_container(runtime, ctx)
+        raise bad_args("runtime.kind must be one of %s, got %r" % (", ".join(RUNTIME_KINDS), kind))
+
+    def provision_venv(self, runtime, ctx):
+        """Build the environment of a venv runtime once (single-flight per recipe), or find it
+        built; events "progress" {"phase", "line"}."""
+        spec = check_venv_runtime(runtime)
+        if self.secret is None:
+            raise HelperError("no_secret", "no fleet secret on this node: an environment could not be sealed "
+                                           "(the control plane sends it)")
+        recipe_id, recipe, interpreter = self.venv_recipe(spec)
+        path = os.path.join(self.envs_dir(), env_name(recipe_id))
+        state, detail = env_state(path, self.secret)
+        if state == "sealed":
+            return self._present_env(path, detail, ctx.emit)
+        if state == "foreign":
+            raise HelperError("integrity", "%s is not an environment llmgw built and sealed (%s); it is never run "
+                                           "nor removed: look at it, then remove it" % (path, detail))
+        with self.fetch_lock:
+            job = self.provisions.get(recipe_id)
+            start = job is None or not job.attach(ctx.key, ctx.emit)
+            if start:
+                job = EnvJob(recipe_id, recipe, spec, path, interpreter)
+                self.provisions[recipe_id] = job
+                self.running_jobs.add(job)
+                job.attach(ctx.key, ctx.emit)
+        if start:
+            job.thread = threading.Thread(target=self._run_provision, args=(job,), name="llmgw-provision", daemon=True)
+            job.thread.start()
+        try:
+            while not job.done.wait(0.05):
+                if ctx.cancelled.is_set():
+                    raise HelperError("cancelled", "stopped waiting for the build of %s" % path)
+        finally:
+            job.detach(ctx.key)
+        if job.error is not None:
+            raise HelperError(job.error.kind, job.error.message)
+        return dict(job.result)
+
+    def venv_recipe(self, spec):
+        """(recipe id, recipe, interpreter path) for a venv runtime on this node: the interpreter
+        named (on PATH) or the helper's own, resolved, and the version it reports."""
+        python = spec["python"]
+        if python is None:
+            found = sys.executable
+        elif "/" in python:
+            found = python if os.path.isfile(python) and os.access(python, os.X_OK) else None
+        else:
+            found = shutil.which(python)
+        if not found:
+            where = "is not an executable file" if python and "/" in python else "is not on PATH=%s" % os.environ.get(
+                "PATH", os.defpath)
+            raise HelperError("runtime_missing", "the Python interpreter %s %s on this node; install it, or name "
+                                                 "another in the profile's python" % (python, where))
+        interpreter = os.path.realpath(found)
+        version = platform.python_version() if python is None else self._python_version(interpreter)
+        recipe_id, recipe = venv_recipe(spec, interpreter, version)
+        return recipe_id, recipe, interpreter
+
+    def _python_version(self, interpreter):
+        """The version an interpreter reports, asked once per file (by inode and mtime)."""
+        try:
+            info = os.stat(interpreter)
+        except OSError as exc:
+            raise HelperError("runtime_missing", "the Python interpreter %s cannot be run: %s"
+                              % (interpreter, exc.strerror or exc))
+        key = (interpreter, info.st_ino, info.st_mtime_ns)
+        version = self.python_versions.get(key)
+        if version is not None:
+            return version
+        try:
+            probe = subprocess.run([interpreter, "-I", "-c", "import platform; print(platform.python_version())"],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   timeout=PYTHON_QUERY_TIMEOUT)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise HelperError("runtime_missing", "the Python interpreter %s cannot be run: %s" % (interpreter, exc))
+        version = probe.stdout.decode("ascii", "replace").strip()
+        if probe.returncode != 0 or not re.fullmatch(r"\d+\.\d+\.\d+\S*", version):
+            said = " ".join(probe.stderr.decode("utf-8", "replace").split())[:300]
+            raise HelperError("runtime_missing", "%s is not a Python interpreter llmgw can use (it exited with %d: %s)"
+                              % (interpreter, probe.returncode, said or "no message"))
+        self.python_versions[key] = version
+        return version
+
+    def _present_env(self, path, entry, emit):
+        """The answer for a sealed environment, once its files are as sealed (integrity if not)."""
+        emit("progress", {"phase": "seal", "line": "checking the sealed environment %s" % path})
+        problem = self.verify_entry(path, entry, always=never_rehashed)
+        if problem is not None:
+            raise HelperError("integrity", problem.replace("its entry was sealed with", "the environment was sealed with")
+                              .replace("after the fetch", "after it was built"))
+        return self._env_answer(path, entry, created=False)
+
+    def _env_answer(self, path, entry, created):
+        marker = entry["marker"]
+        return {"kind": "venv", "id": marker["id"], "path": path, "bytes": entry["bytes"], "created": created,
+                "python": marker["recipe"].get("python"), "installer": marker.get("installer")}
+
+    # -- the build (a thread per recipe; requests wait for it) -----------------------------
+
+    def _run_provision(self, job):
+        try:
+            job.result = self._provision(job)
+        except HelperError as exc:
+            job.error = exc
+        except Exception as exc:
+            traceback.print_exc(file=sys.stderr)
+            job.error = HelperError("internal", "%s: %s" % (type(exc).__name__, exc))
+        finally:
+            with self.fetch_lock:
+                if self.provisions.get(job.key) is job:
+                    del self.provisions[job.key]
+                self.running_jobs.discard(job)
+            job.done.set()
+
+    def _provision(self, job):
+        self.private_dir(self.envs_dir())
+        lock_fd = self._lock_env(job)
+        try:
+            # Judged again under the lock: another helper process may have built it meanwhile.
+            state, detail = env_state(job.path, self.secret)
+            if state == "sealed":
+                return self._present_env(job.path, detail, job._emit)
+            if state == "foreign":
+                raise HelperError("integrity", "%s is not an environment llmgw built and sealed (%s); it is never run "
+                                               "nor removed: look at it, then remove it" % (job.path, detail))
+            if state == "unfinished":
+                # Ours, unsealed, and nobody builds it (we hold its lock): a build that was cut off.
+                job.start_phase("venv", "removing the half-built %s an interrupted build left" % job.path)
+                try:
+                    remove_tree_within(self.envs_dir(), job.name, unlock=True)
+                except OSError as exc:
+                    raise HelperError("provision_failed", "could not remove the half-built %s: %s"
+                                      % (job.path, exc.strerror or exc))
+            return self._build_env(job)
+        finally:
+            os.close(lock_fd)
+
+    def _lock_env(self, job):
+        """Hold the recipe's lock file (ROOT/envs/.lock-<name>), so that two helper processes of
+        this node never build one environment at once: a second one waits for the first."""
+        try:
+            fd = os.open(os.path.join(self.envs_dir(), ".lock-" + job.name),
+                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _disk_full(self.envs_dir(), "starting the build")
+            raise HelperError("permissions", "cannot lock %s: %s" % (job.path, exc.strerror or exc))
+        said = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
+                    raise HelperError("permissions", "cannot lock %s: %s" % (job.path, exc.strerror or exc))
+            if not said:
+                job.start_phase("venv", "another helper process of this node is building %s; waiting" % job.path)
+                said = True
+            if job.abort.wait(0.2):
+                os.close(fd)
+                raise HelperError("cancelled", "stopped waiting for the build of %s" % job.path)
+
+    def _build_env(self, job):
+        path, spec = job.path, job.spec
+        try:
+            os.mkdir(path, 0o700)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _disk_full(self.envs_dir(), "starting the build")
+            raise HelperError("permissions", "cannot make %s: %s" % (path, exc.strerror or exc))
+        try:
+            self._mark_building(job)
+            env = step_environment(path)
+            job.start_phase("venv")
+            self._run_step(job, [job.interpreter, "-m", "venv", path], env, self.envs_dir(),
+                           "%s -m venv %s" % (job.interpreter, path))
+            uv = shutil.which("uv", path=os.environ.get("PATH", os.defpath))
+            installer = "uv" if uv is not None else "pip"
+            job.start_phase("pip", "installing with %s%s" % (installer, " (%s)" % uv if uv else ""))
+            argv = install_argv(spec, os.path.join(path, "bin", "python"), uv)
+            self._run_step(job, argv, env, path, " ".join(redact_url(a) if "://" in a else a for a in argv))
+            for command in spec["post_install"]:
+                job.start_phase("post_install", command)
+                self._run_step(job, ["sh", "-c", command], env, path, "sh -c %r" % command)
+            job.start_phase("seal")
+            entry = self._seal_env(job, installer)
+            job.start_phase("seal", "sealed %s" % path)
+            return self._env_answer(path, entry, created=True)
+        except BaseException as exc:
+            # Nothing half-made is ever counted as installed: what the build made goes.
+            try:
+                remove_tree_within(self.envs_dir(), job.name, unlock=True)
+            except OSError:
+                pass
+            if isinstance(exc, OSError):
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise _disk_full(self.envs_dir(), "building %s" % path)
+                raise HelperError("provision_failed", "could not build %s: %s" % (path, exc.strerror or exc))
+            raise
+
+    def _mark_building(self, job):
+        marker = {"format": ENV_MARKER_FORMAT, "name": job.name, "id": job.key, "started_at": time.time(),
+                  "hostname": socket.gethostname(), "boot_id": read_boot_id(), "pid": os.getpid(),
+                  "seal": building_seal(self.secret, job.name, job.key)}
+        _write_json_atomic(os.path.join(job.path, ENV_BUILDING_MARKER), marker)
+
+    def _run_step(self, job, argv, env, cwd, shown):
+        """Run one step of a build in its own session, its output lines as progress; the abort
+        of the build kills its whole group. provision_failed (the command and its last lines)
+        when it fails, disk_full when those lines say the disk filled."""
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    cwd=cwd, env=env, close_fds=True, start_new_session=True)
+        except OSError as exc:
+            raise HelperError("provision_failed", "could not run %s: %s" % (shown, exc.strerror or exc))
+
+        def stop_on_abort():
+            while proc.poll() is None:
+                if job.abort.wait(0.1):
+                    _signal_groups([proc.pid], signal.SIGKILL)
+                    return
+
+        threading.Thread(target=stop_on_abort, name="llmgw-provision-step", daemon=True).start()
+        with proc.stdout:
+            for raw in proc.stdout:
+                job.line(_decode_line(raw.rstrip(b"\n")))
+        code = proc.wait()
+        job.flush()
+        if job.abort.is_set():
+            raise HelperError("cancelled", "the build of %s was stopped; nothing of it was kept" % job.path)
+        if code != 0:
+            tail = list(job.tail)
+            if any(_DISK_FULL_OUTPUT.search(text) for text in tail):
+                raise _disk_full(self.envs_dir(), "running %s" % shown)
+            raise HelperError("provision_failed", "%s exited with status %d; the environment was not kept. Its last "
+                                                  "lines:\n%s" % (shown, code, "\n".join(tail) or "(no output)"))
+
+    def _seal_env(self, job, installer):
+        """Freeze the environment, hash every file, record the stamps this node verified, and
+        write the seal; the building mark goes last, and the top directory becomes read-only."""
+        path = job.path
+        freeze_tree(path)
+        links = []
+        files, total, problem = entry_manifest(path, os.getuid(), links=links)
+        if problem is not None:
+            raise HelperError("provision_failed", "%s holds what llmgw cannot seal: %s" % (path, problem))
+        hashes = {}
+        for relative, _ in files:
+            if job.abort.is_set():
+                raise HelperError("cancelled", "the build of %s was stopped; nothing of it was kept" % path)
+            with os.fdopen(open_below(path, relative.split("/")), "rb") as handle:
+                hashes[relative] = hash_stream(handle)
+        marker = {"format": ENV_MARKER_FORMAT, "kind": "venv", "name": job.name, "id": job.key, "recipe": job.recipe,
+                  "installer": installer, "bytes": total, "files": len(files), "finished_at": time.time(),
+                  "sha256": hashes, "links": dict(links),
+                  "seal": entry_seal(self.secret, job.name, files, hashes, links=links, context=ENV_SEAL_CONTEXT,
+                                     recipe=job.recipe)}
+        _write_json_atomic(os.path.join(path, COMPLETE_MARKER), marker)
+        os.unlink(os.path.join(path, ENV_BUILDING_MARKER))
+        os.chmod(path, 0o500)
+        # Hashed just now: a launch need not read them again while their stamps hold.
+        self.note_verified(path, files, hashes, always=never_rehashed)
+        return {"files": files, "hashes": hashes, "links": links, "bytes": total, "marker": marker}
+
+    # -- launch, envs, reclaim ----------------------------------------------------------------
+
+    def venv_launch(self, runtime, argv, env):
+        """(argv, env) of an engine that runs from the sealed environment of its venv runtime:
+        PATH starts with ENV/bin, VIRTUAL_ENV is set, a bare argv[0] found in ENV/bin is named by
+        its path. Refused when it is not built here (engine_missing) or is not as sealed
+        (integrity); anything else than a venv runtime is returned as it is."""
+        if runtime is None or runtime.get("kind") != "venv":
+            return argv, env
+        spec = check_venv_runtime(runtime)
+        if self.secret is None:
+            raise HelperError("no_secret", "no fleet secret on this node: no environment's seal can be checked")
+        recipe_id, _, _ = self.venv_recipe(spec)
+        path = os.path.join(self.envs_dir(), env_name(recipe_id))
+        state, detail = env_state(path, self.secret)
+        if state in ("absent", "unfinished"):
+            how = "" if state == "absent" else " (a build of it is running or was cut off)"
+            raise HelperError("engine_missing", "the environment for recipe %s is not built on this node%s: provision "
+                                                "builds it in %s" % (recipe_id[:12], how, path))
+        if state == "foreign":
+            raise HelperError("integrity", "%s is not an environment llmgw built and sealed (%s); the engine was not "
+                                           "started, nothing was removed" % (path, detail))
+        problem = self.verify_entry(path, detail, always=never_rehashed)
+        if problem is not None:
+            raise HelperError("integrity", problem.replace("its entry was sealed with", "the environment was sealed with")
+                              .replace("after the fetch", "after it was built") + "; the engine was not started")
+        bin_dir = os.path.join(path, "bin")
+        env = dict(env)
+        env["PATH"] = bin_dir + os.pathsep + env.get("PATH", os.environ.get("PATH", os.defpath))
+        env["VIRTUAL_ENV"] = path
+        # A root engine could still write bytecode into the read-only tree; the seal must hold.
+        env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+        if "/" not in argv[0] and find_program(os.path.join(bin_dir, argv[0]), "") is not None:
+            argv = [os.path.join(bin_dir, argv[0])] + list(argv[1:])
+        _touch_marker(path)  # the environment's "last used"
+        return argv, env
+
+    def shard_runtime(self, runtime):
+        """What a shard's state records of its runtime (status shows it): kind, and a venv's
+        recipe id; None for the host's."""
+        if runtime is None:
+            return None
+        if runtime.get("kind") == "venv":
+            return {"kind": "venv", "id": self.venv_recipe(check_venv_runtime(runtime))[0]}
+        return {"kind": runtime.get("kind")}
+
+    def op_envs(self, args, ctx):
+        return {"envs": self.list_envs()}
+
+    def list_envs(self):
+        """Every environment under ROOT/envs, sealed or not (reason says why not)."""
+        try:
+            names = sorted(os.listdir(self.envs_dir()))
+        except OSError:
+            return []
+        used = self.envs_in_use()
+        found = []
+        for name in names:
+            if not ENV_NAME_RE.fullmatch(name):
+                continue
+            path = os.path.join(self.envs_dir(), name)
+            state, detail = env_state(path, self.secret)
+            entry = {"kind": "venv", "name": name, "id": None, "path": path, "bytes": None, "created_at": None,
+                     "last_used": None, "sealed": state == "sealed", "python": None, "packages": None,
+                     "installer": None, "reason": None, "used_by": used.get(name, [])}
+            if state == "sealed":
+                marker = detail["marker"]
+                entry.update({"id": marker["id"], "bytes": detail["bytes"], "created_at": marker.get("finished_at"),
+                              "last_used": entry_last_used(path), "python": marker["recipe"].get("python"),
+                              "packages": marker["recipe"].get("packages"), "installer": marker.get("installer")})
+            else:
+                entry["bytes"] = _entry_bytes(path)
+                if state == "unfinished":
+                    entry["id"] = detail.get("id")
+                    entry["reason"] = self._unfinished_reason(name)
+                else:
+                    entry["reason"] = detail
+            found.append(entry)
+        return found
+
+    def _unfinished_reason(self, name):
+        if self._env_building(name):
+            return "being built"
+        return "left half-built by an interrupted build; the next provision of its recipe replaces it"
+
+    def _env_building(self, name):
+        """Whether a helper process of this node is building it now (it holds its lock)."""
+        with self.fetch_lock:
+            if any(env_name(key) == name for key in self.provisions):
+                return True
+        try:
+            fd = os.open(os.path.join(self.envs_dir(), ".lock-" + name), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def envs_in_use(self):
+        """{environment name: [shard ids]} of the engines that run from one now."""
+        used = {}
+        prefix = self.envs_dir() + os.sep
+        for shard_id, state in self._all_states():
+            if _identity(state)[0] != "alive":
+                continue
+            runtime = state.get("runtime") if isinstance(state.get("runtime"), dict) else {}
+            names = set()
+            if runtime.get("kind") == "venv" and isinstance(runtime.get("id"), str):
+                names.add(env_name(runtime["id"]))
+            argv = state.get("argv") or []
+            if argv and isinstance(argv[0], str) and argv[0].startswith(prefix):
+                names.add(argv[0][len(prefix):].split(os.sep, 1)[0])
+            for name in names:
+                used.setdefault(name, []).append(shard_id)
+        return used
+
+    def envs_reclaim(self, names, collect):
+        """List or remove the named environments (reclaim's "envs"), each judged again here: only
+        one llmgw built (sealed, or left half-built by a build of this fleet), that no build holds
+        and no live engine runs from, is removed."""
+        used = self.envs_in_use()
+        entries = []
+        for name in names:
+            path = os.path.join(self.envs_dir(), name) if isinstance(name, str) and ENV_NAME_RE.fullmatch(name) else None
+            entry = {"name": name, "path": path, "bytes": None, "action": "refused", "reason": None, "last_used": None}
+            entries.append(entry)
+            if path is None:
+                entry["reason"] = ("is not an environment's name (venv-<32 hex digits>); llmgw removes only the "
+                                   "environments it built")
+                continue
+            state, detail = env_state(path, self.secret)
+            if state == "absent":
+                entry["reason"] = "not present"
+                continue
+            if state == "foreign":
+                entry["reason"] = "not an environment llmgw built and sealed (%s); never removed" % detail
+                continue
+            if state == "unfinished" and self._env_building(name):
+                entry["reason"] = "being built"
+                continue
+            if name in used:
+                entry["reason"] = "in use by the running shard%s %s" % ("s" if len(used[name]) > 1 else "",
+                                                                       ", ".join(used[name]))
+                continue
+            entry["bytes"] = detail["bytes"] if state == "sealed" else _entry_bytes(path)
+            entry["last_used"] = entry_last_used(path)
+            if not collect:
+                entry["action"] = "listed"
+                continue
+            with self.launch_lock:  # no launch starts from it while it goes
+                if name in self.envs_in_use():
+                    entry["reason"] = "in use by a shard started meanwhile"
+                    continue
+                try:
+                    remove_tree_within(self.envs_dir(), name, unlock=True)
+                except OSError as exc:
+                    entry["reason"] = "could not remove: %s" % (exc.strerror or exc)
+                    continue
+            entry["action"] = "removed"
+        return entries
+
+
+# --------------------------------------------------------------------------------------------
 # Processes: engines launched under the supervisor, watched, stopped, their logs (R-4.4, R-4.7).
 
 
@@ -3073,15 +3924,15 @@ class ProcessOps(object):
         for file_name, digest in file_sha256.items():
             if file_name not in files or not isinstance(digest, str):
                 raise bad_args(f"file_sha256 must map names of files to hex digests; {file_name!r} does not")
+        runtime = _arg_runtime(args)
         shard_dir = self.shard_dir(shard_id)
         argv = [part.replace(SHARD_DIR_PLACEHOLDER, shard_dir) for part in argv]
         env = {key: value.replace(SHARD_DIR_PLACEHOLDER, shard_dir) for key, value in env.items()}
-        runtime = _arg(args, "runtime", (dict,), None) or {"kind": "host"}
         container = None
-        if runtime.get("kind") == "container":
+        if runtime is not None and runtime.get("kind") == "container":
             argv, env, container = self.container_launch(runtime, shard_id, argv, env, gpus, shard_dir)
-        elif runtime.get("kind") != "host":
-            raise bad_args("runtime kind must be host or container, got %r" % (runtime.get("kind"),))
+        else:
+            argv, env = self.venv_launch(runtime, argv, env)
         search_path = env.get("PATH", os.environ.get("PATH", os.defpath))
         if container is None and find_program(argv[0], search_path) is None:
             # Found now rather than by the supervisor's exec failing: the operator learns which
@@ -3125,6 +3976,7 @@ class ProcessOps(object):
                 "health_url": health_url,
                 "log_path": log_path,
                 "container": container,
+                "runtime": self.shard_runtime(runtime),
             }
             log_fd = open_below(self.root, ["shards", shard_id, LOG_FILE],
                                 os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
@@ -3171,13 +4023,6 @@ class ProcessOps(object):
         return dict((key, state.get(key)) for key in ("shard_id", "pid", "pgid", "start_time", "argv", "log_path",
                                                       "started_at", "container"))
 
-    def op_provision(self, args, ctx):
-        runtime = _arg(args, "runtime", (dict,))
-        kind = runtime.get("kind")
-        if kind == "container":
-            return self.provision_container(runtime, ctx)
-        raise bad_args("runtime kind %r has nothing to provision" % (kind,))
-
     def op_status(self, args, ctx):
         probe = _arg(args, "probe", (bool,), False)
         timeout = _arg_timeout(args, "timeout", DEFAULT_PROBE_TIMEOUT, upper=60.0)
@@ -3209,6 +4054,7 @@ class ProcessOps(object):
                 "alive": alive,
                 "exit_code": state.get("exit_code"),
                 "ended_at": state.get("ended_at"),
+                "runtime": state.get("runtime"),
                 "health": None,
                 "log_tail": None,
                 "container": container,
@@ -3479,30 +4325,38 @@ class ReclaimOps(object):
     """reclaim: a part of Node (below)."""
 
     def op_reclaim(self, args, ctx):
-        cache_dir = _arg_path(args, "cache_dir")
+        env_names = _arg(args, "envs", (list,), None)
+        if env_names is not None and not all(isinstance(name, str) for name in env_names):
+            raise bad_args("envs must be a list of environment names")
+        # With envs, the cache directory is optional: a reclaim of environments only.
+        cache_dir = _arg_path(args, "cache_dir", None if env_names is not None else _REQUIRED)
         names = _arg(args, "names", (list,), None)
         collect = _arg(args, "collect", (bool,), False)
-        if collect and names is None:
+        if collect and names is None and cache_dir is not None:
             raise bad_args("collect needs the exact list of names to remove")
         if collect and self.sha256 is None:
             raise bad_args("reclaim with collect is only available through serve --expect-sha256")
         if names is not None and not all(isinstance(name, str) for name in names):
             raise bad_args("names must be a list of strings")
         until_free = _arg(args, "until_free", (int,), None)
-        if until_free is not None and (not collect or until_free < 0):
-            raise bad_args("until_free needs collect and is a number of bytes (0 or more)")
-        entries = reclaim_entries(cache_dir, names, collect, busy=self.busy_cache_names(cache_dir),
-                                  secret=self.secret, until_free=until_free)
-        if until_free is None:
-            return {"entries": entries}
-        return {"entries": entries, "free_bytes": cache_free_bytes(cache_dir)}
+        if until_free is not None and (not collect or until_free < 0 or cache_dir is None):
+            raise bad_args("until_free needs collect and a cache_dir, and is a number of bytes (0 or more)")
+        result = {}
+        if cache_dir is not None:
+            result["entries"] = reclaim_entries(cache_dir, names, collect, busy=self.busy_cache_names(cache_dir),
+                                                secret=self.secret, until_free=until_free)
+            if until_free is not None:
+                result["free_bytes"] = cache_free_bytes(cache_dir)
+        if env_names is not None:
+            result["envs"] = self.envs_reclaim(env_names, collect)
+        return result
 
 
 # --------------------------------------------------------------------------------------------
 # The node: every part together.
 
 
-class Node(NodeCore, InventoryOps, StorageOps, FetchOps, ContainerOps, ProcessOps, ReclaimOps):
+class Node(NodeCore, InventoryOps, StorageOps, FetchOps, VenvOps, ContainerOps, ProcessOps, ReclaimOps):
     """The operations of the protocol; each is op_<name>(args, ctx) -> result dict, defined in
     the section of its part."""
 
@@ -3514,6 +4368,7 @@ class Node(NodeCore, InventoryOps, StorageOps, FetchOps, ContainerOps, ProcessOp
         "fetch",
         "source_size",
         "provision",
+        "envs",
         "launch",
         "status",
         "stop",
@@ -3553,6 +4408,7 @@ def supervise(root, helper_sha256):
         "host": spec.get("host"),
         "health_url": spec.get("health_url"),
         "log_path": spec.get("log_path"),
+        "runtime": spec.get("runtime"),
         "boot_id": read_boot_id(),
         "supervisor_pid": os.getpid(),
         "supervisor_start_time": me["start_time"] if me else None,
@@ -3815,14 +4671,16 @@ operations of the protocol (serve):
   storage   {dirs: [{path, shared}], timeout}        free/total per filesystem
   holdings  {candidates: {KEY: [path, ...]}}         which weights are present and complete
   fetch     {source, cache_dir, name, token}         download into the cache (progress events)
-  provision {runtime}                                the image a container runtime needs (progress events)
+  provision {runtime}                                install an engine: build its environment, or the
+                                                     image a container needs (progress events)
+  envs      {}                                       the environments built on this node
   launch    {shard_id, argv, env, port, host, health_url, gpus, files, runtime}
   status    {probe, timeout}                         engines this node runs or ran
   stop      {shard_id, grace}                        TERM the group, KILL after the grace
   forget    {shard_id}                               drop a stopped shard's records
   logs      {shard_id, lines, follow}                engine log, followed until cancelled
-  reclaim   {cache_dir, names, collect}              list or remove cache entries
-  cancel    {target}                                 end a follow or a fetch wait
+  reclaim   {cache_dir, names, collect, envs}        list or remove cache entries, environments
+  cancel    {target}                                 end a follow, a fetch or provision wait
   fleet_secret {secret}                              the key cache entries are sealed with
 
 launch, stop, forget, fetch, provision and reclaim with collect are reachable only through
@@ -3844,7 +4702,7 @@ def build_parser():
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(
-        dest="command", metavar="{serve,inventory,storage,holdings,status,logs,reclaim}"
+        dest="command", metavar="{serve,inventory,storage,holdings,status,logs,reclaim,envs,provision}"
     )
     commands.required = True
     serve_parser = commands.add_parser("serve", parents=[common], help="speak the JSON-lines protocol on stdin/stdout")
@@ -3866,6 +4724,15 @@ def build_parser():
     logs.add_argument("-n", "--lines", type=int, default=DEFAULT_LOG_LINES)
     reclaim = commands.add_parser("reclaim", parents=[common, as_json], help="list the entries of a cache directory")
     reclaim.add_argument("cache_dir", metavar="CACHE_DIR")
+    commands.add_parser("envs", parents=[common, as_json], help="the environments built on this node")
+    provision = commands.add_parser("provision", parents=[common, as_json],
+                                    help="build an engine's environment (runtime: venv) by hand")
+    provision.add_argument("packages", nargs="+", metavar="PACKAGE", help="pip requirements")
+    provision.add_argument("--find-links", action="append", default=[], metavar="DIR_OR_URL")
+    provision.add_argument("--index-url", default=None, metavar="URL")
+    provision.add_argument("--python", default=None, metavar="PY", help="interpreter (default: this one)")
+    provision.add_argument("--post-install", action="append", default=[], metavar="CMD",
+                           help="a shell command run in the environment after pip")
     return parser
 
 
@@ -4045,10 +4912,16 @@ def run_one_shot(node, options):
         args = {"probe": options.probe, "timeout": options.timeout}
     elif command == "logs":
         args = {"shard_id": options.shard_id, "lines": options.lines}
+    elif command == "envs":
+        args = {}
+    elif command == "provision":
+        args = {"runtime": {"kind": "venv", "packages": options.packages, "index_url": options.index_url,
+                            "find_links": options.find_links, "python": options.python,
+                            "post_install": options.post_install}}
     else:
         args = {"cache_dir": os.path.abspath(os.path.expanduser(options.cache_dir))}
     try:
-        result = getattr(node, "op_" + command)(args, Context())
+        result = getattr(node, "op_" + command)(args, Context(send=_print_progress))
     except HelperError as exc:
         sys.stderr.write("%s: %s (%s)\n" % (command, exc.message, exc.kind))
         return 1
@@ -4063,6 +4936,14 @@ def run_one_shot(node, options):
         result = dict(result, requested=list(args["candidates"]))
     print(globals()["_render_" + command](result))
     return EXIT_OK
+
+
+def _print_progress(message):
+    """A one-shot command's events, on stderr (provision's phases and pip's lines)."""
+    data = message.get("data") or {}
+    if "phase" in data:
+        sys.stderr.write("%s: %s\n" % (data["phase"], data["line"] if data.get("line") is not None else "..."))
+        sys.stderr.flush()
 
 
 def _dash(value):
@@ -4147,6 +5028,20 @@ def _render_status(result):
             lines.append("--- %s: last lines of its log" % shard["shard_id"])
             lines.extend(shard["log_tail"][-10:])
     return "\n".join(lines)
+
+
+def _render_envs(result):
+    if not result["envs"]:
+        return "no environments"
+    rows = [[e["name"], "sealed" if e["sealed"] else "-", _dash(e["python"]), _size(e["bytes"]),
+             " ".join(e["packages"] or []) or "-", _dash(e["reason"])] for e in result["envs"]]
+    return _table(["NAME", "SEALED", "PYTHON", "SIZE", "PACKAGES", "NOTE"], rows)
+
+
+def _render_provision(result):
+    return "%s %s (%s, python %s, %s, with %s)" % (
+        "built" if result["created"] else "already built:", result["path"], _size(result["bytes"]),
+        result["python"], result["id"][:12], result["installer"])
 
 
 def _render_reclaim(result):

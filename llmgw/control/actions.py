@@ -24,7 +24,7 @@ from llmgw.fleet.link import READY
 from llmgw.fleet.errors import DiskFull, EngineProgramMissing, IdentityMismatch, NodeError, PortInUse, ShardNotFound
 from llmgw.fleet.ops import (FetchRequest, Fetched, ForgetRequest, LaunchRequest, LogsRequest, Provisioned, ProvisionRequest,
                              SourceSizeRequest, StopRequest)
-from llmgw.runtimes import runtime_key, runtime_spec
+from llmgw.runtimes import runtime_key, runtime_spec, runtime_words
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,9 @@ class FetchJob:
 
 @dataclass
 class ProvisionJob:
-    """One provision of an engine's runtime on a node (an image pull), shared by every shard
-    waiting for it; its last line rides on their status (R-4.10)."""
+    """One provision of an engine's runtime on a node (an image found or pulled, an environment
+    found or built), shared by every shard waiting for it; its last line rides on their status
+    (R-4.10, R-4.11)."""
 
     node: str
     key: tuple[str, ...]
@@ -149,13 +150,6 @@ class Actions:
 
     async def _launch(self, replica: Replica, model: Model) -> None:
         try:
-            runtime = model.profile.runtime if model.profile is not None else "host"
-            if runtime != "host":
-                # Accepted by the profile format (R-4.9), not yet launched by this control plane:
-                # refused rather than run from the node's PATH, which is not what the profile asks.
-                self._fail_replica(replica, f"profile {model.profile_name}: runtime: {runtime} is not supported by this "
-                                            "version of llmgw yet; only runtime: host engines are started")
-                return
             leader = replica.leader
             leader_node = self.fleet.nodes[leader.node]
             if len(replica.shards) > 1:
@@ -222,8 +216,9 @@ class Actions:
         return runtime_spec(model.profile, mounts=mounts, labels={"llmgw.replica": replica.id})
 
     async def _provision(self, replica: Replica, shard: Shard, model: Model) -> dict | None:
-        """The shard's runtime, made present on its node first (an image pulled when missing,
-        one pull per node and image however many shards wait for it; R-4.10)."""
+        """The shard's runtime, made present on its node first (an image pulled when missing, an
+        environment built once per recipe; one provision per node and runtime however many
+        shards wait for it; R-4.10, R-4.11)."""
         spec = self._runtime(replica, shard, model)
         if spec is None:
             return None
@@ -235,7 +230,7 @@ class Actions:
             job.task.add_done_callback(lambda _: self.provisions.pop(key, None))
         if shard.state == PENDING:
             shard.set_state(FETCHING)
-        shard.activity = job.line or f"checking image {spec.get('image')}"
+        shard.activity = job.line or f"checking {runtime_words(spec)}"
         self.save(replica)
         job.watchers.append(shard)
         try:
@@ -251,6 +246,10 @@ class Actions:
             async for progress in stream:
                 job.progress(progress.phase, progress.line)
         result = stream.result
+        if result.created:
+            size = "-" if result.bytes is None else f"{result.bytes / 1e9:.2f} GB"
+            log.info("%s: built the environment %s (%s) for %s in %.1f s", job.node, result.path, size,
+                     model.name, time.monotonic() - started)
         if result.pulled:
             log.info("%s: pulled %s (%s) for %s in %.1f s", job.node, result.image, result.image_id, model.name,
                      time.monotonic() - started)

@@ -155,13 +155,15 @@ class WeightsIntegrity(RemoteError):
 
 
 class RuntimeMissing(RemoteError):
-    """The engine's runtime is not usable on the node: no docker or podman on its PATH, its
-    daemon not answering, or no interpreter for an environment (the message says which)."""
+    """The engine's runtime is not usable on the node: no docker or podman on its PATH or its
+    daemon not answering, or no interpreter for an environment (the message names what was
+    looked for, and where)."""
 
 
 class ProvisionFailed(RemoteError):
     """Installing the engine failed: an image that could not be pulled (the message names it and
-    the command that loads it), an installer that failed (its last lines)."""
+    the command that loads it), or a step building an environment (pip, uv, a post_install
+    command; the message gives the command and its last lines). Nothing of it was kept."""
 
 
 # The one table from the helper's kind to its class; every kind the helper declares in its

@@ -4,7 +4,7 @@
 (`NodeLink`, `HelperSession`; `Fleet.ops(node)` gives the one for a node): the request builds the
 arguments the helper's docstring documents, and the answer is parsed and type-checked the way
 `facts.py` parses facts, so a malformed answer fails the call where it arrives, as a
-`MalformedAnswer` that names the field. Streamed operations (a fetch, a log follow) give an `OpStream`: typed
+`MalformedAnswer` that names the field. Streamed operations (a fetch, a provision, a log follow) give an `OpStream`: typed
 events while it runs, a typed `result` once it ended.
 
 A request's repr never shows what is secret in it (engine environment and files, a hub token,
@@ -250,6 +250,124 @@ class SourceSize:
 
 
 @dataclass(frozen=True)
+class ProvisionRequest(Request):
+    """Make an engine's runtime present on the node, single-flight there: a venv runtime's
+    environment built once per recipe (or found built), a container runtime's image found or
+    pulled once per image (R-4.10, R-4.11); `runtime` is `llmgw.runtimes.runtime_spec(...)`."""
+
+    OP = "provision"
+    runtime: Mapping[str, Any]
+
+    def args(self) -> dict[str, Any]:
+        return {"runtime": dict(self.runtime)}
+
+
+PROVISION_PHASES = ("venv", "pip", "post_install", "seal", "pull")
+
+
+@dataclass(frozen=True)
+class ProvisionProgress:
+    """A build's step starting (line None, or what it does) or one line its command printed."""
+
+    phase: str  # one of PROVISION_PHASES
+    line: str | None
+
+    @classmethod
+    def from_helper(cls, data: Any) -> ProvisionProgress:
+        data = _object(data, "the event")
+        phase = _required(data, "phase", TEXT, "")
+        if phase not in PROVISION_PHASES:
+            raise Malformed(f"phase is {phase!r}, not one of {', '.join(PROVISION_PHASES)}")
+        return cls(phase, _field(data, "line", TEXT, ""))
+
+
+@dataclass(frozen=True)
+class Provisioned:
+    """The runtime present: a venv's environment built (created) or found built and as sealed;
+    a container's image found (pulled false) or pulled, with the id it has on the node."""
+
+    kind: str
+    id: str | None = None  # a venv recipe's SHA-256
+    path: str | None = None
+    bytes: int | None = None
+    created: bool | None = None
+    python: str | None = None  # the version the environment's interpreter reports
+    installer: str | None = None  # "pip" or "uv"
+    image: str | None = None
+    image_id: str | None = None
+    program: str | None = None  # "docker" or "podman"
+    pulled: bool | None = None
+
+    @classmethod
+    def from_helper(cls, data: Any) -> Provisioned:
+        data = _object(data, "the answer")
+        kind = _required(data, "kind", TEXT, "")
+        if kind == "venv":
+            return cls(kind=kind, id=_required(data, "id", TEXT, ""), path=_required(data, "path", TEXT, ""),
+                       bytes=_field(data, "bytes", INT, ""), created=_required(data, "created", FLAG, ""),
+                       python=_field(data, "python", TEXT, ""), installer=_field(data, "installer", TEXT, ""))
+        return cls(kind=kind, image=_field(data, "image", TEXT, ""), image_id=_field(data, "image_id", TEXT, ""),
+                   program=_field(data, "program", TEXT, ""), pulled=_field(data, "pulled", FLAG, ""))
+
+
+@dataclass(frozen=True)
+class EnvsRequest(Request):
+    """The environments built on the node, sealed or not."""
+
+    OP = "envs"
+    answer_within = 60.0  # each is walked to check its seal
+
+    def args(self) -> dict[str, Any]:
+        return {}
+
+
+def _optional_strings(data: dict[str, Any], key: str, where: str) -> tuple[str, ...] | None:
+    """A list of strings, or None when the helper does not know it (null)."""
+    return None if data.get(key) is None else _strings(data, key, where)
+
+
+@dataclass(frozen=True)
+class Environment:
+    """One environment under the helper's root. Only a sealed one is ever run; reason says why
+    another is not (being built, left half-built, not llmgw's or changed since its seal)."""
+
+    kind: str
+    name: str
+    id: str | None
+    path: str
+    bytes: int | None
+    created_at: float | None
+    last_used: float | None
+    sealed: bool
+    python: str | None
+    packages: tuple[str, ...] | None
+    installer: str | None
+    reason: str | None
+    used_by: tuple[str, ...] = ()  # live shards running from it
+
+    @classmethod
+    def from_helper(cls, data: Any, where: str) -> Environment:
+        data = _object(data, where.rstrip("."))
+        return cls(kind=_required(data, "kind", TEXT, where), name=_required(data, "name", TEXT, where),
+                   id=_field(data, "id", TEXT, where), path=_required(data, "path", TEXT, where),
+                   bytes=_field(data, "bytes", INT, where), created_at=_field(data, "created_at", NUMBER, where),
+                   last_used=_field(data, "last_used", NUMBER, where), sealed=_required(data, "sealed", FLAG, where),
+                   python=_field(data, "python", TEXT, where), packages=_optional_strings(data, "packages", where),
+                   installer=_field(data, "installer", TEXT, where), reason=_field(data, "reason", TEXT, where),
+                   used_by=_strings(data, "used_by", where))
+
+
+@dataclass(frozen=True)
+class Environments:
+    envs: tuple[Environment, ...]
+
+    @classmethod
+    def from_helper(cls, data: Any) -> Environments:
+        envs = _field(_object(data, "the answer"), "envs", (list,), "", default=[])
+        return cls(tuple(Environment.from_helper(e, f"envs[{i}].") for i, e in enumerate(envs)))
+
+
+@dataclass(frozen=True)
 class LaunchRequest(Request):
     """Start one shard's engine under the helper's supervisor."""
 
@@ -273,50 +391,6 @@ class LaunchRequest(Request):
         if self.runtime is not None:
             args["runtime"] = dict(self.runtime)
         return args
-
-
-@dataclass(frozen=True)
-class ProvisionRequest(Request):
-    """Make the engine a runtime needs present on the node: a container image (pulled when
-    missing, single-flight per node and image; R-4.10)."""
-
-    OP = "provision"
-    runtime: Mapping[str, Any]  # {"kind": "container", "image", "container", "pull", ...}
-
-    def args(self) -> dict[str, Any]:
-        return {"runtime": dict(self.runtime)}
-
-
-@dataclass(frozen=True)
-class ProvisionProgress:
-    """What the installer is doing: its phase and its last line (no byte counts: a pull without
-    a terminal prints none)."""
-
-    phase: str
-    line: str | None
-
-    @classmethod
-    def from_helper(cls, data: Any) -> ProvisionProgress:
-        data = _object(data, "the event")
-        return cls(_required(data, "phase", TEXT, ""), _field(data, "line", TEXT, ""))
-
-
-@dataclass(frozen=True)
-class Provisioned:
-    """The engine installed: for a container, the image and the id it has on the node."""
-
-    kind: str
-    image: str | None
-    image_id: str | None
-    program: str | None
-    pulled: bool | None
-
-    @classmethod
-    def from_helper(cls, data: Any) -> Provisioned:
-        data = _object(data, "the answer")
-        return cls(_required(data, "kind", TEXT, ""), _field(data, "image", TEXT, ""),
-                   _field(data, "image_id", TEXT, ""), _field(data, "program", TEXT, ""),
-                   _field(data, "pulled", FLAG, ""))
 
 
 @dataclass(frozen=True)
@@ -568,9 +642,13 @@ class NodeOps:
         return await self._call(request, SourceSize.from_helper, timeout)
 
     def provision(self, request: ProvisionRequest) -> OpStream[ProvisionProgress, Provisioned]:
-        """Events: ProvisionProgress; result: Provisioned. Not bounded by a time, as a fetch."""
+        """Events: ProvisionProgress; result: Provisioned. Not bounded by a time: pip takes what
+        it takes; leaving the stream early abandons the build when nobody else waits for it."""
         return OpStream(self.node, request.OP, self._transport.stream(request.OP, request.args()),
                         {"progress": ProvisionProgress.from_helper}, Provisioned.from_helper)
+
+    async def envs(self, request: EnvsRequest = EnvsRequest(), *, timeout: float | None = None) -> Environments:
+        return await self._call(request, Environments.from_helper, timeout)
 
     async def launch(self, request: LaunchRequest, *, timeout: float | None = None) -> Launched:
         return await self._call(request, Launched.from_helper, timeout)

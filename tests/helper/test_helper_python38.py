@@ -1,5 +1,6 @@
 """The helper on the oldest Python it supports, 3.8 (R-1.4): deployed through its loader, then
-one request of each part of the protocol (inventory, storage, fetch, processes, reclaim).
+one request of each part of the protocol (inventory, storage, fetch, processes, reclaim,
+environments).
 tests/unit/test_helper_source.py checks the source for newer syntax and APIs; this runs it.
 Skips, saying so, where no python3.8 is installed."""
 
@@ -14,7 +15,8 @@ import sys
 import pytest
 
 from tests.helper.client import HELPER_PATH, HelperClient, load_helper, process_running, wait_until
-from tests.helper.conftest import Route
+from tests.helper.conftest import Route, free_port
+from tests.helper.wheels import probe_wheelhouse
 
 
 def _python38():
@@ -105,6 +107,20 @@ def test_each_part_of_the_protocol_runs_under_38(installed, tls_env, https_serve
 
         entries = helper.call("reclaim", {"cache_dir": str(cache), "names": None})["entries"]
         assert [(e["name"], e["action"]) for e in entries] == [(name, "listed")]
+
+        runtime = {"kind": "venv", "packages": ["llmgw-probe"], "index_url": None,
+                   "find_links": [str(probe_wheelhouse(tmp_path / "wheels"))], "python": None, "post_install": []}
+        built = helper.call("provision", {"runtime": runtime}, timeout=300)
+        assert built["created"] is True and built["python"].startswith("3.8."), built
+        port = free_port()
+        engine = helper.call("launch", {"shard_id": "venv38", "argv": ["llmgw-probe", str(port)],
+                                        "env": {"PATH": "/usr/bin:/bin"}, "runtime": runtime}, timeout=60)
+        assert engine["argv"][0] == os.path.join(built["path"], "bin", "llmgw-probe")
+        wait_until(lambda: next((s for s in helper.call("status")["shards"] if s["shard_id"] == "venv38"))["alive"],
+                   message="venv38 alive")
+        assert helper.call("stop", {"shard_id": "venv38", "grace": 5}, timeout=60)["stopped"] is True
+        (env,) = helper.call("envs")["envs"]
+        assert env["sealed"] is True and env["path"] == built["path"]
     finally:
         helper.kill()
     print("python", PYTHON38, "for", sys.version.split()[0], "tests")

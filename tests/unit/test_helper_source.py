@@ -105,6 +105,8 @@ PARTS = {
     "InventoryOps": {"inventory"},
     "StorageOps": {"storage", "holdings"},
     "FetchOps": {"fetch", "source_size"},
+    "VenvOps": {"provision", "envs"},
+    "ContainerOps": set(),  # the container side of provision, launch, status and stop
     "ProcessOps": {"launch", "status", "stop", "forget", "logs"},
     "ReclaimOps": {"reclaim"},
 }
