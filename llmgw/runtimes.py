@@ -24,7 +24,7 @@ def runtime_spec(profile: ProfileConfig, *, mounts: Sequence[str] = (),
     the fleet; a venv takes neither (they are not part of its recipe)."""
     if profile.runtime == "venv":
         return {"kind": "venv", "packages": list(profile.packages or ()), "index_url": profile.index_url,
-                "find_links": list(profile.find_links or ()), "python": profile.python,
+                "extra_index_urls": list(profile.extra_index_urls or ()), "find_links": list(profile.find_links or ()), "python": profile.python,
                 "post_install": list(profile.post_install or ())}
     if profile.runtime == "container":
         return {"kind": "container", "image": profile.image, "container": profile.container,
@@ -39,7 +39,7 @@ def runtime_key(spec: Mapping[str, Any]) -> tuple[str, ...]:
     the venv recipe (its fields as given; the helper's id adds the interpreter's version)."""
     if spec.get("kind") == "venv":
         return ("venv", str(spec.get("python") or ""), str(spec.get("index_url") or ""),
-                "\0".join(spec.get("find_links") or ()), "\0".join(spec.get("packages") or ()),
+                "\0".join(spec.get("extra_index_urls") or ()), "\0".join(spec.get("find_links") or ()), "\0".join(spec.get("packages") or ()),
                 "\0".join(spec.get("post_install") or ()))
     return (str(spec.get("kind")), str(spec.get("container") or ""), str(spec.get("image")))
 

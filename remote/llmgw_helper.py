@@ -114,7 +114,8 @@ provision {"runtime": RUNTIME} -> events "progress" {"phase": "venv"|"pip"|"post
     "line": str|null}; answer {"kind": "venv", "id": hex, "path", "bytes", "created": bool,
     "python": version, "installer": "pip"|"uv"}
     RUNTIME is {"kind": "venv", "packages": [requirement, ...] (one at least, none starting
-    with "-"), "index_url": str|null, "find_links": [dir or URL, ...], "python": name on PATH |
+    with "-"), "index_url": str|null, "extra_index_urls": [URL, ...], "find_links": [dir or URL,
+    ...], "python": name on PATH |
     absolute path | null (the interpreter running this helper), "post_install": [shell command,
     ...]}; another kind is refused (bad_args). Builds the environment of that recipe once (see
     "Environments" below), single-flight per recipe on the node: a second request attaches to
@@ -123,7 +124,9 @@ provision {"runtime": RUNTIME} -> events "progress" {"phase": "venv"|"pip"|"post
     when it was there already, sealed, and its files as sealed. Steps: ``PY -m venv ENV``; then
     ``ENV/bin/python -m pip install --disable-pip-version-check --progress-bar off`` (or
     ``uv pip install --python ENV/bin/python`` when uv is on PATH) with ``--index-url X``, or
-    ``--no-index`` when find_links are given without one, each ``--find-links Y``, and the
+    ``--no-index`` when find_links are given without it or extra_index_urls, each
+    ``--extra-index-url Z`` (an index asked beside the main one, e.g. PyTorch's CPU wheels),
+    each ``--find-links Y``, and the
     packages; then each post_install command as ``sh -c CMD`` with ENV/bin first on PATH,
     VIRTUAL_ENV=ENV and ENV as working directory. Steps run with the helper's environment (the
     node's pip configuration, proxies and certificates included) without PYTHONPATH,
@@ -289,7 +292,7 @@ One-shot mode for operators (R-1.4)
 -----------------------------------
 ``python3 llmgw_helper.py inventory|storage|holdings|status|logs|reclaim|envs ... [--json]``
 prints the result the control plane sees, readable by default (unknown shown as ``-``), exact
-JSON with --json. ``provision PACKAGE... [--find-links DIR]... [--index-url URL] [--python PY]
+JSON with --json. ``provision PACKAGE... [--find-links DIR]... [--index-url URL] [--extra-index-url URL]... [--python PY]
 [--post-install CMD]...`` builds an environment by hand (its progress on stderr; it needs the
 fleet secret a serve stored in ROOT). Destructive operations (launch, stop, forget, fetch,
 reclaim with collect) are reachable only through ``serve --expect-sha256``.
@@ -2844,6 +2847,14 @@ def check_venv_runtime(runtime):
         _check_line(index_url, "runtime.index_url")
         if index_url.startswith("-"):
             raise bad_args("runtime.index_url %r is not a URL" % index_url)
+    extra_index_urls = runtime.get("extra_index_urls")
+    extra_index_urls = [] if extra_index_urls is None else extra_index_urls
+    if not isinstance(extra_index_urls, list):
+        raise bad_args("runtime.extra_index_urls must be a list of URLs")
+    for index, url in enumerate(extra_index_urls):
+        _check_line(url, "runtime.extra_index_urls[%d]" % index)
+        if url.startswith("-"):
+            raise bad_args("runtime.extra_index_urls[%d] %r is not a URL" % (index, url))
     find_links = runtime.get("find_links")
     find_links = [] if find_links is None else find_links
     if not isinstance(find_links, list):
@@ -2863,8 +2874,9 @@ def check_venv_runtime(runtime):
         raise bad_args("runtime.post_install must be a list of shell commands")
     for index, command in enumerate(post_install):
         _check_line(command, "runtime.post_install[%d]" % index)
-    return {"kind": "venv", "packages": list(packages), "index_url": index_url, "find_links": list(find_links),
-            "python": python, "post_install": list(post_install)}
+    return {"kind": "venv", "packages": list(packages), "index_url": index_url,
+            "extra_index_urls": list(extra_index_urls), "find_links": list(find_links), "python": python,
+            "post_install": list(post_install)}
 
 
 def _check_line(value, what):
@@ -2877,6 +2889,8 @@ def venv_recipe(spec, interpreter, version):
     recipe's canonical JSON, so any change of what the environment is made from is another one."""
     recipe = {"kind": "venv", "python": version, "interpreter": interpreter, "packages": spec["packages"],
               "index_url": spec["index_url"], "find_links": spec["find_links"], "post_install": spec["post_install"]}
+    if spec["extra_index_urls"]:  # absent otherwise, so that the ids of recipes without any stay as they were
+        recipe["extra_index_urls"] = spec["extra_index_urls"]
     return hashlib.sha256(canonical_json(recipe).encode("utf-8")).hexdigest(), recipe
 
 
@@ -3002,8 +3016,10 @@ def install_argv(spec, env_python, uv):
     options = []
     if spec["index_url"] is not None:
         options += ["--index-url", spec["index_url"]]
-    elif spec["find_links"]:
+    elif spec["find_links"] and not spec["extra_index_urls"]:
         options.append("--no-index")  # a wheelhouse only: no index is asked
+    for url in spec["extra_index_urls"]:
+        options += ["--extra-index-url", url]
     for link in spec["find_links"]:
         options += ["--find-links", link]
     if uv is not None:
@@ -4730,6 +4746,7 @@ def build_parser():
     provision.add_argument("packages", nargs="+", metavar="PACKAGE", help="pip requirements")
     provision.add_argument("--find-links", action="append", default=[], metavar="DIR_OR_URL")
     provision.add_argument("--index-url", default=None, metavar="URL")
+    provision.add_argument("--extra-index-url", action="append", default=[], metavar="URL")
     provision.add_argument("--python", default=None, metavar="PY", help="interpreter (default: this one)")
     provision.add_argument("--post-install", action="append", default=[], metavar="CMD",
                            help="a shell command run in the environment after pip")
@@ -4916,7 +4933,8 @@ def run_one_shot(node, options):
         args = {}
     elif command == "provision":
         args = {"runtime": {"kind": "venv", "packages": options.packages, "index_url": options.index_url,
-                            "find_links": options.find_links, "python": options.python,
+                            "extra_index_urls": options.extra_index_url, "find_links": options.find_links,
+                            "python": options.python,
                             "post_install": options.post_install}}
     else:
         args = {"cache_dir": os.path.abspath(os.path.expanduser(options.cache_dir))}

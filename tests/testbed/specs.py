@@ -57,6 +57,7 @@ class NodeSpec:
     `shared=True` lists the testbed's shared directory in the node's inventory entry.
     `engines="real"` puts the real vLLM and llama-server (built by scripts/engines, see
     engines.py) on its PATH instead of the engine double; SGLang stays the double there.
+    `engines="none"` puts no engine at all on its PATH (a node with nothing installed).
     """
 
     name: str
@@ -73,8 +74,8 @@ class NodeSpec:
     engines: str = "double"
 
     def __post_init__(self):
-        if self.engines not in ("double", "real"):
-            raise ValueError(f"engines must be 'double' or 'real', not {self.engines!r}")
+        if self.engines not in ("double", "real", "none"):
+            raise ValueError(f"engines must be 'double', 'real' or 'none', not {self.engines!r}")
         if self.gpus is not None:
             object.__setattr__(self, "gpus", tuple(self.gpus))
         object.__setattr__(self, "labels", dict(self.labels))

@@ -340,6 +340,8 @@ class Testbed:
         for name, mode, real in (("vllm", "vllm", "vLLM"), ("llama-server", "llama-server", "llama.cpp"),
                                  ("sglang", "sglang", "SGLang")):
             path = node.bin_dir / name
+            if spec.engines == "none":
+                continue
             if spec.engines == "real" and name in real_engines.REAL:
                 path.write_text(real_engines.wrapper(name))
             else:

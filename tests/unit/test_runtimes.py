@@ -12,6 +12,7 @@ def test_a_venv_profile_gives_its_whole_recipe():
     profile = ProfileConfig(engine="vllm", runtime="venv", packages=["vllm==0.32.0"], find_links=["/wheels"],
                             post_install=["python -m pip uninstall -y torchvision"])
     assert runtime_spec(profile) == {"kind": "venv", "packages": ["vllm==0.32.0"], "index_url": None,
+                                     "extra_index_urls": [],
                                      "find_links": ["/wheels"], "python": None,
                                      "post_install": ["python -m pip uninstall -y torchvision"]}
 
