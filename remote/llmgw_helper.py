@@ -57,14 +57,33 @@ Operations (args -> result)
 ---------------------------
 ping {} -> {"time": unix float}
 
-inventory {} -> {"hostname", "boot_id", "cpus", "memory_bytes": int|null,
-    "nvidia_smi": "ok"|"absent"|"error", "nvidia_smi_error": str|null,
+inventory {"images": [IMAGE, ...], "venvs": {KEY: RUNTIME}} -> {"hostname", "boot_id", "cpus",
+    "memory_bytes": int|null, "nvidia_smi": "ok"|"absent"|"error", "nvidia_smi_error": str|null,
     "gpus": [{"index", "uuid", "name", "memory_total_mib", "memory_used_mib",
-              "utilization_pct", "ecc_uncorrected", "healthy", "reasons": [str]}]}
+              "utilization_pct", "ecc_uncorrected", "healthy", "reasons": [str]}],
+    "python": {"path", "version"},
+    "containers": {"docker"|"podman": {"path": str|null, "answers": bool|null, "error": str|null,
+                   "runtimes": [str]|null, "gpu": bool|null, "images": {IMAGE: bool}|null}},
+    "venvs": {KEY: {"python", "found": bool|null, "interpreter", "version", "id",
+              "built": bool|null, "error": str|null}}}
     No nvidia-smi on PATH means no GPUs, not an error (R-2.1). A GPU is unhealthy (R-2.2) with
     uncorrected ECC errors, an unreadable field ([GPU is lost], ERR!, [Unknown Error]), or
     memory held by a process that is not in the session of an engine this node runs.
     [N/A] and [Not Supported] are unknown (null), not unhealthy.
+    What the node can run engines from (R-4.12): python is the interpreter running this helper,
+    the one a venv without "python" is built with. containers has docker and podman: path null
+    when not on PATH; answers whether `PROGRAM info` worked (docker's needs its daemon; false
+    with the reason in error, null when it did not answer within CONTAINER_PROBE_WAIT: the probe
+    goes on on a thread, and while it runs later inventories do not start another and answer
+    null at once); runtimes docker's OCI runtimes; gpu whether it can give a container GPUs as
+    launch asks (docker --gpus: the nvidia runtime or NVIDIA_HOOK on PATH; podman --device
+    nvidia.com/gpu=N: a CDI spec of kind nvidia.com/gpu in CDI_DIRS; null when not checked);
+    images, for the asked IMAGEs (at most INVENTORY_IMAGES_MAX), whether each is present. venvs,
+    for each asked venv RUNTIME (as provision's; at most INVENTORY_VENVS_MAX) under the caller's
+    KEY: whether its interpreter is on this node (found, null when it did not say its version
+    within INVENTORY_PYTHON_TIMEOUT), its resolved path and version, the recipe id, and whether
+    its environment is built and sealed by this fleet (built, null without the fleet secret;
+    the seal's tree walk is remembered per state of the seal file, launch checks it anyway).
 
 storage {"dirs": [{"path", "shared": bool}], "timeout": 5} -> {"filesystems": [{"device":
     "MAJ:MIN", "fstype", "mount_point", "shared", "total_bytes", "free_bytes", "dirs"}],
@@ -496,6 +515,11 @@ class HelperError(Exception):
         Exception.__init__(self, message)
         self.kind = kind
         self.message = message
+
+
+class Unanswered(HelperError):
+    """A check that could not be made in time: what it asked stays unknown (null in inventory),
+    which is not an answer that it is missing."""
 
 
 def bad_args(message):
@@ -1924,6 +1948,9 @@ class NodeCore(object):
         self.launch_lock = threading.Lock()
         self.pulls = {}  # (container program, image) -> the PullJob new provisions attach to
         self.pull_lock = threading.Lock()
+        self.container_probes = {}  # container program -> its latest inventory probe (a thread)
+        self.env_seals = {}  # (path, the seal file's inode, mtime, ctime, size) -> sealed or not
+        self.probe_lock = threading.Lock()
         self.verified_lock = threading.Lock()  # the node-local record of verified files
         self.closing = threading.Event()
         self._opener = None
@@ -2124,6 +2151,21 @@ class InventoryOps(object):
     """inventory: a part of Node (below)."""
 
     def op_inventory(self, args, ctx):
+        images = _arg(args, "images", (list,), [])
+        if len(images) > INVENTORY_IMAGES_MAX:
+            raise bad_args("at most %d images may be asked about, got %d" % (INVENTORY_IMAGES_MAX, len(images)))
+        for image in images:
+            _check_image(image)
+        venvs = _arg(args, "venvs", (dict,), {})
+        if len(venvs) > INVENTORY_VENVS_MAX:
+            raise bad_args("at most %d venv recipes may be asked about, got %d" % (INVENTORY_VENVS_MAX, len(venvs)))
+        specs = {}
+        for key, runtime in venvs.items():
+            if not isinstance(runtime, dict) or runtime.get("kind") != "venv":
+                raise bad_args("venvs[%r] must be a venv runtime" % (key,))
+            specs[key] = check_venv_runtime(runtime)
+        # The container programs answer on threads while the GPUs and environments are looked at.
+        probes = self.start_container_probes(sorted(set(images)))
         meminfo = _read_text("/proc/meminfo")
         memory = parse_meminfo(meminfo).get("MemTotal") if meminfo else None
         result = {
@@ -2133,6 +2175,9 @@ class InventoryOps(object):
             "memory_bytes": memory,
         }
         result.update(self._query_gpus())
+        result["python"] = {"path": sys.executable, "version": platform.python_version()}
+        result["venvs"] = dict((key, self.venv_facts(spec)) for key, spec in specs.items())
+        result["containers"] = self.container_facts(probes)
         return result
 
     def _query_gpus(self):
@@ -3167,9 +3212,10 @@ class VenvOps(object):
             raise HelperError(job.error.kind, job.error.message)
         return dict(job.result)
 
-    def venv_recipe(self, spec):
+    def venv_recipe(self, spec, timeout=PYTHON_QUERY_TIMEOUT):
         """(recipe id, recipe, interpreter path) for a venv runtime on this node: the interpreter
-        named (on PATH) or the helper's own, resolved, and the version it reports."""
+        named (on PATH) or the helper's own, resolved, and the version it reports (asked within
+        timeout: Unanswered when it does not answer)."""
         python = spec["python"]
         if python is None:
             found = sys.executable
@@ -3183,11 +3229,11 @@ class VenvOps(object):
             raise HelperError("runtime_missing", "the Python interpreter %s %s on this node; install it, or name "
                                                  "another in the profile's python" % (python, where))
         interpreter = os.path.realpath(found)
-        version = platform.python_version() if python is None else self._python_version(interpreter)
+        version = platform.python_version() if python is None else self._python_version(interpreter, timeout)
         recipe_id, recipe = venv_recipe(spec, interpreter, version)
         return recipe_id, recipe, interpreter
 
-    def _python_version(self, interpreter):
+    def _python_version(self, interpreter, timeout=PYTHON_QUERY_TIMEOUT):
         """The version an interpreter reports, asked once per file (by inode and mtime)."""
         try:
             info = os.stat(interpreter)
@@ -3201,8 +3247,11 @@ class VenvOps(object):
         try:
             probe = subprocess.run([interpreter, "-I", "-c", "import platform; print(platform.python_version())"],
                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   timeout=PYTHON_QUERY_TIMEOUT)
-        except (OSError, subprocess.TimeoutExpired) as exc:
+                                   timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise Unanswered("runtime_missing", "the Python interpreter %s did not say its version within %g s"
+                             % (interpreter, timeout))
+        except OSError as exc:
             raise HelperError("runtime_missing", "the Python interpreter %s cannot be run: %s" % (interpreter, exc))
         version = probe.stdout.decode("ascii", "replace").strip()
         if probe.returncode != 0 or not re.fullmatch(r"\d+\.\d+\.\d+\S*", version):
@@ -3443,6 +3492,49 @@ class VenvOps(object):
     def op_envs(self, args, ctx):
         return {"envs": self.list_envs()}
 
+    def venv_facts(self, spec):
+        """What inventory reports of a venv recipe here (R-4.12): whether the interpreter it is
+        made from is on this node (found; null when it did not say its version in time), that
+        interpreter and its version, the recipe's id, and whether its environment is built and
+        sealed (built; null without the fleet secret to check a seal)."""
+        fact = {"python": spec["python"], "found": None, "interpreter": None, "version": None, "id": None,
+                "built": None, "error": None}
+        try:
+            recipe_id, recipe, interpreter = self.venv_recipe(spec, timeout=INVENTORY_PYTHON_TIMEOUT)
+        except Unanswered as exc:
+            fact["error"] = exc.message
+            return fact
+        except HelperError as exc:
+            fact.update(found=False, error=exc.message)
+            return fact
+        fact.update(found=True, interpreter=interpreter, version=recipe["python"], id=recipe_id,
+                    built=self.env_built(os.path.join(self.envs_dir(), env_name(recipe_id))))
+        return fact
+
+    def env_built(self, path):
+        """Whether an environment this fleet's llmgw built and sealed is at path; None without the
+        fleet secret. Its tree is walked (never read) once per state of its seal file, which every
+        launch from it touches; launch checks its files again whatever this said."""
+        if self.secret is None:
+            return None
+        try:
+            info = os.lstat(os.path.join(path, COMPLETE_MARKER))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError:
+            return None
+        key = (path, info.st_ino, info.st_mtime_ns, info.st_ctime_ns, info.st_size)
+        with self.probe_lock:
+            known = self.env_seals.get(key)
+        if known is not None:
+            return known
+        built = env_state(path, self.secret)[0] == "sealed"
+        with self.probe_lock:
+            for old in [k for k in self.env_seals if k[0] == path]:
+                del self.env_seals[old]
+            self.env_seals[key] = built
+        return built
+
     def list_envs(self):
         """Every environment under ROOT/envs, sealed or not (reason says why not)."""
         try:
@@ -3572,6 +3664,17 @@ CONTAINER_CLI_TIMEOUT = 60.0  # a docker command that does not answer in this lo
 CONTAINER_WAIT = 120.0  # how long the supervisor waits for `run` to create the container
 IMAGE_RE = re.compile(r"[a-z0-9]([a-z0-9._/:@+-]{0,254})")  # as the profile field's pattern
 PULL_TAIL_LINES = 15
+# What inventory reports of the container programs (R-4.12), bounded so a hanging daemon never
+# makes it slow: it waits CONTAINER_PROBE_WAIT for their answers, the rest stays unknown.
+CONTAINER_PROBE_WAIT = 3.0
+CONTAINER_PROBE_LIMIT = 60.0  # a probe's command still running after this long is killed
+NVIDIA_HOOK = "nvidia-container-runtime-hook"  # what dockerd runs for --gpus (NVIDIA Container Toolkit)
+CDI_DIRS = ("/etc/cdi", "/var/run/cdi")  # where podman finds CDI device specs
+CDI_SPEC_MAX_BYTES = 1 << 20
+_CDI_NVIDIA_GPU = re.compile(r"""["']?kind["']?\s*:\s*["']?nvidia\.com/gpu\b""")
+INVENTORY_IMAGES_MAX = 64
+INVENTORY_VENVS_MAX = 64
+INVENTORY_PYTHON_TIMEOUT = 5.0  # inventory's wait for an interpreter's version (provision waits longer)
 
 
 def container_program(runtime):
@@ -3676,6 +3779,86 @@ def _check_container_runtime(runtime):
     return runtime
 
 
+def cdi_nvidia_gpu(dirs=CDI_DIRS):
+    """Whether a CDI spec for nvidia.com/gpu devices is in one of dirs (what podman's --device
+    nvidia.com/gpu=N needs); None when one of them, or a spec in it, could not be read."""
+    unreadable = False
+    for directory in dirs:
+        try:
+            names = sorted(os.listdir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError:
+            unreadable = True
+            continue
+        for name in names:
+            if not name.endswith((".json", ".yaml", ".yml")):
+                continue
+            try:
+                with open(os.path.join(directory, name), "rb") as handle:
+                    text = handle.read(CDI_SPEC_MAX_BYTES).decode("utf-8", "replace")
+            except OSError:
+                unreadable = True
+                continue
+            if _CDI_NVIDIA_GPU.search(text):
+                return True
+    return None if unreadable else False
+
+
+def _no_container_facts(path, error=None):
+    return {"path": path, "answers": None, "error": error, "runtimes": None, "gpu": None, "images": None}
+
+
+def probe_container_program(name, path, images, cdi=cdi_nvidia_gpu):
+    """What inventory reports of a container program on PATH (R-4.12), asked on a thread that the
+    inventory waits for only CONTAINER_PROBE_WAIT: whether it answers (docker: its daemon; podman
+    has none, its `info` must work), docker's OCI runtimes, whether it can give a container
+    GPUs (gpu: docker's --gpus needs the nvidia runtime or NVIDIA_HOOK, podman's --device
+    nvidia.com/gpu=N a CDI spec), and which of images it holds ({image: bool})."""
+    found = _no_container_facts(path)
+    query = "{{json .Runtimes}}" if name == "docker" else "{{json .Host.OCIRuntime.Name}}"
+    try:
+        done = subprocess.run([path, "info", "--format", query], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, timeout=CONTAINER_PROBE_LIMIT, close_fds=True)
+    except subprocess.TimeoutExpired:
+        found["error"] = "%s info did not answer within %g s" % (name, CONTAINER_PROBE_LIMIT)
+        return found
+    except OSError as exc:
+        found.update(answers=False, error="could not run %s: %s" % (path, exc))
+        return found
+    err = done.stderr.decode("utf-8", "replace")
+    if done.returncode != 0:
+        last = err.strip().splitlines()[-1].strip() if err.strip() else "no message"
+        found.update(answers=False, error=_daemon_problem(name, err)
+                     or "%s info exited with status %d: %s" % (name, done.returncode, last[:300]))
+        return found
+    found["answers"] = True
+    if name == "docker":
+        try:
+            runtimes = json.loads(done.stdout.decode("utf-8", "replace"))
+        except ValueError:
+            runtimes = None
+        if isinstance(runtimes, dict):
+            found["runtimes"] = sorted(str(key) for key in runtimes)
+        if found["runtimes"] is not None and "nvidia" in found["runtimes"]:
+            found["gpu"] = True
+        elif find_program(NVIDIA_HOOK, os.environ.get("PATH", os.defpath)) is not None:
+            found["gpu"] = True
+        elif found["runtimes"] is not None:
+            found["gpu"] = False
+    else:
+        found["gpu"] = cdi()
+    held = {}
+    try:
+        for image in images:
+            held[image] = image_id(path, name, image) is not None
+    except HelperError as exc:
+        found["error"] = exc.message  # images stay unknown
+        return found
+    found["images"] = held
+    return found
+
+
 class PullJob(object):
     """One `docker pull` in progress, shared by every provision that asked for the image."""
 
@@ -3718,7 +3901,47 @@ class PullJob(object):
 
 class ContainerOps(object):
     """provision of a container runtime (the image, pulled single-flight) and the container a
-    launch runs: a part of Node (below)."""
+    launch runs, and what inventory reports of the container programs: a part of Node (below)."""
+
+    def start_container_probes(self, images):
+        """{program: (path or None, probe or None, started now)}: a probe started for each
+        container program on PATH, unless the last one started is still running (a program that
+        hangs is asked again only once it answered)."""
+        search_path = os.environ.get("PATH", os.defpath)
+        started = {}
+        for name in CONTAINER_PROGRAMS:
+            path = find_program(name, search_path)
+            if path is None:
+                started[name] = (None, None, False)
+                continue
+            with self.probe_lock:
+                probe = self.container_probes.get(name)
+                fresh = probe is None or not probe["thread"].is_alive()
+                if fresh:
+                    thread, box = _start_bounded(lambda name=name, path=path: probe_container_program(name, path, images))
+                    probe = self.container_probes[name] = {"thread": thread, "box": box, "since": time.time()}
+            started[name] = (path, probe, fresh)
+        return started
+
+    def container_facts(self, started, wait=CONTAINER_PROBE_WAIT):
+        """inventory's "containers": each program's probe, waited for until wait has passed in
+        all; one that has not answered by then is unknown (null), never absent."""
+        deadline = time.monotonic() + wait
+        facts = {}
+        for name, (path, probe, fresh) in sorted(started.items()):
+            if path is None:
+                facts[name] = _no_container_facts(None)
+                continue
+            if fresh:
+                probe["thread"].join(max(0.0, deadline - time.monotonic()))
+            if probe["thread"].is_alive():
+                facts[name] = _no_container_facts(path, "%s info has not answered for %.0f s (DOCKER_HOST=%s)" % (
+                    name, time.time() - probe["since"], os.environ.get("DOCKER_HOST", "unset")))
+            elif "error" in probe["box"]:
+                facts[name] = _no_container_facts(path, "asking %s failed: %s" % (name, probe["box"]["error"]))
+            else:
+                facts[name] = probe["box"]["value"]
+        return facts
 
     def provision_container(self, runtime, ctx):
         _check_container_runtime(runtime)
@@ -4683,7 +4906,8 @@ class Server(object):
 OPERATIONS_HELP = """\
 operations of the protocol (serve):
   ping      {}
-  inventory {}                                      GPUs, memory, CPUs, host, boot id
+  inventory {images, venvs}                         GPUs, memory, CPUs, host, boot id, container
+                                                     programs and images, venv interpreters
   storage   {dirs: [{path, shared}], timeout}        free/total per filesystem
   holdings  {candidates: {KEY: [path, ...]}}         which weights are present and complete
   fetch     {source, cache_dir, name, token}         download into the cache (progress events)
@@ -5001,6 +5225,16 @@ def _render_inventory(result):
         lines.append(_table(["GPU", "NAME", "MEMORY USED/TOTAL", "UTIL", "ECC", "HEALTH"], rows))
     else:
         lines.append("no GPUs")
+    python = result.get("python") or {}
+    lines.append("python: %s (%s)" % (_dash(python.get("version")), _dash(python.get("path"))))
+    for name, found in sorted((result.get("containers") or {}).items()):
+        if found["path"] is None:
+            lines.append("%s: not on PATH" % name)
+            continue
+        answers = {True: "answers", False: "does not answer", None: "not checked"}[found["answers"]]
+        gpu = {True: "yes", False: "no", None: "-"}[found["gpu"]]
+        lines.append("%s: %s, %s, GPUs: %s%s" % (name, found["path"], answers, gpu,
+                                                  ": " + found["error"] if found["error"] else ""))
     return "\n".join(lines)
 
 

@@ -115,6 +115,65 @@ class GPU:
                    reasons=_strings(data, "reasons", where))
 
 
+def _flags(data: dict[str, Any], key: str, where: str) -> dict[str, bool] | None:
+    """{name: bool}, or None when the helper did not check (null or absent)."""
+    values = _field(data, key, (dict,), where)
+    if values is None:
+        return None
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            raise Malformed(f"{where}{key}[{name!r}] is {_kind(value)}, not a boolean")
+    return dict(values)
+
+
+@dataclass(frozen=True)
+class ContainerProgram:
+    """docker or podman as the node found it (R-4.12). `path` None: not on the node's PATH.
+    `answers`: whether `PROGRAM info` worked (docker's needs its daemon); None when it was not
+    checked or did not answer in time. `gpu`: whether it can give a container GPUs the way the
+    helper asks (docker: the NVIDIA runtime or hook; podman: a CDI spec); None: not checked.
+    `images`: whether each image the control plane asked about is present; None: not checked."""
+
+    name: str
+    path: str | None
+    answers: bool | None = None
+    error: str | None = None
+    runtimes: tuple[str, ...] | None = None
+    gpu: bool | None = None
+    images: dict[str, bool] | None = None
+
+    @classmethod
+    def from_helper(cls, name: str, data: Any, where: str) -> ContainerProgram:
+        data = _object(data, where.rstrip("."))
+        return cls(name=name, path=_field(data, "path", TEXT, where), answers=_field(data, "answers", FLAG, where),
+                   error=_field(data, "error", TEXT, where),
+                   runtimes=None if data.get("runtimes") is None else _strings(data, "runtimes", where),
+                   gpu=_field(data, "gpu", FLAG, where), images=_flags(data, "images", where))
+
+
+@dataclass(frozen=True)
+class VenvCheck:
+    """A venv recipe as the node judged it (R-4.12): `found` whether the interpreter it is made
+    from is there (None: it did not answer in time), and `built` whether its environment is built
+    and sealed (None: not checked)."""
+
+    python: str | None  # as the profile names it; None: the helper's own interpreter
+    found: bool | None
+    interpreter: str | None = None
+    version: str | None = None
+    id: str | None = None  # the recipe id the environment is kept under
+    built: bool | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_helper(cls, data: Any, where: str) -> VenvCheck:
+        data = _object(data, where.rstrip("."))
+        return cls(python=_field(data, "python", TEXT, where), found=_field(data, "found", FLAG, where),
+                   interpreter=_field(data, "interpreter", TEXT, where), version=_field(data, "version", TEXT, where),
+                   id=_field(data, "id", TEXT, where), built=_field(data, "built", FLAG, where),
+                   error=_field(data, "error", TEXT, where))
+
+
 @dataclass(frozen=True)
 class Inventory:
     hostname: str | None
@@ -124,15 +183,28 @@ class Inventory:
     gpus: tuple[GPU, ...]
     nvidia_smi: str  # "ok" | "absent" | "error"
     nvidia_smi_error: str | None = None
+    # What the node can run engines from (R-4.12); None: not reported (a helper that does not say).
+    python: str | None = None  # the version of the helper's interpreter, a venv's default
+    containers: dict[str, ContainerProgram] | None = None  # by program name: docker, podman
+    venvs: dict[str, VenvCheck] | None = None  # by the key the request gave each venv recipe
 
     @classmethod
     def from_helper(cls, data: Any) -> Inventory:
         data = _object(data, "the answer")
+        containers = _field(data, "containers", (dict,), "")
+        venvs = _field(data, "venvs", (dict,), "")
+        python = _field(data, "python", (dict,), "")
         return cls(hostname=_field(data, "hostname", TEXT, ""), boot_id=_field(data, "boot_id", TEXT, ""),
                    cpus=_field(data, "cpus", INT, ""), memory_bytes=_field(data, "memory_bytes", INT, ""),
                    gpus=tuple(GPU.from_helper(g, f"gpus[{i}].") for i, g in enumerate(_list(data, "gpus", ""))),
                    nvidia_smi=_field(data, "nvidia_smi", TEXT, "", default="absent"),
-                   nvidia_smi_error=_field(data, "nvidia_smi_error", TEXT, ""))
+                   nvidia_smi_error=_field(data, "nvidia_smi_error", TEXT, ""),
+                   python=None if python is None else _field(python, "version", TEXT, "python."),
+                   containers=None if containers is None else {
+                       name: ContainerProgram.from_helper(name, c, f"containers[{name!r}].")
+                       for name, c in containers.items()},
+                   venvs=None if venvs is None else {
+                       key: VenvCheck.from_helper(v, f"venvs[{key!r}].") for key, v in venvs.items()})
 
     @property
     def gpu_class(self) -> str | None:

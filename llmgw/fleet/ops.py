@@ -118,12 +118,17 @@ class Pong:
 
 @dataclass(frozen=True)
 class InventoryRequest(Request):
-    """GPUs, memory, CPUs; the answer is `facts.Inventory`."""
+    """GPUs, memory, CPUs, and what the node can run engines from: its container programs, which
+    of `images` they hold, and for each venv recipe of `venvs` (a key of the caller's to a
+    `runtime_spec`) its interpreter and whether its environment is built; the answer is
+    `facts.Inventory` (R-4.12)."""
 
     OP = "inventory"
+    images: Sequence[str] = ()
+    venvs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def args(self) -> dict[str, Any]:
-        return {}
+        return {"images": sorted(set(self.images)), "venvs": {key: dict(spec) for key, spec in self.venvs.items()}}
 
 
 @dataclass(frozen=True)

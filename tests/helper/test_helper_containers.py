@@ -183,3 +183,16 @@ def test_gpus_become_the_toolkits_device_list_not_cuda_visible_devices(helper, i
     log = subprocess.run(["cat", str(installed.root / "shards" / "g1" / "engine.log")], capture_output=True,
                          text=True).stdout
     assert "gpu" in log.lower()
+
+
+def test_inventory_reports_the_daemon_its_runtimes_and_which_images_it_holds(helper, image):
+    """R-4.12: what placement reads. This daemon has no NVIDIA runtime; the answer says so only
+    as far as it is true here (the hook may be installed on another machine running the suite)."""
+    import shutil
+
+    info = images.docker_client().info()
+    found = helper.call("inventory", {"images": [image, "llmgw-test/absent:1"]})["containers"]["docker"]
+    assert found["path"] == shutil.which("docker") and found["answers"] is True and found["error"] is None, found
+    assert found["runtimes"] == sorted(info["Runtimes"])
+    assert found["gpu"] is ("nvidia" in info["Runtimes"] or shutil.which("nvidia-container-runtime-hook") is not None)
+    assert found["images"] == {image: True, "llmgw-test/absent:1": False}

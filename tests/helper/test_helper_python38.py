@@ -76,8 +76,12 @@ def test_each_part_of_the_protocol_runs_under_38(installed, tls_env, https_serve
     helper = HelperClient(installed.path, installed.sha, installed.root, env=tls_env, python=PYTHON38)
     try:
         assert helper.wait_hello()["python"].startswith("3.8.")
-        inventory = helper.call("inventory")
+        inventory = helper.call("inventory", {"images": ["busybox:1"], "venvs": {"v": {
+            "kind": "venv", "packages": ["llmgw-probe"], "find_links": [str(tmp_path)], "python": None}}})
         assert inventory["hostname"] and inventory["cpus"] >= 1
+        assert inventory["python"]["version"].startswith("3.8.")
+        assert set(inventory["containers"]) == {"docker", "podman"}
+        assert inventory["venvs"]["v"]["found"] is True and inventory["venvs"]["v"]["version"].startswith("3.8.")
 
         weights = tmp_path / "models" / "m.gguf"
         weights.parent.mkdir()

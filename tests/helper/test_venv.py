@@ -45,6 +45,13 @@ def _env_path(root, runtime):
     return recipe_id, root / "envs" / ("venv-" + recipe_id[:32])
 
 
+def _inventoried(helper, runtime):
+    """(recipe id, built) as inventory reports the recipe (R-4.12)."""
+    fact = helper.call("inventory", {"venvs": {"r": runtime}})["venvs"]["r"]
+    assert fact["found"] is True and fact["error"] is None, fact
+    return fact["id"], fact["built"]
+
+
 def _provision(helper, runtime):
     return helper.request("provision", {"runtime": runtime}, timeout=BUILD_TIMEOUT)
 
@@ -76,10 +83,12 @@ def _get(port, path):
 def test_an_environment_is_built_once_and_the_engine_runs_from_it(helper, installed, wheelhouse):
     runtime = _runtime(wheelhouse)
     recipe_id, path = _env_path(installed.root, runtime)
+    assert _inventoried(helper, runtime) == (recipe_id, False), "inventory: not built yet (R-4.12)"
     request_id = helper.send("provision", {"runtime": runtime})
     answer = helper.answer(request_id, timeout=BUILD_TIMEOUT)
     assert answer["ok"], answer
     built = answer["result"]
+    assert _inventoried(helper, runtime) == (recipe_id, True), "inventory: built and sealed"
     assert built == {"kind": "venv", "id": recipe_id, "path": str(path), "bytes": built["bytes"], "created": True,
                      "python": platform.python_version(), "installer": "pip"}
     assert built["bytes"] > 0
@@ -131,6 +140,7 @@ def test_an_environment_is_built_once_and_the_engine_runs_from_it(helper, instal
     assert "is not an environment's name" in reclaimed["envs"][2]["reason"]
     assert _env_names(installed.root) == []
     assert (installed.root / "shards").is_dir(), "a traversal name removes nothing"
+    assert _inventoried(helper, runtime) == (recipe_id, False), "inventory: removed"
 
 
 def test_two_provisions_of_one_recipe_build_it_once(helper, installed, wheelhouse, tmp_path):

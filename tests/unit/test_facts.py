@@ -7,6 +7,7 @@ import copy
 import pytest
 
 from llmgw.fleet.facts import (
+    ContainerProgram,
     Held,
     Inventory,
     Malformed,
@@ -30,6 +31,27 @@ STATUS = {"shards": [{"shard_id": "chat-1-0", "pid": 4242, "pgid": 4242, "start_
                       "health": {"status": 200, "error": None}, "log_tail": None},
                      {"shard_id": "chat-0-0", "pid": None, "alive": False, "exit_code": 1, "ended_at": 1700000001,
                       "health": None, "log_tail": ["CUDA out of memory"]}]}
+
+
+ENGINES = dict(INVENTORY, python={"path": "/usr/bin/python3", "version": "3.11.2"}, containers={
+    "docker": {"path": "/usr/bin/docker", "answers": True, "error": None, "runtimes": ["nvidia", "runc"], "gpu": True,
+               "images": {"img:1": True, "img:2": False}},
+    "podman": {"path": None, "answers": None, "error": None, "runtimes": None, "gpu": None, "images": None}},
+    venvs={"k1": {"python": "python3.12", "found": False, "interpreter": None, "version": None, "id": None,
+                  "built": None, "error": "the Python interpreter python3.12 is not on PATH=/usr/bin"}})
+
+
+def test_what_a_node_can_run_engines_from_parses_and_unknown_stays_none():
+    inventory = Inventory.from_helper(ENGINES)
+    assert inventory.python == "3.11.2"
+    assert inventory.containers == {
+        "docker": ContainerProgram("docker", "/usr/bin/docker", True, None, ("nvidia", "runc"), True,
+                                   {"img:1": True, "img:2": False}),
+        "podman": ContainerProgram("podman", None)}
+    (check,) = inventory.venvs.values()
+    assert check.found is False and check.built is None and "python3.12" in check.error
+    older = Inventory.from_helper(INVENTORY)  # a helper that did not report them: unknown, not "none"
+    assert older.containers is None and older.venvs is None and older.python is None
 
 
 def test_sound_answers_parse_and_unknown_stays_none():
@@ -69,6 +91,14 @@ def _with(document: dict, path: tuple, value) -> dict:
                  id="gpu-not-object"),
     pytest.param(Inventory.from_helper, _with(INVENTORY, ("gpus", 0, "reasons"), ["ok", 3]),
                  "gpus[0].reasons[1] is an integer, not a string", id="gpu-reason-int"),
+    pytest.param(Inventory.from_helper, _with(ENGINES, ("containers", "docker", "answers"), "yes"),
+                 "containers['docker'].answers is a string, not a boolean", id="container-answers-string"),
+    pytest.param(Inventory.from_helper, _with(ENGINES, ("containers", "docker", "images", "img:1"), None),
+                 "containers['docker'].images['img:1'] is null, not a boolean", id="image-presence-null"),
+    pytest.param(Inventory.from_helper, _with(ENGINES, ("containers", "podman"), "absent"),
+                 "containers['podman'] is a string, not an object", id="container-not-object"),
+    pytest.param(Inventory.from_helper, _with(ENGINES, ("venvs", "k1", "built"), 1),
+                 "venvs['k1'].built is an integer, not a boolean", id="venv-built-int"),
     pytest.param(Storage.from_helper, _with(STORAGE, ("filesystems", 0, "device"), None),
                  "filesystems[0].device is missing", id="fs-device-missing"),
     pytest.param(Storage.from_helper, _with(STORAGE, ("filesystems", 0, "free_bytes"), 1.5e9),

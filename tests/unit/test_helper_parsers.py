@@ -262,3 +262,37 @@ def test_listen_inodes_are_the_listening_sockets_on_the_port():
 ])
 def test_api_keys_in_log_lines_are_scrubbed(line, expected):
     assert helper.scrub_secrets(line) == expected
+
+
+# -- CDI specs: what podman's --device nvidia.com/gpu=N needs (R-4.12) ---------------------------
+
+NVIDIA_CTK_YAML = """---
+cdiVersion: 0.5.0
+containerEdits:
+  deviceNodes:
+  - path: /dev/nvidiactl
+devices:
+- containerEdits:
+    deviceNodes:
+    - path: /dev/nvidia0
+  name: "0"
+kind: nvidia.com/gpu
+"""
+
+
+@pytest.mark.parametrize("files,expected", [
+    pytest.param({}, False, id="no-cdi-directories"),
+    pytest.param({"etc/vendor.yaml": "cdiVersion: 0.5.0\nkind: vendor.com/device\n"}, False, id="another-vendor"),
+    pytest.param({"etc/nvidia.yaml": NVIDIA_CTK_YAML}, True, id="nvidia-ctk-yaml"),
+    pytest.param({"run/nvidia.json": '{"cdiVersion": "0.6.0", "kind": "nvidia.com/gpu", "devices": []}'}, True,
+                 id="json-under-var-run-cdi"),
+    pytest.param({"etc/nvidia.yaml.bak": NVIDIA_CTK_YAML}, False, id="not-a-spec-file-name"),
+    pytest.param({"etc/mig.yaml": "kind: nvidia.com/gpumig\n"}, False, id="another-kind-with-that-prefix"),
+])
+def test_a_cdi_spec_for_nvidia_gpus_is_found(tmp_path, files, expected):
+    dirs = (str(tmp_path / "etc"), str(tmp_path / "run"))
+    for relative, text in files.items():
+        path = tmp_path / relative
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert helper.cdi_nvidia_gpu(dirs) is expected

@@ -37,6 +37,7 @@ from llmgw.fleet.ops import (
     ForgetRequest,
     Forgotten,
     HoldingsRequest,
+    InventoryRequest,
     LaunchRequest,
     LogsRequest,
     NodeOps,
@@ -278,6 +279,11 @@ async def test_a_real_helpers_answers_parse_as_the_typed_answers(link, tmp_path)
     assert link.hello is not None and link.hello.sha256 == helper_code().sha256 and link.hello.root
     assert isinstance(await ops.ping(), Pong)
     assert isinstance(await ops.inventory(), Inventory)
+    recipe = {"kind": "venv", "packages": ["llmgw-probe"], "index_url": None, "extra_index_urls": [],
+              "find_links": [str(tmp_path)], "python": None, "post_install": []}
+    engines = await ops.inventory(InventoryRequest(images=["img:1"], venvs={"k": recipe}))
+    assert set(engines.containers) == {"docker", "podman"}
+    assert engines.venvs["k"].found is True and engines.venvs["k"].built is False and engines.python
     storage = await ops.storage(StorageRequest((StorageDir(str(tmp_path)), StorageDir(str(tmp_path / "none")))))
     assert isinstance(storage, Storage) and storage.missing == (str(tmp_path / "none"),)
     weights = tmp_path / "model.gguf"
