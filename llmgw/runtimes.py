@@ -10,6 +10,7 @@ image or environment on a node share one provision.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,6 +43,12 @@ def runtime_key(spec: Mapping[str, Any]) -> tuple[str, ...]:
                 "\0".join(spec.get("extra_index_urls") or ()), "\0".join(spec.get("find_links") or ()), "\0".join(spec.get("packages") or ()),
                 "\0".join(spec.get("post_install") or ()))
     return (str(spec.get("kind")), str(spec.get("container") or ""), str(spec.get("image")))
+
+
+def venv_key(spec: Mapping[str, Any]) -> str:
+    """The short name a venv recipe is asked about under in the helper's inventory (R-4.12): a
+    digest of its `runtime_key`, so the control plane finds the answer for a profile again."""
+    return hashlib.sha256("\0\1".join(runtime_key(spec)).encode("utf-8")).hexdigest()[:16]
 
 
 def runtime_words(spec: Mapping[str, Any] | None) -> str:

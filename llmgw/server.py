@@ -269,6 +269,7 @@ class Gateway:
                                      outstanding=self.publisher.outstanding, abandon=self.publisher.abandon,
                                      engine_load=self.publisher.engine_load)
         self.fleet.holdings_wanted = self.reconciler.holdings_wanted
+        self.fleet.inventory_wanted = self.reconciler.inventory_wanted
         self.control = ControlPlane(self.inventory, self.document, self.holder, self.store, self.reconciler,
                                     self.fleet, self.inventory_source)
         self.control.on_reload.append(self._reloaded)

@@ -391,8 +391,11 @@ def explanation_json(explanation: Explanation) -> dict:
                        for s in plan.shards],
         },
         # what_if: one change that would make a rejected node fit; null when none is found.
+        # holds_engine: the image or environment of the profile's runtime; null: unknown,
+        # or the node's own program.
         "verdicts": [{"node": v.node, "fits": v.fits, "reasons": list(v.reasons), "free_gpus": v.free_gpus,
-                      "holds_weights": v.holds_weights, "what_if": v.what_if} for v in explanation.verdicts],
+                      "holds_weights": v.holds_weights, "what_if": v.what_if, "holds_engine": v.holds_engine}
+                     for v in explanation.verdicts],
     }
 
 

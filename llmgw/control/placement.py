@@ -6,12 +6,18 @@ node, for `explain-placement` and for `ctl status` (models that cannot be placed
 
 Filters, in the order their reasons are listed: node ready; not cordoned or draining; not avoided
 by the caller; GPU class; free healthy GPUs; memory; cache space; node_selector labels; weights
-present for operator-managed paths. A resource the node did not report never excludes it
-(R-2.3, R-3.6), except GPUs for a profile that needs some: placement must name the indices.
+present for operator-managed paths; what the profile's runtime needs (R-4.12): for `container`,
+the container program the helper would use (the one the profile names, else the first of docker,
+podman on PATH) working, and able to give containers GPUs when the profile needs some; for
+`venv`, the interpreter its environment is made from. A resource the node did not report never
+excludes it (R-2.3, R-3.6), except GPUs for a profile that needs some: placement must name the
+indices.
 
 Ranking (R-3.3): nodes that hold the weights first (unknown holdings rank like holding nothing,
-R-2.7), then packing (fewest free GPUs left), then the node name. A multi-node replica (R-3.4)
-takes N nodes of one fabric chosen by the same keys; the leader (rank 0) is the best of them.
+R-2.7), then nodes that hold the engine (a container's image, a venv's built environment; R-4.12,
+unknown ranks like not holding it), then packing (fewest free GPUs left), then the node name. A
+multi-node replica (R-3.4) takes N nodes of one fabric chosen by the same keys; the leader (rank
+0) is the best of them.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from llmgw.catalog import Model
+from llmgw.runtimes import runtime_spec, venv_key
 
 READY = "ready"
 ACTIVE = "active"
@@ -42,6 +49,34 @@ class GPUView:
     reasons: tuple[str, ...] = ()  # why unhealthy, in operator words
 
 
+CONTAINER_PROGRAMS = ("docker", "podman")  # the helper's order when a profile names neither
+NVIDIA_HOOK = "nvidia-container-runtime-hook"
+
+
+@dataclass(frozen=True)
+class ContainerView:
+    """docker or podman on a node, as its inventory reported it (R-4.12). None = not checked.
+
+    `answers`: whether it works (docker: its daemon answers); `gpu`: whether it can give a
+    container GPUs the way the helper asks; `images`: for the images asked about, whether each is
+    present (an image missing from the mapping was not asked about: unknown)."""
+
+    on_path: bool
+    answers: bool | None = None
+    gpu: bool | None = None
+    images: Mapping[str, bool] | None = None
+    error: str | None = None  # why it does not answer, in the helper's words
+
+
+@dataclass(frozen=True)
+class VenvView:
+    """A venv recipe on a node (R-4.12): its interpreter found (None: not checked), its
+    environment built and sealed (None: not checked)."""
+
+    found: bool | None
+    built: bool | None = None
+
+
 @dataclass(frozen=True)
 class NodeView:
     """Everything placement may look at for one node. None = the node did not report it (unknown, not zero).
@@ -49,6 +84,8 @@ class NodeView:
     `gpus` None means never reported, () means reported no GPUs. `gpu_class` is normalised with
     the inventory override applied. `cache_free_bytes` is the free space of the filesystem that
     holds the node's cache directory. `holds` names the models whose weights the node can see.
+    `containers` (by program) and `venvs` (by `runtimes.venv_key` of a recipe; one missing was
+    not asked about) are what the node can run engines from (R-4.12).
     A view with no state given is `connecting`: nothing is placed on a node not known to be ready.
     """
 
@@ -63,6 +100,8 @@ class NodeView:
     memory_bytes: int | None = None
     cache_free_bytes: int | None = None
     holds: frozenset[str] | None = None
+    containers: Mapping[str, ContainerView] | None = None
+    venvs: Mapping[str, VenvView] | None = None
 
     def __post_init__(self) -> None:
         # Derived once per view rather than once per placement: the reconciler places many
@@ -104,6 +143,7 @@ class NodeVerdict(NamedTuple):
     free_gpus: int | None
     holds_weights: bool | None
     what_if: str | None = None  # one change that would make a rejected node fit; None: none found
+    holds_engine: bool | None = None  # the image or environment of the profile's runtime; None: unknown or host
 
 
 @dataclass(frozen=True)
@@ -178,7 +218,8 @@ def never_fits(model: Model, nodes: Sequence[NodeView]) -> str | None:
     """Why no replica of `model` could ever run on `nodes`, None when one could (R-10.5).
 
     Whatever runs on the nodes now and whatever their state: each node is taken as ready and
-    active with every GPU free and healthy, its cache space and holdings unknown; what a node has
+    active with every GPU free and healthy, its cache space, holdings and container programs and
+    interpreters unknown (a daemon started, a program installed, mends them); what a node has
     not reported (GPUs, class, memory) does not exclude it (R-3.6). What is left to exclude it is
     what no wait mends: GPU class and count, memory, labels, and for a multi-node profile the
     size of its fabric. The reason is placement's own summary on those nodes.
@@ -187,6 +228,7 @@ def never_fits(model: Model, nodes: Sequence[NodeView]) -> str | None:
     if need is None:
         return None  # static endpoints: not placed
     ideal = [replace(node, state=READY, state_reason=None, admin=ACTIVE, cache_free_bytes=None, holds=None,
+                     containers=None, venvs=None,
                      gpus=None if node.gpus is None else tuple(GPUView(g.index, True) for g in node.gpus))
              for node in nodes]
     fitting: dict[str | None, int] = {}
@@ -274,7 +316,8 @@ class _Need:
     """What a model's profile asks of a node, with the words for each shortfall prepared once per call."""
 
     __slots__ = ("gpus", "nodes", "gpu_class", "memory_bytes", "disk_bytes", "weights", "path_weights",
-                 "selector", "_no_gpus", "_class_needs", "_gpus_needs", "_memory_needs", "_disk_needs")
+                 "selector", "_no_gpus", "_class_needs", "_gpus_needs", "_memory_needs", "_disk_needs",
+                 "runtime", "engine_check", "container", "image", "venv_key", "python", "_engine_words")
 
     def __init__(self, model: Model):
         profile = model.profile
@@ -298,6 +341,19 @@ class _Need:
         self._gpus_needs = f", needs {self.gpus}"
         self._memory_needs = None if self.memory_bytes is None else f", needs {_gb_up(self.memory_bytes)}"
         self._disk_needs = None if self.disk_bytes is None else f", needs {_gb_up(self.disk_bytes)}"
+        # Where the engine comes from (R-4.12): what a node needs for it, and what it may hold.
+        self.runtime = profile.runtime
+        self.engine_check = self.runtime in ("container", "venv")
+        self.container = profile.container
+        self.image = profile.image
+        self.python = profile.python
+        spec = runtime_spec(profile) if self.runtime == "venv" else None
+        self.venv_key = venv_key(spec) if spec is not None else None
+        if self.runtime == "container":
+            self._engine_words = (f"has image {self.image}", f"pulls image {self.image}",
+                                  f"image {self.image} not checked yet")
+        else:
+            self._engine_words = ("has its environment", "builds its environment", "environment not checked yet")
 
     @classmethod
     def of(cls, model: Model) -> _Need | None:
@@ -355,7 +411,79 @@ class _Need:
         if not holds and self.path_weights and node.holds is not None:
             category("weights")
             found.append("does not have the weights in its model_dirs (weights given as a path are never fetched)")
+        if self.engine_check:
+            problem, reason, _, _ = self.engine_on(node)
+            if problem is not None:
+                category(problem)
+                found.append(reason)
         return tuple(found), tuple(categories)
+
+    def engine_on(self, node: NodeView) -> tuple[str | None, str | None, bool | None, str | None]:
+        """What the node lacks to run the profile's runtime (R-4.12), as (category, reason): both
+        None when nothing it reported is missing (unknown never excludes); then whether it holds
+        the engine (the image, the built environment; None: not known) and the words for that."""
+        has, fetches, unknown = self._engine_words
+        if self.runtime == "venv":
+            check = None if node.venvs is None else node.venvs.get(self.venv_key)
+            if check is None:
+                return None, None, None, unknown
+            if check.found is False:
+                python = self.python or "python3"
+                return ("python", f"no Python {python} on the node for its environment: install it, "
+                                  "or set the profile's python to one the node has", None, None)
+            if check.found is None:
+                return None, None, None, f"Python {self.python} not checked yet"
+            return None, None, check.built, unknown if check.built is None else has if check.built else fetches
+        containers = node.containers
+        if containers is None:
+            return None, None, None, "container program not checked yet"
+        names = (self.container,) if self.container else CONTAINER_PROGRAMS
+        chosen = None
+        for name in names:
+            view = containers.get(name)
+            if view is None:
+                return None, None, None, f"{name} not checked yet"
+            if view.on_path:
+                chosen = name, view
+                break
+        if chosen is None:
+            return "no-container", self._no_program(containers), None, None
+        name, view = chosen
+        if view.answers is False:
+            return "container-down", self._not_working(name, view, containers), None, None
+        if view.answers is None:
+            return None, None, None, f"{name} not checked yet" + (f" ({view.error})" if view.error else "")
+        if self.gpus and view.gpu is False:
+            return "container-gpu", self._no_gpu_runtime(name), None, None
+        held = None if view.images is None else view.images.get(self.image)
+        return None, None, held, unknown if held is None else has if held else fetches
+
+    def _no_program(self, containers: Mapping[str, ContainerView]) -> str:
+        if not self.container:
+            return "no docker or podman on PATH: install docker or podman, or use runtime: host"
+        other = next(n for n in CONTAINER_PROGRAMS if n != self.container)
+        view = containers.get(other)
+        if view is not None and view.on_path and view.answers is not False:
+            return (f"no {self.container} on PATH (the profile's container): install it, or set container: {other},"
+                    " which the node has, or use runtime: host")
+        return f"no {self.container} on PATH (the profile's container): install it, or use runtime: host"
+
+    def _not_working(self, name: str, view: ContainerView, containers: Mapping[str, ContainerView]) -> str:
+        why = f"{name} does not work on the node" + (f" ({view.error})" if view.error else "")
+        fix = "start its daemon, or set DOCKER_HOST for the node's helper" if name == "docker" \
+            else "make `podman info` work on the node"
+        other = next(n for n in CONTAINER_PROGRAMS if n != name)
+        other_view = containers.get(other)
+        if not self.container and other_view is not None and other_view.on_path and other_view.answers:
+            fix += f", or set container: {other}, which works there"
+        return f"{why}: {fix}, or use runtime: host"
+
+    def _no_gpu_runtime(self, name: str) -> str:
+        if name == "docker":
+            return (f"docker cannot give containers GPUs (no nvidia runtime, no {NVIDIA_HOOK}){self._gpus_needs}: "
+                    "install the NVIDIA Container Toolkit, or use runtime: host")
+        return (f"podman cannot give containers GPUs (no CDI spec for nvidia.com/gpu in /etc/cdi or /var/run/cdi)"
+                f"{self._gpus_needs}: generate one with `nvidia-ctk cdi generate`, or use runtime: host")
 
 
 # How the summary counts rejected nodes, by the first reason: (one node, several nodes).
@@ -368,6 +496,10 @@ _CATEGORY_WORDS = {
     "disk": ("has too little cache space", "have too little cache space"),
     "labels": ("does not match the node selector", "do not match the node selector"),
     "weights": ("does not have the weights", "do not have the weights"),
+    "no-container": ("has no container program", "have no container program"),
+    "container-down": ("has a container program that does not work", "have a container program that does not work"),
+    "container-gpu": ("cannot give containers GPUs", "cannot give containers GPUs"),
+    "python": ("does not have the profile's Python", "do not have the profile's Python"),
     "no-fabric": ("has no fabric", "have no fabric"),
     "fabric-short": ("is in a fabric with too few fitting nodes", "are in fabrics with too few fitting nodes"),
 }
@@ -429,7 +561,8 @@ def _free_count(node: NodeView, allocated: Mapping[str, Set[int]]) -> int | None
 
 def _fitting(need: _Need, name: str, nodes: Sequence[NodeView], allocated: Mapping[str, Set[int]],
              avoid: Mapping[str, str] | Set[str], turned_down: list[NodeView]) -> list[tuple]:
-    """Candidates `(rank key, node, free, holds)` for the nodes that pass every filter (R-3.1).
+    """Candidates `(rank key, node, free, holds, holds engine, engine words)` for the nodes that
+    pass every filter (R-3.1, R-4.12).
 
     The one place the filters decide; `_Need.shortfalls` words them for the nodes appended to
     `turned_down`. One flat loop, cheapest and most selective tests first: it runs over every
@@ -438,6 +571,7 @@ def _fitting(need: _Need, name: str, nodes: Sequence[NodeView], allocated: Mappi
     cls, gpus, selector = need.gpu_class, need.gpus, need.selector
     memory = need.memory_bytes
     disk, path_weights = need.disk_bytes, need.path_weights
+    engine_check = need.engine_check
     get = allocated.get
     fitting: list[tuple] = []
     add = fitting.append
@@ -471,7 +605,15 @@ def _fitting(need: _Need, name: str, nodes: Sequence[NodeView], allocated: Mappi
                           or path_weights and held is not None) or node.name in avoid:
             reject(node)
             continue
-        add(((not holds, _UNKNOWN_FREE if free is None else free - gpus, node.name), node, free, holds))
+        if engine_check:
+            problem, _, engine, words = need.engine_on(node)
+            if problem is not None:
+                reject(node)
+                continue
+        else:  # the node's own program: nothing to provision
+            engine, words = None, None
+        add(((not holds, engine is not True, _UNKNOWN_FREE if free is None else free - gpus, node.name),
+             node, free, holds, engine, words))
     return fitting
 
 
@@ -491,14 +633,15 @@ _rank = operator.itemgetter(0)
 
 
 def _choose_fabric(by_fabric: Mapping[str, list], count: int) -> tuple[str, list] | None:
-    """The fabric and its `count` best candidates: most holders, then tightest packing, then name."""
+    """The fabric and its `count` best candidates: most holders of the weights, then of the engine,
+    then tightest packing, then name."""
     best_key, best = None, None
     for fabric, candidates in by_fabric.items():
         if len(candidates) < count:
             continue
         candidates.sort(key=_rank)
         chosen = candidates[:count]
-        key = (-sum(c[3] for c in chosen), sum(c[0][1] for c in chosen), fabric)
+        key = (-sum(c[3] for c in chosen), sum(c[0][1] for c in chosen), sum(c[0][2] for c in chosen), fabric)
         if best_key is None or key < best_key:
             best_key, best = key, (fabric, chosen)
     return best
@@ -510,10 +653,10 @@ def _take_gpus(node: NodeView, count: int, allocated: Mapping[str, Set[int]]) ->
     return free_gpus(node, allocated)[:count]
 
 
-def _single_plan(model: Model, need: _Need, node: NodeView, free: int | None, holds: bool,
-                 allocated: Mapping[str, Set[int]]) -> Plan:
+def _single_plan(model: Model, need: _Need, node: NodeView, free: int | None, holds: bool, engine: bool | None,
+                 words: str | None, allocated: Mapping[str, Set[int]]) -> Plan:
     shard = ShardPlan(node.name, 0, _take_gpus(node, need.gpus, allocated))
-    return Plan(model.name, (shard,), node.fabric, _preference(need, node, free, holds))
+    return Plan(model.name, (shard,), node.fabric, _preference(need, node, free, holds, words))
 
 
 def _multi_plan(model: Model, need: _Need, fabric: str, chosen: list,
@@ -521,19 +664,25 @@ def _multi_plan(model: Model, need: _Need, fabric: str, chosen: list,
     shards = tuple(ShardPlan(c[1].name, rank, _take_gpus(c[1], need.gpus, allocated))
                    for rank, c in enumerate(chosen))
     holders = sum(c[3] for c in chosen)
-    left = sum(c[0][1] for c in chosen)
+    left = sum(c[0][2] for c in chosen)
     if holders == len(chosen):
         weights = f"all {len(chosen)} nodes hold the weights"
     elif holders:
         weights = f"{holders} of {len(chosen)} nodes hold the weights (the leader among them)"
     else:
         weights = "no chosen node holds the weights; each fetches them"
-    reasons = (f"fabric {fabric}", weights,
-               f"packs: leaves {left} GPU{'s' if left != 1 else ''} free across its {len(chosen)} nodes")
-    return Plan(model.name, shards, fabric, reasons)
+    reasons = [f"fabric {fabric}", weights]
+    if need.engine_check:
+        what = f"image {need.image}" if need.runtime == "container" else "its environment"
+        engines = sum(c[4] is True for c in chosen)
+        reasons.append(f"all {len(chosen)} nodes have {what}" if engines == len(chosen)
+                       else f"{engines} of {len(chosen)} nodes have {what}; the others provision it")
+    reasons.append(f"packs: leaves {left} GPU{'s' if left != 1 else ''} free across its {len(chosen)} nodes")
+    return Plan(model.name, shards, fabric, tuple(reasons))
 
 
-def _preference(need: _Need, node: NodeView, free: int | None, holds: bool) -> tuple[str, ...]:
+def _preference(need: _Need, node: NodeView, free: int | None, holds: bool, engine_words: str | None
+                ) -> tuple[str, ...]:
     """Why a fitting node ranks where it does, in the words of the ranking keys."""
     reasons = []
     if holds:
@@ -542,6 +691,8 @@ def _preference(need: _Need, node: NodeView, free: int | None, holds: bool) -> t
         # A known non-holder of path weights never gets here: the filter turned it down.
         reasons.append("holdings not reported yet" if node.holds is None else "fetches the weights" + (
             f" ({_gb_up(need.disk_bytes)} GB)" if need.disk_bytes else ""))
+    if engine_words is not None:
+        reasons.append(engine_words)
     if free is None:
         reasons.append("GPUs not reported yet")
     else:
@@ -551,15 +702,15 @@ def _preference(need: _Need, node: NodeView, free: int | None, holds: bool) -> t
 
 
 def _fitting_verdicts(need: _Need, candidates: list[tuple]) -> list[NodeVerdict]:
-    # A fleet has few distinct (holdings, free GPUs) pairs: word each once, not once per node.
+    # A fleet has few distinct (holdings, free GPUs, engine) cases: word each once, not once per node.
     words: dict[tuple, tuple[str, ...]] = {}
     verdicts = []
-    for _, node, free, holds in candidates:
+    for _, node, free, holds, engine, engine_words in candidates:
         known = node.holds is not None
-        reasons = words.get((holds, known, free))
+        reasons = words.get((holds, known, free, engine_words))
         if reasons is None:
-            reasons = words[holds, known, free] = _preference(need, node, free, holds)
-        verdicts.append(NodeVerdict(node.name, True, reasons, free, holds if known else None))
+            reasons = words[holds, known, free, engine_words] = _preference(need, node, free, holds, engine_words)
+        verdicts.append(NodeVerdict(node.name, True, reasons, free, holds if known else None, None, engine))
     return verdicts
 
 

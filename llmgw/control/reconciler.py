@@ -30,6 +30,8 @@ from llmgw.control.state import (ENDED, FAILED, FETCHING, PENDING, RETIRING_PHAS
                                  Replica, Shard, delete_replica, load_replicas, new_engine_key, new_replica_id, save_replica)
 from llmgw.fleet.fleet import Fleet
 from llmgw.fleet.link import READY
+from llmgw.fleet.ops import InventoryRequest
+from llmgw.runtimes import runtime_spec, venv_key
 from llmgw.store import Store, audit
 
 log = logging.getLogger(__name__)
@@ -248,12 +250,18 @@ class Reconciler:
             fs = storage.filesystem_of(self.cache_dir(node))
             cache_free = fs.free_bytes if fs is not None else None
         holds = frozenset(facts.holdings) if facts.holdings is not None else None
+        containers = venvs = None
+        if inventory is not None and inventory.containers is not None:
+            containers = {program: placement.ContainerView(c.path is not None, c.answers, c.gpu, c.images, c.error)
+                          for program, c in inventory.containers.items()}
+        if inventory is not None and inventory.venvs is not None:
+            venvs = {key: placement.VenvView(v.found, v.built) for key, v in inventory.venvs.items()}
         return placement.NodeView(
             name=name, fabric=node.fabric, labels=node.labels,
             state=link.state if link is not None else "connecting",
             state_reason=link.reason if link is not None else None,
             admin=self.admin[name].state, gpu_class=gpu_class, gpus=gpus, memory_bytes=memory,
-            cache_free_bytes=cache_free, holds=holds)
+            cache_free_bytes=cache_free, holds=holds, containers=containers, venvs=venvs)
 
     def allocated(self) -> dict[str, frozenset[int]]:
         used: dict[str, set[int]] = {}
@@ -292,6 +300,23 @@ class Reconciler:
                 if candidates:
                     wanted[model.name] = candidates
         return wanted
+
+    def inventory_wanted(self, node: NodeConfig) -> InventoryRequest:
+        """What a node's inventory is asked about besides its GPUs (R-4.12): the images of the
+        catalog's container profiles, and its venv recipes under the key placement looks for."""
+        images: set[str] = set()
+        venvs: dict[str, dict] = {}
+        for model in self.holder.current.models.values():
+            profile = model.profile
+            if profile is None:
+                continue
+            if profile.runtime == "container" and profile.image:
+                images.add(profile.image)
+            elif profile.runtime == "venv":
+                spec = runtime_spec(profile)
+                if spec is not None:
+                    venvs[venv_key(spec)] = spec
+        return InventoryRequest(images=sorted(images), venvs=venvs)
 
     # -- the pass ------------------------------------------------------------------------------
 

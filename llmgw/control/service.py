@@ -99,13 +99,14 @@ class ControlPlane:
         if model.static or model.profile is None:
             return
         # An idle fleet: every node ready and uncordoned, nothing allocated, and holdings unknown
-        # (they were gathered for the previous catalog, so they say nothing about this model).
-        # A node that has not reported its GPUs yet could hold any number: it is not excluded.
+        # (they were gathered for the previous catalog, so they say nothing about this model), as
+        # are container programs and interpreters (a daemon started or a program installed mends
+        # them, R-4.12). A node that has not reported its GPUs yet could hold any number: it is
+        # not excluded.
         unknown_gpus = tuple(placement.GPUView(i, True) for i in range(model.profile.gpus))
-        views = [dataclasses.replace(v, state=READY, state_reason=None, admin="active", holds=None)
-                 if v.gpus is not None else
-                 dataclasses.replace(v, state=READY, state_reason=None, admin="active", holds=None,
-                                     gpus=unknown_gpus, gpu_class=v.gpu_class or model.profile.gpu_class)
+        idle = dict(state=READY, state_reason=None, admin="active", holds=None, containers=None, venvs=None)
+        views = [dataclasses.replace(v, **idle) if v.gpus is not None else
+                 dataclasses.replace(v, **idle, gpus=unknown_gpus, gpu_class=v.gpu_class or model.profile.gpu_class)
                  for v in self.reconciler.node_views()]
         explanation = placement.explain_placement(model, views, {})
         if explanation.plan is None:

@@ -15,7 +15,8 @@ from llmgw.config import Inventory, NodeConfig
 from llmgw.fleet.errors import MalformedAnswer, NodeError
 from llmgw.fleet.facts import NodeFacts
 from llmgw.fleet.link import READY, ConnectGate, NodeLink, make_link
-from llmgw.fleet.ops import HoldingsRequest, Hello, NodeOps, StatusRequest, StorageDir, StorageRequest
+from llmgw.fleet.ops import (HoldingsRequest, Hello, InventoryRequest, NodeOps, StatusRequest, StorageDir,
+                             StorageRequest)
 from llmgw.fleet.secret import fleet_secret
 
 log = logging.getLogger(__name__)
@@ -32,11 +33,13 @@ class Fleet:
 
     def __init__(self, inventory: Inventory, state_dir: str | os.PathLike,
                  holdings_wanted: Callable[[NodeConfig], dict[str, list[str]]] | None = None,
-                 on_state: Callable[[NodeLink], None] | None = None):
+                 on_state: Callable[[NodeLink], None] | None = None,
+                 inventory_wanted: Callable[[NodeConfig], InventoryRequest] | None = None):
         self.inventory = inventory
         self.nodes: dict[str, NodeConfig] = {n.name: n for n in inventory.nodes}
         self.facts: dict[str, NodeFacts] = {n.name: NodeFacts() for n in inventory.nodes}
         self.holdings_wanted = holdings_wanted
+        self.inventory_wanted = inventory_wanted  # the images and venv recipes inventory asks about
         self._state_dir = Path(state_dir)
         self.gate: ConnectGate | None = None
         self._on_state = on_state
@@ -171,7 +174,8 @@ class Fleet:
         if time.time() - self.facts[name].observed_at.get("inventory", 0.0) >= INVENTORY_EVERY:
             # nvidia-smi costs tens of milliseconds per call on a node: GPUs are asked for on a
             # slower beat than engine status, which every tick needs.
-            calls.append(self._fact(name, "inventory", ops.inventory(), problems))
+            request = self.inventory_wanted(node) if self.inventory_wanted else InventoryRequest()
+            calls.append(self._fact(name, "inventory", ops.inventory(request), problems))
         dirs = tuple(StorageDir(d["path"], d["shared"]) for d in storage_dirs(self.paths(name)))
         calls += [
             self._fact(name, "storage", ops.storage(StorageRequest(dirs, STORAGE_TIMEOUT)), problems),

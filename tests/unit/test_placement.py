@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from llmgw.catalog import Catalog, Model
 from llmgw.config import ModelConfig, ProfileConfig, StaticEndpoint
-from llmgw.control.placement import (GPUView, NodeView, ShardPlan, explain_placement, free_gpus,
-                                     free_whole_nodes, place)
+from llmgw.control.placement import (ContainerView, GPUView, NodeView, ShardPlan, VenvView, explain_placement,
+                                     free_gpus, free_whole_nodes, never_fits, place)
+from llmgw.runtimes import runtime_spec, venv_key
 
 GB = 1000**3
 ECC = "uncorrected ECC errors"
@@ -394,7 +395,10 @@ def fleets(draw):
             gpu_class=draw(st.sampled_from(["h100-80gb", "h100-80gb", "l40s-48gb", None])), gpus=gpu_list,
             memory_bytes=draw(st.sampled_from([None, 8 * GB, 64 * GB])),
             cache_free_bytes=draw(st.sampled_from([None, 10 * GB, 500 * GB])),
-            holds=draw(st.sampled_from([None, frozenset(), frozenset({"m"})]))))
+            holds=draw(st.sampled_from([None, frozenset(), frozenset({"m"})])),
+            containers=draw(st.sampled_from([None, None, {}]) | st.fixed_dictionaries(
+                {"docker": CONTAINER_VIEWS, "podman": CONTAINER_VIEWS})),
+            venvs=draw(st.sampled_from([None, {}]) | st.fixed_dictionaries({VENV_KEY: st.sampled_from(VENV_VIEWS)}))))
         if count and draw(st.booleans()):
             allocated[name] = frozenset(draw(st.sets(st.integers(0, count - 1), max_size=count)))
     names = [n.name for n in nodes]
@@ -402,13 +406,43 @@ def fleets(draw):
     return nodes, allocated, avoid
 
 
+IMAGE = "vllm/vllm-openai:v1"
+VENV_RECIPE = dict(runtime="venv", packages=["vllm==1"], python="python3.12")
+VENV_KEY = venv_key(runtime_spec(ProfileConfig(engine="vllm", **VENV_RECIPE)))
+CONTAINER_VIEWS = st.builds(
+    ContainerView, st.booleans(), st.sampled_from([None, True, True, False]), st.sampled_from([None, True, False]),
+    st.sampled_from([None, {}, {IMAGE: True}, {IMAGE: False}]))
+VENV_VIEWS = [VenvView(found, built) for found in (None, True, True, False) for built in (None, True, False)]
+RUNTIMES = [{}, {}, dict(runtime="container", image=IMAGE), dict(runtime="container", image=IMAGE, container="docker"),
+            dict(runtime="container", image=IMAGE, container="podman"), VENV_RECIPE]
+
 models = st.builds(
-    lambda gpus, nodes, cls, mem, selector, weights, disk: model(
+    lambda gpus, nodes, cls, mem, selector, weights, disk, runtime: model(
         "m", weights=weights, disk_gb=disk, gpus=gpus if nodes == 1 else max(gpus, 1), nodes=nodes,
-        gpu_class=cls, min_memory_gb=mem, node_selector=selector),
+        gpu_class=cls, min_memory_gb=mem, node_selector=selector, **runtime),
     st.sampled_from([0, 1, 2, 4, 8]), st.sampled_from([1, 1, 2, 3]), st.sampled_from(CLASSES),
     st.sampled_from([None, None, 16]), st.sampled_from([{}, {}, {"zone": "dc1"}]),
-    st.sampled_from(["hf:org/m", "hf:org/m", "/models/m", None]), st.sampled_from([None, 100]))
+    st.sampled_from(["hf:org/m", "hf:org/m", "/models/m", None]), st.sampled_from([None, 100]),
+    st.sampled_from(RUNTIMES))
+
+
+def engine_fact(n: NodeView, m: Model) -> tuple[bool, bool | None]:
+    """R-4.12 written out once more, plainly: (the node can run the runtime, it holds the engine)."""
+    p = m.profile
+    if p.runtime == "venv":
+        check = (n.venvs or {}).get(VENV_KEY)
+        return check is None or check.found is not False, None if check is None or not check.found else check.built
+    if p.runtime != "container" or n.containers is None:
+        return True, None
+    for name in [p.container] if p.container else ["docker", "podman"]:
+        view = n.containers.get(name)
+        if view is None:
+            return True, None
+        if view.on_path:
+            if view.answers is False or view.answers and p.gpus and view.gpu is False:
+                return False, None
+            return True, None if not view.answers or view.images is None else view.images.get(IMAGE)
+    return False, None
 
 
 def passes_filters(n: NodeView, m: Model, allocated, avoid) -> bool:
@@ -432,7 +466,7 @@ def passes_filters(n: NodeView, m: Model, allocated, avoid) -> bool:
         if not path and m.disk_bytes is not None and n.cache_free_bytes is not None \
                 and n.cache_free_bytes < m.disk_bytes:
             return False
-    return True
+    return engine_fact(n, m)[0]
 
 
 @settings(max_examples=500, deadline=None)
@@ -463,8 +497,11 @@ def test_place_and_explain_agree_on_any_fleet(fleet, m):
             n = by_name[name]
             free = free_gpus(n, allocated)
             holds = n.holds is not None and m.name in n.holds
-            return (not holds, 1 << 30 if free is None else len(free), name)
+            return (not holds, engine_fact(n, m)[1] is not True, 1 << 30 if free is None else len(free), name)
         assert plan.leader.node == min(eligible, key=key)
+    for v in explanation.verdicts:
+        if v.fits and m.profile.runtime != "host":
+            assert v.holds_engine == engine_fact(by_name[v.node], m)[1]
     assert len(plan.shards) == m.profile.nodes
     assert len({s.node for s in plan.shards}) == len(plan.shards)
     assert plan.leader.rank == 0
@@ -483,3 +520,154 @@ def test_views_derive_nothing_into_their_fields():
     n = node()
     assert set(dataclasses.asdict(n)) == {f.name for f in dataclasses.fields(NodeView)}
     assert n == dataclasses.replace(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the profile's runtime needs of a node, and the engine it may hold (R-4.12).
+
+DAEMON_DOWN = ("docker cannot reach its daemon (DOCKER_HOST=unset): Cannot connect to the Docker daemon at "
+               "unix:///var/run/docker.sock. Is the docker daemon running?")
+ABSENT = ContainerView(False)
+WORKS = ContainerView(True, True, True, {IMAGE: False})
+NO_GPU = ContainerView(True, True, False, {IMAGE: False})
+DOWN = ContainerView(True, False, error=DAEMON_DOWN)
+HUNG = ContainerView(True, None, error="docker info has not answered for 3 s (DOCKER_HOST=unset)")
+CONTAINER = dict(runtime="container", image=IMAGE)
+
+
+def programs(docker: ContainerView = ABSENT, podman: ContainerView = ABSENT) -> dict[str, ContainerView]:
+    return {"docker": docker, "podman": podman}
+
+
+@pytest.mark.parametrize("node_kw,profile,reason,category", [
+    pytest.param(dict(containers=programs()), CONTAINER,
+                 "no docker or podman on PATH: install docker or podman, or use runtime: host",
+                 "has no container program", id="no-container-program"),
+    pytest.param(dict(containers=programs()), dict(CONTAINER, container="podman"),
+                 "no podman on PATH (the profile's container): install it, or use runtime: host",
+                 "has no container program", id="named-program-absent"),
+    pytest.param(dict(containers=programs(docker=WORKS)), dict(CONTAINER, container="podman"),
+                 "no podman on PATH (the profile's container): install it, or set container: docker, which the node "
+                 "has, or use runtime: host", "has no container program", id="named-program-absent-other-there"),
+    pytest.param(dict(containers=programs(docker=DOWN)), CONTAINER,
+                 f"docker does not work on the node ({DAEMON_DOWN}): start its daemon, or set DOCKER_HOST for the "
+                 "node's helper, or use runtime: host", "has a container program that does not work",
+                 id="docker-daemon-down"),
+    pytest.param(dict(containers=programs(docker=DOWN, podman=WORKS)), CONTAINER,
+                 f"docker does not work on the node ({DAEMON_DOWN}): start its daemon, or set DOCKER_HOST for the "
+                 "node's helper, or set container: podman, which works there, or use runtime: host",
+                 "has a container program that does not work", id="docker-first-on-path-down-podman-works"),
+    pytest.param(dict(containers=programs(podman=ContainerView(True, False, error="podman info exited with status 125"))),
+                 CONTAINER, "podman does not work on the node (podman info exited with status 125): make `podman info` "
+                 "work on the node, or use runtime: host", "has a container program that does not work",
+                 id="podman-fails"),
+    pytest.param(dict(containers=programs(docker=NO_GPU)), dict(CONTAINER, gpus=2),
+                 "docker cannot give containers GPUs (no nvidia runtime, no nvidia-container-runtime-hook), needs 2: "
+                 "install the NVIDIA Container Toolkit, or use runtime: host", "cannot give containers GPUs",
+                 id="docker-without-nvidia-runtime"),
+    pytest.param(dict(containers=programs(podman=NO_GPU)), dict(CONTAINER, gpus=1),
+                 "podman cannot give containers GPUs (no CDI spec for nvidia.com/gpu in /etc/cdi or /var/run/cdi), "
+                 "needs 1: generate one with `nvidia-ctk cdi generate`, or use runtime: host",
+                 "cannot give containers GPUs", id="podman-without-cdi"),
+    pytest.param(dict(venvs={VENV_KEY: VenvView(False)}), VENV_RECIPE,
+                 "no Python python3.12 on the node for its environment: install it, or set the profile's python to "
+                 "one the node has", "does not have the profile's Python", id="venv-interpreter-missing"),
+])
+def test_each_runtime_shortfall_rejects_in_operator_words(node_kw, profile, reason, category):
+    m = model(**profile)
+    explanation = explain_placement(m, [node(**node_kw)], {})
+    assert verdict(explanation, "gpu01").fits is False
+    assert verdict(explanation, "gpu01").reasons == (reason,)
+    assert explanation.summary == f"no node fits: 1 {category}"
+    assert place(m, [node(**node_kw)], {}) is None
+
+
+@pytest.mark.parametrize("node_kw,profile,engine_words", [
+    pytest.param({}, CONTAINER, "container program not checked yet", id="containers-not-reported"),
+    pytest.param(dict(containers={}), CONTAINER, "docker not checked yet", id="program-not-in-the-report"),
+    pytest.param(dict(containers=programs(docker=HUNG)), CONTAINER,
+                 "docker not checked yet (docker info has not answered for 3 s (DOCKER_HOST=unset))",
+                 id="docker-did-not-answer-in-time"),
+    pytest.param(dict(containers=programs(docker=ContainerView(True, True, None, None))), dict(CONTAINER, gpus=1),
+                 f"image {IMAGE} not checked yet", id="gpu-support-and-images-not-checked"),
+    pytest.param(dict(containers=programs(docker=NO_GPU)), CONTAINER, f"pulls image {IMAGE}",
+                 id="no-gpu-runtime-is-fine-without-gpus"),
+    pytest.param(dict(containers=programs(docker=ContainerView(True, True, True, {}))), CONTAINER,
+                 f"image {IMAGE} not checked yet", id="image-not-asked-about"),
+    pytest.param(dict(containers=programs(podman=WORKS)), dict(CONTAINER, gpus=1), f"pulls image {IMAGE}",
+                 id="podman-with-cdi"),
+    pytest.param({}, VENV_RECIPE, "environment not checked yet", id="venvs-not-reported"),
+    pytest.param(dict(venvs={}), VENV_RECIPE, "environment not checked yet", id="recipe-not-asked-about"),
+    pytest.param(dict(venvs={VENV_KEY: VenvView(None)}), VENV_RECIPE, "Python python3.12 not checked yet",
+                 id="interpreter-did-not-answer-in-time"),
+    pytest.param(dict(venvs={VENV_KEY: VenvView(True, False)}), VENV_RECIPE, "builds its environment",
+                 id="venv-to-build"),
+    pytest.param(dict(containers=programs(), venvs={VENV_KEY: VenvView(False)}), {}, None,
+                 id="host-runtime-needs-neither"),
+])
+def test_what_was_not_checked_never_rejects(node_kw, profile, engine_words):
+    m = model(**profile)
+    explanation = explain_placement(m, [node(**node_kw)], {})
+    assert explanation.plan is not None and explanation.plan.leader.node == "gpu01"
+    expected = ("fetches the weights",) + ((engine_words,) if engine_words else ()) + (
+        f"packs: leaves {8 - m.profile.gpus} GPUs free",)
+    assert verdict(explanation, "gpu01").reasons == expected
+
+
+def test_a_node_holding_the_image_ranks_before_one_that_pulls_it_but_after_one_holding_the_weights():
+    m = model(gpus=4, **CONTAINER)
+    has_image = ContainerView(True, True, True, {IMAGE: True})
+    nodes = [node("a-pulls", containers=programs(docker=WORKS)),
+             node("b-has-image", containers=programs(docker=has_image)),
+             node("c-unknown", containers=None),
+             node("d-weights", containers=programs(docker=WORKS), holds=frozenset({"llama"}))]
+    explanation = explain_placement(m, nodes, {"a-pulls": frozenset(range(4))})  # a packs best
+    assert [v.node for v in explanation.verdicts] == ["d-weights", "b-has-image", "a-pulls", "c-unknown"]
+    assert verdict(explanation, "b-has-image").reasons == (
+        "fetches the weights", f"has image {IMAGE}", "packs: leaves 4 GPUs free")
+    assert [verdict(explanation, n).holds_engine for n in ("d-weights", "b-has-image", "a-pulls", "c-unknown")] == [
+        False, True, False, None]
+    assert explanation.plan.leader.node == "d-weights"
+    assert place(m, nodes[:3], {"a-pulls": frozenset(range(4))}).leader.node == "b-has-image"
+
+
+def test_a_node_with_the_environment_built_ranks_before_one_that_builds_it():
+    m = model(gpus=0, **VENV_RECIPE)
+    nodes = [node("a-builds", venvs={VENV_KEY: VenvView(True, False)}),
+             node("b-built", venvs={VENV_KEY: VenvView(True, True)}),
+             node("c-other-recipe", venvs={"0" * 16: VenvView(True, True)})]
+    explanation = explain_placement(m, nodes, {})
+    assert [v.node for v in explanation.verdicts] == ["b-built", "a-builds", "c-other-recipe"]
+    assert explanation.plan.reasons == ("fetches the weights", "has its environment", "packs: leaves 8 GPUs free")
+    assert verdict(explanation, "c-other-recipe").reasons[1] == "environment not checked yet"
+
+
+def test_the_image_names_which_container_program_holds_it():
+    """The helper runs the named program, or the first of docker, podman on PATH: an image podman
+    holds does not count when docker would run the container."""
+    held = ContainerView(True, True, True, {IMAGE: True})
+    m = model(**CONTAINER)
+    explanation = explain_placement(m, [node(containers=programs(docker=WORKS, podman=held))], {})
+    assert verdict(explanation, "gpu01").holds_engine is False
+    named = explain_placement(model(**CONTAINER, container="podman"), [node(containers=programs(WORKS, held))], {})
+    assert verdict(named, "gpu01").holds_engine is True
+
+
+def test_multi_node_prefers_the_fabric_whose_nodes_hold_the_image():
+    m = model(gpus=8, nodes=2, **CONTAINER)
+    has_image = programs(docker=ContainerView(True, True, True, {IMAGE: True}))
+    nodes = [node("a1", fabric="ib-a", containers=programs(docker=WORKS)),
+             node("a2", fabric="ib-a", containers=programs(docker=WORKS)),
+             node("b1", fabric="ib-b", containers=has_image), node("b2", fabric="ib-b", containers=has_image)]
+    plan = place(m, nodes, {})
+    assert plan.fabric == "ib-b"
+    assert plan.reasons == ("fabric ib-b", "no chosen node holds the weights; each fetches them",
+                            f"all 2 nodes have image {IMAGE}", "packs: leaves 0 GPUs free across its 2 nodes")
+    assert explain_placement(m, nodes[:2], {}).plan.reasons[2] == (
+        f"0 of 2 nodes have image {IMAGE}; the others provision it")
+
+
+def test_a_missing_container_program_is_not_a_reason_a_model_could_never_fit():
+    """A daemon started or a program installed mends it: never_fits (R-10.5) does not refuse on it."""
+    assert never_fits(model(**CONTAINER), [node(containers=programs())]) is None
+    assert never_fits(model(**VENV_RECIPE), [node(venvs={VENV_KEY: VenvView(False)})]) is None

@@ -402,3 +402,52 @@ async def test_an_on_demand_load_on_a_full_node_evicts_the_longest_idle_replica(
     assert [r.id for r in view.retired] == [old.id]
     stops = [c for c in fleet.calls if c[1] == "stop"]
     assert [c[2]["shard_id"] for c in stops] == [old.shards[0].id]  # one replica stopped, no more
+
+
+async def test_inventory_asks_about_the_catalogs_engines_and_placement_reads_the_answers():
+    """R-4.12: the images and venv recipes of the catalog's profiles are what each inventory asks
+    about; the answers become the node views placement judges and ranks by."""
+    from llmgw.control.placement import ContainerView, VenvView
+    from llmgw.fleet.facts import ContainerProgram, VenvCheck
+    from llmgw.fleet.ops import InventoryRequest
+    from llmgw.runtimes import runtime_spec, venv_key
+
+    profiles = {**PROFILES, "boxed": ProfileConfig(engine="vllm", gpus=1, runtime="container", image="img:1"),
+                "env": ProfileConfig(engine="vllm", runtime="venv", packages=["vllm==1"], python="python3.12")}
+    reconciler, fleet, holder, _ = build([{"name": "m"}], nodes=("a", "b", "c"))
+    holder.swap(Catalog.build(file_models=[ModelConfig(name="boxed-model", profile="boxed", weights="hf:org/x"),
+                                           ModelConfig(name="env-model", profile="env", weights="hf:org/y"),
+                                           ModelConfig(name="m", profile="one", weights="hf:org/m")],
+                              profiles=profiles, version=2))
+    spec = runtime_spec(profiles["env"])
+    key = venv_key(spec)
+    assert reconciler.inventory_wanted(fleet.nodes["a"]) == InventoryRequest(images=["img:1"], venvs={key: spec})
+
+    down = "docker cannot reach its daemon (DOCKER_HOST=unset): Cannot connect to the Docker daemon"
+    absent = ContainerProgram("podman", None)
+    reported = {
+        "a": ({"docker": ContainerProgram("docker", "/usr/bin/docker", False, down), "podman": absent},
+              {key: VenvCheck("python3.12", False, error="not on PATH")}),
+        "b": ({"docker": ContainerProgram("docker", "/usr/bin/docker", True, None, ("nvidia", "runc"), True,
+                                          {"img:1": True}), "podman": absent},
+              {key: VenvCheck("python3.12", True, "/usr/bin/python3.12", "3.12.1", "ab" * 32, True)}),
+    }
+    for name, (containers, venvs) in reported.items():
+        fleet.facts[name].inventory = dataclasses.replace(fleet.facts[name].inventory, containers=containers,
+                                                          venvs=venvs)
+    assert reconciler.node_view("a").containers == {"docker": ContainerView(True, False, None, None, down),
+                                                    "podman": ContainerView(False)}
+    assert reconciler.node_view("b").venvs == {key: VenvView(True, True)}
+    assert reconciler.node_view("c").containers is None and reconciler.node_view("c").venvs is None
+
+    boxed = reconciler.explain("boxed-model")
+    verdicts = {v.node: v for v in boxed.verdicts}
+    assert boxed.plan.leader.node == "b" and verdicts["b"].holds_engine is True
+    assert "has image img:1" in verdicts["b"].reasons
+    assert verdicts["c"].fits and "container program not checked yet" in verdicts["c"].reasons
+    assert not verdicts["a"].fits and verdicts["a"].reasons == (
+        f"docker does not work on the node ({down}): start its daemon, or set DOCKER_HOST for the node's helper, "
+        "or use runtime: host",)
+    env = {v.node: v for v in reconciler.explain("env-model").verdicts}
+    assert [v.node for v in reconciler.explain("env-model").verdicts] == ["b", "c", "a"]
+    assert env["a"].reasons[-1].startswith("no Python python3.12 on the node")
