@@ -140,13 +140,23 @@ provision {"runtime": RUNTIME} -> events "progress" {"phase": "venv"|"pip"|"post
     lines); disk_full when the disk fills (naming the directory). After any failure nothing of
     the build is left.
 
-envs {} -> {"envs": [{"kind": "venv", "name", "id", "path", "bytes", "created_at", "last_used",
-    "sealed": bool, "python", "packages", "installer", "reason", "used_by": [shard_id]}]}
+envs {"wanted": {KEY: RUNTIME}|absent} -> {"envs": [{"kind": "venv", "name", "id", "path", "bytes", "created_at", "last_used",
+    "sealed": bool, "python", "packages", "installer", "reason", "used_by": [shard_id]}],
+    "images": [{"kind": "image", "name": "img-<32 hex>", "image", "program", "id", "bytes",
+    "first_used", "last_used", "pulled": bool, "present": bool|null, "used_by", "reason"}]}
     Every directory named venv-<32 hex> under ROOT/envs. reason (null when sealed) says why one
     is not usable: being built, left half-built (the next provision of its recipe replaces it),
     or not llmgw's / changed after its seal (never run or removed). last_used: the seal's mtime,
     set when it was built and at each launch from it; used_by: live shards running from it. id,
     python, packages, created_at and installer are known (not null) only for a sealed one.
+    images: every image a container runtime's provision or launch used here, from the record
+    ROOT/images/img-<digest of program and image>.json (0600, under an HMAC of the fleet
+    secret; reason says why a record is not trusted): its id, when first and last used, whether
+    llmgw pulled it (false when it was there already), and now (docker image inspect) whether it
+    is present and its size; null where the daemon did not answer. With "wanted" (the control
+    plane's profiles' runtimes) the answer adds "wanted": {KEY: {"name": the venv-... or img-...
+    name that runtime provisions here, or null, "error": why it cannot be told (no such
+    interpreter, no container program)}}, so that what no profile wants is known exactly.
 
 launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus", "files",
     "file_sha256", "runtime"} -> {"shard_id", "pid", "pgid", "start_time", "argv", "log_path",
@@ -217,6 +227,10 @@ reclaim {"cache_dir", "names": [str]|null, "collect": false} -> {"entries": [{"n
     (collect) removed only when llmgw built it (sealed, or left half-built by a build of this
     fleet), no build holds it and no live shard runs from it (refused with that reason);
     removal makes its read-only directories writable on the way, fd-relative as above.
+    With "images": [NAME] (image record names, img-<32 hex>) the answer adds "images" of the
+    same shape ("path" is the image reference): one is listed or (collect) removed with
+    ``docker rmi IMAGE`` (never forced) only when its record is this fleet's, says llmgw pulled
+    it, the image is still the one pulled and no live shard's container runs it.
 
 cancel {"target": request id} -> {"cancelled": bool}     ends a log follow, a fetch or provision wait.
 
@@ -3441,7 +3455,28 @@ class VenvOps(object):
         return {"kind": runtime.get("kind")}
 
     def op_envs(self, args, ctx):
-        return {"envs": self.list_envs()}
+        wanted = _arg(args, "wanted", (dict,), None)
+        result = {"envs": self.list_envs(), "images": self.list_images()}
+        if wanted is not None:
+            result["wanted"] = dict((key, self._wanted_name(runtime)) for key, runtime in wanted.items())
+        return result
+
+    def _wanted_name(self, runtime):
+        """{"name", "error"}: the environment (venv-...) or image record (img-...) a runtime
+        would use on this node, as its provision names it; error says why it cannot be told."""
+        try:
+            if not isinstance(runtime, dict):
+                raise bad_args("a wanted runtime must be an object")
+            if runtime.get("kind") == "venv":
+                recipe_id, _, _ = self.venv_recipe(check_venv_runtime(runtime))
+                return {"name": env_name(recipe_id), "error": None}
+            if runtime.get("kind") == "container":
+                _check_container_runtime(runtime)
+                program, _ = container_program(runtime)
+                return {"name": image_record_name(program, runtime["image"]), "error": None}
+            raise bad_args("runtime.kind must be one of %s" % ", ".join(RUNTIME_KINDS))
+        except HelperError as exc:
+            return {"name": None, "error": exc.message}
 
     def list_envs(self):
         """Every environment under ROOT/envs, sealed or not (reason says why not)."""
@@ -3572,6 +3607,22 @@ CONTAINER_CLI_TIMEOUT = 60.0  # a docker command that does not answer in this lo
 CONTAINER_WAIT = 120.0  # how long the supervisor waits for `run` to create the container
 IMAGE_RE = re.compile(r"[a-z0-9]([a-z0-9._/:@+-]{0,254})")  # as the profile field's pattern
 PULL_TAIL_LINES = 15
+IMAGES_DIR = "images"  # ROOT/images/img-<32 hex>.json: an image a profile ran, as this helper saw it
+IMAGE_RECORD_RE = re.compile(r"img-[0-9a-f]{32}")
+IMAGE_RECORD_CONTEXT = b"llmgw image record v1\0"
+
+
+def image_record_name(program, image):
+    return "img-" + hashlib.sha256(("%s\0%s" % (program, image)).encode("utf-8")).hexdigest()[:32]
+
+
+def image_record_mac(secret, record):
+    """The HMAC, keyed by the fleet secret, of an image record without its mac: a record this
+    fleet's helper wrote, so that `pulled` (the one thing that lets reclaim remove an image) is
+    never taken from a planted file."""
+    body = dict((key, value) for key, value in record.items() if key != "mac")
+    return hmac.new(secret.encode("ascii"), IMAGE_RECORD_CONTEXT + canonical_json(body).encode("utf-8"),
+                    hashlib.sha256).hexdigest()
 
 
 def container_program(runtime):
@@ -3726,6 +3777,7 @@ class ContainerOps(object):
         image = runtime["image"]
         present = image_id(path, name, image)
         if present is not None and runtime.get("pull") != "always":
+            self.note_image(name, image, present, pulled=False)
             return {"kind": "container", "image": image, "image_id": present, "program": name, "pulled": False}
         key = (path, image)
         with self.pull_lock:
@@ -3745,6 +3797,7 @@ class ContainerOps(object):
             job.detach(ctx.key)
         if job.error is not None:
             raise HelperError(job.error.kind, job.error.message)
+        self.note_image(name, image, job.result["image_id"], pulled=present != job.result["image_id"])
         return dict(job.result)
 
     def _run_pull(self, job, name, path, image):
@@ -3828,7 +3881,159 @@ class ContainerOps(object):
         client_env.pop("PATH", None)
         record = {"program": name, "program_path": path, "image": image, "image_id": present,
                   "name": container_name, "id": None, "started": None, "pid": None}
+        self.note_image(name, image, present, pulled=False)  # its last use
         return command, client_env, record
+
+    # -- the images profiles ran: listed by envs, removed by reclaim (R-4.12) -------------------
+
+    def images_dir(self):
+        return os.path.join(self.root, IMAGES_DIR)
+
+    def _read_image_record(self, record_name):
+        """(record, None) or (None, why): a record this fleet's helper wrote, by its file name."""
+        path = os.path.join(self.images_dir(), record_name + ".json")
+        try:
+            with open(path, "rb") as handle:
+                record = json.loads(handle.read().decode("utf-8"))
+        except (OSError, ValueError) as exc:
+            return None, "unreadable (%s)" % exc
+        if not isinstance(record, dict) or not isinstance(record.get("image"), str):
+            return None, "not an image record"
+        if self.secret is None or not hmac.compare_digest(str(record.get("mac")), image_record_mac(self.secret, record)):
+            return None, "not written by this fleet's llmgw"
+        return record, None
+
+    def note_image(self, program, image, present_id, pulled):
+        """Record that a profile uses `image` here: its id, when first and last used, and
+        whether llmgw pulled it (only such an image is ever removed by reclaim). An image found
+        present keeps what an earlier record said of its pull while its id is unchanged."""
+        if self.secret is None:
+            return
+        record_name = image_record_name(program, image)
+        with self.pull_lock:
+            old, _ = self._read_image_record(record_name)
+            now = time.time()
+            record = {"image": image, "program": program, "image_id": present_id, "pulled": bool(pulled),
+                      "first_used": now, "last_used": now}
+            if old is not None and old.get("image_id") == present_id:
+                record["pulled"] = bool(pulled or old.get("pulled"))
+                record["first_used"] = old.get("first_used", now)
+            record["mac"] = image_record_mac(self.secret, record)
+            try:
+                self.private_dir(self.images_dir())
+                _write_private_file(os.path.join(self.images_dir(), record_name + ".json"), canonical_json(record))
+            except OSError:
+                pass  # a record is for listing and collection; the launch goes on without it
+
+    def images_in_use(self):
+        """{image id: [shard ids]} of the live shards' containers."""
+        used = {}
+        for shard_id, state in self._all_states():
+            container = state.get("container")
+            if _identity(state)[0] == "alive" and isinstance(container, dict) and container.get("image_id"):
+                used.setdefault(container["image_id"], []).append(shard_id)
+        return used
+
+    def list_images(self):
+        """Every image a profile ran here, as envs lists it: present or not now, its size, last
+        use, whether llmgw pulled it, the live shards running it."""
+        try:
+            names = sorted(n[:-5] for n in os.listdir(self.images_dir()) if n.endswith(".json"))
+        except OSError:
+            return []
+        used = self.images_in_use()
+        found = []
+        for record_name in names:
+            if not IMAGE_RECORD_RE.fullmatch(record_name):
+                continue
+            record, why = self._read_image_record(record_name)
+            entry = {"kind": "image", "name": record_name, "image": None, "program": None, "id": None,
+                     "bytes": None, "first_used": None, "last_used": None, "pulled": None, "present": None,
+                     "used_by": [], "reason": why}
+            found.append(entry)
+            if record is None:
+                continue
+            entry.update({"image": record["image"], "program": record.get("program"), "id": record.get("image_id"),
+                          "first_used": record.get("first_used"), "last_used": record.get("last_used"),
+                          "pulled": bool(record.get("pulled"))})
+            try:
+                program, path = container_program({"container": record.get("program")})
+                code, out, err = container_cli(path, ["image", "inspect", "--format", "{{.Id}} {{.Size}}",
+                                                      record["image"]], timeout=20)
+            except HelperError as exc:
+                entry["reason"] = exc.message
+                continue
+            parts = out.split()
+            if code == 0 and len(parts) >= 2:
+                entry["present"] = True
+                entry["id"] = parts[0]
+                entry["bytes"] = int(parts[1]) if parts[1].isdigit() else None
+            elif _daemon_problem(program, err) is None:
+                entry["present"] = False
+            else:
+                entry["reason"] = _daemon_problem(program, err)
+            entry["used_by"] = used.get(entry["id"], [])
+        return found
+
+    def images_reclaim(self, names, collect):
+        """List or remove the named images (reclaim's "images"), each judged again here: only an
+        image llmgw pulled (by its record, written by this fleet's helper), still the one it
+        pulled, that no live shard runs, is removed, by `rmi` without force (docker keeps an
+        image any other container uses)."""
+        used = self.images_in_use()
+        entries = []
+        for record_name in names:
+            entry = {"name": record_name, "path": None, "bytes": None, "action": "refused", "reason": None,
+                     "last_used": None}
+            entries.append(entry)
+            if not isinstance(record_name, str) or not IMAGE_RECORD_RE.fullmatch(record_name):
+                entry["reason"] = "is not the name of an image record (img-<32 hex digits>)"
+                continue
+            record, why = self._read_image_record(record_name)
+            if record is None:
+                entry["reason"] = "its record is %s; never removed" % why
+                continue
+            entry["path"] = record["image"]
+            entry["last_used"] = record.get("last_used")
+            if not record.get("pulled"):
+                entry["reason"] = ("was on the node before llmgw used it (loaded or pulled by someone else); "
+                                   "llmgw removes only images it pulled: `%s rmi %s` removes it"
+                                   % (record.get("program") or "docker", record["image"]))
+                continue
+            try:
+                program, path = container_program({"container": record.get("program")})
+                present = image_id(path, program, record["image"])
+            except HelperError as exc:
+                entry["reason"] = exc.message
+                continue
+            if present is None:
+                entry["reason"] = "not present"
+                continue
+            if present != record.get("image_id"):
+                entry["reason"] = ("%s is now another image (%s) than the one llmgw pulled (%s); never removed"
+                                   % (record["image"], present, record.get("image_id")))
+                continue
+            if present in used:
+                entry["reason"] = "in use by the running shard%s %s" % ("s" if len(used[present]) > 1 else "",
+                                                                       ", ".join(used[present]))
+                continue
+            if not collect:
+                entry["action"] = "listed"
+                continue
+            with self.launch_lock:
+                if present in self.images_in_use():
+                    entry["reason"] = "in use by a shard started meanwhile"
+                    continue
+                code, out, err = container_cli(path, ["rmi", record["image"]], timeout=120)
+            if code != 0:
+                entry["reason"] = "%s rmi %s refused: %s" % (program, record["image"], err.strip()[-300:])
+                continue
+            try:
+                os.unlink(os.path.join(self.images_dir(), record_name + ".json"))
+            except OSError:
+                pass
+            entry["action"] = "removed"
+        return entries
 
     def _remove_stale_container(self, name, path, container_name, shard_id):
         """A container of this name left by an earlier start of the shard (its client was
@@ -4344,8 +4549,12 @@ class ReclaimOps(object):
         env_names = _arg(args, "envs", (list,), None)
         if env_names is not None and not all(isinstance(name, str) for name in env_names):
             raise bad_args("envs must be a list of environment names")
-        # With envs, the cache directory is optional: a reclaim of environments only.
-        cache_dir = _arg_path(args, "cache_dir", None if env_names is not None else _REQUIRED)
+        image_names = _arg(args, "images", (list,), None)
+        if image_names is not None and not all(isinstance(name, str) for name in image_names):
+            raise bad_args("images must be a list of image record names")
+        # With envs or images, the cache directory is optional: a reclaim of engines only.
+        engines_only = env_names is not None or image_names is not None
+        cache_dir = _arg_path(args, "cache_dir", None if engines_only else _REQUIRED)
         names = _arg(args, "names", (list,), None)
         collect = _arg(args, "collect", (bool,), False)
         if collect and names is None and cache_dir is not None:
@@ -4365,6 +4574,8 @@ class ReclaimOps(object):
                 result["free_bytes"] = cache_free_bytes(cache_dir)
         if env_names is not None:
             result["envs"] = self.envs_reclaim(env_names, collect)
+        if image_names is not None:
+            result["images"] = self.images_reclaim(image_names, collect)
         return result
 
 
