@@ -158,7 +158,7 @@ async def test_a_typed_provision_streams_its_phases_and_envs_lists_it(wheelhouse
         monkeypatch.delenv(name, raising=False)
     profile = ProfileConfig(engine="vllm", runtime="venv", packages=["llmgw-probe"], find_links=[str(wheelhouse)])
     runtime = runtime_spec(profile)
-    assert runtime == _runtime(wheelhouse)
+    assert runtime == {**_runtime(wheelhouse), "extra_index_urls": []}
     link = LocalLink(NodeConfig(name="local", connection="local"), tmp_path / "node",
                      fleet_secret=fleet_secret(tmp_path / "state"))
     link.start()
