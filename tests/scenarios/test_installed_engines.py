@@ -3,7 +3,8 @@ environment built for a venv profile (a tiny package from a wheelhouse in the no
 engine double stays the engine) is listed by `ctl engines` with the profile wanting it and the
 shard running from it; while a profile wants it `ctl reclaim` leaves it alone; once the profile
 leaves the inventory (reload) and its replica is gone, `ctl reclaim` lists it and `--collect`
-removes it, on the node.
+removes it, on the node. A second environment, unwanted too, goes at the node's low-water mark
+with the weights' clean-up, while the one still wanted and running stays.
 """
 
 from __future__ import annotations
@@ -33,42 +34,67 @@ def test_an_environment_is_listed_kept_while_wanted_and_collected_once_unwanted(
         probe_wheelhouse(bed.nodes[NODE].home_dir / "wheels")
         profile = {"engine": "vllm", "runtime": "venv", "packages": ["llmgw-probe==1.0"],
                    "find_links": ["/root/wheels"], "python": "/usr/bin/python3"}
-        inventory = write_inventory(bed, tmp_path / "inventory.yaml", profiles={"probe": profile, "plain": {"engine": "vllm"}},
-                                    models=[{"name": "probed", "profile": "probe", "scaling": {"min": 1}}])
+        # Another recipe of the same package: another environment.
+        other = {**profile, "post_install": ["python -c 'import llmgw_probe'"]}
+        inventory = write_inventory(bed, tmp_path / "inventory.yaml", profiles={"probe": profile, "other": other},
+                                    models=[{"name": "probed", "profile": "probe", "scaling": {"min": 1}},
+                                            {"name": "other", "profile": "other", "scaling": {"min": 1}}])
         gateway = GatewayProcess(inventory, tmp_path / "state").start()
         try:
             ctl = Ctl(gateway)
-            wait_for(lambda: any(r["model"] == "probed" and r["serving"] for r in ctl.json("replicas")["replicas"]),
-                     180, f"probed to serve\n{gateway.log()[-2000:]}")
-            (name,) = _sealed(bed)
+
+            def serving(model):
+                return any(r["model"] == model and r["serving"] for r in ctl.json("replicas")["replicas"])
+
+            def gone(model):
+                return not [r for r in ctl.json("replicas")["replicas"] if r["model"] == model and not r["retired"]]
+            for model in ("probed", "other"):
+                wait_for(lambda: serving(model), 180, f"{model} to serve\n{gateway.log()[-2000:]}")
+            assert len(_sealed(bed)) == 2
             (node,) = ctl.json("engines")["nodes"]
-            (row,) = node["engines"]
-            assert row["kind"] == "venv" and row["name"] == name and row["state"] == "sealed"
+            rows = {row["wanted_by"][0]: row for row in node["engines"]}
+            assert sorted(rows) == ["other", "probe"]
+            row = rows["probe"]
+            assert row["kind"] == "venv" and row["state"] == "sealed" and row["name"] in _sealed(bed)
             assert row["what"] == "llmgw-probe==1.0" and row["version"].startswith("python 3.")
             assert row["wanted_by"] == ["probe"] and len(row["used_by"]) == 1
             assert row["bytes"] > 0 and row["last_used"] is not None
             text = ctl.ok("engines").stdout
             assert "llmgw-probe==1.0" in text and "sealed" in text and "probe" in text
 
-            # Wanted: reclaim offers nothing of it.
+            # Wanted: reclaim offers neither.
             listed = ctl.json("reclaim")
             assert not [e for n in listed["nodes"] for e in n["entries"] if e["kind"] == "venv"]
 
-            # The profile leaves the inventory with its model: the environment is wanted by nobody.
+            # `other` leaves the inventory, and a low-water mark the cache is always below is set:
+            # its environment goes with the clean-up; probe's, wanted and running, stays.
             doc = yaml.safe_load(inventory.read_text())
-            del doc["profiles"]["probe"]
-            doc["models"] = []
+            del doc["profiles"]["other"]
+            doc["models"] = [m for m in doc["models"] if m["name"] != "other"]
+            doc["gateway"]["cache_low_water"] = "10GB"  # more than the whole cache filesystem
             inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
             ctl.ok("reload")
-            wait_for(lambda: not [r for r in ctl.json("replicas")["replicas"] if r["model"] == "probed"
-                                  and not r["retired"]], 120, "the replica of probed to go")
+            wait_for(lambda: gone("other"), 120, "the replica of other to go")
+            wait_for(lambda: _sealed(bed) == [rows["probe"]["name"]], 150,
+                     f"the clean-up to remove other's environment\n{gateway.log()[-2000:]}")
+            storage = ctl.json("storage")["nodes"][0]["cleanup"]
+            assert rows["other"]["name"] in [r["name"] for r in storage["removed"]]
+            assert serving("probed")
+
+            # probe leaves too (the mark off again): reclaim lists its environment, --collect removes it.
+            del doc["profiles"]["probe"]
+            doc["models"] = []
+            doc["gateway"]["cache_low_water"] = "off"
+            inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
+            ctl.ok("reload")
+            wait_for(lambda: gone("probed"), 120, "the replica of probed to go")
 
             def offered():
                 answer = ctl.json("reclaim")
                 found = [e for n in answer["nodes"] for e in n["entries"] if e["kind"] == "venv"]
                 return found or None
             (entry,) = wait_for(offered, 60, "the environment offered by reclaim once its shard stopped")
-            assert entry["name"] == name and entry["action"] == "listed"
+            assert entry["name"] == rows["probe"]["name"] and entry["action"] == "listed"
             assert "1 engine" in ctl.ok("reclaim").stdout
             collected = ctl.json("reclaim", "--collect")
             (removed,) = [e for n in collected["nodes"] for e in n["entries"] if e["kind"] == "venv"]
