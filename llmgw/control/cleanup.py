@@ -206,7 +206,11 @@ class Cleanup:
     async def _run(self, node: str, cache: str, mark: LowWater, threshold: int, free_before: int) -> None:
         try:
             ops = self.fleet.ops(node)
-            engines = await self._engines(node, ops, mark, threshold)
+            try:
+                engines = await self._engines(node, ops, mark, threshold)
+            except NodeError as exc:  # the weights' clean-up goes on without it
+                log.warning("cleanup on %s: the installed engines could not be collected: %s", node, exc)
+                engines = 0
             listing = await ops.reclaim(ReclaimRequest(cache))
             keep = self.holder.current.wanted_cache_names() | self.pinned | self.in_use(node)
             ordered = order((Entry(e.name, e.bytes, e.last_used, e.reason) for e in listing.entries), keep)
