@@ -384,8 +384,13 @@ class ControlPlane:
 
     # -- installed engines (R-4.12) ------------------------------------------------------------
 
-    async def engines(self) -> dict:
-        """Per node, the environments and images llmgw installed, who wants and runs each."""
+    async def engines(self, max_age: float = 0.0) -> dict:
+        """Per node, the environments and images llmgw installed, who wants and runs each. With
+        max_age (the dashboard, which refreshes often), an answer that recent is given again
+        rather than having every node walk its environments once more."""
+        cached = getattr(self, "_engines_answer", None)
+        if max_age > 0 and cached is not None and time.monotonic() - cached[0] < max_age:
+            return cached[1]
         catalog = self.holder.current
         nodes = []
 
@@ -402,7 +407,9 @@ class ControlPlane:
 
         await asyncio.gather(*(one(n) for n in self.fleet.ready_nodes()))
         nodes.sort(key=lambda n: n["node"])
-        return {"nodes": nodes}
+        answer = {"nodes": nodes, "as_of": time.time()}
+        self._engines_answer = (time.monotonic(), answer)
+        return answer
 
     # -- logs (R-4.8) --------------------------------------------------------------------------
 
