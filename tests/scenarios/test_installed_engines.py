@@ -14,18 +14,12 @@ import yaml
 
 from tests.helper.wheels import probe_wheelhouse
 from tests.integration.gateway import GatewayProcess, wait_for
-from tests.scenarios.operating import Ctl, write_inventory
+from tests.scenarios.operating import Ctl, sealed_envs, write_inventory
 from tests.testbed import NodeSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.testbed]
 
 NODE = "bare"
-
-
-def _sealed(bed) -> list[str]:
-    found = bed.run(NODE, ["sh", "-c", "cd /root/.llmgw/envs 2>/dev/null && for d in venv-*; do "
-                                       "[ -f \"$d/.llmgw-complete\" ] && echo \"$d\"; done; true"])
-    return found.stdout.split()
 
 
 def test_an_environment_is_listed_kept_while_wanted_and_collected_once_unwanted(testbed_factory, tmp_path):
@@ -50,12 +44,12 @@ def test_an_environment_is_listed_kept_while_wanted_and_collected_once_unwanted(
                 return not [r for r in ctl.json("replicas")["replicas"] if r["model"] == model and not r["retired"]]
             for model in ("probed", "other"):
                 wait_for(lambda: serving(model), 180, f"{model} to serve\n{gateway.log()[-2000:]}")
-            assert len(_sealed(bed)) == 2
+            assert len(sealed_envs(bed, NODE)) == 2
             (node,) = ctl.json("engines")["nodes"]
             rows = {row["wanted_by"][0]: row for row in node["engines"]}
             assert sorted(rows) == ["other", "probe"]
             row = rows["probe"]
-            assert row["kind"] == "venv" and row["state"] == "sealed" and row["name"] in _sealed(bed)
+            assert row["kind"] == "venv" and row["state"] == "sealed" and row["name"] in sealed_envs(bed, NODE)
             assert row["what"] == "llmgw-probe==1.0" and row["version"].startswith("python 3.")
             assert row["wanted_by"] == ["probe"] and len(row["used_by"]) == 1
             assert row["bytes"] > 0 and row["last_used"] is not None
@@ -75,7 +69,7 @@ def test_an_environment_is_listed_kept_while_wanted_and_collected_once_unwanted(
             inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
             ctl.ok("reload")
             wait_for(lambda: gone("other"), 120, "the replica of other to go")
-            wait_for(lambda: _sealed(bed) == [rows["probe"]["name"]], 150,
+            wait_for(lambda: sealed_envs(bed, NODE) == [rows["probe"]["name"]], 150,
                      f"the clean-up to remove other's environment\n{gateway.log()[-2000:]}")
             storage = ctl.json("storage")["nodes"][0]["cleanup"]
             assert rows["other"]["name"] in [r["name"] for r in storage["removed"]]
@@ -99,7 +93,7 @@ def test_an_environment_is_listed_kept_while_wanted_and_collected_once_unwanted(
             collected = ctl.json("reclaim", "--collect")
             (removed,) = [e for n in collected["nodes"] for e in n["entries"] if e["kind"] == "venv"]
             assert removed["action"] == "removed", removed
-            assert _sealed(bed) == []
+            assert sealed_envs(bed, NODE) == []
             assert ctl.json("engines")["nodes"][0]["engines"] == []
         finally:
             gateway.stop()
