@@ -139,6 +139,16 @@ provision {"runtime": RUNTIME} -> events "progress" {"phase": "venv"|"pip"|"post
     provision_failed when a step fails (the command, its status and its last ENV_OUTPUT_LINES
     lines); disk_full when the disk fills (naming the directory). After any failure nothing of
     the build is left.
+    RUNTIME may instead be {"kind": "container", "image", "container": "docker"|"podman"|null
+    (null: the first on PATH), "pull": "if_missing"|"always", "shm_size": bytes|null, "mounts":
+    [dir], "labels": {name: value}}; the answer is then {"kind": "container", "image",
+    "image_id", "program", "pulled": bool}. An image present is used without a registry (unless
+    pull is always); a missing one is pulled (``PROGRAM pull IMAGE``, the helper's environment,
+    so the node's DOCKER_HOST and registry credentials), single-flight per program and image,
+    progress {"phase": "pull", "line"} being its output lines. Refused: runtime_missing when the
+    program is not on PATH or its daemon does not answer (naming DOCKER_HOST);
+    provision_failed when the pull fails (the image, the pull's last lines and the ``docker load
+    -i FILE`` command for a node without a registry). Each image used is recorded (see envs).
 
 envs {"wanted": {KEY: RUNTIME}|absent} -> {"envs": [{"kind": "venv", "name", "id", "path", "bytes", "created_at", "last_used",
     "sealed": bool, "python", "packages", "installer", "reason", "used_by": [shard_id]}],
@@ -181,6 +191,21 @@ launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus", "files"
     the environment missing or unfinished is engine_missing (provision builds it), one that is
     not sealed by this fleet or whose files are not as sealed is integrity (nothing is started
     or removed). The shard's state records {"kind", "id"} of the runtime (status's "runtime").
+    With a container RUNTIME the supervisor runs ``PROGRAM run --rm --name llmgw-SHARD --cidfile
+    SHARD_DIR/container.id --network host --workdir SHARD_DIR --entrypoint ARGV0 (--shm-size N
+    | --ipc host) --label ... --volume DIR:DIR:ro ... --env NAME ... IMAGE ARGV[1:]``: the
+    labels are the runtime's plus llmgw.shard and llmgw.fleet (a digest of the fleet secret),
+    the volumes the shard directory and each existing mount, env values travel in the
+    supervisor's environment and only their names in the argv (PATH is left to the image);
+    GPUs as ``--gpus "device=A,B"`` (the NVIDIA container toolkit), or ``--device
+    nvidia.com/gpu=N`` each for podman and for a docker whose CDI spec directories hold an
+    nvidia.com/gpu spec. The image must be present (engine_missing: provision pulls it); a
+    container of that name llmgw did not label for this shard and fleet is refused (identity)
+    and left alone, a stopped one of ours removed first. The shard's state records the
+    container's id, start time, main pid and image id (status's "container"); status checks
+    the id, labels and start time (a container gone or replaced is not alive); stop runs
+    ``PROGRAM stop --time GRACE`` then ``rm -f``; logs read the supervisor's log, which holds
+    the container's output.
 
 status {"probe": false, "timeout": 2} -> {"shards": [{"shard_id", "pid", "pgid", "start_time",
     "argv", "gpus", "port", "health_url", "started_at", "alive", "exit_code", "ended_at", "runtime",
@@ -3662,6 +3687,31 @@ def _daemon_problem(name, stderr):
     return None
 
 
+def cdi_gpus(path):
+    """Whether this docker has CDI devices for NVIDIA GPUs (docker 25+ with CDI on, and a spec
+    naming nvidia.com/gpu in one of its CDI spec directories, as `nvidia-ctk cdi generate`
+    writes): then GPUs are given as CDI devices rather than through the toolkit's --gpus."""
+    try:
+        code, out, _ = container_cli(path, ["info", "--format", "{{json .CDISpecDirs}}"], timeout=20)
+        dirs = json.loads(out) if code == 0 and out.strip() else None
+    except (HelperError, ValueError):
+        return False
+    for directory in dirs if isinstance(dirs, list) else []:
+        try:
+            names = os.listdir(directory) if isinstance(directory, str) else []
+        except OSError:
+            continue
+        for spec in names:
+            if spec.endswith((".yaml", ".yml", ".json")):
+                try:
+                    with open(os.path.join(directory, spec), "rb") as handle:
+                        if b"nvidia.com/gpu" in handle.read(1 << 20):
+                            return True
+                except OSError:
+                    continue
+    return False
+
+
 def image_id(path, name, image):
     """The id of an image present on this node, or None when it is not here."""
     code, out, err = container_cli(path, ["image", "inspect", "--format", "{{.Id}}", image])
@@ -3871,7 +3921,7 @@ class ContainerOps(object):
                 command += ["--env", var]  # the value comes from the client's environment
         if gpus:
             devices = ",".join(str(index) for index in gpus)
-            if name == "podman":
+            if name == "podman" or cdi_gpus(path):
                 for index in gpus:
                     command += ["--device", "nvidia.com/gpu=%d" % index]
             else:
