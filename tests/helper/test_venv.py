@@ -293,7 +293,7 @@ def test_a_failing_pip_gives_its_last_lines_and_leaves_nothing(helper, installed
     assert "llmgw-not-in-the-wheelhouse" in message and "No matching distribution" in message, message
     assert len(message.split("Its last lines:\n", 1)[1].splitlines()) <= 15
     assert _env_names(installed.root) == [], "no half-made environment"
-    assert helper.call("envs") == {"envs": []}
+    assert helper.call("envs")["envs"] == []
 
 
 def test_a_failing_post_install_leaves_nothing(helper, installed, wheelhouse):
