@@ -121,7 +121,8 @@ provision {"runtime": RUNTIME} -> events "progress" {"phase": "venv"|"pip"|"post
     "Environments" below), single-flight per recipe on the node: a second request attaches to
     the running build and gets the same answer; the build is abandoned, its step killed and what
     it made removed, when its last waiter cancels or the helper's stdin ends. created is false
-    when it was there already, sealed, and its files as sealed. Steps: ``PY -m venv ENV``; then
+    when it was there already and sealed (its names, sizes and links as sealed; the contents
+    are checked by the launch that runs it). Steps: ``PY -m venv ENV``; then
     ``ENV/bin/python -m pip install --disable-pip-version-check --progress-bar off`` (or
     ``uv pip install --python ENV/bin/python`` when uv is on PATH) with ``--index-url X``, or
     ``--no-index`` when find_links are given without it or extra_index_urls, each
@@ -1283,6 +1284,32 @@ def _read_marker(path, uid, marker_name=COMPLETE_MARKER):
     return marker, None
 
 
+def _private_dir_marker(path, uid, what, noun):
+    """(completion marker, None) when path is a real directory (not a link) owned by uid and
+    private to it, holding a readable marker; else (None, why). what and noun name the thing
+    in the words: "a cache entry" and "the entry", "an environment" and "the environment"."""
+    try:
+        info = os.lstat(path)
+    except (OSError, ValueError):
+        return None, "not present"
+    if stat.S_ISLNK(info.st_mode):
+        return None, "a symbolic link, not %s; never followed" % what
+    if not stat.S_ISDIR(info.st_mode):
+        return None, "not a directory"
+    problem = _private_problem(noun, info, uid)
+    if problem is not None:
+        return None, "not llmgw's: " + problem
+    return _read_marker(path, uid)
+
+
+def _unhashed(files, hashes):
+    """The first of files' relative paths hashes gives no well-formed SHA-256 for, else None."""
+    for relative, _ in files:
+        if not isinstance(hashes.get(relative), str) or not SHA256_RE.fullmatch(hashes[relative]):
+            return relative
+    return None
+
+
 def sealed_entry(path, secret):
     """({"files": [(relative path, size)], "hashes": {relative path: sha256}, "bytes"}, None)
     when the directory at path is a fetched entry this fleet's llmgw made, else (None, why).
@@ -1295,18 +1322,7 @@ def sealed_entry(path, secret):
     again (the fetch replaces it) rather than hashed and trusted as it is now."""
     uid = os.getuid()
     name = os.path.basename(os.path.normpath(path))
-    try:
-        info = os.lstat(path)
-    except (OSError, ValueError):
-        return None, "not present"
-    if stat.S_ISLNK(info.st_mode):
-        return None, "a symbolic link, not a cache entry; never followed"
-    if not stat.S_ISDIR(info.st_mode):
-        return None, "not a directory"
-    problem = _private_problem("the entry", info, uid)
-    if problem is not None:
-        return None, "not llmgw's: " + problem
-    marker, problem = _read_marker(path, uid)
+    marker, problem = _private_dir_marker(path, uid, "a cache entry", "the entry")
     if problem is not None:
         return None, problem
     files, total, problem = entry_manifest(path, uid)
@@ -1320,9 +1336,9 @@ def sealed_entry(path, secret):
     if marker.get("format") != MARKER_FORMAT or not isinstance(hashes, dict):
         return None, ("its completion marker predates content hashes (format %s), so what it holds cannot be "
                       "checked; it is fetched again" % (marker.get("format", 1),))
-    for relative, _ in files:
-        if not isinstance(hashes.get(relative), str) or not SHA256_RE.fullmatch(hashes[relative]):
-            return None, "its completion marker gives no SHA-256 for %s" % relative
+    unhashed = _unhashed(files, hashes)
+    if unhashed is not None:
+        return None, "its completion marker gives no SHA-256 for %s" % unhashed
     seal = marker.get("seal")
     if isinstance(seal, str) and hmac.compare_digest(seal, entry_seal(secret, name, files, hashes)):
         return {"files": files, "hashes": hashes, "bytes": total}, None
@@ -2952,18 +2968,7 @@ def sealed_env(path, secret):
     recipe must hash to the id its name carries. Contents are not read here."""
     uid = os.getuid()
     name = os.path.basename(os.path.normpath(path))
-    try:
-        info = os.lstat(path)
-    except (OSError, ValueError):
-        return None, "not present"
-    if stat.S_ISLNK(info.st_mode):
-        return None, "a symbolic link, not an environment; never followed"
-    if not stat.S_ISDIR(info.st_mode):
-        return None, "not a directory"
-    problem = _private_problem("the environment", info, uid)
-    if problem is not None:
-        return None, "not llmgw's: " + problem
-    marker, problem = _read_marker(path, uid)
+    marker, problem = _private_dir_marker(path, uid, "an environment", "the environment")
     if problem is not None:
         return None, problem.replace("completion marker", "seal")
     links = []
@@ -2976,9 +2981,9 @@ def sealed_env(path, secret):
     if (marker.get("format") != ENV_MARKER_FORMAT or not isinstance(hashes, dict) or not isinstance(recipe, dict)
             or not isinstance(recipe_id, str)):
         return None, "its seal is not an environment's"
-    for relative, _ in files:
-        if not isinstance(hashes.get(relative), str) or not SHA256_RE.fullmatch(hashes[relative]):
-            return None, "its seal gives no SHA-256 for %s" % relative
+    unhashed = _unhashed(files, hashes)
+    if unhashed is not None:
+        return None, "its seal gives no SHA-256 for %s" % unhashed
     seal = marker.get("seal")
     expected = entry_seal(secret, name, files, hashes, links=links, context=ENV_SEAL_CONTEXT, recipe=recipe)
     if not isinstance(seal, str) or not hmac.compare_digest(seal, expected):
@@ -3252,12 +3257,11 @@ class VenvOps(object):
         return version
 
     def _present_env(self, path, entry, emit):
-        """The answer for a sealed environment, once its files are as sealed (integrity if not)."""
-        emit("progress", {"phase": "seal", "line": "checking the sealed environment %s" % path})
-        problem = self.verify_entry(path, entry, always=never_rehashed)
-        if problem is not None:
-            raise HelperError("integrity", problem.replace("its entry was sealed with", "the environment was sealed with")
-                              .replace("after the fetch", "after it was built"))
+        """The answer for an environment found sealed (its names, sizes, links and recipe as its
+        seal gives them). Its files' contents are checked by the launch that runs it, the gate
+        right before an engine starts: checking them here too walked every file twice per
+        launch."""
+        emit("progress", {"phase": "seal", "line": "found the sealed environment %s" % path})
         return self._env_answer(path, entry, created=False)
 
     def _env_answer(self, path, entry, created):
