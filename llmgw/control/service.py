@@ -56,6 +56,7 @@ class ControlPlane:
         self._reloading: tuple[str, float] | None = None  # (actor, since) while a reload runs
         # Called with the new inventory after each applied reload: whoever holds settings of their own.
         self.on_reload: list = []
+        self._engines_answer: tuple[float, dict] | None = None  # (monotonic time, answer) of the last engines()
 
     # -- what the operator reads ---------------------------------------------------------------
 
@@ -388,7 +389,7 @@ class ControlPlane:
         """Per node, the environments and images llmgw installed, who wants and runs each. With
         max_age (the dashboard, which refreshes often), an answer that recent is given again
         rather than having every node walk its environments once more."""
-        cached = getattr(self, "_engines_answer", None)
+        cached = self._engines_answer
         if max_age > 0 and cached is not None and time.monotonic() - cached[0] < max_age:
             return cached[1]
         catalog = self.holder.current
