@@ -76,7 +76,8 @@ inventory {"images": [IMAGE, ...], "venvs": {KEY: RUNTIME}} -> {"hostname", "boo
     with the reason in error, null when it did not answer within CONTAINER_PROBE_WAIT: the probe
     goes on on a thread, and while it runs later inventories do not start another and answer
     null at once); runtimes docker's OCI runtimes; gpu whether it can give a container GPUs as
-    launch asks (docker --gpus: the nvidia runtime or NVIDIA_HOOK on PATH; podman --device
+    launch asks (docker --gpus: the nvidia runtime or NVIDIA_HOOK on PATH, or CDI on with an
+    NVIDIA spec in its CDI spec directories; podman --device
     nvidia.com/gpu=N: a CDI spec of kind nvidia.com/gpu in CDI_DIRS; null when not checked);
     images, for the asked IMAGEs (at most INVENTORY_IMAGES_MAX), whether each is present. venvs,
     for each asked venv RUNTIME (as provision's; at most INVENTORY_VENVS_MAX) under the caller's
@@ -140,7 +141,8 @@ provision {"runtime": RUNTIME} -> events "progress" {"phase": "venv"|"pip"|"post
     "Environments" below), single-flight per recipe on the node: a second request attaches to
     the running build and gets the same answer; the build is abandoned, its step killed and what
     it made removed, when its last waiter cancels or the helper's stdin ends. created is false
-    when it was there already, sealed, and its files as sealed. Steps: ``PY -m venv ENV``; then
+    when it was there already and sealed (its names, sizes and links as sealed; the contents
+    are checked by the launch that runs it). Steps: ``PY -m venv ENV``; then
     ``ENV/bin/python -m pip install --disable-pip-version-check --progress-bar off`` (or
     ``uv pip install --python ENV/bin/python`` when uv is on PATH) with ``--index-url X``, or
     ``--no-index`` when find_links are given without it or extra_index_urls, each
@@ -158,14 +160,34 @@ provision {"runtime": RUNTIME} -> events "progress" {"phase": "venv"|"pip"|"post
     provision_failed when a step fails (the command, its status and its last ENV_OUTPUT_LINES
     lines); disk_full when the disk fills (naming the directory). After any failure nothing of
     the build is left.
+    RUNTIME may instead be {"kind": "container", "image", "container": "docker"|"podman"|null
+    (null: the first on PATH), "pull": "if_missing"|"always", "shm_size": bytes|null, "mounts":
+    [dir], "labels": {name: value}}; the answer is then {"kind": "container", "image",
+    "image_id", "program", "pulled": bool}. An image present is used without a registry (unless
+    pull is always); a missing one is pulled (``PROGRAM pull IMAGE``, the helper's environment,
+    so the node's DOCKER_HOST and registry credentials), single-flight per program and image,
+    progress {"phase": "pull", "line"} being its output lines. Refused: runtime_missing when the
+    program is not on PATH or its daemon does not answer (naming DOCKER_HOST);
+    provision_failed when the pull fails (the image, the pull's last lines and the ``docker load
+    -i FILE`` command for a node without a registry). Each image used is recorded (see envs).
 
-envs {} -> {"envs": [{"kind": "venv", "name", "id", "path", "bytes", "created_at", "last_used",
-    "sealed": bool, "python", "packages", "installer", "reason", "used_by": [shard_id]}]}
+envs {"wanted": {KEY: RUNTIME}|absent} -> {"envs": [{"kind": "venv", "name", "id", "path", "bytes", "created_at", "last_used",
+    "sealed": bool, "python", "packages", "installer", "reason", "used_by": [shard_id]}],
+    "images": [{"kind": "image", "name": "img-<32 hex>", "image", "program", "id", "bytes",
+    "first_used", "last_used", "pulled": bool, "present": bool|null, "used_by", "reason"}]}
     Every directory named venv-<32 hex> under ROOT/envs. reason (null when sealed) says why one
     is not usable: being built, left half-built (the next provision of its recipe replaces it),
     or not llmgw's / changed after its seal (never run or removed). last_used: the seal's mtime,
     set when it was built and at each launch from it; used_by: live shards running from it. id,
     python, packages, created_at and installer are known (not null) only for a sealed one.
+    images: every image a container runtime's provision or launch used here, from the record
+    ROOT/images/img-<digest of program and image>.json (0600, under an HMAC of the fleet
+    secret; reason says why a record is not trusted): its id, when first and last used, whether
+    llmgw pulled it (false when it was there already), and now (docker image inspect) whether it
+    is present and its size; null where the daemon did not answer. With "wanted" (the control
+    plane's profiles' runtimes) the answer adds "wanted": {KEY: {"name": the venv-... or img-...
+    name that runtime provisions here, or null, "error": why it cannot be told (no such
+    interpreter, no container program)}}, so that what no profile wants is known exactly.
 
 launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus", "files",
     "file_sha256", "runtime"} -> {"shard_id", "pid", "pgid", "start_time", "argv", "log_path",
@@ -190,6 +212,21 @@ launch {"shard_id", "argv", "env", "port", "host", "health_url", "gpus", "files"
     the environment missing or unfinished is engine_missing (provision builds it), one that is
     not sealed by this fleet or whose files are not as sealed is integrity (nothing is started
     or removed). The shard's state records {"kind", "id"} of the runtime (status's "runtime").
+    With a container RUNTIME the supervisor runs ``PROGRAM run --rm --name llmgw-SHARD --cidfile
+    SHARD_DIR/container.id --network host --workdir SHARD_DIR --entrypoint ARGV0 (--shm-size N
+    | --ipc host) --label ... --volume DIR:DIR:ro ... --env NAME ... IMAGE ARGV[1:]``: the
+    labels are the runtime's plus llmgw.shard and llmgw.fleet (a digest of the fleet secret),
+    the volumes the shard directory and each existing mount, env values travel in the
+    supervisor's environment and only their names in the argv (PATH is left to the image);
+    GPUs as ``--gpus "device=A,B"`` (the NVIDIA container toolkit), or ``--device
+    nvidia.com/gpu=N`` each for podman and for a docker whose CDI spec directories hold an
+    nvidia.com/gpu spec. The image must be present (engine_missing: provision pulls it); a
+    container of that name llmgw did not label for this shard and fleet is refused (identity)
+    and left alone, a stopped one of ours removed first. The shard's state records the
+    container's id, start time, main pid and image id (status's "container"); status checks
+    the id, labels and start time (a container gone or replaced is not alive); stop runs
+    ``PROGRAM stop --time GRACE`` then ``rm -f``; logs read the supervisor's log, which holds
+    the container's output.
 
 status {"probe": false, "timeout": 2} -> {"shards": [{"shard_id", "pid", "pgid", "start_time",
     "argv", "gpus", "port", "health_url", "started_at", "alive", "exit_code", "ended_at", "runtime",
@@ -236,6 +273,10 @@ reclaim {"cache_dir", "names": [str]|null, "collect": false} -> {"entries": [{"n
     (collect) removed only when llmgw built it (sealed, or left half-built by a build of this
     fleet), no build holds it and no live shard runs from it (refused with that reason);
     removal makes its read-only directories writable on the way, fd-relative as above.
+    With "images": [NAME] (image record names, img-<32 hex>) the answer adds "images" of the
+    same shape ("path" is the image reference): one is listed or (collect) removed with
+    ``docker rmi IMAGE`` (never forced) only when its record is this fleet's, says llmgw pulled
+    it, the image is still the one pulled and no live shard's container runs it.
 
 cancel {"target": request id} -> {"cancelled": bool}     ends a log follow, a fetch or provision wait.
 
@@ -1268,6 +1309,32 @@ def _read_marker(path, uid, marker_name=COMPLETE_MARKER):
     return marker, None
 
 
+def _private_dir_marker(path, uid, what, noun):
+    """(completion marker, None) when path is a real directory (not a link) owned by uid and
+    private to it, holding a readable marker; else (None, why). what and noun name the thing
+    in the words: "a cache entry" and "the entry", "an environment" and "the environment"."""
+    try:
+        info = os.lstat(path)
+    except (OSError, ValueError):
+        return None, "not present"
+    if stat.S_ISLNK(info.st_mode):
+        return None, "a symbolic link, not %s; never followed" % what
+    if not stat.S_ISDIR(info.st_mode):
+        return None, "not a directory"
+    problem = _private_problem(noun, info, uid)
+    if problem is not None:
+        return None, "not llmgw's: " + problem
+    return _read_marker(path, uid)
+
+
+def _unhashed(files, hashes):
+    """The first of files' relative paths hashes gives no well-formed SHA-256 for, else None."""
+    for relative, _ in files:
+        if not isinstance(hashes.get(relative), str) or not SHA256_RE.fullmatch(hashes[relative]):
+            return relative
+    return None
+
+
 def sealed_entry(path, secret):
     """({"files": [(relative path, size)], "hashes": {relative path: sha256}, "bytes"}, None)
     when the directory at path is a fetched entry this fleet's llmgw made, else (None, why).
@@ -1280,18 +1347,7 @@ def sealed_entry(path, secret):
     again (the fetch replaces it) rather than hashed and trusted as it is now."""
     uid = os.getuid()
     name = os.path.basename(os.path.normpath(path))
-    try:
-        info = os.lstat(path)
-    except (OSError, ValueError):
-        return None, "not present"
-    if stat.S_ISLNK(info.st_mode):
-        return None, "a symbolic link, not a cache entry; never followed"
-    if not stat.S_ISDIR(info.st_mode):
-        return None, "not a directory"
-    problem = _private_problem("the entry", info, uid)
-    if problem is not None:
-        return None, "not llmgw's: " + problem
-    marker, problem = _read_marker(path, uid)
+    marker, problem = _private_dir_marker(path, uid, "a cache entry", "the entry")
     if problem is not None:
         return None, problem
     files, total, problem = entry_manifest(path, uid)
@@ -1305,9 +1361,9 @@ def sealed_entry(path, secret):
     if marker.get("format") != MARKER_FORMAT or not isinstance(hashes, dict):
         return None, ("its completion marker predates content hashes (format %s), so what it holds cannot be "
                       "checked; it is fetched again" % (marker.get("format", 1),))
-    for relative, _ in files:
-        if not isinstance(hashes.get(relative), str) or not SHA256_RE.fullmatch(hashes[relative]):
-            return None, "its completion marker gives no SHA-256 for %s" % relative
+    unhashed = _unhashed(files, hashes)
+    if unhashed is not None:
+        return None, "its completion marker gives no SHA-256 for %s" % unhashed
     seal = marker.get("seal")
     if isinstance(seal, str) and hmac.compare_digest(seal, entry_seal(secret, name, files, hashes)):
         return {"files": files, "hashes": hashes, "bytes": total}, None
@@ -2958,18 +3014,7 @@ def sealed_env(path, secret):
     recipe must hash to the id its name carries. Contents are not read here."""
     uid = os.getuid()
     name = os.path.basename(os.path.normpath(path))
-    try:
-        info = os.lstat(path)
-    except (OSError, ValueError):
-        return None, "not present"
-    if stat.S_ISLNK(info.st_mode):
-        return None, "a symbolic link, not an environment; never followed"
-    if not stat.S_ISDIR(info.st_mode):
-        return None, "not a directory"
-    problem = _private_problem("the environment", info, uid)
-    if problem is not None:
-        return None, "not llmgw's: " + problem
-    marker, problem = _read_marker(path, uid)
+    marker, problem = _private_dir_marker(path, uid, "an environment", "the environment")
     if problem is not None:
         return None, problem.replace("completion marker", "seal")
     links = []
@@ -2982,9 +3027,9 @@ def sealed_env(path, secret):
     if (marker.get("format") != ENV_MARKER_FORMAT or not isinstance(hashes, dict) or not isinstance(recipe, dict)
             or not isinstance(recipe_id, str)):
         return None, "its seal is not an environment's"
-    for relative, _ in files:
-        if not isinstance(hashes.get(relative), str) or not SHA256_RE.fullmatch(hashes[relative]):
-            return None, "its seal gives no SHA-256 for %s" % relative
+    unhashed = _unhashed(files, hashes)
+    if unhashed is not None:
+        return None, "its seal gives no SHA-256 for %s" % unhashed
     seal = marker.get("seal")
     expected = entry_seal(secret, name, files, hashes, links=links, context=ENV_SEAL_CONTEXT, recipe=recipe)
     if not isinstance(seal, str) or not hmac.compare_digest(seal, expected):
@@ -3262,12 +3307,11 @@ class VenvOps(object):
         return version
 
     def _present_env(self, path, entry, emit):
-        """The answer for a sealed environment, once its files are as sealed (integrity if not)."""
-        emit("progress", {"phase": "seal", "line": "checking the sealed environment %s" % path})
-        problem = self.verify_entry(path, entry, always=never_rehashed)
-        if problem is not None:
-            raise HelperError("integrity", problem.replace("its entry was sealed with", "the environment was sealed with")
-                              .replace("after the fetch", "after it was built"))
+        """The answer for an environment found sealed (its names, sizes, links and recipe as its
+        seal gives them). Its files' contents are checked by the launch that runs it, the gate
+        right before an engine starts: checking them here too walked every file twice per
+        launch."""
+        emit("progress", {"phase": "seal", "line": "found the sealed environment %s" % path})
         return self._env_answer(path, entry, created=False)
 
     def _env_answer(self, path, entry, created):
@@ -3490,7 +3534,28 @@ class VenvOps(object):
         return {"kind": runtime.get("kind")}
 
     def op_envs(self, args, ctx):
-        return {"envs": self.list_envs()}
+        wanted = _arg(args, "wanted", (dict,), None)
+        result = {"envs": self.list_envs(), "images": self.list_images()}
+        if wanted is not None:
+            result["wanted"] = dict((key, self._wanted_name(runtime)) for key, runtime in wanted.items())
+        return result
+
+    def _wanted_name(self, runtime):
+        """{"name", "error"}: the environment (venv-...) or image record (img-...) a runtime
+        would use on this node, as its provision names it; error says why it cannot be told."""
+        try:
+            if not isinstance(runtime, dict):
+                raise bad_args("a wanted runtime must be an object")
+            if runtime.get("kind") == "venv":
+                recipe_id, _, _ = self.venv_recipe(check_venv_runtime(runtime))
+                return {"name": env_name(recipe_id), "error": None}
+            if runtime.get("kind") == "container":
+                _check_container_runtime(runtime)
+                program, _ = container_program(runtime)
+                return {"name": image_record_name(program, runtime["image"]), "error": None}
+            raise bad_args("runtime.kind must be one of %s" % ", ".join(RUNTIME_KINDS))
+        except HelperError as exc:
+            return {"name": None, "error": exc.message}
 
     def venv_facts(self, spec):
         """What inventory reports of a venv recipe here (R-4.12): whether the interpreter it is
@@ -3675,6 +3740,22 @@ _CDI_NVIDIA_GPU = re.compile(r"""["']?kind["']?\s*:\s*["']?nvidia\.com/gpu\b""")
 INVENTORY_IMAGES_MAX = 64
 INVENTORY_VENVS_MAX = 64
 INVENTORY_PYTHON_TIMEOUT = 5.0  # inventory's wait for an interpreter's version (provision waits longer)
+IMAGES_DIR = "images"  # ROOT/images/img-<32 hex>.json: an image a profile ran, as this helper saw it
+IMAGE_RECORD_RE = re.compile(r"img-[0-9a-f]{32}")
+IMAGE_RECORD_CONTEXT = b"llmgw image record v1\0"
+
+
+def image_record_name(program, image):
+    return "img-" + hashlib.sha256(("%s\0%s" % (program, image)).encode("utf-8")).hexdigest()[:32]
+
+
+def image_record_mac(secret, record):
+    """The HMAC, keyed by the fleet secret, of an image record without its mac: a record this
+    fleet's helper wrote, so that `pulled` (the one thing that lets reclaim remove an image) is
+    never taken from a planted file."""
+    body = dict((key, value) for key, value in record.items() if key != "mac")
+    return hmac.new(secret.encode("ascii"), IMAGE_RECORD_CONTEXT + canonical_json(body).encode("utf-8"),
+                    hashlib.sha256).hexdigest()
 
 
 def container_program(runtime):
@@ -3712,6 +3793,34 @@ def _daemon_problem(name, stderr):
         return "%s cannot reach its daemon (DOCKER_HOST=%s): %s" % (name, os.environ.get("DOCKER_HOST", "unset"),
                                                                      text.splitlines()[-1] if text else "")
     return None
+
+
+def cdi_gpus(path):
+    """Whether this docker has CDI devices for NVIDIA GPUs (docker 25+ with CDI on, and a spec
+    naming nvidia.com/gpu in one of its CDI spec directories, as `nvidia-ctk cdi generate`
+    writes): then GPUs are given as CDI devices rather than through the toolkit's --gpus."""
+    try:
+        code, out, _ = container_cli(path, ["info", "--format", "{{json .CDISpecDirs}}"], timeout=20)
+        dirs = json.loads(out) if code == 0 and out.strip() else None
+    except (HelperError, ValueError):
+        return False
+    if not isinstance(dirs, list):
+        return False
+    return cdi_nvidia_gpu([d for d in dirs if isinstance(d, str)]) is True
+    for directory in dirs if isinstance(dirs, list) else []:
+        try:
+            names = os.listdir(directory) if isinstance(directory, str) else []
+        except OSError:
+            continue
+        for spec in names:
+            if spec.endswith((".yaml", ".yml", ".json")):
+                try:
+                    with open(os.path.join(directory, spec), "rb") as handle:
+                        if b"nvidia.com/gpu" in handle.read(1 << 20):
+                            return True
+                except OSError:
+                    continue
+    return False
 
 
 def image_id(path, name, image):
@@ -3813,8 +3922,8 @@ def probe_container_program(name, path, images, cdi=cdi_nvidia_gpu):
     """What inventory reports of a container program on PATH (R-4.12), asked on a thread that the
     inventory waits for only CONTAINER_PROBE_WAIT: whether it answers (docker: its daemon; podman
     has none, its `info` must work), docker's OCI runtimes, whether it can give a container
-    GPUs (gpu: docker's --gpus needs the nvidia runtime or NVIDIA_HOOK, podman's --device
-    nvidia.com/gpu=N a CDI spec), and which of images it holds ({image: bool})."""
+    GPUs (gpu: docker's --gpus needs the nvidia runtime or NVIDIA_HOOK, or docker's CDI on with an
+    NVIDIA spec; podman's --device nvidia.com/gpu=N a CDI spec), and which of images it holds ({image: bool})."""
     found = _no_container_facts(path)
     query = "{{json .Runtimes}}" if name == "docker" else "{{json .Host.OCIRuntime.Name}}"
     try:
@@ -3843,6 +3952,8 @@ def probe_container_program(name, path, images, cdi=cdi_nvidia_gpu):
         if found["runtimes"] is not None and "nvidia" in found["runtimes"]:
             found["gpu"] = True
         elif find_program(NVIDIA_HOOK, os.environ.get("PATH", os.defpath)) is not None:
+            found["gpu"] = True
+        elif cdi_gpus(path):  # launch then gives CDI devices
             found["gpu"] = True
         elif found["runtimes"] is not None:
             found["gpu"] = False
@@ -3949,6 +4060,7 @@ class ContainerOps(object):
         image = runtime["image"]
         present = image_id(path, name, image)
         if present is not None and runtime.get("pull") != "always":
+            self.note_image(name, image, present, pulled=False)
             return {"kind": "container", "image": image, "image_id": present, "program": name, "pulled": False}
         key = (path, image)
         with self.pull_lock:
@@ -3968,6 +4080,7 @@ class ContainerOps(object):
             job.detach(ctx.key)
         if job.error is not None:
             raise HelperError(job.error.kind, job.error.message)
+        self.note_image(name, image, job.result["image_id"], pulled=present != job.result["image_id"])
         return dict(job.result)
 
     def _run_pull(self, job, name, path, image):
@@ -4041,7 +4154,7 @@ class ContainerOps(object):
                 command += ["--env", var]  # the value comes from the client's environment
         if gpus:
             devices = ",".join(str(index) for index in gpus)
-            if name == "podman":
+            if name == "podman" or cdi_gpus(path):
                 for index in gpus:
                     command += ["--device", "nvidia.com/gpu=%d" % index]
             else:
@@ -4051,7 +4164,159 @@ class ContainerOps(object):
         client_env.pop("PATH", None)
         record = {"program": name, "program_path": path, "image": image, "image_id": present,
                   "name": container_name, "id": None, "started": None, "pid": None}
+        self.note_image(name, image, present, pulled=False)  # its last use
         return command, client_env, record
+
+    # -- the images profiles ran: listed by envs, removed by reclaim (R-4.12) -------------------
+
+    def images_dir(self):
+        return os.path.join(self.root, IMAGES_DIR)
+
+    def _read_image_record(self, record_name):
+        """(record, None) or (None, why): a record this fleet's helper wrote, by its file name."""
+        path = os.path.join(self.images_dir(), record_name + ".json")
+        try:
+            with open(path, "rb") as handle:
+                record = json.loads(handle.read().decode("utf-8"))
+        except (OSError, ValueError) as exc:
+            return None, "unreadable (%s)" % exc
+        if not isinstance(record, dict) or not isinstance(record.get("image"), str):
+            return None, "not an image record"
+        if self.secret is None or not hmac.compare_digest(str(record.get("mac")), image_record_mac(self.secret, record)):
+            return None, "not written by this fleet's llmgw"
+        return record, None
+
+    def note_image(self, program, image, present_id, pulled):
+        """Record that a profile uses `image` here: its id, when first and last used, and
+        whether llmgw pulled it (only such an image is ever removed by reclaim). An image found
+        present keeps what an earlier record said of its pull while its id is unchanged."""
+        if self.secret is None:
+            return
+        record_name = image_record_name(program, image)
+        with self.pull_lock:
+            old, _ = self._read_image_record(record_name)
+            now = time.time()
+            record = {"image": image, "program": program, "image_id": present_id, "pulled": bool(pulled),
+                      "first_used": now, "last_used": now}
+            if old is not None and old.get("image_id") == present_id:
+                record["pulled"] = bool(pulled or old.get("pulled"))
+                record["first_used"] = old.get("first_used", now)
+            record["mac"] = image_record_mac(self.secret, record)
+            try:
+                self.private_dir(self.images_dir())
+                _write_private_file(os.path.join(self.images_dir(), record_name + ".json"), canonical_json(record))
+            except OSError:
+                pass  # a record is for listing and collection; the launch goes on without it
+
+    def images_in_use(self):
+        """{image id: [shard ids]} of the live shards' containers."""
+        used = {}
+        for shard_id, state in self._all_states():
+            container = state.get("container")
+            if _identity(state)[0] == "alive" and isinstance(container, dict) and container.get("image_id"):
+                used.setdefault(container["image_id"], []).append(shard_id)
+        return used
+
+    def list_images(self):
+        """Every image a profile ran here, as envs lists it: present or not now, its size, last
+        use, whether llmgw pulled it, the live shards running it."""
+        try:
+            names = sorted(n[:-5] for n in os.listdir(self.images_dir()) if n.endswith(".json"))
+        except OSError:
+            return []
+        used = self.images_in_use()
+        found = []
+        for record_name in names:
+            if not IMAGE_RECORD_RE.fullmatch(record_name):
+                continue
+            record, why = self._read_image_record(record_name)
+            entry = {"kind": "image", "name": record_name, "image": None, "program": None, "id": None,
+                     "bytes": None, "first_used": None, "last_used": None, "pulled": None, "present": None,
+                     "used_by": [], "reason": why}
+            found.append(entry)
+            if record is None:
+                continue
+            entry.update({"image": record["image"], "program": record.get("program"), "id": record.get("image_id"),
+                          "first_used": record.get("first_used"), "last_used": record.get("last_used"),
+                          "pulled": bool(record.get("pulled"))})
+            try:
+                program, path = container_program({"container": record.get("program")})
+                code, out, err = container_cli(path, ["image", "inspect", "--format", "{{.Id}} {{.Size}}",
+                                                      record["image"]], timeout=20)
+            except HelperError as exc:
+                entry["reason"] = exc.message
+                continue
+            parts = out.split()
+            if code == 0 and len(parts) >= 2:
+                entry["present"] = True
+                entry["id"] = parts[0]
+                entry["bytes"] = int(parts[1]) if parts[1].isdigit() else None
+            elif _daemon_problem(program, err) is None:
+                entry["present"] = False
+            else:
+                entry["reason"] = _daemon_problem(program, err)
+            entry["used_by"] = used.get(entry["id"], [])
+        return found
+
+    def images_reclaim(self, names, collect):
+        """List or remove the named images (reclaim's "images"), each judged again here: only an
+        image llmgw pulled (by its record, written by this fleet's helper), still the one it
+        pulled, that no live shard runs, is removed, by `rmi` without force (docker keeps an
+        image any other container uses)."""
+        used = self.images_in_use()
+        entries = []
+        for record_name in names:
+            entry = {"name": record_name, "path": None, "bytes": None, "action": "refused", "reason": None,
+                     "last_used": None}
+            entries.append(entry)
+            if not isinstance(record_name, str) or not IMAGE_RECORD_RE.fullmatch(record_name):
+                entry["reason"] = "is not the name of an image record (img-<32 hex digits>)"
+                continue
+            record, why = self._read_image_record(record_name)
+            if record is None:
+                entry["reason"] = "its record is %s; never removed" % why
+                continue
+            entry["path"] = record["image"]
+            entry["last_used"] = record.get("last_used")
+            if not record.get("pulled"):
+                entry["reason"] = ("was on the node before llmgw used it (loaded or pulled by someone else); "
+                                   "llmgw removes only images it pulled: `%s rmi %s` removes it"
+                                   % (record.get("program") or "docker", record["image"]))
+                continue
+            try:
+                program, path = container_program({"container": record.get("program")})
+                present = image_id(path, program, record["image"])
+            except HelperError as exc:
+                entry["reason"] = exc.message
+                continue
+            if present is None:
+                entry["reason"] = "not present"
+                continue
+            if present != record.get("image_id"):
+                entry["reason"] = ("%s is now another image (%s) than the one llmgw pulled (%s); never removed"
+                                   % (record["image"], present, record.get("image_id")))
+                continue
+            if present in used:
+                entry["reason"] = "in use by the running shard%s %s" % ("s" if len(used[present]) > 1 else "",
+                                                                       ", ".join(used[present]))
+                continue
+            if not collect:
+                entry["action"] = "listed"
+                continue
+            with self.launch_lock:
+                if present in self.images_in_use():
+                    entry["reason"] = "in use by a shard started meanwhile"
+                    continue
+                code, out, err = container_cli(path, ["rmi", record["image"]], timeout=120)
+            if code != 0:
+                entry["reason"] = "%s rmi %s refused: %s" % (program, record["image"], err.strip()[-300:])
+                continue
+            try:
+                os.unlink(os.path.join(self.images_dir(), record_name + ".json"))
+            except OSError:
+                pass
+            entry["action"] = "removed"
+        return entries
 
     def _remove_stale_container(self, name, path, container_name, shard_id):
         """A container of this name left by an earlier start of the shard (its client was
@@ -4567,8 +4832,12 @@ class ReclaimOps(object):
         env_names = _arg(args, "envs", (list,), None)
         if env_names is not None and not all(isinstance(name, str) for name in env_names):
             raise bad_args("envs must be a list of environment names")
-        # With envs, the cache directory is optional: a reclaim of environments only.
-        cache_dir = _arg_path(args, "cache_dir", None if env_names is not None else _REQUIRED)
+        image_names = _arg(args, "images", (list,), None)
+        if image_names is not None and not all(isinstance(name, str) for name in image_names):
+            raise bad_args("images must be a list of image record names")
+        # With envs or images, the cache directory is optional: a reclaim of engines only.
+        engines_only = env_names is not None or image_names is not None
+        cache_dir = _arg_path(args, "cache_dir", None if engines_only else _REQUIRED)
         names = _arg(args, "names", (list,), None)
         collect = _arg(args, "collect", (bool,), False)
         if collect and names is None and cache_dir is not None:
@@ -4588,6 +4857,8 @@ class ReclaimOps(object):
                 result["free_bytes"] = cache_free_bytes(cache_dir)
         if env_names is not None:
             result["envs"] = self.envs_reclaim(env_names, collect)
+        if image_names is not None:
+            result["images"] = self.images_reclaim(image_names, collect)
         return result
 
 

@@ -137,6 +137,7 @@ def build_admin_app(gateway: Any) -> web.Application:
         web.get("/api/replicas", api.replicas),
         web.get("/api/replicas/{replica}/logs", api.logs),
         web.get("/api/storage", api.storage),
+        web.get("/api/engines", api.engines),
         web.get("/api/reclaim", api.reclaim_list),
         web.post("/api/reclaim", api.reclaim),
         web.post("/api/reload", api.reload),
@@ -294,6 +295,9 @@ class Api:
         kwargs = {} if body.get("grace") is None else {"grace": _duration(body["grace"], "grace")}
         return _json(await self.gateway.control.reload(_actor(request, body), dry_run=dry_run, force=force,
                                                        **kwargs))
+
+    async def engines(self, request: web.Request) -> web.Response:
+        return _json(await self.gateway.control.engines())
 
     async def reclaim_list(self, request: web.Request) -> web.Response:
         return _json(await self.gateway.control.reclaim(False, _actor(request)))

@@ -32,6 +32,7 @@ PAGES = {  # path -> navigation title, in navigation order
     "/nodes": "Nodes",
     "/models": "Models",
     "/replicas": "Replicas",
+    "/engines": "Engines",
     "/placement": "Placement failures",
     "/usage": "Usage",
 }
@@ -205,6 +206,26 @@ def replicas_page(snapshot: Listings) -> Markup:
     return Markup(template("replicas.html").substitute(replicas=listing))
 
 
+def engines_page(document: dict) -> Markup:
+    rows, notes = [], []
+    for node in document["nodes"]:
+        if node["error"]:
+            rows.append([node["node"], "-", "-", "-", "-", "-", f"error: {node['error']}", "-", "-"])
+            continue
+        for row in node["engines"]:
+            what = row["what"] or row["name"]
+            if row["kind"] == "image" and row["pulled"] is not None:
+                what += " (pulled by llmgw)" if row["pulled"] else " (was on the node)"
+            rows.append([node["node"], row["kind"], what, row["version"], format_bytes(row["bytes"]),
+                         text.clock(row["last_used"]), row["state"], ", ".join(row["wanted_by"]) or "no profile",
+                         ", ".join(row["used_by"]) or "-"])
+        notes += [f"{node['node']}: cannot tell what profile {p} would install: {why}" for p, why in node["unknown"].items()]
+    listing = table(["node", "kind", "engine", "version", "size", "last used", "state", "wanted by", "used by"], rows,
+                    empty="no engine installed by llmgw on any node")
+    return Markup(template("engines.html").substitute(
+        engines=listing, notes=lines(notes, "note"), as_of=esc(text.clock(document.get("as_of")))))
+
+
 def placement_page(snapshot: Listings, explain: Callable[[str], dict | None]) -> Markup:
     sections = []
     for entry in snapshot.status()["unplaceable"]:
@@ -260,6 +281,11 @@ def add_routes(app: web.Application, gateway: Any) -> None:
         by_key = await gateway.store.read(lambda db: usage_report(db, "key", seconds, snapshot.now))
         return page("/usage", usage_page(snapshot, by_model, by_key, period), snapshot.now)
 
+    async def engines(request: web.Request) -> web.Response:
+        # Asked of the nodes, at most once a minute whatever the number of viewers.
+        document = await gateway.control.engines(max_age=60.0)
+        return page("/engines", engines_page(document), time.time())
+
     async def style(request: web.Request) -> web.Response:
         return web.Response(body=stylesheet(), content_type="text/css", charset="utf-8",
                             headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})
@@ -269,6 +295,7 @@ def add_routes(app: web.Application, gateway: Any) -> None:
         web.get("/nodes", simple("/nodes", nodes_page)),
         web.get("/models", simple("/models", models_page)),
         web.get("/replicas", simple("/replicas", replicas_page)),
+        web.get("/engines", engines),
         web.get("/placement", simple("/placement", placement)),
         web.get("/usage", usage),
         web.get(STYLESHEET_PATH, style),

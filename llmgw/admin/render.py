@@ -245,13 +245,36 @@ def storage(document: dict) -> Group:
     return Group(*parts)
 
 
+def engines(document: dict) -> Group:
+    table = _table("NODE", "KIND", "ENGINE", "VERSION", "SIZE", "LAST USED", "STATE", "WANTED BY", "USED BY")
+    notes = []
+    for node in document["nodes"]:
+        if node["error"]:
+            table.add_row(_t(node["node"], "bold"), _t(None), _t(None), _t(None), _t(None), _t(None),
+                          _t(f"error: {node['error']}", "red"), _t(None), _t(None))
+            continue
+        for row in node["engines"]:
+            engine = row["what"] or row["name"]
+            if row["kind"] == "image" and row["pulled"] is not None:
+                engine += " (pulled by llmgw)" if row["pulled"] else " (was on the node)"
+            table.add_row(_t(node["node"], "bold"), _t(row["kind"]), _t(engine), _t(row["version"]),
+                          _t(format_bytes(row["bytes"])), _t(words.clock(row["last_used"])), _t(row["state"]),
+                          _t(", ".join(row["wanted_by"]) or "no profile"), _t(", ".join(row["used_by"]) or None))
+        notes += [f"{node['node']}: cannot tell what profile {profile} would install: {why}"
+                  for profile, why in node["unknown"].items()]
+    if not table.row_count:
+        return Group(Text("no engine installed by llmgw on any node"), *(Text(n) for n in notes))
+    return Group(table, *(Text(n) for n in notes))
+
+
 def reclaim(answer: dict) -> Group:
     table = _table("NODE", "ENTRY", "SIZE", "ACTION", "REASON")
     for node in answer["nodes"]:
         if node["error"]:
             table.add_row(_t(node["node"], "bold"), _t(None), _t(None), _t("error", "red"), _t(node["error"]))
         for entry in node["entries"]:
-            table.add_row(_t(node["node"], "bold"), _t(entry.get("path") or entry["name"]),
+            kind = {"venv": "environment ", "image": "image "}.get(entry.get("kind", "weights"), "")
+            table.add_row(_t(node["node"], "bold"), _t(kind + (entry.get("path") or entry["name"])),
                           _t(format_bytes(entry.get("bytes"))), _t(entry.get("action") or "listed"),
                           _t(entry.get("reason")))
     parts: list[Any] = []

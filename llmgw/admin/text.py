@@ -317,19 +317,26 @@ def reclaim_summary(answer: dict) -> str:
     nodes = sum(1 for n in answer["nodes"] if n["entries"])
     size = sum(e.get("bytes") or 0 for e in entries)
     on_nodes = f"on {nodes} node{'s' if nodes != 1 else ''}"
+    weights = sum(1 for e in entries if e.get("kind", "weights") == "weights")
+    engines = len(entries) - weights
     if answer["collect"]:
         removed = sum(1 for e in entries if e.get("action") == "removed")
-        return (f"asked to remove {_entries(answer['asked_to_remove'])} ({format_bytes(size)}) {on_nodes}; the "
-                f"nodes report {removed} removed — each node checks every path again and decides")
+        return (f"asked to remove {_entries(answer['asked_to_remove'] - engines, engines)} ({format_bytes(size)}) "
+                f"{on_nodes}; the nodes report {removed} removed — each node checks every path again and decides")
     if not entries:
         return "nothing to reclaim: every cache entry is wanted by a model of the catalog"
-    return (f"{_entries(len(entries))} ({format_bytes(size)}) {on_nodes} "
-            f"{'is' if len(entries) == 1 else 'are'} wanted by no model of the catalog; "
+    wanted_by = " or profile" if engines else ""
+    return (f"{_entries(weights, engines)} ({format_bytes(size)}) {on_nodes} "
+            f"{'is' if len(entries) == 1 else 'are'} wanted by no model{wanted_by} of the catalog; "
             f"`llmgw ctl reclaim --collect` asks the nodes to remove {'it' if len(entries) == 1 else 'them'}")
 
 
-def _entries(count: int) -> str:
-    return f"{count} cache {'entry' if count == 1 else 'entries'}"
+def _entries(count: int, engines: int = 0) -> str:
+    """`2 cache entries`, `1 cache entry and 1 engine`, `2 engines`."""
+    parts = [f"{count} cache {'entry' if count == 1 else 'entries'}"] if count or not engines else []
+    if engines:
+        parts.append(f"{engines} engine{'s' if engines != 1 else ''}")
+    return " and ".join(parts)
 
 
 def router_snapshot(router: dict) -> str:

@@ -388,13 +388,24 @@ def storage(ctx: typer.Context, as_json: bool = JSON_OPTION) -> None:
 
 
 @ctl.command()
+def engines(ctx: typer.Context, as_json: bool = JSON_OPTION) -> None:
+    """Engines llmgw installed per node: environments (runtime: venv) and images (runtime: container).
+
+    What each is, its size and last use, the profiles that want it and the shards running it.
+    `llmgw ctl reclaim` lists those no profile wants; --collect removes them.
+    """
+    with _refusals():
+        _emit(_client(ctx).get("/api/engines"), as_json, render.engines)
+
+
+@ctl.command()
 def reclaim(ctx: typer.Context,
             collect: bool = typer.Option(False, "--collect", help="Ask the nodes to delete what is listed."),
             as_json: bool = JSON_OPTION) -> None:
-    """List downloaded weights no model wants; --collect asks the nodes to delete them.
+    """List downloaded weights no model wants, and engines no profile wants; --collect asks the nodes to delete them.
 
-    Only what llmgw fetched is ever touched, and each node checks every path again before it
-    deletes anything.
+    Only what llmgw fetched, built or pulled is ever touched, and each node checks every path
+    again before it deletes anything.
     """
     with _refusals():
         client = _client(ctx)

@@ -58,7 +58,6 @@ class ProvisionJob:
     (R-4.10, R-4.11)."""
 
     node: str
-    key: tuple[str, ...]
     watchers: list[Shard] = field(default_factory=list)
     task: asyncio.Task | None = None
     line: str | None = None
@@ -225,7 +224,7 @@ class Actions:
         key = (shard.node, runtime_key(spec))
         job = self.provisions.get(key)
         if job is None:
-            job = self.provisions[key] = ProvisionJob(shard.node, key[1])
+            job = self.provisions[key] = ProvisionJob(shard.node)
             job.task = asyncio.create_task(self._run_provision(job, spec, model), name=f"provision-{shard.node}")
             job.task.add_done_callback(lambda _: self.provisions.pop(key, None))
         if shard.state == PENDING:

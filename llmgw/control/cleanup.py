@@ -15,7 +15,11 @@ least recently used cache entries that nothing keeps, until the filesystem is ba
   --collect` (cache name, no traversal, inside the cache after resolving links, never the cache
   itself, no link followed, the helper user's own entries, never a download in progress, a
   lease of another node included) plus a seal of this fleet, in the order given, and it stops
-  as soon as its filesystem has the mark's bytes free.
+  as soon as its filesystem has the mark's bytes free;
+- before any weights, the engines llmgw installed on the node that no profile of the catalog
+  wants and no live shard runs (environments, images llmgw pulled: `llmgw.control.installed`,
+  the set `reclaim` offers) are removed, wherever they lie on the node: nothing can use them
+  again without a change of the inventory, as for weights no model wants (R-4.12).
 
 `order` and `choose` are the pure choice; `Cleanup` is the trigger the reconciler calls once per
 pass (looking at up to `CHECKS_PER_PASS` nodes in turn): at most one clean-up per node per
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmgw.config import GatewayConfig, LowWater, NodeConfig
+from llmgw.control import installed
 from llmgw.contracts.views import OFF, CacheCleanup, CacheRemoval
 from llmgw.fleet.errors import NodeError
 from llmgw.fleet.link import READY
@@ -201,11 +206,17 @@ class Cleanup:
     async def _run(self, node: str, cache: str, mark: LowWater, threshold: int, free_before: int) -> None:
         try:
             ops = self.fleet.ops(node)
+            try:
+                engines = await self._engines(node, ops, mark, threshold)
+            except NodeError as exc:  # the weights' clean-up goes on without it
+                log.warning("cleanup on %s: the installed engines could not be collected: %s", node, exc)
+                engines = 0
             listing = await ops.reclaim(ReclaimRequest(cache))
             keep = self.holder.current.wanted_cache_names() | self.pinned | self.in_use(node)
             ordered = order((Entry(e.name, e.bytes, e.last_used, e.reason) for e in listing.entries), keep)
             if not ordered:
-                self._result(node, f"below its mark ({_mark_words(mark, threshold)}), but every entry "
+                first = f"removed {engines} unwanted engine{'s' if engines != 1 else ''}; " if engines else ""
+                self._result(node, f"{first}below its mark ({_mark_words(mark, threshold)}), but every entry "
                                    "is wanted, pinned or in use")
                 return
             answer = await ops.reclaim(ReclaimRequest(cache, [e.name for e in ordered], collect=True,
@@ -243,6 +254,25 @@ class Cleanup:
         finally:
             self.tasks.pop(node, None)
             self.wake()
+
+    async def _engines(self, node: str, ops, mark: LowWater, threshold: int) -> int:
+        """Remove the node's installed engines no profile wants and no shard runs; how many went."""
+        envs, images = installed.unwanted(await installed.listing(ops, self.holder.current))
+        if not envs and not images:
+            return 0
+        answer = await ops.reclaim(ReclaimRequest(None, envs=envs, images=images, collect=True))
+        removed = [e for e in (*answer.envs, *answer.images) if e.action == "removed"]
+        at = time.time()
+        for entry in removed:
+            log.info("cleanup on %s: removed the engine %s (%s), wanted by no profile, at its low-water mark %s",
+                     node, entry.path or entry.name, format_bytes(entry.bytes), mark)
+            self.removed.setdefault(node, deque(maxlen=RECENT_KEPT)).appendleft(
+                CacheRemoval(name=entry.name, path=entry.path, bytes=entry.bytes, last_used=entry.last_used,
+                             removed_at=at, mark=str(mark), threshold_bytes=threshold))
+        if self.store is not None and removed:
+            rows = [{"name": e.name, "path": e.path, "bytes": e.bytes, "mark": str(mark)} for e in removed]
+            self.store.submit(lambda db: [audit(db, ACTOR, "engine.remove", node, row) for row in rows])
+        return len(removed)
 
     def _result(self, node: str, text: str) -> None:
         self.last_result[node] = text

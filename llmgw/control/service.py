@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from llmgw.catalog import Catalog, CatalogHolder, StoredModel
 from llmgw.config import ConfigError, Document, Inventory, ModelConfig, load_inventory, parse_model_text
 from llmgw.contracts.views import ControlView
-from llmgw.control import placement, publish
+from llmgw.control import installed, placement, publish
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.reload import REMOVAL_GRACE, Diff, inventory_diff, kept_restart_settings
 from llmgw.fleet.fleet import Fleet
@@ -56,6 +56,7 @@ class ControlPlane:
         self._reloading: tuple[str, float] | None = None  # (actor, since) while a reload runs
         # Called with the new inventory after each applied reload: whoever holds settings of their own.
         self.on_reload: list = []
+        self._engines_answer: tuple[float, dict] | None = None  # (monotonic time, answer) of the last engines()
 
     # -- what the operator reads ---------------------------------------------------------------
 
@@ -342,8 +343,10 @@ class ControlPlane:
     # -- storage and reclaim (R-5.5) -----------------------------------------------------------
 
     async def reclaim(self, collect: bool, actor: str) -> dict:
-        """List (or ask nodes to remove) cache entries the catalog no longer wants."""
-        wanted = self.holder.current.wanted_cache_names()
+        """List (or ask nodes to remove) cache entries the catalog no longer wants, and the
+        engines llmgw installed that no profile wants (R-5.5, R-4.12)."""
+        catalog = self.holder.current
+        wanted = catalog.wanted_cache_names()
         nodes = []
 
         async def one(name: str) -> None:
@@ -351,20 +354,28 @@ class ControlPlane:
             cache = self.reconciler.cache_dir(node)
             entry = {"node": name, "cache_dir": cache, "entries": [], "error": None}
             nodes.append(entry)
+            ops = self.fleet.ops(name)
             if cache is None:
                 entry["error"] = "the node's cache directory is not known yet"
-                return
-            ops = self.fleet.ops(name)
+            else:
+                try:
+                    listing = await ops.reclaim(ReclaimRequest(cache))
+                    in_use = self.reconciler.cache_in_use(name)  # as the automatic clean-up keeps them
+                    unwanted = [e for e in listing.entries if e.name not in wanted and e.name not in in_use]
+                    if collect and unwanted:
+                        unwanted = list((await ops.reclaim(ReclaimRequest(cache, [e.name for e in unwanted],
+                                                                          collect=True))).entries)
+                    entry["entries"] = [{**dataclasses.asdict(e), "kind": "weights"} for e in unwanted]
+                except NodeError as exc:
+                    entry["error"] = str(exc)
             try:
-                listing = await ops.reclaim(ReclaimRequest(cache))
-                in_use = self.reconciler.cache_in_use(name)  # as the automatic clean-up keeps them
-                unwanted = [e for e in listing.entries if e.name not in wanted and e.name not in in_use]
-                if collect and unwanted:
-                    unwanted = list((await ops.reclaim(ReclaimRequest(cache, [e.name for e in unwanted],
-                                                                      collect=True))).entries)
-                entry["entries"] = [dataclasses.asdict(e) for e in unwanted]
+                envs, images = installed.unwanted(await installed.listing(ops, catalog))
+                if envs or images:
+                    answer = await ops.reclaim(ReclaimRequest(None, envs=envs, images=images, collect=collect))
+                    entry["entries"] += [{**dataclasses.asdict(e), "kind": "venv"} for e in answer.envs]
+                    entry["entries"] += [{**dataclasses.asdict(e), "kind": "image"} for e in answer.images]
             except NodeError as exc:
-                entry["error"] = str(exc)
+                entry["error"] = "; ".join(filter(None, [entry["error"], f"engines: {exc}"]))
 
         await asyncio.gather(*(one(n) for n in self.fleet.ready_nodes()))
         asked = sum(1 for n in nodes for e in n["entries"] if collect)
@@ -372,6 +383,35 @@ class ControlPlane:
             await self.store.write(lambda db: audit(db, actor, "reclaim", "fleet", {"asked": asked}))
         nodes.sort(key=lambda n: n["node"])
         return {"collect": collect, "nodes": nodes, "asked_to_remove": asked if collect else 0}
+
+    # -- installed engines (R-4.12) ------------------------------------------------------------
+
+    async def engines(self, max_age: float = 0.0) -> dict:
+        """Per node, the environments and images llmgw installed, who wants and runs each. With
+        max_age (the dashboard, which refreshes often), an answer that recent is given again
+        rather than having every node walk its environments once more."""
+        cached = self._engines_answer
+        if max_age > 0 and cached is not None and time.monotonic() - cached[0] < max_age:
+            return cached[1]
+        catalog = self.holder.current
+        nodes = []
+
+        async def one(name: str) -> None:
+            entry: dict = {"node": name, "engines": None, "error": None, "unknown": {}}
+            nodes.append(entry)
+            try:
+                found = await installed.listing(self.fleet.ops(name), catalog)
+            except NodeError as exc:
+                entry["error"] = str(exc)
+                return
+            entry["engines"] = installed.rows(found)
+            entry["unknown"] = dict(installed.errors(found))
+
+        await asyncio.gather(*(one(n) for n in self.fleet.ready_nodes()))
+        nodes.sort(key=lambda n: n["node"])
+        answer = {"nodes": nodes, "as_of": time.time()}
+        self._engines_answer = (time.monotonic(), answer)
+        return answer
 
     # -- logs (R-4.8) --------------------------------------------------------------------------
 

@@ -321,9 +321,10 @@ class EnvsRequest(Request):
 
     OP = "envs"
     answer_within = 60.0  # each is walked to check its seal
+    wanted: Mapping[str, Mapping[str, Any]] | None = None  # {key: runtime_spec}: the names they provision here
 
     def args(self) -> dict[str, Any]:
-        return {}
+        return {} if self.wanted is None else {"wanted": {k: dict(v) for k, v in self.wanted.items()}}
 
 
 def _optional_strings(data: dict[str, Any], key: str, where: str) -> tuple[str, ...] | None:
@@ -363,13 +364,63 @@ class Environment:
 
 
 @dataclass(frozen=True)
+class Image:
+    """An image a container runtime used on the node, from the helper's record of it. present
+    and bytes are what the node's docker said now (None: it did not answer); only an image llmgw
+    pulled is ever removed."""
+
+    name: str  # the record's name, img-<32 hex>: what reclaim takes
+    image: str | None
+    program: str | None
+    id: str | None
+    bytes: int | None
+    first_used: float | None
+    last_used: float | None
+    pulled: bool | None
+    present: bool | None
+    used_by: tuple[str, ...]
+    reason: str | None
+
+    @classmethod
+    def from_helper(cls, data: Any, where: str) -> Image:
+        data = _object(data, where.rstrip("."))
+        return cls(name=_required(data, "name", TEXT, where), image=_field(data, "image", TEXT, where),
+                   program=_field(data, "program", TEXT, where), id=_field(data, "id", TEXT, where),
+                   bytes=_field(data, "bytes", INT, where), first_used=_field(data, "first_used", NUMBER, where),
+                   last_used=_field(data, "last_used", NUMBER, where), pulled=_field(data, "pulled", FLAG, where),
+                   present=_field(data, "present", FLAG, where), used_by=_strings(data, "used_by", where),
+                   reason=_field(data, "reason", TEXT, where))
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What one wanted runtime provisions on the node: an environment's or image record's name,
+    or why that cannot be told there."""
+
+    name: str | None
+    error: str | None
+
+    @classmethod
+    def from_helper(cls, data: Any, where: str) -> Wanted:
+        data = _object(data, where.rstrip("."))
+        return cls(_field(data, "name", TEXT, where), _field(data, "error", TEXT, where))
+
+
+@dataclass(frozen=True)
 class Environments:
     envs: tuple[Environment, ...]
+    images: tuple[Image, ...] = ()
+    wanted: Mapping[str, Wanted] = field(default_factory=dict)
 
     @classmethod
     def from_helper(cls, data: Any) -> Environments:
-        envs = _field(_object(data, "the answer"), "envs", (list,), "", default=[])
-        return cls(tuple(Environment.from_helper(e, f"envs[{i}].") for i, e in enumerate(envs)))
+        answer = _object(data, "the answer")
+        envs = _field(answer, "envs", (list,), "", default=[])
+        images = _field(answer, "images", (list,), "", default=[])
+        wanted = _field(answer, "wanted", (dict,), "", default={})
+        return cls(tuple(Environment.from_helper(e, f"envs[{i}].") for i, e in enumerate(envs)),
+                   tuple(Image.from_helper(e, f"images[{i}].") for i, e in enumerate(images)),
+                   {str(k): Wanted.from_helper(v, f"wanted.{k}.") for k, v in wanted.items()})
 
 
 @dataclass(frozen=True)
@@ -498,16 +549,24 @@ class ReclaimRequest(Request):
 
     OP = "reclaim"
     answer_within = 120.0  # removing large entries on a slow filer takes a while
-    cache_dir: str
+    cache_dir: str | None  # None: engines only (envs and images must then be given)
     names: Sequence[str] | None = None
     collect: bool = False
     until_free: int | None = None
+    envs: Sequence[str] | None = None  # environment names (venv-<32 hex>) to list or remove
+    images: Sequence[str] | None = None  # image record names (img-<32 hex>) to list or remove
 
     def args(self) -> dict[str, Any]:
-        args = {"cache_dir": self.cache_dir, "names": list(self.names) if self.names is not None else None,
-                "collect": self.collect}
+        args: dict[str, Any] = {"collect": self.collect}
+        if self.cache_dir is not None:
+            args["cache_dir"] = self.cache_dir
+            args["names"] = list(self.names) if self.names is not None else None
         if self.until_free is not None:
             args["until_free"] = self.until_free
+        if self.envs is not None:
+            args["envs"] = list(self.envs)
+        if self.images is not None:
+            args["images"] = list(self.images)
         return args
 
 
@@ -532,13 +591,17 @@ class ReclaimEntry:
 class Reclaimed:
     entries: tuple[ReclaimEntry, ...]
     free_bytes: int | None = None  # after a clean-up (until_free): the filesystem's free bytes
+    envs: tuple[ReclaimEntry, ...] = ()
+    images: tuple[ReclaimEntry, ...] = ()
 
     @classmethod
     def from_helper(cls, data: Any) -> Reclaimed:
         data = _object(data, "the answer")
-        entries = _field(data, "entries", (list,), "", default=[])
-        return cls(tuple(ReclaimEntry.from_helper(e, f"entries[{i}].") for i, e in enumerate(entries)),
-                   _field(data, "free_bytes", INT, ""))
+
+        def entries(key: str) -> tuple[ReclaimEntry, ...]:
+            found = _field(data, key, (list,), "", default=[])
+            return tuple(ReclaimEntry.from_helper(e, f"{key}[{i}].") for i, e in enumerate(found))
+        return cls(entries("entries"), _field(data, "free_bytes", INT, ""), entries("envs"), entries("images"))
 
 
 @dataclass(frozen=True)

@@ -196,3 +196,77 @@ def test_inventory_reports_the_daemon_its_runtimes_and_which_images_it_holds(hel
     assert found["runtimes"] == sorted(info["Runtimes"])
     assert found["gpu"] is ("nvidia" in info["Runtimes"] or shutil.which("nvidia-container-runtime-hook") is not None)
     assert found["images"] == {image: True, "llmgw-test/absent:1": False}
+
+
+def _record(installed, image, **fields):
+    """The helper's record of an image, as a helper of this fleet writes it (the test knows the
+    fleet secret): used to stand for a pull, which no registry here can give."""
+    from tests.helper.client import load_helper
+    helper_module = load_helper()
+    client = images.docker_client()
+    record = {"image": image, "program": "docker", "image_id": client.images.get(image).id, "pulled": True,
+              "first_used": 1.0, "last_used": 2.0}
+    record.update(fields)
+    record["mac"] = helper_module.image_record_mac(installed.secret, record)
+    name = helper_module.image_record_name("docker", image)
+    directory = installed.root / "images"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    (directory / f"{name}.json").write_text(json.dumps(record))
+    return name
+
+
+def test_images_used_are_listed_and_only_one_llmgw_pulled_is_removed(helper, image, installed, docker):
+    client, _ = docker
+    helper.call("provision", {"runtime": _runtime(image)})
+    listed = {e["image"]: e for e in helper.call("envs", {})["images"]}
+    mine = listed[image]
+    assert mine["present"] is True and mine["pulled"] is False and mine["bytes"] > 0 and mine["used_by"] == []
+    assert mine["id"] == client.images.get(image).id
+    # Present before llmgw used it: never removed.
+    (refused,) = helper.call("reclaim", {"images": [mine["name"]], "collect": True})["images"]
+    assert refused["action"] == "refused" and "llmgw removes only images it pulled" in refused["reason"]
+    assert client.images.get(image)
+    # A copy llmgw "pulled" (its record says so, under the fleet secret) goes; a forged record does not.
+    copy = "llmgw-test/busybox-copy:1"
+    client.images.get(image).tag(copy)
+    client.images.get(image).tag("llmgw-test/busybox-forged:1")
+    pulled = _record(installed, copy)
+    forged = _record(installed, "llmgw-test/busybox-forged:1")
+    forged_path = installed.root / "images" / f"{forged}.json"
+    forged_path.write_text(forged_path.read_text().replace('"mac": "', '"mac": "0'))
+    try:
+        wanted = helper.call("envs", {"wanted": {"boxed": _runtime(copy), "odd": {"kind": "container"}}})["wanted"]
+        assert wanted["boxed"] == {"name": pulled, "error": None}
+        assert wanted["odd"]["name"] is None and "image" in wanted["odd"]["error"]
+        answer = helper.call("reclaim", {"images": [pulled, forged, "../etc"], "collect": True})["images"]
+        by_name = {e["name"]: e for e in answer}
+        assert by_name[pulled]["action"] == "removed", by_name[pulled]
+        assert by_name[forged]["action"] == "refused" and "not written by this fleet" in by_name[forged]["reason"]
+        assert by_name["../etc"]["action"] == "refused"
+        assert client.images.list(name="llmgw-test/busybox-copy") == []
+        assert client.images.list(name="llmgw-test/busybox-forged")
+        assert client.images.get(image)  # the same image id, still tagged as the profile's image
+    finally:
+        for tag in (copy, "llmgw-test/busybox-forged:1"):
+            try:
+                client.images.remove(tag)
+            except Exception:
+                pass
+
+
+def test_an_image_a_live_shard_runs_is_not_removed(helper, image, installed, docker):
+    client, made = docker
+    copy = "llmgw-test/busybox-live:1"
+    client.images.get(image).tag(copy)
+    name = _record(installed, copy)
+    port = free_port()
+    made.append("llmgw-live")
+    _launch(helper, "live", copy, port)
+    try:
+        _running_container(helper, "live")
+        (entry,) = helper.call("reclaim", {"images": [name], "collect": True})["images"]
+        assert entry["action"] == "refused" and "live" in entry["reason"], entry
+        assert client.images.list(name="llmgw-test/busybox-live")
+    finally:
+        helper.call("stop", {"shard_id": "live", "grace": 5}, timeout=60)
+        client.images.remove(copy, force=True)

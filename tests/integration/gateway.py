@@ -14,6 +14,11 @@ import urllib.request
 from pathlib import Path
 
 
+# A hang guard, not a figure: on a machine whose cores other tests' engines hold, `llmgw serve`
+# has taken 19 s before its first log line (imports alone), and its router as long again.
+START_GUARD = 120.0
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -59,7 +64,7 @@ class GatewayProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30) -> GatewayProcess:
+    def start(self, timeout: float = START_GUARD) -> GatewayProcess:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "llmgw.cli.main", "serve", "--state-dir", str(self.state_dir),
                 "--listen", f"127.0.0.1:{self.port}", "--admin", f"127.0.0.1:{self.admin_port}"]

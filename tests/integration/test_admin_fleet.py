@@ -301,6 +301,7 @@ def test_dashboard_in_headless_chromium(fleet, tmp_path):
                     "/nodes": ["gpu1", "gpu2", "gpu3", "cpu1", "ghost", "2 uncorrected ECC errors"],
                     "/models": ["chat", "big", "slow-length", "hungry"],
                     "/replicas": ["chat", "downloading", "so far"],
+                    "/engines": ["no engine installed by llmgw on any node"],
                     "/placement": ["big", "has no GPUs, needs 4 of class h100-80gb"],
                     "/usage": ["By model", "By key"]}
         for path, words in expected.items():

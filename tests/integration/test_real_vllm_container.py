@@ -24,7 +24,7 @@ from tests.integration.gateway import GatewayProcess, wait_for
 from tests.testbed import engines as real
 from tests.testbed import images
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # an engine start in a setup, and a restart
 
 MODEL = "tiny-boxed"
 KEY = "container-tests"

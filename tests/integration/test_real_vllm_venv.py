@@ -22,7 +22,7 @@ from tests.integration import real_engines as rt
 from tests.testbed import NodeSpec, network
 from tests.testbed import engines as real
 
-pytestmark = [pytest.mark.slow, pytest.mark.testbed]
+pytestmark = [pytest.mark.slow, pytest.mark.testbed, pytest.mark.timeout(1500)]  # the build and the start in a setup
 
 MODEL = "tiny-venv"
 KEY = "venv-tests"

@@ -90,3 +90,11 @@ def kill_pids(pids: list[int], sig: int = 9) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def sealed_envs(bed: Testbed, node: str) -> list[str]:
+    """The environments the node's helper built and sealed (runtime: venv) under its root; one
+    being built has no seal yet."""
+    found = bed.run(node, ["sh", "-c", "cd /root/.llmgw/envs 2>/dev/null && for d in venv-*; do "
+                                       "[ -f \"$d/.llmgw-complete\" ] && echo \"$d\"; done; true"])
+    return found.stdout.split()

@@ -18,7 +18,7 @@ import pytest
 
 from tests.helper.wheels import probe_wheelhouse
 from tests.integration.gateway import GatewayProcess, wait_for
-from tests.scenarios.operating import Ctl, write_inventory
+from tests.scenarios.operating import Ctl, sealed_envs, write_inventory
 from tests.testbed import NodeSpec
 from tests.testbed import images
 
@@ -34,14 +34,6 @@ def _failed_shard(ctl: Ctl, model: str):
                 if shard["state"] == "failed":
                     return shard
     return None
-
-
-def _envs(bed) -> list[str]:
-    """The sealed environments under the node's helper root (a build running now has no seal:
-    the failed replica's replacement may be trying again)."""
-    found = bed.run(NODE, ["sh", "-c", "cd /root/.llmgw/envs 2>/dev/null && for d in venv-*; do "
-                                       "[ -f \"$d/.llmgw-complete\" ] && echo \"$d\"; done; true"])
-    return found.stdout.split()
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +72,12 @@ def test_a_package_pip_cannot_find_fails_with_pips_words_and_leaves_no_environme
     wait_for(lambda: ctl.json("replicas") and any(
         r["model"] == "probed" and r["serving"] for r in ctl.json("replicas")["replicas"]), 180,
         f"probed to serve\n{gateway.log()[-2000:]}")
-    assert len(_envs(bed)) == 1, _envs(bed)
+    assert len(sealed_envs(bed, NODE)) == 1, sealed_envs(bed, NODE)
 
 
 def test_a_changed_environment_is_refused_and_kept(bed, gateway):
     ctl = Ctl(gateway)
-    (name,) = _envs(bed)
+    (name,) = sealed_envs(bed, NODE)
     # Behind llmgw's back: a file of the sealed environment rewritten (its seal no longer holds).
     changed = bed.run(NODE, ["sh", "-c", f"cd /root/.llmgw/envs/{name} && f=$(ls lib/python3*/site-packages/"
                                           "llmgw_probe/__init__.py) && chmod u+w \"$f\" && echo '# planted' >> \"$f\""
@@ -97,7 +89,7 @@ def test_a_changed_environment_is_refused_and_kept(bed, gateway):
     print(f"\nshard reason: {shard['reason']}")
     assert "is not an environment llmgw built and sealed" in shard["reason"]
     assert "never run nor removed" in shard["reason"]
-    assert _envs(bed) == [name], "the changed environment is kept for the operator to look at"
+    assert sealed_envs(bed, NODE) == [name], "the changed environment is kept for the operator to look at"
 
 
 def test_an_image_the_node_has_not_and_cannot_pull_names_the_image_and_docker_load(tmp_path):

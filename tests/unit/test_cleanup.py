@@ -78,6 +78,8 @@ class Cache:
         self.entries: dict[str, tuple[int, float]] = {}
         self.listings = 0
         self.asked: list[tuple[list[str], int]] = []
+        self.envs: dict[str, dict] = {}  # installed environments, by name, as envs lists them
+        self.envs_asked: list[list[str]] = []
 
     def add(self, source: str, size: int, last_used: float) -> str:
         name = parse_weights(source).cache_name
@@ -85,6 +87,11 @@ class Cache:
         return name
 
     def answer(self, args: dict) -> dict:
+        if "envs" in args:  # the installed engines' part of the clean-up
+            assert args["collect"] and "cache_dir" not in args
+            self.envs_asked.append(list(args["envs"]))
+            return {"envs": [{"name": n, "path": self.envs.pop(n)["path"], "bytes": 5 * GB, "action": "removed",
+                              "reason": None, "last_used": 1.0} for n in args["envs"]], "images": []}
         if not args.get("collect"):
             self.listings += 1
             return {"entries": [{"name": n, "path": f"/c/{n}", "bytes": s, "action": "listed", "reason": None,
@@ -133,6 +140,8 @@ def _setup(cache: Cache, *, mark="10GB", node_mark=None, pinned=(PINNED,)):
         if op == "reclaim":
             fleet.calls.append((node, op, args))
             return cache.answer(args)
+        if op == "envs":  # the environments the node holds; no profile of PROFILES wants one
+            return {"envs": list(cache.envs.values()), "images": [], "wanted": {}}
         return await original(node, op, args, timeout)
 
     fleet.call = call
@@ -252,3 +261,26 @@ async def test_a_large_fleet_is_looked_at_in_turn_a_few_nodes_per_pass(monkeypat
 
 async def _noted(started, node):
     started.append(node)
+
+
+def _env(name: str, used_by=()) -> dict:
+    return {"kind": "venv", "name": name, "id": name[5:] * 2, "path": f"/root/.llmgw/envs/{name}", "bytes": 5 * GB,
+            "created_at": 1.0, "last_used": 1.0, "sealed": True, "python": "3.11.2", "packages": ["vllm==0.32.0"],
+            "installer": "pip", "reason": None, "used_by": list(used_by)}
+
+
+async def test_below_the_mark_engines_no_profile_wants_go_before_weights_and_a_running_one_stays():
+    cache = Cache(free=8 * GB)
+    old = cache.add(OLD, 1 * GB, 30.0)
+    unwanted, running = "venv-" + "a" * 32, "venv-" + "b" * 32
+    cache.envs = {unwanted: _env(unwanted), running: _env(running, used_by=["m-1-0"])}
+    reconciler, fleet, store = _setup(cache)
+    await _passes(reconciler, fleet)
+
+    assert cache.envs_asked == [[unwanted]]
+    assert list(cache.envs) == [running]
+    assert cache.asked == [([old], 10 * GB)]  # the weights' part follows, judged on the node by its free bytes
+    audit = [(r["action"], r["target"]) for r in store.db["audit"].rows]
+    assert ("engine.remove", "a") in audit
+    node = reconciler.view.get().node("a")
+    assert unwanted in [r.name for r in node.cleanup.removed]
