@@ -45,9 +45,10 @@ def runtime_key(spec: Mapping[str, Any]) -> tuple[str, ...]:
     return (str(spec.get("kind")), str(spec.get("container") or ""), str(spec.get("image")))
 
 
-def venv_key(spec: Mapping[str, Any]) -> str:
-    """The short name a venv recipe is asked about under in the helper's inventory (R-4.12): a
-    digest of its `runtime_key`, so the control plane finds the answer for a profile again."""
+def runtime_digest(spec: Mapping[str, Any]) -> str:
+    """A short digest of `runtime_key`: the name a venv recipe is asked about under in the
+    helper's inventory, so the control plane finds the answer for a profile again, and what
+    the last provision's duration of an image or environment is remembered under (R-4.12)."""
     return hashlib.sha256("\0\1".join(runtime_key(spec)).encode("utf-8")).hexdigest()[:16]
 
 

@@ -110,3 +110,32 @@ Duration = Annotated[float, BeforeValidator(parse_duration), PlainSerializer(lam
 Size = Annotated[int, BeforeValidator(parse_size)]
 PortRange = Annotated[tuple[int, int], BeforeValidator(parse_port_range),
                       PlainSerializer(lambda v: f"{v[0]}-{v[1]}", return_type=str)]
+
+
+def idle_text(seconds: float) -> str:
+    """`42 s`, `42 min`, `3 h 5 min`, `2 d 4 h`: how long, to the unit an operator reads."""
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes = seconds // 60
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+    days, hours = divmod(hours, 24)
+    return f"{days} d {hours} h" if hours else f"{days} d"
+
+
+def duration_text(seconds: float) -> str:
+    """`40 s`, `6 min`, `2 h 5 min`: an estimate, rounded up."""
+    if seconds < 60:
+        return f"{max(1, math.ceil(seconds))} s"
+    return idle_text(math.ceil(seconds / 60) * 60)
+
+
+def format_rate(bytes_per_second: float) -> str:
+    """`35 MB/s`; below a MB/s, `120.0 KB/s`."""
+    if bytes_per_second >= 1e6:
+        return f"{bytes_per_second / 1e6:.0f} MB/s"
+    return f"{format_bytes(int(bytes_per_second))}/s"

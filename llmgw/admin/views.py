@@ -392,9 +392,11 @@ def explanation_json(explanation: Explanation) -> dict:
         },
         # what_if: one change that would make a rejected node fit; null when none is found.
         # holds_engine: the image or environment of the profile's runtime; null: unknown,
-        # or the node's own program.
+        # or the node's own program. prepare_seconds: fetching and provisioning before the engine
+        # starts on a fitting node, from what they took lately (0: nothing to do); null: not measured.
         "verdicts": [{"node": v.node, "fits": v.fits, "reasons": list(v.reasons), "free_gpus": v.free_gpus,
-                      "holds_weights": v.holds_weights, "what_if": v.what_if, "holds_engine": v.holds_engine}
+                      "holds_weights": v.holds_weights, "what_if": v.what_if, "holds_engine": v.holds_engine,
+                      "prepare_seconds": v.prepare_seconds}
                      for v in explanation.verdicts],
     }
 

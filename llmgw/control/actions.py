@@ -24,7 +24,7 @@ from llmgw.fleet.link import READY
 from llmgw.fleet.errors import DiskFull, EngineProgramMissing, IdentityMismatch, NodeError, PortInUse, ShardNotFound
 from llmgw.fleet.ops import (FetchRequest, Fetched, ForgetRequest, LaunchRequest, LogsRequest, Provisioned, ProvisionRequest,
                              SourceSizeRequest, StopRequest)
-from llmgw.runtimes import runtime_key, runtime_spec, runtime_words
+from llmgw.runtimes import runtime_digest, runtime_key, runtime_spec, runtime_words
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,8 @@ class Actions:
         self.sizing: dict[str, asyncio.Task] = {}  # canonical source ->
         # node -> bytes per second of its latest completed fetch; absent: never measured (unknown, not 0)
         self.download_rates: dict[str, float] = {}
+        # Seconds the last build or pull of each runtime took (by runtimes.runtime_digest), on any node.
+        self.provision_seconds: dict[str, float] = {}
 
     def tasks(self) -> Iterator[asyncio.Task]:
         yield from self.launches.values()
@@ -245,6 +247,8 @@ class Actions:
             async for progress in stream:
                 job.progress(progress.phase, progress.line)
         result = stream.result
+        if result.created or result.pulled:
+            self.provision_seconds[runtime_digest(spec)] = time.monotonic() - started
         if result.created:
             size = "-" if result.bytes is None else f"{result.bytes / 1e9:.2f} GB"
             log.info("%s: built the environment %s (%s) for %s in %.1f s", job.node, result.path, size,

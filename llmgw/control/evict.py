@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from llmgw.catalog import Model
 from llmgw.control import placement
 from llmgw.control.state import DRAINING_PHASE, ModelHealth, Replica
-from llmgw.units import format_bytes
+from llmgw.units import duration_text, format_bytes, format_rate, idle_text
 
 DEFAULT_EVICT_IDLE = 600.0  # seconds; `gateway.evict_idle` for models that set no `idle_timeout`
 
@@ -213,30 +213,8 @@ class WhatIf:
         rate = self.rates.get(node.name)
         if rate is None:
             return f", after a {_size(size)} download (this node's download rate is not measured yet)"
-        speed = f"{rate / 1e6:.0f} MB/s" if rate >= 1e6 else f"{format_bytes(int(rate))}/s"
-        return f", after a {_size(size)} download (about {duration_text(size / rate)} at this node's last measured {speed})"
-
-
-def idle_text(seconds: float) -> str:
-    """`42 s`, `42 min`, `3 h 5 min`, `2 d 4 h`: how long, to the unit an operator reads."""
-    seconds = max(0, int(seconds))
-    if seconds < 60:
-        return f"{seconds} s"
-    minutes = seconds // 60
-    if minutes < 60:
-        return f"{minutes} min"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 24:
-        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
-    days, hours = divmod(hours, 24)
-    return f"{days} d {hours} h" if hours else f"{days} d"
-
-
-def duration_text(seconds: float) -> str:
-    """`40 s`, `6 min`, `2 h 5 min`: an estimate, rounded up."""
-    if seconds < 60:
-        return f"{max(1, math.ceil(seconds))} s"
-    return idle_text(math.ceil(seconds / 60) * 60)
+        return (f", after a {_size(size)} download (about {duration_text(size / rate)} at this node's last measured "
+                f"{format_rate(rate)})")
 
 
 def _size(value: float) -> str:

@@ -18,6 +18,11 @@ R-2.7), then nodes that hold the engine (a container's image, a venv's built env
 unknown ranks like not holding it), then packing (fewest free GPUs left), then the node name. A
 multi-node replica (R-3.4) takes N nodes of one fabric chosen by the same keys; the leader (rank
 0) is the best of them.
+
+With `Durations` (what fetches and provisions took lately), explain-placement's verdict for a
+fitting node also estimates how long fetching the weights and provisioning the engine it lacks
+would take before the engine can start (`NodeVerdict.prepare_seconds`; None when a part is not
+measured yet).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from llmgw.catalog import Model
-from llmgw.runtimes import runtime_spec, venv_key
+from llmgw.runtimes import runtime_digest, runtime_spec
+from llmgw.units import duration_text, format_rate
 
 READY = "ready"
 ACTIVE = "active"
@@ -84,7 +90,7 @@ class NodeView:
     `gpus` None means never reported, () means reported no GPUs. `gpu_class` is normalised with
     the inventory override applied. `cache_free_bytes` is the free space of the filesystem that
     holds the node's cache directory. `holds` names the models whose weights the node can see.
-    `containers` (by program) and `venvs` (by `runtimes.venv_key` of a recipe; one missing was
+    `containers` (by program) and `venvs` (by `runtimes.runtime_digest` of a recipe; one missing was
     not asked about) are what the node can run engines from (R-4.12).
     A view with no state given is `connecting`: nothing is placed on a node not known to be ready.
     """
@@ -144,6 +150,19 @@ class NodeVerdict(NamedTuple):
     holds_weights: bool | None
     what_if: str | None = None  # one change that would make a rejected node fit; None: none found
     holds_engine: bool | None = None  # the image or environment of the profile's runtime; None: unknown or host
+    # Seconds of fetching weights and provisioning the engine before it can start on a fitting
+    # node (0: it holds both); None: a part of it is not measured yet, or not asked.
+    prepare_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Durations:
+    """What preparing nodes took lately, for explain-placement's estimate (R-4.12): bytes/s of
+    each node's last fetch that moved bytes, and the seconds the last build or pull of each
+    runtime (by `runtimes.runtime_digest`) took on any node. Missing: not measured."""
+
+    fetch_rates: Mapping[str, float] = field(default_factory=dict)
+    provisions: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -265,12 +284,13 @@ class WhatIfHook(Protocol):
 
 def explain_placement(model: Model, nodes: Sequence[NodeView], allocated: Mapping[str, Set[int]], *,
                       avoid: Mapping[str, str] | Set[str] = frozenset(),
-                      what_if: WhatIfHook | None = None) -> Explanation:
+                      what_if: WhatIfHook | None = None, durations: Durations | None = None) -> Explanation:
     """Every node's verdict with its reasons, the plan (the same as `place`), and a one-line summary.
 
     Rejected nodes list every shortfall, not only the first; the summary counts each rejected
     node once, under the first reason it was turned down for. With `what_if`, each rejected
-    node's verdict also carries the one change it proposes (`NodeVerdict.what_if`).
+    node's verdict also carries the one change it proposes (`NodeVerdict.what_if`); with
+    `durations`, each fitting node's the time it would take to prepare (`prepare_seconds`).
     """
     need = _Need.of(model)
     if need is None:
@@ -297,15 +317,15 @@ def explain_placement(model: Model, nodes: Sequence[NodeView], allocated: Mappin
 
     if need.nodes == 1:
         fitting.sort(key=_rank)
-        plan = _single_plan(model, need, *fitting[0][1:], allocated) if fitting else None
-        verdicts = _fitting_verdicts(need, fitting)
+        plan = _single_plan(model, need, *fitting[0][1:], allocated, durations) if fitting else None
+        verdicts = _fitting_verdicts(need, fitting, durations)
         if plan is not None:
             summary = f"would place on {_shard_text(plan.leader, leader=False)}: " + ", ".join(plan.reasons)
         else:
             summary = "no node fits: " + _tally(r[2] for r in rejected) if rejected else "no nodes to place on"
         verdicts += _rejected_verdicts(rejected)
         return Explanation(name, tuple(verdicts), plan, summary)
-    return _explain_multi(model, need, nodes, fitting, rejected, allocated, what_if is not None)
+    return _explain_multi(model, need, nodes, fitting, rejected, allocated, what_if is not None, durations)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,7 +337,8 @@ class _Need:
 
     __slots__ = ("gpus", "nodes", "gpu_class", "memory_bytes", "disk_bytes", "weights", "path_weights",
                  "selector", "_no_gpus", "_class_needs", "_gpus_needs", "_memory_needs", "_disk_needs",
-                 "runtime", "engine_check", "container", "image", "venv_key", "python", "_engine_words")
+                 "runtime", "engine_check", "container", "image", "runtime_digest", "python", "_engine_words",
+                 "_provision_word")
 
     def __init__(self, model: Model):
         profile = model.profile
@@ -347,8 +368,9 @@ class _Need:
         self.container = profile.container
         self.image = profile.image
         self.python = profile.python
-        spec = runtime_spec(profile) if self.runtime == "venv" else None
-        self.venv_key = venv_key(spec) if spec is not None else None
+        spec = runtime_spec(profile) if self.engine_check else None
+        self.runtime_digest = runtime_digest(spec) if spec is not None else None
+        self._provision_word = "pull" if self.runtime == "container" else "build"
         if self.runtime == "container":
             self._engine_words = (f"has image {self.image}", f"pulls image {self.image}",
                                   f"image {self.image} not checked yet")
@@ -424,7 +446,7 @@ class _Need:
         the engine (the image, the built environment; None: not known) and the words for that."""
         has, fetches, unknown = self._engine_words
         if self.runtime == "venv":
-            check = None if node.venvs is None else node.venvs.get(self.venv_key)
+            check = None if node.venvs is None else node.venvs.get(self.runtime_digest)
             if check is None:
                 return None, None, None, unknown
             if check.found is False:
@@ -654,9 +676,10 @@ def _take_gpus(node: NodeView, count: int, allocated: Mapping[str, Set[int]]) ->
 
 
 def _single_plan(model: Model, need: _Need, node: NodeView, free: int | None, holds: bool, engine: bool | None,
-                 words: str | None, allocated: Mapping[str, Set[int]]) -> Plan:
+                 words: str | None, allocated: Mapping[str, Set[int]], durations: Durations | None = None) -> Plan:
     shard = ShardPlan(node.name, 0, _take_gpus(node, need.gpus, allocated))
-    return Plan(model.name, (shard,), node.fabric, _preference(need, node, free, holds, words))
+    prepare = None if durations is None else _prepare(need, node, holds, engine, durations)[1]
+    return Plan(model.name, (shard,), node.fabric, _preference(need, node, free, holds, words, prepare))
 
 
 def _multi_plan(model: Model, need: _Need, fabric: str, chosen: list,
@@ -681,8 +704,8 @@ def _multi_plan(model: Model, need: _Need, fabric: str, chosen: list,
     return Plan(model.name, shards, fabric, tuple(reasons))
 
 
-def _preference(need: _Need, node: NodeView, free: int | None, holds: bool, engine_words: str | None
-                ) -> tuple[str, ...]:
+def _preference(need: _Need, node: NodeView, free: int | None, holds: bool, engine_words: str | None,
+                prepare_words: str | None = None) -> tuple[str, ...]:
     """Why a fitting node ranks where it does, in the words of the ranking keys."""
     reasons = []
     if holds:
@@ -693,6 +716,8 @@ def _preference(need: _Need, node: NodeView, free: int | None, holds: bool, engi
             f" ({_gb_up(need.disk_bytes)} GB)" if need.disk_bytes else ""))
     if engine_words is not None:
         reasons.append(engine_words)
+    if prepare_words is not None:
+        reasons.append(prepare_words)
     if free is None:
         reasons.append("GPUs not reported yet")
     else:
@@ -701,17 +726,54 @@ def _preference(need: _Need, node: NodeView, free: int | None, holds: bool, engi
     return tuple(reasons)
 
 
-def _fitting_verdicts(need: _Need, candidates: list[tuple]) -> list[NodeVerdict]:
-    # A fleet has few distinct (holdings, free GPUs, engine) cases: word each once, not once per node.
+def _fitting_verdicts(need: _Need, candidates: list[tuple], durations: Durations | None = None) -> list[NodeVerdict]:
+    # A fleet has few distinct (holdings, free GPUs, engine, rate) cases: word each once, not once per node.
     words: dict[tuple, tuple[str, ...]] = {}
     verdicts = []
     for _, node, free, holds, engine, engine_words in candidates:
         known = node.holds is not None
-        reasons = words.get((holds, known, free, engine_words))
+        seconds, prepare = (None, None) if durations is None else _prepare(need, node, holds, engine, durations)
+        case = (holds, known, free, engine_words, prepare)
+        reasons = words.get(case)
         if reasons is None:
-            reasons = words[holds, known, free, engine_words] = _preference(need, node, free, holds, engine_words)
-        verdicts.append(NodeVerdict(node.name, True, reasons, free, holds if known else None, None, engine))
+            reasons = words[case] = _preference(need, node, free, holds, engine_words, prepare)
+        verdicts.append(NodeVerdict(node.name, True, reasons, free, holds if known else None, None, engine, seconds))
     return verdicts
+
+
+def _prepare(need: _Need, node: NodeView, holds: bool, engine: bool | None,
+             durations: Durations) -> tuple[float | None, str | None]:
+    """(seconds, words) of what the node must do before the engine starts: fetch the weights it
+    lacks at its last measured rate, provision the engine it lacks in the time the last
+    provision of that runtime took. (0, None) when it needs neither; seconds None when a part it
+    needs is not measured (or not known to be needed: holdings not reported)."""
+    parts: list[tuple[float | None, str]] = []  # (seconds or None: not measured, words) per step
+    if need.weights == "fetched" and not holds:
+        rate = durations.fetch_rates.get(node.name)
+        if node.holds is None:
+            parts.append((None, "fetch: holdings not reported yet"))
+        elif need.disk_bytes is None:
+            parts.append((None, "fetch: size not known"))
+        elif rate is None:
+            parts.append((None, "fetch: this node's download rate not measured yet"))
+        else:
+            fetch = need.disk_bytes / rate
+            parts.append((fetch, f"fetch about {duration_text(fetch)} at its last measured {format_rate(rate)}"))
+    if need.engine_check and engine is not True:
+        took = durations.provisions.get(need.runtime_digest)
+        word = need._provision_word
+        if engine is None:
+            parts.append((None, f"{word}: not known whether it is needed"))
+        elif took is None:
+            parts.append((None, f"{word}: none measured yet"))
+        else:
+            parts.append((took, f"{word} about {duration_text(took)}, as the last {word} took"))
+    if not parts:
+        return 0.0, None
+    seconds = None if any(p[0] is None for p in parts) else sum(p[0] for p in parts)
+    total = "-" if seconds is None else f"about {duration_text(seconds)}"
+    words = "; ".join(p[1] for p in parts)
+    return seconds, f"before its engine starts: {total} ({words})"
 
 
 def _index_ranges(indices: tuple[int, ...]) -> str:
@@ -738,7 +800,8 @@ def _rejected_verdicts(rejected: list) -> list[NodeVerdict]:
 
 
 def _explain_multi(model: Model, need: _Need, nodes: Sequence[NodeView], fitting: list, rejected: list,
-                   allocated: Mapping[str, Set[int]], what_if: bool = False) -> Explanation:
+                   allocated: Mapping[str, Set[int]], what_if: bool = False,
+                   durations: Durations | None = None) -> Explanation:
     """Multi-node (R-3.4): nodes that pass every filter still need `need.nodes - 1` partners in their fabric."""
     by_fabric: dict[str, list] = {}
     for candidate in fitting:
@@ -770,7 +833,7 @@ def _explain_multi(model: Model, need: _Need, nodes: Sequence[NodeView], fitting
     first = [] if chosen is None else chosen[1]
     first_names = {c[1].name for c in first}
     rest = sorted((c for c in placeable if c[1].name not in first_names), key=_rank)
-    verdicts = _fitting_verdicts(need, first + rest)
+    verdicts = _fitting_verdicts(need, first + rest, durations)
 
     if plan is not None:
         summary = f"would place on fabric {plan.fabric}: " + ", ".join(

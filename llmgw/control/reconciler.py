@@ -31,7 +31,7 @@ from llmgw.control.state import (ENDED, FAILED, FETCHING, PENDING, RETIRING_PHAS
 from llmgw.fleet.fleet import Fleet
 from llmgw.fleet.link import READY
 from llmgw.fleet.ops import InventoryRequest
-from llmgw.runtimes import runtime_spec, venv_key
+from llmgw.runtimes import runtime_spec, runtime_digest
 from llmgw.store import Store, audit
 
 log = logging.getLogger(__name__)
@@ -275,7 +275,12 @@ class Reconciler:
         model = self.with_learned_size(self.holder.current.models[model_name])
         allocated = self.allocated()
         return placement.explain_placement(model, self.node_views(), allocated, avoid=self._avoid(model_name),
-                                           what_if=self._what_if(model, allocated, time.time()))
+                                           what_if=self._what_if(model, allocated, time.time()),
+                                           durations=self.durations())
+
+    def durations(self) -> placement.Durations:
+        """What fetches and provisions took lately, for explain-placement's estimate (R-4.12)."""
+        return placement.Durations(dict(self.actions.download_rates), dict(self.actions.provision_seconds))
 
     def cache_dir(self, node: NodeConfig) -> str | None:
         """The node's cache directory as an absolute path on it; None until the node said hello."""
@@ -315,7 +320,7 @@ class Reconciler:
             elif profile.runtime == "venv":
                 spec = runtime_spec(profile)
                 if spec is not None:
-                    venvs[venv_key(spec)] = spec
+                    venvs[runtime_digest(spec)] = spec
         return InventoryRequest(images=sorted(images), venvs=venvs)
 
     # -- the pass ------------------------------------------------------------------------------
@@ -535,7 +540,8 @@ class Reconciler:
             previous = self.unplaceable.get(model.name)
             if previous is None or now - self._explained_at.get(model.name, 0.0) > EXPLAIN_EVERY:
                 explanation = placement.explain_placement(model, views, allocated,
-                                                          what_if=self._what_if(model, allocated, now))
+                                                          what_if=self._what_if(model, allocated, now),
+                                                          durations=self.durations())
                 if previous is None:
                     log.warning("cannot place %s: %s", model.name, explanation.summary)
                 self.unplaceable[model.name] = explanation

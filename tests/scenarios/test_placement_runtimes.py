@@ -12,6 +12,7 @@ second model of the same recipe, though `a-cli` comes first by name.
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -114,5 +115,10 @@ def test_the_node_holding_the_environment_ranks_first(gateway):
           + "; ".join(f"{v['node']}: {v['reasons']}" for v in explanation["verdicts"]))
     assert [(v["node"], v["fits"], v["holds_engine"]) for v in explanation["verdicts"]] == [
         ("b-nodocker", True, True), ("a-cli", True, False)]
-    assert explanation["verdicts"][1]["reasons"] == ["builds its environment", "packs: leaves 0 GPUs free"]
+    builds, estimate, packs = explanation["verdicts"][1]["reasons"]
+    assert (builds, packs) == ("builds its environment", "packs: leaves 0 GPUs free")
+    # The build b-nodocker made is what the estimate for a-cli is taken from.
+    assert re.fullmatch(r"before its engine starts: about \d+ s \(build about \d+ s, as the last build took\)",
+                        estimate), estimate
+    assert explanation["verdicts"][1]["prepare_seconds"] > 0 and explanation["verdicts"][0]["prepare_seconds"] == 0
     assert explanation["plan"]["shards"][0]["node"] == "b-nodocker"

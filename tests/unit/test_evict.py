@@ -7,7 +7,8 @@ import pytest
 from llmgw.catalog import Catalog
 from llmgw.config import ModelConfig, ProfileConfig
 from llmgw.control import evict
-from llmgw.control.evict import WhatIf, candidates, choose, eviction_reason, idle_text, may_evict_for
+from llmgw.control.evict import WhatIf, candidates, choose, eviction_reason, may_evict_for
+from llmgw.units import idle_text
 from llmgw.control.placement import explain_placement
 from llmgw.control.state import SERVING, STARTING, ModelHealth, Replica, Shard
 from llmgw.contracts.states import ReplicaPhase

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from llmgw.catalog import Catalog, Model
 from llmgw.config import ModelConfig, ProfileConfig, StaticEndpoint
-from llmgw.control.placement import (ContainerView, GPUView, NodeView, ShardPlan, VenvView, explain_placement,
-                                     free_gpus, free_whole_nodes, never_fits, place)
-from llmgw.runtimes import runtime_spec, venv_key
+from llmgw.control.placement import (ContainerView, Durations, GPUView, NodeView, ShardPlan, VenvView,
+                                     explain_placement, free_gpus, free_whole_nodes, never_fits, place)
+from llmgw.runtimes import runtime_spec, runtime_digest
 
 GB = 1000**3
 ECC = "uncorrected ECC errors"
@@ -408,7 +408,7 @@ def fleets(draw):
 
 IMAGE = "vllm/vllm-openai:v1"
 VENV_RECIPE = dict(runtime="venv", packages=["vllm==1"], python="python3.12")
-VENV_KEY = venv_key(runtime_spec(ProfileConfig(engine="vllm", **VENV_RECIPE)))
+VENV_KEY = runtime_digest(runtime_spec(ProfileConfig(engine="vllm", **VENV_RECIPE)))
 CONTAINER_VIEWS = st.builds(
     ContainerView, st.booleans(), st.sampled_from([None, True, True, False]), st.sampled_from([None, True, False]),
     st.sampled_from([None, {}, {IMAGE: True}, {IMAGE: False}]))
@@ -640,6 +640,47 @@ def test_a_node_with_the_environment_built_ranks_before_one_that_builds_it():
     assert [v.node for v in explanation.verdicts] == ["b-built", "a-builds", "c-other-recipe"]
     assert explanation.plan.reasons == ("fetches the weights", "has its environment", "packs: leaves 8 GPUs free")
     assert verdict(explanation, "c-other-recipe").reasons[1] == "environment not checked yet"
+
+
+def test_the_estimate_adds_the_fetch_at_the_nodes_rate_and_the_last_provision():
+    """R-4.12: how long a fitting node needs before its engine starts, from what fetches and
+    provisions took lately; a step not measured makes the whole unknown, never a smaller figure."""
+    m = model(gpus=0, disk_gb=70, **VENV_RECIPE)
+    nodes = [node("a-ready", holds=frozenset({"llama"}), venvs={VENV_KEY: VenvView(True, True)}),
+             node("b-both", venvs={VENV_KEY: VenvView(True, False)}),
+             node("c-unmeasured", venvs={VENV_KEY: VenvView(True, False)}),
+             node("d-unreported", holds=None, venvs={VENV_KEY: VenvView(True, True)})]
+    durations = Durations({"b-both": 350e6, "d-unreported": 1e9}, {VENV_KEY: 143.6})
+    explanation = explain_placement(m, nodes, {}, durations=durations)
+    by_node = {v.node: v for v in explanation.verdicts}
+    assert by_node["a-ready"].prepare_seconds == 0
+    assert not any("before its engine starts" in r for r in by_node["a-ready"].reasons)
+    assert by_node["b-both"].prepare_seconds == pytest.approx(70e9 / 350e6 + 143.6)
+    assert ("before its engine starts: about 6 min (fetch about 4 min at its last measured 350 MB/s; "
+            "build about 3 min, as the last build took)") in by_node["b-both"].reasons
+    assert by_node["c-unmeasured"].prepare_seconds is None
+    assert ("before its engine starts: - (fetch: this node's download rate not measured yet; "
+            "build about 3 min, as the last build took)") in by_node["c-unmeasured"].reasons
+    assert by_node["d-unreported"].prepare_seconds is None
+    assert "before its engine starts: - (fetch: holdings not reported yet)" in by_node["d-unreported"].reasons
+    # Without durations nothing is estimated, and the plan is the one place gives.
+    plain = explain_placement(m, nodes, {})
+    assert all(v.prepare_seconds is None for v in plain.verdicts)
+    assert plain.plan == place(m, nodes, {}) and explanation.plan.shards == plain.plan.shards
+
+
+def test_the_estimate_of_a_pull_and_of_a_host_engine():
+    pulled = model(gpus=0, weights=None, **CONTAINER)
+    digest = runtime_digest(runtime_spec(pulled.profile))
+    pulls = node(containers=programs(docker=WORKS))
+    (found,) = explain_placement(pulled, [pulls], {}, durations=Durations({}, {digest: 41.0})).verdicts
+    assert found.prepare_seconds == 41.0
+    assert "before its engine starts: about 41 s (pull about 41 s, as the last pull took)" in found.reasons
+    (unmeasured,) = explain_placement(pulled, [pulls], {}, durations=Durations()).verdicts
+    assert unmeasured.prepare_seconds is None and "before its engine starts: - (pull: none measured yet)" in \
+        unmeasured.reasons
+    (host,) = explain_placement(model(gpus=0, weights=None), [node()], {}, durations=Durations()).verdicts
+    assert host.prepare_seconds == 0
 
 
 def test_the_image_names_which_container_program_holds_it():

@@ -410,7 +410,7 @@ async def test_inventory_asks_about_the_catalogs_engines_and_placement_reads_the
     from llmgw.control.placement import ContainerView, VenvView
     from llmgw.fleet.facts import ContainerProgram, VenvCheck
     from llmgw.fleet.ops import InventoryRequest
-    from llmgw.runtimes import runtime_spec, venv_key
+    from llmgw.runtimes import runtime_spec, runtime_digest
 
     profiles = {**PROFILES, "boxed": ProfileConfig(engine="vllm", gpus=1, runtime="container", image="img:1"),
                 "env": ProfileConfig(engine="vllm", runtime="venv", packages=["vllm==1"], python="python3.12")}
@@ -420,7 +420,7 @@ async def test_inventory_asks_about_the_catalogs_engines_and_placement_reads_the
                                            ModelConfig(name="m", profile="one", weights="hf:org/m")],
                               profiles=profiles, version=2))
     spec = runtime_spec(profiles["env"])
-    key = venv_key(spec)
+    key = runtime_digest(spec)
     assert reconciler.inventory_wanted(fleet.nodes["a"]) == InventoryRequest(images=["img:1"], venvs={key: spec})
 
     down = "docker cannot reach its daemon (DOCKER_HOST=unset): Cannot connect to the Docker daemon"
