@@ -55,6 +55,11 @@ and the serve log's line times; they add up to the total:
                `openai` client (the router learning the endpoint, and the request itself);
   total        the POST until that answer.
 
+Against host, each runtime's table prints the total's ratio and difference, and what the start
+adds: provision + launch, what llmgw does before the engine runs (the engine's own start is the
+same program's), and provision + launch + engine up, the whole start, in which vLLM's load time
+varies by several seconds from one start to the next on this machine.
+
 Every engine runs with --enforce-eager: vLLM's CPU build otherwise compiles its graph at start
 and keeps the result in a compile cache that the host and venv engines reuse from earlier runs
 (VLLM_CPU_ENV points it beside the engine builds) while a container starts with an empty one
@@ -302,10 +307,11 @@ def table(runtime: str, rows: dict, host: dict | None) -> None:
                                         else "-" for r in ROUNDS)])
         lines.append(["total − host", *(f"{rows[r]['total'] - host[r]['total']:+.2f}" if r in rows and r in host
                                         else "-" for r in ROUNDS)])
-        start = ("provision", "launch", "engine up")
-        lines.append(["provision+launch+up − host", *(
-            f"{sum(rows[r][p] for p in start) - sum(host[r][p] for p in start):+.2f}" if r in rows and r in host
-            else "-" for r in ROUNDS)])
+        for label, start in (("provision+launch − host", ("provision", "launch")),
+                             ("provision+launch+up − host", ("provision", "launch", "engine up"))):
+            lines.append([label, *(
+                f"{sum(rows[r][p] for p in start) - sum(host[r][p] for p in start):+.2f}" if r in rows and r in host
+                else "-" for r in ROUNDS)])
     widths = [max(len(line[i]) for line in (header, *lines)) for i in range(len(header))]
     print(f"\n{runtime}")
     for line in (header, *lines):
