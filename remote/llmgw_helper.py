@@ -1212,14 +1212,15 @@ def _private_problem(what, info, uid):
     return None
 
 
-def entry_manifest(path, uid, limit=WALK_LIMIT, links=None):
+def entry_manifest(path, uid, limit=WALK_LIMIT, links=None, stamps=None):
     """(files, bytes, problem) of a cache entry, walked without following links.
 
     files lists (relative/path, size) of every file, sorted; names at the top that start with
     .llmgw- (the marker, the lease) are llmgw's own and left out. problem says why the entry
     cannot be llmgw's: a link or a special file inside, or a file or directory another user
     owns or can write. With links (a list), symbolic links of this user are not a problem but
-    appended to it as (relative/path, target), sorted (an environment holds bin/python -> ...)."""
+    appended to it as (relative/path, target), sorted (an environment holds bin/python -> ...).
+    With stamps (a dict), each file's file_stamp, from the walk's own lstat, is put in it."""
     files = []
     total = 0
     stack = [""]
@@ -1258,6 +1259,8 @@ def entry_manifest(path, uid, limit=WALK_LIMIT, links=None):
                 else:
                     files.append((name, info.st_size))
                     total += info.st_size
+                    if stamps is not None:
+                        stamps[name] = file_stamp(info)
                 problem = _private_problem(name, info, uid)
                 if problem is not None:
                     return None, None, problem
@@ -1433,11 +1436,21 @@ def verify_entry_content(path, entry, verified, on_bytes=None, always=always_ver
     (file_stamp) is the one verified[its path] holds with that hash is not read again. verified
     is updated in place with what was hashed and matched. problem names the first file that
     differs (and both hashes), or None; hashed lists the files read.
-    on_bytes(count) hears the bytes checked, read or skipped."""
+    on_bytes(count) hears the bytes checked, read or skipped. When the entry carries "stamps"
+    (an environment's, taken by its manifest walk's lstat of each regular file, a moment ago),
+    a file whose walked stamp is the recorded one is not opened at all: the same inode, size,
+    mtime and ctime as when it was hashed (an environment's tens of thousands of files were
+    otherwise opened one path component at a time on every launch)."""
     hashed = []
+    stamps = entry.get("stamps") or {}
     for relative, size in entry["files"]:
         full = os.path.join(path, relative)
         expected = entry["hashes"][relative]
+        walked = stamps.get(relative)
+        if walked is not None and not always(relative, size) and verified.get(full) == walked + [expected]:
+            if on_bytes is not None:
+                on_bytes(size)
+            continue
         try:
             fd = open_below(path, relative.split("/"))
         except OSError as exc:
@@ -3006,8 +3019,9 @@ def building_seal(secret, name, recipe_id):
 
 
 def sealed_env(path, secret):
-    """({"files", "hashes", "links", "bytes", "marker"}, None) when the directory at path is an
-    environment this fleet's llmgw built and sealed, else (None, why).
+    """({"files", "hashes", "links", "bytes", "marker", "stamps"}, None) when the directory at
+    path is an environment this fleet's llmgw built and sealed, else (None, why); stamps are the
+    walk's file_stamp of each file (verify_entry_content takes them).
 
     As sealed_entry judges a cache entry, and more: its seal (entry_seal with the environment's
     context) covers every file's size and SHA-256, every link's target and the recipe, and the
@@ -3018,7 +3032,8 @@ def sealed_env(path, secret):
     if problem is not None:
         return None, problem.replace("completion marker", "seal")
     links = []
-    files, total, problem = entry_manifest(path, uid, links=links)
+    stamps = {}
+    files, total, problem = entry_manifest(path, uid, links=links, stamps=stamps)
     if problem is not None:
         return None, "not llmgw's: " + problem
     if secret is None:
@@ -3036,7 +3051,7 @@ def sealed_env(path, secret):
         return None, "its seal was not made by this fleet's llmgw, or its files or links changed since"
     if hashlib.sha256(canonical_json(recipe).encode("utf-8")).hexdigest() != recipe_id or env_name(recipe_id) != name:
         return None, "its seal is for another recipe than its name says"
-    return {"files": files, "hashes": hashes, "links": links, "bytes": total, "marker": marker}, None
+    return {"files": files, "hashes": hashes, "links": links, "bytes": total, "marker": marker, "stamps": stamps}, None
 
 
 def env_state(path, secret):
@@ -3230,7 +3245,7 @@ class VenvOps(object):
                                            "(the control plane sends it)")
         recipe_id, recipe, interpreter = self.venv_recipe(spec)
         path = os.path.join(self.envs_dir(), env_name(recipe_id))
-        state, detail = env_state(path, self.secret)
+        state, detail = self.env_found(path)
         if state == "sealed":
             return self._present_env(path, detail, ctx.emit)
         if state == "foreign":
@@ -3576,10 +3591,21 @@ class VenvOps(object):
                     built=self.env_built(os.path.join(self.envs_dir(), env_name(recipe_id))))
         return fact
 
-    def env_built(self, path):
+    def env_found(self, path):
+        """env_state for provision: an environment this helper found sealed with its seal file in
+        the state it has now (env_built's memory) is answered from that seal file alone, without
+        walking its tree again; the launch that follows walks it and checks every file."""
+        if self.env_built(path, walk=False) is True:
+            marker, problem = _read_marker(path, os.getuid())
+            if problem is None and marker.get("format") == ENV_MARKER_FORMAT and isinstance(marker.get("recipe"), dict):
+                return "sealed", {"marker": marker, "bytes": marker.get("bytes")}
+        return env_state(path, self.secret)
+
+    def env_built(self, path, walk=True):
         """Whether an environment this fleet's llmgw built and sealed is at path; None without the
         fleet secret. Its tree is walked (never read) once per state of its seal file, which every
-        launch from it touches; launch checks its files again whatever this said."""
+        launch from it touches; launch checks its files again whatever this said. With walk
+        false, only what is remembered for the seal file's state now (None when nothing is)."""
         if self.secret is None:
             return None
         try:
@@ -3591,7 +3617,7 @@ class VenvOps(object):
         key = (path, info.st_ino, info.st_mtime_ns, info.st_ctime_ns, info.st_size)
         with self.probe_lock:
             known = self.env_seals.get(key)
-        if known is not None:
+        if known is not None or not walk:
             return known
         built = env_state(path, self.secret)[0] == "sealed"
         with self.probe_lock:

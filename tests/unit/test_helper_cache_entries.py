@@ -196,3 +196,62 @@ def test_a_launch_naming_no_cache_entry_hashes_nothing(tmp_path):
     (tmp_path / "models").mkdir()
     node.verify_weights(["vllm", "serve", str(tmp_path / "models"), "--served-model-name", "llmgw-" + "0" * 16])
     assert node.files_hashed == 0
+
+
+def test_files_whose_walked_stamp_was_verified_are_not_opened_and_a_changed_one_is(tmp_path, monkeypatch):
+    """An environment's launch check (R-4.11): the manifest walk's lstat stamps stand for opening
+    each file when they are the ones recorded; a rewritten file (a new ctime) is opened and hashed."""
+    entry = _files(tmp_path / NAME)
+    files = [("model.safetensors", 1000), ("sub/config.json", 2)]
+    hashes = {rel: hashlib.sha256((entry / rel).read_bytes()).hexdigest() for rel, _ in files}
+
+    def walked():
+        stamps = {}
+        assert helper.entry_manifest(str(entry), os.getuid(), stamps=stamps)[0] == files
+        return {"files": files, "hashes": hashes, "stamps": stamps}
+
+    verified = {}
+    assert helper.verify_entry_content(str(entry), walked(), verified, always=helper.never_rehashed) == (
+        None, ["model.safetensors", "sub/config.json"])
+    opened = []
+    real_open_below = helper.open_below
+    monkeypatch.setattr(helper, "open_below", lambda top, parts, *a, **kw: opened.append(parts) or
+                        real_open_below(top, parts, *a, **kw))
+    assert helper.verify_entry_content(str(entry), walked(), verified, always=helper.never_rehashed) == (None, [])
+    assert opened == [], "nothing opened: every walked stamp is the recorded one"
+    (entry / "sub" / "config.json").write_bytes(b"[]")  # the same size, a new ctime
+    problem, hashed = helper.verify_entry_content(str(entry), walked(), verified, always=helper.never_rehashed)
+    assert opened == [["sub", "config.json"]] and hashed == ["sub/config.json"]
+    assert "sub/config.json has SHA-256" in problem and hashes["sub/config.json"] in problem
+
+
+def test_provision_answers_a_seal_it_found_unchanged_without_walking_the_environment(tmp_path, monkeypatch):
+    """R-4.11: an environment this helper found sealed, its seal file in the same state, is
+    answered from the seal file; once the seal file changed (a launch touches it), it is walked."""
+    import types
+
+    node = _node(tmp_path)
+    recipe = {"python": "/usr/bin/python3", "version": "3.11.0", "packages": ["probe==1"]}
+    recipe_id = hashlib.sha256(helper.canonical_json(recipe).encode("utf-8")).hexdigest()
+    path = os.path.join(node.envs_dir(), helper.env_name(recipe_id))
+    os.makedirs(os.path.join(path, "bin"), mode=0o700)
+    os.chmod(node.envs_dir(), 0o700)
+    with open(os.path.join(path, "bin", "engine"), "w") as handle:
+        handle.write("#!/bin/sh\n")
+    with open(os.path.join(path, helper.ENV_BUILDING_MARKER), "w") as handle:
+        handle.write("{}")
+    job = types.SimpleNamespace(path=path, name=os.path.basename(path), key=recipe_id, recipe=recipe,
+                                abort=types.SimpleNamespace(is_set=lambda: False))
+    node._seal_env(job, "pip")
+    assert helper.env_state(path, SECRET)[0] == "sealed"
+    assert node.env_built(path) is True  # walked once, remembered for this state of the seal file
+
+    def no_walk(*_):
+        raise AssertionError("walked")
+
+    monkeypatch.setattr(helper, "env_state", no_walk)
+    state, found = node.env_found(path)
+    assert state == "sealed" and found["marker"]["id"] == recipe_id and found["bytes"] == 10
+    helper._touch_marker(path)  # what a launch does: the seal file's state changed
+    with pytest.raises(AssertionError, match="walked"):
+        node.env_found(path)
