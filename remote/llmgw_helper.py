@@ -141,8 +141,9 @@ provision {"runtime": RUNTIME} -> events "progress" {"phase": "venv"|"pip"|"post
     "Environments" below), single-flight per recipe on the node: a second request attaches to
     the running build and gets the same answer; the build is abandoned, its step killed and what
     it made removed, when its last waiter cancels or the helper's stdin ends. created is false
-    when it was there already and sealed (its names, sizes and links as sealed; the contents
-    are checked by the launch that runs it). Steps: ``PY -m venv ENV``; then
+    when it was there already and sealed (its names, sizes and links as sealed, or its seal file
+    unchanged since this helper found them so; the contents are checked by the launch that runs
+    it). Steps: ``PY -m venv ENV``; then
     ``ENV/bin/python -m pip install --disable-pip-version-check --progress-bar off`` (or
     ``uv pip install --python ENV/bin/python`` when uv is on PATH) with ``--index-url X``, or
     ``--no-index`` when find_links are given without it or extra_index_urls, each
@@ -3322,10 +3323,9 @@ class VenvOps(object):
         return version
 
     def _present_env(self, path, entry, emit):
-        """The answer for an environment found sealed (its names, sizes, links and recipe as its
-        seal gives them). Its files' contents are checked by the launch that runs it, the gate
-        right before an engine starts: checking them here too walked every file twice per
-        launch."""
+        """The answer for an environment found sealed (env_found). Its files' contents are
+        checked by the launch that runs it, the gate right before an engine starts: checking
+        them here too walked every file twice per launch."""
         emit("progress", {"phase": "seal", "line": "found the sealed environment %s" % path})
         return self._env_answer(path, entry, created=False)
 
