@@ -1444,8 +1444,9 @@ def verify_entry_content(path, entry, verified, on_bytes=None, always=always_ver
     otherwise opened one path component at a time on every launch)."""
     hashed = []
     stamps = entry.get("stamps") or {}
+    top = path.rstrip("/") + "/"
     for relative, size in entry["files"]:
-        full = os.path.join(path, relative)
+        full = top + relative  # as os.path.join(path, relative): relative paths from a walk
         expected = entry["hashes"][relative]
         walked = stamps.get(relative)
         if walked is not None and not always(relative, size) and verified.get(full) == walked + [expected]:
@@ -2022,6 +2023,7 @@ class NodeCore(object):
         self.env_seals = {}  # (path, the seal file's inode, mtime, ctime, size) -> sealed or not
         self.probe_lock = threading.Lock()
         self.verified_lock = threading.Lock()  # the node-local record of verified files
+        self.verified_read = (None, {})  # (the record file's stamp, its files) as last read
         self.closing = threading.Event()
         self._opener = None
         self.files_hashed = 0  # files of cache entries read to check them at launch
@@ -2099,16 +2101,32 @@ class NodeCore(object):
         return "verified-%s.json" % re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
 
     def _load_verified(self):
-        """{file path: file_stamp + [sha256]} this node hashed and found as sealed; {} when none."""
-        record = _read_json(None, lambda: open_below(self.root, [self._verified_file()]))
-        files = record.get("files") if record is not None else None
-        return files if isinstance(files, dict) else {}
+        """{file path: file_stamp + [sha256]} this node hashed and found as sealed; {} when none.
+        Read again only when the record file's stamp changed (an environment's record holds tens
+        of thousands of files); never change what this returns."""
+        try:
+            fd = open_below(self.root, [self._verified_file()])
+        except OSError:
+            return {}
+        with os.fdopen(fd, "rb") as handle:
+            stamp = file_stamp(os.fstat(handle.fileno()))
+            known, files = self.verified_read
+            if known == stamp:
+                return files
+            try:
+                record = json.loads(handle.read().decode("utf-8"))
+            except ValueError:
+                record = None
+        files = record.get("files") if isinstance(record, dict) else None
+        files = files if isinstance(files, dict) else {}
+        self.verified_read = (stamp, files)
+        return files
 
     def _merge_verified(self, changes, dropped=()):
         if not changes and not dropped:
             return
         with self.verified_lock:
-            files = self._load_verified()
+            files = dict(self._load_verified())
             for path in dropped:
                 files.pop(path, None)
             files.update(changes)
