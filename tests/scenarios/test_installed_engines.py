@@ -71,8 +71,10 @@ def test_an_environment_is_listed_kept_while_wanted_and_collected_once_unwanted(
             wait_for(lambda: gone("other"), 120, "the replica of other to go")
             wait_for(lambda: sealed_envs(bed, NODE) == [rows["probe"]["name"]], 150,
                      f"the clean-up to remove other's environment\n{gateway.log()[-2000:]}")
-            storage = ctl.json("storage")["nodes"][0]["cleanup"]
-            assert rows["other"]["name"] in [r["name"] for r in storage["removed"]]
+            # The node removes it before its answer reaches the control plane, which then records it.
+            wait_for(lambda: rows["other"]["name"] in [r["name"] for r in
+                                                        ctl.json("storage")["nodes"][0]["cleanup"]["removed"]], 30,
+                     f"the clean-up's removal recorded\n{gateway.log()[-2000:]}")
             assert serving("probed")
 
             # probe leaves too (the mark off again): reclaim lists its environment, --collect removes it.
