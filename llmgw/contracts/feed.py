@@ -141,6 +141,7 @@ class Snapshot:
     gateway: GatewaySettings
     leases: Mapping[str, Mapping[str, Lease]] = field(default_factory=lambda: NO_LEASES)  # router id -> key id -> lease
     abandoned: tuple[str, ...] = ()
+    homes: Mapping[str, Mapping[int, str]] = field(default_factory=lambda: NO_HOMES)  # model -> ring point -> replica id
     # The secret that seals the Responses ids routers hand out (R-6.14), 64 hex digits: the control
     # plane's, kept in its state directory; one made here when a snapshot is built without it.
     response_secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
@@ -167,6 +168,7 @@ class Snapshot:
                         leases=self.leases if change.leases is None else change.leases,
                         abandoned=(self.abandoned + change.abandon)[-ABANDONED_KEPT:] if change.abandon
                         else self.abandoned,
+                        homes=self.homes if change.homes is None else merge_homes(self.homes, change.homes),
                         response_secret=self.response_secret)
 
 
@@ -184,6 +186,34 @@ class Change:
     gateway: GatewaySettings | None = None
     abandon: tuple[str, ...] = ()
     leases: Mapping[str, Mapping[str, Lease]] | None = None  # all of them, when the split changed
+    # Affinity homes set (a replica id) or forgotten (None), per model and ring point (R-6.5d).
+    homes: Mapping[str, Mapping[int, str | None]] | None = None
+
+
+NO_HOMES: Mapping[str, Mapping[int, str]] = MappingProxyType({})
+# A key is live while it had a request within HOME_IDLE_SECONDS; at most HOMES_KEPT live keys per
+# model, the least recently used forgotten first (R-6.5b). Routers and the control plane's table alike.
+HOME_IDLE_SECONDS = 300.0
+HOMES_KEPT = 65536
+HOMES_PER_REPORT = 16384  # keys one report names at most; a router sends the rest with its next one
+
+
+def merge_homes(homes: Mapping[str, Mapping[int, str]],
+                change: Mapping[str, Mapping[int, str | None]]) -> Mapping[str, Mapping[int, str]]:
+    """`homes` with `change` applied: a replica id sets a point's home, None forgets it."""
+    merged = dict(homes)
+    for model, entries in change.items():
+        table = dict(merged.get(model, {}))
+        for point, replica in entries.items():
+            if replica is None:
+                table.pop(point, None)
+            else:
+                table[point] = replica
+        if table:
+            merged[model] = MappingProxyType(table)
+        else:
+            merged.pop(model, None)
+    return MappingProxyType(merged)
 
 
 # -- what routers report -----------------------------------------------------------------------
@@ -237,8 +267,10 @@ class RouterCounters:
 
 @dataclass(frozen=True)
 class Report:
-    """One router's report. `usage` and `key_use` are counted once per (router, seq); the rest is
-    the router's state as of `sent_at` and replaces its previous report's."""
+    """One router's report. `usage` and `key_use` are counted once per (router, seq); `homes` is
+    taken once per (router, seq) too, and taking it again would change nothing (the first home
+    reported for a key stays); the rest is the router's state as of `sent_at` and replaces its
+    previous report's."""
 
     router: str
     seq: int
@@ -252,6 +284,9 @@ class Report:
     snapshot: tuple[str, int] | None = None  # (epoch, version) the router routes with, None before any
     counters: RouterCounters | None = None  # None: not reported (a router that keeps its own /metrics)
     asked: Mapping[str, int] = field(default_factory=dict)  # key id -> requests of a limited key since the last report
+    # model -> ring point -> replica id: the affinity keys this router homed or sent home since its
+    # last report (R-6.5d), so that the control plane keeps one table of homes for every router
+    homes: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -620,6 +655,39 @@ def _leases_from_wire(d, where: str) -> Mapping[str, Mapping[str, Lease]]:
     return MappingProxyType(out)
 
 
+_POINT = re.compile(r"[0-9a-f]{16}")
+
+
+def _homes_to_wire(homes: Mapping[str, Mapping[int, str | None]]) -> dict:
+    """model -> [[point as 16 hex digits, replica id or null], ...]: a point is 64 bits, more than
+    every JSON reader holds exactly as a number."""
+    return {model: [[f"{point:016x}", replica] for point, replica in entries.items()]
+            for model, entries in homes.items()}
+
+
+def _home_point(value, where: str) -> int:
+    if type(value) is not str or not _POINT.fullmatch(value):
+        raise FeedError(f"{where}: expected a ring point as 16 lowercase hex digits")
+    return int(value, 16)
+
+
+def _home_entries_from_wire(value, where: str, allow_none: bool) -> dict[int, str | None]:
+    out: dict[int, str | None] = {}
+    for i, row in enumerate(_list(value, where)):
+        if type(row) is not list or len(row) != 2:
+            raise FeedError(f"{where}[{i}]: expected [point, replica]")
+        replica = row[1]
+        if not (type(replica) is str or (allow_none and replica is None)):
+            raise FeedError(f"{where}[{i}][1]: expected a replica id{' or null' if allow_none else ''}")
+        out[_home_point(row[0], f"{where}[{i}][0]")] = replica
+    return out
+
+
+def _homes_from_wire(d, where: str, allow_none: bool) -> Mapping[str, Mapping[int, str | None]]:
+    return MappingProxyType({_str(model, f"{where} key"): MappingProxyType(
+        _home_entries_from_wire(entries, f"{where}[{model!r}]", allow_none)) for model, entries in _obj(d, where).items()})
+
+
 def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
     """The JSON-ready form of a message, tagged with its type and the protocol."""
     if isinstance(message, Snapshot):
@@ -630,6 +698,7 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
                 "keys": [key_to_wire(k) for k in message.keys], "gateway": gateway_to_wire(message.gateway),
                 **({"leases": _leases_to_wire(message.leases)} if message.leases else {}),
                 **({"abandoned": list(message.abandoned)} if message.abandoned else {}),
+                **({"homes": _homes_to_wire(message.homes)} if message.homes else {}),
                 "response_secret": message.response_secret}
     if isinstance(message, Change):
         out = {"type": "change", "protocol": PROTOCOL, "epoch": message.epoch, "version": message.version}
@@ -646,6 +715,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
             out["abandon"] = list(message.abandon)
         if message.leases is not None:
             out["leases"] = _leases_to_wire(message.leases)
+        if message.homes is not None:
+            out["homes"] = _homes_to_wire(message.homes)
         return out
     if isinstance(message, Report):
         return {"type": "report", "protocol": PROTOCOL, "router": message.router, "seq": message.seq,
@@ -658,7 +729,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
                 "demand": list(message.demand),
                 "snapshot": None if message.snapshot is None else list(message.snapshot),
                 "counters": None if message.counters is None else _counters_to_wire(message.counters),
-                **({"asked": dict(message.asked)} if message.asked else {})}
+                **({"asked": dict(message.asked)} if message.asked else {}),
+                **({"homes": _homes_to_wire(message.homes)} if message.homes else {})}
     if isinstance(message, Ack):
         return {"type": "ack", "protocol": PROTOCOL, "router": message.router, "seq": message.seq,
                 **({"refused": [{"where": r.where, "status": 400, "message": r.message} for r in message.refused]}
@@ -684,6 +756,7 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
                         leases=_leases_from_wire(d["leases"], "snapshot.leases") if "leases" in d else NO_LEASES,
                         abandoned=tuple(_str(r, f"snapshot.abandoned[{i}]") for i, r in
                                         enumerate(_list(d.get("abandoned", []), "snapshot.abandoned"))),
+                        homes=_homes_from_wire(d["homes"], "snapshot.homes", False) if "homes" in d else NO_HOMES,
                         response_secret=_secret(_field(d, "response_secret", kind), "snapshot.response_secret"))
     if kind == "change":
         return Change(epoch=_str(_field(d, "epoch", kind), "change.epoch"),
@@ -695,7 +768,8 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
                       gateway=gateway_from_wire(d["gateway"], "change.gateway") if "gateway" in d else None,
                       abandon=tuple(_str(r, f"change.abandon[{i}]")
                                     for i, r in enumerate(_list(d.get("abandon", []), "change.abandon"))),
-                      leases=_leases_from_wire(d["leases"], "change.leases") if "leases" in d else None)
+                      leases=_leases_from_wire(d["leases"], "change.leases") if "leases" in d else None,
+                      homes=_homes_from_wire(d["homes"], "change.homes", True) if "homes" in d else None)
     if kind == "report":
         report, refused = _report_from_wire(d)
         if refused:
@@ -712,7 +786,7 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
 def read_report(document) -> tuple[Report, tuple[Refusal, ...]]:
     """A report as the control plane takes it (R-10.8): the rows that parse, and a Refusal for
     each one that does not (a usage row, an entry of key_use, last_used, in flight, engine load,
-    asked or demand, the counters), so that one bad row does not cost the rest. FeedError when
+    asked or demand, the counters, a model's homes), so that one bad row does not cost the rest. FeedError when
     the report itself is wrong (its type, protocol, router, seq, sent_at, a part of the wrong shape)."""
     d = _obj(document, "message")
     kind = _str(_field(d, "type", "message"), "message.type")
@@ -775,5 +849,7 @@ def _report_from_wire(d: dict) -> tuple[Report, tuple[Refusal, ...]]:
                     key_use=dict(rows("key_use", _num)), last_used=dict(rows("last_used", _num)),
                     inflight=dict(rows("inflight", _count)), engine_load=dict(rows("engine_load", _load_from_wire)),
                     demand=tuple(m for _, m in rows("demand", _str, _list, [])), snapshot=snapshot,
-                    counters=counters, asked=dict(rows("asked", _count)))
+                    counters=counters, asked=dict(rows("asked", _count)),
+                    homes={model: MappingProxyType(entries) for model, entries in
+                           rows("homes", lambda v, where: _home_entries_from_wire(v, where, False))})
     return report, tuple(refused)

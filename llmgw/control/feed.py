@@ -27,6 +27,15 @@ transaction that also records the report's seq per router, so a report sent twic
 once (R-10.3); their state parts (requests in flight, last use, engine load) replace what the
 router said before and make up what the reconciler and the admin read: `take_last_used`,
 `outstanding`, `engine_load`.
+
+Routers agree on affinity homes through the publisher (R-6.5d): each report names the keys (their
+ring points, never their text) the router homed or sent to their home since its previous report.
+The first home reported for a key is the one: it goes out in a Change (`homes`), and every router
+that applies it sends the key there from then on, its own placement replaced. A later report
+that homed the key elsewhere (a router that placed it before the Change reached it) changes
+nothing but is told the table's home again. A home no router has reported for HOME_IDLE_SECONDS,
+or whose replica no longer serves the model, is replaced by the next one reported; at most
+HOMES_KEPT per model, the least recently reported forgotten first.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ import os
 import secrets
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -48,8 +57,8 @@ import sqlite_utils
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import GatewayConfig, runtime_key_env_problem
 from llmgw.contracts.endpoints import STATIC_PREFIX, Endpoint
-from llmgw.contracts.feed import (Ack, Change, EngineLoad, GatewaySettings, KeyEntry, Lease, Refusal, Report,
-                                  RoutedModel, RouterCounters, Snapshot)
+from llmgw.contracts.feed import (HOME_IDLE_SECONDS, HOMES_KEPT, Ack, Change, EngineLoad, GatewaySettings, KeyEntry,
+                                  Lease, Refusal, Report, RoutedModel, RouterCounters, Snapshot)
 from llmgw.engines import VLLM, LlamaServer, SGLang
 from llmgw.keys import key_entries, record_key_use
 from llmgw.store import Store, add_usage
@@ -236,6 +245,9 @@ class FeedPublisher:
         self._lease_task: asyncio.Task | None = None
         self._demand: dict[str, dict[str, float]] = {}  # router -> key id -> recent requests, decayed
         self._leases: Mapping[str, Mapping[str, Lease]] = MappingProxyType({})
+        # The homes every router uses (R-6.5d): model -> ring point -> [replica id, when last
+        # reported], least recently reported first. What the snapshot's `homes` publishes.
+        self._homes: dict[str, OrderedDict[int, list]] = {}
         self._closed = False
         holder.subscribe(self._catalog_changed)
 
@@ -266,9 +278,11 @@ class FeedPublisher:
         if self._snapshot is not None:
             return
         self._remember_loop()
+        homes = {model: MappingProxyType({point: entry[0] for point, entry in table.items()})
+                 for model, table in self._homes.items() if table}
         self._snapshot = Snapshot(epoch=self.epoch, version=1, models=self._models,
                                   endpoints=MappingProxyType(self._merged()), keys=self._keys, gateway=self._gateway,
-                                  response_secret=self._response_secret)
+                                  homes=MappingProxyType(homes), response_secret=self._response_secret)
         self._ready.set()
         for listener in list(self._listeners):
             listener._notify()
@@ -312,6 +326,8 @@ class FeedPublisher:
                     if state.heard < heard - FORGET_SECONDS:
                         del self._routers[router]
             self._routers[report.router] = _RouterState(report.seq, heard, report)
+            if report.homes:
+                self._take_homes(report.homes, heard)
             if report.asked:
                 demand = self._demand.setdefault(report.router, {})
                 for key_id, count in report.asked.items():
@@ -476,19 +492,21 @@ class FeedPublisher:
             self._models = changed_models = models
         self._emit(models=changed_models, endpoints=_diff(before, self._merged()))
 
-    def _emit(self, *, models=None, endpoints=None, keys=None, gateway=None, abandon=(), leases=None) -> None:
+    def _emit(self, *, models=None, endpoints=None, keys=None, gateway=None, abandon=(), leases=None,
+              homes=None) -> None:
         """One Change with what is not None (or nothing when all is); before ready, only remembered."""
         if not endpoints:
             endpoints = None
         if models is None and endpoints is None and keys is None and gateway is None and not abandon \
-                and leases is None:
+                and leases is None and not homes:
             return
         snapshot = self._snapshot
         if snapshot is None:
             return  # version 1, when it is made, holds it all
         change = Change(epoch=self.epoch, version=snapshot.version + 1, models=models,
                         endpoints=None if endpoints is None else MappingProxyType(endpoints),
-                        keys=keys, gateway=gateway, abandon=tuple(abandon), leases=leases)
+                        keys=keys, gateway=gateway, abandon=tuple(abandon), leases=leases,
+                        homes=MappingProxyType(homes) if homes else None)
         new = snapshot.apply(change)
         if endpoints is not None:
             self._note_removed(snapshot, new)
@@ -504,6 +522,53 @@ class FeedPublisher:
         for replica_id in has:
             self._removed_at.pop(replica_id, None)
 
+    def _take_homes(self, reported: Mapping[str, Mapping[int, str]], now: float) -> None:
+        """Homes a router reports (R-6.5d): the first home reported for a key stays while the key
+        is live and its replica serves the model; a router that homed it elsewhere meanwhile is
+        told the table's again. One Change for what is new, moved or told again."""
+        changed: dict[str, dict[int, str | None]] = {}
+        horizon = now - HOME_IDLE_SECONDS
+        merged = self._merged()
+        for model, entries in reported.items():
+            members = {e.replica_id for e in merged.get(model, ())}
+            if not members:
+                continue
+            table = self._homes.get(model)
+            if table is None:
+                table = self._homes[model] = OrderedDict()
+            for point, replica in entries.items():
+                if replica not in members:
+                    continue
+                entry = table.get(point)
+                if entry is None or entry[1] < horizon or entry[0] not in members:
+                    table[point] = [replica, now]
+                    changed.setdefault(model, {})[point] = replica
+                else:
+                    entry[1] = now
+                    if entry[0] != replica:
+                        changed.setdefault(model, {})[point] = entry[0]
+                    table.move_to_end(point)
+            while len(table) > HOMES_KEPT:
+                changed.setdefault(model, {})[table.popitem(last=False)[0]] = None
+        if changed:
+            self._emit(homes=changed)
+
+    def expire_homes(self) -> None:
+        """Forget the homes no router has reported for HOME_IDLE_SECONDS, as routers do on their own."""
+        horizon = self._clock() - HOME_IDLE_SECONDS
+        forgotten: dict[str, dict[int, str | None]] = {}
+        for model, table in list(self._homes.items()):
+            while table:
+                point, entry = next(iter(table.items()))
+                if entry[1] >= horizon:
+                    break
+                table.popitem(last=False)
+                forgotten.setdefault(model, {})[point] = None
+            if not table:
+                del self._homes[model]
+        if forgotten:
+            self._emit(homes=forgotten)
+
     async def _rebalance_forever(self) -> None:
         while True:
             await asyncio.sleep(LEASE_SECONDS)
@@ -511,6 +576,10 @@ class FeedPublisher:
                 self.rebalance()
             except Exception:
                 log.exception("splitting the keys' limits among the routers failed; the last split stands")
+            try:
+                self.expire_homes()
+            except Exception:
+                log.exception("forgetting the homes gone idle failed; they stay until the next pass")
 
     def rebalance(self) -> None:
         """Split every limited key's limits among the routers heard recently; a Change with

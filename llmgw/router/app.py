@@ -154,11 +154,19 @@ class Router:
         if old is None or new.leases is not old.leases:
             self.limiter.set_leases({router: {key_id: lease.share for key_id, lease in per_key.items()}
                                      for router, per_key in new.leases.items()}, self.router_id, time.monotonic())
-        if old is None or new.models is not old.models or new.endpoints is not old.endpoints:
+        installed = old is None or new.models is not old.models or new.endpoints is not old.endpoints
+        if installed:
             self._models = new.models
             self._install(new)
         elif new.leases is not old.leases:  # the routers sharing the replicas changed
             self._set_capacities()
+        # The control plane's homes replace this router's own (R-6.5d): all of them with a snapshot
+        # or new lists (a pool made anew starts from them), else what the change sets.
+        if installed or isinstance(message, Snapshot):
+            if new.homes:
+                self.balancer.set_homes(new.homes, time.monotonic())
+        elif message.homes:
+            self.balancer.set_homes(message.homes, time.monotonic())
         if self._forwarder is not None:
             if isinstance(message, Change):
                 abandon = message.abandon
@@ -187,7 +195,8 @@ class Router:
         return {"usage": usage, "key_use": key_use, "last_used": self.balancer.last_used(), "inflight": inflight,
                 "engine_load": loads, "demand": demand,
                 "snapshot": None if snapshot is None else (snapshot.epoch, snapshot.version),
-                "counters": self.metrics.counters(), "asked": self.limiter.take_asked()}
+                "counters": self.metrics.counters(), "asked": self.limiter.take_asked(),
+                "homes": self.balancer.take_homes()}
 
     def outstanding(self, replica_id: str) -> int:
         """Requests this router has in flight to a replica, still counted after it left the lists."""

@@ -67,6 +67,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from yarl import URL
 
 from llmgw.contracts.endpoints import Endpoint
+from llmgw.contracts.feed import HOME_IDLE_SECONDS, HOMES_KEPT, HOMES_PER_REPORT
 
 EJECT_SECONDS = 5.0  # long enough to stop hammering a dead engine, short enough to notice it is back
 LEAST_OUTSTANDING = "least-outstanding"
@@ -80,8 +81,8 @@ RING_POINTS = 64  # per replica: enough that shares stay within a few percent of
 # Live keys per replica over the mean: tight, since placing a new key off its ring point costs no
 # cache (none holds it yet); 10 keys over 2 replicas split 5 / 5, 32 over 16 at most 2 each.
 KEY_BOUND = 1.1
-KEY_IDLE_SECONDS = 300.0  # a key with no request for this long is no longer counted as cached
-KEYS_KEPT = 65536  # live keys remembered per model; the least recently used is forgotten first
+KEY_IDLE_SECONDS = HOME_IDLE_SECONDS  # a key with no request for this long is no longer counted as cached
+KEYS_KEPT = HOMES_KEPT  # live keys remembered per model; the least recently used is forgotten first
 # Live keys one API key may have homed per model: past it, its requests with a new key are balanced
 # by load and home nothing, so that one API key's cheap requests cannot churn the others' homes.
 KEYS_PER_API_KEY = 1024
@@ -141,7 +142,7 @@ class Upstream:
 
 
 class Pool:
-    __slots__ = ("members", "next", "policy", "_ring", "homes", "homed", "owned")
+    __slots__ = ("members", "next", "policy", "_ring", "homes", "homed", "owned", "touched")
 
     def __init__(self, members: list[Upstream], policy: str = LEAST_OUTSTANDING):
         self.members = members
@@ -154,6 +155,9 @@ class Pool:
         self.homes: OrderedDict[int, list] = OrderedDict()
         self.homed: dict[Upstream, int] = {}
         self.owned: dict[str | None, int] = {}
+        # The live keys homed or used here since the last report (point -> home): what the
+        # router tells the control plane, whose table every router follows (R-6.5d).
+        self.touched: dict[int, Upstream] = {}
 
     def ring(self) -> tuple[list[int], list[Upstream]]:
         """(sorted ring positions, owners[i] holding points[i]); empty unless the policy is prefix.
@@ -203,6 +207,7 @@ class Pool:
             return None
         entry[1] = now
         homes.move_to_end(point)
+        self.touched[point] = entry[0]
         return entry[0]
 
     def home(self, point: int, now: float, owner: str | None = None) -> Upstream:
@@ -222,13 +227,32 @@ class Pool:
         if self.live(point, now) is None and not self.capped(point, owner):
             self._add(point, self._place(point, now), now, owner)
 
-    def _add(self, point: int, up: Upstream, now: float, owner: str | None) -> None:
+    def _add(self, point: int, up: Upstream, now: float, owner: str | None, touched: bool = True) -> None:
         homes = self.homes
         homes[point] = [up, now, owner]
         self.homed[up] = self.homed.get(up, 0) + 1
         self.owned[owner] = self.owned.get(owner, 0) + 1
+        if touched:
+            self.touched[point] = up
         if len(homes) > KEYS_KEPT:
             self._unhome(homes.popitem(last=False)[1])
+
+    def adopt(self, point: int, up: Upstream, now: float) -> None:
+        """The control plane's home for the key at `point` (R-6.5d): it replaces this router's
+        own, and counts as a request now."""
+        entry = self.homes.get(point)
+        if entry is None:
+            self._add(point, up, now, None, touched=False)
+            return
+        self.homes.move_to_end(point)
+        entry[1] = now
+        if entry[0] is not up:
+            self._unhome(entry)
+            entry[0] = up
+            self.homed[up] = self.homed.get(up, 0) + 1
+            self.owned[entry[2]] = self.owned.get(entry[2], 0) + 1
+        if point in self.touched:
+            self.touched[point] = up
 
     def _unhome(self, entry: list) -> None:
         up, _, owner = entry
@@ -274,6 +298,10 @@ class Pool:
             homes[point] = [up, seen, owner]
             homed[up] = homed.get(up, 0) + 1
             owned[owner] = owned.get(owner, 0) + 1
+        for point in old.touched:  # not reported yet
+            entry = homes.get(point)
+            if entry is not None:
+                self.touched[point] = entry[0]
 
     def same(self, members: Sequence[Endpoint], policy: str) -> bool:
         """Whether this pool already is `members` under `policy` (then it is kept as it is)."""
@@ -402,6 +430,40 @@ class Balancer:
         pool = self._pools.get(model)
         if pool is not None and pool.policy == PREFIX and pool.members:
             pool.keep(ring_hash(key), now, owner)
+
+    def set_homes(self, homes: Mapping[str, Mapping[int, str | None]], now: float) -> None:
+        """The control plane's homes (R-6.5d), model -> ring point -> replica id: each replaces
+        this router's own for its key. None (forgotten there) and a replica that is not a member
+        of the model's pool change nothing: a key lives on here as long as this router uses it."""
+        for model, entries in homes.items():
+            pool = self._pools.get(model)
+            if pool is None or pool.policy != PREFIX or not pool.members:
+                continue
+            members = {up.replica_id: up for up in pool.members}
+            for point, replica_id in entries.items():
+                up = members.get(replica_id) if replica_id is not None else None
+                if up is not None:
+                    pool.adopt(point, up, now)
+
+    def take_homes(self, limit: int = HOMES_PER_REPORT) -> dict[str, dict[int, str]]:
+        """model -> ring point -> replica id of the keys homed or sent home since the last call, at
+        most `limit` of them (the rest at the next call): what a report tells the control plane."""
+        out: dict[str, dict[int, str]] = {}
+        left = limit
+        for model, pool in self._pools.items():
+            touched = pool.touched
+            if not touched or left <= 0:
+                continue
+            if len(touched) <= left:
+                out[model] = {point: up.replica_id for point, up in touched.items()}
+                left -= len(touched)
+                pool.touched = {}
+            else:
+                taken = out[model] = {}
+                for point in list(touched)[:left]:
+                    taken[point] = touched.pop(point).replica_id
+                left = 0
+        return out
 
     def _on_ring(self, pool: Pool, key: bytes, now: float, exclude: Iterable[Upstream],
                  include_ejected: bool, owner: str | None = None) -> Upstream | None:

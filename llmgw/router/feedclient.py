@@ -56,7 +56,8 @@ import aiohttp
 
 from llmgw.contracts import routerauth
 from llmgw.contracts.backoff import backoff_delay
-from llmgw.contracts.feed import Ack, Change, FeedError, Report, Snapshot, UsageRow, from_wire, to_wire
+from llmgw.contracts.feed import (HOMES_PER_REPORT, Ack, Change, FeedError, Report, Snapshot, UsageRow, from_wire,
+                                  to_wire)
 from llmgw.router.private import untrusted
 from llmgw.router.engine_figures import add as add_count
 
@@ -222,10 +223,15 @@ def merge_reports(older: Report, newer: Report) -> Report:
     last_used = dict(older.last_used)
     for replica, at in newer.last_used.items():
         last_used[replica] = max(at, last_used.get(replica, at))
+    homes = {model: dict(entries) for model, entries in older.homes.items()}
+    for model, entries in newer.homes.items():
+        homes.setdefault(model, {}).update(entries)
+    if sum(map(len, homes.values())) > HOMES_PER_REPORT:  # the newer alone: homes are a hint, not a count
+        homes = dict(newer.homes)
     return replace(newer, seq=older.seq,
                    usage=tuple(UsageRow(b, k, m, *counts) for (b, k, m), counts in usage.items()),
                    key_use=key_use, last_used=last_used,
-                   demand=tuple(dict.fromkeys((*older.demand, *newer.demand))))
+                   demand=tuple(dict.fromkeys((*older.demand, *newer.demand))), homes=homes)
 
 
 @dataclass

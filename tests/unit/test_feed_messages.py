@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import inspect
 import json
+import re
 from types import MappingProxyType
 
 import pytest
@@ -187,3 +188,27 @@ def test_r10_1_a_field_left_out_takes_its_default(path, check):
     document = copy.deepcopy(WIRE)
     set_at(document, path, DELETE)
     assert check(from_wire(document))
+
+
+def test_r6_5d_homes_travel_as_hex_points_and_a_bad_one_is_named():
+    """A ring point is 64 bits, beyond what every JSON reader holds as a number: 16 hex digits."""
+    big = 2**64 - 1
+    snapshot = dataclasses.replace(make_snapshot(), homes=MappingProxyType({"a": MappingProxyType({big: "a-r0", 3: "a-r1"})}))
+    wire = to_wire(snapshot)
+    assert wire["homes"] == {"a": [["ffffffffffffffff", "a-r0"], ["0000000000000003", "a-r1"]]}
+    assert dict(read_back(snapshot).homes["a"]) == {big: "a-r0", 3: "a-r1"}
+    change = feed.Change(epoch="e", version=8, homes=MappingProxyType({"a": {3: None, 4: "a-r0"}}))
+    back = from_wire(json.loads(json.dumps(to_wire(change))))
+    assert dict(back.homes["a"]) == {3: None, 4: "a-r0"}
+    assert dict(snapshot.apply(back).homes["a"]) == {big: "a-r0", 4: "a-r0"}
+    for bad, names in ((["3", "a-r0"], "snapshot.homes['a'][0][0]"), ([3, "a-r0"], "snapshot.homes['a'][0][0]"),
+                       (["0000000000000003", None], "snapshot.homes['a'][0][1]")):
+        wire["homes"] = {"a": [bad]}
+        with pytest.raises(FeedError, match=re.escape(names)):
+            from_wire(json.loads(json.dumps(wire)))
+    report = feed.Report(router="r", seq=1, sent_at=0.0, homes={"a": {5: "a-r0"}, "b": {6: "x"}})
+    document = json.loads(json.dumps(to_wire(report)))
+    document["homes"]["b"] = [["zz", "x"]]
+    taken, refused = feed.read_report(document)
+    assert {m: dict(e) for m, e in taken.homes.items()} == {"a": {5: "a-r0"}}
+    assert [r.where for r in refused] == ["report.homes['b']"]

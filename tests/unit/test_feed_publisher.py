@@ -296,3 +296,50 @@ async def test_r10_1_abandon_is_a_change_and_answers_the_last_known_count(publis
     assert publisher.abandon("r1") == 2
     first, second = pending(listener)
     assert (first.version, first.abandon, first.endpoints) == (2, ("r1",), None) and second.abandon == ("r1",)
+
+
+async def test_r6_5d_the_first_home_reported_for_a_key_is_every_routers(publisher):
+    """Routers agree on homes through the publisher: the first reported stays, a router that homed
+    the key elsewhere is told it again, a home whose replica left is replaced, and one nobody
+    reported for HOME_IDLE_SECONDS is forgotten (the snapshot no longer names it)."""
+    publisher.set_endpoints({"m": [endpoint("r1"), endpoint("r2")]})
+    publisher.mark_ready()
+    listener = publisher.listen()
+    pending(listener)
+    await publisher.apply_report(report(1, homes={"m": {7: "r1", 9: "r2"}, "s": {7: "r1"}}))
+    [change] = pending(listener)
+    assert dict(change.homes["m"]) == {7: "r1", 9: "r2"} and "s" not in change.homes  # s has no such replica
+    assert dict(publisher.current().homes["m"]) == {7: "r1", 9: "r2"}
+
+    await publisher.apply_report(report(1, router="rb", homes={"m": {7: "r2", 11: "r1"}}))
+    [change] = pending(listener)
+    assert dict(change.homes["m"]) == {7: "r1", 11: "r1"}  # 7 told again as the table has it
+    assert dict(publisher.current().homes["m"]) == {7: "r1", 9: "r2", 11: "r1"}
+    await publisher.apply_report(report(1, router="rb", homes={"m": {7: "r2"}}))  # a repeat of seq 1
+    assert pending(listener) == []
+    await publisher.apply_report(report(2, homes={"m": {9: "r2"}}))  # the same home again: a touch, no change
+    assert pending(listener) == []
+
+    publisher.set_endpoints({"m": [endpoint("r2"), endpoint("r3")]})
+    pending(listener)
+    await publisher.apply_report(report(3, homes={"m": {7: "r3"}}))  # r1 left: its key placed again
+    [change] = pending(listener)
+    assert dict(change.homes["m"]) == {7: "r3"}
+
+    publisher.clock.now += feed_module.HOME_IDLE_SECONDS - 1
+    await publisher.apply_report(report(4, homes={"m": {9: "r2"}}))
+    publisher.clock.now += 2
+    publisher.expire_homes()
+    [change] = pending(listener)
+    assert dict(change.homes["m"]) == {7: None, 11: None}
+    assert dict(publisher.current().homes["m"]) == {9: "r2"}
+    fresh = publisher.listen()
+    [snapshot] = pending(fresh)
+    assert dict(snapshot.homes["m"]) == {9: "r2"}
+
+
+async def test_r6_5d_homes_reported_before_the_first_snapshot_are_in_it(publisher):
+    publisher.set_endpoints({"m": [endpoint("r1")]})
+    await publisher.apply_report(report(1, homes={"m": {5: "r1"}}))
+    publisher.mark_ready()
+    assert dict(publisher.current().homes["m"]) == {5: "r1"}

@@ -377,3 +377,38 @@ def test_r6_5b_an_api_key_homes_at_most_its_share_of_live_keys(monkeypatch):
     assert sum(b.live_keys("m").values()) == 4
     b.keep_home("m", b"mine", "polite", 1.0)
     assert sum(b.live_keys("m").values()) == 5
+
+
+def test_r6_5d_two_routers_that_placed_a_key_apart_agree_once_fed_the_first_home():
+    """Router B has seen other keys than router A, so it places a new key elsewhere; the home A
+    reported (the control plane's) replaces B's, and B's next report names the adopted home."""
+    a, b = prefix_balancer(2), prefix_balancer(2)
+    for key in keys(5):  # B's own keys, 3 / 2: a sixth whose ring owner holds 3 goes to the other
+        b.keep_home("m", key, "k", 1.0)
+    ring = [up for up in b.endpoints("m")]
+    crowded = max(ring, key=lambda up: b.live_keys("m").get(up.replica_id, 0))
+    key = next(k for k in (f"new {i}".encode() for i in range(1000))
+               if a._pools["m"].owner(ring_hash(k)).replica_id == crowded.replica_id)
+    a.keep_home("m", key, "k", 1.0)
+    b.keep_home("m", key, "k", 1.0)
+    point = ring_hash(key)
+    assert a.take_homes() == {"m": {point: crowded.replica_id}}  # A homed it on its ring owner
+    b_own = b.take_homes()["m"][point]
+    assert b_own != crowded.replica_id  # B, with the owner crowded, elsewhere
+    b.set_homes({"m": {point: crowded.replica_id}}, 2.0)
+    assert pick(b, key) == crowded.replica_id
+    assert b.take_homes() == {"m": {point: crowded.replica_id}}  # its use reported with the adopted home
+    counts = b.live_keys("m")
+    assert sum(counts.values()) == 6 and counts[crowded.replica_id] == 4
+    b.set_homes({"m": {point: None, ring_hash(b"unknown"): "not-a-member"}}, 3.0)  # changes nothing
+    assert pick(b, key) == crowded.replica_id and sum(b.live_keys("m").values()) == 6
+
+
+def test_r6_5d_a_report_names_at_most_its_share_of_homes_and_the_rest_next():
+    b = prefix_balancer(2)
+    for key in keys(10):
+        b.keep_home("m", key, "k", 1.0)
+    first = b.take_homes(limit=4)
+    second = b.take_homes(limit=100)
+    assert len(first["m"]) == 4 and len(second["m"]) == 6 and not set(first["m"]) & set(second["m"])
+    assert b.take_homes() == {}
