@@ -245,11 +245,13 @@ class EngineLoad:
     prefix_queries: int | None = None
     at: float | None = None  # time.time() of the reading
     slots: int | None = None  # requests the engine runs at once, where it says (llama-server's slots)
+    preemptions: int | None = None  # cumulative: requests the engine took out of its batch for lack of KV cache (vLLM)
 
     def as_dict(self) -> dict:
         return {"source": self.source, "waiting": self.waiting, "running": self.running,
                 "kv_cache": self.kv_cache, "prefix_hits": self.prefix_hits,
-                "prefix_queries": self.prefix_queries, "at": self.at, "slots": self.slots}
+                "prefix_queries": self.prefix_queries, "at": self.at, "slots": self.slots,
+                "preemptions": self.preemptions}
 
 
 @dataclass(frozen=True, slots=True)
@@ -601,7 +603,8 @@ def _load_from_wire(d, where: str) -> EngineLoad:
                       prefix_hits=_opt_count(d.get("prefix_hits"), f"{where}.prefix_hits"),
                       prefix_queries=_opt_count(d.get("prefix_queries"), f"{where}.prefix_queries"),
                       at=_opt_num(d.get("at"), f"{where}.at"),
-                      slots=None if d.get("slots") is None else _int(d["slots"], f"{where}.slots", 1, MAX_COUNT))
+                      slots=None if d.get("slots") is None else _int(d["slots"], f"{where}.slots", 1, MAX_COUNT),
+                      preemptions=_opt_count(d.get("preemptions"), f"{where}.preemptions"))
 
 
 def _counters_to_wire(c: RouterCounters) -> dict:

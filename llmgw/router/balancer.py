@@ -76,7 +76,7 @@ PREFIX_BOUND = 1.25  # over the mean load with the request counted; see the modu
 # The bound for a replica whose engine said at its last poll that it queues nothing: room there
 # costs no wait, and a request sent elsewhere pays its whole prefill again and evicts what the
 # other engine had cached for its own keys.
-IDLE_ENGINE_BOUND = 2.0
+IDLE_ENGINE_BOUND = 1.5
 RING_POINTS = 64  # per replica: enough that shares stay within a few percent of even
 # Live keys per replica over the mean: tight, since placing a new key off its ring point costs no
 # cache (none holds it yet); 10 keys over 2 replicas split 5 / 5, 32 over 16 at most 2 each.
@@ -86,6 +86,13 @@ KEYS_KEPT = HOMES_KEPT  # live keys remembered per model; the least recently use
 # Live keys one API key may have homed per model: past it, its requests with a new key are balanced
 # by load and home nothing, so that one API key's cheap requests cannot churn the others' homes.
 KEYS_PER_API_KEY = 1024
+# An engine's memory is short (R-6.5g) when its KV cache is this full (vLLM's kv_cache_usage_perc
+# counts the blocks running requests hold, not the cached ones it may evict), when it preempted
+# requests since the previous poll, or when its prefix-cache hit rate over the last poll is below
+# THRASH_RATIO of its best peer's, measured on at least THRASH_MIN_QUERIES prompt tokens.
+KV_FULL = 0.9
+THRASH_RATIO = 0.5
+THRASH_MIN_QUERIES = 2048
 
 
 def bound_capacity(total: int, replicas: int, bound: float = PREFIX_BOUND) -> float:
@@ -99,6 +106,42 @@ def _queues_nothing(up: Upstream) -> bool:
     """The engine said at its last poll that no request waits in it (unknown is not nothing)."""
     engine = up.engine
     return engine is not None and engine.waiting == 0
+
+
+def note_reading(up: Upstream, previous, reading) -> None:
+    """What two successive engine readings say of the engine's memory (R-6.5g): preemptions
+    between them, and the prefix-cache hit rate of the prompt tokens asked of it between them
+    (None when it was asked fewer than THRASH_MIN_QUERIES, or either reading does not say)."""
+    up.preempting = False
+    up.hit_rate = None
+    if reading is None or previous is None:
+        return
+    if reading.preemptions is not None and previous.preemptions is not None:
+        up.preempting = reading.preemptions > previous.preemptions
+    if None not in (reading.prefix_hits, reading.prefix_queries, previous.prefix_hits, previous.prefix_queries):
+        asked = reading.prefix_queries - previous.prefix_queries
+        if asked >= THRASH_MIN_QUERIES:
+            up.hit_rate = max(0.0, min(1.0, (reading.prefix_hits - previous.prefix_hits) / asked))
+
+
+def is_pressed(up: Upstream, best_hit_rate: float | None) -> bool:
+    """Whether the engine's memory is short (R-6.5g): its KV cache at KV_FULL or more, requests
+    preempted since the previous poll, or its prefix cache thrashing: a hit rate below
+    THRASH_RATIO times the best of its pool's peers over the same interval."""
+    engine = up.engine
+    if engine is None:
+        return False  # unknown is not short
+    if engine.kv_cache is not None and engine.kv_cache >= KV_FULL:
+        return True
+    if up.preempting:
+        return True
+    return up.hit_rate is not None and best_hit_rate is not None and up.hit_rate < THRASH_RATIO * best_hit_rate
+
+
+def _weight(up: Upstream) -> int:
+    """Least-outstanding's order: the load, a pressed replica after an unpressed one of equal load
+    (so it is never given more than its peers)."""
+    return 2 * (up.outstanding + up.queued) + up.pressed
 
 
 def ring_hash(data: bytes) -> int:
@@ -118,7 +161,7 @@ class Upstream:
     """The router's live view of one endpoint: what is in flight to it and whether it is ejected."""
 
     __slots__ = ("endpoint", "replica_id", "model", "outstanding", "queued", "engine", "slots", "ejected_until",
-                 "headers", "stream_headers", "base_url")
+                 "headers", "stream_headers", "base_url", "preempting", "hit_rate", "pressed")
 
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
@@ -129,6 +172,12 @@ class Upstream:
         self.engine = None  # engineload.EngineLoad as last polled, None while unknown
         self.slots: int | None = None  # the engine's slot count as last reported (kept while it does not answer)
         self.ejected_until = 0.0
+        # The engine's memory as of the last two polls (see note_reading): whether it preempted
+        # requests between them, its prefix-cache hit rate between them (None: too few queries to
+        # say), and whether that makes it pressed among its pool's members (weigh_pressure).
+        self.preempting = False
+        self.hit_rate: float | None = None
+        self.pressed = False
         # Built once: the request path reuses these mappings for every request to this endpoint.
         headers = {"Content-Type": "application/json"}
         if endpoint.api_key:
@@ -269,18 +318,25 @@ class Pool:
 
     def _place(self, point: int, now: float) -> Upstream:
         """A new key's home: clockwise from its point, the first replica not ejected with room for
-        one more key within KEY_BOUND; when every one is ejected, the key's ring owner."""
+        one more key within KEY_BOUND, one whose engine is not pressed (R-6.5g) first, since a new
+        key pays its prefill wherever it goes; when every one is ejected, the key's ring owner."""
         capacity = bound_capacity(len(self.homes), len(self.members), KEY_BOUND)
         homed = self.homed
         fewest: Upstream | None = None
+        pressed: Upstream | None = None
         for up in self.clockwise(point):
             if up.ejected_until > now:
                 continue
             count = homed.get(up, 0)
             if count + 1 <= capacity:
-                return up
+                if not up.pressed:
+                    return up
+                if pressed is None:
+                    pressed = up
             if fewest is None or count < homed.get(fewest, 0):
                 fewest = up
+        if pressed is not None:
+            return pressed
         return fewest if fewest is not None else self.owner(point)
 
     def inherit(self, old: Pool) -> None:
@@ -408,7 +464,7 @@ class Balancer:
             up = members[index if index < count else index - count]
             if (up.ejected_until > now and not include_ejected) or (exclude and up in exclude):
                 continue
-            if best is None or up.outstanding + up.queued < best.outstanding + best.queued:
+            if best is None or _weight(up) < _weight(best):
                 best = up
         if best is not None:
             best.outstanding += 1
@@ -483,9 +539,14 @@ class Balancer:
         else:  # where the key would be homed, homed once the engine accepts (keep_home)
             home = pool.live(point, now) or pool._place(point, now)
         allowed = {id(up) for up in eligible}
+        # A pressed replica (R-6.5g) takes a request only while it has less than every unpressed
+        # one, and never the looser bound: it is not given more work than its peers.
+        spare = min((up.outstanding + up.queued for up in eligible if not up.pressed), default=None)
 
         def within(up: Upstream) -> bool:
             load = up.outstanding + up.queued + 1
+            if up.pressed:
+                return load <= capacity and (spare is None or load <= spare)
             return load <= capacity or (load <= idle_capacity and _queues_nothing(up))
 
         if id(home) in allowed and within(home):
@@ -493,7 +554,15 @@ class Balancer:
         for up in pool.clockwise(point):
             if up is not home and id(up) in allowed and within(up):
                 return up
-        return min(eligible, key=lambda up: up.outstanding + up.queued)
+        return min(eligible, key=_weight)
+
+    def weigh_pressure(self) -> None:
+        """After a poll: which endpoints are pressed (R-6.5g), each against the best hit rate
+        among its pool's members."""
+        for pool in self._pools.values():
+            best = max((up.hit_rate for up in pool.members if up.hit_rate is not None), default=None)
+            for up in pool.members:
+                up.pressed = is_pressed(up, best)
 
     @staticmethod
     def release(up: Upstream) -> None:

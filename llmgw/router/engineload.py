@@ -6,7 +6,8 @@ for the request path, it works the same for static endpoints with no control pla
 figure is at most a poll old where it is used. The engine kind is recognised from what answers:
 
 - vLLM `/metrics`: `vllm:num_requests_waiting`, `vllm:num_requests_running`,
-  `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before 0.9), prefix-cache counters;
+  `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before 0.9), prefix-cache counters,
+  `vllm:num_preemptions_total`;
 - llama-server `/metrics` (with `--metrics`, as llmgw's template starts it):
   `llamacpp:requests_deferred`, `llamacpp:requests_processing`, `llamacpp:kv_cache_usage_ratio`;
   without it, `/slots` gives the busy slots and no queue. Its slot count (`--parallel`, the
@@ -36,6 +37,7 @@ from collections.abc import Callable
 import aiohttp
 
 from llmgw.contracts.feed import EngineLoad
+from llmgw.router.balancer import note_reading
 from llmgw.router.engine_figures import clamp
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ _METRICS = {
     "vllm:gpu_cache_usage_perc": ("kv_cache", 1),
     "vllm:prefix_cache_hits_total": ("prefix_hits", 1),
     "vllm:prefix_cache_queries_total": ("prefix_queries", 1),
+    "vllm:num_preemptions_total": ("preemptions", 1),
     "llamacpp:requests_deferred": ("waiting", 1),
     "llamacpp:requests_processing": ("running", 1),
     "llamacpp:kv_cache_usage_ratio": ("kv_cache", 1),
@@ -59,7 +62,7 @@ _METRICS = {
     "sglang:num_running_reqs": ("running", 1),
     "sglang:token_usage": ("kv_cache", 1),
 }
-_COUNTS = ("waiting", "running", "prefix_hits", "prefix_queries")
+_COUNTS = ("waiting", "running", "prefix_hits", "prefix_queries", "preemptions")
 _SOURCES = {"vllm": "vllm", "llamacpp": "llama-server", "sglang": "sglang"}
 # "\nvllm:" -> ("vllm", [(metric name, field), ...]): a page names one engine's metrics only
 _BY_ENGINE = {f"\n{prefix}:": (source, [(name, spec[0]) for name, spec in _METRICS.items()
@@ -210,6 +213,7 @@ class EnginePoller:
         for up, reading, before in zip(ups, readings, asked, strict=True):
             if isinstance(reading, BaseException):
                 reading = None
+            note_reading(up, up.engine, reading)
             up.engine = reading
             # The engine counted ours at some moment during the poll: those in flight when it was
             # asked that have ended since, and those sent since; the larger count takes both out.
@@ -217,6 +221,7 @@ class EnginePoller:
             if reading is not None and reading.slots is not None and reading.slots != up.slots:
                 up.slots = reading.slots
                 changed = True
+        self.balancer.weigh_pressure()
         if changed and self.on_slots is not None:
             self.on_slots()
         return changed

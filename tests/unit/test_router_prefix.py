@@ -135,7 +135,7 @@ def test_r6_5_an_engine_that_queues_nothing_keeps_its_keys_up_to_the_looser_boun
         for up in b.endpoints("m"):
             up.engine = None if waiting is None else EngineLoad("vllm", waiting=waiting, running=0)
             if up is not home:
-                up.queued = 2  # the other replicas busy with other clients' requests
+                up.queued = 4  # the other replicas busy with other clients' requests
         for taken in range(most):
             if b.acquire("m", 1.0, key=key) is not home:
                 return taken
@@ -146,15 +146,14 @@ def test_r6_5_an_engine_that_queues_nothing_keeps_its_keys_up_to_the_looser_boun
               f"queueing {queueing}, not reporting {unknown}")
         assert queueing == unknown  # unknown is not "nothing waits"
         assert idle > queueing
-        others = 2 * (replicas - 1)
+        others = 4 * (replicas - 1)
         # Where it spilled, the next request was over that bound and the last one within it.
         assert unknown + 1 > bound_capacity(others + unknown, replicas)
         assert unknown <= bound_capacity(others + unknown - 1, replicas)
-        if replicas == 2:
-            assert idle == 40  # twice the mean of two is all of them: the engine's own queue is the limit
-        else:
-            assert idle + 1 > bound_capacity(others + idle, replicas, IDLE_ENGINE_BOUND)
-            assert idle <= bound_capacity(others + idle - 1, replicas, IDLE_ENGINE_BOUND)
+        # Never all of them: 1.5x the mean leaves the other replicas a share however idle the home.
+        assert idle < 40
+        assert idle + 1 > bound_capacity(others + idle, replicas, IDLE_ENGINE_BOUND)
+        assert idle <= bound_capacity(others + idle - 1, replicas, IDLE_ENGINE_BOUND)
 
 
 def ring_owner(replica_ids: list[str], key: bytes) -> str:
@@ -412,3 +411,67 @@ def test_r6_5d_a_report_names_at_most_its_share_of_homes_and_the_rest_next():
     second = b.take_homes(limit=100)
     assert len(first["m"]) == 4 and len(second["m"]) == 6 and not set(first["m"]) & set(second["m"])
     assert b.take_homes() == {}
+
+
+def loaded(waiting=0, kv=0.2, preemptions=0, hits=0, queries=0) -> EngineLoad:
+    return EngineLoad("vllm", waiting=waiting, running=0, kv_cache=kv, preemptions=preemptions,
+                      prefix_hits=hits, prefix_queries=queries)
+
+
+def test_r6_5g_what_two_readings_say_of_an_engines_memory():
+    up = balancer.Upstream(endpoints(1)[0])
+    balancer.note_reading(up, loaded(preemptions=3, hits=100, queries=1000), loaded(preemptions=3, hits=2100, queries=5000))
+    assert (up.preempting, up.hit_rate) == (False, 0.5)
+    balancer.note_reading(up, loaded(preemptions=3, hits=0, queries=0), loaded(preemptions=4, hits=10, queries=100))
+    assert (up.preempting, up.hit_rate) == (True, None)  # 100 tokens asked: too few to say
+    balancer.note_reading(up, None, loaded(preemptions=9))
+    assert (up.preempting, up.hit_rate) == (False, None)  # one reading says nothing of a change
+    up.engine = None
+    assert not balancer.is_pressed(up, 0.9)  # unknown is not short
+    up.engine = loaded(kv=balancer.KV_FULL)
+    assert balancer.is_pressed(up, None)
+    up.engine, up.hit_rate = loaded(kv=0.1), 0.2
+    assert balancer.is_pressed(up, 0.9) and not balancer.is_pressed(up, 0.3)
+
+
+def test_r6_5g_a_pressed_replica_is_given_no_more_than_its_peers():
+    """Its KV cache full, a home engine that queues nothing keeps its key only while it holds less
+    than the others: no looser bound, not even the tight one beyond its peers' load."""
+    key = b"tenant A"
+    b = prefix_balancer(2)
+    home = b.acquire("m", 1.0, key=key)
+    b.release(home)
+    other = next(up for up in b.endpoints("m") if up is not home)
+    for up in (home, other):
+        up.engine = loaded(kv=0.95 if up is home else 0.3)
+    b.weigh_pressure()
+    assert home.pressed and not other.pressed
+    took = [b.acquire("m", 1.0, key=key) for _ in range(8)]
+    assert [up is home for up in took] == [False, True] * 4  # turn about: never ahead of the other
+    home.engine = loaded(kv=0.5)
+    b.weigh_pressure()
+    assert b.acquire("m", 1.0, key=key) is home  # memory back: its key's home again
+
+    lo = Balancer()
+    lo.replace({"m": endpoints(2)})
+    first, second = lo.endpoints("m")
+    first.engine, second.engine = loaded(kv=0.99), loaded(kv=0.1)
+    lo.weigh_pressure()
+    picks = [lo.acquire("m", 1.0).replica_id for _ in range(4)]
+    assert picks == [second.replica_id, first.replica_id] * 2  # least-outstanding: ties to the unpressed
+
+
+def test_r6_5g_a_new_key_is_homed_where_memory_is_not_short():
+    b = prefix_balancer(2)
+    first, second = b.endpoints("m")
+    first.engine = loaded(preemptions=1)
+    balancer.note_reading(first, loaded(preemptions=0), first.engine)
+    b.weigh_pressure()
+    assert first.pressed and not second.pressed
+    key = next(k for k in keys(100) if b._pools["m"].owner(ring_hash(k)) is first)
+    b.keep_home("m", key, "k", 1.0)
+    assert b.live_keys("m") == {second.replica_id: 1}  # its ring owner is pressed, the other has room
+    for key in keys(6):
+        b.keep_home("m", key, "k", 1.0)
+    counts = sorted(b.live_keys("m").values())
+    assert counts[1] - counts[0] <= 1  # the key bound still spreads them
