@@ -39,18 +39,26 @@ requests, SGLang's queue) has the looser bound IDLE_ENGINE_BOUND instead: while 
 everything it is given, a request kept on the replica that caches its prefix waits for nothing,
 and one spilled pays its whole prefill elsewhere and evicts that engine's own keys; once the
 engine queues, the tight bound applies again. An engine that does not report its queue gets the
-tight bound.
+tight bound. IDLE_ENGINE_BOUND is 1.5, not more: at 2 with two replicas one engine may hold
+every request while the other idles.
+
+The engine's memory (R-6.5g): from two successive polls (note_reading) a replica is *pressed*
+when its KV cache is KV_FULL or fuller, when it preempted requests between them, or when its
+prefix-cache hit rate between them is below THRASH_RATIO times its best peer's (weigh_pressure,
+after every poll). A pressed replica takes a request only while it holds less than every
+unpressed peer, never with the looser bound; a new key is homed on an unpressed replica first.
 
 Membership: a replica leaving frees only the keys homed on it (placed again at their next
 request); a replica joining takes only the live keys whose ring point it now owns (they are
 placed again, and it has room for them), so the others' keys stay where they are cached.
 
-Where routers agree: a key on its ring point (its ring owner had room when it came) is homed
-alike by every router worker and host; a key placed elsewhere because its ring owner was full is
-placed by each router from the keys it has seen, in the order it saw them, so two routers may home
-it on different replicas (each caches it there). Near the load bound, each router sees its own
-in-flight counts and the engine queue as of its last poll, so two routers may spill the same key
-to different replicas.
+Where routers agree (R-6.5d): each router reports the keys it homed or sent home (`touched`,
+drained by take_homes into its reports); the control plane keeps the first home reported per key
+and feeds it back, and set_homes makes it this router's home for the key, replacing its own. So
+a key placed off its ring point (its owner full) by one router goes to the same replica from
+every router once the feed carries it. Near the load bound, each router sees its own in-flight
+counts and the engine queue as of its last poll, so two routers may spill the same key to
+different replicas.
 
 Runs on the event loop only, on every request: plain attributes and integer counters, no locks.
 """
