@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import aiohttp
+import openai
 import pytest
 from aiohttp import web
 
@@ -150,3 +151,83 @@ async def test_r6_5b_a_key_is_homed_only_by_an_inference_request_its_engine_acce
         assert live() == 2 + 2  # its "c" and two of the five
         assert await send("/v1/chat/completions", {"prompt_cache_key": "c2", "messages": []}, other) == 200
         assert live() == 5  # the other tenant still has room
+
+
+async def test_r6_5d_turns_alternating_between_two_routers_reach_one_engine(engines):  # noqa: F811
+    """Two routers fed by one control plane, each conversation's turns sent to them in turn. Each
+    router alone would place the keys it saw first by its own counts, so some conversations would
+    reach both engines; with the homes table shared, the second router sends a key where the first
+    homed it, once the feed version carrying that home has reached it (the test waits for it)."""
+    import tempfile
+
+    from llmgw.catalog import CatalogHolder
+    from llmgw.config import GatewayConfig
+    from llmgw.control.feed import FeedPublisher
+    from llmgw.keys import create_key
+    from llmgw.localfeed import LocalFeed
+    from llmgw.router import Router
+    from llmgw.router.app import RUNNER_OPTIONS
+    from llmgw.store import Store
+
+    doubles = [engines.start("m") for _ in range(2)]
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store.open(f"{tmp}/state.db")
+        _, secret = store.write_sync(lambda db: create_key(db, "two-routers"))
+        publisher = FeedPublisher(CatalogHolder(catalog(model("m", routing="prefix"))), store, GatewayConfig())
+        publisher.set_endpoints({"m": [d.endpoint(replica_id=f"m-{i}") for i, d in enumerate(doubles)]})
+        publisher.mark_ready()
+        routers, feeds, runners, clients = [], [], [], []
+        try:
+            for _ in range(2):
+                router = Router()
+                feed = LocalFeed(publisher, router)
+                feed.pump()
+                feed.start()
+                runner = web.AppRunner(router.web_app(), **RUNNER_OPTIONS)
+                await runner.setup()
+                site = web.TCPSite(runner, "127.0.0.1", 0)
+                await site.start()
+                routers.append(router)
+                feeds.append(feed)
+                runners.append(runner)
+                clients.append(openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{runner.addresses[0][1]}/v1",
+                                                  api_key=secret, max_retries=0))
+            # Router 1 alone has homed five keys (3 / 2): on its own counts it would place a new
+            # key off a full ring owner where router 0, knowing none of them, would not.
+            for warm in range(5):
+                await clients[1].chat.completions.create(model="m", max_tokens=4, messages=[
+                    {"role": "system", "content": SHORT_SYSTEM}, {"role": "user", "content": f"earlier {warm}"}])
+            await apoll(lambda: len((routers[0].snapshot.homes or {}).get("m", {})) == 5, 10,
+                        "router 1's homes to reach router 0")
+            reached: dict[int, set[str]] = {}
+            for conversation in range(12):
+                messages = [{"role": "system", "content": SHORT_SYSTEM},
+                            {"role": "user", "content": f"question {conversation}: what is the VAT rate?"}]
+                seen = reached[conversation] = set()
+                for turn in range(4):
+                    at = (conversation + turn) % 2  # the first turn at router 0 or 1, then each in turn
+                    before = counts(doubles)
+                    answer = await clients[at].chat.completions.create(model="m", messages=messages, max_tokens=4)
+                    seen.add(served_by(doubles, before))
+                    messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                                 {"role": "user", "content": f"and turn {turn}?"}]
+                    if turn == 0:  # the home the first router reported, in the other router's snapshot
+                        other = routers[1 - at]
+                        await apoll(lambda: len((other.snapshot.homes or {}).get("m", {})) == 5 + conversation + 1,
+                                    10, "the home to reach the other router through the feed")
+            print("conversation -> engines:", reached)
+            assert all(len(seen) == 1 for seen in reached.values()), reached
+            assert len({next(iter(seen)) for seen in reached.values()}) == 2  # both engines have homes
+            table = publisher.current().homes["m"]
+            for router in routers:  # every router's table is the control plane's
+                mine = {point: entry[0].replica_id for point, entry in router.balancer._pools["m"].homes.items()}
+                assert mine == dict(table)
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+            for feed in feeds:
+                await feed.close()
+            await publisher.close()
+            for router in routers:
+                await router.close()
+            store.close()
