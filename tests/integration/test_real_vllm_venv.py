@@ -2,9 +2,11 @@
 that has no engine at all on its PATH (R-4.11).
 
 The profile is tests/testbed/engines.py's VLLM_VENV_PROFILE: the suite's CPU vLLM recipe, built
-by the node's helper with pip from the wheelhouse `scripts/engines wheelhouse` fills (testbed
-nodes reach no package index), its fix-ups as post_install commands. One build and one engine for
-the module: the build takes about two minutes here, the engine one more.
+by the node's helper from the wheelhouse `scripts/engines wheelhouse` fills (testbed nodes reach
+no package index), its fix-ups as post_install commands. The node has uv on its PATH with a cache
+kept beside the engines, so the helper installs with uv, and from the second run on copies the
+wheels out of that cache instead of unpacking 3.5 GB again. One build and one engine for the
+module.
 Checked: the replica serves chat and a stream with usage through the router to the official
 `openai` client; the engine runs from the sealed environment under the helper's root (not from
 PATH, where there is none); a second replica of the same recipe reuses it without a build; and
@@ -42,7 +44,7 @@ def made():
 
 @pytest.fixture(scope="module")
 def bed(made, testbed_factory):
-    tb = testbed_factory([NodeSpec(NODE, engines="none", mem_gb=16, models_mb=32, cache_mb=64, tmp_mb=512)])
+    tb = testbed_factory([NodeSpec(NODE, engines="none", uv=True, mem_gb=16, models_mb=32, cache_mb=64, tmp_mb=512)])
     yield tb
     tb.close()
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 
 import openai
 
 from llmgw.catalog import Catalog
 from llmgw.config import GatewayConfig, ProfileConfig
-from llmgw.keys import key_entries
+from llmgw.keys import set_key
 
 from tests.integration.test_router_support import ENGINES, apoll, engines, model, start_router  # noqa: F401
 
@@ -86,10 +85,10 @@ async def test_a_higher_priority_key_goes_before_the_waiting_backlog(engines, st
     engine = engines.start("m", token_delay=0.05)
     running = await start_router(saturated_catalog(1), {"m": [engine.endpoint()]})
     batch_secret, interactive_secret, other_secret = running.key("batch"), running.key("interactive"), running.key("other")
-    entries = tuple(replace(k, priority=5) if k.name == "interactive" else k
-                    for k in running.store.read_sync(key_entries))
-    running.publisher.set_keys(entries)
-    running.feed.pump()
+    # In the store, not only in the publisher: it reads the keys again every couple of seconds.
+    running.store.write_sync(lambda db: set_key(db, "interactive", {"priority": 5}))
+    running.reload_keys()
+    assert {k.name: k.priority for k in running.router.snapshot.keys}["interactive"] == 5
     fairqueue = running.router.fairqueue
     answered: list[str] = []
     # The batch request given the only place and the third key's in the one place of headroom

@@ -58,6 +58,9 @@ class NodeSpec:
     `engines="real"` puts the real vLLM and llama-server (built by scripts/engines, see
     engines.py) on its PATH instead of the engine double; SGLang stays the double there.
     `engines="none"` puts no engine at all on its PATH (a node with nothing installed).
+    `uv=True` puts uv (the test environment's) on its PATH, with a uv cache kept beside the
+    engines (`UV_CACHE_DIR`, files copied out of it): the helper then builds environments with uv,
+    and after the first run installs the same wheels from that cache.
     """
 
     name: str
@@ -72,6 +75,7 @@ class NodeSpec:
     driver_loaded: bool = True
     driver_version: str = DEFAULT_DRIVER_VERSION
     engines: str = "double"
+    uv: bool = False
 
     def __post_init__(self):
         if self.engines not in ("double", "real", "none"):

@@ -29,6 +29,7 @@ import shutil
 import signal
 import socket
 import string
+import sys
 import subprocess
 import threading
 import time
@@ -46,6 +47,7 @@ DOUBLES = Path(__file__).resolve().parent / "doubles"
 SSHD = "/usr/sbin/sshd"
 NODE_PYTHON = "/usr/bin/python3"
 ENGINE_ENTRIES = ("vllm", "llama-server", "sglang")
+UV_ENV = ("UV_CACHE_DIR", "UV_LINK_MODE", "UV_PYTHON_DOWNLOADS", "UV_NO_PROGRESS")
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_PORTS = "20000-20099"
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,39}")  # a hostname, a netns name and a path part
@@ -353,8 +355,14 @@ class Testbed:
             f"import sys\nsys.path.insert(0, {str(self.lib_dir)!r})\nimport engine_double\n\n"
             f"if __name__ == '__main__':\n    engine_double.entry_point('sglang', {str(node.dir)!r})\n")
 
+        if spec.uv:
+            uv = Path(sys.executable).parent / "uv"
+            if not uv.is_file():
+                raise RuntimeError(f"NodeSpec(uv=True) needs uv beside the test interpreter ({uv}): pip install uv")
+            (node.bin_dir / "uv").write_text(f'#!/bin/sh\n# the test environment\'s uv\nexec {uv} "$@"\n')
+            os.chmod(node.bin_dir / "uv", 0o755)
         env = self.node_env(node)
-        setenv = " ".join(f"{k}={env[k]}" for k in ("PATH", "PYTHONPATH", "SSL_CERT_FILE"))
+        setenv = " ".join(f"{k}={env[k]}" for k in ("PATH", "PYTHONPATH", "SSL_CERT_FILE", *UV_ENV) if k in env)
         config = [
             f"ListenAddress {node.address}:22",
             f"HostKey {node.dir / 'ssh_host_ed25519_key'}",
@@ -464,6 +472,8 @@ class Testbed:
             "USER": "root",
             "LOGNAME": "root",
             "LANG": "C.UTF-8",
+            **({"UV_CACHE_DIR": str(real_engines.ENGINES_DIR / "cache" / "uv"), "UV_LINK_MODE": "copy",
+                "UV_PYTHON_DOWNLOADS": "never", "UV_NO_PROGRESS": "1"} if node.spec.uv else {}),
         }
 
     def ssh_options(self, node: str | Node, **overrides) -> dict:

@@ -475,3 +475,19 @@ def test_r6_5g_a_new_key_is_homed_where_memory_is_not_short():
         b.keep_home("m", key, "k", 1.0)
     counts = sorted(b.live_keys("m").values())
     assert counts[1] - counts[0] <= 1  # the key bound still spreads them
+
+
+def test_r6_5c_prompts_sharing_a_prefix_shorter_than_two_kib_share_their_key():
+    """vLLM's own bench (`prefix_repetition`) on a small vocabulary: 1,024 tokens of a prefix are
+    about 1.9 KB of text. A key of the prompt's first 2 KiB took in each prompt's own suffix, so
+    nearly every prompt had a key of its own and no prefix stayed on one engine."""
+    rng = random.Random(7)
+    words = ["".join(rng.choice("abcdefghij<>|") for _ in range(2)) for _ in range(512)]
+    prefixes = ["".join(rng.choice(words) for _ in range(950)) for _ in range(4)]  # 1,900 bytes each
+    prompts = [(p, p + "".join(rng.choice(words) for _ in range(64))) for p in prefixes for _ in range(5)]
+    keys_of = {}
+    for prefix, prompt in prompts:
+        keys_of.setdefault(prefix, set()).add(affinity_key({"prompt": prompt}, {}, "key-1"))
+    assert [len(k) for k in keys_of.values()] == [1, 1, 1, 1]
+    assert len(set().union(*keys_of.values())) == 4
+    assert affinity_key({"prompt": list(range(1000))}, {}, "k") == affinity_key({"prompt": list(range(300))}, {}, "k")
