@@ -195,7 +195,7 @@ NO_HOMES: Mapping[str, Mapping[int, str]] = MappingProxyType({})
 # model, the least recently used forgotten first (R-6.5b). Routers and the control plane's table alike.
 HOME_IDLE_SECONDS = 300.0
 HOMES_KEPT = 65536
-HOMES_PER_REPORT = 16384  # keys one report names at most; a router sends the rest with its next one
+HOMES_PER_REPORT = 4096  # keys one report names at most (about 190 KB); a router sends the rest with its next one
 
 
 def merge_homes(homes: Mapping[str, Mapping[int, str]],

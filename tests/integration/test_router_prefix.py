@@ -231,3 +231,25 @@ async def test_r6_5d_turns_alternating_between_two_routers_reach_one_engine(engi
             for router in routers:
                 await router.close()
             store.close()
+
+
+async def test_r6_5c_completions_sharing_a_prefix_shorter_than_the_old_key_reach_one_engine(prefix_gateway):
+    """The shape of vLLM's `prefix_repetition` bench on a small vocabulary: prompts of a shared
+    prefix of about 1.9 KB and a suffix of their own, through the router with the openai client.
+    With a 2 KiB key each prompt had a key of its own and every prefix reached every engine."""
+    import random
+
+    gw, doubles = prefix_gateway
+    client = gw.client()
+    rng = random.Random(3)
+    words = ["".join(rng.choice("abcdefghij") for _ in range(2)) for _ in range(512)]
+    prefixes = ["".join(rng.choice(words) for _ in range(950)) for _ in range(4)]
+    reached: dict[int, set[str]] = {i: set() for i in range(len(prefixes))}
+    for _ in range(4):
+        for i, prefix in enumerate(prefixes):
+            before = counts(doubles)
+            await client.completions.create(model="m", max_tokens=2,
+                                            prompt=prefix + "".join(rng.choice(words) for _ in range(64)))
+            reached[i].add(served_by(doubles, before))
+    print("prefix -> engines:", reached)
+    assert all(len(engines_) == 1 for engines_ in reached.values()), reached

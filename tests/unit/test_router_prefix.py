@@ -150,10 +150,13 @@ def test_r6_5_an_engine_that_queues_nothing_keeps_its_keys_up_to_the_looser_boun
         # Where it spilled, the next request was over that bound and the last one within it.
         assert unknown + 1 > bound_capacity(others + unknown, replicas)
         assert unknown <= bound_capacity(others + unknown - 1, replicas)
-        # Never all of them: 1.5x the mean leaves the other replicas a share however idle the home.
-        assert idle < 40
-        assert idle + 1 > bound_capacity(others + idle, replicas, IDLE_ENGINE_BOUND)
-        assert idle <= bound_capacity(others + idle - 1, replicas, IDLE_ENGINE_BOUND)
+        if replicas == 2:
+            # Twice the mean of two is all of them: what stops an engine that queues nothing from
+            # taking every request is its memory (R-6.5g: a full KV cache makes it pressed).
+            assert idle == 40
+        else:
+            assert idle + 1 > bound_capacity(others + idle, replicas, IDLE_ENGINE_BOUND)
+            assert idle <= bound_capacity(others + idle - 1, replicas, IDLE_ENGINE_BOUND)
 
 
 def ring_owner(replica_ids: list[str], key: bytes) -> str:
