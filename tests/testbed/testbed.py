@@ -359,7 +359,8 @@ class Testbed:
             uv = Path(sys.executable).parent / "uv"
             if not uv.is_file():
                 raise RuntimeError(f"NodeSpec(uv=True) needs uv beside the test interpreter ({uv}): pip install uv")
-            (node.bin_dir / "uv").write_text(f'#!/bin/sh\n# the test environment\'s uv\nexec {uv} "$@"\n')
+            # A copy, not a wrapper: the node's /tmp is its own, and the test environment may be under it.
+            shutil.copy(uv, node.bin_dir / "uv")
             os.chmod(node.bin_dir / "uv", 0o755)
         env = self.node_env(node)
         setenv = " ".join(f"{k}={env[k]}" for k in ("PATH", "PYTHONPATH", "SSL_CERT_FILE", *UV_ENV) if k in env)

@@ -62,7 +62,7 @@ def test_ruff_runs_after_the_install_and_before_pytest(tree):
     assert steps == ["pip", "ruff", "engines", "pytest"]
     assert "-m ruff check ." in lines
     # The suite runs on pytest-xdist workers, each file on one; the caller's arguments come last.
-    assert "-m pytest -n 3 --dist loadfile -k x" in lines
+    assert "-m pytest -n 3 --dist loadfile --durations=30 -k x" in lines
 
 
 def test_a_ruff_finding_fails_the_run_and_no_test_starts(tree):
