@@ -641,7 +641,7 @@ class Router:
                 path = route.upstream_path(served.engine if served is not None else None)
             # The key is homed once the engine has accepted the request (R-6.5b), not when it is sent.
             accepted = (None if affinity is None or up.model != model.name
-                        else functools.partial(self.balancer.keep_home, model.name, affinity, key.id, now))
+                        else functools.partial(self.balancer.keep_home, model.name, affinity, key.id, now, up))
             try:
                 return await self._forwarder.send(
                     request, up, path, self._upstream_body(models, up, model.name, document, body, None),

@@ -13,18 +13,22 @@ alone, so every router worker and host builds the same ring. A request's affinit
 stays within the bound, else to the next replica clockwise within it (consistent hashing with
 bounded loads).
 
-A key's home is chosen when the engine accepts its first request (an answer below 400) and kept
-while the key is live (a request within KEY_IDLE_SECONDS; at most KEYS_KEPT keys per model, the
-least recently used forgotten first, and at most KEYS_PER_API_KEY per API key that made them;
-past that the API key's requests with new keys are balanced by load and home nothing):
-the first replica clockwise from the key's hash whose count of live keys, this one counted, stays
-within KEY_BOUND times the mean (no rounding up, never below the even spread), skipping ejected
-replicas. Keys are what the engines cache, so this keeps the caches' working sets even: hashing
-alone splits a few keys unevenly (10 keys over 2 replicas 7 / 3 or worse about a third of the
-time), and the replica given most keys evicts them from its cache while the other's stays half
-empty. Placing a new key off its ring point costs nothing, since no engine caches it yet; once
-placed, a key stays, since moving it would pay its prefill again. Every key is counted alike,
-whatever its prefix's length.
+A request whose key is not live goes by load: no engine caches the key, so it pays its whole
+prefill wherever it goes (least-outstanding's choice, a replica without room for one more live
+key counted as holding a request more). The key's home is the replica whose engine accepted that
+request (an answer below 400), where its prefix is now cached, while that replica has room and is
+not pressed (else _place), and it is kept while the key is live (a request within
+KEY_IDLE_SECONDS; at most KEYS_KEPT keys per model, the least recently used forgotten first, and at
+most KEYS_PER_API_KEY per API key that made them; past that the API key's requests with new keys
+are balanced by load and home nothing). Room: a replica's count of live keys, this one counted,
+stays within KEY_BOUND times the mean (no rounding up, never below the even spread). Keys are
+what the engines cache, so this keeps the caches' working sets even: hashing alone splits a few
+keys unevenly (10 keys over 2 replicas 7 / 3 or worse about a third of the time), and the replica
+given most keys evicts them from its cache while the other's stays half empty. Once placed, a key
+stays, since moving it would pay its prefill again. Every key is counted alike, whatever its
+prefix's length. New keys placed by the ring alone (before load was their rule), with the looser
+bound below, piled on one engine: on vLLM's own bench with a key per prompt one engine held 6 or
+more of the 8 requests in flight at 68 % of the choices while the other idled.
 
 The load bound is PREFIX_BOUND times the mean load with this request counted, as a real number
 (no rounding up), but never below the fewest requests the busiest replica must hold,
@@ -39,10 +43,13 @@ requests, SGLang's queue) has the looser bound IDLE_ENGINE_BOUND instead: while 
 everything it is given, a request kept on the replica that caches its prefix waits for nothing,
 and one spilled pays its whole prefill elsewhere and evicts that engine's own keys; once the
 engine queues, the tight bound applies again. An engine that does not report its queue gets the
-tight bound. With two replicas IDLE_ENGINE_BOUND lets the home take every request while its
-engine runs them all: what stops it is the engine's memory (below), not a tighter bound, which
-on vLLM's own prefix_repetition bench (two engines) cost a quarter of the cache hits (1.5x the
-mean: hit rate 0.63; 2x: 0.86, the best possible being 0.89) and throughput with them.
+tight bound. With two replicas IDLE_ENGINE_BOUND lets the home take every request of its keys
+while its engine runs them all: what stops it is the engine's memory (below), not a tighter
+bound, which on vLLM's own prefix_repetition bench (two engines) cost a quarter of the cache hits
+(1.5x the mean: hit rate 0.63; 2x: 0.86, the best possible being 0.89) and throughput with them;
+so did sending a live key's request to a peer with nothing in flight (hit rate 0.66 against
+0.89): an engine caught in a prefill often holds 7 of the 8 requests while the other has none,
+and each request sent over evicts a prefix there.
 
 The engine's memory (R-6.5g): from two successive polls (note_reading) a replica is *pressed*
 when its KV cache is KV_FULL or fuller, when it preempted requests between them, or when its
@@ -51,8 +58,8 @@ after every poll). A pressed replica takes a request only while it holds less th
 unpressed peer, never with the looser bound; a new key is homed on an unpressed replica first.
 
 Membership: a replica leaving frees only the keys homed on it (placed again at their next
-request); a replica joining takes only the live keys whose ring point it now owns (they are
-placed again, and it has room for them), so the others' keys stay where they are cached.
+request); a replica joining takes only the live keys whose ring point it now owns, up to its
+room (inherit), so the others' keys stay where they are cached.
 
 Where routers agree (R-6.5d): each router reports the keys it homed or sent home (`touched`,
 drained by take_homes into its reports); the control plane keeps the first home reported per key
@@ -72,7 +79,7 @@ import hashlib
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from yarl import URL
 
@@ -269,22 +276,24 @@ class Pool:
         self.touched[point] = entry[0]
         return entry[0]
 
-    def home(self, point: int, now: float, owner: str | None = None) -> Upstream:
-        """The home of the key at ring position `point`, placed and homed now if the key is not live."""
-        up = self.live(point, now)
-        if up is None:
-            up = self._place(point, now)
-            self._add(point, up, now, owner)
-        return up
-
     def capped(self, point: int, owner: str) -> bool:
         """Whether a request of API key `owner` with this key may not make it a home (KEYS_PER_API_KEY)."""
         return point not in self.homes and self.owned.get(owner, 0) >= KEYS_PER_API_KEY
 
-    def keep(self, point: int, now: float, owner: str) -> None:
-        """The engine accepted a request of API key `owner` with this key: home it if it is not live."""
-        if self.live(point, now) is None and not self.capped(point, owner):
-            self._add(point, self._place(point, now), now, owner)
+    def key_room(self) -> float:
+        """The most live keys a member may be home to once one more key is homed (KEY_BOUND)."""
+        return bound_capacity(len(self.homes), len(self.members), KEY_BOUND)
+
+    def keep(self, point: int, now: float, owner: str | None, up: Upstream | None = None) -> None:
+        """The engine of `up` accepted a request of API key `owner` with this key: home it if it is
+        not live, on `up` itself (its engine now caches the prefix) while `up` is a member with
+        room for one more key and its memory is not short (R-6.5g), else where _place puts it."""
+        if self.live(point, now) is not None or (owner is not None and self.capped(point, owner)):
+            return
+        if up is None or up.pressed or not any(member is up for member in self.members) \
+                or self.homed.get(up, 0) + 1 > self.key_room():
+            up = self._place(point, now)
+        self._add(point, up, now, owner)
 
     def _add(self, point: int, up: Upstream, now: float, owner: str | None, touched: bool = True) -> None:
         homes = self.homes
@@ -327,10 +336,11 @@ class Pool:
             del self.owned[owner]
 
     def _place(self, point: int, now: float) -> Upstream:
-        """A new key's home: clockwise from its point, the first replica not ejected with room for
-        one more key within KEY_BOUND, one whose engine is not pressed (R-6.5g) first, since a new
-        key pays its prefill wherever it goes; when every one is ejected, the key's ring owner."""
-        capacity = bound_capacity(len(self.homes), len(self.members), KEY_BOUND)
+        """A new key's home where the replica that ran its first request has no room for it:
+        clockwise from its point, the first replica not ejected with room for one more key within
+        KEY_BOUND, one whose engine is not pressed (R-6.5g) first, since a new key pays its
+        prefill wherever it goes; when every one is ejected, the key's ring owner."""
+        capacity = self.key_room()
         homed = self.homed
         fewest: Upstream | None = None
         pressed: Upstream | None = None
@@ -351,16 +361,22 @@ class Pool:
 
     def inherit(self, old: Pool) -> None:
         """Keep the live keys of `old` (the same model's previous pool) whose home is still a
-        member (by replica id: a new key or address leaves the replica's cache as it was), except
-        those whose ring point a member new to the pool now owns: a leaver frees its own keys, a
-        joiner takes its own (both are placed again at their next request)."""
+        member (by replica id: a new key or address leaves the replica's cache as it was): a
+        leaver frees its own keys (placed again at their next request), and a joiner takes the
+        live keys whose ring point it owns while it has room for them (KEY_BOUND), so that it has
+        a share of the work; the rest stay where their engines cache them."""
         members = {up.replica_id: up for up in self.members}
         joined = set(members).difference(up.replica_id for up in old.members)
+        kept = [(point, entry) for point, entry in old.homes.items() if entry[0].replica_id in members]
+        room = bound_capacity(len(kept) - 1, len(self.members), KEY_BOUND)
         homes, homed, owned = self.homes, self.homed, self.owned
-        for point, (was, seen, owner) in old.homes.items():
-            up = members.get(was.replica_id)
-            if up is None or (joined and self.owner(point).replica_id in joined):
-                continue
+        for point, (was, seen, owner) in kept:
+            up = members[was.replica_id]
+            if joined:
+                joiner = self.owner(point)
+                if joiner.replica_id in joined and homed.get(joiner, 0) + 1 <= room:
+                    up = joiner
+                    self.touched[point] = up
             homes[point] = [up, seen, owner]
             homed[up] = homed.get(up, 0) + 1
             owned[owner] = owned.get(owner, 0) + 1
@@ -460,25 +476,48 @@ class Balancer:
         count = len(members)
         if count == 0:
             return None
-        if key is not None and pool.policy == PREFIX and not (owner is not None and pool.capped(ring_hash(key), owner)):
-            best = self._on_ring(pool, key, now, exclude, include_ejected, owner)
-            if best is not None:
-                best.outstanding += 1
-                self._last_used[best.replica_id] = now
-            return best
+        point = ring_hash(key) if key is not None and pool.policy == PREFIX else None
+        if point is not None and not (owner is not None and pool.capped(point, owner)):
+            home = pool.live(point, now)
+            if home is not None:
+                best = self._near_home(pool, home, point, now, exclude, include_ejected)
+            else:
+                # No engine caches the key: wherever it goes it pays its whole prefill, so it is
+                # balanced by load like least-outstanding (a replica without room for one more
+                # live key counted a request busier), and homed where its engine accepts it
+                # (keep_home). Placed by the ring, new keys piled on one engine while the other
+                # idled; the room is a request's weight, not a rule, since where every key is new
+                # (no prompt shares a prefix) a rule would send them wherever there is room,
+                # whatever the load.
+                homed, room = pool.homed, pool.key_room()
+                best = self._least_loaded(pool, now, exclude, include_ejected,
+                                          lambda up: _weight(up) + 2 * (homed.get(up, 0) + 1 > room))
+                if best is not None and owner is None:
+                    pool.keep(point, now, None, best)
+        else:
+            best = self._least_loaded(pool, now, exclude, include_ejected, _weight)
+        if best is not None:
+            best.outstanding += 1
+            self._last_used[best.replica_id] = now  # R-7.1: noted on the request path, cheaply
+        return best
+
+    @staticmethod
+    def _least_loaded(pool: Pool, now: float, exclude: Iterable[Upstream], include_ejected: bool,
+                      weight: Callable[[Upstream], int]) -> Upstream | None:
+        """The eligible member of least `weight`, ties round-robin."""
+        members = pool.members
+        count = len(members)
         start = pool.next
         pool.next = start + 1 if start + 1 < count else 0
-        best = None
+        best = best_weight = None
         for offset in range(count):
             index = start + offset
             up = members[index if index < count else index - count]
             if (up.ejected_until > now and not include_ejected) or (exclude and up in exclude):
                 continue
-            if best is None or _weight(up) < _weight(best):
-                best = up
-        if best is not None:
-            best.outstanding += 1
-            self._last_used[best.replica_id] = now  # R-7.1: noted on the request path, cheaply
+            w = weight(up)
+            if best is None or w < best_weight:
+                best, best_weight = up, w
         return best
 
     def acquire_replica(self, replica_id: str, model: str, now: float) -> Upstream | None:
@@ -490,12 +529,12 @@ class Balancer:
                 return up
         return None
 
-    def keep_home(self, model: str, key: bytes, owner: str, now: float) -> None:
-        """The engine accepted a request of API key `owner` with affinity `key`: the key is homed
-        if it is not live (within KEYS_PER_API_KEY)."""
+    def keep_home(self, model: str, key: bytes, owner: str, now: float, up: Upstream | None = None) -> None:
+        """The engine of `up` accepted a request of API key `owner` with affinity `key`: the key is
+        homed if it is not live (within KEYS_PER_API_KEY), on `up` while it has room for it."""
         pool = self._pools.get(model)
         if pool is not None and pool.policy == PREFIX and pool.members:
-            pool.keep(ring_hash(key), now, owner)
+            pool.keep(ring_hash(key), now, owner, up)
 
     def set_homes(self, homes: Mapping[str, Mapping[int, str | None]], now: float) -> None:
         """The control plane's homes (R-6.5d), model -> ring point -> replica id: each replaces
@@ -531,11 +570,11 @@ class Balancer:
                 left = 0
         return out
 
-    def _on_ring(self, pool: Pool, key: bytes, now: float, exclude: Iterable[Upstream],
-                 include_ejected: bool, owner: str | None = None) -> Upstream | None:
-        """The key's home if it is eligible and within the bound, else clockwise from the key's
-        hash the first eligible replica within it, else the least loaded eligible one (only when
-        every eligible one is over the bound)."""
+    def _near_home(self, pool: Pool, home: Upstream, point: int, now: float, exclude: Iterable[Upstream],
+                   include_ejected: bool) -> Upstream | None:
+        """The live key's `home` if it is eligible and within the bound, else clockwise from the
+        key's ring point the first eligible replica within it, else the least loaded eligible one
+        (only when every eligible one is over the bound)."""
         eligible = [up for up in pool.members
                     if not ((up.ejected_until > now and not include_ejected) or (exclude and up in exclude))]
         if not eligible:
@@ -543,11 +582,6 @@ class Balancer:
         total = sum(up.outstanding + up.queued for up in eligible)
         capacity = bound_capacity(total, len(eligible), self.prefix_bound)
         idle_capacity = bound_capacity(total, len(eligible), max(IDLE_ENGINE_BOUND, self.prefix_bound))
-        point = ring_hash(key)
-        if owner is None:
-            home = pool.home(point, now)
-        else:  # where the key would be homed, homed once the engine accepts (keep_home)
-            home = pool.live(point, now) or pool._place(point, now)
         allowed = {id(up) for up in eligible}
         # A pressed replica (R-6.5g) takes a request only while it has less than every unpressed
         # one, and never the looser bound: it is not given more work than its peers.

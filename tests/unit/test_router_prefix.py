@@ -248,16 +248,23 @@ def test_r6_5_an_ejected_replica_is_home_to_no_new_key():
 
 
 def test_r6_5_two_router_instances_pick_the_same_replica():
-    # Two routers get the endpoints in different orders (and other models beside): same choice.
+    """Two routers get the endpoints in different orders (and other models beside). A new key goes
+    by each router's own loads, so they may place it apart; once the homes one of them reported
+    reach the other (R-6.5d), both send every key to the same replica, and spill it alike."""
     one, two = Balancer(), Balancer()
     members = endpoints(6)
     one.replace({"m": members}, {"m": PREFIX})
     two.replace({"m": list(reversed(members)), "n": endpoints(2, "n")}, {"m": PREFIX})
     for key in keys(300):
-        a, b = one.acquire("m", 1.0, key=key), two.acquire("m", 1.0, key=key)
+        one.release(one.acquire("m", 1.0, key=key))
+        two.release(two.acquire("m", 1.0, key=key))
+    two.set_homes(one.take_homes(limit=1000), 2.0)
+    for key in keys(300):
+        a, b = one.acquire("m", 3.0, key=key), two.acquire("m", 3.0, key=key)
         assert a.replica_id == b.replica_id
-        one.release(a)
-        two.release(b)
+    for key in keys(300):  # every request held: the spills follow the ring from the same home
+        a, b = one.acquire("m", 3.0, key=key), two.acquire("m", 3.0, key=key)
+        assert a.replica_id == b.replica_id
 
 
 def test_r6_5_ejected_and_tried_replicas_are_skipped():
@@ -494,3 +501,29 @@ def test_r6_5c_prompts_sharing_a_prefix_shorter_than_two_kib_share_their_key():
     assert [len(k) for k in keys_of.values()] == [1, 1, 1, 1]
     assert len(set().union(*keys_of.values())) == 4
     assert affinity_key({"prompt": list(range(1000))}, {}, "k") == affinity_key({"prompt": list(range(300))}, {}, "k")
+
+
+def test_r6_5b_requests_whose_keys_no_engine_holds_are_balanced_by_load():
+    """vLLM's `prefix_repetition` bench through the router, with a key of its own per prompt (the
+    2 KiB key) or vLLM's `random` dataset: every request's key is new. Placed on their ring owners,
+    with engines that queue nothing taking up to twice the mean (all of it, with two), they piled
+    on one engine — in the bench 68 % of the choices left one engine holding 6 or more of the 8
+    requests in flight, and 8 / 0 was the commonest split but one — while the other idled. A key
+    no engine caches costs its prefill wherever it goes: such requests are spread by load."""
+    b = prefix_balancer(2)
+    first, second = b.endpoints("m")
+    for up in (first, second):
+        up.engine = loaded(waiting=0, kv=0.1)  # both engines say nothing waits in them
+    pool = b._pools["m"]
+    fresh = [k for k in keys(200) if pool.owner(ring_hash(k)) is first][:8]  # all on one ring owner
+    held = [b.acquire("m", 1.0, key=key, owner="k") for key in fresh]
+    assert (first.outstanding, second.outstanding) == (4, 4), [up.replica_id for up in held]
+    assert b.live_keys("m") == {}  # a key is homed only once its engine accepts the request
+    for key, up in zip(fresh, held):
+        b.keep_home("m", key, "k", 1.0, up)
+    # Homed where each ran (its engine caches it now), within the key bound.
+    assert b.live_keys("m") == {first.replica_id: 4, second.replica_id: 4}
+    for key, up in zip(fresh, held):
+        b.release(up)
+        assert b.acquire("m", 1.0, key=key, owner="k") is up
+
