@@ -20,12 +20,17 @@ in this script), the engines' prefix caches are emptied (`POST /reset_prefix_cac
 VLLM_SERVER_DEV_MODE) and the bench runs once. Printed per row: the engines' own prefix-cache hit
 rate (deltas of vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total), the share of the
 requests each engine got, preemptions, TTFT mean / p50 / p90 and requests/s as `vllm bench serve`
-measured them, and each row's ratios to least-outstanding's in the same shape.
+measured them, the CPU time llmgw's processes (serve, routers, workers) used per request, and each
+row's ratios to least-outstanding's in the same shape.
 
     .venv/bin/python bench/routing_peer.py [--prompts 320] [--datasets prefix_repetition,random]
-        [--shapes 1,2w,2r] [--policies least-outstanding,prefix]
+        [--shapes 1,2w,2r] [--policies least-outstanding,prefix] [--repeat N]
 
-Needs the real vLLM (./scripts/engines); about 10 minutes here, most of it the bench runs.
+On two cores shared by the client, llmgw and both engines, two runs of one row differ by 10-20 %
+in throughput and TTFT; `--repeat N` runs each row N times, the policies' order alternating, and
+prints the medians and each row's spread, so that a ratio is read against the noise.
+
+Needs the real vLLM (./scripts/engines); about 5 minutes here per repeat, most of it the bench runs.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import os
 import re
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -257,7 +263,9 @@ def run_row(engines: list[Engine], dataset: str, policy: str, shape: str, prompt
         for engine in engines:
             engine.reset()
         before = [engine_counters(e.url) for e in engines]
+        cpu_before = llmgw_cpu_seconds()
         result = bench_serve(base_url, key, dataset, prompts, tokenizer, row_dir / "result.json", seed)
+        cpu = llmgw_cpu_seconds() - cpu_before
         after = [engine_counters(e.url) for e in engines]
     finally:
         if relay is not None:
@@ -279,7 +287,29 @@ def run_row(engines: list[Engine], dataset: str, policy: str, shape: str, prompt
                                  if delta("vllm:prefix_cache_queries_total", i) else None for i in range(len(engines))],
             "served": served, "preemptions": sum(delta("vllm:num_preemptions_total", i) for i in range(len(engines))),
             "ttft_mean": result["mean_ttft_ms"], "ttft_p50": result["median_ttft_ms"],
-            "ttft_p90": result.get("p90_ttft_ms"), "rps": result["request_throughput"]}
+            "ttft_p90": result.get("p90_ttft_ms"), "rps": result["request_throughput"],
+            "llmgw_cpu_ms": 1000 * cpu / prompts}
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def llmgw_cpu_seconds() -> float:
+    """CPU time used so far by every llmgw process on this machine but this one (serve, the
+    router supervisor, its workers, a second router): a row's are the only ones running."""
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = Path(entry.path, "cmdline").read_bytes()
+            if b"llmgw.cli.main" not in cmdline and b"llmgw.router.worker" not in cmdline:
+                continue
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _TICKS
 
 
 def _fmt(value, spec: str) -> str:
@@ -289,14 +319,14 @@ def _fmt(value, spec: str) -> str:
 def print_table(rows: list[dict]) -> None:
     print()
     print(f"{'dataset':<18} {'shape':<20} {'policy':<18} {'hit rate':>8} {'per engine':>13} {'requests':>9} "
-          f"{'preempt':>7} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'req/s':>6}  vs least-outstanding")
+          f"{'preempt':>7} {'TTFT mean':>9} {'p50':>7} {'p90':>7} {'req/s':>6} {'llmgw CPU':>9}  vs least-outstanding")
     base = {(r["dataset"], r["shape"]): r for r in rows if r["policy"] == "least-outstanding"}
     for r in rows:
         per = "/".join(_fmt(h, ".2f") for h in r["engine_hit_rates"])
         split = "/".join(f"{s:.0f}" for s in r["served"])
         line = (f"{r['dataset']:<18} {SHAPES[r['shape']]:<20} {r['policy']:<18} {_fmt(r['hit_rate'], '.3f'):>8} "
                 f"{per:>13} {split:>9} {r['preemptions']:>7.0f} {r['ttft_mean']:>7.0f}ms {r['ttft_p50']:>5.0f}ms "
-                f"{_fmt(r['ttft_p90'], '.0f'):>5}ms {r['rps']:>6.1f}")
+                f"{_fmt(r['ttft_p90'], '.0f'):>5}ms {r['rps']:>6.1f} {r['llmgw_cpu_ms']:>5.1f}ms/r")
         other = base.get((r["dataset"], r["shape"]))
         if other is not None and other is not r:
             ratios = []
@@ -315,6 +345,41 @@ def print_table(rows: list[dict]) -> None:
                   f"one router's")
 
 
+_FIGURES = ("hit_rate", "preemptions", "ttft_mean", "ttft_p50", "ttft_p90", "rps", "llmgw_cpu_ms")
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per dataset, shape and policy: the median of each figure over its runs."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["dataset"], r["shape"], r["policy"]), []).append(r)
+    out = []
+    for (dataset, shape, policy), runs in groups.items():
+        row = {"dataset": dataset, "shape": shape, "policy": policy}
+        for name in _FIGURES:
+            values = [r[name] for r in runs if r[name] is not None]
+            row[name] = statistics.median(values) if values else None
+        middle = sorted(runs, key=lambda r: r["rps"])[len(runs) // 2]  # the run of the median throughput
+        row["engine_hit_rates"], row["served"] = middle["engine_hit_rates"], middle["served"]
+        out.append(row)
+    return out
+
+
+def print_spread(rows: list[dict]) -> None:
+    """How far a row's runs are apart: what a ratio between two policies has to beat."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["dataset"], r["shape"], r["policy"]), []).append(r)
+    print(f"\nmedians of {max(len(runs) for runs in groups.values())} runs each; the spread of each row's runs "
+          "(lowest-highest):")
+    for (dataset, shape, policy), runs in groups.items():
+        rps = sorted(r["rps"] for r in runs)
+        p50 = sorted(r["ttft_p50"] for r in runs)
+        hits = sorted(r["hit_rate"] for r in runs if r["hit_rate"] is not None)
+        print(f"  {dataset:<18} {SHAPES[shape]:<20} {policy:<18} req/s {rps[0]:.1f}-{rps[-1]:.1f}, "
+              f"TTFT p50 {p50[0]:.0f}-{p50[-1]:.0f} ms" + (f", hit rate {hits[0]:.3f}-{hits[-1]:.3f}" if hits else ""))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=320)
@@ -322,6 +387,8 @@ def main() -> int:
     parser.add_argument("--shapes", default="1,2w,2r")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each row this many times, the policies' order alternating, and print medians")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     reason = real.missing("vllm")
@@ -339,20 +406,26 @@ def main() -> int:
         wait_for(lambda: all(e.healthy() for e in engines), ENGINE_START, "both vLLM engines to start", interval=1)
         print(f"two vLLM engines up in {time.monotonic() - began:.0f} s ({BLOCKS} blocks of {BLOCK_SIZE} tokens "
               f"each); logs in {work}", flush=True)
+        policies = args.policies.split(",")
         for dataset in args.datasets.split(","):
             for shape in args.shapes.split(","):
-                for policy in args.policies.split(","):
-                    began = time.monotonic()
-                    row = run_row(engines, dataset, policy, shape, args.prompts, model_dir, work, args.seed)
-                    rows.append(row)
-                    print(f"  {dataset} / {SHAPES[shape]} / {policy}: hit rate {_fmt(row['hit_rate'], '.3f')}, "
-                          f"TTFT p50 {row['ttft_p50']:.0f} ms, {row['rps']:.1f} req/s "
-                          f"({time.monotonic() - began:.0f} s)", flush=True)
+                for turn in range(args.repeat):
+                    # Every other turn in the other order: a drift of the machine over a shape's
+                    # runs then weighs on both policies alike.
+                    for policy in policies if turn % 2 == 0 else policies[::-1]:
+                        began = time.monotonic()
+                        row = run_row(engines, dataset, policy, shape, args.prompts, model_dir, work, args.seed)
+                        rows.append(row)
+                        print(f"  {dataset} / {SHAPES[shape]} / {policy}: hit rate {_fmt(row['hit_rate'], '.3f')}, "
+                              f"TTFT p50 {row['ttft_p50']:.0f} ms, {row['rps']:.1f} req/s, llmgw CPU "
+                              f"{row['llmgw_cpu_ms']:.1f} ms/request ({time.monotonic() - began:.0f} s)", flush=True)
     finally:
         for engine in engines:
             engine.stop()
         if rows:
-            print_table(rows)
+            print_table(medians(rows) if args.repeat > 1 else rows)
+            if args.repeat > 1:
+                print_spread(rows)
             if args.json:
                 args.json.write_text(json.dumps(rows, indent=1))
     return 0
