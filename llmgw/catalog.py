@@ -84,11 +84,6 @@ class Model:
         return None if gb is None else int(gb * 1000**3)
 
     @property
-    def wanted_replicas(self) -> int:
-        """How many replicas run without load: min (an on-demand model: none until asked for)."""
-        return self.min_replicas
-
-    @property
     def scales(self) -> bool:
         """Whether load can add replicas: max above min (and above 1 for an on-demand model).
         Without max in the definition it is min (1 for on-demand): no load-based scaling."""

@@ -18,6 +18,7 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, field_validator,
                       model_validator)
 
+from llmgw.contracts.feed import RoutingPolicy
 from llmgw.units import Duration, PortRange, Size, format_bytes, parse_size
 from llmgw.weights import WeightsSource, parse_weights, redact_query
 
@@ -343,7 +344,7 @@ class ModelConfig(_Strict):
     endpoints: list[StaticEndpoint] | None = None
     # least-outstanding balances by load alone; prefix keeps a conversation's (or a shared
     # prompt's) requests on one replica, within a load bound, so the engine's prefix cache serves.
-    routing: Literal["least-outstanding", "prefix"] = "least-outstanding"
+    routing: RoutingPolicy = RoutingPolicy.LEAST_OUTSTANDING
     # R-6.9b: Responses `background: true` is refused unless the model allows it: a background
     # response answers `queued` with no usage, and the engine's store keeps it for the later GET.
     background_responses: bool = False

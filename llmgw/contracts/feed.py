@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import operator
+import enum
 import re
 import secrets
 from collections.abc import Mapping
@@ -37,7 +38,16 @@ from llmgw.contracts.endpoints import Endpoint
 
 PROTOCOL = 1  # bumped when a message changes meaning; a peer speaking another is refused
 ABANDONED_KEPT = 256  # replicas given up that a snapshot still names (Snapshot.abandoned)
-ROUTING_POLICIES = ("least-outstanding", "prefix")
+
+
+class RoutingPolicy(enum.StrEnum):
+    """A model's balancing policy (R-6.5): the one place their names are written."""
+
+    LEAST_OUTSTANDING = "least-outstanding"
+    PREFIX = "prefix"
+
+
+ROUTING_POLICIES = tuple(RoutingPolicy)
 ENGINE_KINDS = ("vllm", "sglang", "llama-server")  # built-in engines; None: any command or a static endpoint
 # The largest count a report carries (tokens, requests, queue lengths): 2^53, what every JSON
 # reader holds exactly, far below SQLite's 2^63. Routers clamp engine figures to it and sums

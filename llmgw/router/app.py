@@ -118,7 +118,6 @@ class Router:
         self._forwarder: Forwarder | None = None
         self.response_ids: response_ids.ResponseIds | None = None  # from the snapshot's secret (R-6.14)
         self._created = int(time.time())
-        self._closed = False
 
     # -- the feed -------------------------------------------------------------------------------
 
@@ -221,7 +220,6 @@ class Router:
 
     async def close(self) -> None:
         """Nothing is written here: what is still counted goes out with the feed client's last report."""
-        self._closed = True
 
     # -- applying a snapshot ----------------------------------------------------------------------
 
@@ -697,7 +695,6 @@ class Router:
     # -- background work ----------------------------------------------------------------------------
 
     async def _lifecycle(self, app: web.Application):
-        self._closed = False
         connector = aiohttp.TCPConnector(limit=UPSTREAM_CONNECTIONS, limit_per_host=0,
                                          keepalive_timeout=KEEPALIVE_SECONDS)
         # No sock_read: it re-arms a timer on every chunk received. The Forwarder bounds the wait

@@ -84,11 +84,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from yarl import URL
 
 from llmgw.contracts.endpoints import Endpoint
-from llmgw.contracts.feed import HOME_IDLE_SECONDS, HOMES_KEPT, HOMES_PER_REPORT
+from llmgw.contracts.feed import HOME_IDLE_SECONDS, HOMES_KEPT, HOMES_PER_REPORT, RoutingPolicy
 
 EJECT_SECONDS = 5.0  # long enough to stop hammering a dead engine, short enough to notice it is back
-LEAST_OUTSTANDING = "least-outstanding"
-PREFIX = "prefix"
+LEAST_OUTSTANDING = RoutingPolicy.LEAST_OUTSTANDING
+PREFIX = RoutingPolicy.PREFIX
 PREFIX_BOUND = 1.25  # over the mean load with the request counted; see the module docstring
 # The bound for a replica whose engine said at its last poll that it queues nothing: room there
 # costs no wait, and a request sent elsewhere pays its whole prefill again and evicts what the
@@ -207,13 +207,109 @@ class Upstream:
         return f"Upstream({self.replica_id} {self.endpoint.url} outstanding={self.outstanding})"
 
 
-class Pool:
-    __slots__ = ("members", "next", "policy", "_ring", "homes", "homed", "owned", "touched")
+def _least_loaded(pool: Pool, now: float, exclude: Iterable[Upstream], include_ejected: bool,
+                  weight: Callable[[Upstream], int]) -> Upstream | None:
+    """The eligible member of least `weight`, ties round-robin."""
+    members = pool.members
+    count = len(members)
+    start = pool.next
+    pool.next = start + 1 if start + 1 < count else 0
+    best = best_weight = None
+    for offset in range(count):
+        index = start + offset
+        up = members[index if index < count else index - count]
+        if (up.ejected_until > now and not include_ejected) or (exclude and up in exclude):
+            continue
+        w = weight(up)
+        if best is None or w < best_weight:
+            best, best_weight = up, w
+    return best
 
-    def __init__(self, members: list[Upstream], policy: str = LEAST_OUTSTANDING):
+
+class Policy:
+    """How a pool chooses among its members (R-6.5): one object per policy, given to each pool
+    once. `choose` picks the member for one request and counts nothing; the Balancer does."""
+
+    def choose(self, pool: Pool, now: float, exclude: Iterable[Upstream], include_ejected: bool,
+               key: bytes | None, owner: str | None) -> Upstream | None:
+        raise NotImplementedError
+
+
+class LeastOutstanding(Policy):
+    """The least loaded member, a pressed one after an unpressed one of equal load, ties
+    round-robin; affinity keys are ignored."""
+
+    def choose(self, pool, now, exclude, include_ejected, key, owner):
+        return _least_loaded(pool, now, exclude, include_ejected, _weight)
+
+
+class PrefixAffinity(Policy):
+    """Consistent hashing with bounded loads on the request's affinity key (the module docstring)."""
+
+    def __init__(self, bound: float = PREFIX_BOUND):
+        self.bound = bound  # the load bound over the mean; other values for benches
+
+    def choose(self, pool, now, exclude, include_ejected, key, owner):
+        if key is None:
+            return _least_loaded(pool, now, exclude, include_ejected, _weight)
+        point = ring_hash(key)
+        if owner is not None and pool.capped(point, owner):  # its API key homed its share already
+            return _least_loaded(pool, now, exclude, include_ejected, _weight)
+        home = pool.live(point, now)
+        if home is not None:
+            return self._near_home(pool, home, point, now, exclude, include_ejected)
+        # No engine caches the key: wherever it goes it pays its whole prefill, so it is balanced
+        # by load like least-outstanding (a replica without room for one more live key counted a
+        # request busier), and homed where its engine accepts it (keep_home). Placed by the ring,
+        # new keys piled on one engine while the other idled; the room is a request's weight, not
+        # a rule, since where every key is new (no prompt shares a prefix) a rule would send them
+        # wherever there is room, whatever the load.
+        homed, room = pool.homed, pool.key_room()
+        best = _least_loaded(pool, now, exclude, include_ejected,
+                             lambda up: _weight(up) + 2 * (homed.get(up, 0) + 1 > room))
+        if best is not None and owner is None:
+            pool.keep(point, now, None, best)
+        return best
+
+    def _near_home(self, pool: Pool, home: Upstream, point: int, now: float, exclude: Iterable[Upstream],
+                   include_ejected: bool) -> Upstream | None:
+        """The live key's `home` if it is eligible and within the bound, else clockwise from the
+        key's ring point the first eligible replica within it, else the least loaded eligible one
+        (only when every eligible one is over the bound)."""
+        eligible = [up for up in pool.members
+                    if not ((up.ejected_until > now and not include_ejected) or (exclude and up in exclude))]
+        if not eligible:
+            return None
+        total = sum(up.outstanding + up.queued for up in eligible)
+        capacity = bound_capacity(total, len(eligible), self.bound)
+        idle_capacity = bound_capacity(total, len(eligible), max(IDLE_ENGINE_BOUND, self.bound))
+        allowed = {id(up) for up in eligible}
+        # A pressed replica (R-6.5g) takes a request only while it has less than every unpressed
+        # one, and never the looser bound: it is not given more work than its peers.
+        spare = min((up.outstanding + up.queued for up in eligible if not up.pressed), default=None)
+
+        def within(up: Upstream) -> bool:
+            load = up.outstanding + up.queued + 1
+            if up.pressed:
+                return load <= capacity and (spare is None or load <= spare)
+            return load <= capacity or (load <= idle_capacity and _queues_nothing(up))
+
+        if id(home) in allowed and within(home):
+            return home
+        for up in pool.clockwise(point):
+            if up is not home and id(up) in allowed and within(up):
+                return up
+        return min(eligible, key=_weight)
+
+
+class Pool:
+    __slots__ = ("members", "next", "policy", "chooser", "_ring", "homes", "homed", "owned", "touched")
+
+    def __init__(self, members: list[Upstream], policy: str = LEAST_OUTSTANDING, chooser: Policy | None = None):
         self.members = members
         self.next = 0
         self.policy = policy
+        self.chooser = chooser if chooser is not None else LeastOutstanding()  # chosen once, from `policy`
         self._ring: tuple[list[int], list[Upstream]] | None = None
         # Prefix routing's live keys: the key's ring position -> [its home, the time of its last
         # request, the API key id that homed it], least recently used first; how many live keys
@@ -402,7 +498,10 @@ class Balancer:
 
     def __init__(self, eject_seconds: float = EJECT_SECONDS, prefix_bound: float = PREFIX_BOUND):
         self.eject_seconds = eject_seconds
-        self.prefix_bound = prefix_bound  # the load bound over the mean (R-6.5b); other values for benches
+        # One object per policy, each pool given its own once (R-6.5); `prefix_bound`, the load
+        # bound over the mean (R-6.5b), takes other values in benches.
+        self._choosers: dict[str, Policy] = {LEAST_OUTSTANDING: LeastOutstanding(),
+                                             PREFIX: PrefixAffinity(prefix_bound)}
         self._pools: dict[str, Pool] = {}
         self._by_replica: dict[str, list[Upstream]] = {}
         self._retired: list[Upstream] = []  # taken off the lists with requests still in flight
@@ -429,7 +528,7 @@ class Balancer:
                 if up is None or up.endpoint.model != endpoint.model:
                     up = Upstream(endpoint)
                 ups.append(up)
-            pool = pools[model] = Pool(ups, policy)
+            pool = pools[model] = Pool(ups, policy, self._choosers.get(policy, self._choosers[LEAST_OUTSTANDING]))
             if old is not None and old.homes and policy == PREFIX and ups:
                 pool.inherit(old)
         self._pools = pools
@@ -470,54 +569,12 @@ class Balancer:
         load. Without one (benches, placement tests) the key is homed at once.
         """
         pool = self._pools.get(model)
-        if pool is None:
+        if pool is None or not pool.members:
             return None
-        members = pool.members
-        count = len(members)
-        if count == 0:
-            return None
-        point = ring_hash(key) if key is not None and pool.policy == PREFIX else None
-        if point is not None and not (owner is not None and pool.capped(point, owner)):
-            home = pool.live(point, now)
-            if home is not None:
-                best = self._near_home(pool, home, point, now, exclude, include_ejected)
-            else:
-                # No engine caches the key: wherever it goes it pays its whole prefill, so it is
-                # balanced by load like least-outstanding (a replica without room for one more
-                # live key counted a request busier), and homed where its engine accepts it
-                # (keep_home). Placed by the ring, new keys piled on one engine while the other
-                # idled; the room is a request's weight, not a rule, since where every key is new
-                # (no prompt shares a prefix) a rule would send them wherever there is room,
-                # whatever the load.
-                homed, room = pool.homed, pool.key_room()
-                best = self._least_loaded(pool, now, exclude, include_ejected,
-                                          lambda up: _weight(up) + 2 * (homed.get(up, 0) + 1 > room))
-                if best is not None and owner is None:
-                    pool.keep(point, now, None, best)
-        else:
-            best = self._least_loaded(pool, now, exclude, include_ejected, _weight)
+        best = pool.chooser.choose(pool, now, exclude, include_ejected, key, owner)
         if best is not None:
             best.outstanding += 1
             self._last_used[best.replica_id] = now  # R-7.1: noted on the request path, cheaply
-        return best
-
-    @staticmethod
-    def _least_loaded(pool: Pool, now: float, exclude: Iterable[Upstream], include_ejected: bool,
-                      weight: Callable[[Upstream], int]) -> Upstream | None:
-        """The eligible member of least `weight`, ties round-robin."""
-        members = pool.members
-        count = len(members)
-        start = pool.next
-        pool.next = start + 1 if start + 1 < count else 0
-        best = best_weight = None
-        for offset in range(count):
-            index = start + offset
-            up = members[index if index < count else index - count]
-            if (up.ejected_until > now and not include_ejected) or (exclude and up in exclude):
-                continue
-            w = weight(up)
-            if best is None or w < best_weight:
-                best, best_weight = up, w
         return best
 
     def acquire_replica(self, replica_id: str, model: str, now: float) -> Upstream | None:
@@ -570,36 +627,6 @@ class Balancer:
                 left = 0
         return out
 
-    def _near_home(self, pool: Pool, home: Upstream, point: int, now: float, exclude: Iterable[Upstream],
-                   include_ejected: bool) -> Upstream | None:
-        """The live key's `home` if it is eligible and within the bound, else clockwise from the
-        key's ring point the first eligible replica within it, else the least loaded eligible one
-        (only when every eligible one is over the bound)."""
-        eligible = [up for up in pool.members
-                    if not ((up.ejected_until > now and not include_ejected) or (exclude and up in exclude))]
-        if not eligible:
-            return None
-        total = sum(up.outstanding + up.queued for up in eligible)
-        capacity = bound_capacity(total, len(eligible), self.prefix_bound)
-        idle_capacity = bound_capacity(total, len(eligible), max(IDLE_ENGINE_BOUND, self.prefix_bound))
-        allowed = {id(up) for up in eligible}
-        # A pressed replica (R-6.5g) takes a request only while it has less than every unpressed
-        # one, and never the looser bound: it is not given more work than its peers.
-        spare = min((up.outstanding + up.queued for up in eligible if not up.pressed), default=None)
-
-        def within(up: Upstream) -> bool:
-            load = up.outstanding + up.queued + 1
-            if up.pressed:
-                return load <= capacity and (spare is None or load <= spare)
-            return load <= capacity or (load <= idle_capacity and _queues_nothing(up))
-
-        if id(home) in allowed and within(home):
-            return home
-        for up in pool.clockwise(point):
-            if up is not home and id(up) in allowed and within(up):
-                return up
-        return min(eligible, key=_weight)
-
     def weigh_pressure(self) -> None:
         """After a poll: which endpoints are pressed (R-6.5g), each against the best hit rate
         among its pool's members."""
@@ -639,9 +666,6 @@ class Balancer:
         """replica_id -> the live affinity keys homed on it (prefix routing; R-6.5b)."""
         pool = self._pools.get(model)
         return {up.replica_id: count for up, count in pool.homed.items()} if pool is not None else {}
-
-    def policies(self) -> dict[str, str]:
-        return {model: pool.policy for model, pool in self._pools.items()}
 
     def outstanding_by_model(self) -> dict[str, int]:
         return {model: sum(up.outstanding for up in pool.members) for model, pool in self._pools.items()}
