@@ -13,10 +13,12 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from llmgw.admin.views import Listings
+from llmgw.contracts import states
+from llmgw.contracts.states import AdminState, LinkState
 from llmgw.control.state import SHARD_STATES
 
-NODE_STATES = ("connecting", "ready", "unreachable", "unhealthy")
-ADMIN_STATES = ("active", "cordoned", "draining")
+NODE_STATES = tuple(LinkState)
+ADMIN_STATES = tuple(AdminState)
 
 
 class FleetCollector:
@@ -112,3 +114,11 @@ class FleetCollector:
         yield unplaceable
         yield desired
         yield decisions
+
+        # A move the transition table does not allow is a bug in its caller, refused and counted
+        # (contracts.states): zero is what a healthy control plane shows, so it is always there.
+        refused = CounterMetricFamily("llmgw_state_transitions_refused", "State changes the transition table "
+                                      "refused, by the kind of state and the move", labels=["kind", "from", "to"])
+        for (kind, current, new), count in sorted(states.refused.items()):
+            refused.add_metric([kind, current, new], count)
+        yield refused

@@ -195,6 +195,26 @@ async def test_metrics_are_absent_when_unknown(admin):
     assert value("llmgw_model_unplaceable", model="big") == 1
 
 
+async def test_refused_state_transitions_are_counted_in_metrics(admin):
+    """A move the transition table refuses is counted by kind and move, and /metrics shows it."""
+    from llmgw.contracts import states
+    from llmgw.contracts.states import ShardState
+
+    client, _ = admin
+    before = dict(states.refused)
+    try:
+        assert not states.transition(ShardState.STOPPED, ShardState.SERVING, "shard test/0")
+        response = await client.get("/metrics", headers=AUTH)
+        found = [sample for family in text_string_to_metric_families(await response.text())
+                 for sample in family.samples if sample.name == "llmgw_state_transitions_refused_total"]
+        assert [(s.labels, s.value) for s in found if s.labels["from"] == "stopped" and s.labels["to"] == "serving"] \
+            == [({"kind": "ShardState", "from": "stopped", "to": "serving"},
+                 before.get(("ShardState", "stopped", "serving"), 0) + 1)]
+    finally:
+        states.refused.clear()
+        states.refused.update(before)
+
+
 async def test_placement_page_skips_a_model_removed_since_the_view_was_published(admin):
     from llmgw.catalog import Catalog
     from tests.unit.admin_gateway import PROFILES
