@@ -359,6 +359,10 @@ fleet secret a serve stored in ROOT). Destructive operations (launch, stop, forg
 reclaim with collect) are reachable only through ``serve --expect-sha256``.
 """
 
+# This file is built by scripts/build-helper from the modules in remote/helper/ (each begins where
+# a line names it): edit those, then run ./scripts/build-helper. A unit test checks that this
+# file is the build's output, byte for byte; it stays one file, the one the loader hashes.
+
 import argparse
 import errno
 import fcntl
@@ -631,7 +635,7 @@ def _arg_path(args, name, default=_REQUIRED):
     return os.path.normpath(path)
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/parsers.py --------------------------------------------------------------
 # Parsers: pure functions of the text a command or a /proc file printed.
 
 # Cells nvidia-smi prints when it has no value: unknown, not a fault.
@@ -894,7 +898,7 @@ def mark_foreign_gpu_memory(gpus, apps, own_sessions, session_of):
     return gpus
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/machine.py --------------------------------------------------------------
 # Small facts about this machine and its processes
 
 
@@ -1145,7 +1149,26 @@ def _decode_line(raw):
 
 
 # --------------------------------------------------------------------------------------------
-# Walking trees: weights, sizes, and removal that never follows a link
+# Calls that may hang (a dead NFS server): run on a daemon thread, wait with a deadline.
+
+
+def _start_bounded(fn):
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # reported to the waiter, never raised on this thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="llmgw-bounded", daemon=True)
+    thread.start()
+    return thread, box
+
+
+# ---- remote/helper/cache.py ----------------------------------------------------------------
+# Cache entries: walking trees (weights, sizes), seals and their verification, what reclaim may
+# remove, and removal that never follows a link
 
 
 def _walk_regular_files(top, follow_file_links, limit=WALK_LIMIT, skip_top=()):
@@ -1814,174 +1837,7 @@ def _list_cache(cache_dir, busy, secret=None):
     return entries
 
 
-# --------------------------------------------------------------------------------------------
-# Calls that may hang (a dead NFS server): run on a daemon thread, wait with a deadline.
-
-
-def _start_bounded(fn):
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # reported to the waiter, never raised on this thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="llmgw-bounded", daemon=True)
-    thread.start()
-    return thread, box
-
-
-# --------------------------------------------------------------------------------------------
-# Downloads
-
-
-_HF_REPO_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
-_HF_REVISION_RE = re.compile(r"[A-Za-z0-9._/-]{1,256}")
-
-
-def redact_url(url):
-    """The URL without any user:password part or query (a signed URL's query is a credential),
-    fit for a message: `https://host/path?<redacted>`."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:
-        return "<redacted>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    query = "<redacted>" if parts.query or "?" in url else ""
-    fragment = "<redacted>" if parts.fragment else ""
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
-
-
-def _check_https(url, what):
-    if not isinstance(url, str):
-        raise bad_args("%s must be a string" % what)
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme.lower() != "https" or not parts.netloc:
-        raise bad_args("%s must be an https:// URL, got %s" % (what, redact_url(url)))
-    return url
-
-
-def _safe_relative_path(name):
-    """The parts of a file name from a hub listing, or None when it could escape the entry."""
-    if not isinstance(name, str) or not name or "\0" in name or "\\" in name or name.startswith("/"):
-        return None
-    parts = name.split("/")
-    if any(part in ("", ".", "..") for part in parts) or parts[0] == COMPLETE_MARKER:
-        return None
-    return parts
-
-
-def load_web_modules():
-    """Import what downloads need on first use: urllib.request, http.client and ssl cost about
-    35 ms of start-up, paid by every helper start although most never download anything."""
-    if ssl is None:
-        import importlib
-
-        for name in ("http.client", "ssl", "urllib.error", "urllib.request"):
-            importlib.import_module(name)
-        globals().update(http=sys.modules["http"], ssl=sys.modules["ssl"])
-
-
-def redirect_handler():
-    """A handler that follows redirects only to https, with the token kept to the same host."""
-    load_web_modules()
-
-    class _RedirectHandler(urllib.request.HTTPRedirectHandler):
-        """Follows redirects only to https, and carries the bearer token only to the same host
-        (a hub redirects file downloads to a CDN that must not see it)."""
-
-        def redirect_request(self, req, fp, code, msg, headers, newurl):
-            if urllib.parse.urlsplit(newurl).scheme.lower() != "https":
-                fp.close()
-                raise HelperError(
-                    "http", "refusing a redirect from %s to a non-https URL" % redact_url(req.full_url)
-                )
-            new = urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
-            token = getattr(req, "llmgw_token", None)
-            if new is not None and token:
-                old_host = urllib.parse.urlsplit(req.full_url).netloc.lower()
-                if urllib.parse.urlsplit(newurl).netloc.lower() == old_host:
-                    new.add_unredirected_header("Authorization", "Bearer " + token)
-                    new.llmgw_token = token
-            return new
-
-    return _RedirectHandler()
-
-
-class FetchJob(object):
-    """One download in progress, shared by every request that asked for it (R-5.3)."""
-
-    def __init__(self, key, cache_dir, name, source, token, limit=DEFAULT_FETCH_LIMIT,
-                 stall_timeout=DEFAULT_STALL_TIMEOUT, limit_origin="the helper's default"):
-        self.key = key
-        self.cache_dir = cache_dir
-        self.name = name
-        self.source = source
-        self.token = token
-        self.limit = limit  # bytes this download may write in all
-        self.limit_origin = limit_origin  # what the limit came from, for the refusal
-        self.stall_timeout = stall_timeout
-        # Weights fetched with a hub token may be gated: readable by this user only.
-        self.private = token is not None
-        self.lock = threading.Lock()
-        self.listeners = {}
-        self.done = threading.Event()
-        self.abort = threading.Event()
-        self.bytes = 0
-        self.total = None
-        self.result = None
-        self.error = None
-        self.temp_name = None
-        self.thread = None
-        self.hashes = {}  # relative path -> SHA-256 of the bytes written, computed as they stream
-        self._last_progress = 0.0
-
-    def attach(self, key, emit):
-        """Add a waiter, which hears the progress so far at once; False when the download is
-        already being abandoned (the caller then starts a fresh one)."""
-        with self.lock:
-            if self.abort.is_set():
-                return False
-            self.listeners[key] = emit
-            data = {"bytes": self.bytes, "total": self.total}
-        emit("progress", data)
-        return True
-
-    def detach(self, key):
-        """Drop a waiter; the download is abandoned when nobody waits for it any more."""
-        with self.lock:
-            self.listeners.pop(key, None)
-            if not self.listeners and not self.done.is_set():
-                self.abort.set()
-
-    def add_bytes(self, count):
-        with self.lock:
-            self.bytes += count
-        self.progress()
-
-    def set_total(self, total):
-        with self.lock:
-            self.total = total
-
-    def progress(self, force=False):
-        now = time.monotonic()
-        with self.lock:
-            if not force and now - self._last_progress < PROGRESS_INTERVAL:
-                return
-            self._last_progress = now
-            data = {"bytes": self.bytes, "total": self.total}
-            listeners = list(self.listeners.values())
-        for emit in listeners:
-            try:
-                emit("progress", dict(data))
-            except Exception:
-                pass
-
-
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/shared.py ---------------------------------------------------------------
 # What the parts of the node share: ROOT and its files, the record of verified files, the jobs.
 
 
@@ -2240,7 +2096,7 @@ class Jobs(object):
                 job.thread.join(max(0.0, deadline - time.monotonic()))
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/inventory.py ------------------------------------------------------------
 # Inventory: what the machine is and which GPUs are usable (R-2.1, R-2.2).
 
 
@@ -2343,7 +2199,7 @@ def _run_nvidia_smi(exe, arguments):
     return out, None
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/storage.py --------------------------------------------------------------
 # Storage: free space per filesystem, and the weights a node already holds (R-2.4 to R-2.6).
 # A directory that hangs (a dead filer) is probed on a thread and skipped until it answers.
 
@@ -2479,6 +2335,155 @@ def _probe_directory(path):
     device = "%d:%d" % (os.major(info.st_dev), os.minor(info.st_dev))
     # f_bavail: what an unprivileged writer (the engine, the fetch) can really use.
     return real, device, vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
+
+
+# ---- remote/helper/fetch.py ----------------------------------------------------------------
+# Downloads
+
+
+_HF_REPO_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+_HF_REVISION_RE = re.compile(r"[A-Za-z0-9._/-]{1,256}")
+
+
+def redact_url(url):
+    """The URL without any user:password part or query (a signed URL's query is a credential),
+    fit for a message: `https://host/path?<redacted>`."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<redacted>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = "<redacted>" if parts.query or "?" in url else ""
+    fragment = "<redacted>" if parts.fragment else ""
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
+
+
+def _check_https(url, what):
+    if not isinstance(url, str):
+        raise bad_args("%s must be a string" % what)
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() != "https" or not parts.netloc:
+        raise bad_args("%s must be an https:// URL, got %s" % (what, redact_url(url)))
+    return url
+
+
+def _safe_relative_path(name):
+    """The parts of a file name from a hub listing, or None when it could escape the entry."""
+    if not isinstance(name, str) or not name or "\0" in name or "\\" in name or name.startswith("/"):
+        return None
+    parts = name.split("/")
+    if any(part in ("", ".", "..") for part in parts) or parts[0] == COMPLETE_MARKER:
+        return None
+    return parts
+
+
+def load_web_modules():
+    """Import what downloads need on first use: urllib.request, http.client and ssl cost about
+    35 ms of start-up, paid by every helper start although most never download anything."""
+    if ssl is None:
+        import importlib
+
+        for name in ("http.client", "ssl", "urllib.error", "urllib.request"):
+            importlib.import_module(name)
+        globals().update(http=sys.modules["http"], ssl=sys.modules["ssl"])
+
+
+def redirect_handler():
+    """A handler that follows redirects only to https, with the token kept to the same host."""
+    load_web_modules()
+
+    class _RedirectHandler(urllib.request.HTTPRedirectHandler):
+        """Follows redirects only to https, and carries the bearer token only to the same host
+        (a hub redirects file downloads to a CDN that must not see it)."""
+
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            if urllib.parse.urlsplit(newurl).scheme.lower() != "https":
+                fp.close()
+                raise HelperError(
+                    "http", "refusing a redirect from %s to a non-https URL" % redact_url(req.full_url)
+                )
+            new = urllib.request.HTTPRedirectHandler.redirect_request(self, req, fp, code, msg, headers, newurl)
+            token = getattr(req, "llmgw_token", None)
+            if new is not None and token:
+                old_host = urllib.parse.urlsplit(req.full_url).netloc.lower()
+                if urllib.parse.urlsplit(newurl).netloc.lower() == old_host:
+                    new.add_unredirected_header("Authorization", "Bearer " + token)
+                    new.llmgw_token = token
+            return new
+
+    return _RedirectHandler()
+
+
+class FetchJob(object):
+    """One download in progress, shared by every request that asked for it (R-5.3)."""
+
+    def __init__(self, key, cache_dir, name, source, token, limit=DEFAULT_FETCH_LIMIT,
+                 stall_timeout=DEFAULT_STALL_TIMEOUT, limit_origin="the helper's default"):
+        self.key = key
+        self.cache_dir = cache_dir
+        self.name = name
+        self.source = source
+        self.token = token
+        self.limit = limit  # bytes this download may write in all
+        self.limit_origin = limit_origin  # what the limit came from, for the refusal
+        self.stall_timeout = stall_timeout
+        # Weights fetched with a hub token may be gated: readable by this user only.
+        self.private = token is not None
+        self.lock = threading.Lock()
+        self.listeners = {}
+        self.done = threading.Event()
+        self.abort = threading.Event()
+        self.bytes = 0
+        self.total = None
+        self.result = None
+        self.error = None
+        self.temp_name = None
+        self.thread = None
+        self.hashes = {}  # relative path -> SHA-256 of the bytes written, computed as they stream
+        self._last_progress = 0.0
+
+    def attach(self, key, emit):
+        """Add a waiter, which hears the progress so far at once; False when the download is
+        already being abandoned (the caller then starts a fresh one)."""
+        with self.lock:
+            if self.abort.is_set():
+                return False
+            self.listeners[key] = emit
+            data = {"bytes": self.bytes, "total": self.total}
+        emit("progress", data)
+        return True
+
+    def detach(self, key):
+        """Drop a waiter; the download is abandoned when nobody waits for it any more."""
+        with self.lock:
+            self.listeners.pop(key, None)
+            if not self.listeners and not self.done.is_set():
+                self.abort.set()
+
+    def add_bytes(self, count):
+        with self.lock:
+            self.bytes += count
+        self.progress()
+
+    def set_total(self, total):
+        with self.lock:
+            self.total = total
+
+    def progress(self, force=False):
+        now = time.monotonic()
+        with self.lock:
+            if not force and now - self._last_progress < PROGRESS_INTERVAL:
+                return
+            self._last_progress = now
+            data = {"bytes": self.bytes, "total": self.total}
+            listeners = list(self.listeners.values())
+        for emit in listeners:
+            try:
+                emit("progress", dict(data))
+            except Exception:
+                pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -2977,7 +2982,7 @@ def _disk_error(exc, cache_dir, job):
     return None
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/venvs.py ----------------------------------------------------------------
 # Environments: Python environments the helper builds for an engine (runtime: venv, R-4.11).
 # See "Environments" in the module docstring: built in place, sealed like cache entries.
 
@@ -3762,11 +3767,7 @@ class Venvs(object):
         return entries
 
 
-# --------------------------------------------------------------------------------------------
-# Processes: engines launched under the supervisor, watched, stopped, their logs (R-4.4, R-4.7).
-
-
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/containers.py -----------------------------------------------------------
 # Containers: engines run from an image through the node's docker or podman (R-4.10).
 
 CONTAINER_PROGRAMS = ("docker", "podman")
@@ -4436,6 +4437,11 @@ def _stop_when(abort, done, process):
             return
 
 
+# ---- remote/helper/engines.py --------------------------------------------------------------
+# Engines: an engine's runtime made present (provision, envs: through the venvs and containers
+# parts), the engine launched under the supervisor, watched, stopped, its logs (R-4.4, R-4.7).
+
+
 class Engines(object):
     """provision, envs, launch, status, stop, forget, logs: a part of Node (below). An engine's
     runtime is made present by the venvs or the containers part; the engine runs under the
@@ -4885,7 +4891,7 @@ def probe_health(url, timeout):
     return {"status": int(fields[1]), "error": None}
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/reclaim.py --------------------------------------------------------------
 # Reclaim: list and remove cache entries, every name checked again here (R-5.5).
 
 
@@ -4932,7 +4938,7 @@ class Reclaim(object):
         return result
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/node.py -----------------------------------------------------------------
 # The node: every part together.
 
 
@@ -5009,7 +5015,7 @@ class Node(object):
         return {"cancelled": True}
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/supervisor.py -----------------------------------------------------------
 # Supervisor: runs detached, starts the engine, records its start and its end.
 
 
@@ -5128,7 +5134,7 @@ def _end_leftovers(pgid):
             time.sleep(0.05)
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/server.py ---------------------------------------------------------------
 # serve: the JSON-lines loop
 
 
@@ -5289,7 +5295,7 @@ class Server(object):
         self.send({"id": request_id, "ok": False, "error": {"kind": kind, "message": message}})
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/cli.py ------------------------------------------------------------------
 # Command line
 
 

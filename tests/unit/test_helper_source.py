@@ -1,4 +1,5 @@
-"""The node helper's source: one file, standard library only, Python 3.8 (R-1.3, R-1.4)."""
+"""The node helper's source as shipped, the file scripts/build-helper makes from remote/helper/: one
+file, standard library only, Python 3.8 (R-1.3, R-1.4)."""
 
 import ast
 import re
