@@ -359,6 +359,10 @@ fleet secret a serve stored in ROOT). Destructive operations (launch, stop, forg
 reclaim with collect) are reachable only through ``serve --expect-sha256``.
 """
 
+# This file is built by scripts/build-helper from the modules in remote/helper/ (each begins where
+# a line names it): edit those, then run ./scripts/build-helper. A unit test checks that this
+# file is the build's output, byte for byte; it stays one file, the one the loader hashes.
+
 import argparse
 import errno
 import fcntl
@@ -631,7 +635,7 @@ def _arg_path(args, name, default=_REQUIRED):
     return os.path.normpath(path)
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/parsers.py --------------------------------------------------------------
 # Parsers: pure functions of the text a command or a /proc file printed.
 
 # Cells nvidia-smi prints when it has no value: unknown, not a fault.
@@ -894,7 +898,7 @@ def mark_foreign_gpu_memory(gpus, apps, own_sessions, session_of):
     return gpus
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/machine.py --------------------------------------------------------------
 # Small facts about this machine and its processes
 
 
@@ -1145,7 +1149,26 @@ def _decode_line(raw):
 
 
 # --------------------------------------------------------------------------------------------
-# Walking trees: weights, sizes, and removal that never follows a link
+# Calls that may hang (a dead NFS server): run on a daemon thread, wait with a deadline.
+
+
+def _start_bounded(fn):
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # reported to the waiter, never raised on this thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="llmgw-bounded", daemon=True)
+    thread.start()
+    return thread, box
+
+
+# ---- remote/helper/cache.py ----------------------------------------------------------------
+# Cache entries: walking trees (weights, sizes), seals and their verification, what reclaim may
+# remove, and removal that never follows a link
 
 
 def _walk_regular_files(top, follow_file_links, limit=WALK_LIMIT, skip_top=()):
@@ -1814,25 +1837,507 @@ def _list_cache(cache_dir, busy, secret=None):
     return entries
 
 
-# --------------------------------------------------------------------------------------------
-# Calls that may hang (a dead NFS server): run on a daemon thread, wait with a deadline.
+# ---- remote/helper/shared.py ---------------------------------------------------------------
+# What the parts of the node share: ROOT and its files, the record of verified files, the jobs.
 
 
-def _start_bounded(fn):
-    box = {}
+class Context(object):
+    """What an operation may do besides returning: stream events, notice a cancel."""
 
-    def run():
+    def __init__(self, request_id=None, send=None):
+        self.id = request_id
+        self.key = (type(request_id).__name__, request_id)
+        self.cancelled = threading.Event()
+        self._send = send
+
+    def emit(self, event, data):
+        if self._send is not None:
+            self._send({"id": self.id, "event": event, "data": data})
+
+
+class RootDir(object):
+    """ROOT and what the parts of the node keep in it: the shard files, the fleet secret,
+    private directories; and the lock a launch and a reclaim of an engine's runtime share."""
+
+    def __init__(self, root, helper_path, sha256=None):
+        self.path = os.path.abspath(os.path.expanduser(root))
+        self.helper_path = os.path.abspath(helper_path)
+        self.sha256 = sha256
+        # Held while a launch records its shard, and while reclaim finds an environment or an
+        # image unused and removes it: no launch starts from what is being removed.
+        self.launch_lock = threading.Lock()
+        self.secret = self._stored_secret()
+
+    def shards_dir(self):
+        return os.path.join(self.path, "shards")
+
+    # -- the fleet secret: seals cache entries (see cache_entry) ---------------------------
+
+    def _stored_secret(self):
+        """The fleet secret kept in ROOT, or None: only a regular file of this user's that
+        nobody else can read counts."""
         try:
-            box["value"] = fn()
-        except BaseException as exc:  # reported to the waiter, never raised on this thread
-            box["error"] = exc
+            fd = open_below(self.path, [FLEET_SECRET_FILE])
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+                return None
+            text = handle.read(256).decode("ascii", "replace").strip()
+        return text if FLEET_SECRET_RE.fullmatch(text) else None
 
-    thread = threading.Thread(target=run, name="llmgw-bounded", daemon=True)
-    thread.start()
-    return thread, box
+    def op_fleet_secret(self, args, ctx):
+        if self.sha256 is None:
+            raise bad_args("fleet_secret is only available through serve --expect-sha256")
+        secret = _arg(args, "secret", (str,))
+        if not FLEET_SECRET_RE.fullmatch(secret):
+            # The value is never echoed, not even in a refusal.
+            raise bad_args("secret must be 32 to 128 lowercase hex digits")
+        if secret != self.secret:
+            try:
+                _write_private_file(os.path.join(self.path, FLEET_SECRET_FILE), secret + "\n")
+            except OSError as exc:
+                raise HelperError("permissions", "cannot keep the fleet secret in %s: %s" % (self.path, exc.strerror or exc))
+            self.secret = secret
+        return {"stored": True}
+
+    # -- the shards' files -----------------------------------------------------------------
+
+    def shard_dir(self, shard_id):
+        return os.path.join(self.shards_dir(), shard_id)
+
+    def read_state(self, shard_id):
+        return _read_json(None, lambda: self.open_shard_file(shard_id, STATE_FILE))
+
+    def all_states(self):
+        """[(shard id, state)] of every shard with a readable state file, by shard id."""
+        try:
+            names = sorted(os.listdir(self.shards_dir()))
+        except OSError:
+            return []
+        states = []
+        for shard_id in names:
+            state = self.read_state(shard_id)
+            if state is not None:
+                states.append((shard_id, state))
+        return states
+
+    def open_shard_file(self, shard_id, name, flags=_NOFOLLOW_READ):
+        return open_below(self.path, ["shards", shard_id, name], flags)
+
+    def shard_log_tail(self, shard_id, count):
+        return tail_lines(None, count, opener=lambda: self.open_shard_file(shard_id, LOG_FILE))
+
+    def private_dir(self, path):
+        """Make path (0700) unless it exists; refuse one that is a link or open to others."""
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise HelperError("permissions", "cannot make %s: %s" % (path, exc.strerror or exc))
+        problem = private_dir_problem(path, os.getuid())
+        if problem is not None:
+            raise HelperError("permissions", problem)
 
 
-# --------------------------------------------------------------------------------------------
+class VerifiedRecord(object):
+    """The node-local record of the big files of cache entries this node hashed and found as
+    sealed (ROOT/verified-<hostname>.json): what a launch and a fetch need not read again."""
+
+    def __init__(self, root_dir):
+        self.root_dir = root_dir
+        self.lock = threading.Lock()
+        self.last_read = (None, {})  # (the record file's stamp, its files) as last read
+        self.files_hashed = 0  # files of cache entries read to check them at launch
+
+    def entry_bytes(self, path):
+        """weights_bytes with this node's fleet secret."""
+        return weights_bytes(path, self.root_dir.secret)
+
+    def _verified_file(self):
+        # In ROOT, never on the cache's filer; named by host in case ROOT is a shared home.
+        return "verified-%s.json" % re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
+
+    def _load_verified(self):
+        """{file path: file_stamp + [sha256]} this node hashed and found as sealed; {} when none.
+        Read again only when the record file's stamp changed (an environment's record holds tens
+        of thousands of files); never change what this returns."""
+        try:
+            fd = open_below(self.root_dir.path, [self._verified_file()])
+        except OSError:
+            return {}
+        with os.fdopen(fd, "rb") as handle:
+            stamp = file_stamp(os.fstat(handle.fileno()))
+            known, files = self.last_read
+            if known == stamp:
+                return files
+            try:
+                record = json.loads(handle.read().decode("utf-8"))
+            except ValueError:
+                record = None
+        files = record.get("files") if isinstance(record, dict) else None
+        files = files if isinstance(files, dict) else {}
+        self.last_read = (stamp, files)
+        return files
+
+    def _merge_verified(self, changes, dropped=()):
+        if not changes and not dropped:
+            return
+        with self.lock:
+            files = dict(self._load_verified())
+            for path in dropped:
+                files.pop(path, None)
+            files.update(changes)
+            if len(files) > VERIFIED_RECORD_MAX:  # the first recorded go first: dicts keep their order
+                files = dict(list(files.items())[-VERIFIED_RECORD_MAX:])
+            try:
+                _write_json_atomic(os.path.join(self.root_dir.path, self._verified_file()), {"files": files})
+            except OSError:
+                pass  # only a cache of work done: the next launch hashes again
+
+    def note_verified(self, path, files, hashes, always=always_verified):
+        """Record the big files of the entry at path as verified with hashes (a fetch hashed
+        them while writing them)."""
+        changes = {}
+        for relative, size in files:
+            if always(relative, size):
+                continue
+            full = os.path.join(path, relative)
+            try:
+                info = os.lstat(full)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                changes[full] = file_stamp(info) + [hashes[relative]]
+        self._merge_verified(changes)
+
+    def verify_weights(self, argv):
+        """Refuse (weights_integrity) a launch whose argv names a cache entry that is not sealed
+        by this fleet, or whose files do not have the SHA-256 the seal covers (R-5.6). Small files
+        and code are hashed every time, big ones when they changed since this node last did.
+        Nothing is removed: a rewritten or planted entry is refused, never trusted."""
+        for path in entries_named(argv):
+            entry, problem = sealed_entry(path, self.root_dir.secret)
+            if problem is not None:
+                raise HelperError("weights_integrity", "%s is not a sealed cache entry of this fleet (%s); the engine "
+                                                       "was not started" % (path, problem))
+            problem = self.verify_entry(path, entry)
+            if problem is not None:
+                raise HelperError("weights_integrity", problem + "; the engine was not started")
+
+    def verify_entry(self, path, entry, on_bytes=None, always=always_verified):
+        """verify_entry_content against this node's record, which it then updates; the problem
+        or None."""
+        before = self._load_verified()
+        verified = dict(before)
+        problem, hashed = verify_entry_content(path, entry, verified, on_bytes, always)
+        self.files_hashed += len(hashed)
+        changes = dict((key, value) for key, value in verified.items() if before.get(key) != value)
+        self._merge_verified(changes, dropped=[key for key in before if key not in verified])
+        return problem
+
+    def holding(self, path):
+        """{"bytes"} of the weights at path, and for a cache entry "file" and "verified" (its big
+        files are as this node last hashed them: a launch need not read them); None when none."""
+        if not os.path.basename(os.path.normpath(path)).startswith("llmgw-"):
+            size = self.entry_bytes(path)
+            return None if size is None else {"bytes": size}
+        entry, _ = sealed_entry(path, self.root_dir.secret)
+        if entry is None:
+            return None
+        return {"bytes": entry["bytes"], "file": entry_file(path),
+                "verified": verified_here(path, entry, self._load_verified())}
+
+
+class Jobs(object):
+    """The downloads and environment builds not yet ended, abandoned ones included (what
+    shutdown aborts). Each is single-flight: a request for what a job is making attaches to it;
+    the tables of the jobs to attach to are the parts' own (the fetches, the provisions)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()  # guards running and the parts' tables
+        self.running = set()
+
+    def attach_or_start(self, table, key, ctx, make):
+        """(job, started): the job of table[key] with ctx attached, a new one from make() when
+        there is none or it has ended; the caller starts a new one's thread."""
+        with self.lock:
+            job = table.get(key)
+            start = job is None or not job.attach(ctx.key, ctx.emit)
+            if start:
+                job = make()
+                table[key] = job
+                self.running.add(job)
+                job.attach(ctx.key, ctx.emit)
+        return job, start
+
+    def ended(self, table, job):
+        with self.lock:
+            if table.get(job.key) is job:
+                del table[job.key]
+            self.running.discard(job)
+
+    def writing_into(self, cache_dir):
+        """The downloads running into cache_dir."""
+        with self.lock:
+            return [job for job in self.running if job.cache_dir == cache_dir]
+
+    def abort_all(self, wait):
+        """Abort every job, then wait for their threads until wait has passed in all."""
+        with self.lock:
+            jobs = list(self.running)
+        for job in jobs:
+            job.abort.set()
+        deadline = time.monotonic() + wait
+        for job in jobs:
+            if job.thread is not None:
+                job.thread.join(max(0.0, deadline - time.monotonic()))
+
+
+# ---- remote/helper/inventory.py ------------------------------------------------------------
+# Inventory: what the machine is and which GPUs are usable (R-2.1, R-2.2).
+
+
+class Inventory(object):
+    """inventory: a part of Node (below). The container programs are asked through the
+    containers part, the venv recipes through the venvs part."""
+
+    def __init__(self, root_dir, venvs, containers):
+        self.root_dir = root_dir
+        self.venvs = venvs
+        self.containers = containers
+
+    def op_inventory(self, args, ctx):
+        images = _arg(args, "images", (list,), [])
+        if len(images) > INVENTORY_IMAGES_MAX:
+            raise bad_args("at most %d images may be asked about, got %d" % (INVENTORY_IMAGES_MAX, len(images)))
+        for image in images:
+            _check_image(image)
+        venvs = _arg(args, "venvs", (dict,), {})
+        if len(venvs) > INVENTORY_VENVS_MAX:
+            raise bad_args("at most %d venv recipes may be asked about, got %d" % (INVENTORY_VENVS_MAX, len(venvs)))
+        specs = {}
+        for key, runtime in venvs.items():
+            if not isinstance(runtime, dict) or runtime.get("kind") != "venv":
+                raise bad_args("venvs[%r] must be a venv runtime" % (key,))
+            specs[key] = check_venv_runtime(runtime)
+        # The container programs answer on threads while the GPUs and environments are looked at.
+        probes = self.containers.start_container_probes(sorted(set(images)))
+        meminfo = _read_text("/proc/meminfo")
+        memory = parse_meminfo(meminfo).get("MemTotal") if meminfo else None
+        result = {
+            "hostname": socket.gethostname(),
+            "boot_id": read_boot_id(),
+            "cpus": count_cpus(),
+            "memory_bytes": memory,
+        }
+        result.update(self._query_gpus())
+        result["python"] = {"path": sys.executable, "version": platform.python_version()}
+        result["venvs"] = dict((key, self.venvs.venv_facts(spec)) for key, spec in specs.items())
+        result["containers"] = self.containers.container_facts(probes)
+        return result
+
+    def _query_gpus(self):
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            # No nvidia-smi means no GPUs, not an error (R-2.1).
+            return {"nvidia_smi": "absent", "nvidia_smi_error": None, "gpus": []}
+        out, error = _run_nvidia_smi(
+            exe, ["--query-gpu=" + ",".join(GPU_QUERY_FIELDS), "--format=csv,noheader,nounits"]
+        )
+        parsed = parse_gpu_csv(out or "")
+        gpus = parsed["gpus"]
+        if error is None and parsed["unparsed"]:
+            error = "nvidia-smi printed: " + " | ".join(parsed["unparsed"])[:1000]
+        if gpus:
+            apps_out, apps_error = _run_nvidia_smi(
+                exe, ["--query-compute-apps=" + ",".join(COMPUTE_APPS_FIELDS), "--format=csv,noheader,nounits"]
+            )
+            if apps_error is None:
+                mark_foreign_gpu_memory(
+                    gpus, parse_compute_apps_csv(apps_out), self._own_sessions(), _session_of
+                )
+        return {"nvidia_smi": "ok" if error is None else "error", "nvidia_smi_error": error, "gpus": gpus}
+
+    def _own_sessions(self):
+        sessions = set()
+        for shard_id, state in self.root_dir.all_states():
+            if _identity(state)[0] == "alive":
+                info = read_proc_stat(state["pid"])
+                if info is not None:
+                    sessions.add(info["session"])
+        return sessions
+
+
+
+def _session_of(pid):
+    info = read_proc_stat(pid)
+    return info["session"] if info is not None else None
+
+
+def _run_nvidia_smi(exe, arguments):
+    """(stdout, error): error is None on success, else a sentence with nvidia-smi's message."""
+    try:
+        proc = subprocess.run(
+            [exe] + arguments,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            timeout=NVIDIA_SMI_TIMEOUT,
+        )
+    except subprocess.TimeoutExpired:
+        return None, "nvidia-smi did not answer within %g s" % NVIDIA_SMI_TIMEOUT
+    except OSError as exc:
+        return None, "could not run nvidia-smi: %s" % exc
+    out = proc.stdout.decode("utf-8", "replace")
+    if proc.returncode != 0:
+        message = proc.stderr.decode("utf-8", "replace").strip() or out.strip()
+        message = " ".join(message.split())[:1000]
+        return out, "nvidia-smi exited with status %d: %s" % (proc.returncode, message or "no message")
+    return out, None
+
+
+# ---- remote/helper/storage.py --------------------------------------------------------------
+# Storage: free space per filesystem, and the weights a node already holds (R-2.4 to R-2.6).
+# A directory that hangs (a dead filer) is probed on a thread and skipped until it answers.
+
+
+class Storage(object):
+    """storage, holdings: a part of Node (below)."""
+
+    def __init__(self, verified):
+        self.verified = verified
+        self.stuck = {}  # path -> the probe thread still hanging on it
+        self.stuck_lock = threading.Lock()
+
+    def _stuck_paths(self, paths):
+        """Which of paths still have a probe hanging from an earlier call; finished probes
+        are forgotten, so a mount that recovered is looked at again."""
+        stuck = set()
+        with self.stuck_lock:
+            for path in paths:
+                thread = self.stuck.get(path)
+                if thread is None:
+                    continue
+                if thread.is_alive():
+                    stuck.add(path)
+                else:
+                    del self.stuck[path]
+        return stuck
+
+    def _mark_stuck(self, path, thread):
+        with self.stuck_lock:
+            self.stuck[path] = thread
+
+    def op_storage(self, args, ctx):
+        requested = _arg(args, "dirs", (list,))
+        timeout = _arg_timeout(args, "timeout", DEFAULT_STORAGE_TIMEOUT, upper=300.0)
+        dirs = []
+        for item in requested:
+            if isinstance(item, str):
+                item = {"path": item}
+            if not isinstance(item, dict):
+                raise bad_args("each of 'dirs' must be {\"path\": str, \"shared\": bool}")
+            given = _arg(item, "path", (str,))
+            path = _arg_path(item, "path")
+            shared = _arg(item, "shared", (bool,), False)
+            dirs.append((given, path, shared))
+        mounts = parse_mountinfo(_read_text("/proc/self/mountinfo") or "")
+        already = self._stuck_paths([path for _, path, _ in dirs])
+        probes = []
+        for given, path, shared in dirs:
+            if path in already:
+                probes.append((given, path, shared, None, None))
+                continue
+            thread, box = _start_bounded(lambda path=path: _probe_directory(path))
+            probes.append((given, path, shared, thread, box))
+        deadline = time.monotonic() + timeout
+        filesystems = []
+        by_device = {}
+        missing = []
+        stuck = []
+        for given, path, shared, thread, box in probes:
+            if thread is not None:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if thread is None or thread.is_alive():
+                if thread is not None:
+                    self._mark_stuck(path, thread)
+                stuck.append(given)
+                continue
+            if "error" in box:
+                # Missing or unreadable: an unmounted filer looks like this. Skipped, never
+                # reported as an empty or full disk (R-2.4).
+                missing.append(given)
+                continue
+            real, device, total, free = box["value"]
+            entry = by_device.get(device)
+            if entry is None:
+                mount = find_mount(mounts, real, device)
+                fstype = mount["fstype"] if mount else None
+                entry = {
+                    "device": device,
+                    "fstype": fstype,
+                    "mount_point": mount["mount_point"] if mount else None,
+                    "shared": is_shared_fstype(fstype),
+                    "total_bytes": total,
+                    "free_bytes": free,
+                    "dirs": [],
+                }
+                by_device[device] = entry
+                filesystems.append(entry)
+            entry["dirs"].append(given)
+            entry["shared"] = entry["shared"] or shared
+        return {"filesystems": filesystems, "missing": missing, "stuck": stuck}
+
+    # -- holdings --------------------------------------------------------------------------
+
+    def op_holdings(self, args, ctx):
+        candidates = _arg(args, "candidates", (dict,))
+        timeout = _arg_timeout(args, "timeout", DEFAULT_HOLDINGS_TIMEOUT, upper=600.0)
+        for key, paths in candidates.items():
+            if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
+                raise bad_args("candidates[%r] must be a list of paths" % key)
+        deadline = time.monotonic() + timeout
+        held = {}
+        stuck = []
+        for key, paths in candidates.items():
+            for given in paths:
+                path = os.path.expanduser(given)
+                if given in stuck or self._stuck_paths([path]):
+                    if given not in stuck:
+                        stuck.append(given)
+                    continue
+                thread, box = _start_bounded(lambda path=path: self.verified.holding(path))
+                thread.join(max(0.0, deadline - time.monotonic()))
+                if thread.is_alive():
+                    self._mark_stuck(path, thread)
+                    stuck.append(given)
+                    continue
+                found = box.get("value")
+                if found is not None:
+                    held[key] = dict(found, path=given)
+                    if found.get("file"):
+                        held[key]["file"] = os.path.join(given, os.path.relpath(found["file"], path))
+                    break
+        return {"held": held, "stuck": stuck}
+
+
+
+def _probe_directory(path):
+    """(realpath, "MAJ:MIN", total bytes, free bytes) of a directory; raises when missing."""
+    real = os.path.realpath(path)
+    info = os.stat(real)
+    if not stat.S_ISDIR(info.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
+    vfs = os.statvfs(real)
+    device = "%d:%d" % (os.major(info.st_dev), os.minor(info.st_dev))
+    # f_bavail: what an unprivileged writer (the engine, the fetch) can really use.
+    return real, device, vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
+
+
+# ---- remote/helper/fetch.py ----------------------------------------------------------------
 # Downloads
 
 
@@ -1982,492 +2487,19 @@ class FetchJob(object):
 
 
 # --------------------------------------------------------------------------------------------
-# The node: every operation, usable from serve and from the one-shot command line.
-
-
-class Context(object):
-    """What an operation may do besides returning: stream events, notice a cancel."""
-
-    def __init__(self, request_id=None, send=None):
-        self.id = request_id
-        self.key = (type(request_id).__name__, request_id)
-        self.cancelled = threading.Event()
-        self._send = send
-
-    def emit(self, event, data):
-        if self._send is not None:
-            self._send({"id": self.id, "event": event, "data": data})
-
-
-class NodeCore(object):
-    """What every part of the protocol shares: ROOT and the shard files in it, the fleet secret,
-    the requests running (what cancel reaches); and the operations ping, cancel, fleet_secret."""
-
-    def __init__(self, root, helper_path, sha256=None):
-        self.root = os.path.abspath(os.path.expanduser(root))
-        self.helper_path = os.path.abspath(helper_path)
-        self.sha256 = sha256
-        self.requests = {}
-        self.requests_lock = threading.Lock()
-        self.stuck = {}
-        self.stuck_lock = threading.Lock()
-        self.fetches = {}  # (cache_dir, name) -> the job new requests attach to
-        self.provisions = {}  # recipe id -> the environment build new requests attach to
-        self.python_versions = {}  # (interpreter, inode, mtime) -> the version it reports
-        self.running_jobs = set()  # every job not yet ended, abandoned ones included
-        self.fetch_lock = threading.Lock()
-        self.launch_lock = threading.Lock()
-        self.pulls = {}  # (container program, image) -> the PullJob new provisions attach to
-        self.pull_lock = threading.Lock()
-        self.container_probes = {}  # container program -> its latest inventory probe (a thread)
-        self.env_seals = {}  # (path, the seal file's inode, mtime, ctime, size) -> sealed or not
-        self.probe_lock = threading.Lock()
-        self.verified_lock = threading.Lock()  # the node-local record of verified files
-        self.verified_read = (None, {})  # (the record file's stamp, its files) as last read
-        self.closing = threading.Event()
-        self._opener = None
-        self.files_hashed = 0  # files of cache entries read to check them at launch
-        self.secret = self._stored_secret()
-
-    # -- bookkeeping ----------------------------------------------------------------------
-
-    def register(self, ctx):
-        with self.requests_lock:
-            self.requests[ctx.key] = ctx
-
-    def unregister(self, ctx):
-        with self.requests_lock:
-            if self.requests.get(ctx.key) is ctx:
-                del self.requests[ctx.key]
-
-    def shutdown(self, wait=3.0):
-        """Stop follows and downloads (their temp dirs are removed); engines stay up."""
-        self.closing.set()
-        with self.requests_lock:
-            contexts = list(self.requests.values())
-        for ctx in contexts:
-            ctx.cancelled.set()
-        with self.fetch_lock:
-            jobs = list(self.running_jobs)
-        for job in jobs:
-            job.abort.set()
-        deadline = time.monotonic() + wait
-        for job in jobs:
-            if job.thread is not None:
-                job.thread.join(max(0.0, deadline - time.monotonic()))
-
-    def shards_dir(self):
-        return os.path.join(self.root, "shards")
-
-    # -- the fleet secret: seals cache entries (see cache_entry) ---------------------------
-
-    def _stored_secret(self):
-        """The fleet secret kept in ROOT, or None: only a regular file of this user's that
-        nobody else can read counts."""
-        try:
-            fd = open_below(self.root, [FLEET_SECRET_FILE])
-        except OSError:
-            return None
-        with os.fdopen(fd, "rb") as handle:
-            info = os.fstat(handle.fileno())
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-                return None
-            text = handle.read(256).decode("ascii", "replace").strip()
-        return text if FLEET_SECRET_RE.fullmatch(text) else None
-
-    def op_fleet_secret(self, args, ctx):
-        if self.sha256 is None:
-            raise bad_args("fleet_secret is only available through serve --expect-sha256")
-        secret = _arg(args, "secret", (str,))
-        if not FLEET_SECRET_RE.fullmatch(secret):
-            # The value is never echoed, not even in a refusal.
-            raise bad_args("secret must be 32 to 128 lowercase hex digits")
-        if secret != self.secret:
-            try:
-                _write_private_file(os.path.join(self.root, FLEET_SECRET_FILE), secret + "\n")
-            except OSError as exc:
-                raise HelperError("permissions", "cannot keep the fleet secret in %s: %s" % (self.root, exc.strerror or exc))
-            self.secret = secret
-        return {"stored": True}
-
-    def entry_bytes(self, path):
-        """weights_bytes with this node's fleet secret."""
-        return weights_bytes(path, self.secret)
-
-    # -- the node-local record of big files verified (see verify_weights) -----------------
-
-    def _verified_file(self):
-        # In ROOT, never on the cache's filer; named by host in case ROOT is a shared home.
-        return "verified-%s.json" % re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
-
-    def _load_verified(self):
-        """{file path: file_stamp + [sha256]} this node hashed and found as sealed; {} when none.
-        Read again only when the record file's stamp changed (an environment's record holds tens
-        of thousands of files); never change what this returns."""
-        try:
-            fd = open_below(self.root, [self._verified_file()])
-        except OSError:
-            return {}
-        with os.fdopen(fd, "rb") as handle:
-            stamp = file_stamp(os.fstat(handle.fileno()))
-            known, files = self.verified_read
-            if known == stamp:
-                return files
-            try:
-                record = json.loads(handle.read().decode("utf-8"))
-            except ValueError:
-                record = None
-        files = record.get("files") if isinstance(record, dict) else None
-        files = files if isinstance(files, dict) else {}
-        self.verified_read = (stamp, files)
-        return files
-
-    def _merge_verified(self, changes, dropped=()):
-        if not changes and not dropped:
-            return
-        with self.verified_lock:
-            files = dict(self._load_verified())
-            for path in dropped:
-                files.pop(path, None)
-            files.update(changes)
-            if len(files) > VERIFIED_RECORD_MAX:  # the first recorded go first: dicts keep their order
-                files = dict(list(files.items())[-VERIFIED_RECORD_MAX:])
-            try:
-                _write_json_atomic(os.path.join(self.root, self._verified_file()), {"files": files})
-            except OSError:
-                pass  # only a cache of work done: the next launch hashes again
-
-    def note_verified(self, path, files, hashes, always=always_verified):
-        """Record the big files of the entry at path as verified with hashes (a fetch hashed
-        them while writing them)."""
-        changes = {}
-        for relative, size in files:
-            if always(relative, size):
-                continue
-            full = os.path.join(path, relative)
-            try:
-                info = os.lstat(full)
-            except OSError:
-                continue
-            if stat.S_ISREG(info.st_mode):
-                changes[full] = file_stamp(info) + [hashes[relative]]
-        self._merge_verified(changes)
-
-    def verify_weights(self, argv):
-        """Refuse (weights_integrity) a launch whose argv names a cache entry that is not sealed
-        by this fleet, or whose files do not have the SHA-256 the seal covers (R-5.6). Small files
-        and code are hashed every time, big ones when they changed since this node last did.
-        Nothing is removed: a rewritten or planted entry is refused, never trusted."""
-        for path in entries_named(argv):
-            entry, problem = sealed_entry(path, self.secret)
-            if problem is not None:
-                raise HelperError("weights_integrity", "%s is not a sealed cache entry of this fleet (%s); the engine "
-                                                       "was not started" % (path, problem))
-            problem = self.verify_entry(path, entry)
-            if problem is not None:
-                raise HelperError("weights_integrity", problem + "; the engine was not started")
-
-    def verify_entry(self, path, entry, on_bytes=None, always=always_verified):
-        """verify_entry_content against this node's record, which it then updates; the problem
-        or None."""
-        before = self._load_verified()
-        verified = dict(before)
-        problem, hashed = verify_entry_content(path, entry, verified, on_bytes, always)
-        self.files_hashed += len(hashed)
-        changes = dict((key, value) for key, value in verified.items() if before.get(key) != value)
-        self._merge_verified(changes, dropped=[key for key in before if key not in verified])
-        return problem
-
-    def holding(self, path):
-        """{"bytes"} of the weights at path, and for a cache entry "file" and "verified" (its big
-        files are as this node last hashed them: a launch need not read them); None when none."""
-        if not os.path.basename(os.path.normpath(path)).startswith("llmgw-"):
-            size = self.entry_bytes(path)
-            return None if size is None else {"bytes": size}
-        entry, _ = sealed_entry(path, self.secret)
-        if entry is None:
-            return None
-        return {"bytes": entry["bytes"], "file": entry_file(path),
-                "verified": verified_here(path, entry, self._load_verified())}
-
-    def shard_dir(self, shard_id):
-        return os.path.join(self.shards_dir(), shard_id)
-
-    def read_state(self, shard_id):
-        return _read_json(None, lambda: self.open_shard_file(shard_id, STATE_FILE))
-
-    def open_shard_file(self, shard_id, name, flags=_NOFOLLOW_READ):
-        return open_below(self.root, ["shards", shard_id, name], flags)
-
-    def shard_log_tail(self, shard_id, count):
-        return tail_lines(None, count, opener=lambda: self.open_shard_file(shard_id, LOG_FILE))
-
-    def private_dir(self, path):
-        """Make path (0700) unless it exists; refuse one that is a link or open to others."""
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise HelperError("permissions", "cannot make %s: %s" % (path, exc.strerror or exc))
-        problem = private_dir_problem(path, os.getuid())
-        if problem is not None:
-            raise HelperError("permissions", problem)
-
-    # -- ping, cancel ----------------------------------------------------------------------
-
-    def op_ping(self, args, ctx):
-        return {"time": time.time()}
-
-    def op_cancel(self, args, ctx):
-        target = args.get("target")
-        if isinstance(target, bool) or not isinstance(target, (int, str)):
-            raise bad_args("argument 'target' must be the id (int or str) of a running request")
-        with self.requests_lock:
-            victim = self.requests.get((type(target).__name__, target))
-        if victim is None or victim is ctx:
-            return {"cancelled": False}
-        victim.cancelled.set()
-        return {"cancelled": True}
-
-
-# --------------------------------------------------------------------------------------------
-# Inventory: what the machine is and which GPUs are usable (R-2.1, R-2.2).
-
-
-class InventoryOps(object):
-    """inventory: a part of Node (below)."""
-
-    def op_inventory(self, args, ctx):
-        images = _arg(args, "images", (list,), [])
-        if len(images) > INVENTORY_IMAGES_MAX:
-            raise bad_args("at most %d images may be asked about, got %d" % (INVENTORY_IMAGES_MAX, len(images)))
-        for image in images:
-            _check_image(image)
-        venvs = _arg(args, "venvs", (dict,), {})
-        if len(venvs) > INVENTORY_VENVS_MAX:
-            raise bad_args("at most %d venv recipes may be asked about, got %d" % (INVENTORY_VENVS_MAX, len(venvs)))
-        specs = {}
-        for key, runtime in venvs.items():
-            if not isinstance(runtime, dict) or runtime.get("kind") != "venv":
-                raise bad_args("venvs[%r] must be a venv runtime" % (key,))
-            specs[key] = check_venv_runtime(runtime)
-        # The container programs answer on threads while the GPUs and environments are looked at.
-        probes = self.start_container_probes(sorted(set(images)))
-        meminfo = _read_text("/proc/meminfo")
-        memory = parse_meminfo(meminfo).get("MemTotal") if meminfo else None
-        result = {
-            "hostname": socket.gethostname(),
-            "boot_id": read_boot_id(),
-            "cpus": count_cpus(),
-            "memory_bytes": memory,
-        }
-        result.update(self._query_gpus())
-        result["python"] = {"path": sys.executable, "version": platform.python_version()}
-        result["venvs"] = dict((key, self.venv_facts(spec)) for key, spec in specs.items())
-        result["containers"] = self.container_facts(probes)
-        return result
-
-    def _query_gpus(self):
-        exe = shutil.which("nvidia-smi")
-        if exe is None:
-            # No nvidia-smi means no GPUs, not an error (R-2.1).
-            return {"nvidia_smi": "absent", "nvidia_smi_error": None, "gpus": []}
-        out, error = _run_nvidia_smi(
-            exe, ["--query-gpu=" + ",".join(GPU_QUERY_FIELDS), "--format=csv,noheader,nounits"]
-        )
-        parsed = parse_gpu_csv(out or "")
-        gpus = parsed["gpus"]
-        if error is None and parsed["unparsed"]:
-            error = "nvidia-smi printed: " + " | ".join(parsed["unparsed"])[:1000]
-        if gpus:
-            apps_out, apps_error = _run_nvidia_smi(
-                exe, ["--query-compute-apps=" + ",".join(COMPUTE_APPS_FIELDS), "--format=csv,noheader,nounits"]
-            )
-            if apps_error is None:
-                mark_foreign_gpu_memory(
-                    gpus, parse_compute_apps_csv(apps_out), self._own_sessions(), _session_of
-                )
-        return {"nvidia_smi": "ok" if error is None else "error", "nvidia_smi_error": error, "gpus": gpus}
-
-    def _own_sessions(self):
-        sessions = set()
-        for shard_id, state in self._all_states():
-            if _identity(state)[0] == "alive":
-                info = read_proc_stat(state["pid"])
-                if info is not None:
-                    sessions.add(info["session"])
-        return sessions
-
-
-
-def _session_of(pid):
-    info = read_proc_stat(pid)
-    return info["session"] if info is not None else None
-
-
-def _run_nvidia_smi(exe, arguments):
-    """(stdout, error): error is None on success, else a sentence with nvidia-smi's message."""
-    try:
-        proc = subprocess.run(
-            [exe] + arguments,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            timeout=NVIDIA_SMI_TIMEOUT,
-        )
-    except subprocess.TimeoutExpired:
-        return None, "nvidia-smi did not answer within %g s" % NVIDIA_SMI_TIMEOUT
-    except OSError as exc:
-        return None, "could not run nvidia-smi: %s" % exc
-    out = proc.stdout.decode("utf-8", "replace")
-    if proc.returncode != 0:
-        message = proc.stderr.decode("utf-8", "replace").strip() or out.strip()
-        message = " ".join(message.split())[:1000]
-        return out, "nvidia-smi exited with status %d: %s" % (proc.returncode, message or "no message")
-    return out, None
-
-
-# --------------------------------------------------------------------------------------------
-# Storage: free space per filesystem, and the weights a node already holds (R-2.4 to R-2.6).
-# A directory that hangs (a dead filer) is probed on a thread and skipped until it answers.
-
-
-class StorageOps(object):
-    """storage, holdings: a part of Node (below)."""
-
-    def _stuck_paths(self, paths):
-        """Which of paths still have a probe hanging from an earlier call; finished probes
-        are forgotten, so a mount that recovered is looked at again."""
-        stuck = set()
-        with self.stuck_lock:
-            for path in paths:
-                thread = self.stuck.get(path)
-                if thread is None:
-                    continue
-                if thread.is_alive():
-                    stuck.add(path)
-                else:
-                    del self.stuck[path]
-        return stuck
-
-    def _mark_stuck(self, path, thread):
-        with self.stuck_lock:
-            self.stuck[path] = thread
-
-    def op_storage(self, args, ctx):
-        requested = _arg(args, "dirs", (list,))
-        timeout = _arg_timeout(args, "timeout", DEFAULT_STORAGE_TIMEOUT, upper=300.0)
-        dirs = []
-        for item in requested:
-            if isinstance(item, str):
-                item = {"path": item}
-            if not isinstance(item, dict):
-                raise bad_args("each of 'dirs' must be {\"path\": str, \"shared\": bool}")
-            given = _arg(item, "path", (str,))
-            path = _arg_path(item, "path")
-            shared = _arg(item, "shared", (bool,), False)
-            dirs.append((given, path, shared))
-        mounts = parse_mountinfo(_read_text("/proc/self/mountinfo") or "")
-        already = self._stuck_paths([path for _, path, _ in dirs])
-        probes = []
-        for given, path, shared in dirs:
-            if path in already:
-                probes.append((given, path, shared, None, None))
-                continue
-            thread, box = _start_bounded(lambda path=path: _probe_directory(path))
-            probes.append((given, path, shared, thread, box))
-        deadline = time.monotonic() + timeout
-        filesystems = []
-        by_device = {}
-        missing = []
-        stuck = []
-        for given, path, shared, thread, box in probes:
-            if thread is not None:
-                thread.join(max(0.0, deadline - time.monotonic()))
-            if thread is None or thread.is_alive():
-                if thread is not None:
-                    self._mark_stuck(path, thread)
-                stuck.append(given)
-                continue
-            if "error" in box:
-                # Missing or unreadable: an unmounted filer looks like this. Skipped, never
-                # reported as an empty or full disk (R-2.4).
-                missing.append(given)
-                continue
-            real, device, total, free = box["value"]
-            entry = by_device.get(device)
-            if entry is None:
-                mount = find_mount(mounts, real, device)
-                fstype = mount["fstype"] if mount else None
-                entry = {
-                    "device": device,
-                    "fstype": fstype,
-                    "mount_point": mount["mount_point"] if mount else None,
-                    "shared": is_shared_fstype(fstype),
-                    "total_bytes": total,
-                    "free_bytes": free,
-                    "dirs": [],
-                }
-                by_device[device] = entry
-                filesystems.append(entry)
-            entry["dirs"].append(given)
-            entry["shared"] = entry["shared"] or shared
-        return {"filesystems": filesystems, "missing": missing, "stuck": stuck}
-
-    # -- holdings --------------------------------------------------------------------------
-
-    def op_holdings(self, args, ctx):
-        candidates = _arg(args, "candidates", (dict,))
-        timeout = _arg_timeout(args, "timeout", DEFAULT_HOLDINGS_TIMEOUT, upper=600.0)
-        for key, paths in candidates.items():
-            if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
-                raise bad_args("candidates[%r] must be a list of paths" % key)
-        deadline = time.monotonic() + timeout
-        held = {}
-        stuck = []
-        for key, paths in candidates.items():
-            for given in paths:
-                path = os.path.expanduser(given)
-                if given in stuck or self._stuck_paths([path]):
-                    if given not in stuck:
-                        stuck.append(given)
-                    continue
-                thread, box = _start_bounded(lambda path=path: self.holding(path))
-                thread.join(max(0.0, deadline - time.monotonic()))
-                if thread.is_alive():
-                    self._mark_stuck(path, thread)
-                    stuck.append(given)
-                    continue
-                found = box.get("value")
-                if found is not None:
-                    held[key] = dict(found, path=given)
-                    if found.get("file"):
-                        held[key]["file"] = os.path.join(given, os.path.relpath(found["file"], path))
-                    break
-        return {"held": held, "stuck": stuck}
-
-
-
-def _probe_directory(path):
-    """(realpath, "MAJ:MIN", total bytes, free bytes) of a directory; raises when missing."""
-    real = os.path.realpath(path)
-    info = os.stat(real)
-    if not stat.S_ISDIR(info.st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
-    vfs = os.statvfs(real)
-    device = "%d:%d" % (os.major(info.st_dev), os.minor(info.st_dev))
-    # f_bavail: what an unprivileged writer (the engine, the fetch) can really use.
-    return real, device, vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize
-
-
-# --------------------------------------------------------------------------------------------
 # Fetch: downloads into a cache directory, single-flight, bounded, sealed (R-5.1 to R-5.3).
 
 
-class FetchOps(object):
+class Fetches(object):
     """fetch, source_size: a part of Node (below). A download runs as a FetchJob on its own
     thread; requests for the same entry attach to it."""
+
+    def __init__(self, root_dir, verified, jobs):
+        self.root_dir = root_dir
+        self.verified = verified
+        self.jobs = jobs
+        self.fetches = {}  # (cache_dir, name) -> the job new requests attach to
+        self._opener = None
 
     def op_fetch(self, args, ctx):
         source = _check_source(_arg(args, "source", (dict,)))
@@ -2481,25 +2513,18 @@ class FetchOps(object):
             raise bad_args("max_bytes must be a positive number of bytes, got %r" % limit)
         stall_timeout = _arg_timeout(args, "stall_timeout", DEFAULT_STALL_TIMEOUT)
         final = os.path.join(cache_dir, name)
-        if self.secret is None:
+        if self.root_dir.secret is None:
             raise HelperError("no_secret", "no fleet secret on this node: a fetched entry could not be sealed (the control plane sends it)")
-        entry, _ = sealed_entry(final, self.secret)
+        entry, _ = sealed_entry(final, self.root_dir.secret)
         if entry is not None:
             # Here already (another node of the fleet may have fetched it onto a shared filer):
             # checked by hash instead of downloaded again (R-5.6).
             self._check_present_entry(final, entry, ctx)
             return {"path": final, "bytes": entry["bytes"], "file": entry_file(final)}
         key = (cache_dir, name)
-        with self.fetch_lock:
-            job = self.fetches.get(key)
-            start = job is None or not job.attach(ctx.key, ctx.emit)
-            if start:
-                job = FetchJob(key, cache_dir, name, source, token, stall_timeout=stall_timeout,
-                               limit=limit or DEFAULT_FETCH_LIMIT,
-                               limit_origin="the request's max_bytes" if limit else "the helper's default")
-                self.fetches[key] = job
-                self.running_jobs.add(job)
-                job.attach(ctx.key, ctx.emit)
+        job, start = self.jobs.attach_or_start(self.fetches, key, ctx, lambda: FetchJob(
+            key, cache_dir, name, source, token, stall_timeout=stall_timeout, limit=limit or DEFAULT_FETCH_LIMIT,
+            limit_origin="the request's max_bytes" if limit else "the helper's default"))
         if start:
             job.thread = threading.Thread(target=self._run_fetch, args=(job,), name="llmgw-fetch", daemon=True)
             job.thread.start()
@@ -2529,7 +2554,7 @@ class FetchOps(object):
                 state["shown"] = now
                 ctx.emit("checking", {"bytes": state["done"], "total": entry["bytes"]})
 
-        problem = self.verify_entry(final, entry, on_bytes)
+        problem = self.verified.verify_entry(final, entry, on_bytes)
         if problem is not None:
             raise HelperError("weights_integrity", problem)
 
@@ -2545,8 +2570,7 @@ class FetchOps(object):
         return {"bytes": total, "files": len(files)}
 
     def busy_cache_names(self, cache_dir):
-        with self.fetch_lock:
-            jobs = [job for job in self.running_jobs if job.cache_dir == cache_dir]
+        jobs = self.jobs.writing_into(cache_dir)
         busy = set()
         for job in jobs:
             busy.add(job.name)
@@ -2562,19 +2586,16 @@ class FetchOps(object):
         except Exception as exc:
             job.error = HelperError("internal", "%s: %s" % (type(exc).__name__, exc))
         finally:
-            with self.fetch_lock:
-                if self.fetches.get(job.key) is job:
-                    del self.fetches[job.key]
-                self.running_jobs.discard(job)
+            self.jobs.ended(self.fetches, job)
             job.done.set()
 
     def _download(self, job):
         cache_dir = job.cache_dir
         final = os.path.join(cache_dir, job.name)
-        size = self.entry_bytes(final)
+        size = self.verified.entry_bytes(final)
         if size is not None:  # finished by a job that ended between our check and our start
             return {"path": final, "bytes": size}
-        _refuse_foreign_entry(final, self.secret)
+        _refuse_foreign_entry(final, self.root_dir.secret)
         temp = None
         lease = None
         try:
@@ -2607,18 +2628,18 @@ class FetchOps(object):
                 "files": len(manifest),
                 "finished_at": time.time(),
                 "sha256": job.hashes,
-                "seal": entry_seal(self.secret, job.name, manifest, job.hashes),
+                "seal": entry_seal(self.root_dir.secret, job.name, manifest, job.hashes),
             }
             try:
                 _write_json_atomic(os.path.join(temp, COMPLETE_MARKER), marker, mode=0o600 if job.private else 0o644)
                 os.chmod(temp, 0o700 if job.private else 0o755)
                 if os.path.lexists(final):
-                    size = cache_entry(final, self.secret)[0]
+                    size = cache_entry(final, self.root_dir.secret)[0]
                     if size is not None:
                         # Another helper (of this node or another) finished it first.
                         remove_tree_within(cache_dir, os.path.basename(temp))
                         return {"path": final, "bytes": size}
-                    _refuse_foreign_entry(final, self.secret)
+                    _refuse_foreign_entry(final, self.root_dir.secret)
                     # Ours by name and owner, and incomplete: nothing may keep its place.
                     remove_tree_within(cache_dir, job.name)
                 lease.set()
@@ -2634,7 +2655,7 @@ class FetchOps(object):
                 pass  # left out of the seal and of reclaim's judgement of an entry anyway
             # These bytes were hashed as they streamed in: the first launch here need not
             # read the big files again.
-            self.note_verified(final, manifest, job.hashes)
+            self.verified.note_verified(final, manifest, job.hashes)
             return {"path": final, "bytes": job.bytes}
         finally:
             if lease is not None:
@@ -2961,7 +2982,7 @@ def _disk_error(exc, cache_dir, job):
     return None
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/venvs.py ----------------------------------------------------------------
 # Environments: Python environments the helper builds for an engine (runtime: venv, R-4.11).
 # See "Environments" in the module docstring: built in place, sealed like cache entries.
 
@@ -3161,7 +3182,7 @@ class EnvJob(object):
     """One environment being built, shared by every request that asked for it (single-flight per
     recipe): their progress, the build's abort when the last of them leaves, its answer."""
 
-    cache_dir = None  # not a download: the fetch bookkeeping it shares (running_jobs) passes over it
+    cache_dir = None  # not a download: what Jobs.writing_into asks passes over it
     temp_name = None
 
     def __init__(self, recipe_id, recipe, spec, path, interpreter):
@@ -3240,26 +3261,27 @@ class EnvJob(object):
                 pass
 
 
-class VenvOps(object):
-    """provision, envs: a part of Node (below); venv_launch for launch, envs_reclaim for reclaim."""
+class Venvs(object):
+    """The environments of venv runtimes, a part of Node (below): built for provision, listed
+    for envs, venv_launch for launch, venv_facts for inventory, envs_reclaim for reclaim."""
+
+    def __init__(self, root_dir, verified, jobs):
+        self.root_dir = root_dir
+        self.verified = verified
+        self.jobs = jobs
+        self.provisions = {}  # recipe id -> the environment build new requests attach to (under jobs.lock)
+        self.python_versions = {}  # (interpreter, inode, mtime) -> the version it reports
+        self.env_seals = {}  # (path, the seal file's inode, mtime, ctime, size) -> sealed or not
+        self.probe_lock = threading.Lock()  # guards env_seals
 
     def envs_dir(self):
-        return os.path.join(self.root, ENVS_DIR)
-
-    def op_provision(self, args, ctx):
-        runtime = _arg(args, "runtime", (dict,))
-        kind = runtime.get("kind")
-        if kind == "venv":
-            return self.provision_venv(runtime, ctx)
-        if kind == "container":
-            return self.provision_container(runtime, ctx)
-        raise bad_args("runtime.kind must be one of %s, got %r" % (", ".join(RUNTIME_KINDS), kind))
+        return os.path.join(self.root_dir.path, ENVS_DIR)
 
     def provision_venv(self, runtime, ctx):
         """Build the environment of a venv runtime once (single-flight per recipe), or find it
         built; events "progress" {"phase", "line"}."""
         spec = check_venv_runtime(runtime)
-        if self.secret is None:
+        if self.root_dir.secret is None:
             raise HelperError("no_secret", "no fleet secret on this node: an environment could not be sealed "
                                            "(the control plane sends it)")
         recipe_id, recipe, interpreter = self.venv_recipe(spec)
@@ -3270,14 +3292,8 @@ class VenvOps(object):
         if state == "foreign":
             raise HelperError("integrity", "%s is not an environment llmgw built and sealed (%s); it is never run "
                                            "nor removed: look at it, then remove it" % (path, detail))
-        with self.fetch_lock:
-            job = self.provisions.get(recipe_id)
-            start = job is None or not job.attach(ctx.key, ctx.emit)
-            if start:
-                job = EnvJob(recipe_id, recipe, spec, path, interpreter)
-                self.provisions[recipe_id] = job
-                self.running_jobs.add(job)
-                job.attach(ctx.key, ctx.emit)
+        job, start = self.jobs.attach_or_start(self.provisions, recipe_id, ctx,
+                                               lambda: EnvJob(recipe_id, recipe, spec, path, interpreter))
         if start:
             job.thread = threading.Thread(target=self._run_provision, args=(job,), name="llmgw-provision", daemon=True)
             job.thread.start()
@@ -3363,18 +3379,15 @@ class VenvOps(object):
             traceback.print_exc(file=sys.stderr)
             job.error = HelperError("internal", "%s: %s" % (type(exc).__name__, exc))
         finally:
-            with self.fetch_lock:
-                if self.provisions.get(job.key) is job:
-                    del self.provisions[job.key]
-                self.running_jobs.discard(job)
+            self.jobs.ended(self.provisions, job)
             job.done.set()
 
     def _provision(self, job):
-        self.private_dir(self.envs_dir())
+        self.root_dir.private_dir(self.envs_dir())
         lock_fd = self._lock_env(job)
         try:
             # Judged again under the lock: another helper process may have built it meanwhile.
-            state, detail = env_state(job.path, self.secret)
+            state, detail = env_state(job.path, self.root_dir.secret)
             if state == "sealed":
                 return self._present_env(job.path, detail, job._emit)
             if state == "foreign":
@@ -3459,7 +3472,7 @@ class VenvOps(object):
     def _mark_building(self, job):
         marker = {"format": ENV_MARKER_FORMAT, "name": job.name, "id": job.key, "started_at": time.time(),
                   "hostname": socket.gethostname(), "boot_id": read_boot_id(), "pid": os.getpid(),
-                  "seal": building_seal(self.secret, job.name, job.key)}
+                  "seal": building_seal(self.root_dir.secret, job.name, job.key)}
         _write_json_atomic(os.path.join(job.path, ENV_BUILDING_MARKER), marker)
 
     def _run_step(self, job, argv, env, cwd, shown):
@@ -3511,13 +3524,13 @@ class VenvOps(object):
         marker = {"format": ENV_MARKER_FORMAT, "kind": "venv", "name": job.name, "id": job.key, "recipe": job.recipe,
                   "installer": installer, "bytes": total, "files": len(files), "finished_at": time.time(),
                   "sha256": hashes, "links": dict(links),
-                  "seal": entry_seal(self.secret, job.name, files, hashes, links=links, context=ENV_SEAL_CONTEXT,
+                  "seal": entry_seal(self.root_dir.secret, job.name, files, hashes, links=links, context=ENV_SEAL_CONTEXT,
                                      recipe=job.recipe)}
         _write_json_atomic(os.path.join(path, COMPLETE_MARKER), marker)
         os.unlink(os.path.join(path, ENV_BUILDING_MARKER))
         os.chmod(path, 0o500)
         # Hashed just now: a launch need not read them again while their stamps hold.
-        self.note_verified(path, files, hashes, always=never_rehashed)
+        self.verified.note_verified(path, files, hashes, always=never_rehashed)
         return {"files": files, "hashes": hashes, "links": links, "bytes": total, "marker": marker}
 
     # -- launch, envs, reclaim ----------------------------------------------------------------
@@ -3530,11 +3543,11 @@ class VenvOps(object):
         if runtime is None or runtime.get("kind") != "venv":
             return argv, env
         spec = check_venv_runtime(runtime)
-        if self.secret is None:
+        if self.root_dir.secret is None:
             raise HelperError("no_secret", "no fleet secret on this node: no environment's seal can be checked")
         recipe_id, _, _ = self.venv_recipe(spec)
         path = os.path.join(self.envs_dir(), env_name(recipe_id))
-        state, detail = env_state(path, self.secret)
+        state, detail = env_state(path, self.root_dir.secret)
         if state in ("absent", "unfinished"):
             how = "" if state == "absent" else " (a build of it is running or was cut off)"
             raise HelperError("engine_missing", "the environment for recipe %s is not built on this node%s: provision "
@@ -3542,7 +3555,7 @@ class VenvOps(object):
         if state == "foreign":
             raise HelperError("integrity", "%s is not an environment llmgw built and sealed (%s); the engine was not "
                                            "started, nothing was removed" % (path, detail))
-        problem = self.verify_entry(path, detail, always=never_rehashed)
+        problem = self.verified.verify_entry(path, detail, always=never_rehashed)
         if problem is not None:
             raise HelperError("integrity", problem.replace("its entry was sealed with", "the environment was sealed with")
                               .replace("after the fetch", "after it was built") + "; the engine was not started")
@@ -3566,14 +3579,7 @@ class VenvOps(object):
             return {"kind": "venv", "id": self.venv_recipe(check_venv_runtime(runtime))[0]}
         return {"kind": runtime.get("kind")}
 
-    def op_envs(self, args, ctx):
-        wanted = _arg(args, "wanted", (dict,), None)
-        result = {"envs": self.list_envs(), "images": self.list_images()}
-        if wanted is not None:
-            result["wanted"] = dict((key, self._wanted_name(runtime)) for key, runtime in wanted.items())
-        return result
-
-    def _wanted_name(self, runtime):
+    def wanted_name(self, runtime):
         """{"name", "error"}: the environment (venv-...) or image record (img-...) a runtime
         would use on this node, as its provision names it; error says why it cannot be told."""
         try:
@@ -3617,14 +3623,14 @@ class VenvOps(object):
             marker, problem = _read_marker(path, os.getuid())
             if problem is None and marker.get("format") == ENV_MARKER_FORMAT and isinstance(marker.get("recipe"), dict):
                 return "sealed", {"marker": marker, "bytes": marker.get("bytes")}
-        return env_state(path, self.secret)
+        return env_state(path, self.root_dir.secret)
 
     def env_built(self, path, walk=True):
         """Whether an environment this fleet's llmgw built and sealed is at path; None without the
         fleet secret. Its tree is walked (never read) once per state of its seal file, which every
         launch from it touches; launch checks its files again whatever this said. With walk
         false, only what is remembered for the seal file's state now (None when nothing is)."""
-        if self.secret is None:
+        if self.root_dir.secret is None:
             return None
         try:
             info = os.lstat(os.path.join(path, COMPLETE_MARKER))
@@ -3637,7 +3643,7 @@ class VenvOps(object):
             known = self.env_seals.get(key)
         if known is not None or not walk:
             return known
-        built = env_state(path, self.secret)[0] == "sealed"
+        built = env_state(path, self.root_dir.secret)[0] == "sealed"
         with self.probe_lock:
             for old in [k for k in self.env_seals if k[0] == path]:
                 del self.env_seals[old]
@@ -3656,7 +3662,7 @@ class VenvOps(object):
             if not ENV_NAME_RE.fullmatch(name):
                 continue
             path = os.path.join(self.envs_dir(), name)
-            state, detail = env_state(path, self.secret)
+            state, detail = env_state(path, self.root_dir.secret)
             entry = {"kind": "venv", "name": name, "id": None, "path": path, "bytes": None, "created_at": None,
                      "last_used": None, "sealed": state == "sealed", "python": None, "packages": None,
                      "installer": None, "reason": None, "used_by": used.get(name, [])}
@@ -3682,7 +3688,7 @@ class VenvOps(object):
 
     def _env_building(self, name):
         """Whether a helper process of this node is building it now (it holds its lock)."""
-        with self.fetch_lock:
+        with self.jobs.lock:
             if any(env_name(key) == name for key in self.provisions):
                 return True
         try:
@@ -3701,7 +3707,7 @@ class VenvOps(object):
         """{environment name: [shard ids]} of the engines that run from one now."""
         used = {}
         prefix = self.envs_dir() + os.sep
-        for shard_id, state in self._all_states():
+        for shard_id, state in self.root_dir.all_states():
             if _identity(state)[0] != "alive":
                 continue
             runtime = state.get("runtime") if isinstance(state.get("runtime"), dict) else {}
@@ -3729,7 +3735,7 @@ class VenvOps(object):
                 entry["reason"] = ("is not an environment's name (venv-<32 hex digits>); llmgw removes only the "
                                    "environments it built")
                 continue
-            state, detail = env_state(path, self.secret)
+            state, detail = env_state(path, self.root_dir.secret)
             if state == "absent":
                 entry["reason"] = "not present"
                 continue
@@ -3748,7 +3754,7 @@ class VenvOps(object):
             if not collect:
                 entry["action"] = "listed"
                 continue
-            with self.launch_lock:  # no launch starts from it while it goes
+            with self.root_dir.launch_lock:  # no launch starts from it while it goes
                 if name in self.envs_in_use():
                     entry["reason"] = "in use by a shard started meanwhile"
                     continue
@@ -3761,11 +3767,7 @@ class VenvOps(object):
         return entries
 
 
-# --------------------------------------------------------------------------------------------
-# Processes: engines launched under the supervisor, watched, stopped, their logs (R-4.4, R-4.7).
-
-
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/containers.py -----------------------------------------------------------
 # Containers: engines run from an image through the node's docker or podman (R-4.10).
 
 CONTAINER_PROGRAMS = ("docker", "podman")
@@ -4054,9 +4056,16 @@ class PullJob(object):
                 pass
 
 
-class ContainerOps(object):
+class Containers(object):
     """provision of a container runtime (the image, pulled single-flight) and the container a
     launch runs, and what inventory reports of the container programs: a part of Node (below)."""
+
+    def __init__(self, root_dir):
+        self.root_dir = root_dir
+        self.pulls = {}  # (container program, image) -> the PullJob new provisions attach to
+        self.pull_lock = threading.Lock()
+        self.container_probes = {}  # container program -> its latest inventory probe (a thread)
+        self.probe_lock = threading.Lock()  # guards container_probes
 
     def start_container_probes(self, images):
         """{program: (path or None, probe or None, started now)}: a probe started for each
@@ -4172,7 +4181,7 @@ class ContainerOps(object):
         if present is None:
             raise HelperError("engine_missing", "image %s is not on this node; provision pulls it (pull: %s)"
                               % (image, runtime.get("pull") or "if_missing"))
-        if self.secret is None:
+        if self.root_dir.secret is None:
             raise HelperError("no_secret", "no fleet secret on this node: its containers could not be labelled")
         container_name = "llmgw-" + shard_id
         self._remove_stale_container(name, path, container_name, shard_id)
@@ -4184,7 +4193,7 @@ class ContainerOps(object):
         else:
             command += ["--ipc", "host"]
         labels = dict(runtime.get("labels") or {})
-        labels.update({"llmgw.shard": shard_id, "llmgw.fleet": fleet_id(self.secret)})
+        labels.update({"llmgw.shard": shard_id, "llmgw.fleet": fleet_id(self.root_dir.secret)})
         for label, value in sorted(labels.items()):
             command += ["--label", "%s=%s" % (label, value)]
         mounts = [shard_dir] + [m for m in runtime.get("mounts") or [] if os.path.isdir(m)]
@@ -4214,7 +4223,7 @@ class ContainerOps(object):
     # -- the images profiles ran: listed by envs, removed by reclaim (R-4.12) -------------------
 
     def images_dir(self):
-        return os.path.join(self.root, IMAGES_DIR)
+        return os.path.join(self.root_dir.path, IMAGES_DIR)
 
     def _read_image_record(self, record_name):
         """(record, None) or (None, why): a record this fleet's helper wrote, by its file name."""
@@ -4226,7 +4235,7 @@ class ContainerOps(object):
             return None, "unreadable (%s)" % exc
         if not isinstance(record, dict) or not isinstance(record.get("image"), str):
             return None, "not an image record"
-        if self.secret is None or not hmac.compare_digest(str(record.get("mac")), image_record_mac(self.secret, record)):
+        if self.root_dir.secret is None or not hmac.compare_digest(str(record.get("mac")), image_record_mac(self.root_dir.secret, record)):
             return None, "not written by this fleet's llmgw"
         return record, None
 
@@ -4234,7 +4243,7 @@ class ContainerOps(object):
         """Record that a profile uses `image` here: its id, when first and last used, and
         whether llmgw pulled it (only such an image is ever removed by reclaim). An image found
         present keeps what an earlier record said of its pull while its id is unchanged."""
-        if self.secret is None:
+        if self.root_dir.secret is None:
             return
         record_name = image_record_name(program, image)
         with self.pull_lock:
@@ -4245,9 +4254,9 @@ class ContainerOps(object):
             if old is not None and old.get("image_id") == present_id:
                 record["pulled"] = bool(pulled or old.get("pulled"))
                 record["first_used"] = old.get("first_used", now)
-            record["mac"] = image_record_mac(self.secret, record)
+            record["mac"] = image_record_mac(self.root_dir.secret, record)
             try:
-                self.private_dir(self.images_dir())
+                self.root_dir.private_dir(self.images_dir())
                 _write_private_file(os.path.join(self.images_dir(), record_name + ".json"), canonical_json(record))
             except OSError:
                 pass  # a record is for listing and collection; the launch goes on without it
@@ -4255,7 +4264,7 @@ class ContainerOps(object):
     def images_in_use(self):
         """{image id: [shard ids]} of the live shards' containers."""
         used = {}
-        for shard_id, state in self._all_states():
+        for shard_id, state in self.root_dir.all_states():
             container = state.get("container")
             if _identity(state)[0] == "alive" and isinstance(container, dict) and container.get("image_id"):
                 used.setdefault(container["image_id"], []).append(shard_id)
@@ -4347,7 +4356,7 @@ class ContainerOps(object):
             if not collect:
                 entry["action"] = "listed"
                 continue
-            with self.launch_lock:
+            with self.root_dir.launch_lock:
                 if present in self.images_in_use():
                     entry["reason"] = "in use by a shard started meanwhile"
                     continue
@@ -4369,7 +4378,7 @@ class ContainerOps(object):
         docs = inspect_containers(path, [container_name])
         for doc in docs.values():
             labels = (doc.get("Config") or {}).get("Labels") or {}
-            if labels.get("llmgw.shard") != shard_id or labels.get("llmgw.fleet") != fleet_id(self.secret):
+            if labels.get("llmgw.shard") != shard_id or labels.get("llmgw.fleet") != fleet_id(self.root_dir.secret):
                 raise HelperError("identity", "a container named %s that llmgw did not start for this shard exists on "
                                               "this node; nothing was started or removed" % container_name)
             if (doc.get("State") or {}).get("Running"):
@@ -4394,7 +4403,7 @@ class ContainerOps(object):
                 continue
             for shard_id, container in shards:
                 verdicts[shard_id] = _container_identity(shard_id, container, docs.get(container["id"]),
-                                                         fleet_id(self.secret))
+                                                         fleet_id(self.root_dir.secret))
         return verdicts
 
 
@@ -4428,23 +4437,40 @@ def _stop_when(abort, done, process):
             return
 
 
-class ProcessOps(object):
-    """launch, status, stop, forget, logs: a part of Node (below)."""
+# ---- remote/helper/engines.py --------------------------------------------------------------
+# Engines: an engine's runtime made present (provision, envs: through the venvs and containers
+# parts), the engine launched under the supervisor, watched, stopped, its logs (R-4.4, R-4.7).
 
-    def _all_states(self):
-        try:
-            names = sorted(os.listdir(self.shards_dir()))
-        except OSError:
-            return []
-        states = []
-        for shard_id in names:
-            state = self.read_state(shard_id)
-            if state is not None:
-                states.append((shard_id, state))
-        return states
+
+class Engines(object):
+    """provision, envs, launch, status, stop, forget, logs: a part of Node (below). An engine's
+    runtime is made present by the venvs or the containers part; the engine runs under the
+    supervisor, its shard's files in ROOT/shards."""
+
+    def __init__(self, root_dir, verified, venvs, containers):
+        self.root_dir = root_dir
+        self.verified = verified
+        self.venvs = venvs
+        self.containers = containers
+
+    def op_provision(self, args, ctx):
+        runtime = _arg(args, "runtime", (dict,))
+        kind = runtime.get("kind")
+        if kind == "venv":
+            return self.venvs.provision_venv(runtime, ctx)
+        if kind == "container":
+            return self.containers.provision_container(runtime, ctx)
+        raise bad_args("runtime.kind must be one of %s, got %r" % (", ".join(RUNTIME_KINDS), kind))
+
+    def op_envs(self, args, ctx):
+        wanted = _arg(args, "wanted", (dict,), None)
+        result = {"envs": self.venvs.list_envs(), "images": self.containers.list_images()}
+        if wanted is not None:
+            result["wanted"] = dict((key, self.venvs.wanted_name(runtime)) for key, runtime in wanted.items())
+        return result
 
     def op_launch(self, args, ctx):
-        if self.sha256 is None:
+        if self.root_dir.sha256 is None:
             raise HelperError("bad_args", "launch is only available through serve --expect-sha256")
         shard_id = _arg_shard_id(args)
         argv = _arg(args, "argv", (list,))
@@ -4473,14 +4499,14 @@ class ProcessOps(object):
             if file_name not in files or not isinstance(digest, str):
                 raise bad_args(f"file_sha256 must map names of files to hex digests; {file_name!r} does not")
         runtime = _arg_runtime(args)
-        shard_dir = self.shard_dir(shard_id)
+        shard_dir = self.root_dir.shard_dir(shard_id)
         argv = [part.replace(SHARD_DIR_PLACEHOLDER, shard_dir) for part in argv]
         env = {key: value.replace(SHARD_DIR_PLACEHOLDER, shard_dir) for key, value in env.items()}
         container = None
         if runtime is not None and runtime.get("kind") == "container":
-            argv, env, container = self.container_launch(runtime, shard_id, argv, env, gpus, shard_dir)
+            argv, env, container = self.containers.container_launch(runtime, shard_id, argv, env, gpus, shard_dir)
         else:
-            argv, env = self.venv_launch(runtime, argv, env)
+            argv, env = self.venvs.venv_launch(runtime, argv, env)
         search_path = env.get("PATH", os.environ.get("PATH", os.defpath))
         if container is None and find_program(argv[0], search_path) is None:
             # Found now rather than by the supervisor's exec failing: the operator learns which
@@ -4489,17 +4515,17 @@ class ProcessOps(object):
             raise HelperError("engine_missing", f"{argv[0]} {where} on this node")
         # Outside the launch lock: hashing a big entry for the first time here must not hold
         # up other launches.
-        self.verify_weights(argv)
+        self.verified.verify_weights(argv)
         state_path = os.path.join(shard_dir, STATE_FILE)
         log_path = os.path.join(shard_dir, LOG_FILE)
-        with self.launch_lock:
-            previous = self.read_state(shard_id)
+        with self.root_dir.launch_lock:
+            previous = self.root_dir.read_state(shard_id)
             if previous is not None and _identity(previous)[0] == "alive":
                 raise HelperError("alive", "shard %s is already running as pid %s" % (shard_id, previous.get("pid")))
             if port is not None:
                 check_port_free(host, port)
-            self.private_dir(self.shards_dir())
-            self.private_dir(shard_dir)
+            self.root_dir.private_dir(self.root_dir.shards_dir())
+            self.root_dir.private_dir(shard_dir)
             if os.path.exists(log_path):
                 os.replace(log_path, log_path + ".1")
             if os.path.exists(state_path):
@@ -4510,7 +4536,7 @@ class ProcessOps(object):
                 _write_private_file(os.path.join(shard_dir, file_name), text)
             for file_name, digest in file_sha256.items():
                 # The bytes the engine will load are the bytes the control plane shipped.
-                actual = sha256_of_file(lambda name=file_name: open_below(self.root, ["shards", shard_id, name]))
+                actual = sha256_of_file(lambda name=file_name: open_below(self.root_dir.path, ["shards", shard_id, name]))
                 if actual != digest.lower():
                     raise HelperError("integrity", f"{file_name} in the shard directory has SHA-256 {actual}, "
                                                    f"not {digest}; the engine was not started")
@@ -4524,16 +4550,16 @@ class ProcessOps(object):
                 "health_url": health_url,
                 "log_path": log_path,
                 "container": container,
-                "runtime": self.shard_runtime(runtime),
+                "runtime": self.venvs.shard_runtime(runtime),
             }
-            log_fd = open_below(self.root, ["shards", shard_id, LOG_FILE],
+            log_fd = open_below(self.root_dir.path, ["shards", shard_id, LOG_FILE],
                                 os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
             try:
                 # Through the same verifying loader as this helper: the supervisor runs the bytes
                 # it hashed, or refuses (exit 97, the fatal line in the log).
                 supervisor = subprocess.Popen(
-                    loader_argv(sys.executable, self.helper_path, self.sha256, "-",
-                                ["supervise", "--expect-sha256", self.sha256, "--root", self.root]),
+                    loader_argv(sys.executable, self.root_dir.helper_path, self.root_dir.sha256, "-",
+                                ["supervise", "--expect-sha256", self.root_dir.sha256, "--root", self.root_dir.path]),
                     stdin=subprocess.PIPE,
                     stdout=log_fd,
                     stderr=log_fd,
@@ -4553,17 +4579,17 @@ class ProcessOps(object):
             deadline = time.monotonic() + LAUNCH_TIMEOUT
             state = None
             while time.monotonic() < deadline:
-                state = self.read_state(shard_id)
+                state = self.root_dir.read_state(shard_id)
                 if state is not None or supervisor.poll() is not None:
                     break
                 time.sleep(0.005)
             if state is None:
-                state = self.read_state(shard_id)
+                state = self.root_dir.read_state(shard_id)
             if state is None and supervisor.returncode is None:
                 # Too late to report a start: end it rather than leave an engine nobody knows of.
                 _signal_groups([supervisor.pid], signal.SIGKILL)
         if state is None:
-            tail = " | ".join(self.shard_log_tail(shard_id, 5))
+            tail = " | ".join(self.root_dir.shard_log_tail(shard_id, 5))
             raise HelperError("launch_failed", "the supervisor of %s did not record a start: %s" % (shard_id, tail or "no log"))
         if state.get("pid") is None:
             raise HelperError("launch_failed", "could not start %s: %s" % (shard_id, state.get("error")))
@@ -4576,8 +4602,8 @@ class ProcessOps(object):
         timeout = _arg_timeout(args, "timeout", DEFAULT_PROBE_TIMEOUT, upper=60.0)
         shards = []
         probes = []
-        states = self._all_states()
-        containers = self.container_status(states)
+        states = self.root_dir.all_states()
+        containers = self.containers.container_status(states)
         for shard_id, state in states:
             alive = _identity(state)[0] == "alive"
             container = None
@@ -4608,7 +4634,7 @@ class ProcessOps(object):
                 "container": container,
             }
             if not alive:
-                entry["log_tail"] = self.shard_log_tail(shard_id, LOG_TAIL_LINES)
+                entry["log_tail"] = self.root_dir.shard_log_tail(shard_id, LOG_TAIL_LINES)
             elif probe and isinstance(state.get("health_url"), str):
                 thread, box = _start_bounded(lambda st=state: probe_engine(st, timeout))
                 probes.append((entry, thread, box))
@@ -4624,7 +4650,7 @@ class ProcessOps(object):
         return {"shards": shards}
 
     def _shard_state(self, shard_id):
-        state = self.read_state(shard_id)
+        state = self.root_dir.read_state(shard_id)
         if state is None:
             raise HelperError("not_found", "no shard %s is recorded on this node" % shard_id)
         return state
@@ -4642,7 +4668,7 @@ class ProcessOps(object):
             )
         container = state.get("container") if isinstance(state.get("container"), dict) else None
         if container is not None and isinstance(container.get("id"), str):
-            found = self.container_status([(shard_id, state)]).get(shard_id, ("unknown", None, None))
+            found = self.containers.container_status([(shard_id, state)]).get(shard_id, ("unknown", None, None))
             if found[0] == "mismatch":
                 raise HelperError("identity", "shard %s: %s; nothing was stopped" % (shard_id, found[1]))
             if found[0] == "alive":
@@ -4679,11 +4705,11 @@ class ProcessOps(object):
 
     def op_forget(self, args, ctx):
         shard_id = _arg_shard_id(args)
-        state = self.read_state(shard_id)
+        state = self.root_dir.read_state(shard_id)
         if state is not None and _identity(state)[0] == "alive":
             raise HelperError("alive", "shard %s is still running (pid %s); stop it first" % (shard_id, state.get("pid")))
-        if os.path.lexists(self.shard_dir(shard_id)):
-            remove_tree_within(self.shards_dir(), shard_id)
+        if os.path.lexists(self.root_dir.shard_dir(shard_id)):
+            remove_tree_within(self.root_dir.shards_dir(), shard_id)
         return {}
 
     def op_logs(self, args, ctx):
@@ -4692,14 +4718,14 @@ class ProcessOps(object):
         if not (0 <= count <= MAX_LOG_LINES):
             raise bad_args("lines must be between 0 and %d" % MAX_LOG_LINES)
         follow = _arg(args, "follow", (bool,), False)
-        if not os.path.isdir(self.shard_dir(shard_id)):
+        if not os.path.isdir(self.root_dir.shard_dir(shard_id)):
             raise HelperError("not_found", "no shard %s is recorded on this node" % shard_id)
         if not follow:
-            return {"lines": self.shard_log_tail(shard_id, count)}
+            return {"lines": self.root_dir.shard_log_tail(shard_id, count)}
 
         def opened():
             try:
-                return os.fdopen(self.open_shard_file(shard_id, LOG_FILE), "rb")
+                return os.fdopen(self.root_dir.open_shard_file(shard_id, LOG_FILE), "rb")
             except OSError:
                 return None
 
@@ -4710,7 +4736,7 @@ class ProcessOps(object):
             inode, offset = info.st_ino, info.st_size
         else:
             inode, offset = None, 0
-        ctx.emit("lines", {"lines": self.shard_log_tail(shard_id, count)})
+        ctx.emit("lines", {"lines": self.root_dir.shard_log_tail(shard_id, count)})
         pending = b""
         while not ctx.cancelled.wait(LOG_FOLLOW_INTERVAL):
             handle = opened()
@@ -4865,12 +4891,18 @@ def probe_health(url, timeout):
     return {"status": int(fields[1]), "error": None}
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/reclaim.py --------------------------------------------------------------
 # Reclaim: list and remove cache entries, every name checked again here (R-5.5).
 
 
-class ReclaimOps(object):
-    """reclaim: a part of Node (below)."""
+class Reclaim(object):
+    """reclaim: a part of Node (below); environments and images are judged by their parts."""
+
+    def __init__(self, root_dir, fetch, venvs, containers):
+        self.root_dir = root_dir
+        self.fetch = fetch
+        self.venvs = venvs
+        self.containers = containers
 
     def op_reclaim(self, args, ctx):
         env_names = _arg(args, "envs", (list,), None)
@@ -4886,7 +4918,7 @@ class ReclaimOps(object):
         collect = _arg(args, "collect", (bool,), False)
         if collect and names is None and cache_dir is not None:
             raise bad_args("collect needs the exact list of names to remove")
-        if collect and self.sha256 is None:
+        if collect and self.root_dir.sha256 is None:
             raise bad_args("reclaim with collect is only available through serve --expect-sha256")
         if names is not None and not all(isinstance(name, str) for name in names):
             raise bad_args("names must be a list of strings")
@@ -4895,46 +4927,95 @@ class ReclaimOps(object):
             raise bad_args("until_free needs collect and a cache_dir, and is a number of bytes (0 or more)")
         result = {}
         if cache_dir is not None:
-            result["entries"] = reclaim_entries(cache_dir, names, collect, busy=self.busy_cache_names(cache_dir),
-                                                secret=self.secret, until_free=until_free)
+            result["entries"] = reclaim_entries(cache_dir, names, collect, busy=self.fetch.busy_cache_names(cache_dir),
+                                                secret=self.root_dir.secret, until_free=until_free)
             if until_free is not None:
                 result["free_bytes"] = cache_free_bytes(cache_dir)
         if env_names is not None:
-            result["envs"] = self.envs_reclaim(env_names, collect)
+            result["envs"] = self.venvs.envs_reclaim(env_names, collect)
         if image_names is not None:
-            result["images"] = self.images_reclaim(image_names, collect)
+            result["images"] = self.containers.images_reclaim(image_names, collect)
         return result
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/node.py -----------------------------------------------------------------
 # The node: every part together.
 
 
-class Node(NodeCore, InventoryOps, StorageOps, FetchOps, VenvOps, ContainerOps, ProcessOps, ReclaimOps):
-    """The operations of the protocol; each is op_<name>(args, ctx) -> result dict, defined in
-    the section of its part."""
+class Node(object):
+    """The protocol's operations: the parts, each holding its own state, made once and joined by
+    an explicit table, operations (name -> op_<name>(args, ctx) -> result dict, in the order
+    unknown_op lists them); and the requests running, what cancel reaches."""
 
-    OPERATIONS = (
-        "ping",
-        "inventory",
-        "storage",
-        "holdings",
-        "fetch",
-        "source_size",
-        "provision",
-        "envs",
-        "launch",
-        "status",
-        "stop",
-        "forget",
-        "logs",
-        "reclaim",
-        "cancel",
-        "fleet_secret",
-    )
+    def __init__(self, root, helper_path, sha256=None):
+        self.root_dir = RootDir(root, helper_path, sha256)
+        self.verified = VerifiedRecord(self.root_dir)
+        self.jobs = Jobs()
+        self.containers = Containers(self.root_dir)
+        self.venvs = Venvs(self.root_dir, self.verified, self.jobs)
+        self.inventory = Inventory(self.root_dir, self.venvs, self.containers)
+        self.storage = Storage(self.verified)
+        self.fetch = Fetches(self.root_dir, self.verified, self.jobs)
+        self.engines = Engines(self.root_dir, self.verified, self.venvs, self.containers)
+        self.reclaim = Reclaim(self.root_dir, self.fetch, self.venvs, self.containers)
+        self.requests = {}
+        self.requests_lock = threading.Lock()
+        self.closing = threading.Event()
+        self.operations = {
+            "ping": self.op_ping,
+            "inventory": self.inventory.op_inventory,
+            "storage": self.storage.op_storage,
+            "holdings": self.storage.op_holdings,
+            "fetch": self.fetch.op_fetch,
+            "source_size": self.fetch.op_source_size,
+            "provision": self.engines.op_provision,
+            "envs": self.engines.op_envs,
+            "launch": self.engines.op_launch,
+            "status": self.engines.op_status,
+            "stop": self.engines.op_stop,
+            "forget": self.engines.op_forget,
+            "logs": self.engines.op_logs,
+            "reclaim": self.reclaim.op_reclaim,
+            "cancel": self.op_cancel,
+            "fleet_secret": self.root_dir.op_fleet_secret,
+        }
+
+    def register(self, ctx):
+        with self.requests_lock:
+            self.requests[ctx.key] = ctx
+
+    def unregister(self, ctx):
+        with self.requests_lock:
+            if self.requests.get(ctx.key) is ctx:
+                del self.requests[ctx.key]
+
+    def shutdown(self, wait=3.0):
+        """Stop follows and downloads (their temp dirs are removed); engines stay up."""
+        self.closing.set()
+        with self.requests_lock:
+            contexts = list(self.requests.values())
+        for ctx in contexts:
+            ctx.cancelled.set()
+        self.jobs.abort_all(wait)
+
+    # -- ping, cancel ----------------------------------------------------------------------
+
+    def op_ping(self, args, ctx):
+        return {"time": time.time()}
+
+    def op_cancel(self, args, ctx):
+        target = args.get("target")
+        if isinstance(target, bool) or not isinstance(target, (int, str)):
+            raise bad_args("argument 'target' must be the id (int or str) of a running request")
+        with self.requests_lock:
+            victim = self.requests.get((type(target).__name__, target))
+        if victim is None or victim is ctx:
+            return {"cancelled": False}
+        victim.cancelled.set()
+        return {"cancelled": True}
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/supervisor.py -----------------------------------------------------------
 # Supervisor: runs detached, starts the engine, records its start and its end.
 
 
@@ -5053,7 +5134,7 @@ def _end_leftovers(pgid):
             time.sleep(0.05)
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/server.py ---------------------------------------------------------------
 # serve: the JSON-lines loop
 
 
@@ -5139,12 +5220,12 @@ class Server(object):
             "hello": {
                 "protocol": PROTOCOL_VERSION,
                 "version": HELPER_VERSION,
-                "sha256": self.node.sha256,
+                "sha256": self.node.root_dir.sha256,
                 "python": platform.python_version(),
                 "hostname": socket.gethostname(),
                 "boot_id": read_boot_id(),
                 "pid": os.getpid(),
-                "root": self.node.root,
+                "root": self.node.root_dir.path,
                 "home": os.path.expanduser("~"),
             }
         }
@@ -5179,8 +5260,8 @@ class Server(object):
         args = request.get("args", {})
         if args is None:
             args = {}
-        if not isinstance(op, str) or op not in Node.OPERATIONS:
-            self._fail(request_id, "unknown_op", "unknown operation %r; known: %s" % (op, ", ".join(Node.OPERATIONS)))
+        if not isinstance(op, str) or op not in self.node.operations:
+            self._fail(request_id, "unknown_op", "unknown operation %r; known: %s" % (op, ", ".join(self.node.operations)))
             return
         if not isinstance(args, dict):
             self._fail(request_id, "bad_args", "args must be a JSON object")
@@ -5200,7 +5281,7 @@ class Server(object):
 
     def execute(self, op, args, ctx):
         try:
-            result = getattr(self.node, "op_" + op)(args, ctx)
+            result = self.node.operations[op](args, ctx)
         except HelperError as exc:
             self._fail(ctx.id, exc.kind, exc.message)
         except Exception as exc:
@@ -5214,7 +5295,7 @@ class Server(object):
         self.send({"id": request_id, "ok": False, "error": {"kind": kind, "message": message}})
 
 
-# --------------------------------------------------------------------------------------------
+# ---- remote/helper/cli.py ------------------------------------------------------------------
 # Command line
 
 
@@ -5478,7 +5559,7 @@ def run_one_shot(node, options):
     else:
         args = {"cache_dir": os.path.abspath(os.path.expanduser(options.cache_dir))}
     try:
-        result = getattr(node, "op_" + command)(args, Context(send=_print_progress))
+        result = node.operations[command](args, Context(send=_print_progress))
     except HelperError as exc:
         sys.stderr.write("%s: %s (%s)\n" % (command, exc.message, exc.kind))
         return 1

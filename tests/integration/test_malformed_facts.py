@@ -24,7 +24,7 @@ from llmgw.fleet.link import READY, UNHEALTHY, HelperCode, helper_code
 MALFORMED_ANSWERS = 3
 # Appended to the helper before its `if __name__ == "__main__":` line.
 MALFORMED_STATUS = f"""
-_sound_status = Node.op_status
+_sound_status = Engines.op_status
 _status_answers = [0]
 
 
@@ -36,7 +36,7 @@ def _malformed_status(self, args, ctx):
     return answer
 
 
-Node.op_status = _malformed_status
+Engines.op_status = _malformed_status
 
 """
 

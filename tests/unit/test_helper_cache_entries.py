@@ -158,44 +158,44 @@ def test_a_big_file_is_hashed_again_only_when_it_changed(tmp_path):
     entry = _big_entry(tmp_path / "cache")
     node = _node(tmp_path)
     argv = ["vllm", "serve", "--model=" + str(entry), "--port", "8000"]
-    node.verify_weights(argv)
-    assert node.files_hashed == 3, "every file, the first time on this node"
-    record = json.loads((tmp_path / "root" / node._verified_file()).read_text())
+    node.verified.verify_weights(argv)
+    assert node.verified.files_hashed == 3, "every file, the first time on this node"
+    record = json.loads((tmp_path / "root" / node.verified._verified_file()).read_text())
     assert list(record["files"]) == [str(entry / "model.safetensors")], "only big files are recorded"
-    node.verify_weights(argv)
-    assert node.files_hashed == 3 + 2, "code and configuration again, not the unchanged big file"
+    node.verified.verify_weights(argv)
+    assert node.verified.files_hashed == 3 + 2, "code and configuration again, not the unchanged big file"
     fresh = _node(tmp_path)  # a restarted helper reads the record
-    fresh.verify_weights(argv)
-    assert fresh.files_hashed == 2
+    fresh.verified.verify_weights(argv)
+    assert fresh.verified.files_hashed == 2
     os.utime(entry / "model.safetensors")  # a changed stamp: hashed again
-    fresh.verify_weights(argv)
-    assert fresh.files_hashed == 2 + 3
+    fresh.verified.verify_weights(argv)
+    assert fresh.verified.files_hashed == 2 + 3
 
 
 def test_a_file_rewritten_with_the_same_size_is_refused_and_kept(tmp_path):
     entry = _big_entry(tmp_path / "cache")
     node = _node(tmp_path)
     argv = ["llama-server", "--model", str(entry / "model.safetensors")]
-    node.verify_weights(argv)
+    node.verified.verify_weights(argv)
     before = os.stat(entry / "model.safetensors")
     with open(entry / "model.safetensors", "r+b") as handle:
         handle.write(b"poison")
     os.utime(entry / "model.safetensors", ns=(before.st_atime_ns, before.st_mtime_ns))  # mtime put back
     with pytest.raises(helper.HelperError) as refused:
-        node.verify_weights(argv)
+        node.verified.verify_weights(argv)
     assert refused.value.kind == "weights_integrity"
     assert str(entry / "model.safetensors") in refused.value.message
     assert hashlib.sha256(b"w" * BIG).hexdigest() in refused.value.message
     assert (entry / "model.safetensors").stat().st_size == BIG
-    record = json.loads((tmp_path / "root" / node._verified_file()).read_text())
+    record = json.loads((tmp_path / "root" / node.verified._verified_file()).read_text())
     assert record["files"] == {}, "a file that failed is not remembered as verified"
 
 
 def test_a_launch_naming_no_cache_entry_hashes_nothing(tmp_path):
     node = _node(tmp_path)
     (tmp_path / "models").mkdir()
-    node.verify_weights(["vllm", "serve", str(tmp_path / "models"), "--served-model-name", "llmgw-" + "0" * 16])
-    assert node.files_hashed == 0
+    node.verified.verify_weights(["vllm", "serve", str(tmp_path / "models"), "--served-model-name", "llmgw-" + "0" * 16])
+    assert node.verified.files_hashed == 0
 
 
 def test_files_whose_walked_stamp_was_verified_are_not_opened_and_a_changed_one_is(tmp_path, monkeypatch):
@@ -233,25 +233,25 @@ def test_provision_answers_a_seal_it_found_unchanged_without_walking_the_environ
     node = _node(tmp_path)
     recipe = {"python": "/usr/bin/python3", "version": "3.11.0", "packages": ["probe==1"]}
     recipe_id = hashlib.sha256(helper.canonical_json(recipe).encode("utf-8")).hexdigest()
-    path = os.path.join(node.envs_dir(), helper.env_name(recipe_id))
+    path = os.path.join(node.venvs.envs_dir(), helper.env_name(recipe_id))
     os.makedirs(os.path.join(path, "bin"), mode=0o700)
-    os.chmod(node.envs_dir(), 0o700)
+    os.chmod(node.venvs.envs_dir(), 0o700)
     with open(os.path.join(path, "bin", "engine"), "w") as handle:
         handle.write("#!/bin/sh\n")
     with open(os.path.join(path, helper.ENV_BUILDING_MARKER), "w") as handle:
         handle.write("{}")
     job = types.SimpleNamespace(path=path, name=os.path.basename(path), key=recipe_id, recipe=recipe,
                                 abort=types.SimpleNamespace(is_set=lambda: False))
-    node._seal_env(job, "pip")
+    node.venvs._seal_env(job, "pip")
     assert helper.env_state(path, SECRET)[0] == "sealed"
-    assert node.env_built(path) is True  # walked once, remembered for this state of the seal file
+    assert node.venvs.env_built(path) is True  # walked once, remembered for this state of the seal file
 
     def no_walk(*_):
         raise AssertionError("walked")
 
     monkeypatch.setattr(helper, "env_state", no_walk)
-    state, found = node.env_found(path)
+    state, found = node.venvs.env_found(path)
     assert state == "sealed" and found["marker"]["id"] == recipe_id and found["bytes"] == 10
     helper._touch_marker(path)  # what a launch does: the seal file's state changed
     with pytest.raises(AssertionError, match="walked"):
-        node.env_found(path)
+        node.venvs.env_found(path)

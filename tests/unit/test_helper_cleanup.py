@@ -171,11 +171,17 @@ def test_a_launch_never_touches_a_marker_through_a_link(tmp_path):
     assert os.stat(real / ".llmgw-complete").st_mtime == 1_000_000.0
 
 
-class _Node(helper.ReclaimOps):
+class _RootDir:
     sha256, secret = "0" * 64, SECRET
 
+
+class _Fetches:
     def busy_cache_names(self, cache_dir):
         return frozenset()
+
+
+def _reclaim():
+    return helper.Reclaim(_RootDir(), _Fetches(), venvs=None, containers=None)
 
 
 @pytest.mark.parametrize("args", [
@@ -185,12 +191,12 @@ class _Node(helper.ReclaimOps):
 ])
 def test_until_free_needs_collect_and_a_byte_count(tmp_path, args):
     with pytest.raises(helper.HelperError) as caught:
-        _Node().op_reclaim({"cache_dir": str(tmp_path), **args}, None)
+        _reclaim().op_reclaim({"cache_dir": str(tmp_path), **args}, None)
     assert caught.value.kind == "bad_args"
 
 
 def test_the_answer_carries_the_free_bytes_after(disk):
     _entry(disk.cache, OLD)
     disk.add(OLD, 1000)
-    answer = _Node().op_reclaim({"cache_dir": str(disk.cache), "names": [OLD], "collect": True, "until_free": 500}, None)
+    answer = _reclaim().op_reclaim({"cache_dir": str(disk.cache), "names": [OLD], "collect": True, "until_free": 500}, None)
     assert [e["action"] for e in answer["entries"]] == ["removed"] and answer["free_bytes"] == 1100

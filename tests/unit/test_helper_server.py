@@ -51,8 +51,8 @@ def test_an_unexpected_exception_is_answered_as_internal_and_the_helper_goes_on(
     def broken(args, ctx):
         raise ZeroDivisionError("division by zero")
 
-    node.op_inventory = broken
-    node.op_ping = lambda args, ctx: {"time": 1.0}
+    node.operations["inventory"] = broken
+    node.operations["ping"] = lambda args, ctx: {"time": 1.0}
     lines = _serve(node, [{"id": 1, "op": "inventory"}, {"id": 2, "op": "ping"}])
     answers = _answers(lines)
     assert answers[1] == {"id": 1, "ok": False, "error": {"kind": "internal", "message": "ZeroDivisionError: division by zero"}}
@@ -75,7 +75,7 @@ def test_events_come_before_the_answer_and_carry_the_id(tmp_path):
         ctx.emit("lines", {"lines": ["b"]})
         return {"lines": []}
 
-    node.op_logs = streaming
+    node.operations["logs"] = streaming
     lines = _serve(node, [{"id": "f", "op": "logs", "args": {}}])
     assert lines[1:] == [
         {"id": "f", "event": "lines", "data": {"lines": ["a"]}},
@@ -89,7 +89,7 @@ def test_destructive_operations_need_the_verified_serve_mode(tmp_path):
     for op, args in (("launch", {"shard_id": "x", "argv": ["true"]}),
                      ("reclaim", {"cache_dir": str(tmp_path), "names": ["llmgw-" + "0" * 16], "collect": True})):
         try:
-            getattr(node, "op_" + op)(args, helper.Context())
+            node.operations[op](args, helper.Context())
         except helper.HelperError as exc:
             assert exc.kind == "bad_args" and "serve --expect-sha256" in exc.message
         else:
@@ -105,7 +105,7 @@ def test_cancel_reaches_a_running_request(tmp_path):
         assert ctx.cancelled.wait(30)
         return {"lines": []}
 
-    node.op_logs = waits
+    node.operations["logs"] = waits
     source, out = _Pipe(), io.BytesIO()
     server = helper.Server(node, source, out)
     runner = threading.Thread(target=server.run)

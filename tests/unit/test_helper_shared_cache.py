@@ -70,7 +70,7 @@ def test_a_lease_is_renewed_while_its_download_runs(tmp_path, monkeypatch):
     node = helper.Node(str(tmp_path / "root"), str(tmp_path / "helper.py"))
     temp = tmp_path / "cache" / TEMP
     temp.mkdir(parents=True)
-    stop = node._hold_lease(None, str(temp))
+    stop = node.fetch._hold_lease(None, str(temp))
     try:
         lease = temp / ".llmgw-lease"
         record = json.loads(lease.read_text())

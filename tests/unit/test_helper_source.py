@@ -1,4 +1,5 @@
-"""The node helper's source: one file, standard library only, Python 3.8 (R-1.3, R-1.4)."""
+"""The node helper's source as shipped, the file scripts/build-helper makes from remote/helper/: one
+file, standard library only, Python 3.8 (R-1.3, R-1.4)."""
 
 import ast
 import re
@@ -99,16 +100,18 @@ def test_exit_codes_are_documented_constants():
         assert word in docstring, word
 
 
-# Each part of the protocol is its own section of the file, one class each; Node joins them.
+# Each part of the protocol is its own class holding its own state; Node makes them and joins
+# their operations in one explicit table.
 PARTS = {
-    "NodeCore": {"ping", "cancel", "fleet_secret"},
-    "InventoryOps": {"inventory"},
-    "StorageOps": {"storage", "holdings"},
-    "FetchOps": {"fetch", "source_size"},
-    "VenvOps": {"provision", "envs"},
-    "ContainerOps": set(),  # the container side of provision, launch, status and stop
-    "ProcessOps": {"launch", "status", "stop", "forget", "logs"},
-    "ReclaimOps": {"reclaim"},
+    "RootDir": {"fleet_secret"},
+    "Inventory": {"inventory"},
+    "Storage": {"storage", "holdings"},
+    "Fetches": {"fetch", "source_size"},
+    "Venvs": set(),  # the environments provision builds, envs lists, launch runs from, reclaim removes
+    "Containers": set(),  # the container side of provision, launch, status and stop
+    "Engines": {"provision", "envs", "launch", "status", "stop", "forget", "logs"},
+    "Reclaim": {"reclaim"},
+    "Node": {"ping", "cancel"},
 }
 
 
@@ -121,8 +124,14 @@ def test_each_part_of_the_protocol_is_its_own_class():
         defined[name] = operations
     assert defined == PARTS
     node = classes["Node"]
-    assert [base.id for base in node.bases] == list(PARTS)
-    assert not [item for item in node.body if isinstance(item, ast.FunctionDef)], "Node only joins the parts"
-    (listed,) = [item.value for item in node.body if isinstance(item, ast.Assign) and item.targets[0].id == "OPERATIONS"]
-    assert set(ast.literal_eval(listed)) == set().union(*PARTS.values())
+    assert [base.id for base in node.bases] == ["object"], "Node holds its parts, it does not inherit them"
+    (init,) = [item for item in node.body if isinstance(item, ast.FunctionDef) and item.name == "__init__"]
+    (table,) = [item.value for item in ast.walk(init) if isinstance(item, ast.Assign)
+                and isinstance(item.targets[0], ast.Attribute) and item.targets[0].attr == "operations"]
+    listed = {ast.literal_eval(key): value.attr for key, value in zip(table.keys, table.values)}
+    assert set(listed) == set().union(*PARTS.values())
+    assert all(value == "op_" + key for key, value in listed.items()), "each name maps to its op_ method"
+    computed = [item.lineno for item in ast.walk(TREE) if isinstance(item, ast.Call) and isinstance(item.func, ast.Name)
+                and item.func.id == "getattr" and not isinstance(item.args[1], ast.Constant)]
+    assert not computed, "getattr of a computed name at lines %s: an operation is found in the table" % computed
     assert TREE.body[0].lineno == 2 and ast.get_docstring(TREE).startswith("llmgw node helper"), "the protocol stays on top"

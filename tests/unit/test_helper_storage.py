@@ -19,7 +19,7 @@ def node(tmp_path):
 
 
 def _storage(node, dirs, timeout=5):
-    return node.op_storage({"dirs": dirs, "timeout": timeout}, helper.Context())
+    return node.storage.op_storage({"dirs": dirs, "timeout": timeout}, helper.Context())
 
 
 def test_two_directories_on_one_disk_are_one_filesystem(node, tmp_path):
@@ -99,7 +99,7 @@ def test_a_hung_directory_is_stuck_and_skipped_afterwards(node, tmp_path, monkey
     finally:
         release.set()
     # Once the probe returns, the path is looked at again.
-    for thread in list(node.stuck.values()):
+    for thread in list(node.storage.stuck.values()):
         thread.join(5)
     third = _storage(node, [{"path": hung}], timeout=2)
     assert third["missing"] == [hung] and third["stuck"] == []
@@ -112,7 +112,7 @@ def test_a_hung_directory_is_stuck_and_skipped_afterwards(node, tmp_path, monkey
                                  pytest.param({"dirs": [], "timeout": -1}, id="negative-timeout")])
 def test_bad_storage_args(node, bad):
     with pytest.raises(helper.HelperError) as caught:
-        node.op_storage(bad, helper.Context())
+        node.storage.op_storage(bad, helper.Context())
     assert caught.value.kind == "bad_args"
 
 
@@ -173,7 +173,7 @@ def test_holdings_takes_the_first_candidate_that_holds_weights(node, tmp_path):
     _write(tmp_path / "dir2" / "m" / "w.bin")
     _write(tmp_path / "dir3" / "m" / "w.bin", b"z" * 7)
     (tmp_path / "dir1" / "m").mkdir(parents=True)
-    result = node.op_holdings(
+    result = node.storage.op_holdings(
         {"candidates": {
             "llama": [str(tmp_path / "dir1" / "m"), str(tmp_path / "dir2" / "m"), str(tmp_path / "dir3" / "m")],
             "absent": [str(tmp_path / "nope")],
