@@ -26,7 +26,8 @@ from prometheus_client import CollectorRegistry
 
 from llmgw.admin.tokens import AdminTokens, write_token_file
 from llmgw.catalog import Catalog, CatalogHolder
-from llmgw.config import Document, Inventory, is_loopback, load_configuration, resolve_state_dir, split_address
+from llmgw.config import Document, Inventory, load_configuration, resolve_state_dir
+from llmgw.contracts.addresses import is_loopback, split_address
 from llmgw.router import pidlock
 from llmgw.control.feed import FeedPublisher
 from llmgw.control.reconciler import Reconciler
