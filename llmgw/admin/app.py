@@ -8,8 +8,9 @@ read-only, so a stolen cookie changes nothing. During a rotation's grace the pre
 its cookie) still opens them. The router feed mounted here checks router credentials itself and
 never takes the admin token (R-10.7).
 
-Operator refusals (`ServiceError`) become `{"error": {"message", "code", "problems"}}` with their
-status here, in one place.
+Operator refusals (`ServiceError`) become `{"error": {"message", "code", "problems"}}` here, in one
+place, with the HTTP status of their kind (`HTTP_STATUS`, one table, as llmgw/router/errors.py
+maps the router's errors).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from llmgw.admin.metrics import FleetCollector
 from llmgw.admin.tokens import AdminTokens, NotText, cookie_value
 from llmgw.admin.usage import BY, usage_report
 from llmgw.admin.views import Listings, explanation_json, listings
-from llmgw.control.service import ServiceError
+from llmgw.control.service import ErrorKind, ServiceError
 from llmgw.units import parse_duration
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,19 @@ FEED_PATHS = web.AppKey("feed_paths", frozenset)
 FOLLOWS = web.AppKey("follows", set)
 
 _dumps = partial(json.dumps, separators=(",", ":"))
+
+# The one table of a refusal's kind to its HTTP status.
+HTTP_STATUS = {
+    ErrorKind.INVALID: 400,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.CONFLICT: 409,
+    ErrorKind.NODE_FAILED: 502,
+}
+
+
+def http_status(error: ServiceError) -> int:
+    """The HTTP status the admin API answers `error` with."""
+    return HTTP_STATUS[error.kind]
 
 
 def error_response(status: int, message: str, code: str, problems: list[str] | None = None,
@@ -81,7 +95,7 @@ async def _guard(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ServiceError as exc:
-        return error_response(exc.status, exc.message, exc.code, exc.problems)
+        return error_response(http_status(exc), exc.message, exc.code, exc.problems)
     except web.HTTPException as exc:
         if exc.status >= 400:
             return error_response(exc.status, exc.reason, exc.reason.lower().replace(" ", "_"))
@@ -182,9 +196,9 @@ async def _json_body(request: web.Request) -> dict:
     try:
         body = await request.json()
     except ValueError:
-        raise ServiceError(400, "the request body is not valid JSON", code="bad_json") from None
+        raise ServiceError(ErrorKind.INVALID, "the request body is not valid JSON", code="bad_json") from None
     if not isinstance(body, dict):
-        raise ServiceError(400, "the request body must be a JSON object", code="bad_json")
+        raise ServiceError(ErrorKind.INVALID, "the request body must be a JSON object", code="bad_json")
     return body
 
 
@@ -196,7 +210,7 @@ def _int(value: Any, name: str, *, minimum: int = 0, maximum: int | None = None,
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (
             maximum is not None and value > maximum):
         bound = f" and at most {maximum}" if maximum is not None else ""
-        raise ServiceError(400, f"{name} must be a whole number of at least {minimum}{bound}", code="bad_argument")
+        raise ServiceError(ErrorKind.INVALID, f"{name} must be a whole number of at least {minimum}{bound}", code="bad_argument")
     return value
 
 
@@ -204,7 +218,7 @@ def _duration(value: Any, name: str) -> float:
     try:
         return parse_duration(value)
     except ValueError as exc:
-        raise ServiceError(400, f"{name}: {exc}", code="bad_argument") from None
+        raise ServiceError(ErrorKind.INVALID, f"{name}: {exc}", code="bad_argument") from None
 
 
 class Api:
@@ -258,13 +272,13 @@ class Api:
             try:
                 text = (await request.read()).decode(charset)
             except LookupError:
-                raise ServiceError(400, f"unknown charset {charset!r} in the Content-Type; send UTF-8",
+                raise ServiceError(ErrorKind.INVALID, f"unknown charset {charset!r} in the Content-Type; send UTF-8",
                                    code="bad_encoding") from None
             except UnicodeDecodeError as exc:
-                raise ServiceError(400, f"the model definition is not {charset} text (byte {exc.start}: "
+                raise ServiceError(ErrorKind.INVALID, f"the model definition is not {charset} text (byte {exc.start}: "
                                         f"{exc.reason}); save the file as UTF-8", code="bad_encoding") from None
         if not isinstance(text, str) or not text.strip():
-            raise ServiceError(400, "send the model definition (YAML) as the request body", code="empty_body")
+            raise ServiceError(ErrorKind.INVALID, "send the model definition (YAML) as the request body", code="empty_body")
         source = source or request.headers.get(SOURCE_HEADER) or "model file"
         answer = await self.gateway.control.add_model(text, _actor(request, body), source=str(source)[:256])
         return _json(answer, status=201)
@@ -276,7 +290,7 @@ class Api:
     async def scale(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         if "min" not in body:
-            raise ServiceError(400, "min is required", code="bad_argument")
+            raise ServiceError(ErrorKind.INVALID, "min is required", code="bad_argument")
         minimum = _int(body.get("min"), "min")
         maximum = _int(body.get("max"), "max", allow_none=True)
         answer = await self.gateway.control.scale(request.match_info["name"], minimum, maximum,
@@ -288,10 +302,10 @@ class Api:
         body = await _json_body(request)
         dry_run = body.get("dry_run", False)
         if not isinstance(dry_run, bool):
-            raise ServiceError(400, "dry_run must be true or false", code="bad_argument")
+            raise ServiceError(ErrorKind.INVALID, "dry_run must be true or false", code="bad_argument")
         force = body.get("force", False)
         if not isinstance(force, bool):
-            raise ServiceError(400, "force must be true or false", code="bad_argument")
+            raise ServiceError(ErrorKind.INVALID, "force must be true or false", code="bad_argument")
         kwargs = {} if body.get("grace") is None else {"grace": _duration(body["grace"], "grace")}
         return _json(await self.gateway.control.reload(_actor(request, body), dry_run=dry_run, force=force,
                                                        **kwargs))
@@ -306,7 +320,7 @@ class Api:
         body = await _json_body(request)
         collect = body.get("collect", False)
         if not isinstance(collect, bool):
-            raise ServiceError(400, "collect must be true or false", code="bad_argument")
+            raise ServiceError(ErrorKind.INVALID, "collect must be true or false", code="bad_argument")
         return _json(await self.gateway.control.reclaim(collect, _actor(request, body)))
 
     async def logs(self, request: web.Request) -> web.StreamResponse:
@@ -357,7 +371,7 @@ class Api:
     async def usage(self, request: web.Request) -> web.Response:
         by = request.query.get("by", "model")
         if by not in BY:
-            raise ServiceError(400, f"by must be one of: {', '.join(BY)}", code="bad_argument")
+            raise ServiceError(ErrorKind.INVALID, f"by must be one of: {', '.join(BY)}", code="bad_argument")
         since = _duration(request.query.get("since", DEFAULT_USAGE_SINCE), "since")
         report = await self.gateway.store.read(lambda db: usage_report(db, by, since))
         return _json(report)
@@ -401,7 +415,7 @@ class Api:
         body = await _json_body(request)
         name = body.get("name")
         if not isinstance(name, str):
-            raise ServiceError(400, "name is required", code="bad_argument")
+            raise ServiceError(ErrorKind.INVALID, "name is required", code="bad_argument")
         router, credential = await self._credentials(lambda db: add_router(db, name))
         await self._audit(_actor(request, body), "router.add", router.name)
         return _json({"router": router.as_json(time.time()), "credential": credential}, status=201)
@@ -433,7 +447,7 @@ class Api:
             try:
                 return change(db), list_routers(db)
             except RouterRefused as exc:
-                raise ServiceError(400, str(exc), code="refused") from None
+                raise ServiceError(ErrorKind.INVALID, str(exc), code="refused") from None
 
         result, every = await self.gateway.store.write(apply)
         verifiers = getattr(self.gateway, "router_credentials", None)
