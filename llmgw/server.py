@@ -24,6 +24,8 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from llmgw.admin.app import build_admin_app
+from llmgw.admin.dependencies import AdminDependencies, Listener
 from llmgw.admin.tokens import AdminTokens, write_token_file
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import Document, Inventory, load_configuration, resolve_state_dir
@@ -288,16 +290,14 @@ class Gateway:
             router_app = self.router.web_app()
             finish_requests_within(router_app, SHUTDOWN_GRACE)
             await self._listen("router", router_app, self._sockets.pop("router"), RUNNER_OPTIONS)
-        admin_app = self._admin_app()
-        if admin_app is not None:
-            tls = self.inventory.gateway.admin_tls  # set: https, for routers and ctl on other hosts
-            runner = await self._listen("admin", admin_app, self._sockets.pop("admin"),
-                                        ssl_context=tls.server_context() if tls is not None else None)
-            host, port = self.bound["admin"]
-            (self.state_dir / ADMIN_ADDRESS_FILE).write_text(f"{host}:{port}\n")
-            if not is_loopback(host):
-                warn_exposed_admin(host, port)
-            await self._listen_unix(runner, self.state_dir / ADMIN_SOCKET)
+        tls = self.inventory.gateway.admin_tls  # set: https, for routers and ctl on other hosts
+        runner = await self._listen("admin", self._admin_app(), self._sockets.pop("admin"),
+                                    ssl_context=tls.server_context() if tls is not None else None)
+        host, port = self.bound["admin"]
+        (self.state_dir / ADMIN_ADDRESS_FILE).write_text(f"{host}:{port}\n")
+        if not is_loopback(host):
+            warn_exposed_admin(host, port)
+        await self._listen_unix(runner, self.state_dir / ADMIN_SOCKET)
         self._feed_socket = await listen_unix(self.feed_server, self.state_dir / FEED_SOCKET)
         self.reconciler.start()
         # Start-up objects (catalog, config, facts) live for the whole run: keep the collector
@@ -340,12 +340,16 @@ class Gateway:
         self.inventory = inventory
         self.publisher.set_gateway(inventory.gateway)
 
-    def _admin_app(self) -> web.Application | None:
-        try:
-            from llmgw.admin.app import build_admin_app
-        except ImportError:
-            return None
-        return build_admin_app(self)
+    def admin_dependencies(self) -> AdminDependencies:
+        """What the admin listener is given of this gateway (llmgw.admin.dependencies)."""
+        tls = self.inventory.gateway.admin_tls is not None  # read once, at start, as the listener is made
+        return AdminDependencies(control=self.control, store=self.store, registry=self.registry,
+                                 tokens=self.admin_tokens, data_plane=self.publisher, feed=self.feed_server,
+                                 router_credentials=self.router_credentials,
+                                 listener=lambda: Listener(self.bound.get("admin"), self.admin_socket, tls))
+
+    def _admin_app(self) -> web.Application:
+        return build_admin_app(self.admin_dependencies())
 
     async def _listen(self, name: str, app: web.Application, sockets: list[socket.socket],
                       options: dict | None = None, ssl_context=None) -> web.AppRunner:
@@ -621,7 +625,8 @@ async def serve(inventory_path: str | None, *, state_dir: str | None = None, lis
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_on, sig)
-    loop.add_signal_handler(signal.SIGHUP, reload_on_signal, gateway)  # R-10.5, as `llmgw ctl reload`
+    # R-10.5, as `llmgw ctl reload`, once the start is complete
+    loop.add_signal_handler(signal.SIGHUP, lambda: reload_on_signal(gateway.control if gateway.serving else None))
 
     async def start() -> None:
         await gateway.start()

@@ -470,10 +470,10 @@ def _unplaceable_words(entries: list[dict]) -> str:
 _SIGNALLED: set[asyncio.Task] = set()
 
 
-def reload_on_signal(gateway) -> None:
-    """SIGHUP: reload as `llmgw ctl reload` does, the diff logged, a refusal logged at error."""
-    control = getattr(gateway, "control", None)
-    if control is None or not getattr(gateway, "serving", False):  # set once its start is complete
+def reload_on_signal(control: ControlPlane | None) -> None:
+    """SIGHUP: reload as `llmgw ctl reload` does, the diff logged, a refusal logged at error.
+    `control` None: serve's start is not complete, and nothing is reloaded."""
+    if control is None:
         log.error("SIGHUP: not reloading: llmgw serve is still starting; send it again once it serves")
         return
 

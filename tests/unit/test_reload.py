@@ -308,7 +308,7 @@ async def test_r10_5_ctl_reload_names_the_model_and_exits_1_unless_forced(tmp_pa
     control, reconciler, fleet, holder, store = plane(path, tmp_path, gpus={"b": 2})
     await settle(reconciler, fleet)
     gateway = FakeGateway(holder, fleet, reconciler, store, control=control)
-    client = TestClient(TestServer(build_admin_app(gateway)))
+    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
     await client.start_server()
     runner = CliRunner(env={"COLUMNS": "400", "LLMGW_ADMIN_TOKEN": None, "LLMGW_ADMIN": None, "LLMGW_STATE_DIR": None})
 
