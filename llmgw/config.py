@@ -6,7 +6,6 @@ the line and the field path (`inventory.yaml:42: models[3].scaling.max: ...`).
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import ssl
@@ -18,6 +17,7 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, field_validator,
                       model_validator)
 
+from llmgw.contracts.addresses import split_address
 from llmgw.contracts.feed import RoutingPolicy
 from llmgw.units import Duration, PortRange, Size, format_bytes, parse_size
 from llmgw.weights import WeightsSource, parse_weights, redact_query
@@ -593,25 +593,6 @@ def runtime_key_env_problem(name: str | None) -> str | None:
     return (f"{name!r}: a model added at runtime may only name variables that start with "
             f"{RUNTIME_KEY_ENV_PREFIX} (e.g. {RUNTIME_KEY_ENV_PREFIX}OPENAI), set where `llmgw serve` runs; "
             "models of the inventory file may name any variable")
-
-
-def split_address(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not (0 <= int(port) <= 65535):
-        raise ValueError(f"{value!r} must be HOST:PORT")
-    return (host.strip("[]") or "0.0.0.0"), int(port)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether a listener bound to `host` is reachable from this machine only (a wildcard is not)."""
-    if host == "localhost":
-        return True
-    try:
-        address = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
-    except ValueError:
-        return False  # a name that may resolve anywhere
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
 
 
 def default_state_dir() -> Path:

@@ -1,116 +1,53 @@
-"""Wires the pieces for `llmgw serve`: store, catalog, fleet, reconciler, router, admin (R-9.1, R-9.2)."""
+"""Wires the pieces for `llmgw serve`: store, catalog, fleet, reconciler, router, admin (R-9.1, R-9.2).
+
+`Gateway` makes and starts them on one event loop, the listeners' ports bound first; `serve()`
+runs it until a signal, with the router supervisor found or spawned (llmgw.router_process). The
+state directory's layout, privacy and lock are llmgw.state_dir's.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import gc
 import logging
 import os
-import secrets
 import signal
 import socket
 import sqlite3
-import stat
-import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from llmgw.admin.app import build_admin_app
+from llmgw.admin.dependencies import AdminDependencies, Listener
 from llmgw.admin.tokens import AdminTokens, write_token_file
+from llmgw.aio import cancel_and_wait, in_daemon_thread
 from llmgw.catalog import Catalog, CatalogHolder
-from llmgw.config import Document, Inventory, is_loopback, load_configuration, resolve_state_dir, split_address
-from llmgw.router import pidlock
+from llmgw.config import Document, Inventory, load_configuration, resolve_state_dir
+from llmgw.contracts.addresses import is_loopback, split_address
+from llmgw.contracts.privatefiles import write_private
 from llmgw.control.feed import FeedPublisher
-from llmgw.control.reconciler import Reconciler
 from llmgw.control.feedserver import FEED_SOCKET, FeedServer, FeedSocket, listen_unix
+from llmgw.control.reconciler import Reconciler
 from llmgw.control.service import ControlPlane, load_stored_models, reload_on_signal
-from llmgw.aio import cancel_and_wait
 from llmgw.fleet.fleet import Fleet
 from llmgw.fleet.secret import SecretError, response_secret
 from llmgw.localfeed import LocalFeed
 from llmgw.router import RUNNER_OPTIONS, Router
-from llmgw.router.metrics import ReportedRouterMetrics
 from llmgw.router.credential import CREDENTIAL_FILE
-from llmgw.router.private import untrusted
+from llmgw.router.metrics import ReportedRouterMetrics
 from llmgw.router.serving import SHUTDOWN_GRACE, finish_requests_within
+from llmgw.router_process import RunningRouter, adopt_router, router_to_adopt, spawn_router, stop_router
 from llmgw.routers import Verifiers, list_routers, serve_router_credential
+from llmgw.state_dir import (ADMIN_ADDRESS_FILE, ADMIN_SOCKET, DATABASE, ROUTER_DIR, TOKEN_FILE, StartupError,
+                             admin_token, hold_instance_lock, refuse_if_held, secure_state_dir)
 from llmgw.store import Store
 
 log = logging.getLogger(__name__)
-
-TOKEN_FILE = "admin-token"
-ADMIN_ADDRESS_FILE = "admin-address"
-ADMIN_SOCKET = "admin.sock"
-DATABASE = "state.db"
-# Made 0600 on every start, whatever they were: the database holds engine keys and key hashes.
-PRIVATE_FILES = (DATABASE, DATABASE + "-wal", DATABASE + "-shm", TOKEN_FILE, ADMIN_ADDRESS_FILE)
-
-
-def secure_state_dir(state_dir: Path) -> None:
-    """The state directory 0700 and its files 0600, on every start (R-9.3).
-
-    A directory or database left readable by an earlier version, a restored backup or a
-    hand-made directory is closed up here rather than trusted; symlinks are left alone. What
-    another user owns is refused, by the rule the router applies to its state too (R-10.9): as
-    root, the chmod alone would succeed on it.
-    """
-    try:
-        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(state_dir, 0o700)
-        problems = [untrusted(state_dir, follow=True)]
-        for name in PRIVATE_FILES:
-            path = state_dir / name
-            try:
-                if stat.S_ISREG(os.lstat(path).st_mode):
-                    os.chmod(path, 0o600)
-                    problems.append(untrusted(path))
-            except FileNotFoundError:
-                pass
-    except PermissionError as exc:
-        # Another user's directory (or one inside it): serve runs as the user who owns its state.
-        raise StartupError(f"cannot make the state directory private: {exc.strerror}: {exc.filename} "
-                           f"(owner uid {_owner(exc.filename)}, this process runs as uid {os.geteuid()}); "
-                           "run llmgw serve as its owner or give --state-dir") from None
-    problem = next((p for p in problems if p is not None), None)
-    if problem is not None:
-        raise StartupError(f"refusing the state directory: {problem}") from None
-
-
-def _owner(path) -> str:
-    try:
-        return str(os.stat(path).st_uid)
-    except (OSError, TypeError):
-        return "-"
-
-
-LOCK_FILE = "serve.lock"
-
-
-class StartupError(Exception):
-    """`llmgw serve` cannot start; the message says why and what to do."""
-
-
-def hold_instance_lock(state_dir: Path) -> int:
-    """Take the state directory for this process: an exclusive lock on a file that holds its pid.
-
-    The kernel drops the lock when the process ends, however it ends, so a stale file never
-    blocks a start. Returns the open descriptor; closing it releases the lock."""
-    path = state_dir / LOCK_FILE
-    try:
-        return pidlock.take(path)
-    except OSError as exc:  # a symlink planted there is refused, not followed
-        raise StartupError(f"cannot open the lock file {path}: {exc.strerror or exc}") from None
-    except pidlock.LockHeld as held:
-        raise StartupError(f"another llmgw serve (pid {held.holder}) is already running with the state directory "
-                           f"{state_dir}; stop it first, or give this one its own --state-dir") from None
 
 
 def bind_listener(name: str, address: str, option: str) -> list[socket.socket]:
@@ -138,46 +75,6 @@ def bind_listener(name: str, address: str, option: str) -> list[socket.socket]:
                 f"choose another with {option}") if exc.errno == errno.EADDRINUSE else f": {exc.strerror or exc}"
         raise StartupError(f"cannot listen on {host}:{port} for the {name}{hint}") from None
     return sockets
-
-
-async def in_daemon_thread(fn: Callable[[], object]):
-    """`fn()` on a thread of its own that does not hold up the process's exit: opening the
-    state database may wait up to its busy timeout for another command, and a SIGTERM meanwhile
-    must still stop `serve` at once (the default executor is joined at exit)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result, error) -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    def run() -> None:
-        try:
-            result, error = fn(), None
-        except BaseException as exc:  # handed to the waiting coroutine
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop is gone: nobody is waiting any more
-            pass
-
-    threading.Thread(target=run, name="llmgw-start", daemon=True).start()
-    return await future
-
-
-def admin_token(state_dir: Path) -> str:
-    """The admin token, kept in a 0600 file of the state directory (R-9.3)."""
-    path = state_dir / TOKEN_FILE
-    try:
-        token = path.read_text().strip()
-        if token:
-            os.chmod(path, 0o600)
-            return token
-    except FileNotFoundError:
-        pass
-    token = secrets.token_urlsafe(32)
-    write_token_file(path, token)
-    return token
 
 
 def warn_exposed_admin(host: str, port: int) -> None:
@@ -287,16 +184,14 @@ class Gateway:
             router_app = self.router.web_app()
             finish_requests_within(router_app, SHUTDOWN_GRACE)
             await self._listen("router", router_app, self._sockets.pop("router"), RUNNER_OPTIONS)
-        admin_app = self._admin_app()
-        if admin_app is not None:
-            tls = self.inventory.gateway.admin_tls  # set: https, for routers and ctl on other hosts
-            runner = await self._listen("admin", admin_app, self._sockets.pop("admin"),
-                                        ssl_context=tls.server_context() if tls is not None else None)
-            host, port = self.bound["admin"]
-            (self.state_dir / ADMIN_ADDRESS_FILE).write_text(f"{host}:{port}\n")
-            if not is_loopback(host):
-                warn_exposed_admin(host, port)
-            await self._listen_unix(runner, self.state_dir / ADMIN_SOCKET)
+        tls = self.inventory.gateway.admin_tls  # set: https, for routers and ctl on other hosts
+        runner = await self._listen("admin", self._admin_app(), self._sockets.pop("admin"),
+                                    ssl_context=tls.server_context() if tls is not None else None)
+        host, port = self.bound["admin"]
+        write_private(self.state_dir / ADMIN_ADDRESS_FILE, f"{host}:{port}\n".encode())
+        if not is_loopback(host):
+            warn_exposed_admin(host, port)
+        await self._listen_unix(runner, self.state_dir / ADMIN_SOCKET)
         self._feed_socket = await listen_unix(self.feed_server, self.state_dir / FEED_SOCKET)
         self.reconciler.start()
         # Start-up objects (catalog, config, facts) live for the whole run: keep the collector
@@ -339,12 +234,16 @@ class Gateway:
         self.inventory = inventory
         self.publisher.set_gateway(inventory.gateway)
 
-    def _admin_app(self) -> web.Application | None:
-        try:
-            from llmgw.admin.app import build_admin_app
-        except ImportError:
-            return None
-        return build_admin_app(self)
+    def admin_dependencies(self) -> AdminDependencies:
+        """What the admin listener is given of this gateway (llmgw.admin.dependencies)."""
+        tls = self.inventory.gateway.admin_tls is not None  # read once, at start, as the listener is made
+        return AdminDependencies(control=self.control, store=self.store, registry=self.registry,
+                                 tokens=self.admin_tokens, data_plane=self.publisher, feed=self.feed_server,
+                                 router_credentials=self.router_credentials,
+                                 listener=lambda: Listener(self.bound.get("admin"), self.admin_socket, tls))
+
+    def _admin_app(self) -> web.Application:
+        return build_admin_app(self.admin_dependencies())
 
     async def _listen(self, name: str, app: web.Application, sockets: list[socket.socket],
                       options: dict | None = None, ssl_context=None) -> web.AppRunner:
@@ -412,175 +311,6 @@ class Gateway:
             self._lock_fd = None
 
 
-ROUTER_DIR = "router"  # the spawned supervisor's state directory, inside serve's
-ROUTER_LOG = "router.log"
-ROUTER_START_TIMEOUT = 180.0  # its workers wait for the first snapshot before they say ready
-ROUTER_STOP_TIMEOUT = 40.0  # its workers' requests in flight get SHUTDOWN_GRACE, then the supervisor kills them
-
-
-@dataclass(frozen=True)
-class RunningRouter:
-    """A router supervisor found running on serve's state directory (R-10.4)."""
-
-    pid: int
-    listen: str | None
-    workers: int | None
-
-
-def running_router(state_dir: Path) -> RunningRouter | None:
-    from llmgw.router.supervisor import read_status, running_supervisor
-
-    pid = running_supervisor(state_dir / ROUTER_DIR)
-    if pid is None:
-        return None
-    status = read_status(state_dir / ROUTER_DIR) or {}
-    workers = status.get("workers")
-    return RunningRouter(pid, status.get("listen"), len(workers) if workers else None)
-
-
-def instance_lock_holder(state_dir: Path) -> str | None:
-    """The pid in serve.lock while another serve holds it, without taking it."""
-    try:
-        fd = os.open(state_dir / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return None
-    except BlockingIOError:
-        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-    finally:
-        os.close(fd)
-
-
-def same_listen(running: str | None, wanted: str) -> bool:
-    try:
-        (have_host, have_port), (want_host, want_port) = split_address(running or ""), split_address(wanted)
-    except ValueError:
-        return False
-    if have_port != want_port:
-        return False
-    try:
-        wanted_hosts = {info[4][0] for info in socket.getaddrinfo(want_host, want_port, type=socket.SOCK_STREAM)}
-    except socket.gaierror:
-        return False
-    return have_host in wanted_hosts
-
-
-def adopt_router(state_dir: Path, running: RunningRouter, listen: str, workers: int) -> None:
-    """Leave the running supervisor serving; tell it the worker count wanted (desired.json, SIGUSR1)."""
-    from llmgw.router.supervisor import DESIRED_FILE, write_private_json
-
-    log.info("adopting the running router supervisor: pid %d, listening on %s, %s workers", running.pid,
-             running.listen or "-", running.workers if running.workers is not None else "-")
-    if not same_listen(running.listen, listen):
-        log.warning("the running router listens on %s, not on %s as asked: it keeps its address until it is "
-                    "restarted (`llmgw router stop --state-dir %s`, then start llmgw serve again)",
-                    running.listen or "-", listen, state_dir / ROUTER_DIR)
-    if running.workers != workers:
-        log.info("asking the router supervisor for %d workers instead of %s", workers,
-                 running.workers if running.workers is not None else "-")
-        write_private_json(state_dir / ROUTER_DIR / DESIRED_FILE, {"workers": workers})
-        os.kill(running.pid, signal.SIGUSR1)
-
-
-async def spawn_router(state_dir: Path, listen: str, workers: int) -> int:
-    """Start `llmgw router` for this state directory, detached, and wait until it serves; its pid.
-
-    It runs in a session of its own with stdin on /dev/null and its log appended to router.log,
-    so it outlives serve, however serve ends, and holds none of serve's output open (R-10.4). One
-    that has not said ready when serve is stopped has served nothing and is killed: left to start
-    on its own, it would wait for a control plane that is gone, and the next serve would find it
-    half-started."""
-    log_path = state_dir / ROUTER_LOG
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-    os.fchmod(log_fd, 0o600)
-    ready_r, ready_w = os.pipe()
-    level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
-    argv = [sys.executable, "-m", "llmgw.cli.main", "router", "--control", f"unix:{state_dir / FEED_SOCKET}",
-            "--credential-file", str(state_dir / ROUTER_DIR / CREDENTIAL_FILE), "--state-dir", str(state_dir / ROUTER_DIR),
-            "--listen", listen, "--workers", str(workers), "--ready-fd", str(ready_w), "--log-level", level]
-    try:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, pass_fds=(ready_w,),
-                                start_new_session=True)
-    finally:
-        os.close(ready_w)
-        os.close(log_fd)
-    try:
-        line = await in_daemon_thread(lambda: _first_line(ready_r, ROUTER_START_TIMEOUT))
-    except asyncio.CancelledError:  # serve stopped during its start: a router that never served goes too
-        proc.kill()
-        raise
-    if line is not None and line.startswith("ready"):
-        said = dict(word.partition("=")[::2] for word in line.split()[1:])
-        log.info("router supervisor started: pid %d, listening on %s, %s workers", proc.pid, said.get("listen", "-"),
-                 said.get("workers", "-"))
-        return proc.pid
-    if line is None:
-        proc.kill()
-        raise StartupError(f"the router (pid {proc.pid}) did not serve within {ROUTER_START_TIMEOUT:.0f}s; "
-                           f"see {log_path}")
-    if line.startswith("error: "):
-        raise StartupError(line.removeprefix("error: "))
-    code = proc.wait()
-    raise StartupError(f"the router exited (code {code}) before it served; see {log_path}")
-
-
-async def stop_router(state_dir: Path) -> None:
-    """SIGTERM to the router supervisor of this state directory, and wait until it is gone (its
-    workers finish their requests in flight first): an interactive stop of serve (R-10.4)."""
-    from llmgw.router.supervisor import running_supervisor
-
-    pid = running_supervisor(state_dir / ROUTER_DIR)
-    if pid is None or pid <= 0:
-        return
-    log.info("stopping the router supervisor (pid %d): its workers finish their requests in flight first", pid)
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + ROUTER_STOP_TIMEOUT
-    # Its lock is released a moment before the process ends: wait for the process itself.
-    while running_supervisor(state_dir / ROUTER_DIR) is not None or not _process_gone(pid):
-        if time.monotonic() > deadline:
-            log.warning("the router supervisor (pid %d) did not stop within %.0fs; stop it with `llmgw router stop "
-                        "--state-dir %s`", pid, ROUTER_STOP_TIMEOUT, state_dir / ROUTER_DIR)
-            return
-        await asyncio.sleep(0.1)
-    log.info("router stopped (pid %d); the client port is free", pid)
-
-
-def _process_gone(pid: int) -> bool:
-    try:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:  # spawned by this serve: reaped here
-            return True
-    except ChildProcessError:  # another's child (adopted): gone once it is no process or a zombie
-        pass
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state == "Z"
-
-
-def _first_line(fd: int, timeout: float) -> str | None:
-    import selectors
-
-    with os.fdopen(fd, "rb", 0) as pipe, selectors.DefaultSelector() as selector:
-        selector.register(pipe, selectors.EVENT_READ)
-        data = b""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in data:
-            left = deadline - time.monotonic()
-            if left <= 0 or not selector.select(left):
-                return None
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                break
-            data += chunk
-    return data.decode(errors="replace").split("\n", 1)[0].strip()
-
-
 async def serve(inventory_path: str | None, *, state_dir: str | None = None, listen: str | None = None,
                 admin: str | None = None, workers: int | None = None) -> None:
     """Run until SIGTERM or SIGINT, which also stop a start still under way. A start that fails
@@ -596,18 +326,8 @@ async def serve(inventory_path: str | None, *, state_dir: str | None = None, lis
     client_listen = listen or inventory.gateway.listen
     running: RunningRouter | None = None
     if workers:
-        holder = instance_lock_holder(resolved)
-        if holder is not None:
-            raise StartupError(f"another llmgw serve (pid {holder}) is already running with the state directory "
-                               f"{resolved}; stop it first, or give this one its own --state-dir")
-        running = running_router(resolved)
-        if running is None:
-            from llmgw.router.supervisor import SupervisorError, probe_port
-
-            try:  # before anything starts, as when serve bound the port itself
-                probe_port(client_listen, "--listen")
-            except SupervisorError as exc:
-                raise StartupError(str(exc)) from None
+        refuse_if_held(resolved)
+        running = router_to_adopt(resolved, client_listen)
     gateway = Gateway(inventory, document, resolved, source, listen, admin)
     gateway.serve_router = workers is None
     stop = asyncio.Event()
@@ -620,7 +340,8 @@ async def serve(inventory_path: str | None, *, state_dir: str | None = None, lis
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_on, sig)
-    loop.add_signal_handler(signal.SIGHUP, reload_on_signal, gateway)  # R-10.5, as `llmgw ctl reload`
+    # R-10.5, as `llmgw ctl reload`, once the start is complete
+    loop.add_signal_handler(signal.SIGHUP, lambda: reload_on_signal(gateway.control if gateway.serving else None))
 
     async def start() -> None:
         await gateway.start()

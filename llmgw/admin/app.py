@@ -8,8 +8,9 @@ read-only, so a stolen cookie changes nothing. During a rotation's grace the pre
 its cookie) still opens them. The router feed mounted here checks router credentials itself and
 never takes the admin token (R-10.7).
 
-Operator refusals (`ServiceError`) become `{"error": {"message", "code", "problems"}}` with their
-status here, in one place.
+Operator refusals (`ServiceError`) become `{"error": {"message", "code", "problems"}}` here, in one
+place, with the HTTP status of their kind (`HTTP_STATUS`, one table, as llmgw/router/errors.py
+maps the router's errors).
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw.admin import dashboard
+from llmgw.admin.dependencies import AdminDependencies
 from llmgw.admin.metrics import FleetCollector
 from llmgw.admin.tokens import AdminTokens, NotText, cookie_value
 from llmgw.admin.usage import BY, usage_report
 from llmgw.admin.views import Listings, explanation_json, listings
-from llmgw.control.service import ServiceError
+from llmgw.control.service import ErrorKind, ServiceError
 from llmgw.units import parse_duration
 
 log = logging.getLogger(__name__)
@@ -44,12 +46,25 @@ FOLLOW_CHECK = 1.0  # seconds between checks that a log follower is still connec
 DEFAULT_USAGE_SINCE = "24h"
 DASHBOARD_PATHS = frozenset({"/", *dashboard.PAGES, dashboard.STYLESHEET_PATH})
 
-GATEWAY = web.AppKey("gateway", Any)
+DEPENDENCIES = web.AppKey("dependencies", AdminDependencies)
 TOKEN = web.AppKey("token", AdminTokens)
 FEED_PATHS = web.AppKey("feed_paths", frozenset)
 FOLLOWS = web.AppKey("follows", set)
 
 _dumps = partial(json.dumps, separators=(",", ":"))
+
+# The one table of a refusal's kind to its HTTP status.
+HTTP_STATUS = {
+    ErrorKind.INVALID: 400,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.CONFLICT: 409,
+    ErrorKind.NODE_FAILED: 502,
+}
+
+
+def http_status(error: ServiceError) -> int:
+    """The HTTP status the admin API answers `error` with."""
+    return HTTP_STATUS[error.kind]
 
 
 def error_response(status: int, message: str, code: str, problems: list[str] | None = None,
@@ -81,7 +96,7 @@ async def _guard(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ServiceError as exc:
-        return error_response(exc.status, exc.message, exc.code, exc.problems)
+        return error_response(http_status(exc), exc.message, exc.code, exc.problems)
     except web.HTTPException as exc:
         if exc.status >= 400:
             return error_response(exc.status, exc.reason, exc.reason.lower().replace(" ", "_"))
@@ -117,14 +132,14 @@ def _refused(request: web.Request, tokens: AdminTokens) -> web.StreamResponse | 
     return None
 
 
-def build_admin_app(gateway: Any) -> web.Application:
-    """The admin aiohttp application for a started `Gateway` (see llmgw.server)."""
+def build_admin_app(admin: AdminDependencies) -> web.Application:
+    """The admin aiohttp application over what a started `Gateway` gives it (see llmgw.server)."""
     app = web.Application(middlewares=[_guard], client_max_size=MAX_BODY)
-    app[GATEWAY] = gateway
-    app[TOKEN] = getattr(gateway, "admin_tokens", None) or AdminTokens(gateway.token)
+    app[DEPENDENCIES] = admin
+    app[TOKEN] = admin.tokens
     app[FOLLOWS] = set()
-    gateway.registry.register(FleetCollector(lambda: listings(gateway)))
-    api = Api(gateway)
+    admin.registry.register(FleetCollector(lambda: listings(admin)))
+    api = Api(admin)
     app.add_routes([
         web.get("/api/status", api.status),
         web.get("/api/nodes", api.nodes),
@@ -150,11 +165,10 @@ def build_admin_app(gateway: Any) -> web.Application:
         web.delete("/api/routers/{name}", api.revoke_router),
         web.get("/metrics", api.metrics),
     ])
-    dashboard.add_routes(app, gateway)
-    feed = getattr(gateway, "feed_server", None)  # the router feed (llmgw.control.feedserver), when served
-    if feed is not None:
-        feed.mount(app)
-        app[FEED_PATHS] = feed.paths
+    dashboard.add_routes(app, admin)
+    if admin.feed is not None:
+        admin.feed.mount(app)
+        app[FEED_PATHS] = admin.feed.paths
     app.on_shutdown.append(_end_follows)
     return app
 
@@ -182,9 +196,9 @@ async def _json_body(request: web.Request) -> dict:
     try:
         body = await request.json()
     except ValueError:
-        raise ServiceError(400, "the request body is not valid JSON", code="bad_json") from None
+        raise ServiceError(ErrorKind.INVALID, "the request body is not valid JSON", code="bad_json") from None
     if not isinstance(body, dict):
-        raise ServiceError(400, "the request body must be a JSON object", code="bad_json")
+        raise ServiceError(ErrorKind.INVALID, "the request body must be a JSON object", code="bad_json")
     return body
 
 
@@ -196,7 +210,7 @@ def _int(value: Any, name: str, *, minimum: int = 0, maximum: int | None = None,
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (
             maximum is not None and value > maximum):
         bound = f" and at most {maximum}" if maximum is not None else ""
-        raise ServiceError(400, f"{name} must be a whole number of at least {minimum}{bound}", code="bad_argument")
+        raise ServiceError(ErrorKind.INVALID, f"{name} must be a whole number of at least {minimum}{bound}", code="bad_argument")
     return value
 
 
@@ -204,17 +218,17 @@ def _duration(value: Any, name: str) -> float:
     try:
         return parse_duration(value)
     except ValueError as exc:
-        raise ServiceError(400, f"{name}: {exc}", code="bad_argument") from None
+        raise ServiceError(ErrorKind.INVALID, f"{name}: {exc}", code="bad_argument") from None
 
 
 class Api:
     """Handlers of the management API: they render the published view and call the control plane."""
 
-    def __init__(self, gateway: Any):
-        self.gateway = gateway
+    def __init__(self, admin: AdminDependencies):
+        self.admin = admin
 
     def snapshot(self) -> Listings:
-        return listings(self.gateway)
+        return listings(self.admin)
 
     async def status(self, request: web.Request) -> web.Response:
         return _json(self.snapshot().status())
@@ -232,7 +246,7 @@ class Api:
         return _json(self.snapshot().storage())
 
     async def explain(self, request: web.Request) -> web.Response:
-        return _json(explanation_json(self.gateway.control.explain(request.match_info["model"])))
+        return _json(explanation_json(self.admin.control.explain(request.match_info["model"])))
 
     async def node_admin(self, request: web.Request) -> web.Response:
         """Cordon, uncordon and drain: one endpoint, the action in the body (R-9.4)."""
@@ -240,7 +254,7 @@ class Api:
         action = body.get("action")
         grace = body.get("grace")
         grace_seconds = None if grace is None else _duration(grace, "grace")
-        answer = self.gateway.control.set_node(request.match_info["node"], str(action), grace_seconds,
+        answer = self.admin.control.set_node(request.match_info["node"], str(action), grace_seconds,
                                                _actor(request, body))
         return _json(answer)
 
@@ -258,28 +272,28 @@ class Api:
             try:
                 text = (await request.read()).decode(charset)
             except LookupError:
-                raise ServiceError(400, f"unknown charset {charset!r} in the Content-Type; send UTF-8",
+                raise ServiceError(ErrorKind.INVALID, f"unknown charset {charset!r} in the Content-Type; send UTF-8",
                                    code="bad_encoding") from None
             except UnicodeDecodeError as exc:
-                raise ServiceError(400, f"the model definition is not {charset} text (byte {exc.start}: "
+                raise ServiceError(ErrorKind.INVALID, f"the model definition is not {charset} text (byte {exc.start}: "
                                         f"{exc.reason}); save the file as UTF-8", code="bad_encoding") from None
         if not isinstance(text, str) or not text.strip():
-            raise ServiceError(400, "send the model definition (YAML) as the request body", code="empty_body")
+            raise ServiceError(ErrorKind.INVALID, "send the model definition (YAML) as the request body", code="empty_body")
         source = source or request.headers.get(SOURCE_HEADER) or "model file"
-        answer = await self.gateway.control.add_model(text, _actor(request, body), source=str(source)[:256])
+        answer = await self.admin.control.add_model(text, _actor(request, body), source=str(source)[:256])
         return _json(answer, status=201)
 
     async def remove_model(self, request: web.Request) -> web.Response:
-        answer = await self.gateway.control.remove_model(request.match_info["name"], _actor(request))
+        answer = await self.admin.control.remove_model(request.match_info["name"], _actor(request))
         return _json(answer)
 
     async def scale(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         if "min" not in body:
-            raise ServiceError(400, "min is required", code="bad_argument")
+            raise ServiceError(ErrorKind.INVALID, "min is required", code="bad_argument")
         minimum = _int(body.get("min"), "min")
         maximum = _int(body.get("max"), "max", allow_none=True)
-        answer = await self.gateway.control.scale(request.match_info["name"], minimum, maximum,
+        answer = await self.admin.control.scale(request.match_info["name"], minimum, maximum,
                                                   _actor(request, body))
         return _json(answer)
 
@@ -288,26 +302,26 @@ class Api:
         body = await _json_body(request)
         dry_run = body.get("dry_run", False)
         if not isinstance(dry_run, bool):
-            raise ServiceError(400, "dry_run must be true or false", code="bad_argument")
+            raise ServiceError(ErrorKind.INVALID, "dry_run must be true or false", code="bad_argument")
         force = body.get("force", False)
         if not isinstance(force, bool):
-            raise ServiceError(400, "force must be true or false", code="bad_argument")
+            raise ServiceError(ErrorKind.INVALID, "force must be true or false", code="bad_argument")
         kwargs = {} if body.get("grace") is None else {"grace": _duration(body["grace"], "grace")}
-        return _json(await self.gateway.control.reload(_actor(request, body), dry_run=dry_run, force=force,
+        return _json(await self.admin.control.reload(_actor(request, body), dry_run=dry_run, force=force,
                                                        **kwargs))
 
     async def engines(self, request: web.Request) -> web.Response:
-        return _json(await self.gateway.control.engines())
+        return _json(await self.admin.control.engines())
 
     async def reclaim_list(self, request: web.Request) -> web.Response:
-        return _json(await self.gateway.control.reclaim(False, _actor(request)))
+        return _json(await self.admin.control.reclaim(False, _actor(request)))
 
     async def reclaim(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         collect = body.get("collect", False)
         if not isinstance(collect, bool):
-            raise ServiceError(400, "collect must be true or false", code="bad_argument")
-        return _json(await self.gateway.control.reclaim(collect, _actor(request, body)))
+            raise ServiceError(ErrorKind.INVALID, "collect must be true or false", code="bad_argument")
+        return _json(await self.admin.control.reclaim(collect, _actor(request, body)))
 
     async def logs(self, request: web.Request) -> web.StreamResponse:
         """An engine's log through its node's helper (R-4.8); `follow=1` streams JSON lines."""
@@ -316,9 +330,9 @@ class Api:
         rank = _int(query.get("shard", 0), "shard")
         lines = _int(query.get("lines", DEFAULT_LOG_LINES), "lines", maximum=MAX_LOG_LINES)
         if query.get("follow", "") not in ("1", "true", "yes"):
-            found = await self.gateway.control.logs(replica, rank, lines)
+            found = await self.admin.control.logs(replica, rank, lines)
             return _json({"replica": replica, "shard": rank, "lines": found})
-        follow = self.gateway.control.follow_logs(replica, rank, lines)
+        follow = self.admin.control.follow_logs(replica, rank, lines)
         # The first chunk comes before the response starts, so an unknown replica is a plain 404.
         first = await anext(follow)
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson",
@@ -357,23 +371,20 @@ class Api:
     async def usage(self, request: web.Request) -> web.Response:
         by = request.query.get("by", "model")
         if by not in BY:
-            raise ServiceError(400, f"by must be one of: {', '.join(BY)}", code="bad_argument")
+            raise ServiceError(ErrorKind.INVALID, f"by must be one of: {', '.join(BY)}", code="bad_argument")
         since = _duration(request.query.get("since", DEFAULT_USAGE_SINCE), "since")
-        report = await self.gateway.store.read(lambda db: usage_report(db, by, since))
+        report = await self.admin.store.read(lambda db: usage_report(db, by, since))
         return _json(report)
 
     async def listener(self, request: web.Request) -> web.Response:
         """Where this admin listener is bound: TCP address and the state directory's socket."""
-        bound = getattr(self.gateway, "bound", {}).get("admin")
-        socket_path = getattr(self.gateway, "admin_socket", None)
-        inventory = getattr(self.gateway, "inventory", None)
-        tls = inventory is not None and inventory.gateway.admin_tls is not None
-        return _json({"address": f"{bound[0]}:{bound[1]}" if bound else None,
-                      "socket": str(socket_path) if socket_path is not None else None,
-                      "scheme": "https" if tls else "http"})
+        where = self.admin.listener()
+        return _json({"address": f"{where.address[0]}:{where.address[1]}" if where.address else None,
+                      "socket": str(where.socket) if where.socket is not None else None,
+                      "scheme": "https" if where.tls else "http"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.gateway.registry)
+        body = generate_latest(self.admin.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # -- credentials (R-9.3, R-10.7) -------------------------------------------------------------
@@ -392,7 +403,7 @@ class Api:
         from llmgw.routers import list_routers
 
         now = time.time()
-        found = await self.gateway.store.read(list_routers)
+        found = await self.admin.store.read(list_routers)
         return _json({"routers": [r.as_json(now) for r in found]})
 
     async def add_router(self, request: web.Request) -> web.Response:
@@ -401,7 +412,7 @@ class Api:
         body = await _json_body(request)
         name = body.get("name")
         if not isinstance(name, str):
-            raise ServiceError(400, "name is required", code="bad_argument")
+            raise ServiceError(ErrorKind.INVALID, "name is required", code="bad_argument")
         router, credential = await self._credentials(lambda db: add_router(db, name))
         await self._audit(_actor(request, body), "router.add", router.name)
         return _json({"router": router.as_json(time.time()), "credential": credential}, status=201)
@@ -433,18 +444,16 @@ class Api:
             try:
                 return change(db), list_routers(db)
             except RouterRefused as exc:
-                raise ServiceError(400, str(exc), code="refused") from None
+                raise ServiceError(ErrorKind.INVALID, str(exc), code="refused") from None
 
-        result, every = await self.gateway.store.write(apply)
-        verifiers = getattr(self.gateway, "router_credentials", None)
-        if verifiers is not None:
-            verifiers.load(every)
-        feed = getattr(self.gateway, "feed_server", None)
-        if feed is not None:
-            feed.recheck()
+        result, every = await self.admin.store.write(apply)
+        if self.admin.router_credentials is not None:
+            self.admin.router_credentials.load(every)
+        if self.admin.feed is not None:
+            self.admin.feed.recheck()
         return result
 
     async def _audit(self, actor: str, action: str, target: str, detail: Any = None) -> None:
         from llmgw.store import audit
 
-        await self.gateway.store.write(lambda db: audit(db, actor, action, target, detail))
+        await self.admin.store.write(lambda db: audit(db, actor, action, target, detail))

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from llmgw.admin import text
+from llmgw.admin.dependencies import AdminDependencies
 from llmgw.admin.usage import usage_report
 from llmgw.admin.views import Listings, explanation_json, listings
 from llmgw.control.service import ServiceError
@@ -254,10 +255,10 @@ def usage_page(snapshot: Listings, by_model: dict, by_key: dict, period: str) ->
         periods=Markup(periods), start=esc(start), by_model=listing(by_model, "model"), by_key=listing(by_key, "key")))
 
 
-def add_routes(app: web.Application, gateway: Any) -> None:
+def add_routes(app: web.Application, admin: AdminDependencies) -> None:
     def simple(path: str, render: Callable[[Listings], Markup]):
         async def handler(request: web.Request) -> web.Response:
-            snapshot = listings(gateway)
+            snapshot = listings(admin)
             return page(path, render(snapshot), snapshot.now)
         return handler
 
@@ -265,7 +266,7 @@ def add_routes(app: web.Application, gateway: Any) -> None:
         def explain(model: str) -> dict | None:
             # Computed by the control plane, on the fleet as it is now.
             try:
-                return explanation_json(gateway.control.explain(model))
+                return explanation_json(admin.control.explain(model))
             except ServiceError:
                 return None
         return placement_page(snapshot, explain)
@@ -276,14 +277,14 @@ def add_routes(app: web.Application, gateway: Any) -> None:
             seconds = parse_duration(period)
         except ValueError:
             period, seconds = "24h", parse_duration("24h")
-        snapshot = listings(gateway)
-        by_model = await gateway.store.read(lambda db: usage_report(db, "model", seconds, snapshot.now))
-        by_key = await gateway.store.read(lambda db: usage_report(db, "key", seconds, snapshot.now))
+        snapshot = listings(admin)
+        by_model = await admin.store.read(lambda db: usage_report(db, "model", seconds, snapshot.now))
+        by_key = await admin.store.read(lambda db: usage_report(db, "key", seconds, snapshot.now))
         return page("/usage", usage_page(snapshot, by_model, by_key, period), snapshot.now)
 
     async def engines(request: web.Request) -> web.Response:
         # Asked of the nodes, at most once a minute whatever the number of viewers.
-        document = await gateway.control.engines(max_age=60.0)
+        document = await admin.control.engines(max_age=60.0)
         return page("/engines", engines_page(document), time.time())
 
     async def style(request: web.Request) -> web.Response:

@@ -6,14 +6,14 @@ The previous token's grace is kept in memory: a restart of `llmgw serve` ends it
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
-import os
 import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from llmgw.contracts.privatefiles import write_private
 
 
 class NotText(ValueError):
@@ -34,18 +34,7 @@ def cookie_value(token: str) -> str:
 
 def write_token_file(path: Path, token: str) -> None:
     """Write the token file (0600) so that a reader sees the old token or the new one, never a part."""
-    temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(token + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
+    write_private(path, (token + "\n").encode())
 
 
 class AdminTokens:

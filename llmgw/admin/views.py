@@ -23,6 +23,7 @@ from llmgw.contracts.views import ControlView, NodeState, ReplicaState
 from llmgw.control.state import FAILED, SHARD_STATES, STOPPED
 
 if TYPE_CHECKING:
+    from llmgw.admin.dependencies import AdminDependencies
     from llmgw.control.placement import Explanation
 
 IDLE_LISTED = 5  # replicas listed as "unasked-for longest" in status
@@ -70,10 +71,10 @@ def _scale_decision(decision) -> dict:
             "reason": decision.reason}
 
 
-def listings(gateway: Any) -> Listings:
+def listings(admin: AdminDependencies) -> Listings:
     """The listings of the control plane's latest published view, with the routers' figures (the
     feed publisher aggregates what the routers report)."""
-    return Listings(gateway.control.view(), getattr(gateway, "publisher", None))
+    return Listings(admin.control.view(), admin.data_plane)
 
 
 class Listings:

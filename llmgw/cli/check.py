@@ -7,9 +7,8 @@ from pathlib import Path
 import typer
 
 from llmgw.catalog import Catalog
+from llmgw.cli.exits import bad_config, fail
 from llmgw.config import ConfigError, load_inventory
-
-EXIT_CONFIG = 2
 
 
 def load_checked(path: Path):
@@ -34,9 +33,7 @@ def check(
     try:
         inv, _, catalog = load_checked(inventory)
     except ConfigError as exc:
-        for line in exc.lines():
-            typer.echo(line, err=True)
-        raise typer.Exit(EXIT_CONFIG)
+        bad_config(exc)
     typer.echo(f"{inventory}: valid — {len(inv.nodes)} nodes, {len(inv.profiles)} profiles, "
                f"{len(catalog.models)} models")
     if not connect or not inv.nodes:
@@ -49,4 +46,4 @@ def check(
     results = asyncio.run(reach_all(inv, resolve_state_dir(inv, state_dir and str(state_dir)), timeout))
     print_reach_table(results)
     if not all(r["ok"] for r in results):
-        raise typer.Exit(1)
+        fail()  # the table says which

@@ -25,8 +25,8 @@ from rich.text import Text
 from llmgw.admin import render
 from llmgw.admin import text as words
 from llmgw.admin.client import AdminClient, AdminError, default_actor
+from llmgw.cli.exits import fail
 
-EXIT_REFUSED = 1
 WATCH_INTERVAL = 2.0
 
 ctl = typer.Typer(
@@ -122,11 +122,8 @@ def _refusals() -> Iterator[None]:
     try:
         yield
     except AdminError as exc:
-        typer.echo(f"error: {words.printable(exc.message)}", err=True)
         extra = [p for p in exc.problems if p != exc.message]
-        for problem in extra:
-            typer.echo(f"  {words.printable(str(problem))}", err=True)
-        raise typer.Exit(EXIT_REFUSED) from None
+        fail(f"error: {words.printable(exc.message)}", *(f"  {words.printable(str(problem))}" for problem in extra))
 
 
 def _emit(document: Any, as_json: bool, layout: Callable[[Any], Any]) -> None:
@@ -371,7 +368,7 @@ def reload(ctx: typer.Context,
         answer = _client(ctx).post("/api/reload", body)
         _emit(answer, as_json, render.reload)
     if answer.get("refused"):
-        raise typer.Exit(EXIT_REFUSED)
+        fail()  # the answer printed says why
 
 
 # -- storage and reclaim -----------------------------------------------------------------------------
@@ -455,8 +452,7 @@ def usage(ctx: typer.Context,
           as_json: bool = JSON_OPTION) -> None:
     """Requests and tokens per model or per API key."""
     if by not in ("model", "key"):
-        typer.echo("error: --by must be `model` or `key`", err=True)
-        raise typer.Exit(EXIT_REFUSED)
+        fail("error: --by must be `model` or `key`")
     with _refusals():
         _emit(_client(ctx).get("/api/usage", by=by, since=since), as_json, render.usage)
 

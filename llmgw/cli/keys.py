@@ -13,14 +13,12 @@ from pathlib import Path
 
 import typer
 
+from llmgw.cli.exits import bad_config, fail
 from llmgw.config import ConfigError, Inventory, load_inventory, resolve_state_dir
 from llmgw.contracts.feed import Limits
 from llmgw.keys import (MODEL_LIMIT_SYNTAX, ApiKey, KeyRefused, create_key, list_keys, parse_int, parse_limit,
                         parse_model_limit, revoke_key, set_key)
 from llmgw.store import Store, audit
-
-EXIT_REFUSED = 1
-EXIT_CONFIG = 2
 
 keys_app = typer.Typer(
     name="keys",
@@ -91,9 +89,7 @@ def _open_store(state_dir: Path | None, inventory: Path | None) -> Store:
         try:
             config, _ = load_inventory(inventory)
         except ConfigError as exc:
-            for line in exc.lines():
-                typer.echo(line, err=True)
-            raise typer.Exit(EXIT_CONFIG)
+            bad_config(exc)
     directory = resolve_state_dir(config, str(state_dir) if state_dir else None)
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     return Store.open(directory / "state.db")
@@ -132,8 +128,7 @@ def create(
     try:
         changes, per_model = _limit_flags(rpm, tpm, concurrency, priority, weight, model_limit)
     except KeyRefused as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_REFUSED)
+        fail(f"error: {exc}")
     store = _open_store(state_dir, inventory)
     try:
         def write(db):
@@ -146,8 +141,7 @@ def create(
             return key, secret
         key, secret = store.write_sync(write)
     except KeyRefused as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_REFUSED)
+        fail(f"error: {exc}")
     finally:
         store.close()
     typer.echo(secret)
@@ -175,8 +169,7 @@ def set_(
             raise KeyRefused("nothing to change: give --rpm, --tpm, --concurrency, --priority, --weight "
                              "or --model-limit")
     except KeyRefused as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_REFUSED)
+        fail(f"error: {exc}")
     store = _open_store(state_dir, inventory)
     try:
         def write(db):
@@ -185,8 +178,7 @@ def set_(
             return key
         key = store.write_sync(write)
     except KeyRefused as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_REFUSED)
+        fail(f"error: {exc}")
     finally:
         store.close()
     per = "; ".join(f"{m}: {_limits_text(lim)}" for m, lim in sorted(key.model_limits.items())) or "-"
@@ -250,8 +242,7 @@ def revoke(
             return key, newly
         key, newly = store.write_sync(write)
     except KeyRefused as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(EXIT_REFUSED)
+        fail(f"error: {exc}")
     finally:
         store.close()
     state = "revoked" if newly else "was already revoked"

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from llmgw.cli.exits import ExitCode, bad_config, fail
 from llmgw.config import ConfigError, Inventory, NodeConfig
 from llmgw.fleet.link import CONNECTING, READY, UNREACHABLE, NodeLink, make_link
 from llmgw.fleet.secret import SecretError, fleet_secret
@@ -64,20 +65,17 @@ def run(
     try:
         inventory, _, _ = load_configuration(str(inventory_path) if inventory_path else None)
     except ConfigError as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(2)
+        bad_config(exc)
     try:
         target = inventory.node(node)
     except KeyError:
-        typer.echo(f"no node named {node!r} in the inventory", err=True)
-        raise typer.Exit(2)
+        fail(f"no node named {node!r} in the inventory", code=ExitCode.BAD_CONFIG)
     args = dict(parse_arg(a) for a in arg)
     try:
         result = asyncio.run(_run_one(inventory, target, resolve_state_dir(inventory, state_dir and str(state_dir)),
                                       op, args, timeout))
     except (NodeError, SecretError) as exc:
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(1)
+        fail(str(exc))
     typer.echo(json.dumps(result, indent=2))
 
 

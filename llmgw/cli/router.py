@@ -15,9 +15,9 @@ from pathlib import Path
 
 import typer
 
+from llmgw.cli.exits import fail
 from llmgw.config import default_state_dir
 
-EXIT_START = 1
 STOP_TIMEOUT = 60.0
 RESTART_TIMEOUT_PER_WORKER = 150.0
 
@@ -64,8 +64,7 @@ def router(
     from llmgw.router.worker import LOG_FORMAT
 
     if control is None:
-        typer.echo("llmgw router: --control unix:PATH or --control https://HOST:PORT is required", err=True)
-        raise typer.Exit(EXIT_START)
+        fail("llmgw router: --control unix:PATH or --control https://HOST:PORT is required")
     from llmgw.router import credential
 
     state_dir = state_dir or default_router_state_dir()
@@ -77,14 +76,12 @@ def router(
     try:
         code = run_supervisor(config, ready_fd)
     except SupervisorError as exc:
-        message = f"llmgw router: {exc}"
         if ready_fd is not None:
             try:
                 os.write(ready_fd, f"error: {exc}\n".encode())
             except OSError:
                 pass
-        typer.echo(message, err=True)
-        raise typer.Exit(EXIT_START)
+        fail(f"llmgw router: {exc}")
     raise typer.Exit(code)
 
 
@@ -93,8 +90,7 @@ def _running(state_dir: Path) -> int:
 
     pid = running_supervisor(state_dir)
     if pid is None or pid <= 0:
-        typer.echo(f"llmgw router: no router runs with the state directory {state_dir}", err=True)
-        raise typer.Exit(EXIT_START)
+        fail(f"llmgw router: no router runs with the state directory {state_dir}")
     return pid
 
 
@@ -109,8 +105,7 @@ def stop(state_dir: Path | None = StateDir) -> None:
     deadline = time.monotonic() + STOP_TIMEOUT
     while running_supervisor(state_dir) is not None:
         if time.monotonic() > deadline:
-            typer.echo(f"llmgw router: pid {pid} did not stop within {STOP_TIMEOUT:.0f}s", err=True)
-            raise typer.Exit(EXIT_START)
+            fail(f"llmgw router: pid {pid} did not stop within {STOP_TIMEOUT:.0f}s")
         time.sleep(0.1)
     typer.echo(f"router (pid {pid}) stopped")
 
@@ -133,9 +128,6 @@ def restart(state_dir: Path | None = StateDir) -> None:
             typer.echo(f"router (pid {pid}) restarted its workers: {pids}")
             return
         if status.get("roll_failures", 0) > failures:
-            typer.echo(f"llmgw router: restart stopped: {status.get('last_roll_error')}; "
-                       "the running workers keep serving", err=True)
-            raise typer.Exit(EXIT_START)
+            fail(f"llmgw router: restart stopped: {status.get('last_roll_error')}; the running workers keep serving")
         time.sleep(0.1)
-    typer.echo(f"llmgw router: pid {pid} did not finish the restart in time", err=True)
-    raise typer.Exit(EXIT_START)
+    fail(f"llmgw router: pid {pid} did not finish the restart in time")

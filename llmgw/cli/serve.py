@@ -8,10 +8,8 @@ from pathlib import Path
 
 import typer
 
+from llmgw.cli.exits import bad_config, fail
 from llmgw.config import ConfigError
-
-EXIT_CONFIG = 2
-EXIT_START = 1
 
 
 def serve(
@@ -37,7 +35,8 @@ def serve(
     One serve runs per state directory. Exit code 2: the inventory is invalid; 1: it could not
     start (a port in use, another serve with the same state directory, a router that cannot start).
     """
-    from llmgw.server import StartupError, serve as run
+    from llmgw.server import serve as run
+    from llmgw.state_dir import StartupError
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -46,9 +45,6 @@ def serve(
         asyncio.run(run(str(inventory) if inventory else None, state_dir=str(state_dir) if state_dir else None,
                         listen=listen, admin=admin, workers=workers))
     except ConfigError as exc:
-        for line in exc.lines():
-            typer.echo(line, err=True)
-        raise typer.Exit(EXIT_CONFIG)
+        bad_config(exc)
     except StartupError as exc:
-        typer.echo(f"llmgw serve: {exc}", err=True)
-        raise typer.Exit(EXIT_START)
+        fail(f"llmgw serve: {exc}")

@@ -1,7 +1,9 @@
 """Operator actions on the running control plane: catalog changes, node admin, reclaim, logs.
 
-Every refusal is a `ServiceError` carrying an HTTP status (400 for the caller's mistakes, 404 for
-unknown names); the admin API turns it into a response in one place (R-8.2).
+Every refusal is a `ServiceError` of a kind (`ErrorKind`: the caller's mistake, an unknown name,
+a conflict with what runs now, a node that failed to answer) with a code and the problems found;
+the admin API maps each kind to its HTTP status and the error to a response in one place
+(llmgw/admin/app.py, R-8.2).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from enum import StrEnum
 
 from llmgw.catalog import Catalog, CatalogHolder, StoredModel
 from llmgw.config import ConfigError, Document, Inventory, ModelConfig, load_inventory, parse_model_text
@@ -29,10 +32,22 @@ from llmgw.weights import redact_weights
 log = logging.getLogger(__name__)
 
 
+class ErrorKind(StrEnum):
+    """What kind of refusal a ServiceError is: what the caller can do about it."""
+
+    INVALID = "invalid"  # the request is wrong: an argument, a definition, an inventory with a problem
+    NOT_FOUND = "not_found"  # it names a model, node or replica that does not exist
+    CONFLICT = "conflict"  # what runs now refuses it: a reload under way, a node leaving, no inventory file
+    NODE_FAILED = "node_failed"  # a node could not answer (a log read)
+
+
 class ServiceError(Exception):
-    def __init__(self, status: int, message: str, *, code: str = "bad_request", problems: list[str] | None = None):
+    """An operator action refused, with its kind, a code for scripts and the problems found."""
+
+    def __init__(self, kind: ErrorKind, message: str, *, code: str = "bad_request",
+                 problems: list[str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.code, self.problems = status, message, code, problems or []
+        self.kind, self.message, self.code, self.problems = kind, message, code, problems or []
 
 
 def load_stored_models(store: Store) -> list[StoredModel]:
@@ -71,7 +86,7 @@ class ControlPlane:
     def explain(self, name: str) -> placement.Explanation:
         """Why the model goes where it goes, or nowhere, on the fleet as it is now (R-3.5)."""
         if name not in self.holder.current.models:
-            raise ServiceError(404, f"no model named {name!r}", code="model_not_found")
+            raise ServiceError(ErrorKind.NOT_FOUND, f"no model named {name!r}", code="model_not_found")
         return self.reconciler.explain(name)
 
     # -- catalog changes (R-8.1–R-8.4) ---------------------------------------------------------
@@ -92,7 +107,7 @@ class ControlPlane:
                 problems = [document.problem(p.loc[1:], p.message) if p.loc[:1] == (name,) else p
                             for p in problems]
                 exc = ConfigError(document.source, problems)
-            raise ServiceError(400, exc.lines()[0], problems=exc.lines()) from None
+            raise ServiceError(ErrorKind.INVALID, exc.lines()[0], problems=exc.lines()) from None
 
     def _check_placeable(self, catalog: Catalog, name: str) -> None:
         """Refuse a model whose profile fits no node of the inventory, even an empty one (R-8.2)."""
@@ -111,21 +126,21 @@ class ControlPlane:
                  for v in self.reconciler.node_views()]
         explanation = placement.explain_placement(model, views, {})
         if explanation.plan is None:
-            raise ServiceError(400, f"model {name!r} cannot be placed on any node of the inventory, even an "
+            raise ServiceError(ErrorKind.INVALID, f"model {name!r} cannot be placed on any node of the inventory, even an "
                                     f"idle one: {explanation.summary}", code="unplaceable")
 
     async def add_model(self, text: str, actor: str, source: str = "model file") -> dict:
         try:
             config, document = parse_model_text(text, source)
         except ConfigError as exc:
-            raise ServiceError(400, exc.lines()[0] if exc.problems else str(exc), problems=exc.lines()) from None
+            raise ServiceError(ErrorKind.INVALID, exc.lines()[0] if exc.problems else str(exc), problems=exc.lines()) from None
         async with self._lock:
             current = self.holder.current
             existing = current.models.get(config.name)
             if existing is not None:
                 where = (f"declared in {self.inventory_source}" if existing.declared_in == "file"
                          else "already added at runtime")
-                raise ServiceError(400, f"model {config.name!r} is {where}; choose another name or remove it first",
+                raise ServiceError(ErrorKind.INVALID, f"model {config.name!r} is {where}; choose another name or remove it first",
                                    code="name_collision")
             catalog = self._build([*self._stored(), StoredModel(config, actor)], new=(config.name, document))
             self._check_placeable(catalog, config.name)
@@ -145,9 +160,9 @@ class ControlPlane:
     def _stored_model(self, name: str, action: str):
         model = self.holder.current.models.get(name)
         if model is None:
-            raise ServiceError(404, f"no model named {name!r}", code="model_not_found")
+            raise ServiceError(ErrorKind.NOT_FOUND, f"no model named {name!r}", code="model_not_found")
         if model.declared_in == "file":
-            raise ServiceError(400, f"{name} is declared in {self.inventory_source}; edit it there to {action} it "
+            raise ServiceError(ErrorKind.INVALID, f"{name} is declared in {self.inventory_source}; edit it there to {action} it "
                                     f"(the file is read on every start and would undo a runtime change)",
                                code="declared_in_file")
         return model
@@ -167,11 +182,11 @@ class ControlPlane:
     async def scale(self, name: str, minimum: int, maximum: int | None, actor: str) -> dict:
         """Change only the scaling block; validate the whole new catalog before storing (R-8.4)."""
         if minimum < 0 or (maximum is not None and maximum < 0):
-            raise ServiceError(400, "min and max must be 0 or more")
+            raise ServiceError(ErrorKind.INVALID, "min and max must be 0 or more")
         async with self._lock:
             model = self._stored_model(name, "scale")
             if maximum is not None and maximum < minimum:
-                raise ServiceError(400, f"max ({maximum}) must be >= min ({minimum}); "
+                raise ServiceError(ErrorKind.INVALID, f"max ({maximum}) must be >= min ({minimum}); "
                                         f"{name} keeps min {model.min_replicas}, max {model.max_replicas}")
             scaling = model.config.scaling.model_copy(update={"min": minimum, "max": maximum})
             try:
@@ -179,7 +194,7 @@ class ControlPlane:
                                                      "scaling": scaling.model_dump(exclude_unset=True) | {
                                                          "min": minimum, "max": maximum}})
             except Exception as exc:
-                raise ServiceError(400, str(exc)) from None
+                raise ServiceError(ErrorKind.INVALID, str(exc)) from None
             stored = [StoredModel(config, s.actor) if s.config.name == name else s for s in self._stored()]
             catalog = self._build(stored)
             definition = config.model_dump_json(exclude_unset=True)
@@ -212,20 +227,20 @@ class ControlPlane:
         One reload at a time; `dry_run` says what would change and changes nothing."""
         path = self.document.source if self.document is not None else None
         if path is None:
-            raise ServiceError(409, f"llmgw serve runs with {self.inventory_source} (started without -i): there is "
+            raise ServiceError(ErrorKind.CONFLICT, f"llmgw serve runs with {self.inventory_source} (started without -i): there is "
                                     "no inventory file to re-read; restart it with -i FILE to change its nodes or "
                                     "settings (models can be added with `llmgw ctl model add`)",
                                code="no_inventory_file")
         if self._reloading is not None:
             by, since = self._reloading
-            raise ServiceError(409, f"a reload by {by} (started {time.strftime('%H:%M:%S', time.localtime(since))}) "
+            raise ServiceError(ErrorKind.CONFLICT, f"a reload by {by} (started {time.strftime('%H:%M:%S', time.localtime(since))}) "
                                     "is being applied; try again when it has finished", code="reload_in_progress")
         self._reloading = (actor, time.time())
         try:
             try:
                 new, document = await asyncio.to_thread(load_inventory, path)
             except ConfigError as exc:
-                raise ServiceError(400, exc.lines()[0] if exc.problems else str(exc), problems=exc.lines(),
+                raise ServiceError(ErrorKind.INVALID, exc.lines()[0] if exc.problems else str(exc), problems=exc.lines(),
                                    code="bad_inventory") from None
             diff = inventory_diff(self.inventory, new, removal_grace=grace)
             new = kept_restart_settings(self.inventory, new)  # reported in the diff, applied by a restart
@@ -240,7 +255,7 @@ class ControlPlane:
                 if dry_run:
                     answer["refused"] = message
                     return answer
-                raise ServiceError(409, message, code="min_unplaceable",
+                raise ServiceError(ErrorKind.CONFLICT, message, code="min_unplaceable",
                                    problems=[f"{e['model']} (min {e['min']}): {e['reason']}" for e in lost])
             if dry_run:
                 return answer
@@ -296,7 +311,7 @@ class ControlPlane:
             return Catalog.from_inventory(inventory, document, stored=self._stored(),
                                           version=self.holder.current.version + 1)
         except ConfigError as exc:
-            raise ServiceError(400, exc.lines()[0], problems=exc.lines(), code="bad_inventory") from None
+            raise ServiceError(ErrorKind.INVALID, exc.lines()[0], problems=exc.lines(), code="bad_inventory") from None
 
     async def _apply(self, new: Inventory, document: Document, diff: Diff, catalog: Catalog, actor: str,
                      grace: float) -> None:
@@ -330,11 +345,11 @@ class ControlPlane:
     def set_node(self, node: str, action: str, grace: float | None, actor: str) -> dict:
         states = {"cordon": "cordoned", "uncordon": "active", "drain": "draining"}
         if action not in states:
-            raise ServiceError(400, f"unknown action {action!r}; use cordon, uncordon or drain")
+            raise ServiceError(ErrorKind.INVALID, f"unknown action {action!r}; use cordon, uncordon or drain")
         if node not in self.fleet.nodes:
-            raise ServiceError(404, f"no node named {node!r}", code="node_not_found")
+            raise ServiceError(ErrorKind.NOT_FOUND, f"no node named {node!r}", code="node_not_found")
         if node in self.reconciler.removing:
-            raise ServiceError(409, f"{node} left {self.inventory_source} and is being drained before it is "
+            raise ServiceError(ErrorKind.CONFLICT, f"{node} left {self.inventory_source} and is being drained before it is "
                                     "forgotten; put it back in the file and reload to keep it", code="node_removing")
         admin = self.reconciler.set_admin(node, states[action], grace if action == "drain" else None, actor)
         self.publish()
@@ -420,9 +435,9 @@ class ControlPlane:
         if replica is None:
             replica = next((r for _, r in reversed(self.reconciler.retired) if r.id == replica_id), None)
         if replica is None:
-            raise ServiceError(404, f"no replica named {replica_id!r}", code="replica_not_found")
+            raise ServiceError(ErrorKind.NOT_FOUND, f"no replica named {replica_id!r}", code="replica_not_found")
         if not 0 <= rank < len(replica.shards):
-            raise ServiceError(400, f"{replica_id} has shards 0-{len(replica.shards) - 1}")
+            raise ServiceError(ErrorKind.INVALID, f"{replica_id} has shards 0-{len(replica.shards) - 1}")
         return replica, replica.shards[rank]
 
     async def logs(self, replica_id: str, rank: int = 0, lines: int = 100) -> list[str]:
@@ -432,7 +447,7 @@ class ControlPlane:
         except NodeError as exc:
             if shard.log_tail:
                 return list(shard.log_tail)
-            raise ServiceError(502, f"could not read the log: {exc}", code="node_error") from None
+            raise ServiceError(ErrorKind.NODE_FAILED, f"could not read the log: {exc}", code="node_error") from None
         return replica.without_key(result.lines)
 
     async def follow_logs(self, replica_id: str, rank: int = 0, lines: int = 100) -> AsyncIterator[list[str]]:
@@ -440,7 +455,7 @@ class ControlPlane:
         try:
             stream = self.fleet.ops(shard.node).follow_logs(LogsRequest(shard.id, lines))
         except NodeError as exc:
-            raise ServiceError(502, f"could not read the log: {exc}", code="node_error") from None
+            raise ServiceError(ErrorKind.NODE_FAILED, f"could not read the log: {exc}", code="node_error") from None
         async with stream:
             async for event in stream:
                 yield replica.without_key(event.lines)
@@ -455,10 +470,10 @@ def _unplaceable_words(entries: list[dict]) -> str:
 _SIGNALLED: set[asyncio.Task] = set()
 
 
-def reload_on_signal(gateway) -> None:
-    """SIGHUP: reload as `llmgw ctl reload` does, the diff logged, a refusal logged at error."""
-    control = getattr(gateway, "control", None)
-    if control is None or not getattr(gateway, "serving", False):  # set once its start is complete
+def reload_on_signal(control: ControlPlane | None) -> None:
+    """SIGHUP: reload as `llmgw ctl reload` does, the diff logged, a refusal logged at error.
+    `control` None: serve's start is not complete, and nothing is reloaded."""
+    if control is None:
         log.error("SIGHUP: not reloading: llmgw serve is still starting; send it again once it serves")
         return
 

@@ -35,11 +35,6 @@ __all__ = ["HelperFailed", "HelperSession", "LineReader", "NodeError", "Overlong
 
 log = logging.getLogger(__name__)
 
-# Exit codes of the helper (documented in its docstring).
-EXIT_MISSING = 96  # from the bootstrap: stdin ended before the helper's upload was complete
-EXIT_INTEGRITY = 97
-EXIT_PERMISSIONS = 98
-
 MAX_LINE = 64 * 1024 * 1024  # one answer or event; the largest legitimate ones are log tails
 MAX_STDERR_LINE = 4096  # what one log record of the helper's stderr carries
 READ_CHUNK = 256 * 1024

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import ipaddress
 import json
 import logging
 import os
@@ -55,9 +54,11 @@ from typing import Any
 import aiohttp
 
 from llmgw.contracts import routerauth
+from llmgw.contracts.addresses import is_loopback
 from llmgw.contracts.backoff import backoff_delay
 from llmgw.contracts.feed import (HOMES_PER_REPORT, Ack, Change, FeedError, Report, Snapshot, UsageRow, from_wire,
                                   to_wire)
+from llmgw.contracts.privatefiles import write_private
 from llmgw.router.private import untrusted
 from llmgw.router.engine_figures import add as add_count
 
@@ -97,15 +98,6 @@ class FeedClientError(ValueError):
 # -- where the control plane is ----------------------------------------------------------------
 
 
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return False
-
-
 @dataclass(frozen=True)
 class Control:
     """A parsed --control address: the base URL of the requests, and the Unix socket when local."""
@@ -131,7 +123,7 @@ def parse_control(control: str) -> Control:
                               "http://127.0.0.1:PORT")
     if parsed.path not in ("", "/") or parsed.query:
         raise FeedClientError(f"{control!r}: give the admin listener's address only (scheme, host, port)")
-    if parsed.scheme == "http" and not _loopback(parsed.hostname):
+    if parsed.scheme == "http" and not is_loopback(parsed.hostname):
         raise FeedClientError(f"{control!r}: plain http is refused off this host, because the "
                               "engine keys of the feed would cross the network in clear; give the control plane's "
                               "admin listener a certificate (gateway.admin_tls) and use https://, with --ca FILE if "
@@ -140,31 +132,6 @@ def parse_control(control: str) -> Control:
 
 
 # -- files -------------------------------------------------------------------------------------
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write `path` (0600) so that a reader sees the old file or the new one, never a part."""
-    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _private_dir(path: Path) -> None:
@@ -296,7 +263,7 @@ class Spool:
 
     def _rewrite(self) -> None:
         lines = [_dumps({"acked": self.acked})] + [_dumps(to_wire(s.report)) for s in self.pending]
-        _write_atomic(self.path, ("\n".join(lines) + "\n").encode())
+        write_private(self.path, ("\n".join(lines) + "\n").encode())
         self._lines = len(lines)
 
     def _append(self, document: dict, sync: bool) -> None:
@@ -378,7 +345,7 @@ class _Slot:
                 if value and (name is None or routerauth.router_of(value) == name):
                     return value
         value = f"{name or 'router'}/{socket.gethostname()}-{self.directory.name}-{secrets.token_hex(4)}"
-        _write_atomic(path, value.encode() + b"\n")
+        write_private(path, value.encode() + b"\n")
         return value
 
     def release(self) -> None:
@@ -693,7 +660,7 @@ class FeedClient:
         if snapshot is None:
             return
         data = _dumps(to_wire(snapshot)).encode()
-        await asyncio.to_thread(_write_atomic, self.state_dir / SNAPSHOT_FILE, data)
+        await asyncio.to_thread(write_private, self.state_dir / SNAPSHOT_FILE, data)
 
     # -- reports -------------------------------------------------------------------------------
 
@@ -766,7 +733,7 @@ class FeedClient:
 
         def keep() -> None:
             _private_dir(directory)
-            _write_atomic(path, _dumps(document).encode() + b"\n")
+            write_private(path, _dumps(document).encode() + b"\n")
             spool.acknowledge(report.seq)  # written first: a crash in between only sends it again
 
         await asyncio.to_thread(keep)

@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.contracts.addresses import split_address
+from llmgw.contracts.privatefiles import write_private
 from llmgw.router import credential, pidlock
 from llmgw.router.private import untrusted
 from llmgw.router.serving import SHUTDOWN_GRACE
@@ -112,10 +114,10 @@ def running_supervisor(state_dir: Path) -> int | None:
 
 
 def split_listen(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise SupervisorError(f"--listen {address!r} is not HOST:PORT")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    try:
+        return split_address(address)
+    except ValueError:
+        raise SupervisorError(f"--listen {address!r} is not HOST:PORT") from None
 
 
 def resolve(address: str) -> list[tuple]:
@@ -200,12 +202,7 @@ def bind_slot(addresses: list[tuple]) -> list[socket.socket]:
 
 def write_private_json(path: Path, value: dict) -> None:
     """`value` as JSON at `path`, 0600, replaced atomically (a reader never sees half a file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(value, handle, indent=1)
-        handle.write("\n")
-    os.replace(tmp, path)
+    write_private(path, (json.dumps(value, indent=1) + "\n").encode())
 
 
 def read_status(state_dir: Path) -> dict | None:

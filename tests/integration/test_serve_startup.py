@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from llmgw import server
+from llmgw.state_dir import LOCK_FILE, hold_instance_lock
 from tests.integration.gateway import GatewayProcess, free_port, wait_for
 
 HANG = 60.0
@@ -123,7 +124,7 @@ async def test_a_start_that_fails_half_way_takes_down_what_it_started(tmp_path, 
     left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
     assert left == [], left
     # The state directory is free again: a new start takes its lock.
-    fd = server.hold_instance_lock(tmp_path / "state")
+    fd = hold_instance_lock(tmp_path / "state")
     os.close(fd)
 
 
@@ -131,9 +132,9 @@ def test_a_symlink_in_place_of_the_lock_file_is_refused_not_followed(tmp_path):
     state = tmp_path / "state"
     state.mkdir()
     target = tmp_path / "elsewhere"
-    (state / server.LOCK_FILE).symlink_to(target)
+    (state / LOCK_FILE).symlink_to(target)
     result = subprocess.run(serve_argv(state, free_port(), free_port()), capture_output=True, text=True,
                             timeout=HANG, env={**os.environ, "LLMGW_STATE_DIR": str(state)})
     assert result.returncode == 1, result.stderr
-    assert f"cannot open the lock file {state / server.LOCK_FILE}" in result.stderr
+    assert f"cannot open the lock file {state / LOCK_FILE}" in result.stderr
     assert "Traceback" not in result.stderr and not target.exists()

@@ -12,14 +12,18 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from llmgw.admin.dependencies import AdminDependencies, Listener
+from llmgw.admin.tokens import AdminTokens
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.control import placement
 from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, ProfileConfig
+from llmgw.control.feedserver import FeedServer
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.service import ControlPlane
 from llmgw.control.state import FETCHING, SERVING, Replica, Shard
 from llmgw.fleet.facts import GPU, Filesystem, Held, Inventory as InventoryFacts, NodeFacts, Storage
 from llmgw.fleet.link import UNREACHABLE
+from llmgw.routers import Verifiers
 from llmgw.store import Store
 from tests.unit.fake_fleet import FakeFleet
 
@@ -78,6 +82,18 @@ class FakeGateway:
     token: str = TOKEN
     control: ControlPlane | None = None
     publisher: FakeRouter = field(default_factory=FakeRouter)
+    feed_server: FeedServer | None = None
+    router_credentials: Verifiers | None = None
+    bound: dict[str, tuple[str, int]] = field(default_factory=dict)
+    admin_socket: Path | None = None
+    admin_tokens: AdminTokens | None = None  # None: the token alone
+
+    def admin_dependencies(self) -> AdminDependencies:
+        """What the admin is given, from this gateway's parts, as `Gateway.admin_dependencies` gives it."""
+        return AdminDependencies(control=self.control, store=self.store, registry=self.registry,
+                                 tokens=self.admin_tokens or AdminTokens(self.token), data_plane=self.publisher,
+                                 feed=self.feed_server, router_credentials=self.router_credentials,
+                                 listener=lambda: Listener(self.bound.get("admin"), self.admin_socket))
 
     def publish(self) -> None:
         """What the reconciler does at the end of a pass: the admin shows what was set since."""

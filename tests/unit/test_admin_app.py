@@ -9,9 +9,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.admin.app import COOKIE, build_admin_app
+from llmgw.admin.app import COOKIE, HTTP_STATUS, build_admin_app
 from llmgw.admin.dashboard import PAGES
 from llmgw.config import GatewayConfig, split_address
+from llmgw.control.service import ErrorKind
 from tests.unit.admin_gateway import TOKEN, make_gateway
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -20,13 +21,18 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 @pytest.fixture
 async def admin(tmp_path):
     gateway = make_gateway(tmp_path)
-    client = TestClient(TestServer(build_admin_app(gateway)))
+    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
     await client.start_server()
     try:
         yield client, gateway
     finally:
         await client.close()
         gateway.store.close()
+
+
+def test_every_kind_of_refusal_has_its_http_status():
+    assert set(HTTP_STATUS) == set(ErrorKind)
+    assert sorted(HTTP_STATUS.values()) == [400, 404, 409, 502]
 
 
 def test_admin_listener_is_loopback_by_default():

@@ -98,7 +98,7 @@ async def admin_on_socket(tmp_path):
     state = stopped_gateway_state(tmp_path, 1)
     gateway.bound = {"admin": ("127.0.0.1", 18081)}
     gateway.admin_socket = state / "admin.sock"
-    runner = web.AppRunner(build_admin_app(gateway))
+    runner = web.AppRunner(build_admin_app(gateway.admin_dependencies()))
     await runner.setup()
     await web.UnixSite(runner, str(state / "admin.sock")).start()
     try:

@@ -45,14 +45,14 @@ def test_the_view_is_frozen(gateway):
 
 
 def test_listings_show_what_was_published_not_what_changed_since(gateway):
-    before = {r["id"] for r in listings(gateway).replicas()}
+    before = {r["id"] for r in listings(gateway.admin_dependencies()).replicas()}
     gateway.reconciler.replicas["chat-9"] = _extra()
     gateway.fleet.links["gpu3"].cut()
-    assert {r["id"] for r in listings(gateway).replicas()} == before
-    assert {n["name"]: n["state"] for n in listings(gateway).nodes()}["gpu3"] == "ready"
+    assert {r["id"] for r in listings(gateway.admin_dependencies()).replicas()} == before
+    assert {n["name"]: n["state"] for n in listings(gateway.admin_dependencies()).nodes()}["gpu3"] == "ready"
     gateway.publish()
-    assert "chat-9" in {r["id"] for r in listings(gateway).replicas()}
-    assert {n["name"]: n["state"] for n in listings(gateway).nodes()}["gpu3"] == "unreachable"
+    assert "chat-9" in {r["id"] for r in listings(gateway.admin_dependencies()).replicas()}
+    assert {n["name"]: n["state"] for n in listings(gateway.admin_dependencies()).nodes()}["gpu3"] == "unreachable"
 
 
 async def test_a_pass_publishes_and_the_view_is_built_once_when_read(gateway, monkeypatch):
@@ -82,7 +82,7 @@ def test_endpoints_are_the_routers_input_with_the_draining_mark(gateway):
 
 
 async def test_operator_actions_show_at_once_without_a_pass(gateway):
-    client = TestClient(TestServer(build_admin_app(gateway)))
+    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
     await client.start_server()
     try:
         passes = gateway.reconciler.passes

@@ -36,7 +36,7 @@ def test_progress_line(done, total, line):
 
 
 def test_unhealthy_gpu_is_neither_used_nor_free(gateway):
-    gpu1 = by_name(listings(gateway).nodes())["gpu1"]["gpus"]
+    gpu1 = by_name(listings(gateway.admin_dependencies()).nodes())["gpu1"]["gpus"]
     assert (gpu1["total"], gpu1["used"], gpu1["free"], gpu1["unhealthy"]) == (4, 1, 2, 1)
     assert text.unhealthy_reasons(gpu1) == ["GPU 3: 2 uncorrected ECC errors"]
     device = gpu1["devices"][0]
@@ -44,7 +44,7 @@ def test_unhealthy_gpu_is_neither_used_nor_free(gateway):
 
 
 def test_unknown_is_null_not_zero(gateway):
-    nodes = by_name(listings(gateway).nodes())
+    nodes = by_name(listings(gateway.admin_dependencies()).nodes())
     assert nodes["gpu2"]["memory_bytes"] is None
     ghost = nodes["ghost"]
     assert (ghost["gpus"], ghost["memory_bytes"], ghost["disk"], ghost["cpus"]) == (None, None, None, None)
@@ -56,23 +56,23 @@ def test_unknown_is_null_not_zero(gateway):
 def test_stale_facts_of_an_unreachable_node_are_kept_and_marked(gateway):
     gateway.fleet.links["gpu3"].cut()
     gateway.publish()
-    gpu3 = by_name(listings(gateway).nodes())["gpu3"]
+    gpu3 = by_name(listings(gateway.admin_dependencies()).nodes())["gpu3"]
     assert gpu3["stale"] and gpu3["gpus"]["total"] == 4
     assert "stale facts from" in text.node_state(gpu3, time.time())
 
 
 def test_shared_filers_are_apart_and_never_in_a_nodes_own_total(gateway):
-    gpu2 = by_name(listings(gateway).nodes())["gpu2"]["disk"]
+    gpu2 = by_name(listings(gateway.admin_dependencies()).nodes())["gpu2"]["disk"]
     assert [fs["mount_point"] for fs in gpu2["shared"]] == ["/mnt/filer"]
     assert gpu2["local_free_bytes"] == 50 * GB and gpu2["local_total_bytes"] == 200 * GB
-    storage = listings(gateway).storage()
+    storage = listings(gateway.admin_dependencies()).storage()
     # Mounted by two nodes (with different device numbers): one filer.
     assert [(f["mount_point"], f["free_bytes"], f["nodes"]) for f in storage["shared_filers"]] == [
         ("/mnt/filer", 400 * GB, ["gpu2", "gpu3"])]
 
 
 def test_status_agrees_with_the_other_listings(gateway):
-    snapshot = listings(gateway)
+    snapshot = listings(gateway.admin_dependencies())
     status, nodes, replicas = snapshot.status(), snapshot.nodes(), snapshot.replicas()
     capacity = status["capacity"][0]
     known = [n["gpus"] for n in nodes if n["gpus"]]
@@ -89,14 +89,14 @@ def test_status_agrees_with_the_other_listings(gateway):
 
 
 def test_unasked_for_longest_first_and_unknown_last_use_apart(gateway):
-    idle = listings(gateway).status()["idle"]
+    idle = listings(gateway.admin_dependencies()).status()["idle"]
     assert [i["replica"] for i in idle] == ["chat-0", "chat-1"]
     assert idle[0]["idle_seconds"] == pytest.approx(300, abs=5)
     assert idle[1]["last_used"] is None and text.idle_for(idle[1]) == "-"
 
 
 def test_fabric_holdings_count_a_shared_filer_once(gateway):
-    fabrics = by_name(listings(gateway).status()["fabrics"], "fabric")
+    fabrics = by_name(listings(gateway.admin_dependencies()).status()["fabrics"], "fabric")
     assert [(m["model"], m["on_shared"]) for m in fabrics["ib-a"]["models"]] == [("shared", True)]
     assert [f["mount_point"] for f in fabrics["ib-b"]["shared_filers"]] == ["/mnt/filer"]
     assert fabrics["ib-a"]["local_free_bytes"] == 170 * GB
@@ -104,10 +104,10 @@ def test_fabric_holdings_count_a_shared_filer_once(gateway):
 
 
 def test_progress_rides_on_the_shard(gateway):
-    fetched = by_name(listings(gateway).replicas(), "id")["fetched-1"]
+    fetched = by_name(listings(gateway.admin_dependencies()).replicas(), "id")["fetched-1"]
     assert fetched["shards"][0]["progress"] == {"bytes": 1_200_000_000, "total": 4_000_000_000,
                                                 "line": "downloading 1.2 GB of 4.0 GB (30%)"}
-    models = by_name(listings(gateway).models())
+    models = by_name(listings(gateway.admin_dependencies()).models())
     assert models["fetched"]["state"] == "fetching"
     assert models["big"]["state"] == "cannot be placed"
     assert models["shared"]["state"] == "idle (on demand)"
@@ -118,10 +118,10 @@ def test_a_failed_replica_stays_listed_with_its_log_tail(gateway):
                   log_tail=["loading", "CUDA out of memory"])
     gateway.reconciler.retired.append((time.time(), Replica("bad-1", "chat", "k", [shard], phase=ReplicaPhase.RETIRING)))
     gateway.publish()
-    listed = by_name(listings(gateway).replicas(), "id")["bad-1"]
+    listed = by_name(listings(gateway.admin_dependencies()).replicas(), "id")["bad-1"]
     assert listed["retired"] and listed["state"] == "failed"
     assert listed["shards"][0]["log_tail"] == ["loading", "CUDA out of memory"]
-    assert listings(gateway).status()["replicas"]["failed_recently"] == 1
+    assert listings(gateway.admin_dependencies()).status()["replicas"]["failed_recently"] == 1
 
 
 def test_an_evicted_replica_stays_listed_with_its_reason_and_is_not_a_failure(gateway):
@@ -130,9 +130,9 @@ def test_an_evicted_replica_stays_listed_with_its_reason_and_is_not_a_failure(ga
     gateway.reconciler.retired.append((time.time(), replica))
     gateway.reconciler.evicted["idle-1"] = "big"
     gateway.publish()
-    listed = by_name(listings(gateway).replicas(), "id")["idle-1"]
+    listed = by_name(listings(gateway.admin_dependencies()).replicas(), "id")["idle-1"]
     assert listed["retired"] and listed["state"] == "stopped" and listed["reason"] == "evicted for big (idle 42 min)"
-    assert listings(gateway).status()["replicas"]["failed_recently"] == 0
+    assert listings(gateway.admin_dependencies()).status()["replicas"]["failed_recently"] == 0
 
 
 def test_explanation_carries_a_what_if_per_node_null_when_none(gateway):
@@ -188,7 +188,7 @@ def test_a_model_below_its_minimum_is_partly_serving(gateway):
                for m in current.models.values()]
     gateway.holder.swap(Catalog.build(file_models=configs, profiles=PROFILES, version=current.version + 1))
     gateway.publish()
-    chat = by_name(listings(gateway).models())["chat"]
+    chat = by_name(listings(gateway.admin_dependencies()).models())["chat"]
     assert chat["state"] == "partly serving" and chat["replicas"] == {"total": 2, "serving": 2}
 
 
@@ -205,7 +205,7 @@ def test_r6_8c_ctl_models_says_when_an_idle_replica_may_be_evicted(gateway):
     gateway.holder.swap(Catalog.build(file_models=configs, profiles=PROFILES, version=current.version + 1))
     gateway.reconciler.configure(GatewayConfig(evict_idle="2m"))
     gateway.publish()
-    models = by_name(listings(gateway).models())
+    models = by_name(listings(gateway.admin_dependencies()).models())
     shared, own, chat = models["shared"]["scaling"], models["own"]["scaling"], models["chat"]["scaling"]
     assert (shared["idle_timeout"], shared["evict_idle"]) == (600.0, 120.0)
     assert (own["idle_timeout"], own["evict_idle"]) == (300.0, 300.0)

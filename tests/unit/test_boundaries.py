@@ -19,6 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "llmgw"
 # What the admin may import of the control plane and the router: the service's refusal type,
 # the names of shard states, and the hour the router counts usage in.
 ADMIN_MAY_IMPORT = {"llmgw.control.service", "llmgw.control.state", "llmgw.router.usage"}
+# `llmgw serve`'s wiring, its state directory and the router process it spawns or adopts.
+SERVE = ("llmgw.server", "llmgw.state_dir", "llmgw.router_process")
 
 
 def _module(path: Path) -> str:
@@ -95,7 +97,7 @@ def test_control_imports_nothing_from_the_router():
 
 
 def test_router_imports_nothing_from_control_fleet_or_admin():
-    assert _crossings("llmgw.router", "llmgw.control", "llmgw.fleet", "llmgw.admin", "llmgw.server") == {}
+    assert _crossings("llmgw.router", "llmgw.control", "llmgw.fleet", "llmgw.admin", *SERVE) == {}
 
 
 def test_r10_6_router_imports_only_the_router_and_the_contracts():
@@ -106,7 +108,7 @@ def test_r10_6_router_imports_only_the_router_and_the_contracts():
 
 
 @pytest.mark.parametrize("target", ["llmgw.control", "llmgw.fleet", "llmgw.router", "llmgw.admin", "llmgw.cli",
-                                    "llmgw.server"])
+                                    *SERVE])
 def test_contracts_import_neither_side(target):
     assert _crossings("llmgw.contracts", target) == {}
 
@@ -118,7 +120,7 @@ def test_admin_reads_views_and_calls_the_service_only():
 
 
 def test_ctl_speaks_to_the_admin_api_only():
-    assert _crossings("llmgw.cli.ctl", "llmgw.control", "llmgw.fleet", "llmgw.router", "llmgw.server") == {}
+    assert _crossings("llmgw.cli.ctl", "llmgw.control", "llmgw.fleet", "llmgw.router", *SERVE) == {}
 
 
 def test_ctl_holds_commands_and_the_renderers_live_in_the_admin():

@@ -335,7 +335,7 @@ def test_a_stored_runtime_model_reads_no_other_variable(monkeypatch, caplog):
     ("gw.example.com", False), ("", False),
 ])
 def test_which_admin_addresses_are_loopback(host, loopback):
-    from llmgw.config import is_loopback
+    from llmgw.contracts.addresses import is_loopback
 
     assert is_loopback(host) is loopback
 

@@ -34,7 +34,7 @@ async def admin(tmp_path):
                   log_tail=[f"loading {HOSTILE}", "CUDA out of memory\ttab kept"])
     gateway.reconciler.replicas["bad-1"] = Replica("bad-1", "chat", "k", [shard], phase=ReplicaPhase.RETIRING)
     gateway.publish()
-    client = TestClient(TestServer(build_admin_app(gateway)))
+    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
     await client.start_server()
     try:
         yield client, gateway

@@ -272,7 +272,7 @@ async def test_admin_app_mounts_the_feed(tmp_path):
     gateway = make_gateway(tmp_path)
     publisher = FakePublisher()
     gateway.feed_server = FeedServer(publisher, accepting(TOKEN), keepalive=0.2)
-    client = TestClient(TestServer(build_admin_app(gateway)))
+    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
     await client.start_server()
     try:
         base = str(client.make_url(""))

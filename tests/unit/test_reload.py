@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from llmgw.admin.app import http_status
 from llmgw.catalog import Catalog, CatalogHolder, StoredModel
 from llmgw.config import ModelConfig, embedded_inventory, load_inventory
 from llmgw.control.reconciler import Reconciler
@@ -72,7 +73,7 @@ async def test_a_node_added_is_used_and_a_node_removed_is_drained_then_forgotten
     assert "a" in fleet.nodes and reconciler.admin["a"].state == "draining"  # drained first
     with pytest.raises(ServiceError) as refused:  # an uncordon would keep it forever
         control.set_node("a", "uncordon", None, "ops")
-    assert refused.value.status == 409 and "is being drained before it is forgotten" in refused.value.message
+    assert http_status(refused.value) == 409 and "is being drained before it is forgotten" in refused.value.message
     await until(lambda: "a" not in fleet.nodes, reconciler, fleet, what="node a forgotten")
     (moved,) = serving(reconciler, "m")
     assert moved.leader.node == "b" and moved.replaces == original.id
@@ -119,7 +120,7 @@ async def test_a_file_that_does_not_build_is_refused_and_changes_nothing(tmp_pat
     path.write_text(text + "gateway: {tick: 1s}\n" if "nope" in text else text)
     with pytest.raises(ServiceError) as refused:
         await control.reload("ops")
-    assert refused.value.status == 400 and refused.value.code == "bad_inventory"
+    assert http_status(refused.value) == 400 and refused.value.code == "bad_inventory"
     assert any(expected in problem for problem in refused.value.problems), refused.value.problems
     assert refused.value.problems[0].startswith(str(path))
     after = (control.inventory, control.document, holder.current, dict(fleet.nodes), dict(reconciler.admin),
@@ -168,7 +169,7 @@ async def test_the_embedded_default_has_no_file_to_reload(tmp_path):
     control = ControlPlane(inventory, None, holder, store, reconciler, fleet, "the embedded default")
     with pytest.raises(ServiceError) as refused:
         await control.reload("ops")
-    assert refused.value.status == 409 and refused.value.code == "no_inventory_file"
+    assert http_status(refused.value) == 409 and refused.value.code == "no_inventory_file"
     assert "the embedded default" in refused.value.message and "-i FILE" in refused.value.message
     store.close()
 
@@ -191,7 +192,7 @@ async def test_one_reload_at_a_time(tmp_path):
     await asyncio.sleep(0.05)
     with pytest.raises(ServiceError) as refused:
         await control.reload("bob")
-    assert refused.value.status == 409 and refused.value.code == "reload_in_progress"
+    assert http_status(refused.value) == 409 and refused.value.code == "reload_in_progress"
     assert "a reload by alice" in refused.value.message
     release.set()
     answer = await first
@@ -258,7 +259,7 @@ async def test_r10_5_a_reload_that_leaves_a_min_nowhere_is_refused_unless_forced
 
     with pytest.raises(ServiceError) as refused:
         await control.reload("ops")
-    assert refused.value.status == 409 and refused.value.code == "min_unplaceable"
+    assert http_status(refused.value) == 409 and refused.value.code == "min_unplaceable"
     assert "m (min 1)" in refused.value.message and why in refused.value.problems[0]
     assert control.inventory is running and set(fleet.nodes) == {n["name"] for n in before}  # nothing changed
     assert all(admin.state == "active" for admin in reconciler.admin.values()) and audit_rows(store) == []
@@ -307,7 +308,7 @@ async def test_r10_5_ctl_reload_names_the_model_and_exits_1_unless_forced(tmp_pa
     control, reconciler, fleet, holder, store = plane(path, tmp_path, gpus={"b": 2})
     await settle(reconciler, fleet)
     gateway = FakeGateway(holder, fleet, reconciler, store, control=control)
-    client = TestClient(TestServer(build_admin_app(gateway)))
+    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
     await client.start_server()
     runner = CliRunner(env={"COLUMNS": "400", "LLMGW_ADMIN_TOKEN": None, "LLMGW_ADMIN": None, "LLMGW_STATE_DIR": None})
 

@@ -105,7 +105,7 @@ async def test_r10_7_the_admin_token_is_refused_on_the_feed(serving, place):
 
 async def test_r10_7_a_router_credential_is_refused_on_the_admin_api(tmp_path):
     gateway = make_gateway(tmp_path)
-    client = TestClient(TestServer(build_admin_app(gateway)))
+    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
     await client.start_server()
     try:
         for offered in (EDGE, routerauth.verifier(EDGE).hex()):
@@ -121,7 +121,7 @@ async def test_r10_7_a_router_credential_is_refused_on_the_admin_api(tmp_path):
 async def test_r10_7_routers_are_added_listed_rotated_and_revoked_through_the_admin_api(tmp_path):
     gateway = make_gateway(tmp_path)
     gateway.router_credentials = Verifiers()
-    client = TestClient(TestServer(build_admin_app(gateway)))
+    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
     await client.start_server()
     auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     try:
@@ -287,7 +287,7 @@ async def test_r9_3_a_rotated_admin_token_works_for_its_grace_then_is_refused(tm
     token_file = tmp_path / "admin-token"
     token_file.write_text(ADMIN_TOKEN + "\n")
     gateway.admin_tokens = AdminTokens(ADMIN_TOKEN, token_file, clock=clock)
-    client = TestClient(TestServer(build_admin_app(gateway)))
+    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
     await client.start_server()
 
     async def status(token: str) -> int:
@@ -334,7 +334,7 @@ async def _raw(port: int, path: str, authorization: bytes) -> tuple[int, bytes]:
 async def test_a_bearer_that_is_not_utf8_is_a_401_on_the_admin_listener_and_the_feed(tmp_path, authorization):
     gateway = make_gateway(tmp_path)
     gateway.feed_server = FeedServer(FakePublisher(), accepting(EDGE))
-    client = TestClient(TestServer(build_admin_app(gateway)))
+    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
     await client.start_server()
     try:
         for path in ("/api/status", "/v1/feed", "/metrics"):

@@ -27,7 +27,7 @@ async def admin(tmp_path):
     gateway.publisher.in_flight["chat-1"] = 3
     gateway.publisher.loads["chat-1"] = EngineLoad(source="vllm", waiting=4, running=2, kv_cache=0.41)
     gateway.publisher.loads["chat-0"] = EngineLoad(source="llama-server", running=1)  # no queue, no KV
-    client = TestClient(TestServer(build_admin_app(gateway)))
+    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
     await client.start_server()
     try:
         yield client

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from llmgw.server import StartupError, secure_state_dir
+from llmgw.state_dir import StartupError, secure_state_dir
 
 
 def test_a_state_directory_of_another_user_is_refused_with_a_message_not_a_traceback(tmp_path, monkeypatch):
