@@ -21,11 +21,23 @@ PACKAGE = Path(__file__).resolve().parents[2] / "llmgw"
 ADMIN_MAY_IMPORT = {"llmgw.control.service", "llmgw.control.state", "llmgw.router.usage"}
 # `llmgw serve`'s wiring, its state directory and the router process it spawns or adopts.
 SERVE = ("llmgw.server", "llmgw.state_dir", "llmgw.router_process")
+# The parts, and the base modules every part may use: they import none of the parts.
+PARTS = ("llmgw.control", "llmgw.fleet", "llmgw.router", "llmgw.admin", "llmgw.cli", "llmgw.localfeed", *SERVE)
+BASE = ("llmgw.aio", "llmgw.catalog", "llmgw.config", "llmgw.engines", "llmgw.keys", "llmgw.routers",
+        "llmgw.runtimes", "llmgw.store", "llmgw.units", "llmgw.weights")
 
 
 def _module(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    """Whether `name` (llmgw.x.y) is a module or package of llmgw, not a name inside one."""
+    if not name.startswith("llmgw."):
+        return False
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def _type_checking(node: ast.If) -> bool:
@@ -50,8 +62,12 @@ def _imports(tree: ast.AST, package: str) -> set[str]:
             if node.level:  # relative: resolved against the importing package
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, *([base] if base else [])])
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)
+            names = [f"{base}.{alias.name}" for alias in node.names]
+            found.update(names)
+            # `from package import module` runs the package's __init__ too, which matters for cycles
+            # only through what that __init__ imports: count the package when a name is not a module.
+            if not all(_is_module(name) for name in names):
+                found.add(base)
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -131,3 +147,57 @@ def test_ctl_holds_commands_and_the_renderers_live_in_the_admin():
     assert "rich.table" not in GRAPH["llmgw.cli.ctl"] and not any(
         isinstance(node, ast.ImportFrom) and node.module == "rich.table" for node in ast.walk(tree))
     assert "llmgw.admin.render" in GRAPH["llmgw.cli.ctl"]
+
+
+def test_fleet_imports_nothing_of_the_control_plane_the_router_the_admin_or_the_cli():
+    # The fleet is the nodes' side: links, sessions, the helper's protocol; the control plane drives it.
+    assert _crossings("llmgw.fleet", *[part for part in PARTS if part != "llmgw.fleet"]) == {}
+
+
+def test_base_modules_import_none_of_the_parts():
+    assert set(BASE) <= set(GRAPH), sorted(set(BASE) - set(GRAPH))
+    top_level = {module for module in GRAPH if module.count(".") == 1}
+    assert top_level <= {*BASE, *PARTS, "llmgw.contracts", "llmgw.remote"}, "a new top-level module: a base or a part?"
+    assert {module: sorted(name for name in GRAPH[module] if _inside(name, *PARTS)) for module in BASE} == \
+        {module: [] for module in BASE}
+
+
+def _cycles() -> list[list[str]]:
+    """The import graph's strongly connected components of more than one module (Tarjan)."""
+    edges = {module: sorted(name for name in imported if name in GRAPH and name != module)
+             for module, imported in GRAPH.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in edges[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                other = stack.pop()
+                on_stack.discard(other)
+                component.append(other)
+                if other == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_import_cycles():
+    assert _cycles() == []
