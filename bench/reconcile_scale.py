@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmgw.catalog import Catalog, CatalogHolder  # noqa: E402
 from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, ProfileConfig  # noqa: E402
 from llmgw.control import evict, placement  # noqa: E402
-from llmgw.control.reconciler import Reconciler  # noqa: E402
+from llmgw.control.reconciler import Reconciler, Routers  # noqa: E402
 from llmgw.fleet.facts import GPU, Inventory as InventoryFacts  # noqa: E402
 from llmgw.router.engineload import EngineLoad  # noqa: E402
 from tests.unit.fake_fleet import FakeFleet  # noqa: E402
@@ -72,16 +72,17 @@ async def main(nodes: int, models: int, scaling: bool = True) -> None:
     in_flight = {"each": 1}
     engine = EngineLoad(source="vllm", waiting=0, running=1)
     reconciler = Reconciler(CatalogHolder(catalog), fleet, None, GatewayConfig(),
-                            outstanding=lambda replica_id: in_flight["each"], engine_load=lambda replica_id: engine)
+                            Routers(outstanding=lambda replica_id: in_flight["each"], engine_load=lambda replica_id: engine))
+    replicas = reconciler.memory.records.replicas
     wanted = sum(m.min_replicas for m in catalog.models.values())
 
     cpu = time.process_time()
     reconciler.step()
     place_cpu = time.process_time() - cpu
-    placed = len(reconciler.replicas)
+    placed = len(replicas)
 
     cpu = time.process_time()
-    while not all(r.serving for r in reconciler.replicas.values()):
+    while not all(r.serving for r in replicas.values()):
         await asyncio.sleep(0)
         await fleet.refresh()
         reconciler.step()
@@ -100,10 +101,10 @@ async def main(nodes: int, models: int, scaling: bool = True) -> None:
             start = time.perf_counter()
             reconciler.step()
             trending.append(time.perf_counter() - start)
-        assert all(s.desired == 2 and s.trend == 1 for s in reconciler.scaling.values())
+        assert all(s.desired == 2 and s.trend == 1 for s in reconciler.memory.scaling.scales.values())
 
-    views = reconciler.node_views()
-    allocated = reconciler.allocated()
+    views = reconciler.nodes.views()
+    allocated = reconciler.memory.records.allocated()
     model = catalog.models["model-001"]
     explain = []
     for _ in range(20):
@@ -117,7 +118,7 @@ async def main(nodes: int, models: int, scaling: bool = True) -> None:
     for _ in range(20):
         start = time.perf_counter()
         explain_now = time.time()
-        pool = reconciler._eviction_pool(model, explain_now)
+        pool = reconciler.placing.eviction_pool(model, explain_now)
         placement.explain_placement(model, views, allocated,
                                     what_if=evict.WhatIf(model, pool, allocated, {}, explain_now))
         what_if.append(time.perf_counter() - start)
@@ -131,7 +132,7 @@ async def main(nodes: int, models: int, scaling: bool = True) -> None:
     rejected_with_change = 0
     for _ in range(20):
         start = time.perf_counter()
-        pool = evict.candidates(reconciler.replicas.values(), evictable, {}, now + 3600, for_model=model.name)
+        pool = evict.candidates(replicas.values(), evictable, {}, now + 3600, for_model=model.name)
         explained = placement.explain_placement(model, views, full,
                                                 what_if=evict.WhatIf(model, pool, full, {}, now + 3600))
         worst.append(time.perf_counter() - start)

@@ -32,7 +32,7 @@ from llmgw.contracts.addresses import is_loopback, split_address
 from llmgw.contracts.privatefiles import write_private
 from llmgw.control.feed import FeedPublisher
 from llmgw.control.feedserver import FEED_SOCKET, FeedServer, FeedSocket, listen_unix
-from llmgw.control.reconciler import Reconciler
+from llmgw.control.reconciler import Reconciler, Routers
 from llmgw.control.service import ControlPlane, load_stored_models, reload_on_signal
 from llmgw.fleet.fleet import Fleet
 from llmgw.fleet.secret import SecretError, response_secret
@@ -160,13 +160,12 @@ class Gateway:
             self.router = Router(registry=self.registry)
         else:  # no router here; the router metrics are what the router processes report
             self.registry.register(ReportedRouterMetrics(self.publisher.router_counters))
-        self.reconciler = Reconciler(self.holder, self.fleet, self.store, gateway,
-                                     push_endpoints=self.publisher.set_endpoints,
-                                     last_used=self.publisher.take_last_used,
-                                     outstanding=self.publisher.outstanding, abandon=self.publisher.abandon,
-                                     engine_load=self.publisher.engine_load)
-        self.fleet.holdings_wanted = self.reconciler.holdings_wanted
-        self.fleet.inventory_wanted = self.reconciler.inventory_wanted
+        routers = Routers(push_endpoints=self.publisher.set_endpoints, last_used=self.publisher.take_last_used,
+                          outstanding=self.publisher.outstanding, abandon=self.publisher.abandon,
+                          engine_load=self.publisher.engine_load)
+        self.reconciler = Reconciler(self.holder, self.fleet, self.store, gateway, routers)
+        self.fleet.holdings_wanted = self.reconciler.nodes.holdings_wanted
+        self.fleet.inventory_wanted = self.reconciler.nodes.inventory_wanted
         self.control = ControlPlane(self.inventory, self.document, self.holder, self.store, self.reconciler,
                                     self.fleet, self.inventory_source)
         self.control.on_reload.append(self._reloaded)

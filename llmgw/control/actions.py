@@ -2,21 +2,25 @@
 tails and sizing (R-4.2–R-4.8, R-5.1–R-5.4).
 
 Each task is started by the reconciler's pass and runs on its own; what it learns it writes to
-the replica it was given (through the transition table) and then wakes the reconciler.
+the replica it was given (its shards' states through the transition table), to the records it was
+given (a failed model's log tail) and to its own `Learned` (sizes, download rates, provisioning
+times), and then wakes the reconciler.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from llmgw.catalog import Model
 from llmgw.config import GatewayConfig, NodeConfig
-from llmgw.control.state import ENDED, FAILED, FETCHING, PENDING, STARTING, STOPPED, STOPPING, ModelHealth, Replica, Shard
+from llmgw.control import placement
+from llmgw.control.state import ENDED, FAILED, FETCHING, PENDING, STARTING, STOPPED, STOPPING, Records, Replica, Shard
 from llmgw.engines import ShardVars
 from llmgw.fleet.fleet import Fleet
 from llmgw.contracts.backoff import backoff_delay
@@ -69,31 +73,48 @@ class ProvisionJob:
             shard.activity = self.line or phase
 
 
+@dataclass(eq=False)
+class Learned:
+    """What the node tasks learned that outlives them: the size of each source's weights, each
+    node's download rate, and how long each runtime took to provision. Absent: not learned yet."""
+
+    sizes: dict[str, int | None] = field(default_factory=dict)  # canonical source -> bytes (None: not said)
+    # node -> bytes per second of its latest completed fetch; absent: never measured (unknown, not 0)
+    download_rates: dict[str, float] = field(default_factory=dict)
+    # Seconds the last build or pull of each runtime took (by runtimes.runtime_digest), on any node.
+    provision_seconds: dict[str, float] = field(default_factory=dict)
+
+    def durations(self) -> placement.Durations:
+        """What fetches and provisions took lately, for explain-placement's estimate (R-4.12)."""
+        return placement.Durations(dict(self.download_rates), dict(self.provision_seconds))
+
+    def with_size(self, model: Model) -> Model:
+        """The model as placement sees it: a size learned from the source stands in for disk_gb."""
+        size = self.sizes.get(model.source.canonical) if model.source is not None else None
+        if size is None or model.config.disk_gb is not None:
+            return model
+        return dataclasses.replace(model, config=model.config.model_copy(update={"disk_gb": size / 1000**3}))
+
+
 class Actions:
     """The running node tasks, by what they are for, and how to start each."""
 
-    def __init__(self, fleet: Fleet, gateway: GatewayConfig, *, replicas: Mapping[str, Replica],
-                 health: Mapping[str, ModelHealth], learned_sizes: dict[str, int | None],
-                 save: Callable[[Replica], None], wake: Callable[[], None],
-                 stopped: Callable[[Replica], None], outstanding: Callable[[str], int] | None = None):
+    def __init__(self, fleet: Fleet, gateway: GatewayConfig, records: Records, *, save: Callable[[Replica], None],
+                 wake: Callable[[], None], stopped: Callable[[Replica], None],
+                 outstanding: Callable[[str], int] | None = None):
         self.fleet = fleet
         self.gateway = gateway
-        self.replicas = replicas  # read for the ports in use
-        self.health = health
-        self.learned_sizes = learned_sizes
+        self.records = records  # read for the ports in use; a failed model's log tail is kept in its health
         self.save = save
         self.wake = wake
         self.stopped = stopped  # called once a retired replica's engines are all stopped
         self.outstanding = outstanding
+        self.learned = Learned()
         self.launches: dict[str, asyncio.Task] = {}  # replica id ->
         self.stops: dict[str, asyncio.Task] = {}  # replica id ->
         self.fetches: dict[tuple[str, str], FetchJob] = {}  # (node, cache name) ->
         self.provisions: dict[tuple[str, tuple[str, ...]], ProvisionJob] = {}  # (node, runtime key) ->
         self.sizing: dict[str, asyncio.Task] = {}  # canonical source ->
-        # node -> bytes per second of its latest completed fetch; absent: never measured (unknown, not 0)
-        self.download_rates: dict[str, float] = {}
-        # Seconds the last build or pull of each runtime took (by runtimes.runtime_digest), on any node.
-        self.provision_seconds: dict[str, float] = {}
 
     def tasks(self) -> Iterator[asyncio.Task]:
         yield from self.launches.values()
@@ -116,6 +137,16 @@ class Actions:
         """Stop a retired replica's engines once the router has no request in flight to it, or
         after `grace` seconds."""
         self.stops[replica.id] = asyncio.create_task(self._stop_replica(replica, grace), name=f"stop-{replica.id}")
+
+    def sized(self, model: Model) -> Model | None:
+        """The model with its weights' size filled in from the source when it was not declared;
+        None while a node is still asking the source (R-5.1)."""
+        source = model.source
+        if source is None or not source.fetched or model.config.disk_gb is not None:
+            return model
+        if source.canonical not in self.learned.sizes:
+            return None if self.learn_size(model) else model
+        return self.learned.with_size(model)
 
     def learn_size(self, model: Model) -> bool:
         """Ask a node for the size of the model's weights unless that is under way; False when
@@ -141,7 +172,7 @@ class Actions:
                 except NodeError as exc:
                     log.info("could not learn the size of %s's weights from %s: %s", model.name, node, exc)
         finally:
-            self.learned_sizes[key] = size
+            self.learned.sizes[key] = size
             self.sizing.pop(key, None)
             if size is not None:
                 log.info("%s's weights are %.2f GB (learned from the source)", model.name, size / 1000**3)
@@ -248,7 +279,7 @@ class Actions:
                 job.progress(progress.phase, progress.line)
         result = stream.result
         if result.created or result.pulled:
-            self.provision_seconds[runtime_digest(spec)] = time.monotonic() - started
+            self.learned.provision_seconds[runtime_digest(spec)] = time.monotonic() - started
         if result.created:
             size = "-" if result.bytes is None else f"{result.bytes / 1e9:.2f} GB"
             log.info("%s: built the environment %s (%s) for %s in %.1f s", job.node, result.path, size,
@@ -266,7 +297,7 @@ class Actions:
             raise NodeError(node.name, "fetch", "paths", "the node's cache directory is not known yet")
         helper_source, token = fetch_source(source)
         request = FetchRequest(helper_source, cache_dir, source.cache_name, token=token,
-                               max_bytes=fetch_cap(model.config.disk_gb, self.learned_sizes.get(source.canonical),
+                               max_bytes=fetch_cap(model.config.disk_gb, self.learned.sizes.get(source.canonical),
                                                    self.gateway.fetch_limit),
                                stall_timeout=self.gateway.fetch_stall)
         started = time.monotonic()
@@ -278,14 +309,14 @@ class Actions:
         seconds = time.monotonic() - started
         # Measured only from a fetch that moved bytes: an entry already complete says nothing of the link.
         if written and seconds > 0:
-            self.download_rates[node.name] = written / seconds
+            self.learned.download_rates[node.name] = written / seconds
             log.info("%s: fetched %.2f GB for %s in %.1f s (%.0f MB/s)", node.name, written / 1e9, model.name,
                      seconds, written / seconds / 1e6)
         return stream.result
 
     def _used_ports(self, node: str) -> set[int]:
         ports = set()
-        for replica in self.replicas.values():
+        for replica in self.records.replicas.values():
             for shard in replica.shards:
                 if shard.node == node and shard.state not in ENDED:
                     ports.update(p for p in (shard.port, shard.dist_port) if p is not None)
@@ -401,7 +432,7 @@ class Actions:
         except NodeError:
             return
         shard.log_tail = replica.without_key(answer.lines)
-        health = self.health.get(replica.model)
+        health = self.records.health.get(replica.model)
         if health is not None and health.last_log_tail is None:
             health.last_log_tail = shard.log_tail
         self.save(replica)

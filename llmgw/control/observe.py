@@ -3,14 +3,15 @@ node runs that no replica has (R-4.2–R-4.5, R-4.7).
 
 Pure: a judgement is a function of the shard, its replica, the node's link and facts, and the
 clock. Nothing is read from a node and nothing is changed here; the reconciler applies the
-judgements through the transition table.
+judgements through the transition table. What a judgement counts from one pass to the next (failed
+health probes in a row) is kept in `ProbeMemory`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmgw.contracts.states import LinkState, ShardState
 from llmgw.control.state import RETIRING_PHASE, SERVING, STARTING, Replica, Shard
@@ -19,6 +20,20 @@ from llmgw.fleet.facts import NodeFacts
 UNHEALTHY_PROBES = 3  # consecutive failed health probes before a serving shard is failed
 READY = LinkState.READY  # read for every shard in every pass: a module global is the cheaper lookup
 CONNECTING = LinkState.CONNECTING
+
+
+@dataclass(eq=False)
+class ProbeMemory:
+    """Failed health probes in a row per serving shard, kept between passes: `observe` judges with
+    them, the reconciler notes what each judgement says of them."""
+
+    failed: dict[str, int] = field(default_factory=dict)  # shard id -> failed probes in a row
+
+    def note(self, shard_id: str, count: int) -> None:
+        if count:
+            self.failed[shard_id] = count
+        else:
+            self.failed.pop(shard_id, None)
 
 
 @dataclass(frozen=True, slots=True)

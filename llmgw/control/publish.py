@@ -1,9 +1,9 @@
 """Publishing the control plane's state as a `ControlView` (llmgw.contracts.views).
 
-`control_view` is a pure function of the reconciler's and the fleet's public state: it reads the
-reconciler's records (replicas, retired, admin, health, demand, last_used, unplaceable,
-unknown_engines, learned_sizes, cleanup, scaling, node_views(), allocated(), endpoints()) and the fleet's links,
-facts and node configurations, and copies them into frozen values.
+`control_view` is a pure function of what it is given (`Sources`): the control plane's memory
+(llmgw.control.memory: records, node admin, placing, scaling), what the node tasks learned, the
+cache clean-up's state, the fleet's links, facts and node configurations, the catalog and the
+gateway's settings; it copies them into frozen values. It imports nothing of the reconciler.
 
 The reconciler publishes at the end of every pass, and the control plane after an operator
 action that must show at once (cordon, drain, model add, remove, scale). A publication is cheap:
@@ -11,52 +11,69 @@ its view is built when first read and then kept, the same object for every reade
 next publication. A pass over a large fleet therefore pays nothing for it (placement's node views
 of 2,000 nodes cost more than a whole pass with nothing to do), and a view is built at most once
 per publication, from the state of the moment it is first read.
+
+Three things leave the control plane, each under its own name: a publication of this view (for
+the admin, /metrics and ctl), the endpoint table the reconciler pushes to the router feed
+(`Routers.push`), and the feed's changes, which `llmgw.control.feed` sends the routers.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
+from llmgw.catalog import CatalogHolder
+from llmgw.config import GatewayConfig
 from llmgw.contracts.views import (CacheCleanup, ControlView, ModelState, NodeAdminState, NodeState, ReplicaState, ShardState,
                                    frozen_mapping)
 from llmgw.control import placement
+from llmgw.control.actions import Learned
+from llmgw.control.cleanup import Cleanup
+from llmgw.control.memory import ControlMemory
+from llmgw.control.nodes import node_views
 from llmgw.control.state import ENDED, FAILED, Replica
+from llmgw.fleet.fleet import Fleet
 
-if TYPE_CHECKING:
-    from llmgw.control.reconciler import Reconciler
+
+@dataclass(frozen=True, slots=True)
+class Sources:
+    """What a view is made of. Held by a publication until its view is built, then let go."""
+
+    memory: ControlMemory
+    learned: Learned
+    cleanup: Cleanup
+    fleet: Fleet
+    holder: CatalogHolder
+    gateway: GatewayConfig
 
 
 class Published:
     """One publication: the pass that made it, when, and its view, built on first read."""
 
-    __slots__ = ("pass_number", "published_at", "_reconciler", "_view")
+    __slots__ = ("pass_number", "published_at", "_sources", "_view")
 
-    def __init__(self, reconciler: Reconciler):
-        self.pass_number: int = reconciler.passes
+    def __init__(self, sources: Sources, pass_number: int):
+        self.pass_number = pass_number
         self.published_at = time.time()
-        self._reconciler: Reconciler | None = reconciler
+        self._sources: Sources | None = sources
         self._view: ControlView | None = None
 
     def get(self) -> ControlView:
         if self._view is None:
-            assert self._reconciler is not None
-            self._view = control_view(self._reconciler, self.pass_number, self.published_at)
-            self._reconciler = None  # built once: nothing more is read through this publication
+            assert self._sources is not None
+            self._view = control_view(self._sources, self.pass_number, self.published_at)
+            self._sources = None  # built once: nothing more is read through this publication
         return self._view
 
 
-def publish(reconciler: Reconciler) -> Published:
-    return Published(reconciler)
-
-
-def control_view(reconciler: Reconciler, pass_number: int, published_at: float) -> ControlView:
-    """The ControlView of the reconciler's and fleet's state now."""
-    fleet = reconciler.fleet
-    catalog = reconciler.holder.current
-    views = reconciler.node_views()
-    allocated = reconciler.allocated()
-    live = sorted(reconciler.replicas.values(), key=lambda r: (r.model, r.id))
+def control_view(sources: Sources, pass_number: int, published_at: float) -> ControlView:
+    """The ControlView of the control plane's and fleet's state now."""
+    fleet, memory, learned = sources.fleet, sources.memory, sources.learned
+    records, scaling = memory.records, memory.scaling
+    catalog = sources.holder.current
+    views = node_views(fleet, memory.nodes.admin)
+    allocated = records.allocated()
+    live = sorted(records.replicas.values(), key=lambda r: (r.model, r.id))
     holders: dict[str, dict[int, str]] = {}
     on_node: dict[str, set[str]] = {}
     for replica in live:
@@ -71,7 +88,7 @@ def control_view(reconciler: Reconciler, pass_number: int, published_at: float) 
         config = fleet.nodes[name]
         link = fleet.links.get(name)
         facts = fleet.facts[name]
-        admin = reconciler.admin.get(name)
+        admin = memory.nodes.admin.get(name)
         paths = fleet.paths(name)
         nodes.append(NodeState(
             name=name, host="local" if config.connection == "local" else config.host, fabric=config.fabric,
@@ -84,47 +101,47 @@ def control_view(reconciler: Reconciler, pass_number: int, published_at: float) 
             allocated=allocated.get(name, frozenset()), gpu_holders=frozen_mapping(holders.get(name, {})),
             free_gpus=placement.free_gpus(view, allocated),
             replicas=tuple(sorted(on_node.get(name, ()))),
-            unknown_engines=tuple(reconciler.unknown_engines.get(name, ())),
+            unknown_engines=tuple(memory.nodes.unknown_engines.get(name, ())),
             cache_dir=paths.cache_dir, model_dirs=tuple(config.model_dirs), shared_dirs=tuple(config.shared_dirs),
-            download_rate=reconciler.actions.download_rates.get(name), placement=view,
-            cleanup=_cleanup(reconciler, name, facts.storage, paths.cache_dir)))
+            download_rate=learned.download_rates.get(name), placement=view,
+            cleanup=_cleanup(sources.cleanup, name, facts.storage, paths.cache_dir)))
     seen = {r.id for r in live}
     retired = []
     # A failed replica leaves the live set once its engines are stopped; it stays listed for a
     # while so that its error and log tail can be read, and an evicted one for its reason.
-    evicted = reconciler.evicted
-    for _, replica in reversed(reconciler.retired):
+    evicted = memory.placing.evicted
+    for _, replica in reversed(records.retired):
         if replica.id not in seen and (replica.state == FAILED or replica.id in evicted):
             seen.add(replica.id)
-            retired.append(_replica(replica, reconciler.last_used.get(replica.id), retired=True))
+            retired.append(_replica(replica, scaling.last_used.get(replica.id), retired=True))
     models = {}
     for model in catalog.models.values():
-        health = reconciler.health.get(model.name)
-        scale = reconciler.scaling.get(model.name)
+        health = records.health.get(model.name)
+        scale = scaling.scales.get(model.name)
         source = model.source
         models[model.name] = ModelState(
             name=model.name, failures=health.failures if health else 0,
             next_attempt=health.next_attempt if health and health.failures else None,
             last_failure=health.last_failure if health else None,
             last_log_tail=tuple(health.last_log_tail) if health and health.last_log_tail else None,
-            launches=health.launches if health else 0, unplaceable=reconciler.unplaceable.get(model.name),
-            demand=reconciler.demand.get(model.name),
-            learned_size=reconciler.learned_sizes.get(source.canonical) if source is not None else None,
+            launches=health.launches if health else 0, unplaceable=memory.placing.unplaceable.get(model.name),
+            demand=scaling.demand.get(model.name),
+            learned_size=learned.sizes.get(source.canonical) if source is not None else None,
             desired=scale.desired if scale is not None else None, last_scale=scale.last if scale is not None else None,
             scale_ups=scale.ups if scale is not None else 0, scale_downs=scale.downs if scale is not None else 0,
-            evict_idle=model.evict_idle(reconciler.gateway.evict_idle) if model.evictable and not model.static
+            evict_idle=model.evict_idle(sources.gateway.evict_idle) if model.evictable and not model.static
             else None)
     return ControlView(
         pass_number=pass_number, published_at=published_at, catalog=catalog, nodes=tuple(nodes),
-        replicas=tuple(_replica(r, reconciler.last_used.get(r.id), retired=False) for r in live),
+        replicas=tuple(_replica(r, scaling.last_used.get(r.id), retired=False) for r in live),
         retired=tuple(retired), models=frozen_mapping(models),
-        endpoints=frozen_mapping((m, tuple(e)) for m, e in sorted(reconciler.endpoints().items())),
+        endpoints=frozen_mapping((m, tuple(e)) for m, e in sorted(records.endpoints(fleet.nodes).items())),
         free_whole_nodes=frozen_mapping(placement.free_whole_nodes(views, allocated)))
 
 
-def _cleanup(reconciler: Reconciler, node: str, storage, cache_dir: str | None) -> CacheCleanup:
+def _cleanup(cleanup: Cleanup, node: str, storage, cache_dir: str | None) -> CacheCleanup:
     fs = storage.filesystem_of(cache_dir) if storage is not None else None
-    return reconciler.cleanup.state(node, fs.total_bytes if fs is not None else None)
+    return cleanup.state(node, fs.total_bytes if fs is not None else None)
 
 
 def _replica(replica: Replica, last_used: float | None, *, retired: bool) -> ReplicaState:

@@ -2,7 +2,9 @@
 
 Pure: a decision is a function of the model's scaling settings, the replica count it wanted
 before (`Scale`), its load now and the clock. The plan step asks for it per model and turns the
-count into launches and retirements; the reconciler keeps the returned `Scale` for the next pass.
+count into launches and retirements. What scaling keeps from one pass to the next is
+`ScalingMemory`: each model's returned `Scale`, the demand and last use it decides from, and the
+engines whose own count is capped now (logged once; the only logging here).
 
 The rule, per model:
 
@@ -31,12 +33,16 @@ The rule, per model:
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 from llmgw.catalog import Model
 from llmgw.contracts.views import ScaleDecision
 from llmgw.units import format_duration
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +58,57 @@ class Scale:
     last: ScaleDecision | None = None
     ups: int = 0  # decisions so far, by direction
     downs: int = 0
+
+
+@dataclass(eq=False)
+class ScalingMemory:
+    """What scaling keeps between passes: each model's `Scale`, when each on-demand model was
+    last asked for while nothing served it (R-6.8), the routers' last use of each replica, and the
+    replicas whose engine's own count is capped now (R-6.8a)."""
+
+    scales: dict[str, Scale] = field(default_factory=dict)  # model ->
+    demand: dict[str, float] = field(default_factory=dict)  # model -> when it was asked for
+    last_used: dict[str, float] = field(default_factory=dict)  # replica id -> the routers' last use
+    engine_capped: set[str] = field(default_factory=set)  # said once while it lasts
+
+    def keep(self, model: str, scale: Scale) -> ScaleDecision | None:
+        """Keep the model's scaling; its decision when that is new (logged and audited, R-6.8b)."""
+        previous = self.scales.get(model)
+        self.scales[model] = scale
+        decision = scale.last
+        if decision is None or (previous is not None and previous.last is decision):
+            return None
+        return decision
+
+    def forget_models(self, models: Mapping[str, Model]) -> None:
+        """The scaling of models no longer in the catalog goes."""
+        if len(self.scales) > len(models) or any(k not in models for k in self.scales):
+            self.scales = {k: v for k, v in self.scales.items() if k in models}
+
+    def loads(self, model: Model, live: Iterable, outstanding: Callable[[str], int] | None,
+              engine_load: Callable[[str], object] | None) -> dict[str, float]:
+        """Each live replica's load as scaling counts it (`replica_load`) from the routers' requests
+        in flight (`outstanding`) and the engine's own count (`engine_load`), that count capped at
+        `engine_cap` (logged once per replica while it lasts); empty without the routers' figures."""
+        if outstanding is None:
+            return {}
+        cap = engine_cap(model)
+        capped = self.engine_capped
+        loads = {}
+        for replica in live:
+            reading = engine_load(replica.id) if engine_load else None
+            own = engine_count(reading)
+            if own is not None and own > cap:
+                if replica.id not in capped:
+                    if len(capped) > 4096:  # of replicas long gone: say it again rather than grow
+                        capped.clear()
+                    capped.add(replica.id)
+                    log.warning("replica %s: its engine reports %d requests waiting or running, more than the %d "
+                                "the routers may send it; scaling counts %d", replica.id, own, cap, cap)
+            else:
+                capped.discard(replica.id)
+            loads[replica.id] = replica_load(outstanding(replica.id), reading, cap)
+        return loads
 
 
 # The places of a replica whose profile sets no `concurrency`: the router's default (R-6.17,

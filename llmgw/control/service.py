@@ -19,7 +19,7 @@ from enum import StrEnum
 from llmgw.catalog import Catalog, CatalogHolder, StoredModel
 from llmgw.config import ConfigError, Document, Inventory, ModelConfig, load_inventory, parse_model_text
 from llmgw.contracts.views import ControlView
-from llmgw.control import installed, placement, publish
+from llmgw.control import installed, placement
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.reload import REMOVAL_GRACE, Diff, inventory_diff, kept_restart_settings
 from llmgw.fleet.fleet import Fleet
@@ -81,13 +81,13 @@ class ControlPlane:
 
     def publish(self) -> None:
         """Publish now, so that what an operator just changed shows at once, not at the next pass."""
-        self.reconciler.view = publish.publish(self.reconciler)
+        self.reconciler.publish()
 
     def explain(self, name: str) -> placement.Explanation:
         """Why the model goes where it goes, or nowhere, on the fleet as it is now (R-3.5)."""
         if name not in self.holder.current.models:
             raise ServiceError(ErrorKind.NOT_FOUND, f"no model named {name!r}", code="model_not_found")
-        return self.reconciler.explain(name)
+        return self.reconciler.placing.explain(name)
 
     # -- catalog changes (R-8.1–R-8.4) ---------------------------------------------------------
 
@@ -123,7 +123,7 @@ class ControlPlane:
         idle = dict(state=READY, state_reason=None, admin="active", holds=None, containers=None, venvs=None)
         views = [dataclasses.replace(v, **idle) if v.gpus is not None else
                  dataclasses.replace(v, **idle, gpus=unknown_gpus, gpu_class=v.gpu_class or model.profile.gpu_class)
-                 for v in self.reconciler.node_views()]
+                 for v in self.reconciler.nodes.views()]
         explanation = placement.explain_placement(model, views, {})
         if explanation.plan is None:
             raise ServiceError(ErrorKind.INVALID, f"model {name!r} cannot be placed on any node of the inventory, even an "
@@ -299,7 +299,7 @@ class ControlPlane:
     def _ideal_view(self, node) -> placement.NodeView:
         """The node as `node` (its config) describes it, with the facts it last reported, if any."""
         if node.name in self.fleet.nodes:
-            view = self.reconciler.node_view(node.name)
+            view = self.reconciler.nodes.view(node.name)
             facts = self.fleet.facts[node.name].inventory
             return dataclasses.replace(view, fabric=node.fabric, labels=node.labels,
                                        gpu_class=node.gpu_class or (facts.gpu_class if facts is not None else None))
@@ -348,7 +348,7 @@ class ControlPlane:
             raise ServiceError(ErrorKind.INVALID, f"unknown action {action!r}; use cordon, uncordon or drain")
         if node not in self.fleet.nodes:
             raise ServiceError(ErrorKind.NOT_FOUND, f"no node named {node!r}", code="node_not_found")
-        if node in self.reconciler.removing:
+        if node in self.reconciler.memory.nodes.removing:
             raise ServiceError(ErrorKind.CONFLICT, f"{node} left {self.inventory_source} and is being drained before it is "
                                     "forgotten; put it back in the file and reload to keep it", code="node_removing")
         admin = self.reconciler.set_admin(node, states[action], grace if action == "drain" else None, actor)
@@ -365,8 +365,7 @@ class ControlPlane:
         nodes = []
 
         async def one(name: str) -> None:
-            node = self.fleet.nodes[name]
-            cache = self.reconciler.cache_dir(node)
+            cache = self.fleet.paths(name).cache_dir
             entry = {"node": name, "cache_dir": cache, "entries": [], "error": None}
             nodes.append(entry)
             ops = self.fleet.ops(name)
@@ -375,7 +374,7 @@ class ControlPlane:
             else:
                 try:
                     listing = await ops.reclaim(ReclaimRequest(cache))
-                    in_use = self.reconciler.cache_in_use(name)  # as the automatic clean-up keeps them
+                    in_use = self.reconciler.memory.records.cache_in_use(self.holder.current.models, name)  # as the clean-up does
                     unwanted = [e for e in listing.entries if e.name not in wanted and e.name not in in_use]
                     if collect and unwanted:
                         unwanted = list((await ops.reclaim(ReclaimRequest(cache, [e.name for e in unwanted],
@@ -431,9 +430,10 @@ class ControlPlane:
     # -- logs (R-4.8) --------------------------------------------------------------------------
 
     def _shard(self, replica_id: str, rank: int):
-        replica = self.reconciler.replicas.get(replica_id)
+        records = self.reconciler.memory.records
+        replica = records.replicas.get(replica_id)
         if replica is None:
-            replica = next((r for _, r in reversed(self.reconciler.retired) if r.id == replica_id), None)
+            replica = next((r for _, r in reversed(records.retired) if r.id == replica_id), None)
         if replica is None:
             raise ServiceError(ErrorKind.NOT_FOUND, f"no replica named {replica_id!r}", code="replica_not_found")
         if not 0 <= rank < len(replica.shards):

@@ -1,19 +1,34 @@
-"""Replicas and shards: the reconciler's records, and how they are kept in SQLite (R-4.2).
+"""Replicas and shards: the control plane's records, and how they are kept in SQLite (R-4.2).
 
-The reconciler is the only writer of these records; everything else reads snapshots.
+`Records` holds them between passes, with the replicas retired lately and each model's launch
+record. The reconciler's pass changes them, and so do the node tasks of `actions.py` (a shard's
+state, port, progress and log tail as its launch or stop goes on); a shard's or replica's state
+moves only through the transition table. The admin, /metrics and ctl read published snapshots
+(llmgw.control.publish), never these records.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import sqlite_utils
 
+from llmgw.contracts.backoff import backoff_delay
+from llmgw.contracts.endpoints import Endpoint
 from llmgw.contracts.states import AdminState, ReplicaPhase, ShardState, transition
+
+if TYPE_CHECKING:
+    from llmgw.catalog import Model
+    from llmgw.config import NodeConfig
+
+log = logging.getLogger(__name__)
 
 PENDING, FETCHING, STARTING, SERVING = ShardState.PENDING, ShardState.FETCHING, ShardState.STARTING, ShardState.SERVING
 DRAINING, STOPPING, STOPPED, FAILED = ShardState.DRAINING, ShardState.STOPPING, ShardState.STOPPED, ShardState.FAILED
@@ -22,6 +37,11 @@ ENDED = frozenset({STOPPED, FAILED})
 # Module constants: every pass reads them for every replica, and a module global is a cheaper
 # lookup than an attribute of the enum class.
 ACTIVE_PHASE, DRAINING_PHASE, RETIRING_PHASE = ReplicaPhase.ACTIVE, ReplicaPhase.DRAINING, ReplicaPhase.RETIRING
+
+FAILURE_BACKOFF_BASE = 2.0
+FAILURE_BACKOFF_CAP = 300.0
+RETIRED_KEEP = 600.0  # how long a failed replica stays visible after it stopped
+RETIRED_LISTED = 200  # and at most this many of them
 
 
 @dataclass
@@ -212,3 +232,91 @@ class ModelHealth:
     last_log_tail: list[str] | None = None
     launches: int = 0
     failed_on: tuple[str, ...] = ()
+
+
+@dataclass(eq=False)
+class Records:
+    """The replicas the control plane runs (by id), those retired lately (listed a while, for
+    their reason and log tail), and each model's launch record.
+
+    `started_at` is when this control plane started: what it did not see begin (a replica adopted
+    after a restart, the fleet answering) is counted from then."""
+
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    retired: list[tuple[float, Replica]] = field(default_factory=list)  # (when its engines stopped, replica)
+    health: dict[str, ModelHealth] = field(default_factory=dict)  # model ->
+    started_at: float = field(default_factory=time.time)
+
+    def adopt(self, replicas: list[Replica]) -> None:
+        """The replicas recorded before a restart, adopted rather than started again (R-4.5)."""
+        for replica in replicas:
+            if replica.state == STOPPED:
+                continue
+            # A failed replica is kept: its record is deleted only once its engines are stopped,
+            # so one still here may have an engine running on a node that was out of reach. The
+            # first pass retires it, and the engine is stopped when the node answers (R-4.1).
+            for shard in replica.shards:
+                if shard.state in (PENDING, FETCHING):
+                    # Nothing was launched yet: the interrupted start is simply made again.
+                    shard.set_state(FAILED, "interrupted by a control-plane restart before launch")
+            self.replicas[replica.id] = replica
+        if self.replicas:
+            log.info("adopting %d replicas recorded before the restart", len(self.replicas))
+
+    def allocated(self) -> dict[str, frozenset[int]]:
+        """The GPUs each node's live shards hold."""
+        used: dict[str, set[int]] = {}
+        for replica in self.replicas.values():
+            for shard in replica.shards:
+                if shard.state not in ENDED:
+                    used.setdefault(shard.node, set()).update(shard.gpus)
+        return {node: frozenset(gpus) for node, gpus in used.items()}
+
+    def endpoints(self, nodes: Mapping[str, NodeConfig]) -> dict[str, list[Endpoint]]:
+        """The router's endpoint table: each serving replica's leader, by model, in replica order."""
+        table: dict[str, list[Endpoint]] = {}
+        for replica in self.replicas.values():
+            if not replica.serving:
+                continue
+            leader = replica.leader
+            node = nodes.get(leader.node)
+            if node is None or leader.port is None:
+                continue
+            host = "127.0.0.1" if node.connection == "local" else node.host
+            table.setdefault(replica.model, []).append(
+                Endpoint(replica_id=replica.id, model=replica.model, url=f"http://{_url_host(host)}:{leader.port}",
+                         api_key=replica.api_key, draining=replica.draining))
+        for endpoints in table.values():
+            endpoints.sort(key=lambda e: e.replica_id)
+        return table
+
+    def cache_in_use(self, models: Mapping[str, Model], node: str) -> set[str]:
+        """Cache names the live replicas with a shard on the node run from."""
+        return {m.source.cache_name for r in self.replicas.values() if (m := models.get(r.model)) and m.source
+                and m.source.fetched and any(s.node == node for s in r.shards)}
+
+    def record_failure(self, replica: Replica, now: float) -> None:
+        """A failed replica counts toward its model's backoff; the failed shard's reason becomes the replica's."""
+        health = self.health.setdefault(replica.model, ModelHealth())
+        health.failures += 1
+        health.next_attempt = now + backoff_delay(health.failures - 1, base=FAILURE_BACKOFF_BASE,
+                                                  cap=FAILURE_BACKOFF_CAP)
+        failed = next((s for s in replica.shards if s.state == FAILED), None)
+        health.last_failure = failed.reason if failed else replica.reason
+        health.last_log_tail = failed.log_tail if failed else None
+        health.failed_on = tuple(s.node for s in replica.shards if s.state == FAILED)
+        replica.reason = health.last_failure
+        log.warning("replica %s of %s failed: %s (attempt %d; next in %.0fs)", replica.id, replica.model,
+                    health.last_failure, health.failures, health.next_attempt - now)
+
+    def prune(self, now: float) -> None:
+        """The retired replicas listed no longer: stopped more than RETIRED_KEEP ago, or beyond RETIRED_LISTED."""
+        self.retired = [(t, r) for t, r in self.retired if now - t < RETIRED_KEEP][-RETIRED_LISTED:]
+
+    def listed(self) -> set[str]:
+        """The ids of the replicas live or still listed as retired."""
+        return {r.id for _, r in self.retired} | self.replicas.keys()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

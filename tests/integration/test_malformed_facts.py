@@ -86,7 +86,7 @@ async def test_malformed_facts_make_only_that_node_unhealthy(tmp_path, monkeypat
         listed = {n["name"]: n for n in Listings(reconciler.view.get()).nodes()}
         assert (listed["bad"]["state"], listed["bad"]["state_reason"]) == (UNHEALTHY, reason)
         assert listed["good"]["state"] == READY
-        assert reconciler.node_view("bad").state == UNHEALTHY  # what placement goes by
+        assert reconciler.nodes.view("bad").state == UNHEALTHY  # what placement goes by
         assert bad.answering and bad.connects == 1  # the session stays: only its answers are doubted
 
         # The passes go on for the others meanwhile, and the bad node is ready again once its

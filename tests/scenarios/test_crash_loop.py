@@ -24,7 +24,7 @@ from tests.testbed import NodeSpec
 pytestmark = [pytest.mark.slow, pytest.mark.testbed]
 
 WINDOW = 60.0  # seconds of crash loop counted, from the first launch
-BACKOFF_BASE = 2.0  # llmgw.control.reconciler.FAILURE_BACKOFF_BASE: the k-th failure waits 2**(k-1)..2**k s
+BACKOFF_BASE = 2.0  # llmgw.control.state.FAILURE_BACKOFF_BASE: the k-th failure waits 2**(k-1)..2**k s
 REFUSAL = "RuntimeError: CUDA error: out of memory (engine double refusing to start)"
 
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from llmgw.control.reconciler import FAILURE_BACKOFF_BASE
+from llmgw.control.state import FAILURE_BACKOFF_BASE
 from tests.integration.gateway import wait_for
 from tests.scenarios.harness import (KEEPALIVE_COUNT, KEEPALIVE_INTERVAL, MODEL, NODES, PLAIN_TOKENS, SETTLING_WINDOW,
                                      START_TIMEOUT, STREAM_TOKENS, TICK, running_fleet)

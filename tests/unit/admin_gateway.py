@@ -133,10 +133,10 @@ def make_gateway(tmp_path: Path) -> FakeGateway:
                        [Shard("fetched-1-0", "fetched-1", 0, "gpu2", (), state=FETCHING,
                               progress=(1_200_000_000, 4_000_000_000))])
     for replica in (chat, idle, fetching):
-        reconciler.replicas[replica.id] = replica
-    reconciler.last_used["chat-0"] = now - 300  # chat-1 was never seen used: unknown
-    reconciler.unplaceable["big"] = placement.explain_placement(
-        holder.current.models["big"], reconciler.node_views(), reconciler.allocated())
+        reconciler.memory.records.replicas[replica.id] = replica
+    reconciler.memory.scaling.last_used["chat-0"] = now - 300  # chat-1 was never seen used: unknown
+    reconciler.memory.placing.unplaceable["big"] = placement.explain_placement(
+        holder.current.models["big"], reconciler.nodes.views(), reconciler.memory.records.allocated())
     store = Store.open(tmp_path / "state.db")
     control = ControlPlane(inventory, None, holder, store, reconciler, fleet, "inventory.yaml")
     gateway = FakeGateway(holder, fleet, reconciler, store, control=control)

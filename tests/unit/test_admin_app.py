@@ -64,7 +64,7 @@ async def test_changes_need_the_token_too(admin):
                                ("DELETE", "/api/models/chat", None), ("POST", "/api/reclaim", {"collect": True})]:
         response = await client.request(method, path, json=body)
         assert response.status == 401, path
-    assert gateway.reconciler.admin["gpu1"].state == "active"
+    assert gateway.reconciler.memory.nodes.admin["gpu1"].state == "active"
 
 
 async def test_dashboard_trades_the_token_for_a_cookie(admin):
@@ -168,8 +168,8 @@ async def test_node_admin_is_one_endpoint(admin):
                                      headers={**AUTH, "X-Llmgw-Actor": "alice"})
         assert response.status == 200
         answer = await response.json()
-        assert answer["admin"] == state and gateway.reconciler.admin["gpu3"].state == state
-        assert gateway.reconciler.admin["gpu3"].actor == "alice"
+        assert answer["admin"] == state and gateway.reconciler.memory.nodes.admin["gpu3"].state == state
+        assert gateway.reconciler.memory.nodes.admin["gpu3"].actor == "alice"
         assert (answer["grace_until"] is not None) == (action == "drain")
 
 

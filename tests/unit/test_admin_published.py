@@ -46,7 +46,7 @@ def test_the_view_is_frozen(gateway):
 
 def test_listings_show_what_was_published_not_what_changed_since(gateway):
     before = {r["id"] for r in listings(gateway.admin_dependencies()).replicas()}
-    gateway.reconciler.replicas["chat-9"] = _extra()
+    gateway.reconciler.memory.records.replicas["chat-9"] = _extra()
     gateway.fleet.links["gpu3"].cut()
     assert {r["id"] for r in listings(gateway.admin_dependencies()).replicas()} == before
     assert {n["name"]: n["state"] for n in listings(gateway.admin_dependencies()).nodes()}["gpu3"] == "ready"
@@ -74,7 +74,7 @@ def test_endpoints_are_the_routers_input_with_the_draining_mark(gateway):
     gateway.control.set_node("gpu1", "drain", None, "alice")
     view = gateway.control.view()
     # One definition: the endpoints the reconciler gives the router, published as they are.
-    assert {m: list(e) for m, e in view.endpoints.items()} == gateway.reconciler.endpoints()
+    assert {m: list(e) for m, e in view.endpoints.items()} == gateway.reconciler.memory.records.endpoints(gateway.fleet.nodes)
     by_replica = {e.replica_id: e for e in view.endpoints["chat"]}
     assert by_replica["chat-1"].draining and not by_replica["chat-0"].draining  # chat-1 runs on gpu1
     assert by_replica["chat-1"].api_key == "k"  # the router gets the engine key...

@@ -84,7 +84,7 @@ def test_status_agrees_with_the_other_listings(gateway):
     assert status["nodes"]["by_state"] == {"ready": 3, "unreachable": 1}
     # gpu1 has an unhealthy GPU and a replica: not whole. gpu2 is. gpu3 runs a replica.
     assert status["free_whole_nodes"] == {"ib-a": 1, "ib-b": 0}
-    assert status["unplaceable"] == [{"model": "big", "reason": gateway.reconciler.unplaceable["big"].summary}]
+    assert status["unplaceable"] == [{"model": "big", "reason": gateway.reconciler.memory.placing.unplaceable["big"].summary}]
     assert "fabric ib-a has 1 free whole node, needs 2" in status["unplaceable"][0]["reason"]
 
 
@@ -116,7 +116,7 @@ def test_progress_rides_on_the_shard(gateway):
 def test_a_failed_replica_stays_listed_with_its_log_tail(gateway):
     shard = Shard("bad-1-0", "bad-1", 0, "gpu3", (2,), state=FAILED, reason="engine exited with status 1",
                   log_tail=["loading", "CUDA out of memory"])
-    gateway.reconciler.retired.append((time.time(), Replica("bad-1", "chat", "k", [shard], phase=ReplicaPhase.RETIRING)))
+    gateway.reconciler.memory.records.retired.append((time.time(), Replica("bad-1", "chat", "k", [shard], phase=ReplicaPhase.RETIRING)))
     gateway.publish()
     listed = by_name(listings(gateway.admin_dependencies()).replicas(), "id")["bad-1"]
     assert listed["retired"] and listed["state"] == "failed"
@@ -127,8 +127,8 @@ def test_a_failed_replica_stays_listed_with_its_log_tail(gateway):
 def test_an_evicted_replica_stays_listed_with_its_reason_and_is_not_a_failure(gateway):
     shard = Shard("idle-1-0", "idle-1", 0, "gpu3", (2,), state=STOPPED)
     replica = Replica("idle-1", "chat", "k", [shard], phase=ReplicaPhase.RETIRING, reason="evicted for big (idle 42 min)")
-    gateway.reconciler.retired.append((time.time(), replica))
-    gateway.reconciler.evicted["idle-1"] = "big"
+    gateway.reconciler.memory.records.retired.append((time.time(), replica))
+    gateway.reconciler.memory.placing.evicted["idle-1"] = "big"
     gateway.publish()
     listed = by_name(listings(gateway.admin_dependencies()).replicas(), "id")["idle-1"]
     assert listed["retired"] and listed["state"] == "stopped" and listed["reason"] == "evicted for big (idle 42 min)"

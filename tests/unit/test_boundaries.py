@@ -105,7 +105,7 @@ def _crossings(source: str, *targets: str) -> dict[str, list[str]]:
 
 def test_the_graph_is_read():
     assert "llmgw.control.reconciler" in GRAPH and "llmgw.router.app" in GRAPH
-    assert "llmgw.control.placement" in GRAPH["llmgw.control.reconciler"]  # the parser sees imports
+    assert "llmgw.control.plan" in GRAPH["llmgw.control.reconciler"]  # the parser sees imports
 
 
 def test_control_imports_nothing_from_the_router():

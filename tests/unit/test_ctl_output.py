@@ -32,7 +32,7 @@ async def admin(tmp_path):
     gateway.fleet.links["ghost"].reason = f"connect failed {HOSTILE}"
     shard = Shard("bad-1-0", "bad-1", 0, "gpu3", (2,), state=FAILED, reason=f"engine exited {HOSTILE}",
                   log_tail=[f"loading {HOSTILE}", "CUDA out of memory\ttab kept"])
-    gateway.reconciler.replicas["bad-1"] = Replica("bad-1", "chat", "k", [shard], phase=ReplicaPhase.RETIRING)
+    gateway.reconciler.memory.records.replicas["bad-1"] = Replica("bad-1", "chat", "k", [shard], phase=ReplicaPhase.RETIRING)
     gateway.publish()
     client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
     await client.start_server()
@@ -123,8 +123,8 @@ async def test_a_model_added_with_a_signed_url_keeps_the_query_out_of_the_audit_
 
 async def test_ctl_and_the_dashboard_say_the_same_words(admin):
     client, gateway = admin
-    gateway.reconciler.replicas["fetched-1"].set_phase(ReplicaPhase.DRAINING)  # still fetching: the mark says it
-    health = gateway.reconciler.health.setdefault("fetched", ModelHealth())
+    gateway.reconciler.memory.records.replicas["fetched-1"].set_phase(ReplicaPhase.DRAINING)  # still fetching: the mark says it
+    health = gateway.reconciler.memory.records.health.setdefault("fetched", ModelHealth())
     health.failures, health.last_failure = 2, "engine exited with status 1"
     health.next_attempt = time.time() + 600
     gateway.publish()
@@ -179,7 +179,7 @@ async def test_the_last_scaling_decision_is_shown_with_its_reason_by_ctl_the_das
 
     client, gateway = admin
     reason = "scale 1→3: 7.5 in flight over 30s, target 2"
-    gateway.reconciler.scaling["chat"] = Scale(3, last=ScaleDecision(time.time() - 150, 1, 3, reason), ups=2, downs=1)
+    gateway.reconciler.memory.scaling.scales["chat"] = Scale(3, last=ScaleDecision(time.time() - 150, 1, 3, reason), ups=2, downs=1)
     gateway.publish()
     models = {m["name"]: m for m in json.loads(await ctl(client, "models", "--json"))["models"]}
     chat = models["chat"]

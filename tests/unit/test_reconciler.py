@@ -12,7 +12,7 @@ import pytest
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, ProfileConfig
 from llmgw.contracts import states
-from llmgw.control.reconciler import Reconciler
+from llmgw.control.reconciler import Reconciler, Routers
 from llmgw.control.state import FAILED
 from llmgw.fleet.facts import Held
 from llmgw.store import Store
@@ -37,7 +37,7 @@ def build(models: list[dict], nodes=("a", "b", "c"), fabric="ib", **gateway):
     fleet = FakeFleet(inventory)
     pushed = []
     settings = GatewayConfig(**{"settling_window": 0.3, **gateway})
-    reconciler = Reconciler(holder, fleet, None, settings, push_endpoints=pushed.append)
+    reconciler = Reconciler(holder, fleet, None, settings, Routers(push_endpoints=pushed.append))
     return reconciler, fleet, holder, pushed
 
 
@@ -66,7 +66,7 @@ async def until(condition, reconciler, fleet, timeout=5.0, what="condition"):
 
 
 def serving(reconciler, model):
-    return [r for r in reconciler.replicas.values() if r.model == model and r.serving]
+    return [r for r in reconciler.memory.records.replicas.values() if r.model == model and r.serving]
 
 
 async def test_places_min_replicas_and_pushes_endpoints():
@@ -88,11 +88,11 @@ async def test_crashed_engine_is_replaced_with_growing_backoff():
     first = serving(reconciler, "m")[0]
     fleet.crash_engine(first.leader.node, first.leader.id, code=3)
     await settle(reconciler, fleet, 1)
-    health = reconciler.health["m"]
+    health = reconciler.memory.records.health["m"]
     assert health.failures == 1 and "exited with status 3" in health.last_failure
     assert health.last_log_tail == ["boom"]
     await until(lambda: serving(reconciler, "m"), reconciler, fleet, what="replacement")
-    assert reconciler.health["m"].failures == 0  # reset once a replica serves
+    assert reconciler.memory.records.health["m"].failures == 0  # reset once a replica serves
 
 
 async def test_backoff_grows_while_every_start_fails():
@@ -101,27 +101,27 @@ async def test_backoff_grows_while_every_start_fails():
     fleet.crash_on_launch = True
     delays = []
     for attempt in range(1, 4):
-        await until(lambda: reconciler.health.get("m") and reconciler.health["m"].failures == attempt,
+        await until(lambda: reconciler.memory.records.health.get("m") and reconciler.memory.records.health["m"].failures == attempt,
                     reconciler, fleet, what=f"failure {attempt}")
-        health = reconciler.health["m"]
+        health = reconciler.memory.records.health["m"]
         delays.append(health.next_attempt - time.time())
         launches = health.launches
         await settle(reconciler, fleet, 2)
         assert health.launches == launches  # nothing is launched while the backoff runs
         health.next_attempt = 0  # skip the wait in the test; the growth is what is checked
     assert delays[0] < delays[2]
-    assert "exited with status 1" in reconciler.health["m"].last_failure
+    assert "exited with status 1" in reconciler.memory.records.health["m"].last_failure
 
 
 async def test_a_node_without_the_engine_fails_the_replica_at_once_saying_how_to_install_it():
     reconciler, fleet, _, _ = build([{"name": "m"}], nodes=("a",))
     fleet.missing_program["a"] = "vllm is not on PATH=/usr/bin:/bin on this node"
-    await until(lambda: reconciler.health.get("m") and reconciler.health["m"].failures == 1,
+    await until(lambda: reconciler.memory.records.health.get("m") and reconciler.memory.records.health["m"].failures == 1,
                 reconciler, fleet, what="the first failure")
-    reason = reconciler.health["m"].last_failure
+    reason = reconciler.memory.records.health["m"].last_failure
     assert reason.startswith("engine vllm is not installed on a: vllm is not on PATH=/usr/bin:/bin on this node; "
                              "install vLLM on the node (`pip install vllm`"), reason
-    failed = [r for r in [*reconciler.replicas.values(), *(r for _, r in reconciler.retired)] if r.model == "m"]
+    failed = [r for r in [*reconciler.memory.records.replicas.values(), *(r for _, r in reconciler.memory.records.retired)] if r.model == "m"]
     assert failed and all(s.state == FAILED and s.reason == reason for r in failed for s in r.shards)
     assert fleet.engines["a"] == {}
 
@@ -133,14 +133,14 @@ async def test_a_stored_log_tail_never_carries_the_engine_key():
     fleet.crash_engine(replica.leader.node, replica.leader.id, log_tail=[f"Bearer {replica.api_key} refused", "bye"])
     await settle(reconciler, fleet, 1)
     assert replica.leader.log_tail == ["Bearer *** refused", "bye"]
-    assert reconciler.health["m"].last_log_tail == ["Bearer *** refused", "bye"]
+    assert reconciler.memory.records.health["m"].last_log_tail == ["Bearer *** refused", "bye"]
 
 
 async def test_surplus_and_removed_models_are_stopped():
     reconciler, fleet, holder, pushed = build([{"name": "m", "scaling": {"min": 2}}, {"name": "gone"}])
     await settle(reconciler, fleet)
     holder.swap(catalog([{"name": "m", "scaling": {"min": 1}}], version=2))
-    await until(lambda: len(reconciler.replicas) == 1, reconciler, fleet, what="teardown")
+    await until(lambda: len(reconciler.memory.records.replicas) == 1, reconciler, fleet, what="teardown")
     stops = [c for c in fleet.calls if c[1] == "stop"]
     assert len(stops) == 2
     assert set(pushed[-1]) == {"m"} and len(pushed[-1]["m"]) == 1
@@ -156,9 +156,9 @@ async def test_drain_is_a_rolling_move():
     reconciler.step()
     for _ in range(5):
         await asyncio.sleep(0)
-    assert original.id in reconciler.replicas and not original.retiring  # still serving traffic
+    assert original.id in reconciler.memory.records.replicas and not original.retiring  # still serving traffic
     assert any(e.replica_id == original.id for e in pushed[-1]["m"])
-    await until(lambda: original.id not in reconciler.replicas, reconciler, fleet, what="original stopped")
+    await until(lambda: original.id not in reconciler.memory.records.replicas, reconciler, fleet, what="original stopped")
     moved = serving(reconciler, "m")
     assert len(moved) == 1 and moved[0].leader.node != source and moved[0].replaces == original.id
 
@@ -168,8 +168,8 @@ async def test_drain_of_the_only_possible_node_finishes_at_the_grace():
     await settle(reconciler, fleet)
     original = serving(reconciler, "m")[0]
     reconciler.set_admin("a", "draining", grace=0.2)
-    await until(lambda: original.id not in reconciler.replicas, reconciler, fleet, what="drain to finish")
-    assert "cannot place" not in str(reconciler.unplaceable.get("m", "")) or reconciler.unplaceable["m"].plan is None
+    await until(lambda: original.id not in reconciler.memory.records.replicas, reconciler, fleet, what="drain to finish")
+    assert "cannot place" not in str(reconciler.memory.placing.unplaceable.get("m", "")) or reconciler.memory.placing.unplaceable["m"].plan is None
 
 
 async def test_multi_node_replica_spans_one_fabric_with_a_leader():
@@ -186,17 +186,17 @@ async def test_on_demand_loads_on_demand_and_stops_when_idle():
     """R-6.8: nothing runs until asked; one replica while nothing loads it; stopped after idle_timeout."""
     reconciler, fleet, _, _ = build([{"name": "m", "scaling": {"min": 0, "max": 5, "idle_timeout": 0.3}}])
     await settle(reconciler, fleet)
-    assert not reconciler.replicas
+    assert not reconciler.memory.records.replicas
     reconciler.note_demand("m")
     reconciler.note_demand("m")
     await settle(reconciler, fleet)
-    assert len(reconciler.replicas) == 1 and len(serving(reconciler, "m")) == 1
-    replica_id = next(iter(reconciler.replicas))
-    reconciler.last_used_source = lambda: {replica_id: time.time()}
+    assert len(reconciler.memory.records.replicas) == 1 and len(serving(reconciler, "m")) == 1
+    replica_id = next(iter(reconciler.memory.records.replicas))
+    reconciler.routers.last_used = lambda: {replica_id: time.time()}
     await settle(reconciler, fleet)
-    assert replica_id in reconciler.replicas
-    reconciler.last_used_source = lambda: {}
-    await until(lambda: not reconciler.replicas, reconciler, fleet, what="idle stop")
+    assert replica_id in reconciler.memory.records.replicas
+    reconciler.routers.last_used = lambda: {}
+    await until(lambda: not reconciler.memory.records.replicas, reconciler, fleet, what="idle stop")
 
 
 async def test_load_scales_up_and_down_draining_first_and_every_decision_is_audited(tmp_path):
@@ -206,7 +206,7 @@ async def test_load_scales_up_and_down_draining_first_and_every_decision_is_audi
                                                                     "up_delay": 0, "down_delay": 0}}])
     store = reconciler.store = Store.open(tmp_path / "state.db")
     in_flight: dict[str, int] = {}
-    reconciler.outstanding = reconciler.actions.outstanding = lambda rid: in_flight.get(rid, 0)
+    reconciler.routers.outstanding = reconciler.actions.outstanding = lambda rid: in_flight.get(rid, 0)
     try:
         await settle(reconciler, fleet)
         [first] = serving(reconciler, "m")
@@ -220,17 +220,17 @@ async def test_load_scales_up_and_down_draining_first_and_every_decision_is_audi
         await settle(reconciler, fleet, 2)
         # 4 in flight, target 4: one replica. The two least loaded go (the newest first), off the
         # router at once, but their engines keep running while a request is in flight.
-        assert [r.id for r in reconciler.replicas.values() if r.retiring] == [o.id for o in others]
+        assert [r.id for r in reconciler.memory.records.replicas.values() if r.retiring] == [o.id for o in others]
         assert [e.replica_id for e in pushed[-1]["m"]] == [first.id]
         stopped = {c[2]["shard_id"] for c in fleet.calls if c[1] == "stop"}
         assert not stopped & {s.id for o in others for s in o.shards}
         in_flight.update({others[0].id: 0, others[1].id: 0})
-        await until(lambda: set(reconciler.replicas) == {first.id}, reconciler, fleet, what="scale-down")
+        await until(lambda: set(reconciler.memory.records.replicas) == {first.id}, reconciler, fleet, what="scale-down")
         model = reconciler.view.get().models["m"]
         assert model.desired == 1 and (model.scale_ups, model.scale_downs) == (1, 1)
         down = "scale 3→1: 4.0 in flight over 0s, target 4"
         assert model.last_scale.reason == down
-        assert {r.reason for _, r in reconciler.retired} <= {down}
+        assert {r.reason for _, r in reconciler.memory.records.retired} <= {down}
         await store.write(lambda db: None)  # the writes queued before it are done
         rows = store.read_sync(lambda db: list(db["audit"].rows_where("actor = ?", ["autoscaler"], order_by="ts")))
         assert [(r["action"], r["target"], json.loads(r["detail"])["reason"]) for r in rows] == [
@@ -246,14 +246,14 @@ async def test_partitioned_node_is_replaced_and_its_engine_stopped_on_return():
     original = serving(reconciler, "m")[0]
     node = original.leader.node
     fleet.links[node].cut()
-    await until(lambda: any(r.serving and r.leader.node != node for r in reconciler.replicas.values()),
+    await until(lambda: any(r.serving and r.leader.node != node for r in reconciler.memory.records.replicas.values()),
                 reconciler, fleet, what="replacement elsewhere")
     assert original.leader.state == FAILED
     assert fleet.engines[node][original.leader.id]["alive"]  # unreachable: nothing could be signalled
     fleet.links[node].restore()
     await until(lambda: original.leader.id not in fleet.engines[node], reconciler, fleet, timeout=20,
                 what="old engine stopped after the return")
-    assert len([r for r in reconciler.replicas.values() if r.serving]) == 1
+    assert len([r for r in reconciler.memory.records.replicas.values() if r.serving]) == 1
 
 
 async def test_a_node_still_in_its_first_connection_past_the_settling_window_keeps_its_replicas():
@@ -267,7 +267,7 @@ async def test_a_node_still_in_its_first_connection_past_the_settling_window_kee
     link = fleet.links[node]
     link.state, link.since = states.LinkState.CONNECTING, time.time() - 60  # 200 settling windows ago
     await settle(reconciler, fleet, 3)
-    assert original.serving and len(reconciler.replicas) == 1  # kept, and no replacement placed
+    assert original.serving and len(reconciler.memory.records.replicas) == 1  # kept, and no replacement placed
     link.cut()  # the attempt failed: unreachable from now
     await settle(reconciler, fleet, 1)
     assert original.serving  # within the window, counted from the failure
@@ -280,7 +280,7 @@ async def test_engines_llmgw_does_not_know_are_reported_not_killed():
     fleet.engines["a"]["stranger-0"] = {"pid": 5, "start_time": 50, "argv": ["x"], "alive": True,
                                         "started_at": 0, "port": 1}
     await settle(reconciler, fleet)
-    assert reconciler.unknown_engines["a"] == ["stranger-0"]
+    assert reconciler.memory.nodes.unknown_engines["a"] == ["stranger-0"]
     assert not [c for c in fleet.calls if c[1] == "stop"]
 
 
@@ -296,8 +296,8 @@ async def test_start_timeout_fails_and_replaces():
         return result
 
     fleet.call = unhealthy_launch
-    await until(lambda: reconciler.replicas, reconciler, fleet, what="a placement")
-    first = next(iter(reconciler.replicas.values()))
+    await until(lambda: reconciler.memory.records.replicas, reconciler, fleet, what="a placement")
+    first = next(iter(reconciler.memory.records.replicas.values()))
     await until(lambda: first.leader.state == FAILED, reconciler, fleet, what="start timeout")
     assert "did not become ready within" in first.leader.reason
 
@@ -315,8 +315,8 @@ async def test_unknown_memory_is_placeable_small_memory_is_not(memory):
     if memory is None:
         assert serving(reconciler, "m")
     else:
-        assert not reconciler.replicas
-        assert "has 8 GB of memory, needs 24" in " ".join(reconciler.unplaceable["m"].verdicts[0].reasons)
+        assert not reconciler.memory.records.replicas
+        assert "has 8 GB of memory, needs 24" in " ".join(reconciler.memory.placing.unplaceable["m"].verdicts[0].reasons)
 
 
 async def test_undeclared_size_is_learned_before_placement():
@@ -326,14 +326,14 @@ async def test_undeclared_size_is_learned_before_placement():
     storage = fleet.facts["a"].storage
     fleet.facts["a"].storage = storage.__class__(
         (storage.filesystems[0].__class__("1:1", "ext4", "/", False, 10**12, 10**11,
-                                          (reconciler.cache_dir(fleet.nodes["a"]),)),))
+                                          (fleet.paths("a").cache_dir,)),))
     await settle(reconciler, fleet)
-    assert not reconciler.replicas
+    assert not reconciler.memory.records.replicas
     assert [c for c in fleet.calls if c[1] == "source_size"]
-    assert list(reconciler.learned_sizes.values()) == [5 * 10**12]
-    assert "needs 5000" in " ".join(reconciler.unplaceable["m"].verdicts[0].reasons)
+    assert list(reconciler.actions.learned.sizes.values()) == [5 * 10**12]
+    assert "needs 5000" in " ".join(reconciler.memory.placing.unplaceable["m"].verdicts[0].reasons)
     fleet.source_bytes = 10**9
-    reconciler.learned_sizes.clear()  # (a new catalog with another source would be asked afresh)
+    reconciler.actions.learned.sizes.clear()  # (a new catalog with another source would be asked afresh)
     await settle(reconciler, fleet)
     assert serving(reconciler, "m")
 
@@ -377,14 +377,14 @@ async def test_an_on_demand_load_on_a_full_node_evicts_the_longest_idle_replica(
         reconciler.note_demand(name)
     await until(lambda: len(serving(reconciler, "old")) == 1 and len(serving(reconciler, "recent")) == 1,
                 reconciler, fleet, what="both serving")
-    assert reconciler.actions.download_rates["a"] > 0  # measured from the fetches just made
+    assert reconciler.actions.learned.download_rates["a"] > 0  # measured from the fetches just made
     old, = serving(reconciler, "old")
     recent, = serving(reconciler, "recent")
     now = time.time()
-    reconciler.last_used_source = lambda: {old.id: now - 3600, recent.id: now - 60}
+    reconciler.routers.last_used = lambda: {old.id: now - 3600, recent.id: now - 60}
     await settle(reconciler, fleet, 1)  # last use is read from the router once a pass
 
-    explanation = reconciler.explain("wanted")
+    explanation = reconciler.placing.explain("wanted")
     assert explanation.plan is None
     assert explanation.verdicts[0].what_if.startswith(
         f"fits if {old.id} (idle 1 h) is stopped, after a 1 GB download (about ")  # at the measured rate
@@ -394,8 +394,8 @@ async def test_an_on_demand_load_on_a_full_node_evicts_the_longest_idle_replica(
     assert old.retiring and old.reason == "evicted for wanted (idle 1 h)"
     assert recent.serving and not recent.retiring
     await until(lambda: len(serving(reconciler, "wanted")) == 1, reconciler, fleet, what="wanted serving")
-    assert old.id not in reconciler.replicas and recent.serving
-    assert reconciler.evicting == {}
+    assert old.id not in reconciler.memory.records.replicas and recent.serving
+    assert reconciler.memory.placing.evicting == {}
     view = reconciler.view.get()
     evicted = view.replica(old.id)
     assert evicted.retired and evicted.reason == "evicted for wanted (idle 1 h)"
@@ -421,7 +421,7 @@ async def test_inventory_asks_about_the_catalogs_engines_and_placement_reads_the
                               profiles=profiles, version=2))
     spec = runtime_spec(profiles["env"])
     key = runtime_digest(spec)
-    assert reconciler.inventory_wanted(fleet.nodes["a"]) == InventoryRequest(images=["img:1"], venvs={key: spec})
+    assert reconciler.nodes.inventory_wanted(fleet.nodes["a"]) == InventoryRequest(images=["img:1"], venvs={key: spec})
 
     down = "docker cannot reach its daemon (DOCKER_HOST=unset): Cannot connect to the Docker daemon"
     absent = ContainerProgram("podman", None)
@@ -435,12 +435,12 @@ async def test_inventory_asks_about_the_catalogs_engines_and_placement_reads_the
     for name, (containers, venvs) in reported.items():
         fleet.facts[name].inventory = dataclasses.replace(fleet.facts[name].inventory, containers=containers,
                                                           venvs=venvs)
-    assert reconciler.node_view("a").containers == {"docker": ContainerView(True, False, None, None, down),
+    assert reconciler.nodes.view("a").containers == {"docker": ContainerView(True, False, None, None, down),
                                                     "podman": ContainerView(False)}
-    assert reconciler.node_view("b").venvs == {key: VenvView(True, True)}
-    assert reconciler.node_view("c").containers is None and reconciler.node_view("c").venvs is None
+    assert reconciler.nodes.view("b").venvs == {key: VenvView(True, True)}
+    assert reconciler.nodes.view("c").containers is None and reconciler.nodes.view("c").venvs is None
 
-    boxed = reconciler.explain("boxed-model")
+    boxed = reconciler.placing.explain("boxed-model")
     verdicts = {v.node: v for v in boxed.verdicts}
     assert boxed.plan.leader.node == "b" and verdicts["b"].holds_engine is True
     assert "has image img:1" in verdicts["b"].reasons
@@ -448,6 +448,6 @@ async def test_inventory_asks_about_the_catalogs_engines_and_placement_reads_the
     assert not verdicts["a"].fits and verdicts["a"].reasons == (
         f"docker does not work on the node ({down}): start its daemon, or set DOCKER_HOST for the node's helper, "
         "or use runtime: host",)
-    env = {v.node: v for v in reconciler.explain("env-model").verdicts}
-    assert [v.node for v in reconciler.explain("env-model").verdicts] == ["b", "c", "a"]
+    env = {v.node: v for v in reconciler.placing.explain("env-model").verdicts}
+    assert [v.node for v in reconciler.placing.explain("env-model").verdicts] == ["b", "c", "a"]
     assert env["a"].reasons[-1].startswith("no Python python3.12 on the node")

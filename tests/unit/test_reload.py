@@ -64,21 +64,21 @@ async def test_a_node_added_is_used_and_a_node_removed_is_drained_then_forgotten
 
     answer = await control.reload("ops")
     assert answer["applied"] and answer["nodes_added"] == ["b"]
-    assert "b" in fleet.nodes and reconciler.admin["b"].state == "active"
+    assert "b" in fleet.nodes and reconciler.memory.nodes.admin["b"].state == "active"
     assert [n.name for n in control.inventory.nodes] == ["a", "b"]
 
     write(path, nodes=("b",))
     answer = await control.reload("ops", grace=60)
     assert answer["nodes_removed"] == ["a"]
-    assert "a" in fleet.nodes and reconciler.admin["a"].state == "draining"  # drained first
+    assert "a" in fleet.nodes and reconciler.memory.nodes.admin["a"].state == "draining"  # drained first
     with pytest.raises(ServiceError) as refused:  # an uncordon would keep it forever
         control.set_node("a", "uncordon", None, "ops")
     assert http_status(refused.value) == 409 and "is being drained before it is forgotten" in refused.value.message
     await until(lambda: "a" not in fleet.nodes, reconciler, fleet, what="node a forgotten")
     (moved,) = serving(reconciler, "m")
     assert moved.leader.node == "b" and moved.replaces == original.id
-    assert original.id not in reconciler.replicas
-    assert "a" not in reconciler.admin and "a" not in reconciler.removing
+    assert original.id not in reconciler.memory.records.replicas
+    assert "a" not in reconciler.memory.nodes.admin and "a" not in reconciler.memory.nodes.removing
     assert [c[1] for c in fleet.calls if c[0] == "a" and c[1] in ("stop", "detach_node")] == ["stop", "detach_node"]
     await store.write(lambda db: None)  # the writes queued before it are done
     rows = store.read_sync(lambda db: list(db["node_admin"].rows_where("node = 'a'")))
@@ -101,7 +101,7 @@ async def test_an_unreachable_removed_node_is_forgotten_once_its_grace_is_over(t
     write(path, nodes=[n for n in ("a", "b") if n != node])
     await control.reload("ops", grace=0.2)
     await until(lambda: node not in fleet.nodes, reconciler, fleet, what="the cut node forgotten")
-    await until(lambda: replica.id not in reconciler.replicas, reconciler, fleet, what="its replica's record gone")
+    await until(lambda: replica.id not in reconciler.memory.records.replicas, reconciler, fleet, what="its replica's record gone")
     store.close()
 
 
@@ -115,16 +115,16 @@ async def test_a_file_that_does_not_build_is_refused_and_changes_nothing(tmp_pat
     path = write(tmp_path / "inventory.yaml", nodes=("a",))
     control, reconciler, fleet, holder, store = plane(path, tmp_path)
     await settle(reconciler, fleet)
-    before = (control.inventory, control.document, holder.current, dict(fleet.nodes), dict(reconciler.admin),
-              dict(reconciler.replicas), reconciler.gateway)
+    before = (control.inventory, control.document, holder.current, dict(fleet.nodes), dict(reconciler.memory.nodes.admin),
+              dict(reconciler.memory.records.replicas), reconciler.gateway)
     path.write_text(text + "gateway: {tick: 1s}\n" if "nope" in text else text)
     with pytest.raises(ServiceError) as refused:
         await control.reload("ops")
     assert http_status(refused.value) == 400 and refused.value.code == "bad_inventory"
     assert any(expected in problem for problem in refused.value.problems), refused.value.problems
     assert refused.value.problems[0].startswith(str(path))
-    after = (control.inventory, control.document, holder.current, dict(fleet.nodes), dict(reconciler.admin),
-             dict(reconciler.replicas), reconciler.gateway)
+    after = (control.inventory, control.document, holder.current, dict(fleet.nodes), dict(reconciler.memory.nodes.admin),
+             dict(reconciler.memory.records.replicas), reconciler.gateway)
     assert after == before and all(a is b for a, b in zip(after[:3], before[:3]))
     assert audit_rows(store) == []
     store.close()
@@ -210,12 +210,12 @@ async def test_a_node_put_back_while_it_drains_is_kept(tmp_path):
     write(path, nodes=())
     await control.reload("ops", grace=60, force=True)  # m's min has nowhere to go
     await settle(reconciler, fleet)
-    assert reconciler.admin["a"].state == "draining" and "a" in fleet.nodes  # nowhere to move it: it waits
+    assert reconciler.memory.nodes.admin["a"].state == "draining" and "a" in fleet.nodes  # nowhere to move it: it waits
     write(path, nodes=("a",))
     answer = await control.reload("ops")
     assert answer["nodes_added"] == ["a"]
     await settle(reconciler, fleet)
-    assert reconciler.removing == {} and reconciler.admin["a"].state == "active"
+    assert reconciler.memory.nodes.removing == {} and reconciler.memory.nodes.admin["a"].state == "active"
     assert serving(reconciler, "m") == [replica] and not replica.draining
     assert ("a", "add_node", {}) not in fleet.calls  # the same link, not a second one
     store.close()
@@ -262,7 +262,7 @@ async def test_r10_5_a_reload_that_leaves_a_min_nowhere_is_refused_unless_forced
     assert http_status(refused.value) == 409 and refused.value.code == "min_unplaceable"
     assert "m (min 1)" in refused.value.message and why in refused.value.problems[0]
     assert control.inventory is running and set(fleet.nodes) == {n["name"] for n in before}  # nothing changed
-    assert all(admin.state == "active" for admin in reconciler.admin.values()) and audit_rows(store) == []
+    assert all(admin.state == "active" for admin in reconciler.memory.nodes.admin.values()) and audit_rows(store) == []
 
     forced = await control.reload("ops", force=True)
     assert forced["applied"] and forced["forced"] and [e["model"] for e in forced["unplaceable"]] == ["m"]
@@ -324,11 +324,11 @@ async def test_r10_5_ctl_reload_names_the_model_and_exits_1_unless_forced(tmp_pa
         assert "no node of the new inventory could ever run m (min 1)" in preview.stdout
         refused = await ctl()
         assert refused.exit_code == 1 and "m (min 1)" in refused.stderr and "--force" in refused.stderr
-        assert "a" in fleet.nodes and reconciler.admin["a"].state == "active"  # nothing changed
+        assert "a" in fleet.nodes and reconciler.memory.nodes.admin["a"].state == "active"  # nothing changed
         forced = await ctl("--force")
         assert forced.exit_code == 0, forced.output
         assert "applied" in forced.stdout and "could ever run m (min 1)" in forced.stdout
-        assert reconciler.admin["a"].state == "draining"
+        assert reconciler.memory.nodes.admin["a"].state == "draining"
     finally:
         await client.close()
         store.close()

@@ -138,12 +138,17 @@ def test_r6_8a_a_hostile_engine_does_not_scale_its_model_to_max(caplog):
     reconciler, _, holder, _ = build([{"name": "m", "scaling": {"min": 1, "max": 100, "up_delay": "10s"}}])
     m = holder.current.models["m"]
     live = [serving("r1")]
-    reconciler.outstanding = lambda rid: 1
-    reconciler.engine_load = lambda rid: EngineLoad(source="vllm", waiting=10**12, running=0)
-    loads = reconciler._loads(m, live)
+
+    def outstanding(rid):
+        return 1
+
+    def engine_load(rid):
+        return EngineLoad(source="vllm", waiting=10**12, running=0)
+
+    loads = reconciler.memory.scaling.loads(m, live, outstanding, engine_load)
     assert loads == {"r1": scaling.engine_cap(m)} == {"r1": 72}
     assert sum("more than the 72 the routers may send it" in r.getMessage() for r in caplog.records) == 1
-    reconciler._loads(m, live)
+    reconciler.memory.scaling.loads(m, live, outstanding, engine_load)
     assert sum("more than the 72" in r.getMessage() for r in caplog.records) == 1  # said once while it lasts
     states = run(m, Scale(1), [(0, loads["r1"]), (10, loads["r1"])])
     assert states[-1].desired == 36  # ceil(72 / 2), not max

@@ -1,0 +1,35 @@
+"""What the control plane remembers between passes, composed of the memory each part keeps.
+
+One `ControlMemory` is made when the reconciler is; the reconciler holds it and publishes from it
+(llmgw.control.publish), and each part of the control plane is given the parts it reads or
+writes, explicitly, never another's dict:
+
+- `records` (state.py): the replicas, those retired lately, each model's launch record;
+  written by the reconciler's pass and by the node tasks of `actions.py`;
+- `nodes` (nodes.py): admin state, removals, unknown engines; written by `Nodes`;
+- `placing` (placing.py): unplaceable models, evictions under way; written by `Placing`;
+- `scaling` (scaling.py): each model's scaling, demand, last use; written by the pass;
+- `probes` (observe.py): failed health probes in a row; written by the pass.
+
+What the node tasks learned (weights' sizes, download rates, provisioning times) is theirs:
+`Actions.learned`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmgw.control.nodes import NodeMemory
+from llmgw.control.observe import ProbeMemory
+from llmgw.control.placing import PlacingMemory
+from llmgw.control.scaling import ScalingMemory
+from llmgw.control.state import Records
+
+
+@dataclass(eq=False)
+class ControlMemory:
+    records: Records = field(default_factory=Records)
+    nodes: NodeMemory = field(default_factory=NodeMemory)
+    placing: PlacingMemory = field(default_factory=PlacingMemory)
+    scaling: ScalingMemory = field(default_factory=ScalingMemory)
+    probes: ProbeMemory = field(default_factory=ProbeMemory)

@@ -1,0 +1,91 @@
+"""Bounds on the shape of the code, read from the source (ast), so that a class does not grow back
+into holding everything: the reconciler keeps the pass, the rest lives with the parts that own it.
+
+How things are counted:
+- a class's attributes: the distinct names X assigned as `self.X` (plain, annotated, augmented,
+  or inside a tuple target) anywhere in the class, its methods included;
+- a class's methods: the functions defined directly in its body (`def` and `async def`, with
+  properties, static and class methods; functions nested inside them are not counted);
+- a module's imports: every `import` and `from … import` anywhere in it, those under
+  `if TYPE_CHECKING:` included, followed through the llmgw modules it imports.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "llmgw"
+
+RECONCILER_ATTRIBUTES = 15
+RECONCILER_METHODS = 20
+
+
+def _class(module: str, name: str) -> ast.ClassDef:
+    tree = ast.parse((PACKAGE / module).read_text())
+    return next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name)
+
+
+def _attributes(cls: ast.ClassDef) -> set[str]:
+    names = set()
+    for node in ast.walk(cls):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        for target in targets:
+            for part in ast.walk(target):
+                if isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name) and part.value.id == "self":
+                    names.add(part.attr)
+    return names
+
+
+def _methods(cls: ast.ClassDef) -> list[str]:
+    return [node.name for node in cls.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _imports(module: str) -> set[str]:
+    """The llmgw modules `module` imports, under TYPE_CHECKING too (a name imported from a module counts as the module)."""
+    path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = path.with_suffix("") / "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names
+                         if (PACKAGE.parent / f"{node.module}.{alias.name}".replace(".", "/")).with_suffix(".py").exists())
+    return {name for name in found if name.startswith("llmgw.")}
+
+
+def _reachable(module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo.extend(_imports(name) - seen)
+    return seen - {module}
+
+
+def test_the_counts_see_the_code():
+    cls = _class("control/reconciler.py", "Reconciler")
+    assert {"memory", "nodes", "placing"} <= _attributes(cls) and "step" in _methods(cls)
+    assert "llmgw.control.state" in _reachable("llmgw.control.publish")
+
+
+def test_the_reconciler_keeps_the_pass_and_little_else():
+    cls = _class("control/reconciler.py", "Reconciler")
+    attributes, methods = _attributes(cls), _methods(cls)
+    print(f"Reconciler: {len(attributes)} attributes, {len(methods)} methods")
+    assert len(attributes) <= RECONCILER_ATTRIBUTES, sorted(attributes)
+    assert len(methods) <= RECONCILER_METHODS, methods
+
+
+def test_publish_imports_nothing_of_the_reconciler():
+    # Not even for a type: a publication is made of what it is given (publish.Sources).
+    assert "llmgw.control.reconciler" not in _reachable("llmgw.control.publish")
