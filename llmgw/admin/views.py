@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from llmgw.admin.text import progress_line
-from llmgw.contracts.views import ControlView, NodeState, ReplicaState
+from llmgw.contracts.views import ControlView, PublishedNode, PublishedReplica
 from llmgw.control.state import FAILED, SHARD_STATES, STOPPED
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class Listings:
     def nodes(self) -> list[dict]:
         return self._once("nodes", lambda: [self._node(node) for node in self.view.nodes])
 
-    def _node(self, node: NodeState) -> dict:
+    def _node(self, node: PublishedNode) -> dict:
         inventory = node.inventory
         return {
             "name": node.name,
@@ -124,7 +124,7 @@ class Listings:
         }
 
     @staticmethod
-    def _gpus(node: NodeState) -> dict | None:
+    def _gpus(node: PublishedNode) -> dict | None:
         """Counts and devices; an unhealthy GPU is neither used nor free (R-2.2, R-7.2)."""
         inventory = node.inventory
         if inventory is None:
@@ -151,7 +151,7 @@ class Listings:
         }
 
     @staticmethod
-    def _disk(node: NodeState) -> dict | None:
+    def _disk(node: PublishedNode) -> dict | None:
         """Free/total per filesystem, the node's own disks apart from shared filers (R-2.4, R-2.5)."""
         storage = node.storage
         if storage is None:
@@ -172,7 +172,7 @@ class Listings:
     def replicas(self) -> list[dict]:
         return self._once("replicas", lambda: [self._replica(r) for r in (*self.view.replicas, *self.view.retired)])
 
-    def _replica(self, replica: ReplicaState) -> dict:
+    def _replica(self, replica: PublishedReplica) -> dict:
         last_used = replica.last_used  # None: unknown, not idle (R-7.1)
         router = self.router
         engine = router.engine_load(replica.id) if router is not None else None

@@ -2,8 +2,8 @@
 
 The reconciler publishes a `ControlView` at the end of every pass (and the control plane after an
 operator action that must show at once); the admin API, the dashboard, /metrics and `llmgw ctl`
-render from it and never from the reconciler's or the fleet's own records. Its `endpoints` are
-what the router is given: a router's endpoint table is derived from them, never defined again.
+render from it and never from the reconciler's or the fleet's own records. The routers are fed
+otherwise: the reconciler pushes each pass's endpoint table to the router feed (llmgw.control.feed).
 
 Every value is immutable: dataclasses frozen with slots, tuples, read-only mappings. What a node
 reports is kept as the fleet's fact values (themselves frozen); None is unknown, never zero
@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from llmgw.contracts.endpoints import Endpoint
 
 if TYPE_CHECKING:  # the value types of what nodes report and of placement, named for readers only
     from llmgw.catalog import Catalog
@@ -36,7 +35,7 @@ def frozen_mapping(items) -> Mapping:
 
 
 @dataclass(frozen=True, slots=True)
-class NodeAdminState:
+class PublishedNodeAdmin:
     """What the operator set on a node (R-9.4): active, cordoned or draining."""
 
     state: str = ACTIVE
@@ -73,7 +72,7 @@ OFF = CacheCleanup(None, None, None, None, None, ())
 
 
 @dataclass(frozen=True, slots=True)
-class NodeState:
+class PublishedNode:
     """One node as the control plane sees it: its link, its admin state and what it reported."""
 
     name: str
@@ -83,7 +82,7 @@ class NodeState:
     state: str  # the link: connecting | ready | unreachable | unhealthy
     state_reason: str | None
     since: float | None  # when the link entered its state (for a node down: its first failure)
-    admin: NodeAdminState
+    admin: PublishedNodeAdmin
     gpu_class: str | None  # normalised, the inventory's override applied
     inventory: Inventory | None  # GPUs, memory, CPUs as last reported; None: never reported
     storage: Storage | None
@@ -112,7 +111,7 @@ class NodeState:
 
 
 @dataclass(frozen=True, slots=True)
-class ShardState:
+class PublishedShard:
     rank: int
     node: str
     gpus: tuple[int, ...]
@@ -129,7 +128,7 @@ class ShardState:
 
 
 @dataclass(frozen=True, slots=True)
-class ReplicaState:
+class PublishedReplica:
     id: str
     model: str
     state: str
@@ -142,7 +141,7 @@ class ReplicaState:
     created_at: float
     serving_since: float | None
     last_used: float | None  # None: the router never reported it used (unknown, not idle; R-7.1)
-    shards: tuple[ShardState, ...]
+    shards: tuple[PublishedShard, ...]
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -164,7 +163,7 @@ class ScaleDecision:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelState:
+class PublishedModel:
     """What the control plane knows of one catalog model beyond its definition."""
 
     name: str
@@ -185,20 +184,19 @@ class ModelState:
 
 @dataclass(frozen=True, slots=True)
 class ControlView:
-    """The whole published state: one pass's nodes, replicas, models and endpoints."""
+    """The whole published state: one pass's nodes, replicas and models."""
 
     pass_number: int  # the reconcile pass that published it (0: before the first pass)
     published_at: float
     catalog: Catalog  # the catalog in force (itself immutable)
-    nodes: tuple[NodeState, ...]  # inventory order
-    replicas: tuple[ReplicaState, ...]  # live, by model then id
-    retired: tuple[ReplicaState, ...]  # failed or evicted recently and stopped, newest first
-    models: Mapping[str, ModelState]
-    endpoints: Mapping[str, tuple[Endpoint, ...]]  # model -> serving replicas: the router's input
+    nodes: tuple[PublishedNode, ...]  # inventory order
+    replicas: tuple[PublishedReplica, ...]  # live, by model then id
+    retired: tuple[PublishedReplica, ...]  # failed or evicted recently and stopped, newest first
+    models: Mapping[str, PublishedModel]
     free_whole_nodes: Mapping[str, int]  # fabric -> ready nodes with every healthy GPU free
 
-    def node(self, name: str) -> NodeState | None:
+    def node(self, name: str) -> PublishedNode | None:
         return next((n for n in self.nodes if n.name == name), None)
 
-    def replica(self, replica_id: str) -> ReplicaState | None:
+    def replica(self, replica_id: str) -> PublishedReplica | None:
         return next((r for r in (*self.replicas, *self.retired) if r.id == replica_id), None)

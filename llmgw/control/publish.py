@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from llmgw.catalog import CatalogHolder
 from llmgw.config import GatewayConfig
-from llmgw.contracts.views import (CacheCleanup, ControlView, ModelState, NodeAdminState, NodeState, ReplicaState, ShardState,
-                                   frozen_mapping)
+from llmgw.contracts.views import (CacheCleanup, ControlView, PublishedModel, PublishedNode, PublishedNodeAdmin,
+                                   PublishedReplica, PublishedShard, frozen_mapping)
 from llmgw.control import placement
 from llmgw.control.actions import Learned
 from llmgw.control.cleanup import Cleanup
@@ -90,11 +90,11 @@ def control_view(sources: Sources, pass_number: int, published_at: float) -> Con
         facts = fleet.facts[name]
         admin = memory.nodes.admin.get(name)
         paths = fleet.paths(name)
-        nodes.append(NodeState(
+        nodes.append(PublishedNode(
             name=name, host="local" if config.connection == "local" else config.host, fabric=config.fabric,
             labels=frozen_mapping(config.labels), state=view.state, state_reason=view.state_reason,
             since=link.since if link is not None else None,
-            admin=NodeAdminState(admin.state, admin.grace_until, admin.actor) if admin else NodeAdminState(),
+            admin=PublishedNodeAdmin(admin.state, admin.grace_until, admin.actor) if admin else PublishedNodeAdmin(),
             gpu_class=view.gpu_class, inventory=facts.inventory, storage=facts.storage,
             holdings=frozen_mapping(facts.holdings) if facts.holdings is not None else None,
             observed_at=max(facts.observed_at.values()) if facts.observed_at else None,
@@ -119,7 +119,7 @@ def control_view(sources: Sources, pass_number: int, published_at: float) -> Con
         health = records.health.get(model.name)
         scale = scaling.scales.get(model.name)
         source = model.source
-        models[model.name] = ModelState(
+        models[model.name] = PublishedModel(
             name=model.name, failures=health.failures if health else 0,
             next_attempt=health.next_attempt if health and health.failures else None,
             last_failure=health.last_failure if health else None,
@@ -135,7 +135,6 @@ def control_view(sources: Sources, pass_number: int, published_at: float) -> Con
         pass_number=pass_number, published_at=published_at, catalog=catalog, nodes=tuple(nodes),
         replicas=tuple(_replica(r, scaling.last_used.get(r.id), retired=False) for r in live),
         retired=tuple(retired), models=frozen_mapping(models),
-        endpoints=frozen_mapping((m, tuple(e)) for m, e in sorted(records.endpoints(fleet.nodes).items())),
         free_whole_nodes=frozen_mapping(placement.free_whole_nodes(views, allocated)))
 
 
@@ -144,13 +143,13 @@ def _cleanup(cleanup: Cleanup, node: str, storage, cache_dir: str | None) -> Cac
     return cleanup.state(node, fs.total_bytes if fs is not None else None)
 
 
-def _replica(replica: Replica, last_used: float | None, *, retired: bool) -> ReplicaState:
-    return ReplicaState(
+def _replica(replica: Replica, last_used: float | None, *, retired: bool) -> PublishedReplica:
+    return PublishedReplica(
         id=replica.id, model=replica.model, state=replica.state, serving=replica.serving,
         draining=replica.draining, retiring=replica.retiring, retired=retired, replaces=replica.replaces,
         reason=replica.reason, created_at=replica.created_at, serving_since=replica.serving_since,
         last_used=last_used,
-        shards=tuple(ShardState(rank=s.rank, node=s.node, gpus=tuple(s.gpus), port=s.port, dist_port=s.dist_port,
+        shards=tuple(PublishedShard(rank=s.rank, node=s.node, gpus=tuple(s.gpus), port=s.port, dist_port=s.dist_port,
                                 state=s.state, state_since=s.state_since, reason=s.reason,
                                 log_tail=tuple(s.log_tail) if s.log_tail is not None else None,
                                 progress=s.progress, activity=s.activity, pid=s.pid, created_at=s.created_at)
