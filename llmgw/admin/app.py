@@ -31,7 +31,7 @@ from llmgw.admin.metrics import FleetCollector
 from llmgw.admin.tokens import AdminTokens, NotText, cookie_value
 from llmgw.admin.usage import BY, usage_report
 from llmgw.admin.views import Listings, explanation_json, listings
-from llmgw.control.service import ErrorKind, ServiceError
+from llmgw.contracts.refusals import ErrorKind, ServiceError
 from llmgw.units import parse_duration
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from llmgw.admin import text
 from llmgw.admin.dependencies import AdminDependencies
 from llmgw.admin.usage import usage_report
 from llmgw.admin.views import Listings, explanation_json, listings
-from llmgw.control.service import ServiceError
+from llmgw.contracts.refusals import ServiceError
 from llmgw.units import format_bytes, parse_duration
 
 STYLESHEET_PATH = "/static/style.css"

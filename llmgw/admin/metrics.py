@@ -14,8 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from llmgw.admin.views import Listings
 from llmgw.contracts import states
-from llmgw.contracts.states import AdminState, LinkState
-from llmgw.control.state import SHARD_STATES
+from llmgw.contracts.states import AdminState, LinkState, ShardState
 
 NODE_STATES = tuple(LinkState)
 ADMIN_STATES = tuple(AdminState)
@@ -87,7 +86,7 @@ class FleetCollector:
         for model in models:
             if model["static"]:
                 continue
-            for value in SHARD_STATES:
+            for value in ShardState:
                 counts.setdefault((model["name"], value), 0)
         for (model, value), count in sorted(counts.items()):
             replicas.add_metric([model, value], count)

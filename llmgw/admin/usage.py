@@ -17,7 +17,7 @@ import sqlite_utils
 
 from llmgw.contracts.feed import LIMIT_FIELDS, Limits
 from llmgw.keys import ApiKey
-from llmgw.router.usage import BUCKET_SECONDS  # the router counts per hour
+from llmgw.contracts.feed import USAGE_BUCKET_SECONDS as BUCKET_SECONDS  # the routers count per hour
 
 BY = ("model", "key")
 

@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from llmgw.admin.text import progress_line
 from llmgw.contracts.views import ControlView, PublishedNode, PublishedReplica
-from llmgw.control.state import FAILED, SHARD_STATES, STOPPED
+from llmgw.contracts.states import ShardState
 
 if TYPE_CHECKING:
     from llmgw.admin.dependencies import AdminDependencies
     from llmgw.control.placement import Explanation
 
 IDLE_LISTED = 5  # replicas listed as "unasked-for longest" in status
-_PROGRESS_ORDER = {state: rank for rank, state in enumerate(SHARD_STATES)}
+_PROGRESS_ORDER = {state: rank for rank, state in enumerate(ShardState)}
 
 
 class DataPlane(Protocol):
@@ -187,7 +187,7 @@ class Listings:
             shards.append({
                 "rank": shard.rank, "node": shard.node, "gpus": list(shard.gpus), "port": shard.port,
                 "state": shard.state, "state_since": shard.state_since, "reason": shard.reason,
-                "log_tail": list(shard.log_tail) if shard.log_tail and shard.state == FAILED else None,
+                "log_tail": list(shard.log_tail) if shard.log_tail and shard.state == ShardState.FAILED else None,
                 "progress": progress,
             })
         return {
@@ -290,7 +290,7 @@ class Listings:
             admin = node["admin"]["state"]
             admin_states[admin] = admin_states.get(admin, 0) + 1
         live = [r for r in replicas if not r["retired"]]
-        by_state = {state: 0 for state in SHARD_STATES if state != STOPPED}
+        by_state = {state: 0 for state in ShardState if state != ShardState.STOPPED}
         for replica in live:
             by_state[replica["state"]] = by_state.get(replica["state"], 0) + 1
         model_states: dict[str, int] = {}
@@ -306,7 +306,7 @@ class Listings:
             "free_whole_nodes": dict(self.view.free_whole_nodes),
             "nodes": {"total": len(nodes), "by_state": node_states, "by_admin": admin_states},
             "replicas": {"total": len(live), "serving": len(serving), "by_state": by_state,
-                         "failed_recently": sum(1 for r in replicas if r["retired"] and r["state"] == FAILED)},
+                         "failed_recently": sum(1 for r in replicas if r["retired"] and r["state"] == ShardState.FAILED)},
             "models": {"total": len(models), "by_state": model_states},
             "unplaceable": [{"model": m["name"], "reason": m["unplaceable"]} for m in models if m["unplaceable"]],
             "idle": [{"replica": r["id"], "model": r["model"], "nodes": r["nodes"], "last_used": r["last_used"],

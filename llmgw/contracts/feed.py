@@ -53,6 +53,7 @@ ENGINE_KINDS = ("vllm", "sglang", "llama-server")  # built-in engines; None: any
 # reader holds exactly, far below SQLite's 2^63. Routers clamp engine figures to it and sums
 # saturate at it, so no number an engine makes up can make a report unwritable.
 MAX_COUNT = 2**53
+USAGE_BUCKET_SECONDS = 3600  # usage rows are per hour: a row's `bucket` is the unix time its hour starts
 
 
 class FeedError(ValueError):

@@ -14,10 +14,10 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from enum import StrEnum
 
 from llmgw.catalog import Catalog, CatalogHolder, StoredModel
 from llmgw.config import ConfigError, Document, Inventory, ModelConfig, load_inventory, parse_model_text
+from llmgw.contracts.refusals import ErrorKind, ServiceError
 from llmgw.contracts.views import ControlView
 from llmgw.control import installed, placement
 from llmgw.control.reconciler import Reconciler
@@ -30,24 +30,6 @@ from llmgw.store import Store, audit
 from llmgw.weights import redact_weights
 
 log = logging.getLogger(__name__)
-
-
-class ErrorKind(StrEnum):
-    """What kind of refusal a ServiceError is: what the caller can do about it."""
-
-    INVALID = "invalid"  # the request is wrong: an argument, a definition, an inventory with a problem
-    NOT_FOUND = "not_found"  # it names a model, node or replica that does not exist
-    CONFLICT = "conflict"  # what runs now refuses it: a reload under way, a node leaving, no inventory file
-    NODE_FAILED = "node_failed"  # a node could not answer (a log read)
-
-
-class ServiceError(Exception):
-    """An operator action refused, with its kind, a code for scripts and the problems found."""
-
-    def __init__(self, kind: ErrorKind, message: str, *, code: str = "bad_request",
-                 problems: list[str] | None = None):
-        super().__init__(message)
-        self.kind, self.message, self.code, self.problems = kind, message, code, problems or []
 
 
 def load_stored_models(store: Store) -> list[StoredModel]:

@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import time
 
-from llmgw.contracts.feed import UsageRow
+from llmgw.contracts.feed import USAGE_BUCKET_SECONDS, UsageRow
 from llmgw.router.engine_figures import add, clamp
 from llmgw.router.limits import BYTES_PER_TOKEN
 
-BUCKET_SECONDS = 3600  # usage rows are per hour: `bucket` is the unix time the hour starts
+BUCKET_SECONDS = USAGE_BUCKET_SECONDS
 TAIL_BYTES = 4096
 _USAGE = b'"usage"'
 _decoder = json.JSONDecoder()

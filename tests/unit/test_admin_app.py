@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmgw.admin.app import COOKIE, HTTP_STATUS, build_admin_app
 from llmgw.admin.dashboard import PAGES
 from llmgw.config import GatewayConfig, split_address
-from llmgw.control.service import ErrorKind
+from llmgw.contracts.refusals import ErrorKind
 from tests.unit.admin_gateway import TOKEN, make_gateway
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -16,9 +16,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "llmgw"
 
-# What the admin may import of the control plane and the router: the service's refusal type,
-# the names of shard states, and the hour the router counts usage in.
-ADMIN_MAY_IMPORT = {"llmgw.control.service", "llmgw.control.state", "llmgw.router.usage"}
+# What the admin may import of the control plane, the fleet and the router when it runs: nothing.
+# It is given the control plane's service (AdminDependencies) and reads what both sides share
+# (the service's refusals, the state names, the usage hour) from the contracts.
+ADMIN_MAY_IMPORT: set[str] = set()
 # `llmgw serve`'s wiring, its state directory and the router process it spawns or adopts.
 SERVE = ("llmgw.server", "llmgw.state_dir", "llmgw.router_process")
 # The parts, and the base modules every part may use: they import none of the parts.

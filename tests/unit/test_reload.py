@@ -18,7 +18,8 @@ from llmgw.admin.app import http_status
 from llmgw.catalog import Catalog, CatalogHolder, StoredModel
 from llmgw.config import ModelConfig, embedded_inventory, load_inventory
 from llmgw.control.reconciler import Reconciler
-from llmgw.control.service import ControlPlane, ServiceError
+from llmgw.contracts.refusals import ServiceError
+from llmgw.control.service import ControlPlane
 from llmgw.store import Store
 from tests.unit.fake_fleet import FakeFleet
 from tests.unit.test_reconciler import serving, settle, until
