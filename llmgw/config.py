@@ -18,6 +18,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerial
                       model_validator)
 
 from llmgw.contracts.addresses import split_address
+from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.contracts.feed import RoutingPolicy
 from llmgw.units import Duration, PortRange, Size, format_bytes, parse_size
 from llmgw.weights import WeightsSource, parse_weights, redact_query
@@ -412,8 +413,10 @@ class Problem:
 
 
 @dataclass
-class ConfigError(Exception):
+class ConfigError(LlmgwError):
     """One or more problems in one configuration document."""
+
+    category = Category.INPUT
 
     source: str
     problems: list[Problem] = field(default_factory=list)

@@ -20,12 +20,15 @@ import sqlite_utils
 
 from llmgw.contracts.feed import LIMIT_FIELDS, NO_MODEL_LIMITS, KeyEntry, Limits
 from llmgw.contracts.keyhash import SECRET_PREFIX, hash_secret
+from llmgw.contracts.errors import Category, LlmgwError
 
 SHOWN_PREFIX_LENGTH = len(SECRET_PREFIX) + 6  # enough to tell keys apart in a listing, useless to guess
 
 
-class KeyRefused(ValueError):
+class KeyRefused(LlmgwError, ValueError):
     """A refused key operation in the operator's words (the CLI prints it)."""
+
+    category = Category.INPUT
 
 
 @dataclass(frozen=True)

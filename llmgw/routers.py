@@ -18,14 +18,17 @@ from dataclasses import dataclass
 import sqlite_utils
 
 from llmgw.contracts.routerauth import CREDENTIAL_PREFIX, NAME_RULE, credential_name, new_credential, valid_name
+from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.contracts.routerauth import verifier as verifier_of
 
 SERVE_ROUTER = "local"  # the name of the router `llmgw serve` spawns on its own host
 SHOWN_SECRET = 6  # characters of the secret shown in a listing: enough to tell two apart, useless to guess
 
 
-class RouterRefused(ValueError):
+class RouterRefused(LlmgwError, ValueError):
     """A refused router credential operation in the operator's words."""
+
+    category = Category.INPUT
 
 
 @dataclass(frozen=True)

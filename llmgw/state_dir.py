@@ -20,6 +20,7 @@ import secrets
 import stat
 from pathlib import Path
 
+from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.admin.tokens import write_token_file
 from llmgw.router import pidlock
 from llmgw.router.private import untrusted
@@ -35,8 +36,10 @@ ROUTER_DIR = "router"  # the spawned supervisor's state directory, inside serve'
 ROUTER_LOG = "router.log"
 
 
-class StartupError(Exception):
+class StartupError(LlmgwError):
     """`llmgw serve` cannot start; the message says why and what to do."""
+
+    category = Category.STARTUP
 
 
 def secure_state_dir(state_dir: Path) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.config import default_state_dir
 
 TOKEN_FILE = "admin-token"
@@ -33,7 +34,7 @@ TIMEOUT = 60.0
 UNIX_BASE = "unix://localhost"
 
 
-class AdminError(Exception):
+class AdminError(LlmgwError):
     """A refusal or failure, with the API's error document when there was one."""
 
     def __init__(self, message: str, status: int | None = None, document: dict | None = None):
@@ -41,6 +42,14 @@ class AdminError(Exception):
         self.message = message
         self.status = status
         self.document = document or {}
+
+    @property
+    def category(self) -> Category:  # type: ignore[override]
+        """What the admin's answer says of the refusal (its status); no answer at all is internal."""
+        status = self.status or 500
+        return {400: Category.INPUT, 401: Category.SECURITY, 403: Category.SECURITY, 404: Category.NOT_FOUND,
+                409: Category.CONFLICT, 413: Category.INPUT, 422: Category.INPUT}.get(
+                    status, Category.INTERNAL if status >= 500 else Category.INPUT)
 
     @property
     def problems(self) -> list[str]:

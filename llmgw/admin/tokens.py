@@ -13,11 +13,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.contracts.privatefiles import write_private
 
 
-class NotText(ValueError):
+class NotText(LlmgwError, ValueError):
     """A token that is not UTF-8 text (a header of raw bytes): refused, never compared."""
+
+    category = Category.SECURITY
 
 
 def _bytes(given: str) -> bytes:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from llmgw.contracts.endpoints import Endpoint
+from llmgw.contracts.errors import Category, LlmgwError
 
 PROTOCOL = 1  # bumped when a message changes meaning; a peer speaking another is refused
 ABANDONED_KEPT = 256  # replicas given up that a snapshot still names (Snapshot.abandoned)
@@ -56,8 +57,10 @@ MAX_COUNT = 2**53
 USAGE_BUCKET_SECONDS = 3600  # usage rows are per hour: a row's `bucket` is the unix time its hour starts
 
 
-class FeedError(ValueError):
+class FeedError(LlmgwError, ValueError):
     """A feed message (or a snapshot file) that is not what this protocol says, naming the field."""
+
+    category = Category.PROTOCOL
 
 
 # -- what routing needs ------------------------------------------------------------------------

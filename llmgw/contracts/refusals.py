@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from llmgw.contracts.errors import Category, LlmgwError
+
 
 class ErrorKind(StrEnum):
     """What kind of refusal a ServiceError is: what the caller can do about it."""
@@ -19,10 +21,18 @@ class ErrorKind(StrEnum):
     NODE_FAILED = "node_failed"  # a node could not answer (a log read)
 
 
-class ServiceError(Exception):
+class ServiceError(LlmgwError):
     """An operator action refused, with its kind, a code for scripts and the problems found."""
 
     def __init__(self, kind: ErrorKind, message: str, *, code: str = "bad_request",
                  problems: list[str] | None = None):
         super().__init__(message)
         self.kind, self.message, self.code, self.problems = kind, message, code, problems or []
+
+    @property
+    def category(self) -> Category:  # type: ignore[override]
+        return _CATEGORIES[self.kind]
+
+
+_CATEGORIES = {ErrorKind.INVALID: Category.INPUT, ErrorKind.NOT_FOUND: Category.NOT_FOUND,
+               ErrorKind.CONFLICT: Category.CONFLICT, ErrorKind.NODE_FAILED: Category.NODE}

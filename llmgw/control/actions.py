@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.catalog import Model
 from llmgw.config import GatewayConfig, NodeConfig
 from llmgw.control import placement
@@ -468,8 +469,10 @@ def _engine_path(source, path: str, file: str | None) -> str:
     return path
 
 
-class EngineMissing(Exception):
+class EngineMissing(LlmgwError):
     """The node lacks the engine's program; the message says which and how to install it."""
+
+    category = Category.NODE
 
 
 def _node_error_reason(exc: NodeError) -> str:

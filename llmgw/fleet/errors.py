@@ -16,10 +16,14 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from llmgw.contracts.errors import Category, LlmgwError
 
-class NodeError(Exception):
+
+class NodeError(LlmgwError):
     """A node operation failed. Carries the node, the operation and the phase it failed in, and
     the helper's kind (a machine word) when the helper refused it."""
+
+    category = Category.NODE
 
     KIND: ClassVar[str | None] = None
 

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmgw.contracts.errors import Category, LlmgwError
+
 # Marketed memory sizes (GB) a GPU class is named after. nvidia-smi reports usable MiB, which is a
 # little below the marketed size (ECC, reservations): an L40S "48GB" reports 46068 MiB.
 _MARKETED_GB = (4, 6, 8, 10, 11, 12, 16, 20, 24, 32, 40, 48, 64, 80, 94, 96, 128, 141, 144, 180, 192, 256, 288)
@@ -35,8 +37,10 @@ def gpu_class(name: str | None, memory_total_mib: int | None) -> str | None:
     return f"{model}-{size}gb"
 
 
-class Malformed(ValueError):
+class Malformed(LlmgwError, ValueError):
     """A helper answer that does not have the protocol's shape; the message names the field."""
+
+    category = Category.PROTOCOL
 
 
 _KIND_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",

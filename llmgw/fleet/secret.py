@@ -19,13 +19,17 @@ import secrets
 import stat
 from pathlib import Path
 
+from llmgw.contracts.errors import Category, LlmgwError
+
 SECRET_FILE = "fleet.key"
 RESPONSE_SECRET_FILE = "responses.key"
 _SECRET_RE = re.compile(r"[0-9a-f]{64}")
 
 
-class SecretError(Exception):
+class SecretError(LlmgwError):
     """A secret of the state directory (the fleet secret, the response-id secret) cannot be read or made; the message says why."""
+
+    category = Category.SECURITY
 
 
 def fleet_secret(state_dir: str | os.PathLike) -> str:

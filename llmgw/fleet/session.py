@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.aio import cancel_and_wait
 from llmgw.fleet.errors import BadAnswer, NodeError, NodeTimeout, NodeUnavailable, RemoteError
 from llmgw.fleet.facts import Malformed
@@ -41,8 +42,10 @@ READ_CHUNK = 256 * 1024
 STDERR_GRACE = 1.0  # after the helper's output ended, for its last words on stderr
 
 
-class HelperFailed(Exception):
+class HelperFailed(LlmgwError):
     """The helper could not be started or refused to run; `reason` is for the operator."""
+
+    category = Category.NODE
 
     def __init__(self, reason: str, *, fatal: dict | None = None, exit_status: int | None = None):
         super().__init__(reason)

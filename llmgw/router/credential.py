@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.contracts.routerauth import credential_name
 
 CREDENTIAL_FILE = "credential"
@@ -20,8 +21,10 @@ HOW = ("make one on the control plane with `llmgw ctl routers add NAME` and give
        f"or {CREDENTIAL_ENV}")
 
 
-class CredentialError(ValueError):
+class CredentialError(LlmgwError, ValueError):
     """No usable router credential, with what to do."""
+
+    category = Category.SECURITY
 
 
 def default_file(state_dir: Path) -> Path:

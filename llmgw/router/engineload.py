@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import aiohttp
 
+from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.contracts.feed import EngineLoad
 from llmgw.router.balancer import note_reading
 from llmgw.router.engine_figures import clamp
@@ -71,8 +72,10 @@ _BY_ENGINE = {f"\n{prefix}:": (source, [(name, spec[0]) for name, spec in _METRI
 _AFTER_NAME = frozenset("{ \t\r\n")  # what may follow a metric's name on its sample line
 
 
-class Malformed(ValueError):
-    pass
+class Malformed(LlmgwError, ValueError):
+    """An engine's load reading that does not parse: the figure is unknown."""
+
+    category = Category.UPSTREAM
 
 
 def _sample(line: str) -> tuple[str, float]:

@@ -12,6 +12,8 @@ import json
 
 from aiohttp import web
 
+from llmgw.contracts.errors import Category, LlmgwError
+
 from llmgw.router.routes import served_list
 
 RETRY_AFTER_NO_CAPACITY = 5  # seconds; a replica may come back or be placed elsewhere soon
@@ -19,7 +21,7 @@ RETRY_AFTER_LOADING = 15  # seconds; an on-demand model that is still loading ta
 RETRY_AFTER_NOT_READY = 5  # seconds; a router without a snapshot has it as soon as the control plane answers
 
 
-class RouterError(Exception):
+class RouterError(LlmgwError):
     """A failure the client is told about in OpenAI's error shape."""
 
     status = 500
@@ -38,34 +40,41 @@ class RouterError(Exception):
 
 class InvalidKey(RouterError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
+    category = Category.INPUT
 
 
 class ModelNotFound(RouterError):
     status, type, code = 404, "invalid_request_error", "model_not_found"
+    category = Category.NOT_FOUND
 
 
 class NotFound(RouterError):
     status, type, code = 404, "invalid_request_error", "not_found"
+    category = Category.NOT_FOUND
 
 
 class RouteNotServed(RouterError):
     """The model's built-in engine does not serve this route (llmgw/router/routes.py)."""
 
     status, type, code = 404, "invalid_request_error", "route_not_served"
+    category = Category.NOT_FOUND
 
 
 class ResponseNotFound(RouterError):
     """A response id this router did not issue, or whose replica no longer serves."""
 
     status, type, code = 404, "invalid_request_error", "response_not_found"
+    category = Category.NOT_FOUND
 
 
 class MethodNotAllowed(RouterError):
     status, type, code = 405, "invalid_request_error", "method_not_allowed"
+    category = Category.INPUT
 
 
 class BadRequest(RouterError):
     status, type, code = 400, "invalid_request_error", "invalid_request"
+    category = Category.INPUT
 
 
 class InvalidType(BadRequest):
@@ -76,16 +85,19 @@ class InvalidType(BadRequest):
 
 class BodyTooLarge(RouterError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
+    category = Category.INPUT
 
 
 class UnsupportedEncoding(RouterError):
     status, type, code = 415, "invalid_request_error", "unsupported_content_encoding"
+    category = Category.INPUT
 
 
 # -- capacity and upstream failures ----------------------------------------------------------
 
 class NoCapacity(RouterError):
     status, type, code = 503, "service_unavailable", "no_capacity"
+    category = Category.CAPACITY
 
     def __init__(self, message: str, *, retry_after: int = RETRY_AFTER_NO_CAPACITY):
         super().__init__(message, retry_after=retry_after)
@@ -110,6 +122,8 @@ class UpstreamConnectFailed(RouterError):
     """The engine could not be reached, or dropped the connection before answering."""
 
     status, type, code = 502, "upstream_error", "upstream_unavailable"
+    category = Category.UPSTREAM
+    category = Category.CAPACITY
     retryable_before_first_byte = True
 
 
@@ -117,6 +131,7 @@ class UpstreamRefused(RouterError):
     """The engine answered 502 or 503: it is alive but cannot take the request."""
 
     status, type, code = 502, "upstream_error", "upstream_unavailable"
+    category = Category.UPSTREAM
     retryable_before_first_byte = True
 
 
@@ -124,33 +139,39 @@ class UpstreamRejectedKey(RouterError):
     """The engine refused the replica's key: the router's configuration, not the client's key."""
 
     status, type, code = 502, "upstream_error", "upstream_auth_failed"
+    category = Category.UPSTREAM
 
 
 class UpstreamFailed(RouterError):
     """Every attempt failed; what the client gets once retries are spent."""
 
     status, type, code = 502, "upstream_error", "upstream_unavailable"
+    category = Category.UPSTREAM
 
 
 class UploadNotReplayed(RouterError):
     """An engine failed after the streamed upload had started: the router holds no copy to resend."""
 
     status, type, code = 502, "upstream_error", "upstream_unavailable"
+    category = Category.UPSTREAM
 
 
 class UpstreamAnswerTooLarge(RouterError):
     """A non-streamed answer past gateway.max_answer: another engine would answer the same."""
 
     status, type, code = 502, "upstream_error", "upstream_answer_too_large"
+    category = Category.UPSTREAM
 
 
 class UpstreamTimeout(RouterError):
     """The engine accepted the request but went silent: retrying would double its load."""
 
     status, type, code = 504, "timeout", "upstream_timeout"
+    category = Category.UPSTREAM
 
 
 class InternalError(RouterError):
+    category = Category.INTERNAL
     pass
 
 

@@ -62,6 +62,7 @@ import math
 import time
 from collections import deque
 
+from llmgw.contracts.errors import Category
 from llmgw.router.errors import NoCapacity, RouterError
 
 DEFAULT_REPLICA_CONCURRENCY = 64  # requests one replica is given at once when neither its profile nor its engine says
@@ -82,6 +83,7 @@ class TooManyWaiting(RouterError):
     """The key already has gateway.max_waiting_per_key requests waiting in this router."""
 
     status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+    category = Category.CAPACITY
 
 
 def replica_places(concurrency: int | None, slots: int | None) -> tuple[int, int]:

@@ -53,6 +53,7 @@ from typing import Any
 
 import aiohttp
 
+from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.contracts import routerauth
 from llmgw.contracts.addresses import is_loopback
 from llmgw.contracts.backoff import backoff_delay
@@ -91,8 +92,10 @@ SPOOL_COMPACT = 256  # spool lines beyond the live reports before the file is re
 _dumps = partial(json.dumps, separators=(",", ":"))
 
 
-class FeedClientError(ValueError):
+class FeedClientError(LlmgwError, ValueError):
     """A --control address or state directory this client cannot use, with what to do."""
+
+    category = Category.PROTOCOL
 
 
 # -- where the control plane is ----------------------------------------------------------------

@@ -41,6 +41,7 @@ import math
 import zlib
 from collections.abc import Mapping, Sequence
 
+from llmgw.contracts.errors import Category
 from llmgw.contracts.feed import KeyEntry, Limits
 from llmgw.router.errors import RouterError
 
@@ -58,6 +59,7 @@ CURRENT: contextvars.ContextVar[Admission | None] = contextvars.ContextVar("llmg
 
 class RateLimited(RouterError):
     status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+    category = Category.CAPACITY  # the key's own: it may send again after Retry-After
 
     def __init__(self, message: str, wait: float, budgets: tuple[_Budget, ...]):
         super().__init__(message, retry_after=max(1, math.ceil(wait)))

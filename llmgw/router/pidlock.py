@@ -11,9 +11,13 @@ import fcntl
 import os
 from pathlib import Path
 
+from llmgw.contracts.errors import Category, LlmgwError
 
-class LockHeld(Exception):
+
+class LockHeld(LlmgwError):
     """Another process holds the lock; `holder` is the pid it wrote ("unknown" when none)."""
+
+    category = Category.STARTUP
 
     def __init__(self, holder: str):
         super().__init__(holder)

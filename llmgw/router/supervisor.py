@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.contracts.addresses import split_address
 from llmgw.contracts.privatefiles import write_private
 from llmgw.router import credential, pidlock
@@ -56,8 +57,10 @@ STABLE_AFTER = 30.0  # a worker that served this long resets its slot's backoff
 STOP_GRACE = SHUTDOWN_GRACE + 5.0  # then SIGKILL
 
 
-class SupervisorError(Exception):
+class SupervisorError(LlmgwError):
     """The supervisor cannot start or act; the message says why and what to do."""
+
+    category = Category.STARTUP
 
 
 @dataclass(frozen=True)
