@@ -14,10 +14,14 @@
     │   ├── NoCapacity, NotReady, ModelLoading …        CAPACITY
     │   ├── Upstream* …                                 UPSTREAM
     │   └── InternalError                               INTERNAL
+    ├── EngineMissing, HelperFailed    NODE       a node lacks an engine; its helper cannot run (control.actions, fleet.session)
     ├── FeedError                      PROTOCOL   a router feed message that does not parse (contracts.feed)
     ├── FeedClientError                PROTOCOL   a router that cannot be fed (router.feedclient)
+    ├── facts.Malformed                PROTOCOL   a helper answer without the protocol's shape (fleet.facts)
+    ├── engineload.Malformed           UPSTREAM   an engine's load reading that does not parse (router.engineload)
     ├── CredentialError, SecretError   SECURITY   a credential or the fleet secret unusable
-    ├── SupervisorError, StartupError  STARTUP    serve or its router process cannot start
+    ├── NotText                        SECURITY   an admin token that is not text (admin.tokens)
+    ├── SupervisorError, StartupError, LockHeld   STARTUP    serve or its router process cannot start
     └── AdminError                     by the admin's answer: the CLI's view of a refusal (admin.client)
 
 Each family keeps its own fields (a node error its node, operation and phase; a router error its
