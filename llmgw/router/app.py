@@ -38,7 +38,7 @@ from llmgw.router.keys import KeyRing, allows
 from llmgw.router.landing import landing_page
 from llmgw.router import limits
 from llmgw.router.metrics import NO_MODEL, RouterMetrics
-from llmgw.router.proxy import DEFAULT_MAX_ANSWER, Forwarder
+from llmgw.router.proxy import DEFAULT_MAX_ANSWER, Exchange, Forwarder
 from llmgw.router.routes import ANTHROPIC, FORM, RESPONSE_ID, RESPONSES, ROUTES, Route, serves
 from llmgw.router.streams import CONTINUOUS_USAGE_ENGINES, ask_for_usage, streaming
 from llmgw.router.uploads import Upload, read_upload
@@ -472,16 +472,14 @@ class Router:
             body = ask_for_usage(document, body, continuous)
             strip_usage = not how.client_wants_usage
             strip_continuous = continuous and not how.client_wants_continuous
-        if held is None:
-            return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned,
-                                     strip_continuous)
-        admission = self._admit(request, key, name, body, document, held)
-        token = limits.CURRENT.set(admission)
-        try:
-            return await self._route(request, route, models, model, key, document, body, stream, strip_usage, pinned,
-                                     strip_continuous)
-        finally:
-            limits.CURRENT.reset(token)
+        admission = None if held is None else self._admit(request, key, name, body, document, held)
+        if pinned is not None:  # a stored answer read back is not counted again; a continuation is
+            exchange = Exchange(key.id, route.method, route.dialect, stream,
+                                inference=route.model_from != RESPONSE_ID, admission=admission)
+        else:  # a form's `stream` field is not read: whether its answer streams is the engine's Content-Type
+            exchange = Exchange(key.id, route.method, route.dialect, None if route.model_from == FORM else stream,
+                                strip_usage, strip_continuous, admission=admission)
+        return await self._route(request, route, models, model, key, document, body, exchange, pinned)
 
     def _hold(self, request: web.Request, key: KeyEntry) -> limits.Admission:
         """The key's own concurrency and requests per minute, which need no body (R-6.16)."""
@@ -571,8 +569,8 @@ class Router:
         return headers
 
     async def _pinned_route(self, request: web.Request, route: Route, models: Mapping[str, RoutedModel],
-                            model: RoutedModel, key: KeyEntry,
-                            document: dict | None, body, stream: bool, pinned: Pinned) -> web.StreamResponse:
+                            model: RoutedModel, document: dict | None, body, exchange: Exchange,
+                            pinned: Pinned) -> web.StreamResponse:
         """A follow-up of a stored response goes to the replica that holds it, or nowhere (R-6.6 does not apply)."""
         up = self.balancer.acquire_replica(pinned.replica_id, model.name, time.monotonic())
         if up is None:
@@ -582,9 +580,8 @@ class Router:
         try:
             path = route.upstream_path(model.engine, pinned.engine_id if route.model_from == RESPONSE_ID else None)
             return await self._forwarder.send(
-                request, up, path, self._upstream_body(models, up, model.name, document, body, pinned),
-                stream, False, key.id, route.method, self._headers(request, route, up, stream, body), route.dialect,
-                inference=route.model_from != RESPONSE_ID)
+                request, exchange, up, path, self._upstream_body(models, up, model.name, document, body, pinned),
+                self._headers(request, route, up, bool(exchange.stream), body))
         except RouterError as exc:
             if not exc.retryable_before_first_byte:
                 raise
@@ -594,14 +591,11 @@ class Router:
             self.balancer.release(up)
 
     async def _route(self, request: web.Request, route: Route, models: Mapping[str, RoutedModel],
-                     model: RoutedModel, key: KeyEntry,
-                     document: dict | None, body, stream: bool, strip_usage: bool,
-                     pinned: Pinned | None = None, strip_continuous: bool = False) -> web.StreamResponse:
+                     model: RoutedModel, key: KeyEntry, document: dict | None, body, exchange: Exchange,
+                     pinned: Pinned | None = None) -> web.StreamResponse:
         if pinned is not None:
-            return await self._pinned_route(request, route, models, model, key, document, body, stream, pinned)
+            return await self._pinned_route(request, route, models, model, document, body, exchange, pinned)
         fixed_path, plain = route.fixed_path, route.plain
-        # A form's `stream` field is not read: whether its answer streams is what the engine's Content-Type says.
-        relay: bool | None = None if route.model_from == FORM else stream
         tried: list[Upstream] = []
         waited_since: float | None = None
         last_error: RouterError | None = None
@@ -642,10 +636,8 @@ class Router:
                         else functools.partial(self.balancer.keep_home, model.name, affinity, key.id, now, up))
             try:
                 return await self._forwarder.send(
-                    request, up, path, self._upstream_body(models, up, model.name, document, body, None),
-                    relay, strip_usage, key.id, route.method,
-                    None if plain else self._headers(request, route, up, stream, body), route.dialect,
-                    accepted=accepted, strip_continuous=strip_continuous)
+                    request, exchange, up, path, self._upstream_body(models, up, model.name, document, body, None),
+                    None if plain else self._headers(request, route, up, bool(exchange.stream), body), accepted)
             except RouterError as exc:
                 if isinstance(body, Upload) and body.problem is not None:
                     raise body.problem from None

@@ -36,7 +36,6 @@ bucket holds enough. Every answer to a limited key carries OpenAI's x-ratelimit-
 
 from __future__ import annotations
 
-import contextvars
 import math
 import zlib
 from collections.abc import Mapping, Sequence
@@ -52,9 +51,6 @@ ANSWER_COUNTS = ("n", "best_of")  # answers asked for at once, each up to the ca
 MAX_ESTIMATE = 1 << 53  # an estimate stays exact in the buckets' floats; any limit is far below it
 MINUTE = 60.0
 CONCURRENCY_RETRY = 1.0  # Retry-After of a refusal for concurrency: no bucket says when one ends
-
-# The admission of the request being answered, for the proxy to settle once usage is known.
-CURRENT: contextvars.ContextVar[Admission | None] = contextvars.ContextVar("llmgw_admission", default=None)
 
 
 class RateLimited(RouterError):

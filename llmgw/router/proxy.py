@@ -26,6 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import aiohttp
 from aiohttp import web
@@ -47,6 +48,25 @@ _USAGE = b'"usage"'
 MAX_PENDING = 1 << 20  # an engine that never ends an event still gets relayed past this
 DEFAULT_MAX_ANSWER = 64 * 1024**2  # bytes of a non-streamed answer, until told otherwise
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """One client request as the forwarder sends it, built once by the router's intake: whose it
+    is, how its answer is relayed, and how it is counted. Every attempt of the request (retries,
+    fallbacks) uses the same value."""
+
+    key_id: str  # the API key's id: whose usage it is
+    method: str = "POST"
+    dialect: str = OPENAI  # how errors and stream events are shaped
+    stream: bool | None = False  # None: relayed as a stream when the engine sends an event stream
+    strip_usage: bool = False  # remove the usage-only event the router asked for, not the client
+    strip_continuous: bool = False  # remove the usage of every chunk, likewise
+    inference: bool = True  # False: a stored answer read back, counted as a request, its usage not again
+    admission: limits.Admission | None = None  # a limited key's reservation, settled to the answer's usage
+
+
+_NOT_EDITED = {"strip_usage": False, "strip_continuous": False}
 
 
 def _mid_stream_error(message: str, code: str) -> bytes:
@@ -185,16 +205,11 @@ class Forwarder:
                 attempt.resp.close()  # the relay loop's read fails: the stream ends with an error
         return len(attempts)
 
-    async def send(self, request: web.Request, up: Upstream, path: str, body, stream: bool | None,
-                   strip_usage: bool, key_id: str, method: str = "POST", headers: dict | None = None,
-                   dialect: str = OPENAI, inference: bool = True,
-                   accepted: Callable[[], None] | None = None,
-                   strip_continuous: bool = False) -> web.StreamResponse:
-        """One attempt. `stream` None: relay the answer as a stream when the engine sends an event
-        stream. `inference` False: a stored answer read back, counted as a request, its usage not
-        counted again. `accepted` is called once the engine answers with a status below 400.
-        `strip_usage`: remove the usage-only event; `strip_continuous`: the usage of every chunk
-        (asked for by the router, not by the client)."""
+    async def send(self, request: web.Request, exchange: Exchange, up: Upstream, path: str, body,
+                   headers: dict | None = None, accepted: Callable[[], None] | None = None) -> web.StreamResponse:
+        """One attempt of `exchange` on `up`. `accepted` is called once the engine answers with a
+        status below 400."""
+        stream, dialect, key_id = exchange.stream, exchange.dialect, exchange.key_id
         started = time.monotonic()
         resp = None
         finished = False
@@ -206,7 +221,7 @@ class Forwarder:
                 async with asyncio.timeout(self.read_timeout):
                     if headers is None:
                         headers = up.stream_headers if stream else up.headers
-                    resp = await self._request(method, up.base_url + path, body, headers)
+                    resp = await self._request(exchange.method, up.base_url + path, body, headers)
                     status = resp.status
                     self.metrics.upstream_latency(up.model, time.monotonic() - started)
                     if status == 502 or status == 503:
@@ -229,7 +244,7 @@ class Forwarder:
                             log.info("replica %s began an Anthropic stream without message_start; asking again",
                                      up.replica_id)
                             resp.close()
-                            resp = await self._request(method, up.base_url + path, body, headers)
+                            resp = await self._request(exchange.method, up.base_url + path, body, headers)
                             if resp.status != 200:
                                 raise UpstreamRefused(f"the engine of replica {up.replica_id} answered {resp.status}")
                             first = await resp.content.readany()
@@ -262,20 +277,20 @@ class Forwarder:
                 relay_headers = SSE_HEADERS if sse else {**SSE_HEADERS, "Content-Type": resp.content_type}
                 size = len(body) if isinstance(body, bytes) else 0  # a prompt estimated from it
                 if sse and dialect != OPENAI:
-                    response = await self._relay_events(request, resp, up, first, key_id, relay_headers, dialect,
-                                                        size)
+                    response = await self._relay_events(request, exchange, resp, up, first, relay_headers, size)
                 else:
-                    response = await self._relay_stream(request, resp, up, first, strip_usage and sse,
-                                                        strip_continuous and sse, key_id, relay_headers, size)
+                    if not sse and (exchange.strip_usage or exchange.strip_continuous):
+                        exchange = replace(exchange, **_NOT_EDITED)  # not SSE: relayed as it comes
+                    response = await self._relay_stream(request, exchange, resp, up, first, relay_headers, size)
             else:
                 if dialect == RESPONSES:  # the ids clients see name the replica that holds the response
                     answer = self.response_ids.rewrite(answer, up.model, up.replica_id, key_id)
                 if status == 200:
-                    usage = usage_from_body(answer) if inference else {}
+                    usage = usage_from_body(answer) if exchange.inference else {}
                     if usage is None:  # an answer without usage: its tokens are unknown, not 0
                         self.usage.add(key_id, up.model, 0, 0, unmetered=True)
                     else:
-                        self._count(key_id, up.model, *tokens(usage))
+                        self._count(exchange, up.model, *tokens(usage))
                 response = web.Response(body=answer, status=status,
                                         headers={"Content-Type": resp.headers.get("Content-Type",
                                                                                   "application/json")})
@@ -338,9 +353,9 @@ class Forwarder:
             await self._fresh.close()
             self._fresh = None
 
-    async def _relay_stream(self, request: web.Request, resp: aiohttp.ClientResponse, up: Upstream,
-                            chunk: bytes, strip: bool, strip_continuous: bool, key_id: str, headers: dict,
-                            body_size: int) -> web.StreamResponse:
+    async def _relay_stream(self, request: web.Request, exchange: Exchange, resp: aiohttp.ClientResponse,
+                            up: Upstream, chunk: bytes, headers: dict, body_size: int) -> web.StreamResponse:
+        strip, strip_continuous = exchange.strip_usage, exchange.strip_continuous
         response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(request)
         readany = resp.content.readany
@@ -387,12 +402,12 @@ class Forwarder:
             # The client left: after `data: [DONE]` the openai client closes at once, while
             # llama-server may not yet have ended its body. Usage already relayed still counts;
             # without it, what was relayed is counted as an estimate (R-6.9a).
-            self._count_stream(key_id, up.model, usage or find_usage(oldest + older + old), body_size, events)
+            self._count_stream(exchange, up.model, usage or find_usage(oldest + older + old), body_size, events)
             raise
         except (aiohttp.ClientError, ConnectionError) as exc:
             # Usage the engine reported before the break is counted all the same: llama-server
             # may close the connection after its last event without ending the chunked body.
-            self._count_stream(key_id, up.model, usage or find_usage(oldest + older + old), body_size, events)
+            self._count_stream(exchange, up.model, usage or find_usage(oldest + older + old), body_size, events)
             transport = request.transport
             if transport is None or transport.is_closing():
                 # The client went away: returning closes the engine's connection (R-6.11).
@@ -404,22 +419,23 @@ class Forwarder:
             return response
         finally:
             self.watchdog.forget(watch)
-        self._count_stream(key_id, up.model, usage or find_usage(oldest + older + old), body_size, events)
+        self._count_stream(exchange, up.model, usage or find_usage(oldest + older + old), body_size, events)
         return response
 
-    def _count_stream(self, key_id: str, model: str, usage: dict | None, body_size: int, events: int,
+    def _count_stream(self, exchange: Exchange, model: str, usage: dict | None, body_size: int, events: int,
                       prompt: int | None = None) -> None:
         """A relayed stream, counted once: from its usage, else estimated from what was relayed."""
         if usage is not None:
-            self._count(key_id, model, *tokens(usage))
+            self._count(exchange, model, *tokens(usage))
         else:
-            self._count(key_id, model, *estimate_stream(body_size, events, prompt))
+            self._count(exchange, model, *estimate_stream(body_size, events, prompt))
 
-    async def _relay_events(self, request: web.Request, resp: aiohttp.ClientResponse, up: Upstream, chunk: bytes,
-                            key_id: str, headers: dict, dialect: str, body_size: int) -> web.StreamResponse:
+    async def _relay_events(self, request: web.Request, exchange: Exchange, resp: aiohttp.ClientResponse,
+                            up: Upstream, chunk: bytes, headers: dict, body_size: int) -> web.StreamResponse:
         """A Responses or Anthropic stream: whole events relayed as they complete, comments and
         named events untouched; Responses ids rewritten to name their replica; usage from
         `response.completed`, or from Anthropic's message_start and message_delta."""
+        dialect = exchange.dialect
         response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(request)
         readany = resp.content.readany
@@ -439,7 +455,7 @@ class Forwarder:
                     if end:
                         chunk, pending = chunk[:end], chunk[end:]
                     if rewrite is not None:
-                        chunk = rewrite(chunk, up.model, up.replica_id, key_id)
+                        chunk = rewrite(chunk, up.model, up.replica_id, exchange.key_id)
                     await response.write(chunk)
                     events += chunk.count(b"\n\n")
                     if len(head) < HEAD_BYTES:
@@ -455,10 +471,10 @@ class Forwarder:
         except asyncio.CancelledError:
             # The client left (after the last event, at times before the engine ended its body):
             # usage already relayed still counts, as on chat streams, else what was relayed.
-            self._count_events(key_id, up.model, dialect, head, oldest + older + old, body_size, events)
+            self._count_events(exchange, up.model, head, oldest + older + old, body_size, events)
             raise
         except (aiohttp.ClientError, ConnectionError) as exc:
-            self._count_events(key_id, up.model, dialect, head, oldest + older + old, body_size, events)
+            self._count_events(exchange, up.model, head, oldest + older + old, body_size, events)
             transport = request.transport
             if transport is None or transport.is_closing():
                 return response
@@ -468,21 +484,21 @@ class Forwarder:
             return response
         finally:
             self.watchdog.forget(watch)
-        self._count_events(key_id, up.model, dialect, head, oldest + older + old, body_size, events)
+        self._count_events(exchange, up.model, head, oldest + older + old, body_size, events)
         return response
 
-    def _count_events(self, key_id: str, model: str, dialect: str, head: bytes, tail: bytes, body_size: int,
+    def _count_events(self, exchange: Exchange, model: str, head: bytes, tail: bytes, body_size: int,
                       events: int) -> None:
         """Usage of a Responses or Anthropic stream from its first and last events; without its
         final usage, estimated from what was relayed (Anthropic's message_start gives the prompt)."""
-        if dialect != ANTHROPIC:
-            self._count_stream(key_id, model, find_usage(tail), body_size, events)
+        if exchange.dialect != ANTHROPIC:
+            self._count_stream(exchange, model, find_usage(tail), body_size, events)
             return
         if b"message_delta" in tail and find_usage(tail) is not None:
-            self._count(key_id, model, *tokens(anthropic_stream_usage(head, tail)))
+            self._count(exchange, model, *tokens(anthropic_stream_usage(head, tail)))
             return
         start = anthropic_stream_usage(head, b"")  # message_start's: the prompt the engine counted
-        self._count_stream(key_id, model, None, body_size, events, tokens(start)[0] if start else None)
+        self._count_stream(exchange, model, None, body_size, events, tokens(start)[0] if start else None)
 
     @staticmethod
     async def _cut(request: web.Request, response: web.StreamResponse, event: bytes) -> None:
@@ -494,10 +510,10 @@ class Forwarder:
         if transport is not None:
             transport.close()  # no final chunk: the client cannot mistake this for a whole answer
 
-    def _count(self, key_id: str, model: str, prompt: int, completion: int, estimated: int = 0) -> None:
-        self.usage.add(key_id, model, prompt, completion, estimated)
+    def _count(self, exchange: Exchange, model: str, prompt: int, completion: int, estimated: int = 0) -> None:
+        self.usage.add(exchange.key_id, model, prompt, completion, estimated)
         if prompt or completion:  # a limited key's reservation becomes what was used; unknown keeps the estimate
-            admission = limits.CURRENT.get()
+            admission = exchange.admission
             if admission is not None:
                 admission.settle(prompt + completion)
         if prompt or completion:
