@@ -17,7 +17,7 @@ import sqlite_utils
 
 from llmgw.contracts.feed import LIMIT_FIELDS, Limits
 from llmgw.keys import ApiKey
-from llmgw.contracts.feed import USAGE_BUCKET_SECONDS as BUCKET_SECONDS  # the routers count per hour
+from llmgw.contracts.feed import USAGE_BUCKET_SECONDS  # the routers count per hour
 
 BY = ("model", "key")
 
@@ -31,7 +31,7 @@ def usage_report(db: sqlite_utils.Database, by: str, since_seconds: float, now: 
     if by not in BY:
         raise ValueError(f"by must be one of {', '.join(BY)}")
     now = time.time() if now is None else now
-    start = int(now - since_seconds) // BUCKET_SECONDS * BUCKET_SECONDS
+    start = int(now - since_seconds) // USAGE_BUCKET_SECONDS * USAGE_BUCKET_SECONDS
     if by == "model":
         sql = ("SELECT model AS name, SUM(requests), SUM(prompt_tokens), SUM(completion_tokens), "
                "SUM(estimated_tokens), SUM(unmetered) FROM usage "

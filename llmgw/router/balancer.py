@@ -230,6 +230,8 @@ class Policy:
     """How a pool chooses among its members (R-6.5): one object per policy, given to each pool
     once. `choose` picks the member for one request and counts nothing; the Balancer does."""
 
+    name: RoutingPolicy
+
     def choose(self, pool: Pool, now: float, exclude: Iterable[Upstream], include_ejected: bool,
                key: bytes | None, owner: str | None) -> Upstream | None:
         raise NotImplementedError
@@ -239,12 +241,16 @@ class LeastOutstanding(Policy):
     """The least loaded member, a pressed one after an unpressed one of equal load, ties
     round-robin; affinity keys are ignored."""
 
+    name = RoutingPolicy.LEAST_OUTSTANDING
+
     def choose(self, pool, now, exclude, include_ejected, key, owner):
         return _least_loaded(pool, now, exclude, include_ejected, _weight)
 
 
 class PrefixAffinity(Policy):
     """Consistent hashing with bounded loads on the request's affinity key (the module docstring)."""
+
+    name = RoutingPolicy.PREFIX
 
     def __init__(self, bound: float = PREFIX_BOUND):
         self.bound = bound  # the load bound over the mean; other values for benches
@@ -303,13 +309,12 @@ class PrefixAffinity(Policy):
 
 
 class Pool:
-    __slots__ = ("members", "next", "policy", "chooser", "_ring", "homes", "homed", "owned", "touched")
+    __slots__ = ("members", "next", "chooser", "_ring", "homes", "homed", "owned", "touched")
 
-    def __init__(self, members: list[Upstream], policy: str = LEAST_OUTSTANDING, chooser: Policy | None = None):
+    def __init__(self, members: list[Upstream], chooser: Policy | None = None):
         self.members = members
         self.next = 0
-        self.policy = policy
-        self.chooser = chooser if chooser is not None else LeastOutstanding()  # chosen once, from `policy`
+        self.chooser = chooser if chooser is not None else LeastOutstanding()  # chosen once per pool
         self._ring: tuple[list[int], list[Upstream]] | None = None
         # Prefix routing's live keys: the key's ring position -> [its home, the time of its last
         # request, the API key id that homed it], least recently used first; how many live keys
@@ -328,7 +333,7 @@ class Pool:
         hundreds of prefix-routed models is applied without placing every replica's points."""
         if self._ring is None:
             owner: dict[int, Upstream] = {}
-            if self.policy == PREFIX:
+            if self.chooser.name == PREFIX:
                 for up in self.members:  # 64-bit points: two replicas on one point is left to chance
                     owner.update(dict.fromkeys(ring_points(up.replica_id), up))
             points = sorted(owner)
@@ -483,7 +488,7 @@ class Pool:
 
     def same(self, members: Sequence[Endpoint], policy: str) -> bool:
         """Whether this pool already is `members` under `policy` (then it is kept as it is)."""
-        if policy != self.policy or len(members) != len(self.members):
+        if policy != self.chooser.name or len(members) != len(self.members):
             return False
         for up, endpoint in zip(self.members, members):
             mine = up.endpoint
@@ -528,7 +533,7 @@ class Balancer:
                 if up is None or up.endpoint.model != endpoint.model:
                     up = Upstream(endpoint)
                 ups.append(up)
-            pool = pools[model] = Pool(ups, policy, self._choosers.get(policy, self._choosers[LEAST_OUTSTANDING]))
+            pool = pools[model] = Pool(ups, self._choosers.get(policy, self._choosers[LEAST_OUTSTANDING]))
             if old is not None and old.homes and policy == PREFIX and ups:
                 pool.inherit(old)
         self._pools = pools
@@ -553,7 +558,7 @@ class Balancer:
 
     def policy(self, model: str) -> str:
         pool = self._pools.get(model)
-        return pool.policy if pool is not None else LEAST_OUTSTANDING
+        return pool.chooser.name if pool is not None else LEAST_OUTSTANDING
 
     def acquire(self, model: str, now: float, exclude: Iterable[Upstream] = (),
                 include_ejected: bool = False, key: bytes | None = None, owner: str | None = None) -> Upstream | None:
@@ -590,7 +595,7 @@ class Balancer:
         """The engine of `up` accepted a request of API key `owner` with affinity `key`: the key is
         homed if it is not live (within KEYS_PER_API_KEY), on `up` while it has room for it."""
         pool = self._pools.get(model)
-        if pool is not None and pool.policy == PREFIX and pool.members:
+        if pool is not None and pool.chooser.name == PREFIX and pool.members:
             pool.keep(ring_hash(key), now, owner, up)
 
     def set_homes(self, homes: Mapping[str, Mapping[int, str | None]], now: float) -> None:
@@ -599,7 +604,7 @@ class Balancer:
         of the model's pool change nothing: a key lives on here as long as this router uses it."""
         for model, entries in homes.items():
             pool = self._pools.get(model)
-            if pool is None or pool.policy != PREFIX or not pool.members:
+            if pool is None or pool.chooser.name != PREFIX or not pool.members:
                 continue
             members = {up.replica_id: up for up in pool.members}
             for point, replica_id in entries.items():

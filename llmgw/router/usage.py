@@ -25,7 +25,6 @@ from llmgw.contracts.feed import USAGE_BUCKET_SECONDS, UsageRow
 from llmgw.router.engine_figures import add, clamp
 from llmgw.router.limits import BYTES_PER_TOKEN
 
-BUCKET_SECONDS = USAGE_BUCKET_SECONDS
 TAIL_BYTES = 4096
 _USAGE = b'"usage"'
 _decoder = json.JSONDecoder()
@@ -213,6 +212,6 @@ class UsageMeter:
         key's last use. Counted once: a second call returns only what came after the first."""
         counts, self._counts = self._counts, {}
         key_use, self._key_use = self._key_use, {}
-        bucket = int(time.time()) // BUCKET_SECONDS * BUCKET_SECONDS
+        bucket = int(time.time()) // USAGE_BUCKET_SECONDS * USAGE_BUCKET_SECONDS
         rows = tuple(UsageRow(bucket, key_id, model, *c) for (key_id, model), c in counts.items())
         return rows, key_use

@@ -9,7 +9,7 @@ from llmgw.admin import render
 from llmgw.admin.usage import usage_report
 from llmgw.contracts.feed import Limits
 from llmgw.keys import create_key
-from llmgw.router.usage import BUCKET_SECONDS
+from llmgw.contracts.feed import USAGE_BUCKET_SECONDS as BUCKET_SECONDS
 from llmgw.store import Store, add_usage
 
 NOW = 1_800_001_800.0  # half past an hour

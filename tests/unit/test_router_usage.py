@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from llmgw.router.usage import (BUCKET_SECONDS, TAIL_BYTES, UsageMeter, complete_events_end, find_usage, strip_usage,
+from llmgw.contracts.feed import USAGE_BUCKET_SECONDS as BUCKET_SECONDS
+from llmgw.router.usage import (TAIL_BYTES, UsageMeter, complete_events_end, find_usage, strip_usage,
                                 tokens, usage_from_body)
 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
