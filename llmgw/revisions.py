@@ -1,0 +1,90 @@
+"""A model's revisions: each distinct definition of what its replicas run (R-8.6).
+
+Pure. A revision is the part of a model's definition that changes what an engine process is:
+its weights (source and revision), the name the engine serves, and its profile as launched —
+engine (a custom engine's command templates included), runtime, image or environment, GPUs,
+nodes, placement constraints, arguments and environment. Scaling bounds, routing policy,
+limits, fallbacks, a profile's `concurrency`, `start_timeout` and `responses_store` are not part
+of it: they apply in place, to the replicas already running.
+
+A revision's id is the first 12 hex digits of the SHA-256 of its definition as canonical JSON:
+two catalogs that define a model alike give it the same id, whatever the names of their
+profiles. Environment values are hashed into the id, never shown: `describe` and `diff` name
+the variables only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llmgw.catalog import Model
+
+ID_LENGTH = 12
+# Profile fields that act on running replicas in place, or only on the router: not a revision.
+IN_PLACE_PROFILE_FIELDS = frozenset({"concurrency", "start_timeout", "responses_store"})
+HIDDEN = "(value not shown)"
+
+
+def definition(model: Model) -> dict[str, Any] | None:
+    """What the model's replicas run, as plain JSON values; None for a model served by fixed
+    URLs (`endpoints:`), which llmgw does not run."""
+    if model.static or model.profile is None:
+        return None
+    profile = model.profile.model_dump(mode="json", exclude=set(IN_PLACE_PROFILE_FIELDS))
+    engine_config = getattr(model.engine, "config", None)  # a custom engine's templates
+    return {
+        "weights": model.source.canonical if model.source is not None else None,
+        "served_name": model.config.served_name,
+        "profile": profile,
+        "engine": engine_config.model_dump(mode="json") if engine_config is not None else None,
+    }
+
+
+def revision_id(defined: Mapping[str, Any]) -> str:
+    """The short, stable id of a definition."""
+    text = json.dumps(defined, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:ID_LENGTH]
+
+
+def of(model: Model) -> str | None:
+    """The id of the revision `model` defines; None when llmgw runs nothing for it."""
+    defined = definition(model)
+    return None if defined is None else revision_id(defined)
+
+
+def _flat(value: Any, path: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flat(item, f"{path}.{key}" if path else str(key)))
+        if not out and path:
+            out[path] = {}
+        return out
+    return {path: value}
+
+
+def _shown(path: str, value: Any) -> str:
+    if path.startswith("profile.env."):
+        return HIDDEN
+    return json.dumps(value, ensure_ascii=False)
+
+
+def diff(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> list[str]:
+    """What changed from `old` to `new`, one line per field (`profile.args: [..] -> [..]`),
+    environment variables by name only. Empty when they are alike."""
+    before, after = _flat(dict(old or {})), _flat(dict(new or {}))
+    lines = []
+    for path in sorted(before.keys() | after.keys()):
+        if path not in after:
+            lines.append(f"{path}: removed")
+        elif path not in before:
+            lines.append(f"{path}: added" if path.startswith("profile.env.")
+                         else f"{path}: {_shown(path, after[path])} (new)")
+        elif before[path] != after[path]:
+            lines.append(f"{path}: changed" if path.startswith("profile.env.")
+                         else f"{path}: {_shown(path, before[path])} -> {_shown(path, after[path])}")
+    return lines
