@@ -305,6 +305,25 @@ class ScalingConfig(_Strict):
         return self
 
 
+class RolloutConfig(_Strict):
+    """How a model's replicas move to a new revision (R-4.13): at most `surge` replicas beyond
+    the count at once, at most `unavailable` fewer serving than the count, and with `canary`
+    (a percent) the rollout stops at one replica of the new revision, given about that share
+    of the model's requests, until it is promoted or undone."""
+
+    surge: int = Field(1, ge=0)
+    unavailable: int = Field(0, ge=0)
+    canary: int | None = Field(None, ge=1, le=99)
+
+    @model_validator(mode="after")
+    def _moves(self) -> RolloutConfig:
+        if self.surge == 0 and self.unavailable == 0:
+            raise ValueError("surge and unavailable cannot both be 0: no replica could be replaced")
+        if self.canary is not None and self.surge == 0:
+            raise ValueError("a canary runs beside the old replicas: it needs surge >= 1")
+        return self
+
+
 class StaticEndpoint(_Strict):
     url: str
     api_key_env: str | None = None
@@ -349,6 +368,7 @@ class ModelConfig(_Strict):
     # R-6.9b: Responses `background: true` is refused unless the model allows it: a background
     # response answers `queued` with no usage, and the engine's store keeps it for the later GET.
     background_responses: bool = False
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
     @field_validator("weights")
     @classmethod

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -88,3 +89,39 @@ def diff(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -> list[s
             lines.append(f"{path}: changed" if path.startswith("profile.env.")
                          else f"{path}: {_shown(path, before[path])} -> {_shown(path, after[path])}")
     return lines
+
+
+def model_at(model: Model, defined: Mapping[str, Any], engines: Mapping[str, Any]) -> Model:
+    """`model` as it was at the revision `defined` describes: what its replicas run from there,
+    what applies in place (scaling, routing, limits, fallbacks, concurrency...) as it is now.
+    `engines` is the catalog's engine table, for an engine the definition names but does not
+    define (a built-in one is found without it). Raises ValueError when the definition no longer makes a valid model."""
+    from llmgw.config import EngineConfig, ProfileConfig
+    from llmgw.engines import BUILTIN_ENGINES, CustomEngine
+    from llmgw.weights import parse_weights
+
+    current = model.profile.model_dump(mode="json", include=set(IN_PLACE_PROFILE_FIELDS)) if model.profile else {}
+    profile = ProfileConfig(**{**current, **defined["profile"]})
+    if defined.get("engine") is not None:
+        engine = CustomEngine(profile.engine, EngineConfig(**defined["engine"]))
+    else:
+        engine = engines.get(profile.engine) or BUILTIN_ENGINES.get(profile.engine)
+        if engine is None:
+            raise ValueError(f"engine {profile.engine!r} of that revision is not defined any more")
+    weights = defined.get("weights")
+    config = model.config.model_copy(update={"served_name": defined.get("served_name"),
+                                             "weights": _weights_field(weights)})
+    return replace(model, config=config, profile=profile, engine=engine,
+                   source=parse_weights(config.weights) if config.weights is not None else None)
+
+
+def _weights_field(canonical: str | None) -> str | list[str] | None:
+    """The `weights:` value a source's canonical form came from."""
+    if canonical is None:
+        return None
+    if canonical.startswith("path:"):
+        return canonical[len("path:"):]
+    if canonical.startswith("https:"):
+        urls = canonical[len("https:"):].split(" ")
+        return urls[0] if len(urls) == 1 else urls
+    return canonical  # hf:REPO@REVISION is its own weights value

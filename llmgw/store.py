@@ -29,7 +29,7 @@ from llmgw.contracts.feed import MAX_COUNT
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # How long an opener waits for another process's write transaction before giving up.
 BUSY_TIMEOUT = 30.0
 
@@ -94,8 +94,24 @@ def _migrate_6(db: sqlite_utils.Database) -> None:
                                      "previous_until": float}, pk="name")
 
 
+def _migrate_7(db: sqlite_utils.Database) -> None:
+    """Models get revisions (R-8.6) and rollouts (R-4.13). A replica records the revision it
+    runs (NULL for one made before: it is taken to run its model's revision when adopted). Each
+    revision a model had is kept with its number and its definition (what its replicas run, so an
+    undo can launch it again); a model's rollout is one row: the revision it moves to, the one
+    it came from, whether it is paused and why, its canary share, and an undo's hold (the model
+    stays on `target` while the catalog still defines `held_over`)."""
+    db["replicas"].add_column("revision", str)
+    db["revisions"].create({"model": str, "id": str, "number": int, "definition": str, "created_at": float},
+                           pk=("model", "id"))
+    db["rollouts"].create({"model": str, "target": str, "previous": str, "paused": str, "canary": int,
+                           "promoted": int, "held_over": str, "actor": str, "started_at": float,
+                           "updated_at": float}, pk="model")
+
+
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _migrate_1, 2: _migrate_2, 3: _migrate_3,
-                                                                  4: _migrate_4, 5: _migrate_5, 6: _migrate_6}
+                                                                  4: _migrate_4, 5: _migrate_5, 6: _migrate_6,
+                                                                  7: _migrate_7}
 
 
 def schema_version(db: sqlite_utils.Database) -> int:

@@ -25,7 +25,7 @@ SERVE = ("llmgw.server", "llmgw.state_dir", "llmgw.router_process")
 # The parts, and the base modules every part may use: they import none of the parts.
 PARTS = ("llmgw.control", "llmgw.fleet", "llmgw.router", "llmgw.admin", "llmgw.cli", "llmgw.localfeed", *SERVE)
 BASE = ("llmgw.aio", "llmgw.catalog", "llmgw.config", "llmgw.engines", "llmgw.keys", "llmgw.routers",
-        "llmgw.runtimes", "llmgw.store", "llmgw.units", "llmgw.weights")
+        "llmgw.revisions", "llmgw.runtimes", "llmgw.store", "llmgw.units", "llmgw.weights")
 
 
 def _module(path: Path) -> str:

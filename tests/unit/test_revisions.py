@@ -50,3 +50,18 @@ def test_r8_6_a_diff_names_environment_variables_never_their_values():
     assert not any(secret in line for line in lines for secret in ("s3cret", "n3w", "x1"))
     assert revisions.diff(old, old) == []
     assert revisions.of(Catalog.build(file_models=[ModelConfig(name="s", endpoints=[{"url": "http://e:1"}])]).get("s")) is None
+
+
+def test_r8_6_a_model_made_again_at_an_earlier_revision():
+    old = model({"args": ["--a"], "concurrency": 4})
+    now = model({"args": ["--b"], "concurrency": 9}, scaling={"min": 3})
+    back = revisions.model_at(now, revisions.definition(old), Catalog.build().engines)
+    assert revisions.of(back) == revisions.of(old) != revisions.of(now)
+    assert back.profile.args == ["--a"] and back.profile.concurrency == 9 and back.min_replicas == 3
+    assert back.source == old.source
+    for weights in ("hf:org/m@v3", "https://example.com/m.gguf", ["https://e/a", "https://e/b"], "models/m"):
+        then = Catalog.build(file_models=[ModelConfig(name="m", profile="p", weights=weights)],
+                             profiles={"p": ProfileConfig(engine="vllm")}).get("m")
+        assert revisions.of(revisions.model_at(now, revisions.definition(then), {})) == revisions.of(then)
+    custom = model({"engine": "mine"}, engines={"mine": EngineConfig(command=["serve", "{model}"])})
+    assert revisions.of(revisions.model_at(now, revisions.definition(custom), {})) == revisions.of(custom)
