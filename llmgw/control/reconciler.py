@@ -29,7 +29,7 @@ from llmgw.contracts.endpoints import Endpoint
 from llmgw.contracts.states import AdminState, ReplicaPhase
 from llmgw.control import evict, observe, plan, placing
 from llmgw.control.actions import RETIRE_GRACE, Actions
-from llmgw.control.cleanup import Cleanup
+from llmgw.control.cleanup import CacheUse, Cleanup
 from llmgw.control.memory import ControlMemory
 from llmgw.control.nodes import NodeMemory, Nodes
 from llmgw.control.publish import Published, Sources
@@ -80,9 +80,7 @@ class Reconciler:
         self.nodes = Nodes(fleet, holder, store, memory.nodes)
         self.placing = placing.Placing(memory.placing, memory.records, memory.scaling, self.actions.learned,
                                        self.nodes, holder, gateway)
-        self.cleanup = Cleanup(fleet, holder, gateway, store, fetches=self.actions.fetches,
-                               in_use=lambda node: memory.records.cache_in_use(holder.current.models, node),
-                               wake=self.wake)
+        self.cleanup = Cleanup(fleet, holder, gateway, store, CacheUse(self.actions.fetches, memory.records), self.wake)
         self.view: Published  # what the admin, /metrics and ctl read
         self.publish()
 
@@ -177,10 +175,9 @@ class Reconciler:
         if self.routers.last_used is not None:
             scaling.last_used.update(self.routers.last_used())
         # Observe, and apply: every live shard judged from the fleet's latest facts.
-        observed = observe.observe(records.replicas.values(), self.fleet.links, self.fleet.facts, now,
-                                   settling_window=self.gateway.settling_window,
-                                   start_timeout=lambda name: _start_timeout(catalog.models.get(name)),
-                                   failed_probes=memory.probes.failed)
+        patience = observe.Patience(self.gateway.settling_window, lambda name: _start_timeout(catalog.models.get(name)),
+                                    memory.probes.failed)
+        observed = observe.observe(records.replicas.values(), self.fleet.links, self.fleet.facts, now, patience)
         for judgement in observed.judgements:
             self._apply(judgement, now)
         self.nodes.note_unknown_engines(observed.unknown_engines)
@@ -197,18 +194,15 @@ class Reconciler:
         scaling.forget_models(catalog.models)
         self.placing.new_pass()
         if self.nodes.settled(now, records.started_at, self.gateway.settling_window):
+            inputs = plan.PlanInputs(memory.nodes.admin, records.health, scaling.demand, scaling.last_used,
+                                     scaling.scales, records.started_at)
             for model in catalog.models.values():
                 if model.static:
                     continue
                 live = by_model.get(model.name, [])
                 loads = scaling.loads(model, live, self.routers.outstanding, self.routers.engine_load) \
                     if model.scales else None
-                actions = plan.plan_model(model, live, now,
-                                          health=records.health.setdefault(model.name, ModelHealth()),
-                                          admin=memory.nodes.admin, demand=scaling.demand.get(model.name),
-                                          last_used=scaling.last_used, started_at=records.started_at,
-                                          scale=scaling.scales.get(model.name), load=loads)
-                for action in actions:
+                for action in plan.plan_model(model, live, now, inputs, loads):
                     if not self._act(action, now, model):
                         break
         self.placing.new_pass()
