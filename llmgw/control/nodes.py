@@ -2,8 +2,10 @@
 `node_admin` table, a node's removal from the inventory (drained, then forgotten, R-9.5, R-10.5),
 how placement sees each node, and what each is asked about for the catalog (R-2.6, R-4.12).
 
-`NodeMemory` is what is kept between passes; `Nodes` changes it and writes the table. Moving the
-replicas of a node that drains or is active again is the reconciler's (`Reconciler.set_admin`).
+`NodeMemory` is what is kept between passes; `Nodes` changes it and writes the table. How a
+node's replicas follow its admin state is `follow_admin`'s, which the reconciler applies to each
+replica on the node when the operator sets it, and to the replicas a pass finds unmarked on a
+draining node (and saves those that changed).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from llmgw.catalog import CatalogHolder
 from llmgw.config import NodeConfig
 from llmgw.contracts.states import AdminState, transition
 from llmgw.control import placement
-from llmgw.control.state import NodeAdmin, Replica
+from llmgw.control.state import ACTIVE_PHASE, DRAINING_PHASE, NodeAdmin, Replica
 from llmgw.fleet.fleet import Fleet
 from llmgw.fleet.link import READY
 from llmgw.fleet.ops import InventoryRequest
@@ -190,6 +192,15 @@ class Nodes:
                 if spec is not None:
                     venvs[runtime_digest(spec)] = spec
         return InventoryRequest(images=sorted(images), venvs=venvs)
+
+
+def follow_admin(replica: Replica, admin: AdminState) -> bool:
+    """Move a replica on a node as the node's admin state says: marked draining when it drains (it
+    serves until it is retired, R-9.5), active again when the node is; a cordon leaves it as it is
+    (R-9.4). True when its phase changed."""
+    if admin == AdminState.DRAINING:
+        return replica.set_phase(DRAINING_PHASE)
+    return admin == AdminState.ACTIVE and replica.draining and replica.set_phase(ACTIVE_PHASE)
 
 
 def node_views(fleet: Fleet, admin: Mapping[str, NodeAdmin]) -> list[placement.NodeView]:

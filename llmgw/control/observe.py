@@ -13,10 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmgw.contracts.states import LinkState, ShardState
 from llmgw.control.state import RETIRING_PHASE, SERVING, STARTING, Replica, Shard
 from llmgw.fleet.facts import NodeFacts
+
+if TYPE_CHECKING:
+    from llmgw.catalog import Model
 
 UNHEALTHY_PROBES = 3  # consecutive failed health probes before a serving shard is failed
 READY = LinkState.READY  # read for every shard in every pass: a module global is the cheaper lookup
@@ -68,6 +72,12 @@ class Observation:
 
     judgements: list[Judgement]
     unknown_engines: dict[str, list[str]]
+
+
+def start_timeout(model: Model | None) -> float:
+    """A model's start timeout (R-4.3); for a replica whose model left the catalog (the pass
+    retires it next), that of a profile which sets none."""
+    return model.profile.start_timeout if model is not None and model.profile is not None else 900.0
 
 
 def observe(replicas: Iterable[Replica], links: Mapping[str, object], facts: Mapping[str, NodeFacts],

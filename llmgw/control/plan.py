@@ -101,6 +101,15 @@ def sweep(replicas: Iterable[Replica], models: Mapping[str, Model]) -> list[Reti
     return retire
 
 
+def live_by_model(replicas: Iterable[Replica]) -> dict[str, list[Replica]]:
+    """The replicas not being retired, by model, in the order given."""
+    by_model: dict[str, list[Replica]] = {}
+    for replica in replicas:
+        if replica.phase is not RETIRING_PHASE:
+            by_model.setdefault(replica.model, []).append(replica)
+    return by_model
+
+
 def drain_marks(replicas: Iterable[Replica], admin: Mapping[str, NodeAdmin]) -> list[MarkDraining]:
     """Replicas on a draining node that are not marked yet (R-9.5)."""
     wanted = AdminState.DRAINING

@@ -309,6 +309,13 @@ class Records:
         log.warning("replica %s of %s failed: %s (attempt %d; next in %.0fs)", replica.id, replica.model,
                     health.last_failure, health.failures, health.next_attempt - now)
 
+    def record_serving(self, replica: Replica, now: float) -> None:
+        """A replica serves (every shard does): since now, and its model's failures in a row are over."""
+        replica.serving_since = now
+        health = self.health.setdefault(replica.model, ModelHealth())
+        health.failures, health.next_attempt = 0, 0.0
+        log.info("replica %s of %s serving on %s", replica.id, replica.model, ", ".join(replica.nodes))
+
     def prune(self, now: float) -> None:
         """The retired replicas listed no longer: stopped more than RETIRED_KEEP ago, or beyond RETIRED_LISTED."""
         self.retired = [(t, r) for t, r in self.retired if now - t < RETIRED_KEEP][-RETIRED_LISTED:]

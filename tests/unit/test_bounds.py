@@ -9,7 +9,8 @@ How things are counted:
 - a module's imports: every `import` and `from … import` anywhere in it, those under
   `if TYPE_CHECKING:` included, followed through the llmgw modules it imports;
 - a function's parameters: all of them but a method's `self` or `cls`, keyword-only ones,
-  `*args` and `**kwargs` included (nested functions and lambdas are functions too).
+  `*args` and `**kwargs` included (nested functions and lambdas are functions too);
+- a module's lines: its lines of text, docstring and comments included.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "llmgw"
 
-RECONCILER_ATTRIBUTES = 15
-RECONCILER_METHODS = 20
+RECONCILER_ATTRIBUTES = 14
+RECONCILER_METHODS = 15
+RECONCILER_LINES = 260
 PARAMETERS = 7  # at most, for every function of the control plane and of llmgw.keys
 
 
@@ -122,3 +124,8 @@ def test_no_function_of_the_control_plane_or_the_keys_takes_more_than_seven_para
             for name, count in _functions(path) if count > PARAMETERS]
     assert not wide, wide
 
+
+def test_the_reconciler_module_keeps_the_pass_short():
+    lines = len((PACKAGE / "control" / "reconciler.py").read_text().splitlines())
+    print(f"control/reconciler.py: {lines} lines")
+    assert lines <= RECONCILER_LINES
