@@ -1,9 +1,9 @@
 """Client API keys in the state database (R-6.2): random secrets, only their SHA-256 stored.
 
-The functions run on a sqlite-utils Database: `create_key`, `set_key`, `list_keys` and `revoke_key`
-serve the `llmgw keys` commands (`parse_limit` and `parse_model_limit` read their limit flags),
-`key_entries` is what the control plane publishes to routers (the router feed carries hashes, never
-secrets, and each key's limits), `record_key_use` writes the last use routers report.
+The functions run on a sqlite-utils Database: `create_key` (with its `KeySettings`), `set_key`,
+`list_keys` and `revoke_key` serve the `llmgw keys` commands (`parse_limit` and `parse_model_limit`
+read their limit flags), `key_entries` is what the router feed carries of them to the routers
+(hashes, never secrets, and each key's limits), `record_key_use` writes the last use routers report.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ class Actions:
         # replica's record goes to the retired.
         self.records = records
         self.store = store
-        self.routers = routers  # the endpoint table is pushed before a retired replica stops; its requests in flight
+        self.routers = routers  # told the endpoint table when a replica retires; asked its requests in flight
         self.wake = wake
         self.learned = Learned()
         self.launches: dict[str, asyncio.Task] = {}  # replica id ->

@@ -139,8 +139,9 @@ class CacheUse:
 
 
 class Cleanup:
-    """Checks each ready node's cache filesystem against its mark once per pass (cheaply: the
-    latest storage facts), and runs a clean-up as a task when it is below."""
+    """Checks the ready nodes' cache filesystems against their marks, up to CHECKS_PER_PASS of them
+    in turn on each pass (cheaply: the latest storage facts), and runs a clean-up as a task for one
+    below its mark."""
 
     def __init__(self, fleet: Fleet, holder: CatalogHolder, gateway: GatewayConfig, store: Store | None,
                  use: CacheUse, wake: Callable[[], None]):

@@ -1,7 +1,8 @@
 """Placement: which nodes can run a replica of a model, which ones it goes to, and why (R-3.1–R-3.6).
 
-Pure functions of their inputs: no I/O, no logging, no clock. The reconciler calls `place` for
-every replica it starts; `explain_placement` gives the same decision with a verdict for every
+Pure functions of their inputs: no I/O, no logging, no clock. `Placing` (llmgw.control.placing)
+calls `place` for every replica the reconciler starts, and eviction to try the room its victims
+would make; `explain_placement` gives the same decision with a verdict for every
 node, for `explain-placement` and for `ctl status` (models that cannot be placed, R-7.2).
 
 Filters, in the order their reasons are listed: node ready; not cordoned or draining; not avoided
@@ -35,11 +36,12 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from llmgw.catalog import Model
+from llmgw.contracts.states import AdminState, LinkState
 from llmgw.runtimes import runtime_digest, runtime_spec
 from llmgw.units import duration_text, format_rate
 
-READY = "ready"
-ACTIVE = "active"
+READY = LinkState.READY
+ACTIVE = AdminState.ACTIVE
 
 # Sorts after every real count: a node whose GPUs are unknown packs worse than any known node
 # (it may be a whole free GPU node that a multi-node replica needs).
@@ -98,9 +100,9 @@ class NodeView:
     name: str
     fabric: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
-    state: str = "connecting"  # "ready" | "connecting" | "unreachable" | "unhealthy"
+    state: str = LinkState.CONNECTING  # a LinkState: ready, connecting, unreachable, unhealthy
     state_reason: str | None = None
-    admin: str = ACTIVE  # "active" | "cordoned" | "draining"
+    admin: str = ACTIVE  # an AdminState: active, cordoned, draining
     gpu_class: str | None = None
     gpus: tuple[GPUView, ...] | None = None
     memory_bytes: int | None = None

@@ -62,7 +62,7 @@ class Reconciler:
                                        self.nodes, holder, gateway)
         self.cleanup = Cleanup(fleet, holder, gateway, store, CacheUse(self.actions.fetches, memory.records), self.wake)
         self.view: Published  # what the admin, /metrics and ctl read
-        self.publish()
+        self.publish_view()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -186,10 +186,11 @@ class Reconciler:
         memory.placing.forget_evicted(records)
         self.cleanup.check(now)  # cache filesystems below their low-water mark (R-5.5)
         self.routers.push(records.endpoints(self.fleet.nodes))
-        self.publish()
+        self.publish_view()
 
-    def publish(self) -> None:
-        """A new publication of the state, its view built when first read (llmgw.control.publish)."""
+    def publish_view(self) -> None:
+        """A new publication of the state for the admin, /metrics and ctl, its view built when
+        first read (llmgw.control.publish). Not the endpoint table, which `Routers.push` sends."""
         self.view = Published(Sources(self.memory, self.actions.learned, self.cleanup, self.fleet, self.holder,
                                       self.gateway), self.passes)
 

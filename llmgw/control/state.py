@@ -1,10 +1,13 @@
 """Replicas and shards: the control plane's records, and how they are kept in SQLite (R-4.2).
 
 `Records` holds them between passes, with the replicas retired lately and each model's launch
-record. The reconciler's pass changes them, and so do the node tasks of `actions.py` (a shard's
-state, port, progress and log tail as its launch or stop goes on); a shard's or replica's state
-moves only through the transition table. The admin, /metrics and ctl read published snapshots
-(llmgw.control.publish), never these records.
+record. The reconciler changes them, in its pass and at once when an operator drains or
+uncordons a node, and so does `Actions` (llmgw.control.actions): its node tasks change a shard's
+state, port, progress and log tail as its launch or stop goes on, and a stopped replica's record
+leaves for the retired. A shard's or replica's state moves only through the transition table.
+The admin's listings, /metrics and ctl are made from published views (llmgw.control.publish),
+never from these records; only operator actions through the control plane's service (a
+replica's log, what a reclaim keeps) look them up.
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ class Replica:
 
     @property
     def retiring(self) -> bool:
-        """Being torn down (surplus, model gone, failed, drained)."""
+        """Being torn down (surplus, model gone, failed, drained, evicted)."""
         return self.phase is RETIRING_PHASE
 
     def set_phase(self, phase: ReplicaPhase) -> bool:
