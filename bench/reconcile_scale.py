@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmgw.catalog import Catalog, CatalogHolder  # noqa: E402
 from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, ProfileConfig  # noqa: E402
 from llmgw.control import evict, placement  # noqa: E402
-from llmgw.control.reconciler import Reconciler, Routers  # noqa: E402
+from llmgw.control.reconciler import Reconciler  # noqa: E402
+from llmgw.control.routers import Routers  # noqa: E402
 from llmgw.fleet.facts import GPU, Inventory as InventoryFacts  # noqa: E402
 from llmgw.router.engineload import EngineLoad  # noqa: E402
 from tests.unit.fake_fleet import FakeFleet  # noqa: E402

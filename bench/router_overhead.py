@@ -140,7 +140,7 @@ async def run_router(port: int, engine_url: str, state_dir: str, profile: str | 
     from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig
     from llmgw.contracts.feed import Limits
     from llmgw.control.feed import FeedPublisher
-    from llmgw.keys import create_key
+    from llmgw.keys import KeySettings, create_key
     from llmgw.localfeed import LocalFeed
     from llmgw.router import RUNNER_OPTIONS, Endpoint, Router
     from llmgw.store import Store
@@ -149,8 +149,8 @@ async def run_router(port: int, engine_url: str, state_dir: str, profile: str | 
     # --limits: the key has every limit (and one for the model), each too high to refuse, so
     # every request is admitted, reserved, settled and answered with the x-ratelimit-* headers.
     high = Limits(rpm=10**9, tpm=10**12, concurrency=10**6) if limits else None
-    _, secret = store.write_sync(lambda db: create_key(db, "bench", limits=high,
-                                                       model_limits={MODEL: high} if limits else None))
+    settings = KeySettings(limits=high, model_limits={MODEL: high} if limits else None)
+    _, secret = store.write_sync(lambda db: create_key(db, "bench", settings=settings))
     catalog = Catalog.build(file_models=[ModelConfig(name=MODEL, profile="p", routing=routing)],
                             profiles={"p": ProfileConfig(engine="vllm")})
     # Fed as `llmgw serve` feeds it: the publisher and the in-process feed.

@@ -1,9 +1,12 @@
 """The catalog: the validated set of models and profiles in force (R-8.1).
 
-A Catalog is immutable and exists only through `Catalog.build`, which checks everything that
-spans more than one model: unique names, profiles and engines that exist, fallbacks that exist
-and form no cycle, scaling bounds. Changes build a new Catalog and swap `CatalogHolder.current`;
-readers finish with the catalog they took.
+A Catalog cannot be changed once built, and exists only through `Catalog.build`, which checks
+everything that spans more than one model: unique names, profiles and engines that exist,
+fallbacks that exist and form no cycle, scaling bounds. Its attributes are fixed and its mappings
+read-only; its models, profiles and engines are frozen values, though some of the dicts and lists
+they hold (a profile's args, env and node_selector) are the configuration's own, shared and never
+changed in place. Changes build a new Catalog and swap `CatalogHolder.current`; readers finish
+with the catalog they took.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ class Model:
 
 
 class Catalog:
-    """Immutable; build it with `Catalog.build`."""
+    """Never changed once built; build it with `Catalog.build`."""
 
     __slots__ = ("models", "profiles", "engines", "version")
 

@@ -1,9 +1,9 @@
 """Client API keys in the state database (R-6.2): random secrets, only their SHA-256 stored.
 
-The functions run on a sqlite-utils Database: `create_key`, `set_key`, `list_keys` and `revoke_key`
-serve the `llmgw keys` commands (`parse_limit` and `parse_model_limit` read their limit flags),
-`key_entries` is what the control plane publishes to routers (the router feed carries hashes, never
-secrets, and each key's limits), `record_key_use` writes the last use routers report.
+The functions run on a sqlite-utils Database: `create_key` (with its `KeySettings`), `set_key`,
+`list_keys` and `revoke_key` serve the `llmgw keys` commands (`parse_limit` and `parse_model_limit`
+read their limit flags), `key_entries` is what the router feed carries of them to the routers
+(hashes, never secrets, and each key's limits), `record_key_use` writes the last use routers report.
 """
 
 from __future__ import annotations
@@ -148,9 +148,23 @@ def new_secret() -> str:
     return SECRET_PREFIX + secrets.token_urlsafe(32)
 
 
+@dataclass(frozen=True, slots=True)
+class KeySettings:
+    """What a new key is limited to and how it shares (R-6.16): its own limits (None: none), its
+    priority class and weight among the keys waiting for a model, and limits per model (a model
+    given None, or empty limits, has none of its own)."""
+
+    limits: Limits | None = None
+    priority: int = 0
+    weight: int = 1
+    model_limits: Mapping[str, Limits | None] | None = None
+
+
+NO_SETTINGS = KeySettings()  # no limit, priority 0, weight 1
+
+
 def create_key(db: sqlite_utils.Database, name: str, models: Iterable[str] | None = None,
-               secret: str | None = None, limits: Limits | None = None, priority: int = 0, weight: int = 1,
-               model_limits: Mapping[str, Limits | None] | None = None) -> tuple[ApiKey, str]:
+               settings: KeySettings = NO_SETTINGS, secret: str | None = None) -> tuple[ApiKey, str]:
     """Store a new key and return it with its secret, which is not kept anywhere."""
     name = name.strip()
     if not name:
@@ -165,17 +179,17 @@ def create_key(db: sqlite_utils.Database, name: str, models: Iterable[str] | Non
     model_list = sorted({m.strip() for m in models if m.strip()}) if models is not None else None
     if model_list is not None and not model_list:
         raise KeyRefused("--models was given but names no model")
-    if weight < 1:
-        raise KeyRefused(f"--weight {weight}: must be at least 1")
-    kept = {m: lim for m, lim in (model_limits or {}).items() if lim}
+    if settings.weight < 1:
+        raise KeyRefused(f"--weight {settings.weight}: must be at least 1")
+    kept = {m: lim for m, lim in (settings.model_limits or {}).items() if lim}
     _check_model_limits(kept, frozenset(model_list) if model_list is not None else None)
-    limits = limits or Limits()
+    limits = settings.limits or Limits()
     row = {"id": uuid.uuid4().hex, "name": name, "hash": hash_secret(secret),
            "prefix": secret[:SHOWN_PREFIX_LENGTH],
            "models": json.dumps(model_list) if model_list is not None else None,
            "created_at": time.time(), "revoked_at": None, "last_used_at": None,
            "rpm": limits.rpm, "tpm": limits.tpm, "concurrency": limits.concurrency,
-           "priority": priority, "weight": weight, "model_limits": _model_limits_json(kept)}
+           "priority": settings.priority, "weight": settings.weight, "model_limits": _model_limits_json(kept)}
     db["api_keys"].insert(row)
     return ApiKey.from_row(row), secret
 

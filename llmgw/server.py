@@ -32,7 +32,8 @@ from llmgw.contracts.addresses import is_loopback, split_address
 from llmgw.contracts.privatefiles import write_private
 from llmgw.control.feed import FeedPublisher
 from llmgw.control.feedserver import FEED_SOCKET, FeedServer, FeedSocket, listen_unix
-from llmgw.control.reconciler import Reconciler, Routers
+from llmgw.control.reconciler import Reconciler
+from llmgw.control.routers import Routers
 from llmgw.control.service import ControlPlane, load_stored_models, reload_on_signal
 from llmgw.fleet.fleet import Fleet
 from llmgw.fleet.secret import SecretError, response_secret

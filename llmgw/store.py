@@ -2,8 +2,9 @@
 
 The event loop never waits on SQLite for writes: `Store.submit` queues a function that the writer
 thread runs in a batch inside one transaction (WAL mode). `await Store.write(fn)` is the same but
-lets the caller wait for the result off the loop. Reads are rare (start-up, admin views) and
-go through `Store.read`, which runs on a thread of its own connection.
+lets the caller wait for the result off the loop. Reads are few (start-up, the admin's usage and
+router listings, the feed's keys every 2 s): `await Store.read(fn)` runs on a worker thread, with
+that thread's own connection; `read_sync` runs on the caller's thread, for start-up and the CLI.
 """
 
 from __future__ import annotations

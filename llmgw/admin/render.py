@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmgw.admin import text as words
+from llmgw.contracts.states import AdminState, LinkState, ShardState
 from llmgw.units import format_bytes, format_duration
 
 LOG_TAIL_SHOWN = 10
@@ -120,9 +121,9 @@ def nodes(document: dict) -> Table:
         disk = node["disk"]
         local = [words.filesystem(fs) for fs in disk["local"]] if disk else []
         shared = [words.filesystem(fs) for fs in disk["shared"]] if disk else []
-        state_style = None if node["state"] == "ready" else "red"
+        state_style = None if node["state"] == LinkState.READY else "red"
         table.add_row(_t(node["name"], "bold"), _t(words.node_state(node, now), state_style),
-                      _t(words.admin_state(node, now), None if node["admin"]["state"] == "active" else "yellow"),
+                      _t(words.admin_state(node, now), None if node["admin"]["state"] == AdminState.ACTIVE else "yellow"),
                       _t(node["fabric"]), _t(words.labels(node["labels"])), _t(words.gpu_summary(node)),
                       _t(used), _t(free), _lines([unhealthy, *words.unhealthy_reasons(node["gpus"])]),
                       _t(format_bytes(node["memory_bytes"])), _lines(local), _lines(shared))
@@ -152,7 +153,7 @@ def replicas(document: dict) -> Text:
         state = words.replica_state(replica)
         out.append(replica["id"], style="bold")
         out.append(f"  {replica['model']}  ")
-        out.append(state, style="green" if replica["serving"] else "red" if replica["state"] == "failed" else "yellow")
+        out.append(state, style="green" if replica["serving"] else "red" if replica["state"] == ShardState.FAILED else "yellow")
         details = []
         if replica["serving_since"] is not None:
             details.append(f"serving since {words.clock(replica['serving_since'])}")
@@ -193,9 +194,9 @@ def explanation(document: dict) -> Group:
 
 def node_admin(answer: dict) -> Text:
     node, state = answer["node"], answer["admin"]
-    if state == "cordoned":
+    if state == AdminState.CORDONED:
         return Text(f"{node}: cordoned — nothing new is placed there; its replicas keep serving")
-    if state == "draining":
+    if state == AdminState.DRAINING:
         line = (f"{node}: draining — its replicas move elsewhere, each stopped once its replacement serves")
         if answer.get("grace_until") is not None:
             left = max(0.0, answer["grace_until"] - time.time())

@@ -11,6 +11,7 @@ import re
 import time
 from typing import Any
 
+from llmgw.contracts.states import AdminState, LinkState, ShardState
 from llmgw.units import format_bytes, format_duration
 
 UNKNOWN = "-"
@@ -69,7 +70,7 @@ def ago(ts: float | None, now: float) -> str:
 def node_state(node: dict, now: float) -> str:
     """`ready`, `unreachable since 12:01:05 (3m); facts from 4m ago`, ..."""
     state = node["state"]
-    if state == "ready":
+    if state == LinkState.READY:
         return state
     text = state
     if node["since"] is not None:
@@ -84,7 +85,7 @@ def node_state(node: dict, now: float) -> str:
 def admin_state(node: dict, now: float) -> str:
     admin = node["admin"]
     text = admin["state"]
-    if admin["state"] == "draining" and admin["grace_until"] is not None:
+    if admin["state"] == AdminState.DRAINING and admin["grace_until"] is not None:
         left = admin["grace_until"] - now
         text += f" (grace until {clock(admin['grace_until'])}" + (
             f", {format_duration(left)} left)" if left > 0 else ", over)")
@@ -262,7 +263,7 @@ def model_problem(model: dict) -> str | None:
 def replica_state(replica: dict) -> str:
     """`serving (draining)`, `failed (retired)`: the state with the marks the state does not say."""
     state = replica["state"] + (" (retired)" if replica["retired"] else "")
-    if replica["draining"] and replica["state"] != "draining":
+    if replica["draining"] and replica["state"] != ShardState.DRAINING:
         state += " (draining)"
     return state
 

@@ -223,7 +223,7 @@ class Listings:
         elif retry_in is not None and serving < model.min_replicas:
             state = "failing"
         elif serving and serving >= max(model.min_replicas, 1):
-            state = "serving"
+            state = ShardState.SERVING
         elif serving:
             state = "partly serving"  # fewer serving replicas than its minimum
         elif not live and model.on_demand:
@@ -232,7 +232,7 @@ class Listings:
             # Not serving yet: say how far the furthest replica got (pending, fetching, starting...).
             state = max((r.state for r in live), key=_PROGRESS_ORDER.get)
         else:
-            state = "pending"
+            state = ShardState.PENDING
         profile = model.profile
         return {
             "name": model.name, "state": state, "declared_in": model.declared_in, "actor": model.actor,

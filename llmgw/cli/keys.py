@@ -16,8 +16,8 @@ import typer
 from llmgw.cli.exits import bad_config, fail
 from llmgw.config import ConfigError, Inventory, load_inventory, resolve_state_dir
 from llmgw.contracts.feed import Limits
-from llmgw.keys import (MODEL_LIMIT_SYNTAX, ApiKey, KeyRefused, create_key, list_keys, parse_int, parse_limit,
-                        parse_model_limit, revoke_key, set_key)
+from llmgw.keys import (MODEL_LIMIT_SYNTAX, ApiKey, KeyRefused, KeySettings, create_key, list_keys, parse_int,
+                        parse_limit, parse_model_limit, revoke_key, set_key)
 from llmgw.store import Store, audit
 
 keys_app = typer.Typer(
@@ -132,10 +132,10 @@ def create(
     store = _open_store(state_dir, inventory)
     try:
         def write(db):
-            key, secret = create_key(db, name, wanted,
-                                     limits=Limits(*(changes.get(f) for f in ("rpm", "tpm", "concurrency"))),
-                                     priority=changes.get("priority", 0), weight=changes.get("weight", 1),
-                                     model_limits=per_model)
+            settings = KeySettings(limits=Limits(*(changes.get(f) for f in ("rpm", "tpm", "concurrency"))),
+                                   priority=changes.get("priority", 0), weight=changes.get("weight", 1),
+                                   model_limits=per_model)
+            key, secret = create_key(db, name, wanted, settings)
             audit(db, _actor(), "key.create", key.name, {"models": sorted(key.models) if key.models else None,
                                                          **_settings(key)})
             return key, secret

@@ -5,9 +5,14 @@ operator action that must show at once); the admin API, the dashboard, /metrics 
 render from it and never from the reconciler's or the fleet's own records. The routers are fed
 otherwise: the reconciler pushes each pass's endpoint table to the router feed (llmgw.control.feed).
 
-Every value is immutable: dataclasses frozen with slots, tuples, read-only mappings. What a node
-reports is kept as the fleet's fact values (themselves frozen); None is unknown, never zero
-(R-2.3, R-2.7). Nothing here is imported from the control plane, the fleet or the router at run
+Every value is frozen: dataclasses frozen with slots, tuples, read-only mappings, and nothing
+in a view is changed once it is published. Not everything in it is a copy: a node's inventory and
+storage are the fleet's fact values, its `placement` view proxies the node configuration's
+labels, and the catalog is the one in force; those are frozen dataclasses, but some of the dicts
+they hold (an inventory's containers and venvs, a container's images, labels, a profile's env)
+are the fleet's or the configuration's own, shared rather than copied. Nothing changes them in
+place: a new report or configuration replaces them whole. None is unknown, never zero (R-2.3,
+R-2.7). Nothing here is imported from the control plane, the fleet or the router at run
 time: both sides of the contract import this module.
 """
 
@@ -18,14 +23,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from llmgw.contracts.states import AdminState, LinkState
 
 if TYPE_CHECKING:  # the value types of what nodes report and of placement, named for readers only
     from llmgw.catalog import Catalog
     from llmgw.control.placement import Explanation, NodeView
     from llmgw.fleet.facts import Held, Inventory, Storage
 
-READY = "ready"
-ACTIVE = "active"
+READY = LinkState.READY
+ACTIVE = AdminState.ACTIVE
 EMPTY: Mapping = MappingProxyType({})
 
 
@@ -134,7 +140,7 @@ class PublishedReplica:
     state: str
     serving: bool
     draining: bool  # marked for a rolling move, still serving until its replacement does (R-9.5)
-    retiring: bool  # being stopped (surplus, model gone, failed, drained)
+    retiring: bool  # being stopped (surplus, model gone, failed, drained, evicted)
     retired: bool  # stopped already: a failed or evicted replica kept for a while for its reason and log
     replaces: str | None
     reason: str | None
@@ -188,12 +194,12 @@ class ControlView:
 
     pass_number: int  # the reconcile pass that published it (0: before the first pass)
     published_at: float
-    catalog: Catalog  # the catalog in force (itself immutable)
+    catalog: Catalog  # the catalog in force (never changed: a change builds a new one)
     nodes: tuple[PublishedNode, ...]  # inventory order
     replicas: tuple[PublishedReplica, ...]  # live, by model then id
     retired: tuple[PublishedReplica, ...]  # failed or evicted recently and stopped, newest first
     models: Mapping[str, PublishedModel]
-    free_whole_nodes: Mapping[str, int]  # fabric -> ready nodes with every healthy GPU free
+    free_whole_nodes: Mapping[str, int]  # fabric -> ready, active nodes whose GPUs are all healthy and free
 
     def node(self, name: str) -> PublishedNode | None:
         return next((n for n in self.nodes if n.name == name), None)

@@ -1,10 +1,12 @@
 """The act step: the tasks that talk to nodes for the reconciler — fetch, launch, stop, log
-tails and sizing (R-4.2–R-4.8, R-5.1–R-5.4).
+tails and sizing (R-4.2–R-4.8, R-5.1–R-5.4) — and the replica records as they go: each change of
+a replica saved to SQLite as it is made, a replica retired (off the routers first, its engines
+stopped once its requests in flight have ended), its record dropped once they are (R-4.1).
 
 Each task is started by the reconciler's pass and runs on its own; what it learns it writes to
 the replica it was given (its shards' states through the transition table), to the records it was
-given (a failed model's log tail) and to its own `Learned` (sizes, download rates, provisioning
-times), and then wakes the reconciler.
+given (a failed model's log tail, a stopped replica's record) and to its own `Learned` (sizes,
+download rates, provisioning times), and then wakes the reconciler.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.catalog import Model
 from llmgw.config import GatewayConfig, NodeConfig
 from llmgw.control import placement
-from llmgw.control.state import ENDED, FAILED, FETCHING, PENDING, STARTING, STOPPED, STOPPING, Records, Replica, Shard
+from llmgw.control.routers import Routers
+from llmgw.control.state import (ENDED, FAILED, FETCHING, PENDING, RETIRING_PHASE, STARTING, STOPPED, STOPPING, Records,
+                                 Replica, Shard, delete_replica, save_replica)
 from llmgw.engines import ShardVars
 from llmgw.fleet.fleet import Fleet
 from llmgw.contracts.backoff import backoff_delay
@@ -30,6 +34,7 @@ from llmgw.fleet.errors import DiskFull, EngineProgramMissing, IdentityMismatch,
 from llmgw.fleet.ops import (FetchRequest, Fetched, ForgetRequest, LaunchRequest, LogsRequest, Provisioned, ProvisionRequest,
                              SourceSizeRequest, StopRequest)
 from llmgw.runtimes import runtime_digest, runtime_key, runtime_spec, runtime_words
+from llmgw.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -98,18 +103,18 @@ class Learned:
 
 
 class Actions:
-    """The running node tasks, by what they are for, and how to start each."""
+    """The running node tasks, by what they are for, and how to start each; the replicas' rows."""
 
-    def __init__(self, fleet: Fleet, gateway: GatewayConfig, records: Records, *, save: Callable[[Replica], None],
-                 wake: Callable[[], None], stopped: Callable[[Replica], None],
-                 outstanding: Callable[[str], int] | None = None):
+    def __init__(self, fleet: Fleet, gateway: GatewayConfig, records: Records, store: Store | None, routers: Routers,
+                 wake: Callable[[], None]):
         self.fleet = fleet
         self.gateway = gateway
-        self.records = records  # read for the ports in use; a failed model's log tail is kept in its health
-        self.save = save
+        # Read for the ports in use; a failed model's log tail is kept in its health, a stopped
+        # replica's record goes to the retired.
+        self.records = records
+        self.store = store
+        self.routers = routers  # told the endpoint table when a replica retires; asked its requests in flight
         self.wake = wake
-        self.stopped = stopped  # called once a retired replica's engines are all stopped
-        self.outstanding = outstanding
         self.learned = Learned()
         self.launches: dict[str, asyncio.Task] = {}  # replica id ->
         self.stops: dict[str, asyncio.Task] = {}  # replica id ->
@@ -124,6 +129,35 @@ class Actions:
         yield from (job.task for job in self.provisions.values() if job.task is not None)
         yield from self.sizing.values()
 
+    # -- the replicas' rows ----------------------------------------------------------------------
+
+    def save(self, replica: Replica) -> None:
+        """The replica's row as it is now, written by the store's thread (a copy: the pass and the
+        tasks go on changing the replica meanwhile)."""
+        if self.store is not None:
+            snapshot = Replica(**{**replica.__dict__, "shards": [Shard(**s.__dict__) for s in replica.shards]})
+            self.store.submit(lambda db: save_replica(db, snapshot))
+
+    def retire(self, replica: Replica, reason: str, grace: float = RETIRE_GRACE) -> None:
+        """Take a replica out of service: off the router first, then its engines stopped once
+        its requests in flight have ended, or after `grace` seconds; its record goes once they are."""
+        if not replica.set_phase(RETIRING_PHASE):
+            return
+        replica.reason = replica.reason or reason
+        log.info("retiring replica %s of %s: %s", replica.id, replica.model, reason)
+        self.cancel_launch(replica.id)
+        self.save(replica)
+        self.routers.push(self.records.endpoints(self.fleet.nodes))
+        self.stops[replica.id] = asyncio.create_task(self._stop_replica(replica, grace), name=f"stop-{replica.id}")
+
+    def _stopped(self, replica: Replica) -> None:
+        """A retired replica's engines are all stopped: its record goes, listed a while among the retired."""
+        self.records.replicas.pop(replica.id, None)
+        self.records.retired.append((time.time(), replica))
+        if self.store is not None:
+            self.store.submit(lambda db: delete_replica(db, replica.id))
+        self.wake()
+
     # -- starting tasks ------------------------------------------------------------------------
 
     def launch(self, replica: Replica, model: Model) -> None:
@@ -133,11 +167,6 @@ class Actions:
         task = self.launches.pop(replica_id, None)
         if task is not None:
             task.cancel()
-
-    def stop(self, replica: Replica, grace: float = RETIRE_GRACE) -> None:
-        """Stop a retired replica's engines once the router has no request in flight to it, or
-        after `grace` seconds."""
-        self.stops[replica.id] = asyncio.create_task(self._stop_replica(replica, grace), name=f"stop-{replica.id}")
 
     def sized(self, model: Model) -> Model | None:
         """The model with its weights' size filled in from the source when it was not declared;
@@ -377,14 +406,15 @@ class Actions:
 
     async def _stop_replica(self, replica: Replica, grace: float) -> None:
         try:
-            if self.outstanding is not None:
+            outstanding = self.routers.outstanding
+            if outstanding is not None:
                 deadline = time.monotonic() + grace
-                while self.outstanding(replica.id) > 0 and time.monotonic() < deadline:
+                while outstanding(replica.id) > 0 and time.monotonic() < deadline:
                     await asyncio.sleep(0.2)
             await asyncio.gather(*(self._stop_shard(replica, s) for s in replica.shards))
         finally:
             self.stops.pop(replica.id, None)
-        self.stopped(replica)
+        self._stopped(replica)
 
     async def _stop_shard(self, replica: Replica, shard: Shard) -> None:
         failed = shard.state == FAILED

@@ -53,6 +53,7 @@ from llmgw.weights import CACHE_NAME, parse_weights
 if TYPE_CHECKING:
     from llmgw.catalog import CatalogHolder
     from llmgw.control.actions import FetchJob
+    from llmgw.control.state import Records
     from llmgw.fleet.fleet import Fleet
     from llmgw.store import Store
 
@@ -128,20 +129,27 @@ def need_now(free_bytes: int, threshold: int, downloads: Iterable[tuple[int, int
 # -- the trigger ----------------------------------------------------------------------------------
 
 
-class Cleanup:
-    """Checks each ready node's cache filesystem against its mark once per pass (cheaply: the
-    latest storage facts), and runs a clean-up as a task when it is below."""
+@dataclass(frozen=True, slots=True)
+class CacheUse:
+    """What the control plane uses of the nodes' caches, read each time the clean-up looks: the
+    downloads writing into them, and the replica records (a live replica's entry is kept)."""
 
-    def __init__(self, fleet: Fleet, holder: CatalogHolder, gateway: GatewayConfig, store: Store | None, *,
-                 fetches: Mapping[tuple[str, str], FetchJob], in_use: Callable[[str], set[str]],
-                 wake: Callable[[], None], every: float = CLEANUP_EVERY):
+    fetches: Mapping[tuple[str, str], FetchJob]  # (node, cache name) -> the running download
+    records: Records
+
+
+class Cleanup:
+    """Checks the ready nodes' cache filesystems against their marks, up to CHECKS_PER_PASS of them
+    in turn on each pass (cheaply: the latest storage facts), and runs a clean-up as a task for one
+    below its mark."""
+
+    def __init__(self, fleet: Fleet, holder: CatalogHolder, gateway: GatewayConfig, store: Store | None,
+                 use: CacheUse, wake: Callable[[], None]):
         self.fleet = fleet
         self.holder = holder
         self.store = store
-        self.fetches = fetches  # (node, cache name) -> the running download
-        self.in_use = in_use  # node -> cache names its live replicas run from
+        self.use = use
         self.wake = wake
-        self.every = every
         self._cursor = 0
         self.configure(gateway)
         self.tasks: dict[str, asyncio.Task] = {}
@@ -170,13 +178,13 @@ class Cleanup:
         if len(names) < count:
             names += self._marked[:count - len(names)]
         downloads: dict[str, list[FetchJob]] = {}
-        for (node, _), job in self.fetches.items():
+        for (node, _), job in self.use.fetches.items():
             downloads.setdefault(node, []).append(job)
         for name in names:
             mark = self.marks[name]
             link = self.fleet.links.get(name)
             if link is None or link.state != READY or name in self.tasks \
-                    or now - self.last_run.get(name, -math.inf) < self.every:
+                    or now - self.last_run.get(name, -math.inf) < CLEANUP_EVERY:
                 continue
             storage = self.fleet.facts[name].storage
             cache = self.fleet.paths(name).cache_dir
@@ -212,7 +220,8 @@ class Cleanup:
                 log.warning("cleanup on %s: the installed engines could not be collected: %s", node, exc)
                 engines = 0
             listing = await ops.reclaim(ReclaimRequest(cache))
-            keep = self.holder.current.wanted_cache_names() | self.pinned | self.in_use(node)
+            catalog = self.holder.current
+            keep = catalog.wanted_cache_names() | self.pinned | self.use.records.cache_in_use(catalog.models, node)
             ordered = order((Entry(e.name, e.bytes, e.last_used, e.reason) for e in listing.entries), keep)
             if not ordered:
                 first = f"removed {engines} unwanted engine{'s' if engines != 1 else ''}; " if engines else ""

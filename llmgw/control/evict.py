@@ -27,10 +27,13 @@ from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from llmgw.catalog import Model
+from llmgw.contracts.states import AdminState, LinkState
 from llmgw.control import placement
 from llmgw.control.state import DRAINING_PHASE, ModelHealth, Replica
 from llmgw.units import duration_text, format_bytes, format_rate, idle_text
 
+ADMIN_STOPS = frozenset({AdminState.CORDONED, AdminState.DRAINING})  # what an uncordon mends
+NOT_READY = frozenset({LinkState.CONNECTING, LinkState.UNREACHABLE, LinkState.UNHEALTHY})  # the node ready again mends
 DEFAULT_EVICT_IDLE = 600.0  # seconds; `gateway.evict_idle` for models that set no `idle_timeout`
 
 
@@ -146,7 +149,8 @@ class WhatIf:
     weights says what the download would take, at the rate its last fetch was measured at.
     """
 
-    mends = frozenset({"cordoned", "draining", "connecting", "unreachable", "unhealthy", "gpus", "labels", "disk"})
+    # The first shortfall category of a node not ready or not active is its state (placement._Need.shortfalls).
+    mends = frozenset({*ADMIN_STOPS, *NOT_READY, "gpus", "labels", "disk"})
 
     def __init__(self, model: Model, pool: Sequence[Candidate], allocated: Mapping[str, Set[int]],
                  rates: Mapping[str, float], now: float):
@@ -165,9 +169,9 @@ class WhatIf:
         kind = categories[0]
         if kind not in self.mends or len(categories) > 1 and any(c != kind for c in categories):
             return None
-        if kind in ("cordoned", "draining"):
+        if kind in ADMIN_STOPS:
             change = "fits when uncordoned"
-        elif kind in ("connecting", "unreachable", "unhealthy"):
+        elif kind in NOT_READY:
             change = f"fits once the node is ready again (now {kind})"
         elif kind == "gpus":
             change = self._stop(node, refits)

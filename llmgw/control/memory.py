@@ -5,10 +5,13 @@ One `ControlMemory` is made when the reconciler is; the reconciler holds it and 
 writes, explicitly, never another's dict:
 
 - `records` (state.py): the replicas, those retired lately, each model's launch record;
-  written by the reconciler's pass and by the node tasks of `actions.py`;
+  written by the reconciler's pass, by `placing.carry_out` (a replica placed) and by `Actions`
+  (its node tasks, a retirement, a stopped replica's record dropped);
 - `nodes` (nodes.py): admin state, removals, unknown engines; written by `Nodes`;
-- `placing` (placing.py): unplaceable models, evictions under way; written by `Placing`;
-- `scaling` (scaling.py): each model's scaling, demand, last use; written by the pass;
+- `placing` (placing.py): unplaceable models, evictions under way; written by `Placing`, and by
+  the pass (a model with enough replicas, or gone from the catalog, is no longer unplaceable);
+- `scaling` (scaling.py): each model's scaling, demand, last use; written by the pass, and the
+  demand also when a request asks for an on-demand model (`Reconciler.note_demand`);
 - `probes` (observe.py): failed health probes in a row; written by the pass.
 
 What the node tasks learned (weights' sizes, download rates, provisioning times) is theirs:

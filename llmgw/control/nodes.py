@@ -2,8 +2,10 @@
 `node_admin` table, a node's removal from the inventory (drained, then forgotten, R-9.5, R-10.5),
 how placement sees each node, and what each is asked about for the catalog (R-2.6, R-4.12).
 
-`NodeMemory` is what is kept between passes; `Nodes` changes it and writes the table. Moving the
-replicas of a node that drains or is active again is the reconciler's (`Reconciler.set_admin`).
+`NodeMemory` is what is kept between passes; `Nodes` changes it and writes the table. How a
+node's replicas follow its admin state is `follow_admin`'s, which the reconciler applies to each
+replica on the node when the operator sets it, and to the replicas a pass finds unmarked on a
+draining node (and saves those that changed).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from llmgw.catalog import CatalogHolder
 from llmgw.config import NodeConfig
 from llmgw.contracts.states import AdminState, transition
 from llmgw.control import placement
-from llmgw.control.state import NodeAdmin, Replica
+from llmgw.control.state import ACTIVE_PHASE, DRAINING_PHASE, NodeAdmin, Replica
 from llmgw.fleet.fleet import Fleet
-from llmgw.fleet.link import READY
+from llmgw.fleet.link import CONNECTING, READY
 from llmgw.fleet.ops import InventoryRequest
 from llmgw.runtimes import runtime_digest, runtime_spec
 from llmgw.store import Store, audit
@@ -44,7 +46,7 @@ class NodeMemory:
 
 
 class Nodes:
-    """Node admin and removal, kept in SQLite; the node views placement goes by."""
+    """Node admin (kept in SQLite) and a node's removal by a reload; the node views placement goes by."""
 
     def __init__(self, fleet: Fleet, holder: CatalogHolder, store: Store | None, memory: NodeMemory):
         self.fleet = fleet
@@ -145,7 +147,7 @@ class Nodes:
         links = self.fleet.links
         answered = all(
             (link.state == READY and self.fleet.facts[name].inventory is not None)
-            or (link.state != READY and getattr(link, "state", None) != "connecting")
+            or (link.state != READY and link.state != CONNECTING)
             for name, link in links.items())
         if answered or now - started_at >= window:
             self._settled = True
@@ -192,13 +194,23 @@ class Nodes:
         return InventoryRequest(images=sorted(images), venvs=venvs)
 
 
+def follow_admin(replica: Replica, admin: AdminState) -> bool:
+    """Move a replica on a node as the node's admin state says: marked draining when it drains (it
+    serves until it is retired, R-9.5), active again when the node is; a cordon leaves it as it is
+    (R-9.4). True when its phase changed."""
+    if admin == AdminState.DRAINING:
+        return replica.set_phase(DRAINING_PHASE)
+    return admin == AdminState.ACTIVE and replica.draining and replica.set_phase(ACTIVE_PHASE)
+
+
 def node_views(fleet: Fleet, admin: Mapping[str, NodeAdmin]) -> list[placement.NodeView]:
     return [node_view(fleet, admin, name) for name in fleet.nodes]
 
 
 def node_view(fleet: Fleet, admin: Mapping[str, NodeAdmin], name: str) -> placement.NodeView:
-    """The node as placement sees it: its link, admin state and latest facts. Its mappings are
-    read-only, as the published views that carry it promise."""
+    """The node as placement sees it: its link, admin state and latest facts. Its own mappings
+    (labels, containers, venvs) are read-only proxies; what they hold (the configuration's labels,
+    a container program's images) is shared with the configuration and the facts, not copied."""
     node = fleet.nodes[name]
     link = fleet.links.get(name)
     facts = fleet.facts[name]
@@ -224,7 +236,7 @@ def node_view(fleet: Fleet, admin: Mapping[str, NodeAdmin], name: str) -> placem
         venvs = MappingProxyType({key: placement.VenvView(v.found, v.built) for key, v in inventory.venvs.items()})
     return placement.NodeView(
         name=name, fabric=node.fabric, labels=MappingProxyType(node.labels),
-        state=link.state if link is not None else "connecting",
+        state=link.state if link is not None else CONNECTING,
         state_reason=link.reason if link is not None else None,
         admin=admin[name].state, gpu_class=gpu_class, gpus=gpus, memory_bytes=memory,
         cache_free_bytes=cache_free, holds=holds, containers=containers, venvs=venvs)

@@ -1,10 +1,11 @@
 """The observe step: each live shard judged from its node's latest report, and the engines a
 node runs that no replica has (R-4.2–R-4.5, R-4.7).
 
-Pure: a judgement is a function of the shard, its replica, the node's link and facts, and the
-clock. Nothing is read from a node and nothing is changed here; the reconciler applies the
-judgements through the transition table. What a judgement counts from one pass to the next (failed
-health probes in a row) is kept in `ProbeMemory`.
+Pure: a judgement is a function of the shard, its replica, the node's link and facts, the clock
+and what the shard is allowed (`Patience`: the settling window, its model's start timeout, the
+health probes it failed in a row so far). Nothing is read from a node and nothing is changed here;
+the reconciler applies the judgements through the transition table. What a judgement counts from
+one pass to the next (failed health probes in a row) is kept in `ProbeMemory`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmgw.contracts.states import LinkState, ShardState
 from llmgw.control.state import RETIRING_PHASE, SERVING, STARTING, Replica, Shard
 from llmgw.fleet.facts import NodeFacts
+
+if TYPE_CHECKING:
+    from llmgw.catalog import Model
 
 UNHEALTHY_PROBES = 3  # consecutive failed health probes before a serving shard is failed
 READY = LinkState.READY  # read for every shard in every pass: a module global is the cheaper lookup
@@ -34,6 +39,17 @@ class ProbeMemory:
             self.failed[shard_id] = count
         else:
             self.failed.pop(shard_id, None)
+
+
+@dataclass(frozen=True, slots=True)
+class Patience:
+    """What a live shard is allowed before it is judged failed, the same for every shard of a pass:
+    its node away for the settling window (R-4.5), its start for its model's start timeout (R-4.3),
+    UNHEALTHY_PROBES failed health probes in a row, of which `failed_probes` counts those so far."""
+
+    settling_window: float
+    start_timeout: Callable[[str], float]  # a model's start timeout, by the model's name
+    failed_probes: Mapping[str, int]  # shard id -> failed health probes in a row (absent: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +74,16 @@ class Observation:
     unknown_engines: dict[str, list[str]]
 
 
+def start_timeout(model: Model | None) -> float:
+    """A model's start timeout (R-4.3); for a replica whose model left the catalog (the pass
+    retires it next), that of a profile which sets none."""
+    return model.profile.start_timeout if model is not None and model.profile is not None else 900.0
+
+
 def observe(replicas: Iterable[Replica], links: Mapping[str, object], facts: Mapping[str, NodeFacts],
-            now: float, *, settling_window: float, start_timeout: Callable[[str], float],
-            failed_probes: Mapping[str, int]) -> Observation:
+            now: float, patience: Patience) -> Observation:
     """Judge every starting or serving shard of the replicas not being retired, and find the
-    engines nobody knows. `start_timeout` gives a model's start timeout by its name."""
+    engines nobody knows."""
     judgements = []
     known: dict[str, set[str]] = {}
     for replica in replicas:
@@ -72,10 +93,7 @@ def observe(replicas: Iterable[Replica], links: Mapping[str, object], facts: Map
             if retiring:
                 continue
             if shard.state == SERVING or shard.state == STARTING:
-                judgement = judge(replica, shard, links.get(shard.node), facts.get(shard.node), now,
-                                  settling_window=settling_window,
-                                  start_timeout=start_timeout(replica.model) if shard.state == STARTING else None,
-                                  failed_probes=failed_probes.get(shard.id, 0))
+                judgement = judge(replica, shard, links.get(shard.node), facts.get(shard.node), now, patience)
                 if judgement is not None:
                     judgements.append(judgement)
     unknown = {}
@@ -86,12 +104,11 @@ def observe(replicas: Iterable[Replica], links: Mapping[str, object], facts: Map
     return Observation(judgements, unknown)
 
 
-def judge(replica: Replica, shard: Shard, link, facts: NodeFacts | None, now: float, *,
-          settling_window: float, start_timeout: float | None, failed_probes: int = 0) -> Judgement | None:
+def judge(replica: Replica, shard: Shard, link, facts: NodeFacts | None, now: float,
+          patience: Patience) -> Judgement | None:
     """One starting or serving shard judged; None when nothing changes.
 
-    `link` is the node's link (its `state` and `since`), None once the node left the inventory;
-    `start_timeout` is needed for a starting shard only."""
+    `link` is the node's link (its `state` and `since`), None once the node left the inventory."""
     if link is None:
         return Judgement(replica.id, shard.rank, ShardState.FAILED, f"node {shard.node} is no longer in the inventory")
     if link.state != READY:
@@ -101,7 +118,7 @@ def judge(replica: Replica, shard: Shard, link, facts: NodeFacts | None, now: fl
             # (each bounded by its own timeout). Its replicas keep serving; if the attempt fails,
             # the window counts from that failure (R-4.5).
             return None
-        if now - link.since > settling_window:
+        if now - link.since > patience.settling_window:
             since = time.strftime('%H:%M:%S', time.localtime(link.since))
             return Judgement(replica.id, shard.rank, ShardState.FAILED, f"node {shard.node} {link.state} since {since}",
                              abandon=True)
@@ -127,10 +144,12 @@ def judge(replica: Replica, shard: Shard, link, facts: NodeFacts | None, now: fl
         if healthy:
             return Judgement(replica.id, shard.rank, ShardState.SERVING)
         # Counted from the launch: download progress never resets it (R-4.3).
-        if start_timeout is not None and now - shard.launched_at > start_timeout:
+        start_timeout = patience.start_timeout(replica.model)
+        if now - shard.launched_at > start_timeout:
             return Judgement(replica.id, shard.rank, ShardState.FAILED,
                              f"did not become ready within {start_timeout:.0f}s (last health: {last_health})")
         return None
+    failed_probes = patience.failed_probes.get(shard.id, 0)
     if healthy:
         return Judgement(replica.id, shard.rank, failed_probes=0) if failed_probes else None
     count = failed_probes + 1

@@ -1,7 +1,8 @@
 """Placement: which nodes can run a replica of a model, which ones it goes to, and why (R-3.1–R-3.6).
 
-Pure functions of their inputs: no I/O, no logging, no clock. The reconciler calls `place` for
-every replica it starts; `explain_placement` gives the same decision with a verdict for every
+Pure functions of their inputs: no I/O, no logging, no clock. `Placing` (llmgw.control.placing)
+calls `place` for every replica the reconciler starts, and eviction to try the room its victims
+would make; `explain_placement` gives the same decision with a verdict for every
 node, for `explain-placement` and for `ctl status` (models that cannot be placed, R-7.2).
 
 Filters, in the order their reasons are listed: node ready; not cordoned or draining; not avoided
@@ -35,11 +36,12 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 from llmgw.catalog import Model
+from llmgw.contracts.states import AdminState, LinkState
 from llmgw.runtimes import runtime_digest, runtime_spec
 from llmgw.units import duration_text, format_rate
 
-READY = "ready"
-ACTIVE = "active"
+READY = LinkState.READY
+ACTIVE = AdminState.ACTIVE
 
 # Sorts after every real count: a node whose GPUs are unknown packs worse than any known node
 # (it may be a whole free GPU node that a multi-node replica needs).
@@ -98,9 +100,9 @@ class NodeView:
     name: str
     fabric: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
-    state: str = "connecting"  # "ready" | "connecting" | "unreachable" | "unhealthy"
+    state: str = LinkState.CONNECTING  # a LinkState: ready, connecting, unreachable, unhealthy
     state_reason: str | None = None
-    admin: str = ACTIVE  # "active" | "cordoned" | "draining"
+    admin: str = ACTIVE  # an AdminState: active, cordoned, draining
     gpu_class: str | None = None
     gpus: tuple[GPUView, ...] | None = None
     memory_bytes: int | None = None
@@ -223,14 +225,14 @@ def place(model: Model, nodes: Sequence[NodeView], allocated: Mapping[str, Set[i
     if need.nodes == 1:
         if not fitting:
             return None
-        return _single_plan(model, need, *min(fitting, key=_rank)[1:], allocated)
+        return _single_plan(_Ask(model, need, allocated), min(fitting, key=_rank))
     by_fabric: dict[str, list] = {}
     for candidate in fitting:
         fabric = candidate[1].fabric
         if fabric is not None:
             by_fabric.setdefault(fabric, []).append(candidate)
     chosen = _choose_fabric(by_fabric, need.nodes)
-    return None if chosen is None else _multi_plan(model, need, chosen[0], chosen[1], allocated)
+    return None if chosen is None else _multi_plan(_Ask(model, need, allocated), chosen[0], chosen[1])
 
 
 def never_fits(model: Model, nodes: Sequence[NodeView]) -> str | None:
@@ -315,9 +317,10 @@ def explain_placement(model: Model, nodes: Sequence[NodeView], allocated: Mappin
         change = what_if(node, categories, free, holds, refits) if categories[0] in mends else None
         rejected.append((node, reasons, categories[0], free, holds, change))
 
+    ask = _Ask(model, need, allocated, durations)
     if need.nodes == 1:
         fitting.sort(key=_rank)
-        plan = _single_plan(model, need, *fitting[0][1:], allocated, durations) if fitting else None
+        plan = _single_plan(ask, fitting[0]) if fitting else None
         verdicts = _fitting_verdicts(need, fitting, durations)
         if plan is not None:
             summary = f"would place on {_shard_text(plan.leader, leader=False)}: " + ", ".join(plan.reasons)
@@ -325,7 +328,7 @@ def explain_placement(model: Model, nodes: Sequence[NodeView], allocated: Mappin
             summary = "no node fits: " + _tally(r[2] for r in rejected) if rejected else "no nodes to place on"
         verdicts += _rejected_verdicts(rejected)
         return Explanation(name, tuple(verdicts), plan, summary)
-    return _explain_multi(model, need, nodes, fitting, rejected, allocated, what_if is not None, durations)
+    return _explain_multi(ask, nodes, fitting, rejected, what_if is not None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -654,6 +657,17 @@ _rank = operator.itemgetter(0)
 # Ranking and plans, shared by `place` and `explain_placement` so they cannot disagree.
 
 
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """One placement asked for, as the plan and its words are made: the model, what it needs of
+    a node, the GPUs replicas hold, and (explain-placement) what preparing nodes took lately."""
+
+    model: Model
+    need: _Need
+    allocated: Mapping[str, Set[int]]
+    durations: Durations | None = None
+
+
 def _choose_fabric(by_fabric: Mapping[str, list], count: int) -> tuple[str, list] | None:
     """The fabric and its `count` best candidates: most holders of the weights, then of the engine,
     then tightest packing, then name."""
@@ -675,16 +689,18 @@ def _take_gpus(node: NodeView, count: int, allocated: Mapping[str, Set[int]]) ->
     return free_gpus(node, allocated)[:count]
 
 
-def _single_plan(model: Model, need: _Need, node: NodeView, free: int | None, holds: bool, engine: bool | None,
-                 words: str | None, allocated: Mapping[str, Set[int]], durations: Durations | None = None) -> Plan:
-    shard = ShardPlan(node.name, 0, _take_gpus(node, need.gpus, allocated))
-    prepare = None if durations is None else _prepare(need, node, holds, engine, durations)[1]
-    return Plan(model.name, (shard,), node.fabric, _preference(need, node, free, holds, words, prepare))
+def _single_plan(ask: _Ask, candidate: tuple) -> Plan:
+    """The plan on one node, from its candidate (as `_fitting` makes them)."""
+    _, node, free, holds, engine, words = candidate
+    need = ask.need
+    shard = ShardPlan(node.name, 0, _take_gpus(node, need.gpus, ask.allocated))
+    prepare = None if ask.durations is None else _prepare(need, node, holds, engine, ask.durations)[1]
+    return Plan(ask.model.name, (shard,), node.fabric, _preference(need, node, free, holds, words, prepare))
 
 
-def _multi_plan(model: Model, need: _Need, fabric: str, chosen: list,
-                allocated: Mapping[str, Set[int]]) -> Plan:
-    shards = tuple(ShardPlan(c[1].name, rank, _take_gpus(c[1], need.gpus, allocated))
+def _multi_plan(ask: _Ask, fabric: str, chosen: list) -> Plan:
+    need = ask.need
+    shards = tuple(ShardPlan(c[1].name, rank, _take_gpus(c[1], need.gpus, ask.allocated))
                    for rank, c in enumerate(chosen))
     holders = sum(c[3] for c in chosen)
     left = sum(c[0][2] for c in chosen)
@@ -701,7 +717,7 @@ def _multi_plan(model: Model, need: _Need, fabric: str, chosen: list,
         reasons.append(f"all {len(chosen)} nodes have {what}" if engines == len(chosen)
                        else f"{engines} of {len(chosen)} nodes have {what}; the others provision it")
     reasons.append(f"packs: leaves {left} GPU{'s' if left != 1 else ''} free across its {len(chosen)} nodes")
-    return Plan(model.name, shards, fabric, tuple(reasons))
+    return Plan(ask.model.name, shards, fabric, tuple(reasons))
 
 
 def _preference(need: _Need, node: NodeView, free: int | None, holds: bool, engine_words: str | None,
@@ -799,10 +815,10 @@ def _rejected_verdicts(rejected: list) -> list[NodeVerdict]:
             for node, reasons, _, free, holds, change in rejected]
 
 
-def _explain_multi(model: Model, need: _Need, nodes: Sequence[NodeView], fitting: list, rejected: list,
-                   allocated: Mapping[str, Set[int]], what_if: bool = False,
-                   durations: Durations | None = None) -> Explanation:
+def _explain_multi(ask: _Ask, nodes: Sequence[NodeView], fitting: list, rejected: list,
+                   what_if: bool = False) -> Explanation:
     """Multi-node (R-3.4): nodes that pass every filter still need `need.nodes - 1` partners in their fabric."""
+    need = ask.need
     by_fabric: dict[str, list] = {}
     for candidate in fitting:
         node = candidate[1]
@@ -812,7 +828,7 @@ def _explain_multi(model: Model, need: _Need, nodes: Sequence[NodeView], fitting
         else:
             by_fabric.setdefault(node.fabric, []).append(candidate)
     chosen = _choose_fabric(by_fabric, need.nodes)
-    plan = None if chosen is None else _multi_plan(model, need, chosen[0], chosen[1], allocated)
+    plan = None if chosen is None else _multi_plan(ask, chosen[0], chosen[1])
 
     gpu_counts: dict[str, set[int]] = {}
     for node in nodes:
@@ -833,7 +849,7 @@ def _explain_multi(model: Model, need: _Need, nodes: Sequence[NodeView], fitting
     first = [] if chosen is None else chosen[1]
     first_names = {c[1].name for c in first}
     rest = sorted((c for c in placeable if c[1].name not in first_names), key=_rank)
-    verdicts = _fitting_verdicts(need, first + rest, durations)
+    verdicts = _fitting_verdicts(need, first + rest, ask.durations)
 
     if plan is not None:
         summary = f"would place on fabric {plan.fabric}: " + ", ".join(
@@ -850,7 +866,7 @@ def _explain_multi(model: Model, need: _Need, nodes: Sequence[NodeView], fitting
     else:
         summary = "no nodes to place on"
     verdicts += _rejected_verdicts(rejected)
-    return Explanation(model.name, tuple(verdicts), plan, summary)
+    return Explanation(ask.model.name, tuple(verdicts), plan, summary)
 
 
 def _fabric_more(fabric: str, missing: int, need: _Need, gpu_counts: set[int]) -> str:

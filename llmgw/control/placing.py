@@ -2,10 +2,11 @@
 replicas of other models are stopped to make room when it fits nowhere (`evict.py`), and why a
 model does not fit, with the what-if of `explain-placement`.
 
-`Placing.place` decides and returns what the reconciler applies — a replica to record and start
-(`Start`), replicas to retire (`Evict`), or nothing — and starts, stops and saves nothing itself.
-What it keeps between passes is `PlacingMemory`: the models that do not fit, with their
-explanation, and the evictions under way.
+`Placing.place` decides, and starts, stops and saves nothing itself: it returns a replica to record
+and start (`Start`), replicas to retire (`Evict`), or nothing. `carry_out` applies that decision
+through the node tasks (`Actions`): the replica recorded, saved and launched, or the victims
+retired and each eviction audited. What placing keeps between passes is `PlacingMemory`: the
+models that do not fit, with their explanation, and the evictions under way.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from dataclasses import dataclass, field
 from llmgw.catalog import CatalogHolder, Model
 from llmgw.config import GatewayConfig
 from llmgw.control import evict, placement
-from llmgw.control.actions import Learned
+from llmgw.control.actions import Actions, Learned
 from llmgw.control.nodes import Nodes
 from llmgw.control.scaling import ScalingMemory
-from llmgw.control.state import Records, Replica, Shard, new_engine_key, new_replica_id
+from llmgw.control.state import ModelHealth, Records, Replica, Shard, new_engine_key, new_replica_id
+from llmgw.store import Store, audit
 
 log = logging.getLogger(__name__)
 
+EVICTOR = "evictor"  # the actor of evictions in the audit table
 EXPLAIN_EVERY = 10.0  # seconds between full explanations of a model that does not fit
 
 
@@ -179,3 +182,30 @@ class Placing:
             self.memory.evicted[victim.replica_id] = model.name
         self.memory.evicting[model.name] = {v.replica_id for v in victims}
         return Evict(model.name, victims, tuple(s.node for s in chosen.shards))
+
+
+def carry_out(outcome: Start | Evict | None, model: Model, now: float, actions: Actions, store: Store | None) -> bool:
+    """Apply what `Placing.place` decided: a replica recorded, saved and launched (True); or idle
+    replicas of other models retired and audited, this model placed on a later pass once they
+    stopped (False, as when nothing was placed)."""
+    records = actions.records
+    match outcome:
+        case Start(replica=replica):
+            records.replicas[replica.id] = replica
+            records.health.setdefault(model.name, ModelHealth()).launches += 1
+            log.info("placing %s as %s on %s (%s)", model.name, replica.id, ", ".join(replica.nodes),
+                     "; ".join(outcome.reasons))
+            actions.save(replica)
+            actions.launch(replica, model)
+            return True
+        case Evict(victims=victims):
+            log.info("evicting %s to place %s on %s", ", ".join(v.idle_words(now) for v in victims), model.name,
+                     ", ".join(outcome.nodes))
+            for victim in victims:
+                reason = evict.eviction_reason(model.name, victim, now)
+                actions.retire(records.replicas[victim.replica_id], reason)
+                if store is not None:
+                    detail = {"model": victim.model, "for": model.name, "idle_seconds": round(now - victim.idle_since, 1),
+                              "nodes": sorted(victim.gpus), "reason": reason}
+                    store.submit(lambda db, rid=victim.replica_id, detail=detail: audit(db, EVICTOR, "evict", rid, detail))
+    return False

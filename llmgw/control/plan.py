@@ -1,8 +1,9 @@
 """The plan step: what to launch, retire and mark draining, as small actions (R-4.1, R-6.8, R-6.8a, R-9.5).
 
-Pure: a plan is a function of the catalog's models, the live replicas, the clock and the
-records the reconciler keeps (demand, last use, health, node admin, each model's scaling and the
-load of its replicas). The reconciler carries the actions out, in the order given.
+Pure: a plan is a function of the catalog's models, the live replicas, the clock, the records
+the reconciler keeps (`PlanInputs`: node admin, each model's launch record, demand and scaling,
+each replica's last use) and the load of a model's replicas. The reconciler carries the actions
+out, in the order given.
 """
 
 from __future__ import annotations
@@ -67,6 +68,20 @@ class Enough:
 Action = Launch | Retire | MarkDraining | ForgetDemand | Enough | Scaled
 
 
+@dataclass(frozen=True, slots=True)
+class PlanInputs:
+    """What the plan reads besides a model, its replicas, the clock and their load: the records the
+    reconciler keeps, the same for every model of a pass. The mappings are the reconciler's own,
+    read here and never changed."""
+
+    admin: Mapping[str, NodeAdmin]  # node -> what the operator set on it
+    health: Mapping[str, ModelHealth]  # model -> its launch record (absent: nothing failed)
+    demand: Mapping[str, float]  # on-demand model -> when it was asked for while nothing served it
+    last_used: Mapping[str, float]  # replica id -> the routers' last use of it
+    scales: Mapping[str, scaling.Scale]  # model -> its scaling as the last pass left it
+    started_at: float  # when this control plane started
+
+
 def sweep(replicas: Iterable[Replica], models: Mapping[str, Model]) -> list[Retire]:
     """Replicas nothing wants any more: their model left the catalog (or serves from a fixed
     URL now), they failed (R-4.1), or their stop was under way when the control plane restarted."""
@@ -84,6 +99,15 @@ def sweep(replicas: Iterable[Replica], models: Mapping[str, Model]) -> list[Reti
             # finished, not forgotten, or it would count as a replica that never serves (R-4.5).
             retire.append(Retire(replica.id, replica.reason or "was being stopped when the control plane restarted"))
     return retire
+
+
+def live_by_model(replicas: Iterable[Replica]) -> dict[str, list[Replica]]:
+    """The replicas not being retired, by model, in the order given."""
+    by_model: dict[str, list[Replica]] = {}
+    for replica in replicas:
+        if replica.phase is not RETIRING_PHASE:
+            by_model.setdefault(replica.model, []).append(replica)
+    return by_model
 
 
 def drain_marks(replicas: Iterable[Replica], admin: Mapping[str, NodeAdmin]) -> list[MarkDraining]:
@@ -122,19 +146,20 @@ def desired(model: Model, active: list[Replica], now: float, *, demand: float | 
     return 0, True
 
 
-def plan_model(model: Model, live: list[Replica], now: float, *, health: ModelHealth | None,
-               admin: Mapping[str, NodeAdmin], demand: float | None, last_used: Mapping[str, float],
-               started_at: float, scale: scaling.Scale | None = None,
+def plan_model(model: Model, live: list[Replica], now: float, inputs: PlanInputs,
                load: Mapping[str, float] | None = None) -> list[Action]:
     """The actions for one model, from its live (not retiring) replicas.
 
-    The count wanted is the scaling decision's (llmgw.control.scaling), from `scale` (the
-    model's previous one) and `load` (replica id -> its load; None: the model does not scale on
+    The count wanted is the scaling decision's (llmgw.control.scaling), from the model's previous
+    one (`inputs.scales`) and `load` (replica id -> its load; None: the model does not scale on
     load). A surplus is retired least useful first: not serving, then least loaded, then newest.
     A launch waits out the model's failure backoff, and while it waits nothing else is decided
     for the model, draining replicas included (they keep serving)."""
+    name = model.name
+    scale = inputs.scales.get(name)
     active = [r for r in live if r.phase is not DRAINING_PHASE]
-    floor, forget = desired(model, active, now, demand=demand, last_used=last_used, started_at=started_at)
+    floor, forget = desired(model, active, now, demand=inputs.demand.get(name), last_used=inputs.last_used,
+                            started_at=inputs.started_at)
     total = None
     if load is not None:
         total = 0.0
@@ -148,6 +173,7 @@ def plan_model(model: Model, live: list[Replica], now: float, *, health: ModelHe
     missing = count - len(active)
     surplus: list[Replica] = []
     if missing > 0:
+        health = inputs.health.get(name)
         if health is not None and now < health.next_attempt:
             return actions
         actions.append(Launch(model.name, missing))
@@ -167,6 +193,7 @@ def plan_model(model: Model, live: list[Replica], now: float, *, health: ModelHe
     # Rolling move (R-9.5): a draining replica stops once enough others serve, or at the grace.
     retired = {r.id for r in surplus}
     serving_active = sum(1 for r in active if r.serving and r.id not in retired)
+    admin = inputs.admin
     for replica in draining:
         grace_over = any(admin[n].state == AdminState.DRAINING and admin[n].grace_until is not None
                          and now >= admin[n].grace_until for n in replica.nodes if n in admin)

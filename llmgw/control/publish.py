@@ -3,18 +3,21 @@
 `control_view` is a pure function of what it is given (`Sources`): the control plane's memory
 (llmgw.control.memory: records, node admin, placing, scaling), what the node tasks learned, the
 cache clean-up's state, the fleet's links, facts and node configurations, the catalog and the
-gateway's settings; it copies them into frozen values. It imports nothing of the reconciler.
+gateway's settings; it makes frozen values of them, copies but for what is frozen already and
+shared as it is (the fleet's fact values, the catalog, the node configuration's labels under
+placement's node views). It imports nothing of the reconciler.
 
 The reconciler publishes at the end of every pass, and the control plane after an operator
-action that must show at once (cordon, drain, model add, remove, scale). A publication is cheap:
-its view is built when first read and then kept, the same object for every reader until the
-next publication. A pass over a large fleet therefore pays nothing for it (placement's node views
-of 2,000 nodes cost more than a whole pass with nothing to do), and a view is built at most once
-per publication, from the state of the moment it is first read.
+action that must show at once (cordon, drain, model add, remove, scale, a reload). A
+publication is cheap: its view is built when first read and then kept, the same object for
+every reader until the next publication. A pass over a large fleet therefore pays nothing for it
+(placement's node views of 2,000 nodes cost more than a whole pass with nothing to do), and a
+view is built at most once per publication, from the state of the moment it is first read.
 
 Three things leave the control plane, each under its own name: a publication of this view (for
-the admin, /metrics and ctl), the endpoint table the reconciler pushes to the router feed
-(`Routers.push`), and the feed's changes, which `llmgw.control.feed` sends the routers.
+the admin, /metrics and ctl: `Reconciler.publish_view`), the endpoint table the reconciler pushes
+to the router feed (`Routers.push`, llmgw.control.routers), and the feed's changes, which the
+feed publisher (llmgw.control.feed) sends the routers.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class ScalingMemory:
     engine_capped: set[str] = field(default_factory=set)  # said once while it lasts
 
     def keep(self, model: str, scale: Scale) -> ScaleDecision | None:
-        """Keep the model's scaling; its decision when that is new (logged and audited, R-6.8b)."""
+        """Keep the model's scaling; its decision when that is new (the reconciler logs and audits it, R-6.8b)."""
         previous = self.scales.get(model)
         self.scales[model] = scale
         decision = scale.last

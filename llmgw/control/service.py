@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from llmgw.catalog import Catalog, CatalogHolder, StoredModel
 from llmgw.config import ConfigError, Document, Inventory, ModelConfig, load_inventory, parse_model_text
 from llmgw.contracts.refusals import ErrorKind, ServiceError
+from llmgw.contracts.states import AdminState
 from llmgw.contracts.views import ControlView
 from llmgw.control import installed, placement
 from llmgw.control.reconciler import Reconciler
@@ -61,9 +62,10 @@ class ControlPlane:
         """The latest published view of the control plane (llmgw.control.publish)."""
         return self.reconciler.view.get()
 
-    def publish(self) -> None:
-        """Publish now, so that what an operator just changed shows at once, not at the next pass."""
-        self.reconciler.publish()
+    def publish_view(self) -> None:
+        """Publish the view now, so that what an operator just changed shows at once in the admin,
+        not at the next pass."""
+        self.reconciler.publish_view()
 
     def explain(self, name: str) -> placement.Explanation:
         """Why the model goes where it goes, or nowhere, on the fleet as it is now (R-3.5)."""
@@ -102,7 +104,7 @@ class ControlPlane:
         # them, R-4.12). A node that has not reported its GPUs yet could hold any number: it is
         # not excluded (R-3.6).
         unknown_gpus = tuple(placement.GPUView(i, True) for i in range(model.profile.gpus))
-        idle = dict(state=READY, state_reason=None, admin="active", holds=None, containers=None, venvs=None)
+        idle = dict(state=READY, state_reason=None, admin=AdminState.ACTIVE, holds=None, containers=None, venvs=None)
         views = [dataclasses.replace(v, **idle) if v.gpus is not None else
                  dataclasses.replace(v, **idle, gpus=unknown_gpus, gpu_class=v.gpu_class or model.profile.gpu_class)
                  for v in self.reconciler.nodes.views()]
@@ -135,7 +137,7 @@ class ControlPlane:
             await self.store.write(lambda db: (db["models"].insert(row),
                                                audit(db, actor, "model.add", config.name, detail)))
             self.holder.swap(catalog)
-        self.publish()
+        self.publish_view()
         self.reconciler.wake()
         return self.model_summary(config.name)
 
@@ -157,7 +159,7 @@ class ControlPlane:
             await self.store.write(lambda db: (db["models"].delete_where("name = ?", [name]),
                                                audit(db, actor, "model.remove", name)))
             self.holder.swap(catalog)
-        self.publish()
+        self.publish_view()
         self.reconciler.wake()
         return {"removed": name}
 
@@ -184,7 +186,7 @@ class ControlPlane:
                 db["models"].update(name, {"definition": definition, "updated_at": time.time()}),
                 audit(db, actor, "model.scale", name, {"min": minimum, "max": maximum})))
             self.holder.swap(catalog)
-        self.publish()
+        self.publish_view()
         self.reconciler.wake()
         return self.model_summary(name)
 
@@ -255,7 +257,7 @@ class ControlPlane:
             await self.store.write(lambda db: audit(db, actor, "reload", "inventory", detail))
         finally:
             self._reloading = None
-        self.publish()
+        self.publish_view()
         self.reconciler.wake()
         return answer
 
@@ -325,7 +327,7 @@ class ControlPlane:
     # -- nodes ---------------------------------------------------------------------------------
 
     def set_node(self, node: str, action: str, grace: float | None, actor: str) -> dict:
-        states = {"cordon": "cordoned", "uncordon": "active", "drain": "draining"}
+        states = {"cordon": AdminState.CORDONED, "uncordon": AdminState.ACTIVE, "drain": AdminState.DRAINING}
         if action not in states:
             raise ServiceError(ErrorKind.INVALID, f"unknown action {action!r}; use cordon, uncordon or drain")
         if node not in self.fleet.nodes:
@@ -334,7 +336,7 @@ class ControlPlane:
             raise ServiceError(ErrorKind.CONFLICT, f"{node} left {self.inventory_source} and is being drained before it is "
                                     "forgotten; put it back in the file and reload to keep it", code="node_removing")
         admin = self.reconciler.set_admin(node, states[action], grace if action == "drain" else None, actor)
-        self.publish()
+        self.publish_view()
         return {"node": node, "admin": admin.state, "grace_until": admin.grace_until}
 
     # -- storage and reclaim (R-5.5) -----------------------------------------------------------

@@ -1,10 +1,13 @@
 """Replicas and shards: the control plane's records, and how they are kept in SQLite (R-4.2).
 
 `Records` holds them between passes, with the replicas retired lately and each model's launch
-record. The reconciler's pass changes them, and so do the node tasks of `actions.py` (a shard's
-state, port, progress and log tail as its launch or stop goes on); a shard's or replica's state
-moves only through the transition table. The admin, /metrics and ctl read published snapshots
-(llmgw.control.publish), never these records.
+record. The reconciler changes them, in its pass and at once when an operator drains or
+uncordons a node, and so does `Actions` (llmgw.control.actions): its node tasks change a shard's
+state, port, progress and log tail as its launch or stop goes on, and a stopped replica's record
+leaves for the retired. A shard's or replica's state moves only through the transition table.
+The admin's listings, /metrics and ctl are made from published views (llmgw.control.publish),
+never from these records; only operator actions through the control plane's service (a
+replica's log, what a reclaim keeps) look them up.
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ class Replica:
 
     @property
     def retiring(self) -> bool:
-        """Being torn down (surplus, model gone, failed, drained)."""
+        """Being torn down (surplus, model gone, failed, drained, evicted)."""
         return self.phase is RETIRING_PHASE
 
     def set_phase(self, phase: ReplicaPhase) -> bool:
@@ -308,6 +311,13 @@ class Records:
         replica.reason = health.last_failure
         log.warning("replica %s of %s failed: %s (attempt %d; next in %.0fs)", replica.id, replica.model,
                     health.last_failure, health.failures, health.next_attempt - now)
+
+    def record_serving(self, replica: Replica, now: float) -> None:
+        """A replica serves (every shard does): since now, and its model's failures in a row are over."""
+        replica.serving_since = now
+        health = self.health.setdefault(replica.model, ModelHealth())
+        health.failures, health.next_attempt = 0, 0.0
+        log.info("replica %s of %s serving on %s", replica.id, replica.model, ", ".join(replica.nodes))
 
     def prune(self, now: float) -> None:
         """The retired replicas listed no longer: stopped more than RETIRED_KEEP ago, or beyond RETIRED_LISTED."""

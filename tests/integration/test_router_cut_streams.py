@@ -15,7 +15,7 @@ from aiohttp import web
 
 from llmgw.contracts.endpoints import Endpoint
 from llmgw.contracts.feed import Limits
-from llmgw.keys import create_key, list_keys
+from llmgw.keys import KeySettings, create_key, list_keys
 from llmgw.router import limits
 from llmgw.router.limits import BYTES_PER_TOKEN
 from tests.integration.test_router_support import (apoll, catalog, engines, model,  # noqa: F401
@@ -53,7 +53,7 @@ async def test_r6_9a_a_stream_the_client_cuts_is_recorded_and_settled(engines, s
     llama-server with an estimate, marked as such; the key's TPM reservation settles to that."""
     engine = engines.start("m", mode=mode, token_delay=PACE)
     gw = await start_router(catalog(model("m", profile=profile)), {"m": [engine.endpoint()]})
-    _, secret = gw.store.write_sync(lambda db: create_key(db, "tight", limits=Limits(tpm=60000)))
+    _, secret = gw.store.write_sync(lambda db: create_key(db, "tight", settings=KeySettings(limits=Limits(tpm=60000))))
     gw.reload_keys()
     async with gw.client(secret) as client:
         stream = await client.chat.completions.create(model="m", messages=HELLO, stream=True, extra_body=cap)

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from llmgw.contracts.endpoints import Endpoint
 from llmgw.contracts.feed import Limits
-from llmgw.keys import create_key
+from llmgw.keys import KeySettings, create_key
 from tests.integration.test_router_support import catalog, model, scripted_engine, start_router  # noqa: F401
 
 HELLO = [{"role": "user", "content": "hi"}]
@@ -44,7 +44,7 @@ class Engine:
 
 
 def limited_key(gw, name: str, **options) -> str:
-    _, secret = gw.store.write_sync(lambda db: create_key(db, name, **options))
+    _, secret = gw.store.write_sync(lambda db: create_key(db, name, settings=KeySettings(**options)))
     gw.reload_keys()
     return secret
 
@@ -232,7 +232,7 @@ async def two_routers(tmp_path, url: str, limits: Limits):
     from tests.integration.test_router_support import apoll
 
     store = Store.open(tmp_path / "state.db")
-    shared, secret = store.write_sync(lambda db: create_key(db, "shared", limits=limits))
+    shared, secret = store.write_sync(lambda db: create_key(db, "shared", settings=KeySettings(limits=limits)))
     publisher = FeedPublisher(CatalogHolder(catalog(model("m"))), store, GatewayConfig())
     publisher.set_endpoints({"m": [Endpoint("r", "m", url, None)]})
     publisher.mark_ready()

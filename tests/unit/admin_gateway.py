@@ -97,7 +97,7 @@ class FakeGateway:
 
     def publish(self) -> None:
         """What the reconciler does at the end of a pass: the admin shows what was set since."""
-        self.control.publish()
+        self.control.publish_view()
 
 
 def make_gateway(tmp_path: Path) -> FakeGateway:

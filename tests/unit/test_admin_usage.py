@@ -8,7 +8,7 @@ from rich.console import Console
 from llmgw.admin import render
 from llmgw.admin.usage import usage_report
 from llmgw.contracts.feed import Limits
-from llmgw.keys import create_key
+from llmgw.keys import KeySettings, create_key
 from llmgw.contracts.feed import USAGE_BUCKET_SECONDS as BUCKET_SECONDS
 from llmgw.store import Store, add_usage
 
@@ -27,9 +27,9 @@ def store(tmp_path):
         (HOUR, "gone", "embed", 2, 5, 0),
         (HOUR - 48 * BUCKET_SECONDS, "k1", "chat", 100, 1000, 1000),
     ]))
-    limited, _ = store.write_sync(lambda db: create_key(db, "batch", limits=Limits(rpm=30, concurrency=4),
-                                                        model_limits={"chat": Limits(tpm=9000),
-                                                                      "embed": Limits(rpm=5, concurrency=1)}))
+    settings = KeySettings(limits=Limits(rpm=30, concurrency=4),
+                           model_limits={"chat": Limits(tpm=9000), "embed": Limits(rpm=5, concurrency=1)})
+    limited, _ = store.write_sync(lambda db: create_key(db, "batch", settings=settings))
     store.write_sync(lambda db: add_usage(db, [(HOUR, limited.id, "chat", 1, 1, 1)]))
     yield store
     store.close()

@@ -7,7 +7,10 @@ How things are counted:
 - a class's methods: the functions defined directly in its body (`def` and `async def`, with
   properties, static and class methods; functions nested inside them are not counted);
 - a module's imports: every `import` and `from … import` anywhere in it, those under
-  `if TYPE_CHECKING:` included, followed through the llmgw modules it imports.
+  `if TYPE_CHECKING:` included, followed through the llmgw modules it imports;
+- a function's parameters: all of them but a method's `self` or `cls`, keyword-only ones,
+  `*args` and `**kwargs` included (nested functions and lambdas are functions too);
+- a module's lines: its lines of text, docstring and comments included.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "llmgw"
 
-RECONCILER_ATTRIBUTES = 15
-RECONCILER_METHODS = 20
+RECONCILER_ATTRIBUTES = 14
+RECONCILER_METHODS = 15
+RECONCILER_LINES = 260
+PARAMETERS = 7  # at most, for every function of the control plane and of llmgw.keys
 
 
 def _class(module: str, name: str) -> ast.ClassDef:
@@ -89,3 +94,38 @@ def test_the_reconciler_keeps_the_pass_and_little_else():
 def test_publish_imports_nothing_of_the_reconciler():
     # Not even for a type: a publication is made of what it is given (publish.Sources).
     assert "llmgw.control.reconciler" not in _reachable("llmgw.control.publish")
+
+
+def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> int:
+    args = function.args
+    names = [a.arg for a in (*args.posonlyargs, *args.args)]
+    count = len(names) + len(args.kwonlyargs) + (args.vararg is not None) + (args.kwarg is not None)
+    return count - 1 if names and names[0] in ("self", "cls") else count
+
+
+def _functions(path: Path) -> list[tuple[str, int]]:
+    """(name:line, parameters) of every function in the module."""
+    return [(f"{node.name if not isinstance(node, ast.Lambda) else 'lambda'}:{node.lineno}", _parameters(node))
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
+
+
+def test_the_parameter_count_sees_the_code():
+    counts = dict(_functions(PACKAGE / "control" / "placement.py"))
+    place = next(count for name, count in counts.items() if name.startswith("place:"))
+    assert place == 4  # model, nodes, allocated, *, avoid
+    assert _parameters(ast.parse("def f(self, a, /, b, *c, d, **e): pass").body[0]) == 5
+
+
+def test_no_function_of_the_control_plane_or_the_keys_takes_more_than_seven_parameters():
+    # More go together as one value (PlanInputs, observe.Patience, placement._Ask, CacheUse, KeySettings).
+    paths = [*sorted((PACKAGE / "control").glob("*.py")), PACKAGE / "keys.py"]
+    wide = [f"{path.relative_to(PACKAGE.parent)} {name}: {count}" for path in paths
+            for name, count in _functions(path) if count > PARAMETERS]
+    assert not wide, wide
+
+
+def test_the_reconciler_module_keeps_the_pass_short():
+    lines = len((PACKAGE / "control" / "reconciler.py").read_text().splitlines())
+    print(f"control/reconciler.py: {lines} lines")
+    assert lines <= RECONCILER_LINES

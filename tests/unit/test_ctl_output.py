@@ -19,7 +19,7 @@ from llmgw.admin import text
 from llmgw.admin.app import build_admin_app
 from llmgw.cli.main import app
 from llmgw.contracts.states import ReplicaPhase
-from llmgw.control.reconciler import ModelHealth
+from llmgw.control.state import ModelHealth
 from llmgw.control.state import FAILED, Replica, Shard
 from tests.unit.admin_gateway import TOKEN, make_gateway
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from llmgw.cli.main import app as cli
 from llmgw.contracts.feed import FeedError, KeyEntry, Limits, key_from_wire, key_to_wire
-from llmgw.keys import KeyRefused, create_key, key_entries, list_keys, parse_model_limit, set_key
+from llmgw.keys import KeyRefused, KeySettings, create_key, key_entries, list_keys, parse_model_limit, set_key
 from llmgw.store import MIGRATIONS, SCHEMA_VERSION, migrate, schema_version
 
 
@@ -38,8 +38,8 @@ def test_r6_16_migration_adds_limits_to_keys_made_before(tmp_path):
 
 
 def test_r6_16_create_and_set_limits_reach_the_published_entries(db):
-    create_key(db, "alice", ["m1", "m2"], limits=Limits(rpm=60), priority=2, weight=3,
-               model_limits={"m1": Limits(tpm=1000, concurrency=2)})
+    create_key(db, "alice", ["m1", "m2"], KeySettings(limits=Limits(rpm=60), priority=2, weight=3,
+                                                     model_limits={"m1": Limits(tpm=1000, concurrency=2)}))
     create_key(db, "bob")
     alice, bob = key_entries(db)
     assert alice.limits == Limits(60, None, None) and (alice.priority, alice.weight) == (2, 3)

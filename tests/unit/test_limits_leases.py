@@ -10,7 +10,7 @@ from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig
 from llmgw.contracts.feed import Change, FeedError, GatewaySettings, Lease, Limits, Report, Snapshot, from_wire, to_wire
 from llmgw.control.feed import LEASE_FLOOR, FeedPublisher
-from llmgw.keys import create_key, key_entries
+from llmgw.keys import KeySettings, create_key, key_entries
 from llmgw.store import Store
 
 
@@ -52,7 +52,7 @@ class Clock:
 
 async def test_r6_16_publisher_splits_each_limited_key_by_demand_with_a_floor(tmp_path):
     store = Store.open(tmp_path / "state.db")
-    store.write_sync(lambda db: create_key(db, "limited", limits=Limits(rpm=600)))
+    store.write_sync(lambda db: create_key(db, "limited", settings=KeySettings(limits=Limits(rpm=600))))
     store.write_sync(lambda db: create_key(db, "free"))
     limited, _ = store.read_sync(key_entries)
     catalog = Catalog.build(file_models=[ModelConfig(name="m", profile="p")], profiles={"p": ProfileConfig(engine="vllm")})

@@ -76,6 +76,11 @@ def expected(link, report, identity, health, timeout, state, prior):
     return None, None, False, prior + 1, None
 
 
+def patience(failed_probes=None):
+    """The settling window and start timeout of these cases, with the failed probes so far."""
+    return observe.Patience(SETTLING, lambda model: START_TIMEOUT, failed_probes or {})
+
+
 def case(link, report, identity, health, timeout, state):
     launched = NOW - (30.0 if timeout == "within" else 120.0)
     shard = Shard(id="m-1-0", replica_id="m-1", rank=0, node="a", gpus=(0,), port=8000, state=state, pid=41,
@@ -105,8 +110,7 @@ def case(link, report, identity, health, timeout, state):
 def test_judgement(link, report, identity, health, timeout, state, prior):
     replica, shard, link_obj, facts = case(link, report, identity, health, timeout, state)
     before = (copy.deepcopy(replica), copy.deepcopy(facts))
-    judgement = judge(replica, shard, link_obj, facts, NOW, settling_window=SETTLING,
-                      start_timeout=START_TIMEOUT, failed_probes=prior)
+    judgement = judge(replica, shard, link_obj, facts, NOW, patience({shard.id: prior}))
     want = expected(link, report, identity, health, timeout, state, prior)
     got = None if judgement is None else (judgement.state, judgement.reason, judgement.abandon,
                                           judgement.failed_probes, judgement.log_tail)
@@ -119,7 +123,7 @@ def test_judgement(link, report, identity, health, timeout, state, prior):
 def test_a_shard_not_launched_yet_is_not_judged():
     replica, shard, link, facts = case("ready", "newer", "not-found", "200", "past", ShardState.STARTING)
     shard.pid = shard.launched_at = None
-    assert judge(replica, shard, link, facts, NOW, settling_window=SETTLING, start_timeout=START_TIMEOUT) is None
+    assert judge(replica, shard, link, facts, NOW, patience()) is None
 
 
 def test_observe_judges_only_live_shards_of_replicas_not_retiring():
@@ -130,9 +134,7 @@ def test_observe_judges_only_live_shards_of_replicas_not_retiring():
     other.set_phase(ReplicaPhase.RETIRING)
     stopping, stopping_shard, _, _ = case("ready", "newer", "exited", "200", "within", ShardState.STOPPING)
     stopping.id = "m-3"
-    observed = observe.observe([replica, other, stopping], {"a": link}, {"a": facts}, NOW,
-                               settling_window=SETTLING, start_timeout=lambda model: START_TIMEOUT,
-                               failed_probes={})
+    observed = observe.observe([replica, other, stopping], {"a": link}, {"a": facts}, NOW, patience())
     assert [(j.replica_id, j.state) for j in observed.judgements] == [("m-1", ShardState.FAILED)]
 
 
@@ -147,5 +149,5 @@ def test_unknown_engines_are_the_live_ones_no_replica_has():
                        shards=[Shard(id="r-1-0", replica_id="r-1", rank=0, node="a", gpus=(1,))])
     facts.shards["r-1-0"] = ShardStatus(**{**stranger.__dict__, "shard_id": "r-1-0"})
     observed = observe.observe([replica, retiring], {"a": link, "b": link}, {"a": facts, "b": silent}, NOW,
-                               settling_window=SETTLING, start_timeout=lambda model: START_TIMEOUT, failed_probes={})
+                               patience())
     assert observed.unknown_engines == {"a": ["x-0"]}  # a retiring replica's engine is still known

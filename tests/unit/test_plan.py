@@ -33,11 +33,19 @@ def admin(**states):
 def decide(model, live, *, health=None, nodes=None, demand=None, last_used=None, started_at=0.0, now=NOW,
            scale=None, load=None):
     """The plan's actions but the scaling it keeps (tests/unit/test_scaling.py covers that)."""
-    return [a for a in plan.plan_model(model, live, now, health=health,
-                                       admin=nodes or admin(a=("active", None), b=("active", None)),
-                                       demand=demand, last_used=last_used or {}, started_at=started_at,
-                                       scale=scale, load=load)
+    return [a for a in plan.plan_model(model, live, now,
+                                       inputs(model, health=health,
+                                              nodes=nodes or admin(a=("active", None), b=("active", None)),
+                                              demand=demand, last_used=last_used, started_at=started_at,
+                                              scale=scale), load)
             if not isinstance(a, plan.Scaled)]
+
+
+def inputs(model, *, nodes, health=None, demand=None, last_used=None, started_at=0.0, scale=None):
+    """What the reconciler keeps, as the plan reads it, with this model's entries as given."""
+    return plan.PlanInputs(admin=nodes, health={} if health is None else {model.name: health},
+                           demand={} if demand is None else {model.name: demand}, last_used=last_used or {},
+                           scales={} if scale is None else {model.name: scale}, started_at=started_at)
 
 
 # -- replicas nothing wants, drain marks ------------------------------------------------------
@@ -99,8 +107,7 @@ def test_scaling_down_retires_the_least_loaded_then_the_newest_with_the_decision
     live = [replica("old", created=1.0), replica("new", created=3.0), replica("busy", created=2.0)]
     loads = {"old": 0, "new": 0, "busy": 1}
     trend = scaling.Scale(3, -1, since=NOW - 60, samples=((NOW - 60, 0), (NOW - 45, 1), (NOW - 15, 0)))
-    actions = plan.plan_model(model, live, NOW, health=None, admin=admin(a=("active", None)), demand=None,
-                              last_used={}, started_at=0.0, scale=trend, load=loads)
+    actions = plan.plan_model(model, live, NOW, inputs(model, nodes=admin(a=("active", None)), scale=trend), loads)
     [scaled] = [a for a in actions if isinstance(a, plan.Scaled)]
     reason = "scale 3→1: 0.5 in flight over 30s, target 2"
     assert scaled.scale.desired == 1 and scaled.scale.last.reason == reason

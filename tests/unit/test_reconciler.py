@@ -12,7 +12,8 @@ import pytest
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, ProfileConfig
 from llmgw.contracts import states
-from llmgw.control.reconciler import Reconciler, Routers
+from llmgw.control.reconciler import Reconciler
+from llmgw.control.routers import Routers
 from llmgw.control.state import FAILED
 from llmgw.fleet.facts import Held
 from llmgw.store import Store
@@ -31,13 +32,13 @@ def no_refused_transitions():
     assert not states.refused, f"transitions refused: {dict(states.refused)}"
 
 
-def build(models: list[dict], nodes=("a", "b", "c"), fabric="ib", **gateway):
+def build(models: list[dict], nodes=("a", "b", "c"), fabric="ib", store=None, **gateway):
     inventory = Inventory(nodes=[NodeConfig(name=n, host=f"h-{n}", fabric=fabric) for n in nodes], profiles=PROFILES)
     holder = CatalogHolder(catalog(models))
     fleet = FakeFleet(inventory)
     pushed = []
     settings = GatewayConfig(**{"settling_window": 0.3, **gateway})
-    reconciler = Reconciler(holder, fleet, None, settings, Routers(push_endpoints=pushed.append))
+    reconciler = Reconciler(holder, fleet, store, settings, Routers(push_endpoints=pushed.append))
     return reconciler, fleet, holder, pushed
 
 
@@ -202,11 +203,11 @@ async def test_on_demand_loads_on_demand_and_stops_when_idle():
 async def test_load_scales_up_and_down_draining_first_and_every_decision_is_audited(tmp_path):
     """R-6.8a, R-6.8b: the router's figures scale the model; a replica scaled away leaves the
     router at once and is stopped only once its requests have ended."""
+    store = Store.open(tmp_path / "state.db")
     reconciler, fleet, _, pushed = build([{"name": "m", "scaling": {"min": 1, "max": 3, "target": 4,
-                                                                    "up_delay": 0, "down_delay": 0}}])
-    store = reconciler.store = Store.open(tmp_path / "state.db")
+                                                                    "up_delay": 0, "down_delay": 0}}], store=store)
     in_flight: dict[str, int] = {}
-    reconciler.routers.outstanding = reconciler.actions.outstanding = lambda rid: in_flight.get(rid, 0)
+    reconciler.routers.outstanding = lambda rid: in_flight.get(rid, 0)  # read by the pass and by each stop
     try:
         await settle(reconciler, fleet)
         [first] = serving(reconciler, "m")

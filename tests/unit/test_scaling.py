@@ -160,8 +160,9 @@ def serving(rid, created=0.0):
 
 
 def plan_for(m, live, state, now, *, demand=None, last_used=None, load=None):
-    actions = plan.plan_model(m, live, now, health=None, admin={}, demand=demand, last_used=last_used or {},
-                              started_at=0.0, scale=state, load=load)
+    inputs = plan.PlanInputs(admin={}, health={}, demand={} if demand is None else {m.name: demand},
+                             last_used=last_used or {}, scales={} if state is None else {m.name: state}, started_at=0.0)
+    actions = plan.plan_model(m, live, now, inputs, load)
     scaled = [a.scale for a in actions if isinstance(a, plan.Scaled)]
     return (scaled[0] if scaled else state), [a for a in actions if not isinstance(a, plan.Scaled)]
 
