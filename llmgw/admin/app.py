@@ -148,6 +148,8 @@ def build_admin_app(admin: AdminDependencies) -> web.Application:
         web.post("/api/models", api.add_model),
         web.delete("/api/models/{name}", api.remove_model),
         web.post("/api/models/{name}/scale", api.scale),
+        web.get("/api/models/{name}/rollout", api.rollout_status),
+        web.post("/api/models/{name}/rollout/{action}", api.rollout),
         web.get("/api/explain/{model}", api.explain),
         web.get("/api/replicas", api.replicas),
         web.get("/api/replicas/{replica}/logs", api.logs),
@@ -266,6 +268,8 @@ class Api:
         if request.content_type == "application/json":
             body = await _json_body(request)
             text, source = body.get("yaml"), body.get("source")
+            if not isinstance(body.get("replace", False), bool):
+                raise ServiceError(ErrorKind.INVALID, "replace must be true or false", code="bad_argument")
         else:
             body, source = {}, None
             charset = request.charset or "utf-8"
@@ -280,8 +284,10 @@ class Api:
         if not isinstance(text, str) or not text.strip():
             raise ServiceError(ErrorKind.INVALID, "send the model definition (YAML) as the request body", code="empty_body")
         source = source or request.headers.get(SOURCE_HEADER) or "model file"
-        answer = await self.admin.control.add_model(text, _actor(request, body), source=str(source)[:256])
-        return _json(answer, status=201)
+        replace = bool(body.get("replace", False))
+        answer = await self.admin.control.add_model(text, _actor(request, body), source=str(source)[:256],
+                                                    replace=replace)
+        return _json(answer, status=200 if replace else 201)
 
     async def remove_model(self, request: web.Request) -> web.Response:
         answer = await self.admin.control.remove_model(request.match_info["name"], _actor(request))
@@ -295,6 +301,17 @@ class Api:
         maximum = _int(body.get("max"), "max", allow_none=True)
         answer = await self.admin.control.scale(request.match_info["name"], minimum, maximum,
                                                   _actor(request, body))
+        return _json(answer)
+
+    async def rollout_status(self, request: web.Request) -> web.Response:
+        return _json(self.admin.control.rollout_status(request.match_info["name"]))
+
+    async def rollout(self, request: web.Request) -> web.Response:
+        """pause, resume, promote or undo a model's rollout; `canary` (percent) with resume or undo (R-4.13)."""
+        body = await _json_body(request)
+        canary = _int(body.get("canary"), "canary", allow_none=True)
+        answer = await self.admin.control.rollout(request.match_info["name"], request.match_info["action"],
+                                                  _actor(request, body), canary)
         return _json(answer)
 
     async def reload(self, request: web.Request) -> web.Response:

@@ -179,9 +179,9 @@ def nodes_page(snapshot: Listings) -> Markup:
 
 def models_page(snapshot: Listings) -> Markup:
     rows = [[m["name"], m["state"], f"{m['replicas']['serving']} / {m['replicas']['total']}",
-             text.scaling_listed(m["scaling"]), text.last_scale(m, snapshot.now), m["routing"], m["profile"], m["engine"],
+             text.revision_listed(m), text.scaling_listed(m["scaling"]), text.last_scale(m, snapshot.now), m["routing"], m["profile"], m["engine"],
              m["weights"], m["fallback"], text.declared(m), text.model_problem(m)] for m in snapshot.models()]
-    listing = table(["model", "state", "serving / replicas", "scaling", "last scaled", "routing", "profile", "engine",
+    listing = table(["model", "state", "serving / replicas", "revision", "scaling", "last scaled", "routing", "profile", "engine",
                      "weights", "fallback", "declared", "problem"], rows, empty="the catalog has no models")
     return Markup(template("models.html").substitute(models=listing))
 
@@ -197,11 +197,13 @@ def replicas_page(snapshot: Listings) -> Markup:
                 shards.append(tag("div", shard["progress"]["line"], "progress"))
             if shard["log_tail"]:
                 shards.append(tag("pre", "\n".join(shard["log_tail"][-20:]), "log"))
-        rows.append([replica["id"], replica["model"], text.replica_state(replica), Markup("".join(shards)),
+        number = replica.get("revision_number")
+        rows.append([replica["id"], replica["model"], f"#{number}" if number is not None else "-",
+                     text.replica_state(replica), Markup("".join(shards)),
                      text.ago(replica["serving_since"], now) if replica["serving_since"] else "-",
                      text.idle_for(replica), "-" if replica.get("in_flight") is None else replica["in_flight"],
                      text.engine_load(replica), replica["reason"]])
-    listing = table(["replica", "model", "state", "shards", "serving since", "unasked-for", "in flight",
+    listing = table(["replica", "model", "revision", "state", "shards", "serving since", "unasked-for", "in flight",
                      "engine load", "reason"], rows,
                     empty=text.NO_REPLICAS, cls="replicas")
     return Markup(template("replicas.html").substitute(replicas=listing))

@@ -114,6 +114,29 @@ class FleetCollector:
         yield desired
         yield decisions
 
+        # Revisions and rollouts: live replicas per revision, the revision each
+        # model is to run, and 1 for the state its rollout is in.
+        by_revision = GaugeMetricFamily("llmgw_model_revision_replicas", "Live replicas of the model per revision "
+                                        "they run", labels=["model", "revision", "number"])
+        target = GaugeMetricFamily("llmgw_model_revision", "The number of the revision the model's replicas are "
+                                   "to run (label: its id)", labels=["model", "revision"])
+        rollout = GaugeMetricFamily("llmgw_model_rollout_state", "1 for the state of the model's rollout "
+                                    "(none, rolling, paused, canary, done)", labels=["model", "state"])
+        for model in models:
+            if model["static"] or model["revision"] is None:
+                continue
+            for entry in model["revisions"]:
+                number = entry["number"]
+                by_revision.add_metric([model["name"], entry["revision"] or "", "" if number is None else str(number)],
+                                       entry["replicas"])
+            if model["revision_number"] is not None:
+                target.add_metric([model["name"], model["revision"]], model["revision_number"])
+            for value in ("none", "rolling", "paused", "canary", "done"):
+                rollout.add_metric([model["name"], value], 1.0 if model["rollout"] == value else 0.0)
+        yield by_revision
+        yield target
+        yield rollout
+
         # A move the transition table does not allow is a bug in its caller, refused and counted
         # (contracts.states): zero is what a healthy control plane shows, so it is always there.
         refused = CounterMetricFamily("llmgw_state_transitions_refused", "State changes the transition table "

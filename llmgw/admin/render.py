@@ -131,14 +131,14 @@ def nodes(document: dict) -> Table:
 
 
 def models(document: dict) -> Table:
-    table = _table("MODEL", "STATE", "SERVING", "SCALING", "LAST SCALED", "ROUTING", "PROFILE", "ENGINE", "WEIGHTS",
-                   "FALLBACK", "DECLARED", "PROBLEM")
+    table = _table("MODEL", "STATE", "SERVING", "REVISION", "SCALING", "LAST SCALED", "ROUTING", "PROFILE", "ENGINE",
+                   "WEIGHTS", "FALLBACK", "DECLARED", "PROBLEM")
     now = time.time()
     for model in document["models"]:
         declared, problem = words.declared(model), words.model_problem(model)
         table.add_row(_t(model["name"], "bold"), _t(model["state"]),
                       _t(f"{model['replicas']['serving']}/{model['replicas']['total']}"),
-                      _t(words.scaling_listed(model["scaling"])), _t(words.last_scale(model, now)),
+                      _t(words.revision_listed(model)), _t(words.scaling_listed(model["scaling"])), _t(words.last_scale(model, now)),
                       _t(model.get("routing")), _t(model["profile"]),
                       _t(model["engine"]),
                       _t(model["weights"]), _t(model["fallback"]), _t(declared), _t(problem))
@@ -154,7 +154,8 @@ def replicas(document: dict) -> Text:
         out.append(replica["id"], style="bold")
         out.append(f"  {replica['model']}  ")
         out.append(state, style="green" if replica["serving"] else "red" if replica["state"] == ShardState.FAILED else "yellow")
-        details = []
+        details = [f"revision #{replica['revision_number']}" if replica.get("revision_number") is not None
+                   else f"revision {replica.get('revision') or '-'}"]
         if replica["serving_since"] is not None:
             details.append(f"serving since {words.clock(replica['serving_since'])}")
         if replica["serving"]:
@@ -328,6 +329,41 @@ def scaled(answer: dict, max_given: bool) -> Text:
     else:
         line += f"; runs exactly {scaling['min']} (max = min: no scaling on load)"
     return Text(line)
+
+
+def _revision(label: dict | None) -> str:
+    if label is None:
+        return "-"
+    number = label.get("number")
+    return f"#{number} {label['id']}" if number is not None else label["id"]
+
+
+def rollout(answer: dict) -> Group:
+    """A model's rollout: where it stands, why it waits, and its replicas per revision (R-4.13)."""
+    state = answer["state"]
+    target = _revision(answer["target"])
+    head = {"none": f"{answer['model']}: revision {target}; no rollout has run",
+            "done": f"{answer['model']}: revision {target}; the rollout from {_revision(answer['previous'])} is done",
+            "rolling": f"{answer['model']}: rolling from {_revision(answer['previous'])} to {target}",
+            "paused": f"{answer['model']}: rollout to {target} PAUSED",
+            "canary": f"{answer['model']}: canary of {target}: about {answer['canary']} % of requests"}[state]
+    lines = [Text(head, style="bold")]
+    if answer.get("held"):
+        lines.append(Text(f"held by an undo: the catalog defines revision {_revision(answer['catalog'])}; "
+                          "a change of the model's definition ends the hold", style="yellow"))
+    if answer.get("paused"):
+        lines.append(Text(f"paused: {answer['paused']}  (ctl rollout resume, or undo)", style="red"))
+    elif answer.get("waiting"):
+        lines.append(Text(answer["waiting"]))
+    lines.append(Text(f"surge {answer['surge']}, unavailable {answer['unavailable']}"
+                      + (f", canary {answer['canary']} %" + (" (promoted)" if answer.get("promoted") else "")
+                         if answer.get("canary") is not None else "")))
+    table = _table("REVISION", "REPLICAS", "SERVING")
+    for entry in answer["revisions"]:
+        mark = " (target)" if entry["revision"] == answer["target"] else ""
+        table.add_row(_revision(entry["revision"]) + mark, str(entry["replicas"]), str(entry["serving"]))
+    lines.append(table)
+    return Group(*lines)
 
 
 def reload(answer: dict) -> Group:

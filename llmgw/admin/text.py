@@ -365,3 +365,22 @@ def router_refused(router: dict) -> str:
     parts = [f"{n} {what}{'' if n == 1 else 's'}" for what, n in (("report", refused["reports"]),
                                                                    ("row", refused["rows"])) if n]
     return ", ".join(parts) or UNKNOWN
+
+
+def revision_listed(model: dict) -> str:
+    """The model's revision in a listing (R-8.6): `#2`, with its rollout and the replicas per
+    revision while several run (`#2 rolling: #2×1 #1×2`), and an undo's hold; `-` when llmgw
+    runs nothing for it."""
+    number = model.get("revision_number")
+    if model.get("revision") is None:
+        return "-"
+    text = f"#{number}" if number is not None else model["revision"]
+    runs = model.get("revisions") or []
+    state = model.get("rollout") or "none"
+    if state in ("rolling", "paused", "canary"):
+        text += f" {state}"
+    if len(runs) > 1 or (runs and runs[0]["revision"] != model["revision"]):
+        text += ": " + " ".join(f"#{r['number'] if r['number'] is not None else '?'}×{r['replicas']}" for r in runs)
+    if model.get("catalog_revision") not in (None, model["revision"]):
+        text += " (held by undo; the catalog differs)"
+    return text

@@ -195,6 +195,7 @@ class Listings:
             "draining": replica.draining, "retiring": replica.retiring, "retired": replica.retired,
             "replaces": replica.replaces, "reason": replica.reason, "created_at": replica.created_at,
             "serving_since": replica.serving_since, "last_used": last_used,
+            "revision": replica.revision, "revision_number": replica.revision_number,  # R-8.6; None: not known
             "idle_seconds": None if last_used is None else max(0.0, self.now - last_used),
             "nodes": list(replica.nodes), "shards": shards,
             "in_flight": router.reported_in_flight(replica.id) if router is not None else None,
@@ -258,6 +259,14 @@ class Listings:
             "routing": model.config.routing,
             "static": model.static,
             "replicas": {"total": len(live), "serving": serving},
+            # The revision its replicas are to run, the catalog's (they differ while an undo holds
+            # the model), how many run which, and where its rollout stands (R-8.6, R-4.13).
+            "revision": known.revision if known is not None else None,
+            "revision_number": known.revision_number if known is not None else None,
+            "catalog_revision": known.catalog_revision if known is not None else None,
+            "revisions": _per_revision(live),
+            "rollout": known.rollout if known is not None else "none",
+            "rollout_waiting": known.rollout_waiting if known is not None else None,
             "unplaceable": unplaceable.summary if unplaceable is not None else None,
             "failures": known.failures if known is not None else 0,
             "last_failure": known.last_failure if known is not None else None,
@@ -405,3 +414,14 @@ def explanation_json(explanation: Explanation) -> dict:
 def _inside(path: str, directory: str) -> bool:
     directory = directory.rstrip("/")
     return path == directory or path.startswith(directory + "/")
+
+
+def _per_revision(live) -> list[dict]:
+    """The model's live replicas counted per revision, the newest revision first."""
+    counts: dict[str | None, dict] = {}
+    for replica in live:
+        entry = counts.setdefault(replica.revision, {"revision": replica.revision, "number": replica.revision_number,
+                                                     "replicas": 0, "serving": 0})
+        entry["replicas"] += 1
+        entry["serving"] += int(replica.serving)
+    return sorted(counts.values(), key=lambda e: -(e["number"] or 0))

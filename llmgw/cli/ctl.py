@@ -37,6 +37,9 @@ ctl = typer.Typer(
 model_app = typer.Typer(help="Add or remove models at runtime (models of the inventory file are edited there).",
                         no_args_is_help=True)
 ctl.add_typer(model_app, name="model")
+rollout_app = typer.Typer(help="A model's move to a new revision: watch it, pause, resume, promote a canary, undo.",
+                          no_args_is_help=True)
+ctl.add_typer(rollout_app, name="rollout")
 
 JSON_OPTION = typer.Option(False, "--json", help="Print the API's JSON answer instead of tables.")
 TOKEN_FILE_OPTION = typer.Option(None, "--token-file", envvar="LLMGW_ADMIN_TOKEN_FILE", show_envvar=True,
@@ -287,11 +290,16 @@ def drain(ctx: typer.Context, node: str = typer.Argument(..., help="Node name.")
 def model_add(ctx: typer.Context,
               file: Path = typer.Option(..., "-f", "--file", exists=True, dir_okay=False, readable=True,
                                         help="YAML of one model, as an entry of the inventory's `models:` list."),
+              replace: bool = typer.Option(False, "--replace", help="Give a model added at runtime this new "
+                                                                    "definition (a changed revision rolls)."),
               as_json: bool = JSON_OPTION) -> None:
     """Add a model at runtime from a YAML file.
 
     The file holds one entry as in the inventory's `models:` list. It is checked like the
     inventory, and must fit some node of it, before anything is stored; it survives restarts.
+    With --replace, a model added at runtime takes the file's definition: scaling, routing,
+    limits and fallbacks apply in place, and a change of what its replicas run (weights, engine,
+    arguments, environment…) rolls them to the new revision (`ctl rollout status`).
     """
     with _refusals():
         try:
@@ -299,8 +307,8 @@ def model_add(ctx: typer.Context,
         except UnicodeDecodeError as exc:
             raise AdminError(f"{file} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
         # The file's name rides in the JSON body: an HTTP header cannot carry every name a file can have.
-        answer = _client(ctx).post("/api/models", {"yaml": text, "source": file.name})
-        _emit(answer, as_json, render.model_summary("added"))
+        answer = _client(ctx).post("/api/models", {"yaml": text, "source": file.name, "replace": replace})
+        _emit(answer, as_json, render.model_summary("replaced" if replace else "added"))
 
 
 @model_app.command("remove")
@@ -337,6 +345,65 @@ def scale(ctx: typer.Context,
     with _refusals():
         answer = _client(ctx).post(f"/api/models/{_quote(model)}/scale", {"min": minimum, "max": maximum})
         _emit(answer, as_json, lambda a: render.scaled(a, max_given=maximum is not None))
+
+
+# -- rollouts -----------------------------------------------------------------------------------------
+
+CANARY_OPTION = typer.Option(None, "--canary", min=1, max=99,
+                             help="Stop at one replica of the target given about this percent of the requests, "
+                                  "until `ctl rollout promote`.")
+
+
+@rollout_app.command("status")
+def rollout_status(ctx: typer.Context, model: str = typer.Argument(..., help="Model name."),
+                   as_json: bool = JSON_OPTION) -> None:
+    """Where the model's rollout stands: its target revision, why it waits, replicas per revision.
+
+    A model rolls when its definition changes what its replicas run (weights, engine, arguments,
+    environment, runtime, GPUs…): replicas of the new revision start and each old one leaves once
+    a new one serves, within the model's rollout.surge and rollout.unavailable. With no rollout
+    under way it shows the revision every replica runs.
+    """
+    with _refusals():
+        _emit(_client(ctx).call("GET", f"/api/models/{_quote(model)}/rollout"), as_json, render.rollout)
+
+
+def _rollout(ctx: typer.Context, model: str, action: str, as_json: bool, canary: int | None = None) -> None:
+    with _refusals():
+        body = {} if canary is None else {"canary": canary}
+        _emit(_client(ctx).post(f"/api/models/{_quote(model)}/rollout/{action}", body), as_json, render.rollout)
+
+
+@rollout_app.command("pause")
+def rollout_pause(ctx: typer.Context, model: str = typer.Argument(..., help="Model name."),
+                  as_json: bool = JSON_OPTION) -> None:
+    """Stop the rollout where it is: nothing more starts or stops; every replica keeps serving."""
+    _rollout(ctx, model, "pause", as_json)
+
+
+@rollout_app.command("resume")
+def rollout_resume(ctx: typer.Context, model: str = typer.Argument(..., help="Model name."),
+                   canary: int | None = CANARY_OPTION, as_json: bool = JSON_OPTION) -> None:
+    """Go on with a paused rollout (one paused by a failing replica tries again at once)."""
+    _rollout(ctx, model, "resume", as_json, canary)
+
+
+@rollout_app.command("promote")
+def rollout_promote(ctx: typer.Context, model: str = typer.Argument(..., help="Model name."),
+                    as_json: bool = JSON_OPTION) -> None:
+    """End the canary: the rollout goes on to every replica."""
+    _rollout(ctx, model, "promote", as_json)
+
+
+@rollout_app.command("undo")
+def rollout_undo(ctx: typer.Context, model: str = typer.Argument(..., help="Model name."),
+                 canary: int | None = CANARY_OPTION, as_json: bool = JSON_OPTION) -> None:
+    """Roll back to the previous revision, the same way, also after the rollout ended.
+
+    The model then stays on that revision, and `ctl models` shows it differs from the catalog,
+    until the model's definition changes again (a reload of the unchanged file keeps it).
+    """
+    _rollout(ctx, model, "undo", as_json, canary)
 
 
 # -- reload ------------------------------------------------------------------------------------------

@@ -148,6 +148,8 @@ class PublishedReplica:
     serving_since: float | None
     last_used: float | None  # None: the router never reported it used (unknown, not idle)
     shards: tuple[PublishedShard, ...]
+    revision: str | None = None  # the model's revision it runs; None: not known
+    revision_number: int | None = None
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -186,6 +188,11 @@ class PublishedModel:
     scale_ups: int = 0  # changes of `desired` since the gateway started, by direction
     scale_downs: int = 0
     evict_idle: float | None = None  # seconds unused before a replica may be evicted (R-6.8c); None: not evictable
+    revision: str | None = None  # the revision its replicas are to run; None: llmgw runs none
+    revision_number: int | None = None
+    catalog_revision: str | None = None  # the catalog's; differs from `revision` while an undo holds the model
+    rollout: str = "none"  # none, rolling, paused, canary or done
+    rollout_waiting: str | None = None  # why the rollout does not move now, or why it is paused
 
 
 @dataclass(frozen=True, slots=True)

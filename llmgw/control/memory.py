@@ -12,7 +12,10 @@ writes, explicitly, never another's dict:
   the pass (a model with enough replicas, or gone from the catalog, is no longer unplaceable);
 - `scaling` (scaling.py): each model's scaling, demand, last use; written by the pass, and the
   demand also when a request asks for an on-demand model (`Reconciler.note_demand`);
-- `probes` (observe.py): failed health probes in a row; written by the pass.
+- `probes` (observe.py): failed health probes in a row; written by the pass;
+- `rollouts` (rollouts.py): each model's revisions and rollout; written by the pass (a revision
+  seen, a rollout begun or paused, its progress) and by the operator's rollout commands
+  (pause, resume, promote, undo: `ControlPlane`).
 
 What the node tasks learned (weights' sizes, download rates, provisioning times) is theirs:
 `Actions.learned`.
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from llmgw.control.nodes import NodeMemory
 from llmgw.control.observe import ProbeMemory
 from llmgw.control.placing import PlacingMemory
+from llmgw.control.rollouts import RolloutMemory
 from llmgw.control.scaling import ScalingMemory
 from llmgw.control.state import Records
 
@@ -36,3 +40,4 @@ class ControlMemory:
     placing: PlacingMemory = field(default_factory=PlacingMemory)
     scaling: ScalingMemory = field(default_factory=ScalingMemory)
     probes: ProbeMemory = field(default_factory=ProbeMemory)
+    rollouts: RolloutMemory = field(default_factory=RolloutMemory)

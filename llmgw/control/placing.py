@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from llmgw import revisions
 from llmgw.catalog import CatalogHolder, Model
 from llmgw.config import GatewayConfig
 from llmgw.control import evict, placement
@@ -128,7 +129,8 @@ class Placing:
         replica_id = new_replica_id(model.name)
         shards = [Shard(id=f"{replica_id}-{s.rank}", replica_id=replica_id, rank=s.rank, node=s.node, gpus=s.gpus)
                   for s in chosen.shards]
-        replica = Replica(id=replica_id, model=model.name, api_key=new_engine_key(), shards=shards)
+        replica = Replica(id=replica_id, model=model.name, api_key=new_engine_key(), shards=shards,
+                          revision=revisions.of(model))
         draining = [r for r in self.records.replicas.values() if r.model == model.name and r.draining]
         if draining:
             replica.replaces = draining[0].id

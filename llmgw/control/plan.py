@@ -9,11 +9,11 @@ out, in the order given.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmgw.catalog import Model
 from llmgw.contracts.states import AdminState
-from llmgw.control import scaling
+from llmgw.control import rollout, scaling
 from llmgw.control.state import (ACTIVE_PHASE, DRAINING_PHASE, FAILED, RETIRING_PHASE, STOPPED, STOPPING, ModelHealth,
                                  NodeAdmin, Replica)
 
@@ -65,7 +65,26 @@ class Enough:
     model: str
 
 
-Action = Launch | Retire | MarkDraining | ForgetDemand | Enough | Scaled
+@dataclass(frozen=True, slots=True)
+class Rolling:
+    """A model's target revision and how its replicas move to it (llmgw.control.rollout, R-4.13)."""
+
+    target: str
+    shape: rollout.Shape
+    paused: str | None = None
+    promoted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Rolled:
+    """Where the model's rollout stands after this pass: why it waits, or that it is done."""
+
+    model: str
+    waiting: str | None
+    done: bool
+
+
+Action = Launch | Retire | MarkDraining | ForgetDemand | Enough | Scaled | Rolled
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +99,8 @@ class PlanInputs:
     last_used: Mapping[str, float]  # replica id -> the routers' last use of it
     scales: Mapping[str, scaling.Scale]  # model -> its scaling as the last pass left it
     started_at: float  # when this control plane started
+    rolling: Mapping[str, Rolling] = field(default_factory=dict)  # model -> its target revision and rollout
+
 
 
 def sweep(replicas: Iterable[Replica], models: Mapping[str, Model]) -> list[Retire]:
@@ -172,7 +193,24 @@ def plan_model(model: Model, live: list[Replica], now: float, inputs: PlanInputs
         actions.append(Scaled(model.name, decided))
     missing = count - len(active)
     surplus: list[Replica] = []
-    if missing > 0:
+    rolling = inputs.rolling.get(name)
+    moved = None
+    if rolling is not None:
+        members = [rollout.Member(r.id, r.revision, r.serving, r.created_at) for r in active]
+        moved = rollout.step(rolling.target, members, count, rolling.shape, paused=rolling.paused,
+                             promoted=rolling.promoted)
+        actions.append(Rolled(name, moved.waiting, moved.done))
+    if moved is not None and not moved.done:
+        # Replaced by the rule a drain uses (R-4.13): the old ones leave as drained surplus.
+        retiring = set(moved.retire)
+        actions.extend(Retire(r.id, f"replaced by revision {rolling.target}", drain=True)
+                       for r in active if r.id in retiring)
+        surplus = [r for r in active if r.id in retiring]
+        if moved.launch:
+            health = inputs.health.get(name)
+            if health is None or now >= health.next_attempt:
+                actions.append(Launch(model.name, moved.launch))
+    elif missing > 0:
         health = inputs.health.get(name)
         if health is not None and now < health.next_attempt:
             return actions

@@ -29,11 +29,12 @@ from llmgw.catalog import CatalogHolder
 from llmgw.config import GatewayConfig
 from llmgw.contracts.views import (CacheCleanup, ControlView, PublishedModel, PublishedNode, PublishedNodeAdmin,
                                    PublishedReplica, PublishedShard, frozen_mapping)
-from llmgw.control import placement
+from llmgw.control import placement, rollouts
 from llmgw.control.actions import Learned
 from llmgw.control.cleanup import Cleanup
 from llmgw.control.memory import ControlMemory
 from llmgw.control.nodes import node_views
+from llmgw.control.rollouts import RolloutMemory
 from llmgw.control.state import ENDED, FAILED, Replica
 from llmgw.fleet.fleet import Fleet
 
@@ -116,9 +117,10 @@ def control_view(sources: Sources, pass_number: int, published_at: float) -> Con
     for _, replica in reversed(records.retired):
         if replica.id not in seen and (replica.state == FAILED or replica.id in evicted):
             seen.add(replica.id)
-            retired.append(_replica(replica, scaling.last_used.get(replica.id), retired=True))
+            retired.append(_replica(replica, scaling.last_used.get(replica.id), True, memory.rollouts))
     models = {}
     for model in catalog.models.values():
+        rollout = rollouts.status(memory.rollouts, model, catalog, live) if not model.static else None
         health = records.health.get(model.name)
         scale = scaling.scales.get(model.name)
         source = model.source
@@ -133,12 +135,19 @@ def control_view(sources: Sources, pass_number: int, published_at: float) -> Con
             desired=scale.desired if scale is not None else None, last_scale=scale.last if scale is not None else None,
             scale_ups=scale.ups if scale is not None else 0, scale_downs=scale.downs if scale is not None else 0,
             evict_idle=model.evict_idle(sources.gateway.evict_idle) if model.evictable and not model.static
-            else None)
+            else None, **(_rollout(rollout) if rollout is not None else {}))
     return ControlView(
         pass_number=pass_number, published_at=published_at, catalog=catalog, nodes=tuple(nodes),
-        replicas=tuple(_replica(r, scaling.last_used.get(r.id), retired=False) for r in live),
+        replicas=tuple(_replica(r, scaling.last_used.get(r.id), False, memory.rollouts) for r in live),
         retired=tuple(retired), models=frozen_mapping(models),
         free_whole_nodes=frozen_mapping(placement.free_whole_nodes(views, allocated)))
+
+
+def _rollout(status: dict) -> dict:
+    target, defined = status["target"] or {}, status["catalog"] or {}
+    return {"revision": target.get("id"), "revision_number": target.get("number"),
+            "catalog_revision": defined.get("id"), "rollout": status["state"],
+            "rollout_waiting": status["paused"] or status["waiting"]}
 
 
 def _cleanup(cleanup: Cleanup, node: str, storage, cache_dir: str | None) -> CacheCleanup:
@@ -146,12 +155,12 @@ def _cleanup(cleanup: Cleanup, node: str, storage, cache_dir: str | None) -> Cac
     return cleanup.state(node, fs.total_bytes if fs is not None else None)
 
 
-def _replica(replica: Replica, last_used: float | None, *, retired: bool) -> PublishedReplica:
+def _replica(replica: Replica, last_used: float | None, retired: bool, revisions: RolloutMemory) -> PublishedReplica:
     return PublishedReplica(
         id=replica.id, model=replica.model, state=replica.state, serving=replica.serving,
         draining=replica.draining, retiring=replica.retiring, retired=retired, replaces=replica.replaces,
         reason=replica.reason, created_at=replica.created_at, serving_since=replica.serving_since,
-        last_used=last_used,
+        last_used=last_used, revision=replica.revision, revision_number=revisions.number(replica.model, replica.revision),
         shards=tuple(PublishedShard(rank=s.rank, node=s.node, gpus=tuple(s.gpus), port=s.port, dist_port=s.dist_port,
                                 state=s.state, state_since=s.state_since, reason=s.reason,
                                 log_tail=tuple(s.log_tail) if s.log_tail is not None else None,

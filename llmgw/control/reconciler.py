@@ -26,7 +26,7 @@ from llmgw.aio import cancel_and_wait
 from llmgw.catalog import CatalogHolder, Model
 from llmgw.config import GatewayConfig
 from llmgw.contracts.states import AdminState
-from llmgw.control import observe, plan, placing
+from llmgw.control import observe, placing, plan, rollouts
 from llmgw.control.actions import RETIRE_GRACE, Actions
 from llmgw.control.cleanup import CacheUse, Cleanup
 from llmgw.control.memory import ControlMemory
@@ -73,6 +73,7 @@ class Reconciler:
         replicas = await self.store.read(load_replicas)
         await self.nodes.load()
         self.memory.records.adopt(replicas)
+        self.memory.rollouts.adopt(*await self.store.read(rollouts.load))
 
     def start(self) -> None:
         self._run_task = asyncio.create_task(self.run(), name="reconciler")
@@ -161,6 +162,8 @@ class Reconciler:
         for action in plan.sweep(records.replicas.values(), catalog.models):
             self._act(action, now)
         by_model = plan.live_by_model(records.replicas.values())
+        targets = rollouts.targets(memory.rollouts, catalog, by_model, now)  # each model's revision
+        rollouts.keep(self.store, targets, self.actions.save)
         for action in plan.drain_marks(records.replicas.values(), memory.nodes.admin):
             self._act(action, now)
         memory.placing.forget_models(catalog.models)
@@ -168,10 +171,8 @@ class Reconciler:
         self.placing.new_pass()
         if self.nodes.settled(now, records.started_at, self.gateway.settling_window):
             inputs = plan.PlanInputs(memory.nodes.admin, records.health, scaling.demand, scaling.last_used,
-                                     scaling.scales, records.started_at)
-            for model in catalog.models.values():
-                if model.static:
-                    continue
+                                     scaling.scales, records.started_at, targets.rolling)
+            for model in targets.launch.values():  # the models llmgw runs, as launched (an undo's hold)
                 live = by_model.get(model.name, [])
                 loads = scaling.loads(model, live, self.routers.outstanding, self.routers.engine_load) \
                     if model.scales else None
@@ -228,6 +229,7 @@ class Reconciler:
                 if action.failed:
                     records.record_failure(replica, now)  # the backoff grows; the reason is the failed shard's
                     reason = replica.reason or reason
+                    rollouts.note_failure(self.memory.rollouts, self.store, replica, reason, records.replicas)
                 self.actions.retire(replica, reason, self.gateway.request_timeout if action.drain else RETIRE_GRACE)
             case plan.Scaled():
                 decision = self.memory.scaling.keep(action.model, action.scale)
@@ -251,4 +253,6 @@ class Reconciler:
                         break
             case plan.ForgetDemand():
                 self.memory.scaling.demand.pop(action.model, None)
+            case plan.Rolled():
+                self.memory.rollouts.progress[action.model] = action
         return True

@@ -20,6 +20,9 @@ from llmgw.config import Inventory, NodeConfig
 from llmgw.units import format_bytes, format_duration
 
 ADDED, REMOVED, CHANGED, RESTART = "added", "removed", "changed", "needs a restart"
+# A definition that changes what replicas run makes a new revision, to which they roll.
+ROLLS = ("where it changes what replicas run, their models roll to a new revision (ctl rollout status); "
+         "the rest applies in place")
 # How long a removed node's replicas may wait for their replacements before they stop anyway.
 REMOVAL_GRACE = 600.0
 
@@ -211,15 +214,16 @@ def inventory_diff(old: Inventory, new: Inventory, *, removal_grace: float = REM
     catalog_lines = [
         *_named("model", old_models, new_models, "placed as its scaling asks, from the next pass",
                 "its replicas are stopped (requests in flight finish first)",
-                "replicas launched from now on use it; running ones keep serving as they were started",
-                only={"scaling": "the replica count follows it from the next pass",
+                ROLLS,
+                only={"rollout": "how its next rollout moves, from now on","scaling": "the replica count follows it from the next pass",
                       "routing": "how requests are balanced, from now on",
                       "fallback": "the fallback of requests from now on"}),
         *_named("profile", old.profiles, new.profiles, "available to models",
-                "no longer available to models",
-                "replicas launched from now on use it; running ones keep their engines"),
+                "no longer available to models", ROLLS,
+                only={"concurrency": "requests each replica is given at once, from now on",
+                      "start_timeout": "the start timeout of replicas starting from now on"}),
         *_named("engine", old.engines, new.engines, "available to profiles", "no longer available to profiles",
-                "replicas launched from now on use it; running ones keep their engines"),
+                ROLLS),
     ]
     lines += catalog_lines
     return Diff(lines=tuple(lines), nodes_added=added, nodes_removed=removed, nodes_reconnected=tuple(reconnected),

@@ -18,13 +18,17 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import sqlite_utils
 
 from llmgw import revisions
 from llmgw.catalog import Catalog, Model
+from llmgw.control import plan, rollout
+from llmgw.contracts.refusals import ErrorKind, ServiceError
+from llmgw.control.state import Replica
+from llmgw.store import Store, audit
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +85,8 @@ def save_revision(db: sqlite_utils.Database, revision: Revision) -> None:
     db["revisions"].insert(revision.row(), pk=("model", "id"), ignore=True)
 
 
-def save_rollout(db: sqlite_utils.Database, rollout: Rollout) -> None:
-    db["rollouts"].upsert(rollout.row(), pk="model")
+def save_rollout(db: sqlite_utils.Database, record: Rollout) -> None:
+    db["rollouts"].upsert(record.row(), pk="model")
 
 
 def delete_rollout(db: sqlite_utils.Database, model: str) -> None:
@@ -95,6 +99,7 @@ class RolloutMemory:
     def __init__(self) -> None:
         self.revisions: dict[str, dict[str, Revision]] = {}  # model -> revision id -> Revision
         self.rollouts: dict[str, Rollout] = {}
+        self.progress: dict[str, plan.Rolled] = {}  # model -> where its rollout stood after the last pass
 
     def adopt(self, found: list[Revision], rollouts: list[Rollout]) -> None:
         for revision in found:
@@ -122,29 +127,221 @@ class RolloutMemory:
         """The revision the model's replicas should run and the model to launch them from: the
         catalog's, unless an undo holds the model on an earlier one (module docstring)."""
         defined = revisions.of(model)
-        rollout = self.rollouts.get(model.name)
-        if rollout is None or rollout.held_over is None or rollout.held_over != defined:
+        record = self.rollouts.get(model.name)
+        if record is None or record.held_over is None or record.held_over != defined:
             return defined, model
-        held = self.revisions.get(model.name, {}).get(rollout.target)
+        held = self.revisions.get(model.name, {}).get(record.target)
         if held is None:
             return defined, model
         try:
-            return rollout.target, revisions.model_at(model, held.definition, catalog.engines)
+            return record.target, revisions.model_at(model, held.definition, catalog.engines)
         except ValueError as exc:
             log.warning("model %s cannot be held on revision %s any more (%s): it runs the catalog's",
-                        model.name, rollout.target, exc)
+                        model.name, record.target, exc)
             return defined, model
 
     def start(self, model: str, target: str, previous: str | None, now: float,
               actor: str | None = None) -> Rollout:
         """A rollout towards `target` begins (the catalog's revision changed)."""
         held = self.rollouts.get(model)
-        rollout = Rollout(model, target, previous, now, actor=actor)
+        record = Rollout(model, target, previous, now, actor=actor)
         if held is not None and held.held_over is not None and held.target == target:
-            rollout = replace(rollout, held_over=held.held_over)
-        self.rollouts[model] = rollout
-        return rollout
+            record = replace(record, held_over=held.held_over)
+        self.rollouts[model] = record
+        return record
 
-    def update(self, rollout: Rollout, **changes) -> Rollout:
-        changed = self.rollouts[rollout.model] = replace(rollout, updated_at=time.time(), **changes)
+    def failed(self, replica: Replica, reason: str, live: Iterable[Replica]) -> Rollout | None:
+        """A replica failed: when it runs the target of a rollout still under way (some live
+        replica of its model runs another revision), the rollout pauses with the reason;
+        returns the paused rollout (to be saved), else None."""
+        record = self.rollouts.get(replica.model)
+        if record is None or record.paused is not None or replica.revision != record.target:
+            return None
+        if not any(r.revision != record.target for r in live if r.model == replica.model and r.id != replica.id):
+            return None
+        log.warning("%s: rollout to revision %s paused: replica %s failed: %s", replica.model, record.target,
+                    replica.id, reason)
+        return self.update(record, paused=f"replica {replica.id} of revision {record.target} failed: {reason}")
+
+    def update(self, record: Rollout, **changes) -> Rollout:
+        changed = self.rollouts[record.model] = replace(record, updated_at=time.time(), **changes)
         return changed
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    """One pass's view of every model's revision: what `plan` reads, what the loop launches from,
+    and what changed that is to be saved."""
+
+    rolling: Mapping[str, plan.Rolling]  # model -> its target and rollout, for plan.plan_model
+    launch: Mapping[str, Model]  # each model llmgw runs (none served by fixed URLs) as its replicas launch
+    # from: the catalog's, or at the revision an undo holds it on; in the catalog's order
+    revisions: tuple[Revision, ...]  # revisions seen for the first time
+    rollouts: tuple[Rollout, ...]  # rollouts begun
+    replicas: tuple[Replica, ...]  # replicas that had no revision and were given their model's
+
+
+def targets(memory: RolloutMemory, catalog: Catalog, live: Mapping[str, list[Replica]], now: float) -> Targets:
+    """Each model's target revision this pass; a rollout begins for a model some of whose live
+    replicas run another revision than its target and whose rollout is not towards it yet."""
+    rolling: dict[str, plan.Rolling] = {}
+    launch: dict[str, Model] = {}
+    new_revisions, begun, given = [], [], []
+    for model in catalog.models.values():
+        if model.static:
+            continue
+        target, launch_model = memory.target(model, catalog)
+        if target is None:
+            continue
+        launch[model.name] = launch_model
+        if (revision := memory.note(launch_model, now)) is not None:
+            new_revisions.append(revision)
+        replicas = live.get(model.name, ())
+        others: dict[str, int] = {}
+        for replica in replicas:
+            if replica.revision is None:  # recorded before revisions existed: taken to run the model's
+                replica.revision = target
+                given.append(replica)
+            elif replica.revision != target:
+                others[replica.revision] = others.get(replica.revision, 0) + 1
+        record = memory.rollouts.get(model.name)
+        if others and (record is None or record.target != target):
+            previous = max(others, key=lambda rid: (others[rid], memory.number(model.name, rid) or 0))
+            record = memory.start(model.name, target, previous, now)
+            begun.append(record)
+            log.info("%s: rolling %d replica(s) to revision %s (#%s) from %s", model.name, sum(others.values()),
+                     target, memory.number(model.name, target), previous)
+        shape = model.config.rollout
+        canary = shape.canary
+        paused = promoted = None
+        if record is not None and record.target == target:
+            canary = record.canary if record.canary is not None else canary
+            paused, promoted = record.paused, record.promoted
+        rolling[model.name] = plan.Rolling(target, rollout.Shape(shape.surge, shape.unavailable, canary),
+                                           paused, bool(promoted))
+    return Targets(rolling, launch, tuple(new_revisions), tuple(begun), tuple(given))
+
+
+def keep(store: Store | None, found: Targets, save_replica: Callable[[Replica], None]) -> None:
+    """Save what a pass's targets changed: new revisions, rollouts begun (audited), replicas given
+    their revision."""
+    for replica in found.replicas:
+        save_replica(replica)
+    if store is None or not (found.revisions or found.rollouts):
+        return
+
+    def write(db: sqlite_utils.Database) -> None:
+        for revision in found.revisions:
+            save_revision(db, revision)
+        for record in found.rollouts:
+            save_rollout(db, record)
+            audit(db, record.actor or "reconciler", "model.rollout.start", record.model,
+                  {"from": record.previous, "to": record.target})
+    store.submit(write)
+
+
+def note_failure(memory: RolloutMemory, store: Store | None, replica: Replica, reason: str,
+                 live: Mapping[str, Replica]) -> None:
+    """A replica failed: a rollout to its revision that is under way pauses (R-4.13), saved."""
+    paused = memory.failed(replica, reason, live.values())
+    if paused is not None and store is not None:
+        store.submit(lambda db: save_rollout(db, paused))
+
+
+# -- what an operator sees and does (ctl rollout, R-4.13) ------------------------------------------
+
+ACTIONS = ("pause", "resume", "promote", "undo")
+
+
+def _label(memory: RolloutMemory, model: str, revision_id: str | None) -> dict | None:
+    if revision_id is None:
+        return None
+    return {"id": revision_id, "number": memory.number(model, revision_id)}
+
+
+def status(memory: RolloutMemory, model: Model, catalog: Catalog, live: Iterable[Replica]) -> dict:
+    """Where the model's rollout stands: its target and the catalog's revision (they differ while
+    an undo holds it), the rollout's state, why it waits, and the replicas per revision."""
+    target, _ = memory.target(model, catalog)
+    defined = revisions.of(model)
+    record = memory.rollouts.get(model.name)
+    per: dict[str | None, dict] = {}
+    for replica in live:
+        if replica.model != model.name or replica.retiring:
+            continue
+        entry = per.setdefault(replica.revision, {"revision": _label(memory, model.name, replica.revision),
+                                                  "replicas": 0, "serving": 0})
+        entry["replicas"] += 1
+        entry["serving"] += int(replica.serving)
+    progress = memory.progress.get(model.name)
+    rolling = any(rid != target for rid in per)
+    state = "none"
+    if record is not None and record.target == target:
+        canary = record.canary if record.canary is not None else model.config.rollout.canary
+        if not rolling:
+            state = "done"
+        elif record.paused is not None:
+            state = "paused"
+        elif canary is not None and not record.promoted:
+            state = "canary"
+        else:
+            state = "rolling"
+    else:
+        canary = model.config.rollout.canary
+    shape = model.config.rollout
+    return {
+        "model": model.name, "state": state, "target": _label(memory, model.name, target),
+        "catalog": _label(memory, model.name, defined), "held": target != defined,
+        "previous": _label(memory, model.name, record.previous) if record is not None else None,
+        "paused": record.paused if record is not None and state == "paused" else None,
+        "waiting": progress.waiting if progress is not None and state != "done" else None,
+        "canary": canary, "promoted": bool(record is not None and record.promoted),
+        "surge": shape.surge, "unavailable": shape.unavailable,
+        "started_at": record.started_at if record is not None else None,
+        "actor": record.actor if record is not None else None,
+        "revisions": sorted(per.values(), key=lambda e: -((e["revision"] or {}).get("number") or 0)),
+    }
+
+
+def act(memory: RolloutMemory, model: Model, catalog: Catalog, live: Iterable[Replica], action: str, *,
+        actor: str, canary: int | None = None) -> Rollout:
+    """Pause, resume, promote or undo the model's rollout; the changed record (to be saved).
+    Raises ServiceError naming why when the model's rollout cannot take it."""
+    if action not in ACTIONS:
+        raise ServiceError(ErrorKind.INVALID, f"unknown rollout action {action!r}; one of {', '.join(ACTIONS)}")
+    if canary is not None and not 1 <= canary <= 99:
+        raise ServiceError(ErrorKind.INVALID, "canary is a percent from 1 to 99")
+    if canary is not None and model.config.rollout.surge == 0:
+        raise ServiceError(ErrorKind.INVALID, f"a canary runs beside the old replicas: {model.name} has "
+                                              "rollout.surge 0")
+    target, _ = memory.target(model, catalog)
+    record = memory.rollouts.get(model.name)
+    replicas = [r for r in live if r.model == model.name and not r.retiring]
+    rolling = record is not None and record.target == target and any(r.revision != target for r in replicas)
+    where = f"{model.name} runs revision {target} (#{memory.number(model.name, target)})"
+    if action == "undo":
+        if record is None or record.previous is None or record.target != target:
+            raise ServiceError(ErrorKind.CONFLICT, f"{where}; it has no earlier revision to go back to")
+        back = record.previous
+        if back not in memory.revisions.get(model.name, {}):
+            raise ServiceError(ErrorKind.CONFLICT, f"revision {back} of {model.name} is not known any more")
+        defined = revisions.of(model)
+        now = time.time()
+        undone = Rollout(model.name, back, target, now, canary=canary, actor=actor,
+                         held_over=None if back == defined else defined, updated_at=now)
+        memory.rollouts[model.name] = undone
+        return undone
+    if not rolling:
+        raise ServiceError(ErrorKind.CONFLICT, f"no rollout of {model.name} is under way: {where} on every replica")
+    if action == "pause":
+        if record.paused is not None:
+            raise ServiceError(ErrorKind.CONFLICT, f"the rollout of {model.name} is paused already: {record.paused}")
+        return memory.update(record, paused=f"paused by {actor}")
+    if action == "resume":
+        if record.paused is None and canary is None:
+            raise ServiceError(ErrorKind.CONFLICT, f"the rollout of {model.name} is not paused")
+        return memory.update(record, paused=None, canary=canary if canary is not None else record.canary)
+    effective = record.canary if record.canary is not None else model.config.rollout.canary
+    if effective is None or record.promoted:
+        raise ServiceError(ErrorKind.CONFLICT, f"the rollout of {model.name} has no canary to promote")
+    return memory.update(record, promoted=True)

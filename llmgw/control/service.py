@@ -20,7 +20,7 @@ from llmgw.config import ConfigError, Document, Inventory, ModelConfig, load_inv
 from llmgw.contracts.refusals import ErrorKind, ServiceError
 from llmgw.contracts.states import AdminState
 from llmgw.contracts.views import ControlView
-from llmgw.control import installed, placement
+from llmgw.control import installed, placement, rollouts
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.reload import REMOVAL_GRACE, Diff, inventory_diff, kept_restart_settings
 from llmgw.fleet.fleet import Fleet
@@ -31,6 +31,12 @@ from llmgw.store import Store, audit
 from llmgw.weights import redact_weights
 
 log = logging.getLogger(__name__)
+
+
+def _created_at(db, name: str) -> float | None:
+    """When a stored model was first added (a replaced definition keeps its place in the order)."""
+    row = next(db["models"].rows_where("name = ?", [name]), None)
+    return row["created_at"] if row is not None else None
 
 
 def load_stored_models(store: Store) -> list[StoredModel]:
@@ -113,7 +119,9 @@ class ControlPlane:
             raise ServiceError(ErrorKind.INVALID, f"model {name!r} cannot be placed on any node of the inventory, even an "
                                     f"idle one: {explanation.summary}", code="unplaceable")
 
-    async def add_model(self, text: str, actor: str, source: str = "model file") -> dict:
+    async def add_model(self, text: str, actor: str, source: str = "model file", replace: bool = False) -> dict:
+        """Add a model from its YAML (R-8.2); with `replace`, a model added at runtime takes the new
+        definition: what applies in place does at once, a new revision rolls (R-4.13)."""
         try:
             config, document = parse_model_text(text, source)
         except ConfigError as exc:
@@ -121,21 +129,27 @@ class ControlPlane:
         async with self._lock:
             current = self.holder.current
             existing = current.models.get(config.name)
-            if existing is not None:
-                where = (f"declared in {self.inventory_source}" if existing.declared_in == "file"
-                         else "already added at runtime")
-                raise ServiceError(ErrorKind.INVALID, f"model {config.name!r} is {where}; choose another name or remove it first",
-                                   code="name_collision")
-            catalog = self._build([*self._stored(), StoredModel(config, actor)], new=(config.name, document))
+            if existing is not None and not (replace and existing.declared_in == "store"):
+                where = (f"declared in {self.inventory_source}; edit it there" if existing.declared_in == "file"
+                         else "already added at runtime; replace its definition with --replace, or remove it first")
+                raise ServiceError(ErrorKind.INVALID, f"model {config.name!r} is {where}", code="name_collision")
+            if existing is None and replace:
+                raise ServiceError(ErrorKind.NOT_FOUND, f"no model named {config.name!r} to replace; add it without "
+                                                        "--replace", code="model_not_found")
+            others = [s for s in self._stored() if s.config.name != config.name]
+            catalog = self._build([*others, StoredModel(config, actor)], new=(config.name, document))
             self._check_placeable(catalog, config.name)
+            now = time.time()
+            created = await self.store.read(lambda db: _created_at(db, config.name)) if replace else None
             row = {"name": config.name, "definition": config.model_dump_json(exclude_unset=True), "actor": actor,
-                   "created_at": time.time(), "updated_at": time.time()}
+                   "created_at": created or now, "updated_at": now}
             # The audit trail is a log: a signed URL's query stays in the definition only.
             detail = json.loads(row["definition"])
             if detail.get("weights") is not None:
                 detail["weights"] = redact_weights(detail["weights"])
-            await self.store.write(lambda db: (db["models"].insert(row),
-                                               audit(db, actor, "model.add", config.name, detail)))
+            await self.store.write(lambda db: (db["models"].upsert(row, pk="name"),
+                                               audit(db, actor, "model.replace" if replace else "model.add",
+                                                     config.name, detail)))
             self.holder.swap(catalog)
         self.publish_view()
         self.reconciler.wake()
@@ -198,6 +212,42 @@ class ControlPlane:
                             "idle_timeout": model.idle_timeout, "on_demand": model.on_demand,
                             "scales": model.scales, "target": model.config.scaling.target},
                 "fallback": model.fallback}
+
+    # -- rollouts (R-4.13) ----------------------------------------------------------------------
+
+    def _llmgw_runs(self, name: str):
+        model = self.holder.current.models.get(name)
+        if model is None:
+            raise ServiceError(ErrorKind.NOT_FOUND, f"no model named {name!r}", code="model_not_found")
+        if model.static:
+            raise ServiceError(ErrorKind.CONFLICT, f"{name} is served from fixed URLs: llmgw runs no replica "
+                                                   "of it, so it has no revisions to roll")
+        return model
+
+    def rollout_status(self, name: str) -> dict:
+        """The model's rollout: target, state, why it waits, replicas per revision."""
+        model = self._llmgw_runs(name)
+        memory = self.reconciler.memory
+        return rollouts.status(memory.rollouts, model, self.holder.current, memory.records.replicas.values())
+
+    async def rollout(self, name: str, action: str, actor: str, canary: int | None = None) -> dict:
+        """Pause, resume, promote or undo the model's rollout; answers with its status."""
+        async with self._lock:
+            model = self._llmgw_runs(name)
+            memory = self.reconciler.memory
+            record = rollouts.act(memory.rollouts, model, self.holder.current, memory.records.replicas.values(),
+                                  action, actor=actor, canary=canary)
+            if action == "resume":  # the operator fixed what failed: the next launch need not wait
+                health = memory.records.health.get(name)
+                if health is not None:
+                    health.next_attempt = 0.0
+            detail = {"target": record.target, "previous": record.previous, "canary": canary}
+            await self.store.write(lambda db: (rollouts.save_rollout(db, record),
+                                               audit(db, actor, f"model.rollout.{action}", name, detail)))
+        log.info("%s: rollout %s by %s (target revision %s)", name, action, actor, record.target)
+        self.reconciler.wake()
+        self.publish_view()
+        return self.rollout_status(name)
 
     # -- reload (R-10.5) -----------------------------------------------------------------------
 

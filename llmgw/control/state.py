@@ -17,7 +17,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -117,6 +117,7 @@ class Replica:
     replaces: str | None = None
     reason: str | None = None
     serving_since: float | None = None
+    revision: str | None = None  # the model's revision it runs (R-8.6); None: made before revisions existed
 
     def __post_init__(self) -> None:
         self.phase = ReplicaPhase(self.phase)  # a member, so that it compares by identity
@@ -175,7 +176,7 @@ class Replica:
         return {"id": self.id, "model": self.model, "api_key": self.api_key, "state": self.state,
                 # The phase is stored as the draining flag alone: retiring is not kept.
                 "reason": self.reason, "replaces": self.replaces, "draining": int(self.draining),
-                "created_at": self.created_at, "updated_at": time.time()}
+                "revision": self.revision, "created_at": self.created_at, "updated_at": time.time()}
 
 
 def new_replica_id(model: str) -> str:
@@ -206,7 +207,7 @@ def load_replicas(db: sqlite_utils.Database) -> list[Replica]:
         replicas.append(Replica(id=row["id"], model=row["model"], api_key=row["api_key"],
                                 shards=shards.get(row["id"], []), created_at=row["created_at"],
                                 phase=ReplicaPhase.DRAINING if row["draining"] else ReplicaPhase.ACTIVE,
-                                replaces=row["replaces"], reason=row["reason"]))
+                                replaces=row["replaces"], reason=row["reason"], revision=row.get("revision")))
     return [r for r in replicas if r.shards]
 
 
@@ -293,10 +294,21 @@ class Records:
             endpoints.sort(key=lambda e: e.replica_id)
         return table
 
-    def cache_in_use(self, models: Mapping[str, Model], node: str) -> set[str]:
-        """Cache names the live replicas with a shard on the node run from."""
-        return {m.source.cache_name for r in self.replicas.values() if (m := models.get(r.model)) and m.source
-                and m.source.fetched and any(s.node == node for s in r.shards)}
+    def cache_in_use(self, models: Mapping[str, Model], node: str,
+                     revision_cache: Callable[[str, str | None], str | None] | None = None) -> set[str]:
+        """Cache names the live replicas with a shard on the node run from: their model's
+        source as the catalog has it, and the source of the revision each runs (`revision_cache`:
+        (model, revision) -> its cache name), which differs while a rollout changes the weights."""
+        names = set()
+        for r in self.replicas.values():
+            if not any(s.node == node for s in r.shards):
+                continue
+            m = models.get(r.model)
+            if m is not None and m.source is not None and m.source.fetched:
+                names.add(m.source.cache_name)
+            if revision_cache is not None and (name := revision_cache(r.model, r.revision)) is not None:
+                names.add(name)
+        return names
 
     def record_failure(self, replica: Replica, now: float) -> None:
         """A failed replica counts toward its model's backoff; the failed shard's reason becomes the replica's."""

@@ -119,7 +119,7 @@ def test_models_profiles_and_engines_make_a_new_catalog():
         ("profile", "small", CHANGED), ("profile", "cpu", ADDED), ("model", "tiny", ADDED),
         ("engine", "mine", ADDED)}
     small = lines_of(diff, "profile")[("small", CHANGED)]
-    assert small.fields == ("gpus",) and "replicas launched from now on use it" in small.effect
+    assert small.fields == ("gpus",) and "roll to a new revision" in small.effect
     removed = inventory_diff(inv(new), inv(BASE))
     assert lines_of(removed, "model")[("tiny", REMOVED)].effect == \
         "its replicas are stopped (requests in flight finish first)"
