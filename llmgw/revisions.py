@@ -110,12 +110,12 @@ def model_at(model: Model, defined: Mapping[str, Any], engines: Mapping[str, Any
             raise ValueError(f"engine {profile.engine!r} of that revision is not defined any more")
     weights = defined.get("weights")
     config = model.config.model_copy(update={"served_name": defined.get("served_name"),
-                                             "weights": _weights_field(weights)})
+                                             "weights": weights_field(weights)})
     return replace(model, config=config, profile=profile, engine=engine,
                    source=parse_weights(config.weights) if config.weights is not None else None)
 
 
-def _weights_field(canonical: str | None) -> str | list[str] | None:
+def weights_field(canonical: str | None) -> str | list[str] | None:
     """The `weights:` value a source's canonical form came from."""
     if canonical is None:
         return None

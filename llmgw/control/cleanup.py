@@ -136,6 +136,9 @@ class CacheUse:
 
     fetches: Mapping[tuple[str, str], FetchJob]  # (node, cache name) -> the running download
     records: Records
+    # (model, revision) -> the cache name that revision's weights are in: a replica still running
+    # an earlier revision during a rollout keeps its entry. None: the catalog's alone.
+    revision_cache: Callable[[str, str | None], str | None] | None = None
 
 
 class Cleanup:
@@ -221,7 +224,7 @@ class Cleanup:
                 engines = 0
             listing = await ops.reclaim(ReclaimRequest(cache))
             catalog = self.holder.current
-            keep = catalog.wanted_cache_names() | self.pinned | self.use.records.cache_in_use(catalog.models, node)
+            keep = catalog.wanted_cache_names() | self.pinned | self.use.records.cache_in_use(catalog.models, node, self.use.revision_cache)
             ordered = order((Entry(e.name, e.bytes, e.last_used, e.reason) for e in listing.entries), keep)
             if not ordered:
                 first = f"removed {engines} unwanted engine{'s' if engines != 1 else ''}; " if engines else ""

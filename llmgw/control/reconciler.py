@@ -60,7 +60,8 @@ class Reconciler:
         self.nodes = Nodes(fleet, holder, store, memory.nodes)
         self.placing = placing.Placing(memory.placing, memory.records, memory.scaling, self.actions.learned,
                                        self.nodes, holder, gateway)
-        self.cleanup = Cleanup(fleet, holder, gateway, store, CacheUse(self.actions.fetches, memory.records), self.wake)
+        self.cleanup = Cleanup(fleet, holder, gateway, store, CacheUse(self.actions.fetches, memory.records,
+                                                                                 memory.rollouts.cache_name), self.wake)
         self.view: Published  # what the admin, /metrics and ctl read
         self.publish_view()
 

@@ -29,6 +29,7 @@ from llmgw.control import plan, rollout
 from llmgw.contracts.refusals import ErrorKind, ServiceError
 from llmgw.control.state import Replica
 from llmgw.store import Store, audit
+from llmgw.weights import parse_weights
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,16 @@ class RolloutMemory:
     def number(self, model: str, revision_id: str | None) -> int | None:
         found = self.revisions.get(model, {}).get(revision_id) if revision_id is not None else None
         return None if found is None else found.number
+
+    def cache_name(self, model: str, revision_id: str | None) -> str | None:
+        """The cache entry a revision's weights are fetched into; None for weights on a path, or
+        a revision not known."""
+        found = self.revisions.get(model, {}).get(revision_id) if revision_id is not None else None
+        weights = found.definition.get("weights") if found is not None else None
+        if weights is None:
+            return None
+        source = parse_weights(revisions.weights_field(weights))
+        return source.cache_name if source.fetched else None
 
     def target(self, model: Model, catalog: Catalog) -> tuple[str | None, Model]:
         """The revision the model's replicas should run and the model to launch them from: the

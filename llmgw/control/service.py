@@ -408,7 +408,8 @@ class ControlPlane:
             else:
                 try:
                     listing = await ops.reclaim(ReclaimRequest(cache))
-                    in_use = self.reconciler.memory.records.cache_in_use(self.holder.current.models, name)  # as the clean-up does
+                    memory = self.reconciler.memory  # what is in use, as the clean-up counts it
+                    in_use = memory.records.cache_in_use(self.holder.current.models, name, memory.rollouts.cache_name)
                     unwanted = [e for e in listing.entries if e.name not in wanted and e.name not in in_use]
                     if collect and unwanted:
                         unwanted = list((await ops.reclaim(ReclaimRequest(cache, [e.name for e in unwanted],

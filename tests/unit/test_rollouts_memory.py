@@ -47,3 +47,19 @@ def test_r4_13_revisions_and_rollouts_survive_in_the_store(tmp_path):
     again = RolloutMemory()
     again.adopt(*store.read_sync(load))
     assert again.revisions == memory.revisions and again.rollouts == memory.rollouts
+
+
+def test_r4_13_a_replica_of_an_earlier_revision_keeps_its_weights_in_use():
+    from llmgw.control.state import Records, Replica, Shard
+    memory = RolloutMemory()
+    old = Catalog.build(file_models=[ModelConfig(name="m", profile="p", weights="hf:org/m@v1")],
+                        profiles={"p": ProfileConfig(engine="vllm")})
+    new = Catalog.build(file_models=[ModelConfig(name="m", profile="p", weights="hf:org/m@v2")],
+                        profiles={"p": ProfileConfig(engine="vllm")})
+    memory.note(old.get("m"), 0.0)
+    records = Records()
+    replica = Replica("r1", "m", "k", [Shard("r1-0", "r1", 0, "a", ())], revision=revisions.of(old.get("m")))
+    records.replicas["r1"] = replica
+    assert records.cache_in_use(new.models, "a") == {new.get("m").source.cache_name}
+    assert records.cache_in_use(new.models, "a", memory.cache_name) == {new.get("m").source.cache_name,
+                                                                         old.get("m").source.cache_name}
