@@ -33,6 +33,8 @@ from llmgw.weights import parse_weights
 
 log = logging.getLogger(__name__)
 
+SUPERVISOR_LINE = "llmgw supervisor:"  # what the node's supervisor adds to an engine's log, not the engine's
+
 
 @dataclass(frozen=True, slots=True)
 class Revision:
@@ -170,6 +172,10 @@ class RolloutMemory:
             return None
         if not any(r.revision != record.target for r in live if r.model == replica.model and r.id != replica.id):
             return None
+        tail = next((line.strip() for shard in replica.shards for line in reversed(shard.log_tail or ())
+                     if line.strip() and not line.startswith(SUPERVISOR_LINE)), None)
+        if tail is not None:  # the engine's own last word says what to fix (the key never in it)
+            reason = f"{reason}; its log ends: {replica.without_key([tail])[0][:300]}"
         log.warning("%s: rollout to revision %s paused: replica %s failed: %s", replica.model, record.target,
                     replica.id, reason)
         return self.update(record, paused=f"replica {replica.id} of revision {record.target} failed: {reason}")
