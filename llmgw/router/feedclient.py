@@ -12,7 +12,9 @@ acknowledges its seq. A report never handed to the network (the control plane un
 connection refused) is merged with the next period's. A report refused as a whole is set aside in
 `refused/` (logged, counted in the feed status) and the next one goes on, so that one bad report
 never holds back those after it; rows the control plane left out of a report it took are named in
-its ack, logged and counted.
+its ack, logged and counted. A Snapshot or Change the router cannot apply (a gap, a field that does
+not parse, a fault of the router) is named in every report after it, with why (`Report.unapplied`,
+R-10.10), and the whole snapshot is asked for again.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import aiohttp
 from llmgw.contracts import routerauth
 from llmgw.contracts.addresses import is_loopback
 from llmgw.contracts.backoff import backoff_delay
-from llmgw.contracts.feed import Ack, Change, FeedError, Report, Snapshot, from_wire, to_wire
+from llmgw.contracts.feed import Ack, Change, FeedError, Report, Snapshot, Unapplied, from_wire, to_wire
 from llmgw.router.spool import (SLOTS_DIR, SPOOL_FILE, Slot, Spool, Spooled, count_refused, set_aside,
                                 take_slot)
 from llmgw.router.statedir import (SNAPSHOT_FILE, FeedClientError, load_snapshot_file, private_dir,
@@ -153,6 +155,8 @@ class FeedClient:
         self._set_aside = 0  # reports in refused/ (counted at start, then as they are set aside)
         self._rows_refused = 0  # rows the control plane left out of reports it took, since start
         self._last_refusal: dict | None = None
+        # The last Snapshot or Change the router could not apply: every report says it (R-10.10).
+        self._unapplied: Unapplied | None = None
 
     def __repr__(self) -> str:  # the credential stays out of tracebacks
         return f"FeedClient({self.control.address})"
@@ -317,14 +321,19 @@ class FeedClient:
                         self._apply(line)
 
     def _apply(self, line: bytes) -> None:
+        document = message = None
         try:
-            document = json.loads(line)
-        except ValueError as exc:
-            raise FeedError(f"a feed line is not JSON ({exc})") from None
-        message = from_wire(document)
-        if not isinstance(message, (Snapshot, Change)):
-            raise FeedError(f"message.type: expected a snapshot or a change, got {document.get('type')!r}")
-        self.router.apply(message)
+            try:
+                document = json.loads(line)
+            except ValueError as exc:
+                raise FeedError(f"a feed line is not JSON ({exc})") from None
+            message = from_wire(document)
+            if not isinstance(message, (Snapshot, Change)):
+                raise FeedError(f"message.type: expected a snapshot or a change, got {document.get('type')!r}")
+            self.router.apply(message)
+        except Exception as exc:  # the feed loop takes the whole snapshot again; the reports say why (R-10.10)
+            self._unapplied = Unapplied.of(document if message is None else message, exc, time.time())
+            raise
         self._snapshot_changed.set()
         if isinstance(message, Snapshot) and not self._live:
             self._live = True
@@ -433,6 +442,8 @@ class FeedClient:
 
     async def _spool_report(self) -> None:
         fields = self.router.report_fields()
+        if self._unapplied is not None:
+            fields = {**fields, "unapplied": self._unapplied}
         await asyncio.to_thread(self.slot.spool.add, fields, time.time())
 
     async def _deliver(self, spool: Spool) -> bool:

@@ -2,7 +2,7 @@
 reconciler and the admin read of them all.
 
 A report's state parts (requests in flight, last use, engine loads, counters, the snapshot it
-routes with) replace what that router said before. Only the
+routes with, the last message it could not apply) replace what that router said before. Only the
 routers heard within STALE_SECONDS count in the sums: one silent longer may be gone, and its last
 figures with it. Staleness is judged by this side's clock when the report arrived, not the router's.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from llmgw.contracts.feed import EngineLoad, Report, RouterCounters
+from llmgw.contracts.feed import EngineLoad, Report, RouterCounters, Unapplied
 from llmgw.control.feed.changelog import ChangeLog
 
 STALE_SECONDS = 10.0  # routers report about every 0.5 s: one silent this long no longer counts
@@ -24,6 +24,9 @@ class _RouterState:
     seq: int
     heard: float  # the clock's time the report arrived: staleness is judged by our clock, not the router's
     report: Report
+    # The last Snapshot or Change it could not apply (R-10.10), kept when a later report names
+    # none (a router that restarted under the same id has forgotten it; operators have not).
+    unapplied: Unapplied | None
 
 
 class RouterTable:
@@ -45,7 +48,8 @@ class RouterTable:
             for router, state in list(self._routers.items()):
                 if state.heard < heard - FORGET_SECONDS:
                     del self._routers[router]
-        self._routers[report.router] = _RouterState(report.seq, heard, report)
+        unapplied = report.unapplied or (previous.unapplied if previous is not None else None)
+        self._routers[report.router] = _RouterState(report.seq, heard, report, unapplied)
         return heard
 
     def fresh_ids(self) -> list[str]:
@@ -104,7 +108,7 @@ class RouterTable:
     def listing(self, refusals: Mapping[str, dict]) -> list[dict]:
         """The routers for operators: id, seconds since the last report, whether it went silent past
         the staleness limit, the snapshot version it routes with (and whether that is the current
-        one), its requests in flight, and what the
+        one), the last message it could not apply (R-10.10), its requests in flight, and what the
         control plane refused of its reports (`refusals`, router id -> counts, R-10.8). A router
         all of whose reports were refused is listed from `refusals` alone."""
         now, current = self._clock(), self._changes.current()
@@ -117,12 +121,13 @@ class RouterTable:
                 "snapshot": None if snapshot is None else {"epoch": snapshot[0], "version": snapshot[1]},
                 "current": (current is not None and snapshot is not None
                             and snapshot == (current.epoch, current.version)),
+                "unapplied": _unapplied(state.unapplied),
                 "in_flight": sum(state.report.inflight.values()),
                 "refused": refusals.get(router_id),
             })
         for router_id in sorted(refusals.keys() - self._routers.keys()):  # every report refused
             out.append({"router": router_id, "reported_ago": None, "stale": True, "snapshot": None, "current": False,
-                        "in_flight": None, "refused": refusals[router_id]})
+                        "unapplied": None, "in_flight": None, "refused": refusals[router_id]})
         return out
 
     def _horizon(self) -> float:
@@ -137,3 +142,9 @@ class RouterTable:
             return True  # a router with no snapshot routes nothing
         epoch, seen = report.snapshot
         return epoch == self._changes.epoch and seen >= version
+
+
+def _unapplied(unapplied: Unapplied | None) -> dict | None:
+    if unapplied is None:
+        return None
+    return {"epoch": unapplied.epoch, "version": unapplied.version, "reason": unapplied.reason, "at": unapplied.at}
