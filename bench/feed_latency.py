@@ -28,11 +28,12 @@ from types import MappingProxyType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from llmgw.contracts import routerauth  # noqa: E402
 from llmgw.contracts.endpoints import Endpoint  # noqa: E402
 from llmgw.contracts.feed import (Ack, Change, GatewaySettings, KeyEntry, RoutedModel, Snapshot,  # noqa: E402
                                   to_wire)
 
-TOKEN = "bench-feed-token"
+TOKEN = "llmgw-router.bench.bench-feed-router-credential"  # the routers' credential (R-10.7)
 MODELS = 50
 ENDPOINTS = 4
 KEYS = 1000
@@ -70,6 +71,13 @@ class Listener:
         self.publisher.listeners.discard(self)
 
 
+class Credentials:
+    """What the feed server accepts: TOKEN, under the name it carries."""
+
+    def accepted(self, name: str) -> list[bytes]:
+        return [routerauth.verifier(TOKEN)] if name == routerauth.credential_name(TOKEN) else []
+
+
 class Publisher:
     def __init__(self):
         self.snapshot = snapshot()
@@ -86,7 +94,7 @@ class Publisher:
         self.listeners.add(listener)
         return listener
 
-    async def apply_report(self, report) -> Ack:
+    async def apply_report(self, report, refused=()) -> Ack:
         return Ack(report.router, report.seq)
 
     def emit(self, message: Change) -> None:
@@ -181,7 +189,7 @@ async def run_feed(place: Path, clients: int, changes: int, interval: float) -> 
     from llmgw.control.feedserver import FeedServer, listen_unix
 
     publisher = Publisher()
-    server = FeedServer(publisher, TOKEN)
+    server = FeedServer(publisher, Credentials())
     sock = await listen_unix(server, place / "feed.sock")
     try:
         last = changes + 1

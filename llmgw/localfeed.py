@@ -3,7 +3,8 @@
 `LocalFeed` applies what the publisher's listener yields to the router, and reports the router's
 counts and state back every REPORT_SECONDS, at once when the router notes demand for an on-demand
 model (R-6.8), and a last time on close, so the usage counted before a shutdown is written. The
-router id is random per start and seqs count from 1: the publisher counts each report once.
+router id is random per start and seqs count from 1: the publisher counts each report once. A
+message the router could not apply is named in every report after it (R-10.10), as a fed router does.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import secrets
 import time
 
 from llmgw.aio import cancel_and_wait
-from llmgw.contracts.feed import FeedError, Report
+from llmgw.contracts.feed import FeedError, Report, Unapplied
 from llmgw.control.feed import FeedListener, FeedPublisher
 from llmgw.router import Router
 
@@ -32,6 +33,7 @@ class LocalFeed:
         router.router_id = self.router_id
         self.interval = interval
         self.seq = 0
+        self._unapplied: Unapplied | None = None  # the last message the router could not apply
         self._listener: FeedListener = publisher.listen()
         self._report_now = asyncio.Event()
         self._reporting = asyncio.Lock()
@@ -57,7 +59,8 @@ class LocalFeed:
         """One report of what the router counted and holds now, applied by the publisher."""
         async with self._reporting:  # seqs reach the publisher in order
             self.seq += 1
-            report = Report(router=self.router_id, seq=self.seq, sent_at=time.time(), **self.router.report_fields())
+            report = Report(router=self.router_id, seq=self.seq, sent_at=time.time(), **self.router.report_fields(),
+                            unapplied=self._unapplied)
             try:
                 await self.publisher.apply_report(report)
             except Exception:
@@ -74,10 +77,14 @@ class LocalFeed:
         try:
             self.router.apply(message)
         except FeedError as exc:  # cannot happen in order on one loop; if it does, start over from a snapshot
+            self._unapplied = Unapplied.of(message, exc, time.time())
             log.warning("router feed out of step (%s): taking the whole snapshot again", exc)
             self._listener.close()
             self._listener = self.publisher.listen()
             return
+        except Exception as exc:
+            self._unapplied = Unapplied.of(message, exc, time.time())
+            raise
         snapshot = self.router.snapshot
         self.router.feed_status = {**(self.router.feed_status or {}),
                                    "version": None if snapshot is None else snapshot.version}

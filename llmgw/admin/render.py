@@ -79,13 +79,15 @@ def status(status: dict) -> Group:
     parts.append(Text(f"models: {models['total']} ({words.counts(models['by_state']) or 'none'})"))
     routers = status.get("routers")
     if routers:
-        table = _table("ROUTER", "SNAPSHOT", "LAST REPORT", "IN FLIGHT", "REFUSED",
+        table = _table("ROUTER", "SNAPSHOT", "NOT APPLIED", "LAST REPORT", "IN FLIGHT", "REFUSED",
                        title="Routers reporting to this control plane")
         for entry in routers:
-            table.add_row(_t(entry["router"]), _t(words.router_snapshot(entry)), _t(words.reported_ago(entry)),
-                          _t(entry["in_flight"]), _t(words.router_refused(entry)))
+            table.add_row(_t(entry["router"]), _t(words.router_snapshot(entry)), _t(words.router_unapplied(entry)),
+                          _t(words.reported_ago(entry)), _t(entry["in_flight"]), _t(words.router_refused(entry)))
         parts += [Text(""), table]
         for entry in routers:
+            if entry.get("unapplied"):
+                parts.append(Text(f"{entry['router']}: {words.router_unapplied_reason(entry)}"))
             if entry.get("refused"):
                 parts.append(Text(f"{entry['router']}: last refusal: {entry['refused']['last']}"))
     elif routers is not None:

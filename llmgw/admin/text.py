@@ -350,6 +350,23 @@ def router_snapshot(router: dict) -> str:
     return f"version {snapshot['version']} (behind)"
 
 
+def router_unapplied(router: dict) -> str:
+    """The last Snapshot or Change a router could not apply (R-10.10): 'version 7 at 12:01:05', '-'."""
+    unapplied = router.get("unapplied")
+    if not unapplied:
+        return UNKNOWN
+    version = "a message" if unapplied["version"] is None else f"version {unapplied['version']}"
+    return f"{version} at {clock(unapplied['at'])}"
+
+
+def router_unapplied_reason(router: dict) -> str:
+    """'could not apply version 7 of epoch EPOCH at 12:01:05: REASON', the reason in the router's words."""
+    unapplied = router["unapplied"]
+    epoch = "" if unapplied["epoch"] is None else f" of epoch {unapplied['epoch']}"
+    version = "a message" if unapplied["version"] is None else f"version {unapplied['version']}"
+    return f"could not apply {version}{epoch} at {clock(unapplied['at'])}: {unapplied['reason']}"
+
+
 def reported_ago(router: dict) -> str:
     if router["reported_ago"] is None:
         return "no report taken"  # every report it sent was refused

@@ -16,7 +16,7 @@
     │   └── InternalError                               INTERNAL
     ├── EngineMissing, HelperFailed    NODE       a node lacks an engine; its helper cannot run (control.actions, fleet.session)
     ├── FeedError                      PROTOCOL   a router feed message that does not parse (contracts.feed)
-    ├── FeedClientError                PROTOCOL   a router that cannot be fed (router.feedclient)
+    ├── FeedClientError                PROTOCOL   a router that cannot be fed (router.statedir)
     ├── facts.Malformed                PROTOCOL   a helper answer without the protocol's shape (fleet.facts)
     ├── engineload.Malformed           UPSTREAM   an engine's load reading that does not parse (router.engineload)
     ├── CredentialError, SecretError   SECURITY   a credential or the fleet secret unusable

@@ -14,6 +14,9 @@ or across a socket.
   acknowledged. So nothing is counted twice or lost when either side restarts.
 - The state parts of a report (requests in flight, last use, engine load, demand) replace what
   that router said before; they are not counted, so a repeat changes nothing.
+- A router that cannot apply a Snapshot or Change says so in its reports (`Report.unapplied`:
+  which epoch and version, why, when), as xDS's NACK does, then takes the whole snapshot again;
+  the control plane shows each router's last one to operators (R-10.10).
 - Engine keys, key hashes and the secret that seals Responses ids travel here. No type below puts
   them in its repr, so a log line or a traceback through one never shows them (R-4.6, R-6.2,
   R-6.14).
@@ -281,6 +284,37 @@ class RouterCounters:
     latency: Mapping[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)  # model -> (bucket counts, s)
 
 
+@dataclass(frozen=True, slots=True)
+class Unapplied:
+    """A Snapshot or Change a router could not apply (R-10.10): which one, why, and when.
+
+    `epoch`/`version` are None when the message did not say (a line that is not JSON, a version of
+    the wrong type). `reason` is a line of this router's words: a FeedError's message, which names
+    the field and never the value of a key or secret, else only the kind of fault (the rest is in
+    the router's log)."""
+
+    epoch: str | None
+    version: int | None
+    reason: str
+    at: float  # time.time() on the router
+
+    @classmethod
+    def of(cls, message, error: BaseException, at: float) -> Unapplied:
+        """What a router reports of `message` (a Snapshot, a Change or a wire document) that `error` kept out."""
+        if isinstance(message, (Snapshot, Change)):
+            epoch, version = message.epoch, message.version
+        elif isinstance(message, dict):
+            epoch, version = message.get("epoch"), message.get("version")
+        else:
+            epoch = version = None
+        reason = str(error) if isinstance(error, FeedError) else f"{type(error).__name__} in the router (see its log)"
+        return cls(epoch=epoch if type(epoch) is str else None, version=version if type(version) is int else None,
+                   reason=reason[:UNAPPLIED_REASON_KEPT], at=at)
+
+
+UNAPPLIED_REASON_KEPT = 300  # characters of an Unapplied's reason a router sends; the control plane takes no longer
+
+
 @dataclass(frozen=True)
 class Report:
     """One router's report. `usage` and `key_use` are counted once per (router, seq); `homes` is
@@ -303,6 +337,9 @@ class Report:
     # model -> ring point -> replica id: the affinity keys this router homed or sent home since its
     # last report (R-6.5d), so that the control plane keeps one table of homes for every router
     homes: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
+    # The last Snapshot or Change this router could not apply (R-10.10), None: none since it started.
+    # A state part like the others; absent on the wire from a router that predates it.
+    unapplied: Unapplied | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,9 +373,11 @@ _object_setattr = object.__setattr__
 
 
 class _KeyEntryFields:
+    """A key without limits of its own (the fast path takes no other: a key with limits takes the checks)."""
+
     __slots__ = KeyEntry.__slots__
 
-    def __init__(self, id, name, hash, prefix, models, priority, weight, limits, model_limits):
+    def __init__(self, id, name, hash, prefix, models, priority, weight):
         self.id = id
         self.name = name
         self.hash = hash
@@ -346,8 +385,8 @@ class _KeyEntryFields:
         self.models = models
         self.priority = priority
         self.weight = weight
-        self.limits = limits
-        self.model_limits = model_limits
+        self.limits = None
+        self.model_limits = NO_MODEL_LIMITS
         _object_setattr(self, "__class__", KeyEntry)
 
 
@@ -536,9 +575,9 @@ def key_from_wire(d, where: str) -> KeyEntry:
             if type(i) is str and type(n) is str and type(h) is str and type(p) is str and type(priority) is int \
                     and type(weight) is int and weight >= 1 and limits is None and model_limits is None:
                 if models is None:
-                    return _KeyEntryFields(i, n, h, p, None, priority, weight, None, NO_MODEL_LIMITS)
+                    return _KeyEntryFields(i, n, h, p, None, priority, weight)
                 if type(models) is list and _ONLY_STR.issuperset(map(type, models)):
-                    return _KeyEntryFields(i, n, h, p, frozenset(models), priority, weight, None, NO_MODEL_LIMITS)
+                    return _KeyEntryFields(i, n, h, p, frozenset(models), priority, weight)
     d = _obj(d, where)  # something is wrong, or the key has limits: check each field, naming a wrong one
     models = d.get("models")
     if models is not None:
@@ -655,6 +694,21 @@ def _counters_from_wire(value, where: str = "report.counters") -> RouterCounters
                           ejections=per_model("ejections"), latency=latency)
 
 
+def _unapplied_to_wire(u: Unapplied) -> dict:
+    return {"epoch": u.epoch, "version": u.version, "reason": u.reason, "at": u.at}
+
+
+def _unapplied_from_wire(value, where: str = "report.unapplied") -> Unapplied:
+    d = _obj(value, where)
+    reason = _str(_field(d, "reason", where), f"{where}.reason")
+    if len(reason) > UNAPPLIED_REASON_KEPT:
+        raise FeedError(f"{where}.reason: at most {UNAPPLIED_REASON_KEPT} characters, got {len(reason)}")
+    version = d.get("version")
+    return Unapplied(epoch=_opt_str(d.get("epoch"), f"{where}.epoch"),
+                     version=None if version is None else _int(version, f"{where}.version", 1),
+                     reason=reason, at=_num(_field(d, "at", where), f"{where}.at"))
+
+
 def _leases_to_wire(leases: Mapping[str, Mapping[str, Lease]]) -> dict:
     return {router: {key_id: lease.share for key_id, lease in per_key.items()} for router, per_key in leases.items()}
 
@@ -747,7 +801,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
                 "snapshot": None if message.snapshot is None else list(message.snapshot),
                 "counters": None if message.counters is None else _counters_to_wire(message.counters),
                 **({"asked": dict(message.asked)} if message.asked else {}),
-                **({"homes": _homes_to_wire(message.homes)} if message.homes else {})}
+                **({"homes": _homes_to_wire(message.homes)} if message.homes else {}),
+                **({"unapplied": _unapplied_to_wire(message.unapplied)} if message.unapplied is not None else {})}
     if isinstance(message, Ack):
         return {"type": "ack", "protocol": PROTOCOL, "router": message.router, "seq": message.seq,
                 **({"refused": [{"where": r.where, "status": 400, "message": r.message} for r in message.refused]}
@@ -803,7 +858,7 @@ def from_wire(document) -> Snapshot | Change | Report | Ack:
 def read_report(document) -> tuple[Report, tuple[Refusal, ...]]:
     """A report as the control plane takes it (R-10.8): the rows that parse, and a Refusal for
     each one that does not (a usage row, an entry of key_use, last_used, in flight, engine load,
-    asked or demand, the counters, a model's homes), so that one bad row does not cost the rest. FeedError when
+    asked or demand, the counters, a model's homes, the message not applied), so that one bad row does not cost the rest. FeedError when
     the report itself is wrong (its type, protocol, router, seq, sent_at, a part of the wrong shape)."""
     d = _obj(document, "message")
     kind = _str(_field(d, "type", "message"), "message.type")
@@ -861,6 +916,12 @@ def _report_from_wire(d: dict) -> tuple[Report, tuple[Refusal, ...]]:
             counters = _counters_from_wire(d["counters"])
         except FeedError as exc:
             refused.append(Refusal("report.counters", str(exc)))
+    unapplied = None
+    if d.get("unapplied") is not None:
+        try:
+            unapplied = _unapplied_from_wire(d["unapplied"])
+        except FeedError as exc:
+            refused.append(Refusal("report.unapplied", str(exc)))
     report = Report(router=router, seq=seq, sent_at=sent_at,
                     usage=tuple(row for _, row in rows("usage", _usage_row_from_wire, _list, [])),
                     key_use=dict(rows("key_use", _num)), last_used=dict(rows("last_used", _num)),
@@ -868,5 +929,6 @@ def _report_from_wire(d: dict) -> tuple[Report, tuple[Refusal, ...]]:
                     demand=tuple(m for _, m in rows("demand", _str, _list, [])), snapshot=snapshot,
                     counters=counters, asked=dict(rows("asked", _count)),
                     homes={model: MappingProxyType(entries) for model, entries in
-                           rows("homes", lambda v, where: _home_entries_from_wire(v, where, False))})
+                           rows("homes", lambda v, where: _home_entries_from_wire(v, where, False))},
+                    unapplied=unapplied)
     return report, tuple(refused)

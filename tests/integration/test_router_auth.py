@@ -92,7 +92,7 @@ async def test_r6_4_forwarded_values_are_escaped_and_only_displayed(gw):
 
 
 async def test_r6_2_keys_from_the_cli_apply_to_a_running_router(start_router, tmp_path, monkeypatch):  # noqa: F811
-    monkeypatch.setattr("llmgw.control.feed.KEY_REFRESH_SECONDS", 0.05)
+    monkeypatch.setattr("llmgw.control.feed.keyrefresh.KEY_REFRESH_SECONDS", 0.05)
     state = tmp_path / "state"
     gw = await start_router(CATALOG, store_path=state / "state.db")
     runner = CliRunner()

@@ -141,6 +141,87 @@ def test_r10_7_a_second_router_runs_on_a_credential_of_its_own_until_it_is_revok
         gateway.stop()
 
 
+# A fault for one test only, put in the edge router's processes by the sitecustomize module
+# Python imports at start: the first Change carrying keys makes Router.apply raise, its message
+# holding text that must never leave the router.
+FAULT_HOOK = """
+import os
+
+if os.environ.get("LLMGW_TEST_FAIL_A_KEYS_CHANGE"):
+    from llmgw.contracts.feed import Change
+    from llmgw.router.app import Router
+
+    _apply = Router.apply
+    _failed = []
+
+    def apply(self, message):
+        if isinstance(message, Change) and message.keys is not None and not _failed:
+            _failed.append(message.version)
+            raise RuntimeError("sk-llmgw-never-sent: a fault of this router")
+        _apply(self, message)
+
+    Router.apply = apply
+"""
+
+
+def test_r10_10_a_change_a_router_cannot_apply_is_named_in_ctl_status(tmp_path):
+    """A router that cannot apply a Change says which and why in its reports (xDS's NACK), takes
+    the whole snapshot again, and `ctl status` shows, per router, the version it routes with and
+    the last one it could not apply, with the reason in the router's words (none of the fault's text)."""
+    gateway = GatewayProcess(None, tmp_path / "state", workers=0).start()
+    edge = None
+    try:
+        added = ctl(gateway, "routers", "add", "edge1")
+        assert added.returncode == 0, added.stderr
+        path = tmp_path / "edge1.credential"
+        path.write_text(added.stdout.strip() + "\n")
+        path.chmod(0o600)
+        hook = tmp_path / "hook"
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(FAULT_HOOK)
+        env = {**gateway.env, "LLMGW_TEST_FAIL_A_KEYS_CHANGE": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), gateway.env.get("PYTHONPATH")]))}
+        port = free_port()
+        edge = subprocess.Popen([sys.executable, "-m", "llmgw.cli.main", "router", "--control",
+                                 f"http://127.0.0.1:{gateway.admin_port}", "--credential-file", str(path),
+                                 "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "edge")],
+                                stdout=open(tmp_path / "edge.log", "ab"), stderr=subprocess.STDOUT, env=env)
+
+        def edge_entry() -> dict | None:
+            routers = gateway.admin("/api/status")[1]["routers"] or []
+            return next((r for r in routers if r["router"].startswith("edge1/")), None)
+
+        wait_for(lambda: (edge_entry() or {}).get("current"), 60, "the edge router's reports, current")
+        assert edge_entry()["unapplied"] is None
+        key = gateway.create_key("after-the-fault")  # the key refresh makes a Change with the keys
+        wait_for(lambda: (edge_entry() or {}).get("unapplied"), 30, "the edge router to report the change it refused")
+        wait_for(lambda: models(_At(f"http://127.0.0.1:{port}"), key) == 200, 30, "the edge router caught up")
+        entry = edge_entry()
+        unapplied = entry["unapplied"]
+        assert unapplied["reason"] == "RuntimeError in the router (see its log)"
+        assert unapplied["version"] >= 2 and unapplied["epoch"] == entry["snapshot"]["epoch"]
+        wait_for(lambda: edge_entry()["current"] and edge_entry()["snapshot"]["version"] >= unapplied["version"], 30,
+                 "the edge router on the whole snapshot, past the change it refused")
+
+        listed = json.loads(ctl(gateway, "status", "--json").stdout)
+        (router,) = [r for r in listed["routers"] if r["router"] == entry["router"]]
+        assert router["unapplied"] == unapplied
+        shown = subprocess.run([sys.executable, "-m", "llmgw.cli.main", "ctl", "--state-dir", str(gateway.state_dir),
+                                "status"], capture_output=True, text=True, env={**gateway.env, "COLUMNS": "250"},
+                               timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        print(shown.stdout)
+        assert (f"{entry['router']}: could not apply version {unapplied['version']} of epoch {unapplied['epoch']}"
+                in shown.stdout)
+        assert "RuntimeError in the router (see its log)" in shown.stdout
+        assert "sk-llmgw-never-sent" not in shown.stdout + json.dumps(listed)
+    finally:
+        if edge is not None:
+            edge.terminate()
+            edge.wait(30)
+        gateway.stop()
+
+
 class _At:
     def __init__(self, url: str):
         self.url = url

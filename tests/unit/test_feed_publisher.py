@@ -9,7 +9,7 @@ import pytest
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import EngineConfig, GatewayConfig, ModelConfig, ProfileConfig, ScalingConfig, StaticEndpoint
 from llmgw.contracts.endpoints import Endpoint
-from llmgw.contracts.feed import ABANDONED_KEPT, Change, EngineLoad, Report, Snapshot, UsageRow
+from llmgw.contracts.feed import ABANDONED_KEPT, HOME_IDLE_SECONDS, Change, EngineLoad, Report, Snapshot, UsageRow
 from llmgw.control import feed as feed_module
 from llmgw.control.feed import LISTENER_QUEUE, FeedPublisher
 from llmgw.keys import create_key, revoke_key
@@ -145,7 +145,7 @@ async def test_r10_1_a_listener_that_falls_behind_gets_a_snapshot_instead_of_the
     (after,) = pending(slow)
     assert isinstance(after, Change) and after.version == LISTENER_QUEUE + 7  # in step again
     slow.close()
-    assert slow not in publisher._listeners
+    assert slow not in publisher._changes.listeners
 
 
 def usage_rows(store) -> list[tuple]:
@@ -326,7 +326,7 @@ async def test_r6_5d_the_first_home_reported_for_a_key_is_every_routers(publishe
     [change] = pending(listener)
     assert dict(change.homes["m"]) == {7: "r3"}
 
-    publisher.clock.now += feed_module.HOME_IDLE_SECONDS - 1
+    publisher.clock.now += HOME_IDLE_SECONDS - 1
     await publisher.apply_report(report(4, homes={"m": {9: "r2"}}))
     publisher.clock.now += 2
     publisher.expire_homes()

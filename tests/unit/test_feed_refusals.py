@@ -23,14 +23,15 @@ from llmgw.control.feed import FeedPublisher
 from llmgw.control.feedserver import FEED_SOCKET, FeedServer, listen_unix
 from llmgw.keys import create_key
 from llmgw.router import Router
-from llmgw.router.feedclient import REFUSED_DIR, FeedClient
+from llmgw.router.feedclient import FeedClient, FeedTiming
+from llmgw.router.spool import REFUSED_DIR
 from tests.unit.routerkit import accepting, authorized
 from llmgw.store import Store
 
 TOKEN = "llmgw-router.refusals.refusals-test-router-secret"  # the router credential
 DEADLINE = 20.0  # a guard against hanging, not a timing assertion
-FAST = dict(report_interval=0.05, snapshot_every=0.05, read_timeout=2.0, backoff_base=0.02, backoff_cap=0.1,
-            sweep_every=0.1)
+FAST = FeedTiming(report_interval=0.05, snapshot_every=0.05, read_timeout=2.0, backoff_base=0.02, backoff_cap=0.1,
+                  sweep_every=0.1)
 # What each engine double says it used: (prompt_tokens, completion_tokens).
 ENGINES = {"negative": (-5, 3), "huge": (2**64, 2**64), "sane": (7, 11)}
 CATALOG = Catalog.build(file_models=[ModelConfig(name=name, profile="p") for name in ENGINES],
@@ -90,7 +91,7 @@ class Gateway:
         self.router = Router()
         self.client = TestClient(TestServer(self.router.web_app()))
         await self.client.start_server()
-        self.feed = FeedClient(self.router, f"unix:{self.place / FEED_SOCKET}", TOKEN, self.place / "router", **FAST)
+        self.feed = FeedClient(self.router, f"unix:{self.place / FEED_SOCKET}", TOKEN, self.place / "router", timing=FAST)
         await self.feed.start()
         await until(lambda: self.router.snapshot is not None, "the router's first snapshot")
         return self

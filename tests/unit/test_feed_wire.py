@@ -4,6 +4,7 @@ its disk state, with a fake publisher and a fake router behind real aiohttp on a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -24,16 +25,17 @@ from llmgw.contracts.endpoints import Endpoint
 from llmgw.contracts.feed import (Ack, Change, FeedError, GatewaySettings, KeyEntry, Report, RoutedModel, Snapshot,
                                   UsageRow, from_wire, to_wire)
 from llmgw.control.feedserver import FEED_SOCKET, FeedServer, listen_unix
-from llmgw.router.feedclient import (SNAPSHOT_FILE, FeedClient, FeedClientError, Spool, merge_reports,
-                                     parse_control)
+from llmgw.router.feedclient import FeedClient, FeedClientError, FeedTiming, parse_control
+from llmgw.router.spool import Spool, merge_reports
+from llmgw.router.statedir import SNAPSHOT_FILE
 from tests.unit.routerkit import accepting, authorized
 
 TOKEN = "llmgw-router.test.feed-test-router-secret"  # the router credential (R-10.7)
 ENGINE_KEY = "engine-key-never-logged"
 KEY_HASH = "f" * 64
 DEADLINE = 20.0  # a guard against hanging, not a timing assertion
-FAST = dict(report_interval=0.05, snapshot_every=0.05, read_timeout=2.0, backoff_base=0.02, backoff_cap=0.1,
-            sweep_every=0.1)
+FAST = FeedTiming(report_interval=0.05, snapshot_every=0.05, read_timeout=2.0, backoff_base=0.02, backoff_cap=0.1,
+                  sweep_every=0.1)
 
 
 def make_snapshot(epoch: str, version: int = 1) -> Snapshot:
@@ -198,8 +200,8 @@ async def control(place):
 async def clients():
     started: list[FeedClient] = []
 
-    async def make(router, address: str, state_dir: Path, **options) -> FeedClient:
-        client = FeedClient(router, address, TOKEN, state_dir, **{**FAST, **options})
+    async def make(router, address: str, state_dir: Path, ca: str | None = None, **timing) -> FeedClient:
+        client = FeedClient(router, address, TOKEN, state_dir, ca=ca, timing=dataclasses.replace(FAST, **timing))
         await client.start()
         started.append(client)
         return client
@@ -631,7 +633,7 @@ ORPHAN = textwrap.dedent("""
 
     async def main():
         router = FakeRouter()
-        client = FeedClient(router, sys.argv[1], TOKEN, Path(sys.argv[2]), **FAST)
+        client = FeedClient(router, sys.argv[1], TOKEN, Path(sys.argv[2]), timing=FAST)
         await client.start()
         router.count(4)
         while not client.unacked:
@@ -809,7 +811,7 @@ def test_a_spool_read_back_skips_a_torn_line_and_never_reuses_a_seq(tmp_path, ca
 
 
 def test_a_spool_that_cannot_send_stays_small_on_disk(tmp_path):
-    from llmgw.router.feedclient import SPOOL_COMPACT
+    from llmgw.router.spool import SPOOL_COMPACT
 
     spool = Spool(tmp_path, "r-0")
     for _ in range(3 * SPOOL_COMPACT):
@@ -893,7 +895,7 @@ def spoil_spool(state_dir: Path) -> Path:
 async def test_r10_9_a_state_directory_or_slot_another_user_could_have_written_is_refused(place, spoil, says):
     state_dir = place / "router"
     spoiled = spoil(state_dir)
-    client = FeedClient(FakeRouter(), f"unix:{place}/nothing.sock", TOKEN, state_dir, **FAST)
+    client = FeedClient(FakeRouter(), f"unix:{place}/nothing.sock", TOKEN, state_dir, timing=FAST)
     with pytest.raises(FeedClientError) as refused:
         await client.start()
     assert says in str(refused.value) and str(spoiled) in str(refused.value), refused.value

@@ -8,8 +8,9 @@ import pytest
 
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig
-from llmgw.contracts.feed import Change, FeedError, GatewaySettings, Lease, Limits, Report, Snapshot, from_wire, to_wire
-from llmgw.control.feed import LEASE_FLOOR, FeedPublisher
+from llmgw.contracts.feed import (Change, FeedError, GatewaySettings, KeyEntry, Lease, Limits, Report, Snapshot, from_wire,
+                                  to_wire)
+from llmgw.control.feed import LEASE_FLOOR, FeedPublisher, split_leases
 from llmgw.keys import KeySettings, create_key, key_entries
 from llmgw.store import Store
 
@@ -40,6 +41,39 @@ def test_r6_16_leases_and_demand_travel_on_the_wire():
             from_wire({**wire, "leases": bad})
     with pytest.raises(FeedError, match=r"report.asked\['k1'\]: must be at least 0"):
         from_wire({**to_wire(Report("ra", 1, 1.0)), "asked": {"k1": -1}})
+
+
+LIMITED = KeyEntry("k1", "limited", "1" * 64, "sk-llmgw-1", None, limits=Limits(rpm=600))
+PER_MODEL = KeyEntry("k2", "per model", "2" * 64, "sk-llmgw-2", None, model_limits={"m": Limits(tpm=1000)})
+FREE = KeyEntry("k3", "free", "3" * 64, "sk-llmgw-3", None)
+
+
+@pytest.mark.parametrize("routers,demand,expected", [
+    pytest.param([], {}, {}, id="no-router"),
+    pytest.param(["ra"], {"ra": {"k1": 50.0}}, {}, id="one-router-holds-every-limit-whole"),
+    pytest.param(["ra", "rb"], {}, {"ra": {"k1": 0.5, "k2": 0.5}, "rb": {"k1": 0.5, "k2": 0.5}},
+                 id="nobody-asked-split-evenly"),
+    pytest.param(["ra", "rb"], {"ra": {"k1": 90.0}}, {"ra": {"k1": 1 - LEASE_FLOOR, "k2": 0.5},
+                                                      "rb": {"k1": LEASE_FLOOR, "k2": 0.5}},
+                 id="one-that-has-not-asked-keeps-the-floor"),
+    pytest.param(["ra", "rb", "rc"], {"ra": {"k1": 1.0}, "rb": {"k1": 2.0}, "gone": {"k1": 1000.0}},
+                 {"ra": {"k1": 0.33, "k2": 0.33}, "rb": {"k1": 0.61, "k2": 0.33}, "rc": {"k1": 0.05, "k2": 0.33}},
+                 id="in-proportion-above-the-floor-rounded-down"),
+])
+def test_r6_16_split_leases_is_a_function_of_routers_keys_and_demand(routers, demand, expected):
+    leases = split_leases(routers, (LIMITED, PER_MODEL, FREE), demand)
+    assert {r: {k: lease.share for k, lease in per_key.items()} for r, per_key in leases.items()} == expected
+    for key_id in ("k1", "k2"):  # together the routers hold no more than the limit
+        assert sum(per_key[key_id].share for per_key in leases.values()) <= 1
+
+
+def test_r6_16_the_floor_is_at_most_an_even_share_and_a_share_at_least_a_hundredth():
+    leases = split_leases([f"r{i}" for i in range(40)], (LIMITED,), {"r0": {"k1": 1e9}})
+    assert leases["r1"]["k1"] == Lease(0.02)  # the floor is 1/40 here, rounded down to hundredths
+    assert sum(per_key["k1"].share for per_key in leases.values()) <= 1
+    assert split_leases(["ra", "rb"], (LIMITED,), {"ra": {"k1": 5.0}}, floor=0.9)["rb"]["k1"] == Lease(0.5)
+    crowd = split_leases([f"r{i:03}" for i in range(150)], (LIMITED,), {})
+    assert {per_key["k1"] for per_key in crowd.values()} == {Lease(0.01)}
 
 
 class Clock:

@@ -74,7 +74,7 @@ async def clients():
     started: list[FeedClient] = []
 
     async def make(router, address: str, credential, state_dir: Path) -> FeedClient:
-        client = FeedClient(router, address, credential, state_dir, **FAST)
+        client = FeedClient(router, address, credential, state_dir, timing=FAST)
         await client.start()
         started.append(client)
         return client
