@@ -93,19 +93,30 @@ class Model:
         return self.max_replicas > max(self.min_replicas, 1)
 
 
+@dataclass(frozen=True)
+class Alias:
+    """A stable name clients call for a model (R-8.7): `target` serves it."""
+
+    name: str
+    target: str
+    declared_in: Literal["file", "store"]
+    actor: str | None = None
+
+
 class Catalog:
     """Never changed once built; build it with `Catalog.build`."""
 
-    __slots__ = ("models", "profiles", "engines", "version")
+    __slots__ = ("models", "profiles", "engines", "version", "aliases")
 
     def __init__(self, *, _token: object, models: dict[str, Model], profiles: dict[str, ProfileConfig],
-                 engines: dict[str, Engine], version: int):
+                 engines: dict[str, Engine], version: int, aliases: dict[str, Alias] | None = None):
         if _token is not _BUILD_TOKEN:
             raise TypeError("use Catalog.build(...): a catalog is only made through its validation")
         object.__setattr__(self, "models", MappingProxyType(dict(models)))
         object.__setattr__(self, "profiles", MappingProxyType(dict(profiles)))
         object.__setattr__(self, "engines", MappingProxyType(dict(engines)))
         object.__setattr__(self, "version", version)
+        object.__setattr__(self, "aliases", MappingProxyType(dict(aliases or {})))
 
     def __setattr__(self, name, value):
         raise AttributeError("a Catalog is immutable; build a new one")
@@ -114,6 +125,7 @@ class Catalog:
     profiles: Mapping[str, ProfileConfig]
     engines: Mapping[str, Engine]
     version: int
+    aliases: Mapping[str, Alias]  # alias name -> the alias (its target a model of this catalog)
 
     def get(self, name: str) -> Model | None:
         return self.models.get(name)
@@ -136,7 +148,7 @@ class Catalog:
               profiles: Mapping[str, ProfileConfig] | None = None,
               engines: Mapping[str, EngineConfig] | None = None,
               document: Document | None = None, version: int = 1,
-              stored_source: str = "stored models") -> Catalog:
+              stored_source: str = "stored models", aliases: list[Alias] = ()) -> Catalog:
         """Validate and build; raises ConfigError listing every problem found."""
         profiles = dict(profiles or {})
         engines_cfg = dict(engines or {})
@@ -211,17 +223,38 @@ class Catalog:
                 if cycle:
                     report(loc + ("fallback",), "fallbacks form a cycle: " + " -> ".join(cycle))
 
+        named: dict[str, Alias] = {}
+        for alias in aliases:  # R-8.7: a name of its own, pointing at a model (not at another alias)
+            report = file_problem if alias.declared_in == FILE else (
+                lambda loc, message: store_problems.append(Problem(loc, message)))
+            loc = ("aliases", alias.name)
+            if alias.name in models:
+                report(loc, f"alias {alias.name!r} is also the name of a model; an alias needs a name of its own")
+            elif alias.name in named:
+                report(loc, f"alias {alias.name!r} is declared twice")
+            elif alias.target not in models:
+                hint = " (an alias points at a model, not at another alias)" if any(
+                    a.name == alias.target for a in aliases) else ""
+                report(loc, f"alias {alias.name!r} points at {alias.target!r}, which is not a model of the "
+                            f"catalog{hint}")
+            else:
+                named[alias.name] = alias
+
         if file_problems:
             raise ConfigError(document.source if document else "inventory", file_problems + store_problems)
         if store_problems:
             raise ConfigError(stored_source, store_problems)
-        return cls(_token=_BUILD_TOKEN, models=models, profiles=profiles, engines=table, version=version)
+        return cls(_token=_BUILD_TOKEN, models=models, profiles=profiles, engines=table, version=version,
+                   aliases=named)
 
     @classmethod
     def from_inventory(cls, inventory: Inventory, document: Document | None = None,
-                       stored: list[StoredModel] = (), version: int = 1) -> Catalog:
+                       stored: list[StoredModel] = (), version: int = 1,
+                       stored_aliases: list[Alias] = ()) -> Catalog:
+        file_aliases = [Alias(name, target, FILE) for name, target in inventory.aliases.items()]
         return cls.build(file_models=inventory.models, stored=stored, profiles=inventory.profiles,
-                         engines=inventory.engines, document=document, version=version)
+                         engines=inventory.engines, document=document, version=version,
+                         aliases=[*file_aliases, *stored_aliases])
 
 
 _BUILD_TOKEN = object()

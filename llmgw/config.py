@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, field_validator,
+from pydantic import (BaseModel, BeforeValidator, StringConstraints, ConfigDict, Field, PlainSerializer, ValidationError, field_validator,
                       model_validator)
 
 from llmgw.contracts.addresses import split_address
@@ -400,6 +400,8 @@ class Inventory(_Strict):
     engines: dict[str, EngineConfig] = Field(default_factory=dict)
     profiles: dict[str, ProfileConfig] = Field(default_factory=dict)
     models: list[ModelConfig] = Field(default_factory=list)
+    # Stable names clients call, each pointing at a model: `{chat: chat-v2}`.
+    aliases: dict[Annotated[str, StringConstraints(pattern=NAME_PATTERN)], str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _unique_nodes(self) -> Inventory:

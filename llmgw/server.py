@@ -34,7 +34,7 @@ from llmgw.control.feed import FeedPublisher
 from llmgw.control.feedserver import FEED_SOCKET, FeedServer, FeedSocket, listen_unix
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.routers import Routers
-from llmgw.control.service import ControlPlane, load_stored_models, reload_on_signal
+from llmgw.control.service import ControlPlane, load_stored_aliases, load_stored_models, reload_on_signal
 from llmgw.fleet.fleet import Fleet
 from llmgw.fleet.secret import SecretError, response_secret
 from llmgw.localfeed import LocalFeed
@@ -146,6 +146,17 @@ class Gateway:
         self.router_credentials = Verifiers(self.store.read_sync(list_routers))
         stored = load_stored_models(self.store)
         catalog = Catalog.from_inventory(self.inventory, self.document, stored=stored)
+        aliases = []
+        for alias in load_stored_aliases(self.store):  # one the file left without a model is not in force
+            if alias.target in catalog.models and alias.name not in catalog.models \
+                    and alias.name not in catalog.aliases:
+                aliases.append(alias)
+            else:
+                log.warning("alias %s (set at runtime) points at %s, which the inventory no longer has as a "
+                            "model, or its name is taken: not in force; `llmgw ctl alias set` or `rm` it",
+                            alias.name, alias.target)
+        if aliases:
+            catalog = Catalog.from_inventory(self.inventory, self.document, stored=stored, stored_aliases=aliases)
         self.holder = CatalogHolder(catalog)
         self.registry = CollectorRegistry()
         self.fleet = Fleet(self.inventory, self.state_dir, on_state=lambda _: self._wake_reconciler())

@@ -30,7 +30,7 @@ from llmgw.contracts.feed import MAX_COUNT
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # How long an opener waits for another process's write transaction before giving up.
 BUSY_TIMEOUT = 30.0
 
@@ -110,9 +110,15 @@ def _migrate_7(db: sqlite_utils.Database) -> None:
                            "updated_at": float}, pk="model")
 
 
+def _migrate_8(db: sqlite_utils.Database) -> None:
+    """Aliases set at runtime (R-8.7): a stable name clients call, pointing at a model."""
+    db["aliases"].create({"name": str, "target": str, "actor": str, "created_at": float, "updated_at": float},
+                         pk="name")
+
+
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _migrate_1, 2: _migrate_2, 3: _migrate_3,
                                                                   4: _migrate_4, 5: _migrate_5, 6: _migrate_6,
-                                                                  7: _migrate_7}
+                                                                  7: _migrate_7, 8: _migrate_8}
 
 
 def schema_version(db: sqlite_utils.Database) -> int:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import logging
+import re
+import time
 from functools import partial
 from typing import Any
 
@@ -31,6 +32,7 @@ from llmgw.admin.metrics import FleetCollector
 from llmgw.admin.tokens import AdminTokens, NotText, cookie_value
 from llmgw.admin.usage import BY, usage_report
 from llmgw.admin.views import Listings, explanation_json, listings
+from llmgw.config import NAME_PATTERN
 from llmgw.contracts.refusals import ErrorKind, ServiceError
 from llmgw.units import parse_duration
 
@@ -148,6 +150,9 @@ def build_admin_app(admin: AdminDependencies) -> web.Application:
         web.post("/api/models", api.add_model),
         web.delete("/api/models/{name}", api.remove_model),
         web.post("/api/models/{name}/scale", api.scale),
+        web.get("/api/aliases", api.aliases),
+        web.put("/api/aliases/{name}", api.set_alias),
+        web.delete("/api/aliases/{name}", api.remove_alias),
         web.get("/api/models/{name}/rollout", api.rollout_status),
         web.post("/api/models/{name}/rollout/{action}", api.rollout),
         web.get("/api/explain/{model}", api.explain),
@@ -302,6 +307,25 @@ class Api:
         answer = await self.admin.control.scale(request.match_info["name"], minimum, maximum,
                                                   _actor(request, body))
         return _json(answer)
+
+    async def aliases(self, request: web.Request) -> web.Response:
+        return _json(self.admin.control.aliases())
+
+    async def set_alias(self, request: web.Request) -> web.Response:
+        """Point an alias at a model: `{"target": MODEL}` (R-8.7)."""
+        body = await _json_body(request)
+        target = body.get("target")
+        if not isinstance(target, str) or not target:
+            raise ServiceError(ErrorKind.INVALID, "target (the model the alias points at) is required",
+                               code="bad_argument")
+        name = request.match_info["name"]
+        if not re.match(NAME_PATTERN, name):
+            raise ServiceError(ErrorKind.INVALID, f"{name!r} is not a valid name: letters, digits and ._:- "
+                                                  "(first a letter or digit), at most 128", code="bad_argument")
+        return _json(await self.admin.control.set_alias(name, target, _actor(request, body)))
+
+    async def remove_alias(self, request: web.Request) -> web.Response:
+        return _json(await self.admin.control.remove_alias(request.match_info["name"], _actor(request)))
 
     async def rollout_status(self, request: web.Request) -> web.Response:
         return _json(self.admin.control.rollout_status(request.match_info["name"]))

@@ -333,6 +333,16 @@ def scaled(answer: dict, max_given: bool) -> Text:
     return Text(line)
 
 
+def aliases(answer: dict) -> Table | Text:
+    if not answer["aliases"]:
+        return Text("no aliases (the inventory's `aliases:`, or `llmgw ctl alias set NAME MODEL`)")
+    table = _table("ALIAS", "MODEL", "DECLARED")
+    for alias in answer["aliases"]:
+        declared = "inventory" if alias["declared_in"] == "file" else f"runtime ({alias['actor'] or '-'})"
+        table.add_row(_t(alias["name"], "bold"), _t(alias["target"]), _t(declared))
+    return table
+
+
 def _revision(label: dict | None) -> str:
     if label is None:
         return "-"

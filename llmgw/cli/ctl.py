@@ -37,6 +37,8 @@ ctl = typer.Typer(
 model_app = typer.Typer(help="Add or remove models at runtime (models of the inventory file are edited there).",
                         no_args_is_help=True)
 ctl.add_typer(model_app, name="model")
+alias_app = typer.Typer(help="Stable names clients call, each pointing at a model.", no_args_is_help=True)
+ctl.add_typer(alias_app, name="alias")
 rollout_app = typer.Typer(help="A model's move to a new revision: watch it, pause, resume, promote a canary, undo.",
                           no_args_is_help=True)
 ctl.add_typer(rollout_app, name="rollout")
@@ -345,6 +347,40 @@ def scale(ctx: typer.Context,
     with _refusals():
         answer = _client(ctx).post(f"/api/models/{_quote(model)}/scale", {"min": minimum, "max": maximum})
         _emit(answer, as_json, lambda a: render.scaled(a, max_given=maximum is not None))
+
+
+# -- aliases ------------------------------------------------------------------------------------------
+
+
+@alias_app.command("list")
+def alias_list(ctx: typer.Context, as_json: bool = JSON_OPTION) -> None:
+    """The aliases in force: from the inventory's `aliases:` and those set at runtime."""
+    with _refusals():
+        _emit(_client(ctx).call("GET", "/api/aliases"), as_json, render.aliases)
+
+
+@alias_app.command("set")
+def alias_set(ctx: typer.Context, name: str = typer.Argument(..., help="The alias clients call."),
+              target: str = typer.Argument(..., help="The model it points at."),
+              as_json: bool = JSON_OPTION) -> None:
+    """Point an alias at a model (made, or moved from the model it pointed at).
+
+    Clients call the alias as a model: requests go to the target, usage is counted under the
+    target with the name the client used. A key may use an alias when it may use the alias's
+    name or its target. Aliases of the inventory file are changed there.
+    """
+    with _refusals():
+        answer = _client(ctx).call("PUT", f"/api/aliases/{_quote(name)}", body={"target": target})
+        _emit(answer, as_json, lambda a: Text(f"alias {a['name']} -> {a['target']}"))
+
+
+@alias_app.command("rm")
+def alias_rm(ctx: typer.Context, name: str = typer.Argument(..., help="The alias."),
+             as_json: bool = JSON_OPTION) -> None:
+    """Remove an alias set at runtime: clients calling it get 'model not found'."""
+    with _refusals():
+        answer = _client(ctx).call("DELETE", f"/api/aliases/{_quote(name)}")
+        _emit(answer, as_json, lambda a: Text(f"removed alias {a['removed']}"))
 
 
 # -- rollouts -----------------------------------------------------------------------------------------

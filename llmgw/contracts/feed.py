@@ -82,6 +82,9 @@ class RoutedModel:
     concurrency: int | None = None  # requests one replica accepts at once, as configured; None: not set
     background_responses: bool = False  # Responses `background: true` allowed (R-6.9b)
     responses_store: bool = False  # SGLang: keep stored Responses (else the router sends it `store: false`)
+    # An alias: a name clients call, served by the model `alias_of`; its other fields are
+    # the target's. A router resolves it to the target before anything else: it has no pool.
+    alias_of: str | None = None
 
     @property
     def upstream_name(self) -> str:
@@ -503,7 +506,8 @@ def model_to_wire(m: RoutedModel) -> dict:
     return {"name": m.name, "engine": m.engine, "served_name": m.served_name, "routing": m.routing,
             "on_demand": m.on_demand, "fallbacks": list(m.fallbacks), "concurrency": m.concurrency,
             **({"background_responses": True} if m.background_responses else {}),
-            **({"responses_store": True} if m.responses_store else {})}
+            **({"responses_store": True} if m.responses_store else {}),
+            **({"alias_of": m.alias_of} if m.alias_of is not None else {})}
 
 
 def model_from_wire(d, where: str) -> RoutedModel:
@@ -517,7 +521,7 @@ def model_from_wire(d, where: str) -> RoutedModel:
                     and r in ROUTING_POLICIES and type(od) is bool and type(fb) is list \
                     and _ONLY_STR.issuperset(map(type, fb)) and (c is None or type(c) is int and c >= 1) \
                     and type(d.get("background_responses", False)) is bool \
-                    and type(d.get("responses_store", False)) is bool:
+                    and type(d.get("responses_store", False)) is bool and "alias_of" not in d:
                 return RoutedModel(n, e, s, r, od, tuple(fb), c, d.get("background_responses", False),
                                    d.get("responses_store", False))
     d = _obj(d, where)
@@ -536,7 +540,8 @@ def model_from_wire(d, where: str) -> RoutedModel:
                        concurrency=None if d.get("concurrency") is None else _int(d["concurrency"], f"{where}.concurrency", 1),
                        background_responses=_expect(d.get("background_responses", False), (bool,),
                                                     f"{where}.background_responses"),
-                       responses_store=_expect(d.get("responses_store", False), (bool,), f"{where}.responses_store"))
+                       responses_store=_expect(d.get("responses_store", False), (bool,), f"{where}.responses_store"),
+                       alias_of=_opt_str(d.get("alias_of"), f"{where}.alias_of"))
 
 
 def key_to_wire(k: KeyEntry) -> dict:

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from llmgw.catalog import Catalog, CatalogHolder, StoredModel
+from llmgw.catalog import Alias, Catalog, CatalogHolder, StoredModel
 from llmgw.config import ConfigError, Document, Inventory, ModelConfig, load_inventory, parse_model_text
 from llmgw.contracts.refusals import ErrorKind, ServiceError
 from llmgw.contracts.states import AdminState
@@ -31,6 +31,11 @@ from llmgw.store import Store, audit
 from llmgw.weights import redact_weights
 
 log = logging.getLogger(__name__)
+
+
+def load_stored_aliases(store: Store) -> list[Alias]:
+    rows = store.read_sync(lambda db: list(db["aliases"].rows_where(order_by="name")))
+    return [Alias(r["name"], r["target"], "store", r["actor"]) for r in rows]
 
 
 def _created_at(db, name: str) -> float | None:
@@ -85,10 +90,15 @@ class ControlPlane:
         catalog = self.holder.current
         return [StoredModel(m.config, m.actor) for m in catalog.models.values() if m.declared_in == "store"]
 
-    def _build(self, stored: list[StoredModel], new: tuple[str, Document] | None = None) -> Catalog:
+    def _stored_aliases(self) -> list[Alias]:
+        return [a for a in self.holder.current.aliases.values() if a.declared_in == "store"]
+
+    def _build(self, stored: list[StoredModel], new: tuple[str, Document] | None = None,
+               aliases: list[Alias] | None = None) -> Catalog:
         try:
             return Catalog.from_inventory(self.inventory, self.document, stored=stored,
-                                          version=self.holder.current.version + 1)
+                                          version=self.holder.current.version + 1,
+                                          stored_aliases=self._stored_aliases() if aliases is None else aliases)
         except ConfigError as exc:
             problems = exc.problems
             if new is not None:
@@ -212,6 +222,45 @@ class ControlPlane:
                             "idle_timeout": model.idle_timeout, "on_demand": model.on_demand,
                             "scales": model.scales, "target": model.config.scaling.target},
                 "fallback": model.fallback}
+
+    # -- aliases (R-8.7) ------------------------------------------------------------------------
+
+    def aliases(self) -> dict:
+        catalog = self.holder.current
+        return {"aliases": [{"name": a.name, "target": a.target, "declared_in": a.declared_in, "actor": a.actor}
+                            for a in sorted(catalog.aliases.values(), key=lambda a: a.name)]}
+
+    async def set_alias(self, name: str, target: str, actor: str) -> dict:
+        """Point `name` at the model `target`, made or moved at runtime; checked as the catalog is."""
+        async with self._lock:
+            existing = self.holder.current.aliases.get(name)
+            if existing is not None and existing.declared_in == "file":
+                raise ServiceError(ErrorKind.INVALID, f"alias {name!r} is declared in {self.inventory_source}; "
+                                                      "edit it there", code="declared_in_file")
+            aliases = [a for a in self._stored_aliases() if a.name != name] + [Alias(name, target, "store", actor)]
+            catalog = self._build(self._stored(), aliases=aliases)
+            now = time.time()
+            row = {"name": name, "target": target, "actor": actor, "created_at": now, "updated_at": now}
+            await self.store.write(lambda db: (db["aliases"].upsert(row, pk="name"),
+                                               audit(db, actor, "alias.set", name, {"target": target})))
+            self.holder.swap(catalog)
+        self.publish_view()
+        return {"name": name, "target": target, "declared_in": "store", "actor": actor}
+
+    async def remove_alias(self, name: str, actor: str) -> dict:
+        async with self._lock:
+            existing = self.holder.current.aliases.get(name)
+            if existing is None:
+                raise ServiceError(ErrorKind.NOT_FOUND, f"no alias named {name!r}", code="alias_not_found")
+            if existing.declared_in == "file":
+                raise ServiceError(ErrorKind.INVALID, f"alias {name!r} is declared in {self.inventory_source}; "
+                                                      "edit it there", code="declared_in_file")
+            catalog = self._build(self._stored(), aliases=[a for a in self._stored_aliases() if a.name != name])
+            await self.store.write(lambda db: (db["aliases"].delete_where("name = ?", [name]),
+                                               audit(db, actor, "alias.remove", name, {"target": existing.target})))
+            self.holder.swap(catalog)
+        self.publish_view()
+        return {"removed": name}
 
     # -- rollouts (R-4.13) ----------------------------------------------------------------------
 
@@ -343,7 +392,8 @@ class ControlPlane:
         """The catalog exactly as a start would build it: the file's models and the stored ones."""
         try:
             return Catalog.from_inventory(inventory, document, stored=self._stored(),
-                                          version=self.holder.current.version + 1)
+                                          version=self.holder.current.version + 1,
+                                          stored_aliases=self._stored_aliases())
         except ConfigError as exc:
             raise ServiceError(ErrorKind.INVALID, exc.lines()[0], problems=exc.lines(), code="bad_inventory") from None
 

@@ -67,7 +67,7 @@ SAMPLES = {
     (RoutedModel, "name"): "b", (RoutedModel, "engine"): "sglang", (RoutedModel, "served_name"): "org/a",
     (RoutedModel, "routing"): "prefix", (RoutedModel, "on_demand"): True, (RoutedModel, "fallbacks"): ("b", "c"),
     (RoutedModel, "concurrency"): 8, (RoutedModel, "background_responses"): True,
-    (RoutedModel, "responses_store"): True,
+    (RoutedModel, "responses_store"): True, (RoutedModel, "alias_of"): "b",
     (Limits, "rpm"): 120, (Limits, "tpm"): 5000, (Limits, "concurrency"): 4,
     (KeyEntry, "id"): "k2", (KeyEntry, "name"): "bob", (KeyEntry, "hash"): "2" * 64, (KeyEntry, "prefix"): "sk-llmgw-2",
     (KeyEntry, "models"): frozenset({"a", "b"}), (KeyEntry, "priority"): -2, (KeyEntry, "weight"): 3,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 
 from llmgw.catalog import Catalog
@@ -49,15 +50,19 @@ def static_endpoints(catalog: Catalog) -> dict[str, list[Endpoint]]:
 
 
 def routed_models(catalog: Catalog) -> Mapping[str, RoutedModel]:
-    """The catalog's models as routers see them."""
-    return MappingProxyType({
+    """The catalog's models as routers see them, then its aliases (R-8.7): each the target's
+    entry under the alias's name, with `alias_of` naming the target."""
+    models = {
         name: RoutedModel(name=name, engine=_ENGINE_KINDS.get(type(model.engine)) if model.engine else None,
                           served_name=model.config.served_name, routing=model.config.routing,
                           on_demand=model.on_demand, fallbacks=tuple(catalog.fallback_chain(name)),
                           concurrency=model.profile.concurrency if model.profile is not None else None,
                           background_responses=model.config.background_responses,
                           responses_store=model.profile is not None and model.profile.responses_store)
-        for name, model in catalog.models.items()})
+        for name, model in catalog.models.items()}
+    for alias in catalog.aliases.values():
+        models[alias.name] = replace(models[alias.target], name=alias.name, alias_of=alias.target)
+    return MappingProxyType(models)
 
 
 def gateway_settings(gateway: GatewayConfig) -> GatewaySettings:
