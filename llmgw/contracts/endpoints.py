@@ -22,3 +22,7 @@ class Endpoint:
     # in a log line or a traceback through one.
     api_key: str | None = field(repr=False)
     draining: bool = False  # marked for a rolling move: still serving until its replacement does
+    revision: str | None = None  # the model's revision the replica runs; None: not known, or static
+    # Set on the replicas of a canary revision: about this percent of the model's requests
+    # go to them, the rest to the model's other endpoints. None: no canary, balanced as one.
+    canary: int | None = None

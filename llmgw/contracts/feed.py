@@ -396,12 +396,14 @@ class _KeyEntryFields:
 class _EndpointFields:
     __slots__ = Endpoint.__slots__
 
-    def __init__(self, replica_id, model, url, api_key, draining):
+    def __init__(self, replica_id, model, url, api_key, draining, revision):
         self.replica_id = replica_id
         self.model = model
         self.url = url
         self.api_key = api_key
         self.draining = draining
+        self.revision = revision
+        self.canary = None
         _object_setattr(self, "__class__", Endpoint)
 
 
@@ -481,7 +483,9 @@ def _field(document: dict, name: str, where: str):
 
 
 def endpoint_to_wire(e: Endpoint) -> dict:
-    return {"replica": e.replica_id, "model": e.model, "url": e.url, "key": e.api_key, "draining": e.draining}
+    return {"replica": e.replica_id, "model": e.model, "url": e.url, "key": e.api_key, "draining": e.draining,
+            **({"revision": e.revision} if e.revision is not None else {}),
+            **({"canary": e.canary} if e.canary is not None else {})}
 
 
 def endpoint_from_wire(d, where: str) -> Endpoint:
@@ -491,15 +495,18 @@ def endpoint_from_wire(d, where: str) -> Endpoint:
         except KeyError:  # the checks below name what is missing, or take the default
             pass
         else:
+            rev = d.get("revision")
             if type(r) is str and type(m) is str and type(u) is str and (k is None or type(k) is str) \
-                    and type(dr) is bool:
-                return _EndpointFields(r, m, u, k, dr)
+                    and type(dr) is bool and (rev is None or type(rev) is str) and "canary" not in d:
+                return _EndpointFields(r, m, u, k, dr, rev)
     d = _obj(d, where)
     return Endpoint(replica_id=_str(_field(d, "replica", where), f"{where}.replica"),
                     model=_str(_field(d, "model", where), f"{where}.model"),
                     url=_str(_field(d, "url", where), f"{where}.url"),
                     api_key=_opt_str(d.get("key"), f"{where}.key"),
-                    draining=_expect(d.get("draining", False), (bool,), f"{where}.draining"))
+                    draining=_expect(d.get("draining", False), (bool,), f"{where}.draining"),
+                    revision=_opt_str(d.get("revision"), f"{where}.revision"),
+                    canary=None if d.get("canary") is None else _int(d["canary"], f"{where}.canary", 1, 99))
 
 
 def model_to_wire(m: RoutedModel) -> dict:

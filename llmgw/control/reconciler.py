@@ -165,6 +165,7 @@ class Reconciler:
         by_model = plan.live_by_model(records.replicas.values())
         targets = rollouts.targets(memory.rollouts, catalog, by_model, now)  # each model's revision
         rollouts.keep(self.store, targets, self.actions.save)
+        records.canaries = targets.canaries  # on the endpoints the routers balance over
         for action in plan.drain_marks(records.replicas.values(), memory.nodes.admin):
             self._act(action, now)
         memory.placing.forget_models(catalog.models)

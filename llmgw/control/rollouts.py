@@ -196,6 +196,7 @@ class Targets:
     revisions: tuple[Revision, ...]  # revisions seen for the first time
     rollouts: tuple[Rollout, ...]  # rollouts begun
     replicas: tuple[Replica, ...]  # replicas that had no revision and were given their model's
+    canaries: Mapping[str, tuple[str, int]]  # model -> (its canary revision, the share of its requests)
 
 
 def targets(memory: RolloutMemory, catalog: Catalog, live: Mapping[str, list[Replica]], now: float) -> Targets:
@@ -203,6 +204,7 @@ def targets(memory: RolloutMemory, catalog: Catalog, live: Mapping[str, list[Rep
     replicas run another revision than its target and whose rollout is not towards it yet."""
     rolling: dict[str, plan.Rolling] = {}
     launch: dict[str, Model] = {}
+    canaries: dict[str, tuple[str, int]] = {}
     new_revisions, begun, given = [], [], []
     for model in catalog.models.values():
         if model.static:
@@ -236,7 +238,9 @@ def targets(memory: RolloutMemory, catalog: Catalog, live: Mapping[str, list[Rep
             paused, promoted = record.paused, record.promoted
         rolling[model.name] = plan.Rolling(target, rollout.Shape(shape.surge, shape.unavailable, canary),
                                            paused, bool(promoted))
-    return Targets(rolling, launch, tuple(new_revisions), tuple(begun), tuple(given))
+        if others and canary is not None and not promoted:  # a canary held: its share of the requests
+            canaries[model.name] = (target, canary)
+    return Targets(rolling, launch, tuple(new_revisions), tuple(begun), tuple(given), canaries)
 
 
 def keep(store: Store | None, found: Targets, save_replica: Callable[[Replica], None]) -> None:

@@ -250,6 +250,9 @@ class Records:
     retired: list[tuple[float, Replica]] = field(default_factory=list)  # (when its engines stopped, replica)
     health: dict[str, ModelHealth] = field(default_factory=dict)  # model ->
     started_at: float = field(default_factory=time.time)
+    # model -> (its canary revision, the percent of its requests the router gives that revision's
+    # replicas), as the last pass set it from the rollouts (R-4.13); carried on their endpoints.
+    canaries: Mapping[str, tuple[str, int]] = field(default_factory=dict)
 
     def adopt(self, replicas: list[Replica]) -> None:
         """The replicas recorded before a restart, adopted rather than started again (R-4.5)."""
@@ -277,7 +280,8 @@ class Records:
         return {node: frozenset(gpus) for node, gpus in used.items()}
 
     def endpoints(self, nodes: Mapping[str, NodeConfig]) -> dict[str, list[Endpoint]]:
-        """The router's endpoint table: each serving replica's leader, by model, in replica order."""
+        """The router's endpoint table: each serving replica's leader, by model, in replica order,
+        with the revision it runs and, on a canary revision's replicas, the canary's share."""
         table: dict[str, list[Endpoint]] = {}
         for replica in self.replicas.values():
             if not replica.serving:
@@ -287,9 +291,11 @@ class Records:
             if node is None or leader.port is None:
                 continue
             host = "127.0.0.1" if node.connection == "local" else node.host
+            canary = self.canaries.get(replica.model)
             table.setdefault(replica.model, []).append(
                 Endpoint(replica_id=replica.id, model=replica.model, url=f"http://{_url_host(host)}:{leader.port}",
-                         api_key=replica.api_key, draining=replica.draining))
+                         api_key=replica.api_key, draining=replica.draining, revision=replica.revision,
+                         canary=canary[1] if canary is not None and canary[0] == replica.revision else None))
         for endpoints in table.values():
             endpoints.sort(key=lambda e: e.replica_id)
         return table

@@ -87,7 +87,7 @@ def test_r10_1_keys_and_endpoints_are_built_without_their_frozen_init(monkeypatc
 
 @pytest.mark.parametrize("builder,cls,args", [
     (feed._KeyEntryFields, KeyEntry, ("k1", "alice", KEY_HASH, "sk-llmgw-1", frozenset({"a"}), -1, 3)),
-    (feed._EndpointFields, Endpoint, ("a-r0", "a", "http://10.0.0.1:8000", ENGINE_KEY, True)),
+    (feed._EndpointFields, Endpoint, ("a-r0", "a", "http://10.0.0.1:8000", ENGINE_KEY, True, "0123456789ab")),
 ])
 def test_the_wire_path_builders_set_every_field_of_their_dataclass(builder, cls, args):
     built = builder(*args)
