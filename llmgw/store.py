@@ -111,9 +111,12 @@ def _migrate_7(db: sqlite_utils.Database) -> None:
 
 
 def _migrate_8(db: sqlite_utils.Database) -> None:
-    """Aliases set at runtime (R-8.7): a stable name clients call, pointing at a model."""
+    """Aliases set at runtime (R-8.7): a stable name clients call, pointing at a model; usage is
+    counted per alias the client used too (`via`, '' for the model's own name), so it joins the key."""
     db["aliases"].create({"name": str, "target": str, "actor": str, "created_at": float, "updated_at": float},
                          pk="name")
+    db["usage"].add_column("via", str, not_null_default="")
+    db["usage"].transform(pk=("bucket", "key_id", "model", "via"))
 
 
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _migrate_1, 2: _migrate_2, 3: _migrate_3,
@@ -311,14 +314,15 @@ def audit(db: sqlite_utils.Database, actor: str | None, action: str, target: str
 
 def add_usage(db: sqlite_utils.Database, rows: list[tuple]) -> None:
     """Add (bucket, key_id, model, requests, prompt_tokens, completion_tokens[, estimated_tokens,
-    unmetered]) to the counters.
+    unmetered[, via]]) to the counters (`via`: the alias the client used, R-8.7).
 
     Each sum saturates at MAX_COUNT (R-10.8): SQLite would turn an integer overflow into a float."""
     db.conn.executemany(
         "INSERT INTO usage (bucket, key_id, model, requests, prompt_tokens, completion_tokens, estimated_tokens, "
-        "unmetered) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (bucket, key_id, model) DO UPDATE SET "
+        "unmetered, via) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (bucket, key_id, model, via) DO UPDATE SET "
         f"requests = MIN(requests + excluded.requests, {MAX_COUNT}), "
         f"prompt_tokens = MIN(prompt_tokens + excluded.prompt_tokens, {MAX_COUNT}), "
         f"completion_tokens = MIN(completion_tokens + excluded.completion_tokens, {MAX_COUNT}), "
         f"estimated_tokens = MIN(estimated_tokens + excluded.estimated_tokens, {MAX_COUNT}), "
-        f"unmetered = MIN(unmetered + excluded.unmetered, {MAX_COUNT})", [(*row, 0, 0)[:8] for row in rows])
+        f"unmetered = MIN(unmetered + excluded.unmetered, {MAX_COUNT})",
+        [(*row, 0, 0)[:8] + (row[8] if len(row) > 8 else "",) for row in rows])

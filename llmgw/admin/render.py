@@ -292,7 +292,7 @@ def usage(report: dict) -> Group:
     by_key = report["by"] == "key"
     limits = ("RPM", "TPM", "CONC", "MODEL LIMITS") if by_key else ()
     table = _table("KEY" if by_key else "MODEL", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS", "TOTAL TOKENS",
-                   "ESTIMATED", "UNMETERED", *limits)
+                   "ESTIMATED", "UNMETERED", *limits, *(() if by_key else ("VIA ALIAS",)))
     for row in report["rows"]:
         cells = [_t(row["name"], "bold"), _t(row["requests"]), _t(row["prompt_tokens"]),
                  _t(row["completion_tokens"]), _t(row["total_tokens"]), _t(row.get("estimated_tokens")),
@@ -300,6 +300,9 @@ def usage(report: dict) -> Group:
         if by_key:  # the key's limits beside what it used
             cells += [_t(row.get(name)) for name in ("rpm", "tpm", "concurrency")]
             cells.append(_t(words.model_limits(row.get("model_limits"))))
+        else:  # requests the model served under an alias's name
+            via = row.get("via") or {}
+            cells.append(_t(", ".join(f"{alias}: {count}" for alias, count in via.items()) or "-"))
         table.add_row(*cells)
     totals = report["totals"]
     start = words.period_start(report)

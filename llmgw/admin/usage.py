@@ -51,6 +51,14 @@ def usage_report(db: sqlite_utils.Database, by: str, since_seconds: float, now: 
         keys = _keys(db, [row[6] for row in found])
         for row, (*_, key_id) in zip(rows, found):
             row.update(_limits(keys.get(key_id)))
+    else:  # the requests each model served through an alias, by the alias the client used
+        via: dict[str, dict[str, int]] = {}
+        for model, alias, requests in db.execute(
+                "SELECT model, via, SUM(requests) FROM usage WHERE bucket >= ? AND via != '' GROUP BY model, via "
+                "ORDER BY via", [start]).fetchall():
+            via.setdefault(model, {})[alias] = requests
+        for row in rows:
+            row["via"] = via.get(row["name"], {})
     totals = _row(None, *(sum(r[key] for r in rows) for key in ("requests", "_prompt", "_completion",
                                                                  "estimated_tokens", "unmetered")))
     del totals["name"]

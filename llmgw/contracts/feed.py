@@ -251,6 +251,7 @@ class UsageRow:
     completion_tokens: int
     estimated_tokens: int = 0  # the part of prompt + completion estimated from what a cut stream relayed
     unmetered: int = 0  # requests whose tokens nobody knows: no usage, nothing to estimate from (not 0 tokens)
+    via: str = ""  # the alias the client called `model` by; "": its own name
 
 
 @dataclass(frozen=True, slots=True)
@@ -805,7 +806,7 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
         return {"type": "report", "protocol": PROTOCOL, "router": message.router, "seq": message.seq,
                 "sent_at": message.sent_at,
                 "usage": [[u.bucket, u.key_id, u.model, u.requests, u.prompt_tokens, u.completion_tokens,
-                           u.estimated_tokens, u.unmetered] for u in message.usage],
+                           u.estimated_tokens, u.unmetered, *((u.via,) if u.via else ())] for u in message.usage],
                 "key_use": dict(message.key_use), "last_used": dict(message.last_used),
                 "inflight": dict(message.inflight),
                 "engine_load": {r: _load_to_wire(load) for r, load in message.engine_load.items()},
@@ -884,11 +885,14 @@ def read_report(document) -> tuple[Report, tuple[Refusal, ...]]:
 
 def _usage_row_from_wire(row, where: str) -> UsageRow:
     row = _list(row, where)
-    if len(row) not in (6, 8):  # 6: a router from before estimates and unmetered requests (R-6.9a)
-        raise FeedError(f"{where}: expected [bucket, key, model, requests, prompt, completion, estimated, unmetered]")
+    # 6: a router from before estimates and unmetered requests (R-6.9a); 9: a request through an alias
+    if len(row) not in (6, 8, 9):
+        raise FeedError(f"{where}: expected [bucket, key, model, requests, prompt, completion, estimated, unmetered"
+                        "[, alias]]")
     return UsageRow(_int(row[0], f"{where}[0]"), _str(row[1], f"{where}[1]"), _str(row[2], f"{where}[2]"),
                     _count(row[3], f"{where}[3]"), _count(row[4], f"{where}[4]"), _count(row[5], f"{where}[5]"),
-                    *(_count(row[i], f"{where}[{i}]") for i in range(6, len(row))))
+                    *(_count(row[i], f"{where}[{i}]") for i in range(6, min(len(row), 8))),
+                    *((_str(row[8], f"{where}[8]"),) if len(row) == 9 else ()))
 
 
 def _refusal_from_wire(d, where: str) -> Refusal:

@@ -96,7 +96,7 @@ def test_r6_9a_estimated_share_and_unknown_tokens_are_shown_as_such(store):
     console = Console(width=200, record=True)
     console.print(render.usage(report))
     lines = console.export_text().splitlines()
-    assert next(line.split() for line in lines if line.startswith("blind")) == ["blind", "3", "-", "-", "-", "0", "3"]
+    assert next(line.split() for line in lines if line.startswith("blind")) == ["blind", "3", "-", "-", "-", "0", "3", "-"]  # no alias: VIA ALIAS -
     summary = " ".join(" ".join(lines).split())
     assert "of which 250 estimated" in summary and "3 requests whose tokens are unknown" in summary
 
@@ -109,3 +109,15 @@ def test_period_starts_at_the_hour_that_holds_it(store):
 def test_unknown_grouping_is_refused(store):
     with pytest.raises(ValueError):
         store.read_sync(lambda db: usage_report(db, "colour", 60, NOW))
+
+
+def test_r8_7_usage_through_an_alias_is_the_models_with_the_alias_named(store):
+    store.write_sync(lambda db: add_usage(db, [(HOUR, "k1", "chat-v2", 2, 20, 30, 0, 0),
+                                               (HOUR, "k1", "chat-v2", 3, 30, 45, 0, 0, "chat"),
+                                               (HOUR, "k2", "chat-v2", 1, 10, 15, 0, 0, "chat")]))
+    report = store.read_sync(lambda db: usage_report(db, "model", 3600, NOW))
+    row = next(r for r in report["rows"] if r["name"] == "chat-v2")
+    assert (row["name"], row["requests"], row["via"]) == ("chat-v2", 6, {"chat": 4})
+    console = Console(width=200, record=True)
+    console.print(render.usage(report))
+    assert "chat: 4" in console.export_text()

@@ -91,7 +91,7 @@ SAMPLES = {
     (Change, "homes"): {"a": {5: "a-r0", 6: None}},
     (UsageRow, "bucket"): 7200, (UsageRow, "key_id"): "k2", (UsageRow, "model"): "b", (UsageRow, "requests"): 9,
     (UsageRow, "prompt_tokens"): 90, (UsageRow, "completion_tokens"): 900, (UsageRow, "estimated_tokens"): 12,
-    (UsageRow, "unmetered"): 1,
+    (UsageRow, "unmetered"): 1, (UsageRow, "via"): "chat",
     (EngineLoad, "source"): "sglang", (EngineLoad, "waiting"): 3, (EngineLoad, "running"): 4,
     (EngineLoad, "kv_cache"): 0.5, (EngineLoad, "prefix_hits"): 10, (EngineLoad, "prefix_queries"): 20,
     (EngineLoad, "at"): 99.5, (EngineLoad, "slots"): 8, (EngineLoad, "preemptions"): 2,

@@ -111,7 +111,7 @@ async def test_async_write_does_not_block_the_loop(tmp_path):
         await store.write(lambda db: add_usage(db, rows))
         usage = await store.read(lambda db: list(db["usage"].rows))
         assert usage == [{"bucket": 1, "key_id": "k1", "model": "m", "requests": 2,
-                          "prompt_tokens": 13, "completion_tokens": 7, "estimated_tokens": 0, "unmetered": 0}]
+                          "prompt_tokens": 13, "completion_tokens": 7, "estimated_tokens": 0, "unmetered": 0, "via": ""}]
     finally:
         store.close()
 

@@ -37,7 +37,7 @@ def apply_counted(db: sqlite_utils.Database, report: Report, now: float) -> bool
         return False
     if report.usage:
         add_usage(db, [(u.bucket, u.key_id, u.model, u.requests, u.prompt_tokens, u.completion_tokens,
-                        u.estimated_tokens, u.unmetered) for u in report.usage])
+                        u.estimated_tokens, u.unmetered, u.via) for u in report.usage])
     if report.key_use:
         record_key_use(db, dict(report.key_use))
     db.execute("INSERT INTO router_seq (router, seq, updated_at) VALUES (?, ?, ?) ON CONFLICT (router) "
