@@ -49,7 +49,6 @@ from dataclasses import dataclass, replace
 from functools import partial
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
@@ -62,6 +61,7 @@ from llmgw.contracts.feed import (HOMES_PER_REPORT, Ack, Change, FeedError, Repo
 from llmgw.contracts.privatefiles import write_private
 from llmgw.router.private import untrusted
 from llmgw.router.engine_figures import add as add_count
+from llmgw.router.feedstate import FedRouter
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +373,7 @@ def take_slot(state_dir: Path, name: str | None = None) -> _Slot:
 class FeedClient:
     """Feeds `router` from the control plane at `control` and reports back; see the module's docstring."""
 
-    def __init__(self, router: Any, control: str, credential: str | Callable[[], str], state_dir: Path, *,
+    def __init__(self, router: FedRouter, control: str, credential: str | Callable[[], str], state_dir: Path, *,
                  ca: str | None = None,
                  report_interval: float = REPORT_INTERVAL, snapshot_every: float = SNAPSHOT_EVERY,
                  read_timeout: float = READ_TIMEOUT, backoff_base: float = BACKOFF_BASE,
