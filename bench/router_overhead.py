@@ -158,7 +158,7 @@ async def run_router(port: int, engine_url: str, state_dir: str, profile: str | 
     publisher.set_endpoints({MODEL: [Endpoint("r1", MODEL, engine_url, ENGINE_KEY)]})
     publisher.mark_ready()
     router = Router(registry=CollectorRegistry())
-    feed = LocalFeed(publisher, router)
+    feed = LocalFeed(publisher, router.feed)
     feed.pump()
     feed.start()
     runner = web.AppRunner(router.web_app(), **RUNNER_OPTIONS)

@@ -125,7 +125,7 @@ async def run(args, concurrency: int) -> dict:
             publisher.set_endpoints({"m": [engine.endpoint()]})
             publisher.mark_ready()
             router = Router()
-            feed = LocalFeed(publisher, router)
+            feed = LocalFeed(publisher, router.feed)
             feed.pump()
             feed.start()
             runner = web.AppRunner(router.web_app(), **RUNNER_OPTIONS)

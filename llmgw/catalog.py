@@ -24,6 +24,7 @@ from llmgw.weights import WeightsSource
 
 FILE = "file"
 STORE = "store"
+STORED_SOURCE = "stored models"  # where a problem of a model or alias added at runtime is said to be
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ class Catalog:
               profiles: Mapping[str, ProfileConfig] | None = None,
               engines: Mapping[str, EngineConfig] | None = None,
               document: Document | None = None, version: int = 1,
-              stored_source: str = "stored models", aliases: list[Alias] = ()) -> Catalog:
+              aliases: list[Alias] = ()) -> Catalog:
         """Validate and build; raises ConfigError listing every problem found."""
         profiles = dict(profiles or {})
         engines_cfg = dict(engines or {})
@@ -243,7 +244,7 @@ class Catalog:
         if file_problems:
             raise ConfigError(document.source if document else "inventory", file_problems + store_problems)
         if store_problems:
-            raise ConfigError(stored_source, store_problems)
+            raise ConfigError(STORED_SOURCE, store_problems)
         return cls(_token=_BUILD_TOKEN, models=models, profiles=profiles, engines=table, version=version,
                    aliases=named)
 

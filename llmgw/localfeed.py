@@ -17,7 +17,7 @@ import time
 from llmgw.aio import cancel_and_wait
 from llmgw.contracts.feed import FeedError, Report, Unapplied
 from llmgw.control.feed import FeedListener, FeedPublisher
-from llmgw.router import Router
+from llmgw.router.feedstate import FedRouter
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ REPORT_SECONDS = 0.5
 
 
 class LocalFeed:
-    def __init__(self, publisher: FeedPublisher, router: Router, *, router_id: str | None = None,
+    def __init__(self, publisher: FeedPublisher, router: FedRouter, *, router_id: str | None = None,
                  interval: float = REPORT_SECONDS):
         self.publisher = publisher
         self.router = router

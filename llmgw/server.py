@@ -189,7 +189,7 @@ class Gateway:
         await self.fleet.start()
         self.publisher.mark_ready()
         if self.serve_router:
-            self.feed = LocalFeed(self.publisher, self.router)
+            self.feed = LocalFeed(self.publisher, self.router.feed)
             self.feed.pump()  # the router holds the first snapshot before it listens
             self.feed.start()
             router_app = self.router.web_app()

@@ -50,7 +50,7 @@ a place given to it just then is passed on. A model with no endpoints has no cap
 its requests are not held here (the no-replica and on-demand paths answer them).
 
 The capacity a FairQueue is given is its router's part: with several routers (workers, hosts) the
-router divides each model's places among the routers of its last leases (`app.router_share`), so
+router divides each model's places among the routers of its last leases (`feedstate.router_share`), so
 each router's queue is fair among the requests it holds and together they give a replica no more
 than it accepts.
 """

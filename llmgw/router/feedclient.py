@@ -31,7 +31,6 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
@@ -43,6 +42,7 @@ from llmgw.router.spool import (SLOTS_DIR, SPOOL_FILE, Slot, Spool, Spooled, cou
                                 take_slot)
 from llmgw.router.statedir import (SNAPSHOT_FILE, FeedClientError, load_snapshot_file, private_dir,
                                    write_snapshot_file)
+from llmgw.router.feedstate import FedRouter
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def parse_control(control: str) -> Control:
 class FeedClient:
     """Feeds `router` from the control plane at `control` and reports back; see the module's docstring."""
 
-    def __init__(self, router: Any, control: str, credential: str | Callable[[], str], state_dir: Path, *,
+    def __init__(self, router: FedRouter, control: str, credential: str | Callable[[], str], state_dir: Path, *,
                  ca: str | None = None, timing: FeedTiming = DEFAULT_TIMING):
         self.router = router
         self.control = parse_control(control)

@@ -26,7 +26,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 
 import aiohttp
 from aiohttp import web
@@ -34,11 +33,11 @@ from yarl import URL
 
 from llmgw.router import response_ids
 from llmgw.router.balancer import Upstream
+from llmgw.router.exchange import Exchange
 from llmgw.router.errors import (UpstreamAnswerTooLarge, UpstreamConnectFailed, UpstreamRefused, UpstreamRejectedKey,
                                  UpstreamTimeout)
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.routes import ANTHROPIC, OPENAI, RESPONSES
-from llmgw.router import limits
 from llmgw.router.usage import (UsageMeter, anthropic_stream_usage, complete_events_end, estimate_stream,
                                 find_usage, strip_usage, tokens, usage_from_body)
 
@@ -48,22 +47,6 @@ _USAGE = b'"usage"'
 MAX_PENDING = 1 << 20  # an engine that never ends an event still gets relayed past this
 DEFAULT_MAX_ANSWER = 64 * 1024**2  # bytes of a non-streamed answer, until told otherwise
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-@dataclass(frozen=True, slots=True)
-class Exchange:
-    """One client request as the forwarder sends it, built once by the router's intake: whose it
-    is, how its answer is relayed, and how it is counted. Every attempt of the request (retries,
-    fallbacks) uses the same value."""
-
-    key_id: str  # the API key's id: whose usage it is
-    method: str = "POST"
-    dialect: str = OPENAI  # how errors and stream events are shaped
-    stream: bool | None = False  # None: relayed as a stream when the engine sends an event stream
-    strip_usage: bool = False  # remove the usage-only event the router asked for, not the client
-    strip_continuous: bool = False  # remove the usage of every chunk, likewise
-    inference: bool = True  # False: a stored answer read back, counted as a request, its usage not again
-    admission: limits.Admission | None = None  # a limited key's reservation, settled to the answer's usage
 
 
 _NOT_EDITED = {"strip_usage": False, "strip_continuous": False}
@@ -205,11 +188,14 @@ class Forwarder:
                 attempt.resp.close()  # the relay loop's read fails: the stream ends with an error
         return len(attempts)
 
-    async def send(self, request: web.Request, exchange: Exchange, up: Upstream, path: str, body,
-                   headers: dict | None = None, accepted: Callable[[], None] | None = None) -> web.StreamResponse:
+    async def send(self, request: web.Request, exchange: Exchange, up: Upstream,
+                   accepted: Callable[[], None] | None = None) -> web.StreamResponse:
         """One attempt of `exchange` on `up`. `accepted` is called once the engine answers with a
         status below 400."""
-        stream, dialect, key_id = exchange.stream, exchange.dialect, exchange.key_id
+        stream, method, dialect, key_id = exchange.stream, exchange.route.method, exchange.route.dialect, exchange.key.id
+        url = up.base_url + exchange.upstream_path(up)
+        body = exchange.upstream_body(up)
+        headers = exchange.upstream_headers(request, up)
         started = time.monotonic()
         resp = None
         finished = False
@@ -219,9 +205,7 @@ class Forwarder:
         try:
             try:
                 async with asyncio.timeout(self.read_timeout):
-                    if headers is None:
-                        headers = up.stream_headers if stream else up.headers
-                    resp = await self._request(exchange.method, up.base_url + path, body, headers)
+                    resp = await self._request(method, url, body, headers)
                     status = resp.status
                     self.metrics.upstream_latency(up.model, time.monotonic() - started)
                     if status == 502 or status == 503:
@@ -244,7 +228,7 @@ class Forwarder:
                             log.info("replica %s began an Anthropic stream without message_start; asking again",
                                      up.replica_id)
                             resp.close()
-                            resp = await self._request(exchange.method, up.base_url + path, body, headers)
+                            resp = await self._request(method, url, body, headers)
                             if resp.status != 200:
                                 raise UpstreamRefused(f"the engine of replica {up.replica_id} answered {resp.status}")
                             first = await resp.content.readany()
@@ -280,13 +264,13 @@ class Forwarder:
                     response = await self._relay_events(request, exchange, resp, up, first, relay_headers, size)
                 else:
                     if not sse and (exchange.strip_usage or exchange.strip_continuous):
-                        exchange = replace(exchange, **_NOT_EDITED)  # not SSE: relayed as it comes
+                        exchange = exchange._replace(**_NOT_EDITED)  # not SSE: relayed as it comes
                     response = await self._relay_stream(request, exchange, resp, up, first, relay_headers, size)
             else:
                 if dialect == RESPONSES:  # the ids clients see name the replica that holds the response
                     answer = self.response_ids.rewrite(answer, up.model, up.replica_id, key_id)
                 if status == 200:
-                    usage = usage_from_body(answer) if exchange.inference else {}
+                    usage = {} if exchange.read_back else usage_from_body(answer)
                     if usage is None:  # an answer without usage: its tokens are unknown, not 0
                         self.usage.add(key_id, up.model, 0, 0, unmetered=True)
                     else:
@@ -435,7 +419,7 @@ class Forwarder:
         """A Responses or Anthropic stream: whole events relayed as they complete, comments and
         named events untouched; Responses ids rewritten to name their replica; usage from
         `response.completed`, or from Anthropic's message_start and message_delta."""
-        dialect = exchange.dialect
+        dialect, key_id = exchange.route.dialect, exchange.key.id
         response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(request)
         readany = resp.content.readany
@@ -455,7 +439,7 @@ class Forwarder:
                     if end:
                         chunk, pending = chunk[:end], chunk[end:]
                     if rewrite is not None:
-                        chunk = rewrite(chunk, up.model, up.replica_id, exchange.key_id)
+                        chunk = rewrite(chunk, up.model, up.replica_id, key_id)
                     await response.write(chunk)
                     events += chunk.count(b"\n\n")
                     if len(head) < HEAD_BYTES:
@@ -491,7 +475,7 @@ class Forwarder:
                       events: int) -> None:
         """Usage of a Responses or Anthropic stream from its first and last events; without its
         final usage, estimated from what was relayed (Anthropic's message_start gives the prompt)."""
-        if exchange.dialect != ANTHROPIC:
+        if exchange.route.dialect != ANTHROPIC:
             self._count_stream(exchange, model, find_usage(tail), body_size, events)
             return
         if b"message_delta" in tail and find_usage(tail) is not None:
@@ -511,7 +495,7 @@ class Forwarder:
             transport.close()  # no final chunk: the client cannot mistake this for a whole answer
 
     def _count(self, exchange: Exchange, model: str, prompt: int, completion: int, estimated: int = 0) -> None:
-        self.usage.add(exchange.key_id, model, prompt, completion, estimated)
+        self.usage.add(exchange.key.id, model, prompt, completion, estimated)
         if prompt or completion:  # a limited key's reservation becomes what was used; unknown keeps the estimate
             admission = exchange.admission
             if admission is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from types import MappingProxyType
 from urllib.parse import quote
 
@@ -45,13 +46,13 @@ class Route:
     chat_stream: bool = False  # streams carry OpenAI's usage-only event, asked for with include_usage
     inference: bool = True  # runs the model over the request, so prefix routing homes its key (R-6.5b)
 
-    @property
+    @cached_property  # read for every request: worked out once per route
     def fixed_path(self) -> str | None:
         """The upstream path when every engine takes the router's own path (then no lookup per request)."""
         same = self.model_from != RESPONSE_ID and all(path == self.path for path in self.engines.values())
         return self.path if same else None
 
-    @property
+    @cached_property
     def plain(self) -> bool:
         """A JSON body with the upstream's prebuilt headers: nothing per request to add or remove."""
         return self.model_from == JSON and self.dialect != ANTHROPIC

@@ -213,7 +213,7 @@ async def build_router(args: WorkerArgs) -> tuple[web.Application, Closer, Fed |
     from llmgw.router.feedclient import FeedClient
 
     router = Router()
-    client = FeedClient(router, args.control, credential.source(args.credential_file), args.state_dir,
+    client = FeedClient(router.feed, args.control, credential.source(args.credential_file), args.state_dir,
                         ca=str(args.ca) if args.ca else None)
     await client.start()
 

@@ -249,7 +249,7 @@ async def two_routers(tmp_path, url: str, limits: Limits):
     try:
         for name in ("a", "b"):
             router = Router()
-            feed = LocalFeed(publisher, router, router_id=f"router-{name}")
+            feed = LocalFeed(publisher, router.feed, router_id=f"router-{name}")
             feed.pump()
             feed.start()
             runner = web.AppRunner(router.web_app(), **RUNNER_OPTIONS)
@@ -399,7 +399,7 @@ async def test_r6_16_two_routers_share_one_keys_limit(tmp_path):
                 bucket = router.limiter._budgets[(key_id, None)].requests
                 bucket.refill(ended)
                 unspent += max(0.0, bucket.level)
-            shares = {r.router_id: dict(r.snapshot.leases.get(r.router_id, {})) for r in routers}
+            shares = {r.feed.router_id: dict(r.snapshot.leases.get(r.feed.router_id, {})) for r in routers}
             print(f"two routers, rpm {rpm}: admitted {counts['admitted']} (a {admitted_by[0]}, b {admitted_by[1]}) "
                   f"in {elapsed:.2f} s, the limit's pace allows {expected:.0f}; refused {counts['refused']}; "
                   f"held unspent at the end {unspent:.0f}; leases {shares}")

@@ -104,7 +104,7 @@ async def test_r6_5c_prompt_cache_key_from_the_openai_client_keeps_a_tenant_on_o
 async def test_r6_5e_router_polls_engine_load_with_the_key(prefix_gateway):
     gw, doubles = prefix_gateway
     # The background poll runs once a second; one poll by hand makes the test independent of it.
-    await EnginePoller(gw.router.balancer, gw.router._forwarder.session).poll_once()
+    await EnginePoller(gw.router.balancer, gw.router.dispatch.forwarder.session).poll_once()
     for i in range(3):
         load = gw.router.engine_load(f"m-{i}")
         assert load is not None and load.source == "vllm"
@@ -180,7 +180,7 @@ async def test_r6_5d_turns_alternating_between_two_routers_reach_one_engine(engi
         try:
             for _ in range(2):
                 router = Router()
-                feed = LocalFeed(publisher, router)
+                feed = LocalFeed(publisher, router.feed)
                 feed.pump()
                 feed.start()
                 runner = web.AppRunner(router.web_app(), **RUNNER_OPTIONS)

@@ -236,11 +236,11 @@ class RunningRouter:
     def response_id(self, model: str, replica: str, engine_id: str, secret: str | None = None) -> str:
         """The id this router hands out for the engine's `engine_id` made with `secret`'s key (the first key's by default)."""
         key = self.router.keys.authenticate(f"Bearer {secret or self.secret}")
-        return self.router.response_ids.seal(model, replica, key.id, engine_id)
+        return self.router.feed.response_ids.seal(model, replica, key.id, engine_id)
 
     def opened(self, response_id: str) -> tuple[str, str, str] | None:
         """(model, replica, engine id) of an id this router handed out, None when it did not."""
-        sealed = self.router.response_ids.open(response_id)
+        sealed = self.router.feed.response_ids.open(response_id)
         return None if sealed is None else (sealed.model, sealed.replica_id, sealed.engine_id)
 
     async def usage_rows(self) -> list[dict]:
@@ -264,7 +264,7 @@ async def start_router(tmp_path):
         if endpoints:
             publisher.set_endpoints(endpoints)
         publisher.mark_ready()
-        feed = LocalFeed(publisher, router)
+        feed = LocalFeed(publisher, router.feed)
         feed.pump()
         feed.start()
         runner = web.AppRunner(router.web_app(), **(RUNNER_OPTIONS if runner_options is None else runner_options))

@@ -1,5 +1,6 @@
 """Bounds on the shape of the code, read from the source (ast), so that a class does not grow back
-into holding everything: the reconciler keeps the pass, the rest lives with the parts that own it.
+into holding everything: the reconciler keeps the pass, the router its listener, the rest lives with the
+parts that own it.
 
 How things are counted:
 - a class's attributes: the distinct names X assigned as `self.X` (plain, annotated, augmented,
@@ -129,3 +130,55 @@ def test_the_reconciler_module_keeps_the_pass_short():
     lines = len((PACKAGE / "control" / "reconciler.py").read_text().splitlines())
     print(f"control/reconciler.py: {lines} lines")
     assert lines <= RECONCILER_LINES
+
+
+# -- the router --------------------------------------------------------------------------------------
+
+ROUTER_METHODS = 20
+MANY_PARAMETERS = 8  # a function taking this many is carrying a value in pieces
+FUNCTIONS_WITH_MANY_PARAMETERS = 3
+REQUEST_MODULES = ("router/app.py", "router/intake.py", "router/dispatch.py", "router/exchange.py",
+                   "router/feedstate.py")
+REQUEST_PARAMETERS = 5  # a request travels as one Exchange: no step of it needs more than this
+
+
+def _functions_in(paths) -> list[tuple[str, int, str, int]]:
+    """(module, line, name, parameters) of every function in `paths`, nested ones and methods included."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((str(path.relative_to(PACKAGE)), node.lineno, node.name, _parameters(node)))
+    return found
+
+
+def test_the_router_keeps_the_listener_and_little_else():
+    methods = _methods(_class("router/app.py", "Router"))
+    print(f"Router: {len(methods)} methods")
+    assert len(methods) <= ROUTER_METHODS, methods
+
+
+def test_few_functions_take_a_value_in_pieces():
+    many = [f for f in _functions_in(sorted(PACKAGE.rglob("*.py"))) if f[3] >= MANY_PARAMETERS]
+    for module, line, name, count in many:
+        print(f"{module}:{line} {name}: {count} parameters")
+    assert not [f for f in many if f[0] == "router/app.py"], many
+    assert len(many) <= FUNCTIONS_WITH_MANY_PARAMETERS, many
+
+
+def test_a_request_travels_as_one_value():
+    over = [f for f in _functions_in(PACKAGE / module for module in REQUEST_MODULES) if f[3] > REQUEST_PARAMETERS]
+    assert not over, over
+
+
+def test_the_admission_is_a_value_not_a_context_variable():
+    # A limited key's admission travels in its request's Exchange; a context variable would be
+    # state nobody passes (and copied into every task the request starts).
+    for path in sorted((PACKAGE / "router").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                assert "contextvars" not in {alias.name for alias in node.names}, path
+            elif isinstance(node, ast.ImportFrom):
+                assert node.module != "contextvars", path
+            elif isinstance(node, (ast.Name, ast.Attribute)):
+                assert (node.id if isinstance(node, ast.Name) else node.attr) != "ContextVar", path

@@ -14,8 +14,9 @@ from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig
 from llmgw.contracts.endpoints import Endpoint
 from llmgw.contracts.feed import Change, GatewaySettings, Lease, Report, RoutedModel, Snapshot
 from llmgw.control.feed import FeedPublisher
-from llmgw.router.app import Router, router_share
+from llmgw.router.app import Router
 from llmgw.router.fairqueue import DEFAULT_REPLICA_CONCURRENCY
+from llmgw.router.feedstate import router_share
 from llmgw.store import Store
 
 GATEWAY = GatewaySettings(max_body=1 << 20, request_timeout=60.0, on_demand_wait=5.0)
@@ -33,7 +34,7 @@ def snapshot(concurrency: int | None, replicas: int, leases: dict) -> Snapshot:
 
 def router(router_id: str) -> Router:
     made = Router(registry=CollectorRegistry())
-    made.router_id = router_id
+    made.feed.router_id = router_id
     return made
 
 

@@ -292,7 +292,7 @@ async def test_r6_17_a_models_capacity_follows_its_engines_slots():
     assert places == {"m": (2 * DEFAULT_REPLICA_CONCURRENCY, 16), "n": (2, 1)}  # before any reading
     try:
         async with aiohttp.ClientSession() as session:
-            poller = EnginePoller(router.balancer, session, on_slots=router._set_capacities)
+            poller = EnginePoller(router.balancer, session, on_slots=router.feed.set_capacities)
             await poller.poll_once()
             places = {name: (q.capacity, q.headroom) for name, q in fq.models.items()}
             print("after the first reading:", places)

@@ -91,7 +91,8 @@ class Gateway:
         self.router = Router()
         self.client = TestClient(TestServer(self.router.web_app()))
         await self.client.start_server()
-        self.feed = FeedClient(self.router, f"unix:{self.place / FEED_SOCKET}", TOKEN, self.place / "router", timing=FAST)
+        self.feed = FeedClient(self.router.feed, f"unix:{self.place / FEED_SOCKET}", TOKEN, self.place / "router",
+                               timing=FAST)
         await self.feed.start()
         await until(lambda: self.router.snapshot is not None, "the router's first snapshot")
         return self
@@ -133,7 +134,7 @@ async def test_r10_8_engine_token_counts_out_of_range_are_clamped_and_usage_keep
         assert counted["huge"] == (1, MAX_COUNT, MAX_COUNT)  # above the maximum counts the maximum
         assert counted["sane"] == (1, 7, 11)
         await until(lambda: gateway.feed.unacked == 0, "every report acknowledged")
-        assert gateway.router.feed_status["refused_reports"] == 0
+        assert gateway.router.feed.feed_status["refused_reports"] == 0
     said = [r.getMessage() for r in caplog.records if "counted as" in r.getMessage()]
     assert any("usage.prompt_tokens = -5; counted as 0" in line for line in said), said
     assert any(f"usage.completion_tokens = {2**64}; counted as {MAX_COUNT}" in line for line in said), said
@@ -146,7 +147,7 @@ async def test_r10_8_a_report_refused_whole_is_set_aside_and_the_next_ones_go_on
         # A report too large for this control plane (many keys' rows at once): refused as a whole.
         for i in range(200):
             gateway.router.usage.add(f"key-{i:03}", "sane", 1, 1)
-        await until(lambda: gateway.router.feed_status["refused_reports"] == 1, "the big report set aside")
+        await until(lambda: gateway.router.feed.feed_status["refused_reports"] == 1, "the big report set aside")
         await gateway.ask("sane")
         await until(lambda: "sane" in usage(gateway.store), "the next report counted")
         assert usage(gateway.store)["sane"] == (1, 7, 11)  # the request, not the refused rows
@@ -154,7 +155,7 @@ async def test_r10_8_a_report_refused_whole_is_set_aside_and_the_next_ones_go_on
         document = json.loads(kept.read_text())
         assert document["reason"].startswith("413: a report is at most 4096 bytes")
         assert len(document["report"]["usage"]) == 200 and kept.stat().st_mode & 0o777 == 0o600
-        status = gateway.router.feed_status
+        status = gateway.router.feed.feed_status
         assert status["last_refusal"]["seq"] == document["report"]["seq"]
         # The feed's state shows on /healthz to a request with a valid key (R-10.2).
         health = await (await gateway.client.get("/healthz", headers={"Authorization": f"Bearer {gateway.secret}"})).json()
@@ -162,7 +163,7 @@ async def test_r10_8_a_report_refused_whole_is_set_aside_and_the_next_ones_go_on
         assert any("set aside" in r.getMessage() for r in caplog.records)
     # A restarted router still says what it keeps set aside.
     async with Gateway(place) as again:
-        assert again.router.feed_status["refused_reports"] == 1
+        assert again.router.feed.feed_status["refused_reports"] == 1
 
 
 async def test_r10_8_a_report_with_a_bad_row_gets_the_rest_applied_and_operators_see_it(place):

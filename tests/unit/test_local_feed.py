@@ -22,7 +22,7 @@ async def test_r10_1_changes_reach_the_router_and_the_last_counts_are_written_on
     asked = asyncio.Queue()
     publisher = FeedPublisher(CatalogHolder(CATALOG), store, GatewayConfig(), note_demand=asked.put_nowait)
     router = Router()
-    feed = LocalFeed(publisher, router, interval=3600)  # no periodic report during the test
+    feed = LocalFeed(publisher, router.feed, interval=3600)  # no periodic report during the test
     try:
         publisher.mark_ready()
         feed.start()
@@ -32,9 +32,9 @@ async def test_r10_1_changes_reach_the_router_and_the_last_counts_are_written_on
                 break
             await asyncio.sleep(0)
         assert router.snapshot.version == 2 and router.balancer.endpoints("m")[0].replica_id == "r1"
-        assert router.feed_status["version"] == 2 and router.feed_status["transport"] == "in-process"
+        assert router.feed.feed_status["version"] == 2 and router.feed.feed_status["transport"] == "in-process"
 
-        router._note_demand("m")  # what a request for an on-demand model with no replica does
+        router.feed.note_demand("m")  # what a request for an on-demand model with no replica does
         assert await asyncio.wait_for(asked.get(), 10) == "m"  # reported at once, not at the next tick
         assert feed.seq == 1
 

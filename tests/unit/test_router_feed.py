@@ -89,7 +89,7 @@ def test_r10_1_a_change_out_of_step_raises_and_changes_nothing():
 
 async def test_r6_3_before_a_snapshot_healthz_says_starting_and_requests_get_a_clear_503(served):
     router, client = served
-    router.feed_status = {"state": "no-snapshot", "reason": "the control plane is unreachable"}
+    router.feed.feed_status = {"state": "no-snapshot", "reason": "the control plane is unreachable"}
     health = await client.get("/healthz")
     assert health.status == 503 and await health.json() == {
         "status": "starting", "reason": "the control plane is unreachable", "snapshot_age_s": None}
@@ -100,8 +100,8 @@ async def test_r6_3_before_a_snapshot_healthz_says_starting_and_requests_get_a_c
     assert set(body["error"]) == {"message", "type", "code", "param"} and "starting" in body["error"]["message"]
     assert "the control plane is unreachable" in body["error"]["message"]
 
-    router.feed_status = {"transport": "test"}
-    router.snapshot_age = lambda: 2.5
+    router.feed.feed_status = {"transport": "test"}
+    router.feed.snapshot_age = lambda: 2.5
     router.apply(snapshot(CATALOG, keys=[KEY]))
     health = await client.get("/healthz")
     assert health.status == 200 and await health.json() == {"status": "ok", "snapshot_age_s": 2.5}
@@ -123,9 +123,9 @@ FEED_DETAIL = {"state": "live", "since": None, "reason": None, "snapshot": {"epo
 async def test_r10_2_healthz_says_ready_and_the_snapshot_age_and_names_the_router_only_to_a_key(served, headers,
                                                                                                 detail):
     router, client = served
-    router.router_id = "routerhost-0-abcd"
-    router.feed_status = FEED_DETAIL
-    router.snapshot_age = lambda: 1.25
+    router.feed.router_id = "routerhost-0-abcd"
+    router.feed.feed_status = FEED_DETAIL
+    router.feed.snapshot_age = lambda: 1.25
     router.apply(snapshot(CATALOG, keys=[KEY]))
     health = await client.get("/healthz", headers=headers)
     body = await health.json()
@@ -205,7 +205,7 @@ async def test_r10_1_report_fields_hand_counted_parts_over_once(served):
                                       "engine_load": {}, "demand": (), "snapshot": None,
                                       "counters": RouterCounters(), "asked": {}, "homes": {}}
     asked = []
-    router.on_demand = lambda: asked.append(1)
+    router.feed.on_demand = lambda: asked.append(1)
     router.apply(snapshot(CATALOG, keys=[KEY], gateway=GatewayConfig(on_demand_wait=0.05)))
     for _ in range(2):
         loading = await client.post("/v1/chat/completions", headers=AUTH, json={"model": "lazy", "messages": []})
