@@ -149,9 +149,9 @@ import os
 
 if os.environ.get("LLMGW_TEST_FAIL_A_KEYS_CHANGE"):
     from llmgw.contracts.feed import Change
-    from llmgw.router.app import Router
+    from llmgw.router.feedstate import FeedState
 
-    _apply = Router.apply
+    _apply = FeedState.apply
     _failed = []
 
     def apply(self, message):
@@ -160,7 +160,7 @@ if os.environ.get("LLMGW_TEST_FAIL_A_KEYS_CHANGE"):
             raise RuntimeError("sk-llmgw-never-sent: a fault of this router")
         _apply(self, message)
 
-    Router.apply = apply
+    FeedState.apply = apply
 """
 
 
