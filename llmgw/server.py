@@ -174,7 +174,7 @@ class Gateway:
             self.registry.register(ReportedRouterMetrics(self.publisher.router_counters))
         routers = Routers(push_endpoints=self.publisher.set_endpoints, last_used=self.publisher.take_last_used,
                           outstanding=self.publisher.outstanding, abandon=self.publisher.abandon,
-                          engine_load=self.publisher.engine_load)
+                          engine_load=self.publisher.engine_load, counters=self.publisher.router_counters)
         self.reconciler = Reconciler(self.holder, self.fleet, self.store, gateway, routers)
         self.fleet.holdings_wanted = self.reconciler.nodes.holdings_wanted
         self.fleet.inventory_wanted = self.reconciler.nodes.inventory_wanted

@@ -373,10 +373,19 @@ def rollout(answer: dict) -> Group:
     lines.append(Text(f"surge {answer['surge']}, unavailable {answer['unavailable']}"
                       + (f", canary {answer['canary']} %" + (" (promoted)" if answer.get("promoted") else "")
                          if answer.get("canary") is not None else "")))
-    table = _table("REVISION", "REPLICAS", "SERVING")
+    answers = {(a["revision"] or {}).get("id"): a for a in answer.get("answers") or ()}
+    table = _table("REVISION", "REPLICAS", "SERVING", "ANSWERED", "ERRORS")
+    shown = set()
     for entry in answer["revisions"]:
         mark = " (target)" if entry["revision"] == answer["target"] else ""
-        table.add_row(_revision(entry["revision"]) + mark, str(entry["replicas"]), str(entry["serving"]))
+        counted = answers.get((entry["revision"] or {}).get("id"))
+        shown.add((entry["revision"] or {}).get("id"))
+        table.add_row(_revision(entry["revision"]) + mark, str(entry["replicas"]), str(entry["serving"]),
+                      str(_or_unknown(counted["total"] if counted else None)),
+                      str(_or_unknown(counted["errors"] if counted else None)))
+    for rid, counted in answers.items():  # a revision whose replicas have all stopped
+        if rid not in shown:
+            table.add_row(_revision(counted["revision"]), "0", "0", str(counted["total"]), str(counted["errors"]))
     lines.append(table)
     return Group(*lines)
 

@@ -286,6 +286,9 @@ class RouterCounters:
     retries: Mapping[str, int] = field(default_factory=dict)  # model -> retries before the first byte
     ejections: Mapping[str, int] = field(default_factory=dict)  # model -> endpoints ejected
     latency: Mapping[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)  # model -> (bucket counts, s)
+    # (replica id, status class) -> attempts it answered so (an attempt that failed before its
+    # first byte: its error's status): a rollout's revisions side by side
+    replicas: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -677,7 +680,8 @@ def _counters_to_wire(c: RouterCounters) -> dict:
     return {"requests": [[m, code, n] for (m, code), n in c.requests.items()],
             "tokens": [[m, kind, n] for (m, kind), n in c.tokens.items()],
             "retries": dict(c.retries), "ejections": dict(c.ejections),
-            "latency": {m: {"counts": list(counts), "total": total} for m, (counts, total) in c.latency.items()}}
+            "latency": {m: {"counts": list(counts), "total": total} for m, (counts, total) in c.latency.items()},
+            **({"replicas": [[r, code, n] for (r, code), n in c.replicas.items()]} if c.replicas else {})}
 
 
 def _counters_from_wire(value, where: str = "report.counters") -> RouterCounters:
@@ -704,7 +708,7 @@ def _counters_from_wire(value, where: str = "report.counters") -> RouterCounters
                                                    f"{where}.latency[{m!r}].counts")))
         latency[m] = (counts, _num(_field(h, "total", f"{where}.latency[{m!r}]"), f"{where}.latency[{m!r}].total"))
     return RouterCounters(requests=pairs("requests"), tokens=pairs("tokens"), retries=per_model("retries"),
-                          ejections=per_model("ejections"), latency=latency)
+                          ejections=per_model("ejections"), latency=latency, replicas=pairs("replicas"))
 
 
 def _unapplied_to_wire(u: Unapplied) -> dict:

@@ -366,3 +366,20 @@ def act(memory: RolloutMemory, model: Model, catalog: Catalog, live: Iterable[Re
     if effective is None or record.promoted:
         raise ServiceError(ErrorKind.CONFLICT, f"the rollout of {model.name} has no canary to promote")
     return memory.update(record, promoted=True)
+
+
+def answers_by_revision(memory: RolloutMemory, model: str, replicas: Iterable[Replica], counters: list) -> list[dict]:
+    """The attempts each revision's replicas answered, by status class, summed over the routers'
+    latest counters (those of replicas stopped lately included): a canary's errors beside the
+    old revision's (R-4.13). Newest revision first."""
+    revision_of = {r.id: r.revision for r in replicas if r.model == model}
+    per: dict[str | None, dict[str, int]] = {}
+    for reported in counters:
+        for (replica_id, status), count in reported.replicas.items():
+            if replica_id in revision_of:
+                classes = per.setdefault(revision_of[replica_id], {})
+                classes[status] = classes.get(status, 0) + count
+    rows = [{"revision": _label(memory, model, rid), "answers": dict(sorted(classes.items())),
+             "total": sum(classes.values()),
+             "errors": sum(n for status, n in classes.items() if status != "2xx")} for rid, classes in per.items()]
+    return sorted(rows, key=lambda r: -((r["revision"] or {}).get("number") or 0))

@@ -23,6 +23,9 @@ class Routers:
     outstanding: Callable[[str], int] | None = None  # requests in flight per replica (scaling, draining)
     abandon: Callable[[str], object] | None = None  # requests waiting on a lost replica go elsewhere
     engine_load: Callable[[str], object] | None = None  # the engine's own load per replica, as polled
+    # Each router's counters as last reported (contracts.feed.RouterCounters): answers per replica
+    # for a rollout's revisions side by side.
+    counters: Callable[[], list] | None = None
     pushed: dict[str, list[Endpoint]] | None = None
 
     def push(self, table: dict[str, list[Endpoint]]) -> None:

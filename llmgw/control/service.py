@@ -277,7 +277,13 @@ class ControlPlane:
         """The model's rollout: target, state, why it waits, replicas per revision."""
         model = self._llmgw_runs(name)
         memory = self.reconciler.memory
-        return rollouts.status(memory.rollouts, model, self.holder.current, memory.records.replicas.values())
+        status = rollouts.status(memory.rollouts, model, self.holder.current, memory.records.replicas.values())
+        counters = self.reconciler.routers.counters
+        if counters is not None:  # the answers of each revision's replicas, side by side
+            records = memory.records
+            replicas = [*records.replicas.values(), *(r for _, r in records.retired)]
+            status["answers"] = rollouts.answers_by_revision(memory.rollouts, name, replicas, counters())
+        return status
 
     async def rollout(self, name: str, action: str, actor: str, canary: int | None = None) -> dict:
         """Pause, resume, promote or undo the model's rollout; answers with its status."""

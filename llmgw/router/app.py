@@ -19,7 +19,7 @@ import aiohttp
 import prometheus_client
 from aiohttp import web
 
-from llmgw.contracts.feed import Change, KeyEntry, Snapshot
+from llmgw.contracts.feed import Change, KeyEntry, RoutedModel, Snapshot
 from llmgw.router.balancer import Balancer
 from llmgw.router.dispatch import Dispatch
 from llmgw.router.engineload import EnginePoller
@@ -183,19 +183,25 @@ class Router:
         reason = (self.feed.feed_status or {}).get("reason")
         return reason or "no snapshot from the control plane yet"
 
-    def _model_entry(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self._created, "owned_by": "llmgw"}
+    def _model_entry(self, model: RoutedModel) -> dict:
+        entry = {"id": model.name, "object": "model", "created": self._created, "owned_by": "llmgw"}
+        if model.alias_of is not None:
+            entry["alias_for"] = model.alias_of
+        return entry
 
     async def _list_models(self, request: web.Request) -> web.Response:
         key: KeyEntry = request[_KEY]
-        names = sorted(name for name in self.feed.models if allows(key, name))
-        return web.json_response({"object": "list", "data": [self._model_entry(n) for n in names]})
+        models = self.feed.models
+        listed = []
+        for name in sorted(models):
+            model = models[name]
+            if allows(key, name) or (model.alias_of is not None and allows(key, model.alias_of)):
+                listed.append(self._model_entry(model))
+        return web.json_response({"object": "list", "data": listed})
 
     async def _get_model(self, request: web.Request) -> web.Response:
         key: KeyEntry = request[_KEY]
-        name = request.match_info["model"]
-        self.intake.resolve(name, key)
-        return web.json_response(self._model_entry(name))
+        return web.json_response(self._model_entry(self.intake.resolve(request.match_info["model"], key)))
 
     async def _proxy(self, request: web.Request, route: Route) -> web.StreamResponse:
         key: KeyEntry = request[_KEY]

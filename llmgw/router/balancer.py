@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import random
 import struct
 import time
 from collections import OrderedDict
@@ -309,10 +310,12 @@ class PrefixAffinity(Policy):
 
 
 class Pool:
-    __slots__ = ("members", "next", "chooser", "_ring", "homes", "homed", "owned", "touched")
+    __slots__ = ("members", "next", "chooser", "_ring", "homes", "homed", "owned", "touched", "canary")
 
     def __init__(self, members: list[Upstream], chooser: Policy | None = None):
         self.members = members
+        # A canary revision's share of the model's requests and its members (R-4.13); None: none.
+        self.canary: tuple[int, frozenset[Upstream]] | None = None
         self.next = 0
         self.chooser = chooser if chooser is not None else LeastOutstanding()  # chosen once per pool
         self._ring: tuple[list[int], list[Upstream]] | None = None
@@ -497,6 +500,23 @@ class Pool:
                 return False
         return True
 
+    def set_canary(self, members: Sequence[Endpoint]) -> None:
+        """The canary share the endpoints carry (R-4.13), `members` in the order of self.members."""
+        share = next((e.canary for e in members if e.canary is not None), None)
+        if share is None:
+            self.canary = None
+            return
+        chosen = frozenset(up for up, e in zip(self.members, members) if e.canary is not None)
+        self.canary = (share, chosen) if len(chosen) < len(self.members) else None
+
+
+def canary_draw(key: bytes | None) -> float:
+    """Where a request falls in [0, 100) for a canary's share: by its affinity key, so that a
+    conversation stays on one revision whichever router it reaches; at random without one."""
+    if key is None:
+        return random.random() * 100
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8, person=b"llmgw-canary").digest(), "big") % 10000 / 100
+
 
 class Balancer:
     """Endpoints per model and the choice among them."""
@@ -526,6 +546,7 @@ class Balancer:
             old = old_pools.get(model)
             if old is not None and old.same(members, policy):  # unchanged: kept, ring and round-robin too
                 pools[model] = old
+                old.set_canary(members)
                 continue
             ups = []
             for endpoint in members:
@@ -534,6 +555,7 @@ class Balancer:
                     up = Upstream(endpoint)
                 ups.append(up)
             pool = pools[model] = Pool(ups, self._choosers.get(policy, self._choosers[LEAST_OUTSTANDING]))
+            pool.set_canary(members)
             if old is not None and old.homes and policy == PREFIX and ups:
                 pool.inherit(old)
         self._pools = pools
@@ -556,6 +578,11 @@ class Balancer:
         pool = self._pools.get(model)
         return pool is not None and bool(pool.members)
 
+    def has_canary(self, model: str) -> bool:
+        """Whether the model's requests are split with a canary revision (R-4.13)."""
+        pool = self._pools.get(model)
+        return pool is not None and pool.canary is not None
+
     def policy(self, model: str) -> str:
         pool = self._pools.get(model)
         return pool.chooser.name if pool is not None else LEAST_OUTSTANDING
@@ -576,7 +603,15 @@ class Balancer:
         pool = self._pools.get(model)
         if pool is None or not pool.members:
             return None
-        best = pool.chooser.choose(pool, now, exclude, include_ejected, key, owner)
+        canary = pool.canary
+        if canary is None:
+            best = pool.chooser.choose(pool, now, exclude, include_ejected, key, owner)
+        else:  # the canary's share to its revision, the rest to the others; either side if one has none
+            share, chosen = canary
+            side = canary_draw(key) < share
+            other = [up for up in pool.members if (up in chosen) != side]
+            best = pool.chooser.choose(pool, now, [*exclude, *other], include_ejected, key, owner) or \
+                pool.chooser.choose(pool, now, exclude, include_ejected, key, owner)
         if best is not None:
             best.outstanding += 1
             self._last_used[best.replica_id] = now  # R-7.1: noted on the request path, cheaply

@@ -73,8 +73,11 @@ class Dispatch:
             accepted = (None if affinity is None or up.model != name
                         else functools.partial(balancer.keep_home, name, affinity, key.id, now, up))
             try:
-                return await self.forwarder.send(request, exchange, up, accepted)
+                response = await self.forwarder.send(request, exchange, up, accepted)
+                self.metrics.answered(up.replica_id, response.status)
+                return response
             except RouterError as exc:
+                self.metrics.answered(up.replica_id, exc.status)
                 body = exchange.body
                 if isinstance(body, Upload) and body.problem is not None:
                     raise body.problem from None

@@ -54,6 +54,7 @@ class Exchange(NamedTuple):
     pinned: Pinned | None  # the stored response this request reads or continues: its replica only
     affinity: bytes | None  # the prefix-routing key, for inference routes of models routed by prefix
     admission: limits.Admission | None  # a limited key's reservation, settled to the answer's usage
+    via: str = ""  # the alias the client named the model by; "": the model's own name
 
     @property
     def read_back(self) -> bool:
@@ -81,7 +82,7 @@ class Exchange(NamedTuple):
         upstream_name = served.upstream_name if served is not None else up.model
         if isinstance(body, Upload):
             return body.chunks(upstream_name)
-        if upstream_name == self.model.name and self.pinned is None:
+        if upstream_name == (self.via or self.model.name) and self.pinned is None:
             return body
         return json.dumps({**self.document, "model": upstream_name}).encode()
 

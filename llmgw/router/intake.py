@@ -87,6 +87,10 @@ class Intake:
                 pinned = self._previous(document, name, key)
         models = self.feed.models
         model = self.resolve(name, key)
+        via = ""
+        if model.alias_of is not None:  # served by its target as if the client had named it (R-8.7)
+            via, name = name, model.alias_of
+            model = models[name]
         request[ASKED_MODEL] = name
         if not serves(route, model.engine):
             served = ", ".join(sorted(route.engines)) or "no built-in engine"
@@ -120,18 +124,21 @@ class Intake:
                 raise
             request[LIMITED] = admission.budgets
         # Only requests that run the model choose or use a home; tokenizing is balanced by load (R-6.5b).
+        # A canary's share is drawn by the same key, so a conversation stays on one revision (R-4.13).
+        balancer = self.balancer
         affinity = (affinity_key(document, request.headers, key.id)
                     if pinned is None and document is not None and route.inference
-                    and self.balancer.policy(name) == PREFIX else None)
+                    and (balancer.policy(name) == PREFIX or balancer.has_canary(name)) else None)
         # A form's `stream` field is not read: whether its answer streams is the engine's Content-Type.
         return Exchange(route, model, key, models, document, body, None if route.model_from == FORM else stream,
-                        strip_usage, strip_continuous, pinned, affinity, admission)
+                        strip_usage, strip_continuous, pinned, affinity, admission, via)
 
     def resolve(self, name: str, key: KeyEntry) -> RoutedModel:
-        """The model, when it exists and the key may use it. Both refusals are one answer (R-6.1):
+        """The model (or alias), when it exists and the key may use it. Both refusals are one answer (R-6.1):
         a key learns nothing of the models it may not use, not even that they exist."""
         model = self.feed.models.get(name)
-        if model is None or not allows(key, name):
+        # An alias: for a key allowed on its name, or on its target, which it reaches anyway (R-8.7).
+        if model is None or not (allows(key, name) or (model.alias_of is not None and allows(key, model.alias_of))):
             raise ModelNotFound(f"model {name!r} does not exist; GET /v1/models lists the models "
                                 "this key may use")
         return model
@@ -156,7 +163,8 @@ class Intake:
         if type(previous) is not str:
             raise InvalidType("'previous_response_id' must be a string", param="previous_response_id")
         pinned = self.pinned(previous, key, "previous_response_id")
-        if pinned.model != name:
+        named = self.feed.models.get(name)
+        if pinned.model != name and (named is None or named.alias_of != pinned.model):
             raise BadRequest(f"previous_response_id {previous!r} was made by model {pinned.model!r}, which "
                              f"holds it; continue it with model {pinned.model!r}", param="previous_response_id")
         document["previous_response_id"] = pinned.engine_id

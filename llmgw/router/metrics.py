@@ -40,6 +40,7 @@ class RouterMetrics:
         self.retries: dict[str, int] = {}
         self.ejections: dict[str, int] = {}
         self.latency: dict[str, _Histogram] = {}
+        self.replicas: dict[tuple[str, str], int] = {}  # (replica id, status class) -> attempts answered so
         self._outstanding = outstanding
         self._upstreams = upstreams
         self._waiting = waiting
@@ -51,6 +52,11 @@ class RouterMetrics:
     def request(self, model: str, status: int) -> None:
         label = (model, _STATUS_CLASS.get(status // 100, "other"))
         self.requests[label] = self.requests.get(label, 0) + 1
+
+    def answered(self, replica_id: str, status: int) -> None:
+        """An attempt on a replica ended with `status` (R-4.13: revisions compared by their replicas)."""
+        label = (replica_id, _STATUS_CLASS.get(status // 100, "other"))
+        self.replicas[label] = self.replicas.get(label, 0) + 1
 
     def upstream_latency(self, model: str, seconds: float) -> None:
         histogram = self.latency.get(model)
@@ -79,7 +85,8 @@ class RouterMetrics:
         """The counters so far, for this router's reports (R-9.7)."""
         return RouterCounters(requests=dict(self.requests), tokens=dict(self.tokens), retries=dict(self.retries),
                               ejections=dict(self.ejections),
-                              latency={m: (tuple(h.counts), h.total) for m, h in list(self.latency.items())})
+                              latency={m: (tuple(h.counts), h.total) for m, h in list(self.latency.items())},
+                              replicas=dict(self.replicas))
 
     @classmethod
     def summed(cls, reported: list[RouterCounters]) -> RouterMetrics:
@@ -87,7 +94,8 @@ class RouterMetrics:
         total = cls()
         for counters in reported:
             for target, source in ((total.requests, counters.requests), (total.tokens, counters.tokens),
-                                   (total.retries, counters.retries), (total.ejections, counters.ejections)):
+                                   (total.retries, counters.retries), (total.ejections, counters.ejections),
+                                   (total.replicas, counters.replicas)):
                 for label, value in source.items():
                     target[label] = target.get(label, 0) + value
             for model, (counts, seconds) in counters.latency.items():

@@ -248,7 +248,7 @@ class Forwarder:
                     raise UpstreamConnectFailed(f"replica {up.replica_id} was given up while this request "
                                                 "waited for it (its node is unreachable)") from None
                 # The client left before the engine answered: a request, whose tokens nobody knows.
-                self.usage.add(key_id, up.model, 0, 0, unmetered=True)
+                self.usage.add(key_id, up.model, 0, 0, unmetered=True, via=exchange.via)
                 raise
             # From here on a cancellation is the client's; an abandoned replica's stream is cut
             # by closing its response instead.
@@ -272,7 +272,7 @@ class Forwarder:
                 if status == 200:
                     usage = {} if exchange.read_back else usage_from_body(answer)
                     if usage is None:  # an answer without usage: its tokens are unknown, not 0
-                        self.usage.add(key_id, up.model, 0, 0, unmetered=True)
+                        self.usage.add(key_id, up.model, 0, 0, unmetered=True, via=exchange.via)
                     else:
                         self._count(exchange, up.model, *tokens(usage))
                 response = web.Response(body=answer, status=status,
@@ -495,7 +495,7 @@ class Forwarder:
             transport.close()  # no final chunk: the client cannot mistake this for a whole answer
 
     def _count(self, exchange: Exchange, model: str, prompt: int, completion: int, estimated: int = 0) -> None:
-        self.usage.add(exchange.key.id, model, prompt, completion, estimated)
+        self.usage.add(exchange.key.id, model, prompt, completion, estimated, via=exchange.via)
         if prompt or completion:  # a limited key's reservation becomes what was used; unknown keeps the estimate
             admission = exchange.admission
             if admission is not None:

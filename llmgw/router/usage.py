@@ -189,15 +189,16 @@ class UsageMeter:
     Sums saturate at MAX_COUNT, the most a report's row may carry (R-10.8)."""
 
     def __init__(self):
-        self._counts: dict[tuple[str, str], list[int]] = {}
+        self._counts: dict[tuple[str, str, str], list[int]] = {}  # (key id, model, via alias) ->
         self._key_use: dict[str, float] = {}
 
     def add(self, key_id: str, model: str, prompt: int, completion: int, estimated: int = 0,
-            unmetered: bool = False) -> None:
-        """One request: its tokens (`estimated` of them estimated), or `unmetered`: tokens unknown."""
-        counts = self._counts.get((key_id, model))
+            unmetered: bool = False, via: str = "") -> None:
+        """One request: its tokens (`estimated` of them estimated), or `unmetered`: tokens unknown;
+        `via`, the alias the client named the model by (R-8.7)."""
+        counts = self._counts.get((key_id, model, via))
         if counts is None:
-            counts = self._counts[(key_id, model)] = [0, 0, 0, 0, 0]
+            counts = self._counts[(key_id, model, via)] = [0, 0, 0, 0, 0]
         counts[0] = add(counts[0], 1)
         counts[1] = add(counts[1], prompt)
         counts[2] = add(counts[2], completion)
@@ -213,5 +214,5 @@ class UsageMeter:
         counts, self._counts = self._counts, {}
         key_use, self._key_use = self._key_use, {}
         bucket = int(time.time()) // USAGE_BUCKET_SECONDS * USAGE_BUCKET_SECONDS
-        rows = tuple(UsageRow(bucket, key_id, model, *c) for (key_id, model), c in counts.items())
+        rows = tuple(UsageRow(bucket, key_id, model, *c, via) for (key_id, model, via), c in counts.items())
         return rows, key_use

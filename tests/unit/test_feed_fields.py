@@ -97,7 +97,7 @@ SAMPLES = {
     (EngineLoad, "at"): 99.5, (EngineLoad, "slots"): 8, (EngineLoad, "preemptions"): 2,
     (RouterCounters, "requests"): {("a", "2xx"): 3}, (RouterCounters, "tokens"): {("a", "prompt"): 30},
     (RouterCounters, "retries"): {"a": 1}, (RouterCounters, "ejections"): {"a": 2},
-    (RouterCounters, "latency"): {"a": ((1, 0, 2), 1.5)},
+    (RouterCounters, "latency"): {"a": ((1, 0, 2), 1.5)}, (RouterCounters, "replicas"): {("a-r1", "5xx"): 2},
     (Unapplied, "epoch"): "e9", (Unapplied, "version"): 40, (Unapplied, "reason"): "ValueError in the router (see its log)",
     (Unapplied, "at"): 200.5,
     (Report, "router"): "r/h-1", (Report, "seq"): 5, (Report, "sent_at"): 20.5, (Report, "usage"): (USAGE,),
