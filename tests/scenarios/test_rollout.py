@@ -151,3 +151,57 @@ def test_r4_13_rollout_undo_and_a_failing_revision_fail_no_request(fleet):
         print(f"   {what}: {seconds:.1f} s")
     assert traffic.failed() == [], traffic.account("failures")
     assert len(traffic.succeeded("stream")) >= 10 and len(traffic.succeeded("plain")) >= 40
+
+
+def test_r4_13_a_canary_takes_its_share_of_conversations_until_promoted(fleet):
+    """rollout.canary: 25 — one replica of the new revision beside the two old ones, given about a
+    quarter of 200 conversations, each conversation on one revision throughout; promoted, it rolls on."""
+    import concurrent.futures
+
+    import openai
+
+    from tests.scenarios.traffic import engine_pid
+
+    first = fleet.wait_serving(2, WAIT)
+    r1 = first[0]["revision"]
+    doc = yaml.safe_load(fleet.inventory.read_text())
+    doc["models"][0]["rollout"] = {"canary": 25}
+    fleet.inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
+    set_args(fleet, ["--max-model-len", "4096"])
+    status = wait_for(lambda: (s := rollout(fleet))["state"] == "canary" and s["waiting"]
+                      and "promote" in s["waiting"] and s, WAIT, f"the canary serving\n{fleet.log_tail()}")
+    r2 = status["target"]["id"]
+    live_now = live(fleet)
+    assert sorted(r["revision"] == r2 for r in live_now) == [False, False, True]  # all the old ones stay
+    revision_of = {e.pid: r["revision"] for r in live_now if (e := fleet.engine_of(r)) is not None}
+
+    client = openai.OpenAI(base_url=fleet.url, api_key=fleet.key, max_retries=0)
+
+    def conversation(i: int) -> list[str]:
+        messages = [{"role": "user", "content": f"conversation {i}: tell me about the number {i * 7919}"}]
+        seen = []
+        for turn in range(2):
+            answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+            seen.append(revision_of.get(engine_pid(answer.id)))
+            messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                         {"role": "user", "content": "and then?"}]
+        return seen
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        runs = list(pool.map(conversation, range(200)))
+    assert all(len(set(seen)) == 1 and seen[0] in (r1, r2) for seen in runs), runs
+    share = sum(seen[0] == r2 for seen in runs) / len(runs)
+    print(f"\n   canary 25 %: {share:.1%} of 200 conversations on revision {r2}")
+    assert 0.15 <= share <= 0.35
+
+    # The two revisions' answers side by side, as the routers reported them.
+    status = wait_for(lambda: (s := rollout(fleet)).get("answers") and sum(a["total"] for a in s["answers"]) >= 400
+                      and s, 30, "the routers' counts per revision")
+    answers = {a["revision"]["id"]: a for a in status["answers"]}
+    assert answers[r2]["errors"] == 0 and answers[r1]["errors"] == 0
+    assert answers[r2]["total"] == sum(2 for seen in runs if seen[0] == r2)
+    assert "ANSWERED" in fleet.ctl("rollout", "status", MODEL).stdout
+
+    promoted = fleet.ctl("rollout", "promote", MODEL)
+    assert promoted.code == 0, promoted.stderr
+    wait_for(lambda: all_on(fleet, r2), WAIT, f"every replica on {r2} once promoted\n{fleet.log_tail()}", interval=0.3)
