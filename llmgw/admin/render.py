@@ -370,6 +370,8 @@ def rollout(answer: dict) -> Group:
         lines.append(Text(f"paused: {answer['paused']}  (ctl rollout resume, or undo)", style="red"))
     elif answer.get("waiting"):
         lines.append(Text(answer["waiting"]))
+    for change in answer.get("changes") or ():
+        lines.append(Text(f"  changes {change}", style="dim"))
     lines.append(Text(f"surge {answer['surge']}, unavailable {answer['unavailable']}"
                       + (f", canary {answer['canary']} %" + (" (promoted)" if answer.get("promoted") else "")
                          if answer.get("canary") is not None else "")))

@@ -318,10 +318,19 @@ def status(memory: RolloutMemory, model: Model, catalog: Catalog, live: Iterable
         "waiting": progress.waiting if progress is not None and state != "done" else None,
         "canary": canary, "promoted": bool(record is not None and record.promoted),
         "surge": shape.surge, "unavailable": shape.unavailable,
+        # What the rollout changes, environment variables by name only.
+        "changes": _changes(memory, model.name, record.previous, target) if record is not None else [],
         "started_at": record.started_at if record is not None else None,
         "actor": record.actor if record is not None else None,
         "revisions": sorted(per.values(), key=lambda e: -((e["revision"] or {}).get("number") or 0)),
     }
+
+
+def _changes(memory: RolloutMemory, model: str, old: str | None, new: str | None) -> list[str]:
+    known = memory.revisions.get(model, {})
+    if old not in known or new not in known:
+        return []
+    return revisions.diff(known[old].definition, known[new].definition)
 
 
 def act(memory: RolloutMemory, model: Model, catalog: Catalog, live: Iterable[Replica], action: str, *,

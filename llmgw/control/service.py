@@ -278,6 +278,9 @@ class ControlPlane:
         model = self._llmgw_runs(name)
         memory = self.reconciler.memory
         status = rollouts.status(memory.rollouts, model, self.holder.current, memory.records.replicas.values())
+        unplaceable = memory.placing.unplaceable.get(name)
+        if unplaceable is not None and status["state"] in ("rolling", "canary"):  # waiting is never a refusal
+            status["waiting"] = f"waiting for room for a replica of the new revision: {unplaceable.summary}"
         counters = self.reconciler.routers.counters
         if counters is not None:  # the answers of each revision's replicas, side by side
             records = memory.records

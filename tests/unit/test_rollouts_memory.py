@@ -63,3 +63,17 @@ def test_r4_13_a_replica_of_an_earlier_revision_keeps_its_weights_in_use():
     assert records.cache_in_use(new.models, "a") == {new.get("m").source.cache_name}
     assert records.cache_in_use(new.models, "a", memory.cache_name) == {new.get("m").source.cache_name,
                                                                          old.get("m").source.cache_name}
+
+
+def test_r8_6_a_rollouts_status_names_what_changed_never_an_environment_value():
+    from llmgw.control.rollouts import status
+    memory = RolloutMemory()
+    old = Catalog.build(file_models=[ModelConfig(name="m", profile="p", weights="hf:org/m")],
+                        profiles={"p": ProfileConfig(engine="vllm", env={"TOKEN": "s3cret"})})
+    new = Catalog.build(file_models=[ModelConfig(name="m", profile="p", weights="hf:org/m")],
+                        profiles={"p": ProfileConfig(engine="vllm", env={"TOKEN": "n3w"}, args=["--a"])})
+    a, b = memory.note(old.get("m"), 0.0), memory.note(new.get("m"), 1.0)
+    memory.start("m", b.id, a.id, 2.0)
+    shown = status(memory, new.get("m"), new, [])
+    assert shown["changes"] == ['profile.args: [] -> ["--a"]', "profile.env.TOKEN: changed"]
+    assert "s3cret" not in str(shown) and "n3w" not in str(shown)
