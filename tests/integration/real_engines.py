@@ -125,6 +125,7 @@ class Load:
     workers: int = 2
     max_requests: int = 2000
     max_seconds: float = 180.0
+    pause: float = 0.0  # seconds a worker waits between requests: cores left for an engine loading
     ok: int = 0
     failures: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -173,6 +174,8 @@ class Load:
             else:
                 with self._lock:
                     self.ok += 1
+            if self.pause:
+                self._stop.wait(self.pause)
         client.close()
 
     def wait_ok(self, count: int, timeout: float) -> None:

@@ -8,8 +8,10 @@ Checked: placement, launch, readiness (vLLM binds its port before it serves), th
 client through the router — chat, a stream with usage, completions, embeddings — usage recorded
 as the engine reported it, the engine's own log, adoption across a control-plane restart, and
 stop; then, with the chat engine alone, `kill -9` (the replica is replaced, none of the killed
-engine's processes is left) and a drain under traffic (the replica moves with no failed request).
-Each of those two waits for a new vLLM to load, a minute or more on 2 cores.
+engine's processes is left), a drain under traffic (the replica moves with no failed request) and
+a rollout under traffic (a changed engine argument, reloaded: a vLLM of the new revision serves
+before the old one stops). Each of those three waits for a new vLLM to load, a minute or more on
+2 cores.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.integration import real_engines as rt
 from tests.integration.gateway import wait_for
+from tests.scenarios.operating import Ctl
 from tests.testbed import NodeSpec
 from tests.testbed import engines as real
 
@@ -176,6 +180,84 @@ def test_drain_moves_the_replica_with_no_failed_request(bed, gateway):
     _, victim, _, _ = _engine(bed, gateway, CHAT)
     spare = next(n for n in NODES if n != victim)
     rt.drain_under_load(bed, gateway, CHAT, victim, spare, key_name="vllm-drain", move_timeout=START_TIMEOUT * 2)
+
+
+def test_rollout_of_a_changed_engine_argument_fails_no_request(bed, gateway):
+    """R-4.13, R-8.6: an engine argument changed in the inventory and reloaded rolls the chat
+    model to a new revision: a vLLM of it serves before the old one stops (none of the old one's
+    processes left), and the openai client's requests and streams meanwhile all succeed."""
+    ctl = Ctl(gateway)
+    old, old_node, old_pid, _ = _engine(bed, gateway, CHAT)
+    first = old["revision"]
+    assert first and old["revision_number"] == 1
+    assert ctl.json("rollout", "status", CHAT)["state"] == "none"
+    group = _process_group(old_pid)
+    _, key = rt.new_client(gateway, "vllm-rollout")
+    # A pause between requests leaves the loading engine some of the 2 cores.
+    with rt.Load(gateway.url + "/v1", key, CHAT, workers=2, max_requests=50_000, max_seconds=600,
+                 pause=0.05) as load:
+        load.wait_ok(10, 120)
+        sent_before = load.ok + len(load.failures)
+        began = time.monotonic()
+        _set_profile_args(gateway, "vllm-cpu", ["--max-log-len", "256"])
+        ctl.ok("reload")
+        target = wait_for(lambda: (t := ctl.json("rollout", "status", CHAT)["target"])["id"] != first and t, 30,
+                          "the new revision to be the target")
+        serving_after, stopped_after = _old_stops_after_new_serves(bed, gateway, target["id"], old_node, old_pid,
+                                                                   began, START_TIMEOUT * 2)
+        status = wait_for(lambda: (s := ctl.json("rollout", "status", CHAT))["state"] == "done" and s, 60,
+                          f"the rollout to be done\n{gateway.log()[-3000:]}")
+        rolled_in = time.monotonic() - began
+        sent_during = load.ok + len(load.failures) - sent_before
+        wait_for(lambda: not _group_members(group), 60, "every process of the old engine to end")
+        load.wait_ok(load.ok + 10, 120)
+    print(f"{CHAT}: rollout #{status['previous']['number']} -> #{status['target']['number']} under load: "
+          f"the new replica served {serving_after:.1f} s after the reload, the old engine stopped at "
+          f"{stopped_after:.1f} s, done at {rolled_in:.1f} s; {sent_during} requests sent meanwhile, "
+          f"{load.ok + len(load.failures)} in all, {len(load.failures)} failed")
+    assert load.failures == [], "\n".join(load.failures) + "\n" + gateway.log()[-6000:]
+    assert status["previous"]["id"] == first and status["target"] == target and target["number"] == 2
+    seen: list = []
+
+    def only_the_new_one() -> bool:  # `ctl replicas --json`: each replica's revision and its number
+        seen[:] = [(r["revision"], r["revision_number"], r["serving"])
+                   for r in ctl.json("replicas")["replicas"] if r["model"] == CHAT and not r["retired"]]
+        return seen == [(target["id"], 2, True)]
+    try:
+        wait_for(only_the_new_one, 30, "one replica left, serving revision #2")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; replicas (revision, number, serving): {seen}") from None
+    _, _, _, argv = _engine(bed, gateway, CHAT)
+    assert argv[argv.index("--max-log-len") + 1] == "256"
+
+
+def _set_profile_args(gateway, profile: str, args: list[str]) -> None:
+    doc = yaml.safe_load(gateway.inventory.read_text())
+    doc["profiles"][profile]["args"] = args
+    gateway.inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+def _old_stops_after_new_serves(bed, gateway, revision: str, node: str, pid: int, began: float,
+                                timeout: float) -> tuple[float, float]:
+    """Watch until the old engine is gone: it must have been seen running after a replica of
+    `revision` was seen serving (the API read before the node's processes, each sample). Returns
+    the seconds from `began` to the first sample of the new replica serving and to the old
+    engine gone."""
+    serving_at = overlap = None
+    deadline = time.monotonic() + timeout
+    while True:
+        serving = any(r["revision"] == revision and r["serving"] for r in rt.replicas(gateway, CHAT))
+        now = time.monotonic()
+        if serving and serving_at is None:
+            serving_at = now
+        alive = pid in bed.engine_pids(node)
+        if serving and alive:
+            overlap = now
+        if not alive:
+            assert overlap is not None, f"the old engine (pid {pid}) stopped before a replica of {revision} served"
+            return serving_at - began, time.monotonic() - began
+        assert now < deadline, f"the old engine still runs after {timeout:.0f} s\n{gateway.log()[-3000:]}"
+        time.sleep(0.1)
 
 
 def _process_group(pid: int) -> int:
