@@ -9,6 +9,7 @@ from llmgw import revisions
 from llmgw.contracts import states
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.routers import Routers
+from llmgw.fleet.facts import Held
 from llmgw.store import Store
 from tests.unit.test_reconciler import build, catalog, serving, settle, until
 
@@ -125,3 +126,21 @@ async def test_r4_13_a_start_a_restart_interrupted_is_made_again_and_the_rollout
     assert retired[interrupted.id].state == states.ShardState.STOPPED
     assert "interrupted by a control-plane restart" in retired[interrupted.id].reason
 
+
+async def test_r4_13_a_revision_with_other_weights_is_launched_from_them_not_from_what_the_node_held():
+    """The nodes' holdings are reported by model: until they are asked again, they still name the
+    entry of the weights a reload replaced. A replica of the new revision fetches its own."""
+    reconciler, fleet, holder, _ = build([{"name": "m"}], nodes=("a",))
+    cache_dir = fleet.paths("a").cache_dir
+    old_entry = f"{cache_dir}/{holder.current.get('m').source.cache_name}"
+    fleet.facts["a"].holdings = {"m": Held(old_entry, 10**9, None, True)}  # as the node answered
+    await settle(reconciler, fleet)
+    assert [c for c in fleet.calls if c[1] == "fetch"] == []  # held: launched from it
+    holder.swap(catalog([{"name": "m", "weights": "hf:org/m2"}], version=2))
+    new = revisions.of(holder.current.get("m"))
+    new_entry = f"{cache_dir}/{holder.current.get('m').source.cache_name}"
+    await until(lambda: by_revision(reconciler) == {new: 1} and serving(reconciler, "m"), reconciler, fleet,
+                what="the replica on the new revision")
+    assert [f"{c[2]['cache_dir']}/{c[2]['name']}" for c in fleet.calls if c[1] == "fetch"] == [new_entry]
+    first, second = (c[2]["argv"] for c in fleet.calls if c[1] == "launch")
+    assert old_entry in first and new_entry in second and old_entry not in second
