@@ -245,14 +245,18 @@ class Actions:
         source = model.source
         if source is None:
             return model.name
+        paths = self.fleet.paths(node.name)
+        candidates = source.candidates([*paths.model_dirs, *paths.shared_dirs], paths.cache_dir)
         held = (self.fleet.facts[shard.node].holdings or {}).get(model.name)
+        if held is not None and held.path not in candidates:
+            # The node was asked about other weights of this model: the revision's before a
+            # reload changed them, or the catalog's while an undo holds it on earlier ones.
+            held = None
         # An entry held but not yet hashed here goes through fetch, which checks it by hash
         # with progress instead of downloading it again, so the launch need not.
         if held is not None and (held.verified is not False or not source.fetched):
             return _engine_path(source, held.path, held.file)
         if not source.fetched:
-            paths = self.fleet.paths(node.name)
-            candidates = source.candidates([*paths.model_dirs, *paths.shared_dirs], paths.cache_dir)
             return candidates[0] if candidates else source.path
         shard.set_state(FETCHING)
         self.save(replica)

@@ -105,7 +105,8 @@ class PlanInputs:
 
 def sweep(replicas: Iterable[Replica], models: Mapping[str, Model]) -> list[Retire]:
     """Replicas nothing wants any more: their model left the catalog (or serves from a fixed
-    URL now), they failed (R-4.1), or their stop was under way when the control plane restarted."""
+    URL now), they failed (R-4.1), or their stop was under way when the control plane restarted (or
+    their start, which the adopting control plane stops to make again: Records.adopt)."""
     retire = []
     for replica in replicas:
         if replica.phase is RETIRING_PHASE:

@@ -45,6 +45,7 @@ FAILURE_BACKOFF_BASE = 2.0
 FAILURE_BACKOFF_CAP = 300.0
 RETIRED_KEEP = 600.0  # how long a failed replica stays visible after it stopped
 RETIRED_LISTED = 200  # and at most this many of them
+INTERRUPTED_START = "its start was interrupted by a control-plane restart"
 
 
 @dataclass
@@ -262,10 +263,18 @@ class Records:
             # A failed replica is kept: its record is deleted only once its engines are stopped,
             # so one still here may have an engine running on a node that was out of reach. The
             # first pass retires it, and the engine is stopped when the node answers.
+            # A start the restart cut short did not fail: it counts toward no backoff and pauses
+            # no rollout. The first pass's sweep finishes its stop and a new one is placed.
             for shard in replica.shards:
                 if shard.state in (PENDING, FETCHING):
-                    # Nothing was launched yet: the interrupted start is simply made again.
-                    shard.set_state(FAILED, "interrupted by a control-plane restart before launch")
+                    shard.set_state(STOPPED, INTERRUPTED_START)  # nothing was launched on its node
+                elif shard.state == STARTING and shard.pid is None:
+                    # Launched, but the node's answer went with the control plane: whatever the
+                    # node started under the shard's id is stopped there.
+                    shard.set_state(STOPPING, INTERRUPTED_START)
+                else:
+                    continue
+                replica.reason = replica.reason or INTERRUPTED_START
             self.replicas[replica.id] = replica
         if self.replicas:
             log.info("adopting %d replicas recorded before the restart", len(self.replicas))

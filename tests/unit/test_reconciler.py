@@ -353,8 +353,8 @@ async def test_shards_waiting_for_the_same_weights_on_a_node_share_one_fetch():
 async def test_a_held_entry_not_yet_hashed_on_the_node_goes_through_fetch_first(verified, fetches):
     """R-5.6: weights another node fetched onto a shared filer are checked by hash on this node
     (the helper's fetch of a present entry) before the launch, so the launch reads no big file."""
-    reconciler, fleet, _, _ = build([{"name": "m"}], nodes=("a",))
-    path = "/cache/llmgw-" + "ab" * 16
+    reconciler, fleet, holder, _ = build([{"name": "m"}], nodes=("a",))
+    path = f"{fleet.paths('a').cache_dir}/{holder.current.get('m').source.cache_name}"  # where the node holds it
     fleet.facts["a"].holdings = {"m": Held(path, 10**9, None, verified)}
     await settle(reconciler, fleet)
     assert serving(reconciler, "m")
