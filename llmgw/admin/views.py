@@ -186,6 +186,7 @@ class Listings:
                 progress = {"bytes": None, "total": None, "line": shard.activity}
             shards.append({
                 "rank": shard.rank, "node": shard.node, "gpus": list(shard.gpus), "port": shard.port,
+                "pid": shard.pid,  # the engine process as its node answered the launch; None: not yet
                 "state": shard.state, "state_since": shard.state_since, "reason": shard.reason,
                 "log_tail": list(shard.log_tail) if shard.log_tail and shard.state == ShardState.FAILED else None,
                 "progress": progress,

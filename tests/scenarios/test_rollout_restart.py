@@ -51,13 +51,20 @@ def set_weights(fleet, weights: str) -> None:
     assert done.code == 0, done.stdout + done.stderr
 
 
+def launched(replica: dict) -> bool:
+    """Its node answered the launch of every shard (a pid): what a restart adopts (R-4.4). A start
+    whose answer is not in yet is made again after a restart, not adopted."""
+    return all(shard.get("pid") for shard in replica["shards"])
+
+
 def caught_mid_rollout(fleet, target: str, when: str = "starting") -> list[dict] | None:
-    """The live replicas once one of `target` is in state `when` (starting: or serving while one
-    of another revision still runs): a rollout under way."""
+    """The live replicas once one of `target` is in state `when` (starting — launched, its node's
+    answer in —, or serving, while one of another revision still runs): a rollout under way."""
     replicas = live(fleet)
     new = [r for r in replicas if r["revision"] == target]
     old = [r for r in replicas if r["revision"] != target]
-    if old and any(r["state"] == when or (when == "starting" and r["serving"]) for r in new):
+    if old and any((r["state"] == when and (when != "starting" or launched(r))) or (when == "starting" and r["serving"])
+                   for r in new):
         return replicas
     return None
 
@@ -110,7 +117,7 @@ def roll_through_a_restart(fleet, traffic: Traffic, previous: str, change, how: 
     caught = wait_for(lambda: caught_mid_rollout(fleet, target, when), WAIT,
                       f"a replica of {target} {when} beside an old one\n{fleet.log_tail()}", interval=0.1)
     before = revisions_of(caught)
-    newcomers = {r["id"] for r in caught if r["revision"] == target}
+    newcomers = {r["id"] for r in caught if r["revision"] == target and (when != "starting" or launched(r))}
     cut_short = {r["id"] for r in caught if r["revision"] == target and r["state"] == when}
     log_from = len(fleet.gateway.log())
     restarted_at = time.time()
