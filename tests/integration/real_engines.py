@@ -189,7 +189,10 @@ def drain_under_load(bed, gateway, model: str, victim: str, spare: str, *, key_n
     (R-9.5). Uncordons the victim again; returns the load with its counts."""
     _, key = new_client(gateway, key_name)
     ctl = Ctl(gateway)
-    with Load(gateway.url + "/v1", key, model, workers=2, max_requests=50_000, max_seconds=600) as load:
+    # A pause between requests leaves the replacement loading on `spare` some of the cores: the
+    # load goes on all through the move, at a rate a 2-core machine can also start an engine under.
+    with Load(gateway.url + "/v1", key, model, workers=2, max_requests=50_000, max_seconds=600,
+              pause=0.05) as load:
         load.wait_ok(after, 120)
         done = ctl.run("drain", victim)
         assert done.code == 0, done.stderr
