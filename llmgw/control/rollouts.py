@@ -103,18 +103,38 @@ class RolloutMemory:
         self.revisions: dict[str, dict[str, Revision]] = {}  # model -> revision id -> Revision
         self.rollouts: dict[str, Rollout] = {}
         self.progress: dict[str, plan.Rolled] = {}  # model -> where its rollout stood after the last pass
+        # Per model name, the last two Model objects seen (the catalog's, and the one an undo holds)
+        # with their definition and id: a catalog's models never change, so each pass reuses them
+        # instead of dumping and hashing every model again.
+        self._seen: dict[str, list[tuple[Model, dict | None, str | None]]] = {}
+        self._held: dict[str, tuple[Model, str, Model]] = {}  # name -> (catalog model, target, model at it)
 
     def adopt(self, found: list[Revision], rollouts: list[Rollout]) -> None:
         for revision in found:
             self.revisions.setdefault(revision.model, {})[revision.id] = revision
         self.rollouts = {r.model: r for r in rollouts}
 
+    def _defined(self, model: Model) -> tuple[dict | None, str | None]:
+        """`model`'s definition and revision id (revisions.definition, revision_id), kept per object."""
+        seen = self._seen.setdefault(model.name, [])
+        for kept, defined, rid in seen:
+            if kept is model:
+                return defined, rid
+        defined = revisions.definition(model)
+        rid = None if defined is None else revisions.revision_id(defined)
+        seen.insert(0, (model, defined, rid))
+        del seen[2:]
+        return defined, rid
+
+    def revision_of(self, model: Model) -> str | None:
+        """The id of the revision `model` defines (revisions.of), None when llmgw runs nothing for it."""
+        return self._defined(model)[1]
+
     def note(self, model: Model, now: float) -> Revision | None:
         """Register the revision `model` defines; returns it when it is new (to be saved)."""
-        defined = revisions.definition(model)
+        defined, rid = self._defined(model)
         if defined is None:
             return None
-        rid = revisions.revision_id(defined)
         known = self.revisions.setdefault(model.name, {})
         if rid in known:
             return None
@@ -139,15 +159,20 @@ class RolloutMemory:
     def target(self, model: Model, catalog: Catalog) -> tuple[str | None, Model]:
         """The revision the model's replicas should run and the model to launch them from: the
         catalog's, unless an undo holds the model on an earlier one (module docstring)."""
-        defined = revisions.of(model)
+        defined = self.revision_of(model)
         record = self.rollouts.get(model.name)
         if record is None or record.held_over is None or record.held_over != defined:
             return defined, model
         held = self.revisions.get(model.name, {}).get(record.target)
         if held is None:
             return defined, model
+        kept = self._held.get(model.name)
+        if kept is not None and kept[0] is model and kept[1] == record.target:
+            return record.target, kept[2]
         try:
-            return record.target, revisions.model_at(model, held.definition, catalog.engines)
+            at = revisions.model_at(model, held.definition, catalog.engines)
+            self._held[model.name] = (model, record.target, at)
+            return record.target, at
         except ValueError as exc:
             log.warning("model %s cannot be held on revision %s any more (%s): it runs the catalog's",
                         model.name, record.target, exc)
@@ -284,7 +309,7 @@ def status(memory: RolloutMemory, model: Model, catalog: Catalog, live: Iterable
     """Where the model's rollout stands: its target and the catalog's revision (they differ while
     an undo holds it), the rollout's state, why it waits, and the replicas per revision."""
     target, _ = memory.target(model, catalog)
-    defined = revisions.of(model)
+    defined = memory.revision_of(model)
     record = memory.rollouts.get(model.name)
     per: dict[str | None, dict] = {}
     for replica in live:
@@ -355,7 +380,7 @@ def act(memory: RolloutMemory, model: Model, catalog: Catalog, live: Iterable[Re
         back = record.previous
         if back not in memory.revisions.get(model.name, {}):
             raise ServiceError(ErrorKind.CONFLICT, f"revision {back} of {model.name} is not known any more")
-        defined = revisions.of(model)
+        defined = memory.revision_of(model)
         now = time.time()
         undone = Rollout(model.name, back, target, now, canary=canary, actor=actor,
                          held_over=None if back == defined else defined, updated_at=now)
