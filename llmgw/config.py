@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import ssl
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -137,6 +138,46 @@ class AdminTLS(_Strict):
         return context
 
 
+class RequestLogKeep(_Strict):
+    """How much of the request log the control plane keeps: records older than `age` or past the
+    newest `records` go, whichever comes first (R-6.20)."""
+
+    age: Duration = Field(86400.0, gt=0)
+    records: int = Field(100_000, ge=1)
+
+
+class RequestLogConfig(_Strict):
+    """gateway.request_log (R-6.20): a record per request on every router, gathered by the control plane."""
+
+    enabled: bool = True
+    sample: float = Field(1.0, ge=0.0, le=1.0)  # the share of requests recorded
+    path: str | None = None  # a file on each router's host its records are appended to, as JSON lines
+    keep: RequestLogKeep = Field(default_factory=RequestLogKeep)
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.isabs(os.path.expanduser(value)):
+            raise ValueError(f"{value!r}: the request log's path must be absolute (each router writes it on its host)")
+        return value
+
+
+class TracingConfig(_Strict):
+    """gateway.tracing (R-6.21): OpenTelemetry traces of requests, exported over OTLP/HTTP."""
+
+    otlp_endpoint: str | None = None  # e.g. http://collector:4318 (its /v1/traces); None: no tracing
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parsed = urllib.parse.urlsplit(value)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"{value!r}: expected the collector's OTLP/HTTP address, e.g. http://collector:4318")
+        return value.rstrip("/")
+
+
 class GatewayConfig(_Strict):
     listen: str = "127.0.0.1:8080"
     admin: str = "127.0.0.1:8081"
@@ -159,6 +200,8 @@ class GatewayConfig(_Strict):
     # for every node or per node. Pinned sources' entries are never removed by it.
     cache_low_water: LowWaterMark | None = None
     pinned_weights: list[PinnedWeights] = Field(default_factory=list)
+    request_log: RequestLogConfig = Field(default_factory=RequestLogConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     @field_validator("listen", "admin")
     @classmethod

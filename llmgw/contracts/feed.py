@@ -143,6 +143,10 @@ class GatewaySettings:
     queue_wait: float = 30.0  # seconds a request waits for a place of a saturated model (R-6.17)
     max_waiting_per_key: int = 256  # requests of one key waiting for places in one router (R-6.17a)
     max_answer: int = 64 * 1024**2  # bytes of a non-streamed engine answer (R-6.18)
+    request_log: bool = True  # a RequestRecord per request (R-6.20): gateway.request_log.enabled
+    request_log_sample: float = 1.0  # the share of requests recorded, 0..1 (gateway.request_log.sample)
+    request_log_path: str | None = None  # a file each router appends its records to as JSON lines; None: none
+    otlp_endpoint: str | None = None  # OTLP/HTTP traces collector (gateway.tracing.otlp_endpoint); None: no tracing
 
 
 @dataclass(frozen=True)
@@ -255,6 +259,39 @@ class UsageRow:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request as a router saw it (R-6.20): the request log's line. Never a body, never a key:
+    the key's name only. What was not known stays None (a 401 has no key, a request refused before
+    any engine no replica, tokens nobody counted no tokens), never 0."""
+
+    at: float  # time.time() the request arrived
+    id: str  # its X-Request-Id: the client's own when usable, else the router's
+    route: str  # "POST /v1/chat/completions": the method and the route's path pattern
+    status: int  # the HTTP status the client got (a stream cut mid-way: 200, with `error` set)
+    duration: float  # seconds from arrival to the answer's last byte
+    key: str | None = None  # the API key's name; None: no key was accepted
+    model: str | None = None  # the model that was to serve it (an alias's target), None: none resolved
+    asked: str | None = None  # the name the client used, when it was an alias (R-8.7)
+    replica: str | None = None  # the replica of the last attempt
+    node: str | None = None  # that replica's node (its head node for a multi-node replica)
+    error: str | None = None  # the error's code as the client saw it ("model_not_found", "upstream_interrupted")
+    attempts: int = 0  # endpoints tried; retries are attempts - 1 (R-6.6)
+    fallback: str | None = None  # the fallback model that served, None: the model itself or none (R-6.7)
+    queued: float | None = None  # seconds waiting for a place and for an on-demand replica; None: never waited
+    ttfb: float | None = None  # seconds from arrival to the first byte of the answer sent; None: none sent
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    estimated: bool = False  # tokens estimated from what was relayed (R-6.9a), not the engine's count
+    stream: bool = False  # relayed as a stream
+    client: str | None = None  # the client's address as the router saw the connection
+    client_request_id: str | None = None  # an X-Request-Id the client sent that was not usable (cut to 128)
+
+
+# Wire names of RequestRecord's fields: each record is a JSON object of those that are not at their default.
+REQUEST_RECORD_FIELDS = tuple(RequestRecord.__slots__)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineLoad:
     """One reading of an engine's load; None where the engine does not say (never 0)."""
 
@@ -347,6 +384,8 @@ class Report:
     # The last Snapshot or Change this router could not apply (R-10.10), None: none since it started.
     # A state part like the others; absent on the wire from a router that predates it.
     unapplied: Unapplied | None = None
+    # The request log's records since the last report (R-6.20): counted parts, taken once per (router, seq).
+    requests: tuple[RequestRecord, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -616,7 +655,10 @@ def _model_limits_from_wire(d, where: str) -> Mapping[str, Limits]:
 
 def gateway_to_wire(g: GatewaySettings) -> dict:
     return {"max_body": g.max_body, "request_timeout": g.request_timeout, "on_demand_wait": g.on_demand_wait,
-            "queue_wait": g.queue_wait, "max_waiting_per_key": g.max_waiting_per_key, "max_answer": g.max_answer}
+            "queue_wait": g.queue_wait, "max_waiting_per_key": g.max_waiting_per_key, "max_answer": g.max_answer,
+            "request_log": g.request_log, "request_log_sample": g.request_log_sample,
+            **({"request_log_path": g.request_log_path} if g.request_log_path is not None else {}),
+            **({"otlp_endpoint": g.otlp_endpoint} if g.otlp_endpoint is not None else {})}
 
 
 def gateway_from_wire(d, where: str) -> GatewaySettings:
@@ -626,7 +668,18 @@ def gateway_from_wire(d, where: str) -> GatewaySettings:
                            on_demand_wait=_num(_field(d, "on_demand_wait", where), f"{where}.on_demand_wait"),
                            queue_wait=_num(d.get("queue_wait", 30.0), f"{where}.queue_wait"),
                            max_waiting_per_key=_int(d.get("max_waiting_per_key", 256), f"{where}.max_waiting_per_key", 1),
-                           max_answer=_int(d.get("max_answer", 64 * 1024**2), f"{where}.max_answer", 1))
+                           max_answer=_int(d.get("max_answer", 64 * 1024**2), f"{where}.max_answer", 1),
+                           request_log=_expect(d.get("request_log", True), (bool,), f"{where}.request_log"),
+                           request_log_sample=_share(d.get("request_log_sample", 1.0), f"{where}.request_log_sample"),
+                           request_log_path=_opt_str(d.get("request_log_path"), f"{where}.request_log_path"),
+                           otlp_endpoint=_opt_str(d.get("otlp_endpoint"), f"{where}.otlp_endpoint"))
+
+
+def _share(value, where: str) -> float:
+    number = _num(value, where)
+    if not 0.0 <= number <= 1.0:
+        raise FeedError(f"{where}: expected a share from 0 to 1, got {number!r}")
+    return float(number)
 
 
 def _models_from_wire(d, where: str) -> Mapping[str, RoutedModel]:
@@ -819,7 +872,8 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
                 "counters": None if message.counters is None else _counters_to_wire(message.counters),
                 **({"asked": dict(message.asked)} if message.asked else {}),
                 **({"homes": _homes_to_wire(message.homes)} if message.homes else {}),
-                **({"unapplied": _unapplied_to_wire(message.unapplied)} if message.unapplied is not None else {})}
+                **({"unapplied": _unapplied_to_wire(message.unapplied)} if message.unapplied is not None else {}),
+                **({"requests": [request_record_to_wire(r) for r in message.requests]} if message.requests else {})}
     if isinstance(message, Ack):
         return {"type": "ack", "protocol": PROTOCOL, "router": message.router, "seq": message.seq,
                 **({"refused": [{"where": r.where, "status": 400, "message": r.message} for r in message.refused]}
@@ -899,6 +953,59 @@ def _usage_row_from_wire(row, where: str) -> UsageRow:
                     *((_str(row[8], f"{where}[8]"),) if len(row) == 9 else ()))
 
 
+_RECORD_DEFAULTS = {name: getattr(RequestRecord(0.0, "", "", 0, 0.0), name) for name in REQUEST_RECORD_FIELDS}
+_RECORD_REQUIRED = ("at", "id", "route", "status", "duration")
+_RECORD_TEXT_KEPT = 256  # characters of a record's text fields the control plane takes
+
+
+def request_record_to_wire(r: RequestRecord) -> dict:
+    """A record as a JSON object of its fields that are not at their default."""
+    defaults = _RECORD_DEFAULTS
+    out = {}
+    for name in REQUEST_RECORD_FIELDS:
+        value = getattr(r, name)
+        if name in _RECORD_REQUIRED or value != defaults[name]:
+            out[name] = value
+    return out
+
+
+def request_record_from_wire(d, where: str) -> RequestRecord:
+    d = _obj(d, where)
+    unknown = d.keys() - _RECORD_DEFAULTS.keys()
+    if unknown:
+        raise FeedError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+
+    def text(name: str) -> str | None:
+        value = _opt_str(d.get(name), f"{where}.{name}")
+        if value is not None and len(value) > _RECORD_TEXT_KEPT:
+            raise FeedError(f"{where}.{name}: longer than {_RECORD_TEXT_KEPT} characters")
+        return value
+
+    def seconds(name: str) -> float | None:
+        value = _opt_num(d.get(name), f"{where}.{name}")
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise FeedError(f"{where}.{name}: expected a finite number of seconds, not negative")
+        return value
+
+    for name in _RECORD_REQUIRED:
+        _field(d, name, where)
+    return RequestRecord(at=_num(d["at"], f"{where}.at"), id=text("id"), route=text("route"),
+                         status=_int(d["status"], f"{where}.status", 100, 599), duration=seconds("duration"),
+                         key=text("key"), model=text("model"), asked=text("asked"), replica=text("replica"),
+                         node=text("node"), error=text("error"),
+                         attempts=_int(d.get("attempts", 0), f"{where}.attempts", 0, 1000),
+                         fallback=text("fallback"), queued=seconds("queued"), ttfb=seconds("ttfb"),
+                         prompt_tokens=_opt_count(d.get("prompt_tokens"), f"{where}.prompt_tokens"),
+                         completion_tokens=_opt_count(d.get("completion_tokens"), f"{where}.completion_tokens"),
+                         estimated=_expect(d.get("estimated", False), (bool,), f"{where}.estimated"),
+                         stream=_expect(d.get("stream", False), (bool,), f"{where}.stream"),
+                         client=text("client"), client_request_id=text("client_request_id"))
+
+
+def _opt_count(value, where):
+    return None if value is None else _count(value, where)
+
+
 def _refusal_from_wire(d, where: str) -> Refusal:
     d = _obj(d, where)
     return Refusal(_str(_field(d, "where", where), f"{where}.where"), _str(_field(d, "message", where), f"{where}.message"))
@@ -950,5 +1057,6 @@ def _report_from_wire(d: dict) -> tuple[Report, tuple[Refusal, ...]]:
                     counters=counters, asked=dict(rows("asked", _count)),
                     homes={model: MappingProxyType(entries) for model, entries in
                            rows("homes", lambda v, where: _home_entries_from_wire(v, where, False))},
-                    unapplied=unapplied)
+                    unapplied=unapplied,
+                    requests=tuple(r for _, r in rows("requests", request_record_from_wire, _list, [])))
     return report, tuple(refused)

@@ -68,7 +68,9 @@ def routed_models(catalog: Catalog) -> Mapping[str, RoutedModel]:
 def gateway_settings(gateway: GatewayConfig) -> GatewaySettings:
     return GatewaySettings(max_body=int(gateway.max_body), request_timeout=float(gateway.request_timeout),
                            on_demand_wait=float(gateway.on_demand_wait), queue_wait=float(gateway.queue_wait),
-                           max_waiting_per_key=gateway.max_waiting_per_key, max_answer=int(gateway.max_answer))
+                           max_waiting_per_key=gateway.max_waiting_per_key, max_answer=int(gateway.max_answer),
+                           request_log=gateway.request_log.enabled, request_log_sample=gateway.request_log.sample,
+                           request_log_path=gateway.request_log.path, otlp_endpoint=gateway.tracing.otlp_endpoint)
 
 
 def endpoint_lists(table: Mapping[str, Sequence[Endpoint]]) -> dict[str, tuple[Endpoint, ...]]:
