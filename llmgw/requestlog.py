@@ -21,7 +21,8 @@ from llmgw.contracts.feed import REQUEST_RECORD_FIELDS, RequestRecord
 
 DEFAULT_SHOWN = 50  # records an answer holds unless asked for another count
 MOST_SHOWN = 1000  # the most one answer holds; a larger `n` is taken as this
-PRUNE_CHUNK = 5000  # rows one pruning write deletes at most, so that reports are not held up behind it
+DENSE = 5000  # records of a class of statuses past which the newest are found by time, not sorted
+PRUNE_CHUNK = 1000  # rows one pruning write deletes at most (about 20 ms), so that reports wait little behind it
 
 # Record field -> column. The record's `id` (its X-Request-Id) is `request_id`: the table's own
 # `id` is the row's number, which only grows and which a follower's cursor names.
@@ -29,25 +30,38 @@ _COLUMNS = {name: "request_id" if name == "id" else name for name in REQUEST_REC
 _BOOLEANS = ("estimated", "stream")
 _record_values = attrgetter(*REQUEST_RECORD_FIELDS)
 _NODE = REQUEST_RECORD_FIELDS.index("node")
-_REPLICA = REQUEST_RECORD_FIELDS.index("replica")
-
-_INSERT = ("INSERT INTO requests (router, {columns}) VALUES (?, {values})".format(
-    columns=", ".join(_COLUMNS.values()),
-    # A record without a node takes its replica's head node (rank 0), as the control plane stored it.
-    values=", ".join("COALESCE(?, (SELECT node FROM shards WHERE replica_id = ? AND rank = 0))" if name == "node"
-                     else "?" for name in REQUEST_RECORD_FIELDS)))
+_INSERT = (f"INSERT INTO requests (router, {', '.join(_COLUMNS.values())}) "
+           f"VALUES (?, {', '.join('?' * len(_COLUMNS))})")
 _SELECT = "SELECT id, router, " + ", ".join(_COLUMNS.values()) + " FROM requests"
 _NEWEST = "at DESC, id DESC"
+_LOOKED_UP = 500  # replica ids one lookup of their nodes names at most
 
 
 def add_requests(db: sqlite_utils.Database, router: str, records: Sequence[RequestRecord]) -> None:
-    """Write `records` as reported by `router`; run it in the transaction that records the report's seq."""
+    """Write `records` as reported by `router`; run it in the transaction that records the report's seq.
+
+    A record without a node takes its replica's head node (rank 0) as the control plane stored
+    it, looked up once per replica for the whole report."""
+    unplaced = {r.replica for r in records if r.node is None and r.replica is not None}
+    heads = _head_nodes(db, unplaced) if unplaced else {}
     rows = []
     for record in records:
-        values = list(_record_values(record))
-        values.insert(_NODE + 1, values[_REPLICA])  # the replica again, for the node's lookup
+        values = _record_values(record)
+        if values[_NODE] is None and record.replica in heads:
+            values = (*values[:_NODE], heads[record.replica], *values[_NODE + 1:])
         rows.append((router, *values))
     db.conn.executemany(_INSERT, rows)
+
+
+def _head_nodes(db: sqlite_utils.Database, replicas: set[str]) -> dict[str, str]:
+    """replica id -> its rank 0 shard's node, for those of `replicas` the store has."""
+    found: dict[str, str] = {}
+    names = sorted(replicas)
+    for start in range(0, len(names), _LOOKED_UP):  # within SQLite's bound on a statement's parameters
+        part = names[start:start + _LOOKED_UP]
+        found.update(db.execute(f"SELECT replica_id, node FROM shards WHERE rank = 0 AND replica_id IN "
+                                f"({', '.join('?' * len(part))})", part).fetchall())
+    return found
 
 
 def prune_requests(db: sqlite_utils.Database, now: float, age: float, keep: int, chunk: int = PRUNE_CHUNK) -> int:
@@ -104,8 +118,11 @@ def find_requests(db: sqlite_utils.Database, query: RequestQuery) -> dict:
     records that did not match are not looked at again.
 
     Newest first goes by the time each request arrived, from the index of the filter (key,
-    model, status) or of the time; a cursor goes by row, from the rows after it only, which a
-    follower asks for every second: its filters are kept off the indexes (a unary `+`)."""
+    model, status) or of the time. A class of statuses is a range of the status index, whose
+    records come out by status, not time: when it holds a few (under DENSE), they are sorted;
+    when it holds many, the newest records are read by time until enough match. A cursor goes by
+    row, from the rows after it only, which a follower asks for every second: its filters are kept
+    off the indexes (a unary `+`)."""
     top = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'requests'").fetchone()
     top = top[0] if top is not None else 0
     n = max(0, min(query.n, MOST_SHOWN))
@@ -119,8 +136,12 @@ def find_requests(db: sqlite_utils.Database, query: RequestQuery) -> dict:
         where.append(f"{mark}key = ?")
         args.append(query.key)
     if query.status is not None:
-        where.append(f"{mark}status BETWEEN ? AND ?")
-        args += list(query.status)
+        low, high = query.status
+        dense = low != high and not following and db.execute(
+            "SELECT COUNT(*) FROM (SELECT 1 FROM requests WHERE status BETWEEN ? AND ? LIMIT ?)",
+            [low, high, DENSE]).fetchone()[0] >= DENSE
+        where.append(f"{'+' if dense else mark}status BETWEEN ? AND ?")
+        args += [low, high]
     if query.slower_than is not None:
         where.append("duration > ?")
         args.append(query.slower_than)

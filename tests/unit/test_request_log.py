@@ -22,6 +22,7 @@ from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig
 from llmgw.contracts.feed import (REQUEST_RECORD_FIELDS, FeedError, Report, RequestRecord, UsageRow, read_report,
                                   request_record_from_wire, request_record_to_wire, to_wire)
 from llmgw.control.feed import FeedPublisher
+from llmgw import requestlog
 from llmgw.requestlog import (MOST_SHOWN, RequestQuery, add_requests, find_requests, parse_status,
                               prune_requests)
 from llmgw.store import MIGRATIONS, Store, migrate, schema_version
@@ -91,16 +92,19 @@ def test_r6_20_every_field_is_kept_and_the_router_named(store):
         "completion_tokens", "client", "client_request_id"]
 
 
-def test_r6_20_a_record_without_a_node_gets_its_replicas_head_node_as_stored(store):
+def test_r6_20_a_record_without_a_node_gets_its_replicas_head_node_as_stored(store, monkeypatch):
     def replica(db):
         db["replicas"].insert({"id": "big-1", "model": "big", "api_key": "k", "state": "serving"})
         db["shards"].insert_all([{"id": "big-1-1", "replica_id": "big-1", "rank": 1, "node": "gpu4", "state": "serving"},
                                  {"id": "big-1-0", "replica_id": "big-1", "rank": 0, "node": "gpu3", "state": "serving"}])
+        db["replicas"].insert({"id": "small-1", "model": "small", "api_key": "k", "state": "serving"})
+        db["shards"].insert({"id": "small-1-0", "replica_id": "small-1", "rank": 0, "node": "cpu1", "state": "serving"})
     store.write_sync(replica)
+    monkeypatch.setattr(requestlog, "_LOOKED_UP", 1)  # one replica per lookup: several lookups
     add(store, "r/1", [record(1, replica="big-1"), record(2, replica="big-1", node="gpu9"),
-                       record(3, replica="gone-1"), record(4)])
+                       record(3, replica="gone-1"), record(4), record(5, replica="small-1")])
     nodes = {r["id"]: r["node"] for r in find(store)["requests"]}
-    assert nodes == {"req-1": "gpu3", "req-2": "gpu9", "req-3": None, "req-4": None}
+    assert nodes == {"req-1": "gpu3", "req-2": "gpu9", "req-3": None, "req-4": None, "req-5": "cpu1"}
 
 
 # -- pruning --------------------------------------------------------------------------------------
@@ -242,7 +246,9 @@ def logged(store):
     pytest.param({"model": "chat", "n": 2}, ["req-5", "req-2"], id="model-and-n"),
     pytest.param({"key": "nobody"}, [], id="none"),
 ])
-def test_r6_20_filters(logged, query, expected):
+@pytest.mark.parametrize("dense", [5000, 1], ids=["class-sorted", "class-read-by-time"])
+def test_r6_20_filters(logged, query, expected, dense, monkeypatch):
+    monkeypatch.setattr(requestlog, "DENSE", dense)  # 1: every class holds "many" records
     assert ids(find(logged, **query)) == expected
 
 
