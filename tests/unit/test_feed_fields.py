@@ -19,7 +19,8 @@ import pytest
 from llmgw.contracts import feed
 from llmgw.contracts.endpoints import Endpoint
 from llmgw.contracts.feed import (Ack, Change, EngineLoad, GatewaySettings, KeyEntry, Lease, Limits, Refusal, Report,
-                                  RoutedModel, RouterCounters, Snapshot, Unapplied, UsageRow, from_wire, to_wire)
+                                  RequestRecord, RoutedModel, RouterCounters, Snapshot, Unapplied, UsageRow, from_wire,
+                                  to_wire)
 
 MODEL = RoutedModel("a", "vllm", None, "least-outstanding", False)
 LIMITS = Limits(rpm=60)
@@ -35,6 +36,7 @@ LOAD = EngineLoad("vllm")
 COUNTERS = RouterCounters()
 UNAPPLIED = Unapplied(epoch="e", version=4, reason="change e/4 does not follow snapshot e/2", at=100.0)
 REPORT = Report(router="r/h-0", seq=1, sent_at=10.0)
+RECORD = RequestRecord(at=1.5, id="req_1", route="POST /v1/chat/completions", status=200, duration=0.25)
 REFUSAL = Refusal("report.usage[0]", "report.usage[0][4]: must be at least 0, got -1")
 ACK = Ack(router="r/h-0", seq=1)
 
@@ -57,6 +59,7 @@ CARRIERS = {
     EngineLoad: (LOAD, lambda load: dataclasses.replace(REPORT, engine_load={"a-r0": load}), lambda r: r.engine_load["a-r0"]),
     RouterCounters: (COUNTERS, lambda c: dataclasses.replace(REPORT, counters=c), lambda r: r.counters),
     Unapplied: (UNAPPLIED, lambda u: dataclasses.replace(REPORT, unapplied=u), lambda r: r.unapplied),
+    RequestRecord: (RECORD, lambda rec: dataclasses.replace(REPORT, requests=(rec,)), lambda r: r.requests[0]),
     Report: (REPORT, lambda r: r, lambda r: r),
     Refusal: (REFUSAL, lambda r: dataclasses.replace(ACK, refused=(r,)), lambda a: a.refused[0]),
     Ack: (ACK, lambda a: a, lambda a: a),
@@ -79,6 +82,9 @@ SAMPLES = {
     (GatewaySettings, "max_body"): 2000, (GatewaySettings, "request_timeout"): 30.0,
     (GatewaySettings, "on_demand_wait"): 5.0, (GatewaySettings, "queue_wait"): 7.5,
     (GatewaySettings, "max_waiting_per_key"): 16, (GatewaySettings, "max_answer"): 1024,
+    (GatewaySettings, "request_log"): False, (GatewaySettings, "request_log_sample"): 0.25,
+    (GatewaySettings, "request_log_path"): "/var/log/llmgw/requests.jsonl",
+    (GatewaySettings, "otlp_endpoint"): "http://collector:4318",
     (Snapshot, "epoch"): "e2", (Snapshot, "version"): 9, (Snapshot, "models"): {"b": RoutedModel("b", None, None, "prefix", True)},
     (Snapshot, "endpoints"): {"a": (ENDPOINT, Endpoint("a-r1", "a", "http://10.0.0.3:8000", "k"))},
     (Snapshot, "keys"): (KEY, KeyEntry("k2", "bob", "2" * 64, "sk-llmgw-2", frozenset({"a"}))),
@@ -105,6 +111,14 @@ SAMPLES = {
     (Report, "engine_load"): {"a-r0": EngineLoad("vllm", waiting=1)}, (Report, "demand"): ("a",),
     (Report, "snapshot"): ("e", 3), (Report, "counters"): RouterCounters(retries={"a": 1}),
     (Report, "asked"): {"k1": 4}, (Report, "homes"): {"a": {3: "a-r0"}}, (Report, "unapplied"): UNAPPLIED,
+    (Report, "requests"): (RECORD,),
+    (RequestRecord, "at"): 2.5, (RequestRecord, "id"): "client-id.1:x", (RequestRecord, "route"): "POST /v1/messages",
+    (RequestRecord, "status"): 503, (RequestRecord, "duration"): 1.5, (RequestRecord, "key"): "alice",
+    (RequestRecord, "model"): "chat-v2", (RequestRecord, "asked"): "chat", (RequestRecord, "replica"): "a-r0",
+    (RequestRecord, "node"): "gpu-1", (RequestRecord, "error"): "no_capacity", (RequestRecord, "attempts"): 3,
+    (RequestRecord, "fallback"): "b", (RequestRecord, "queued"): 0.5, (RequestRecord, "ttfb"): 0.125,
+    (RequestRecord, "prompt_tokens"): 12, (RequestRecord, "completion_tokens"): 34, (RequestRecord, "estimated"): True,
+    (RequestRecord, "stream"): True, (RequestRecord, "client"): "10.0.0.9", (RequestRecord, "client_request_id"): "a b",
     (Refusal, "where"): "report.inflight['a-r0']", (Refusal, "message"): "report.inflight['a-r0']: expected int",
     (Ack, "router"): "r/h-1", (Ack, "seq"): 7, (Ack, "refused"): (REFUSAL,),
 }
