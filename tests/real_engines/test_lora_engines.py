@@ -25,7 +25,7 @@ from tests.testbed import engines as real
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # CPU vLLM starts on a busy machine
 
 PROMPT = "hello there"
-# Below every --max-lora-rank choice that lora-big (32) exceeds; at least lora-a's and lora-b's (8).
+# lora-a and lora-b (rank 8) fit, lora-big (rank 32) does not.
 MAX_LORA_RANK = 8
 VLLM_LORA_ARGS = ["--max-model-len", "1024", "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK),
                   "--max-loras", "1", "--max-cpu-loras", "2"]
