@@ -45,8 +45,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-# LoRA adapters of chat/: name -> (rank, seed). lora-big's rank is above vLLM's default and
-# the smallest --max-lora-rank choices (8, 16), for the engines' rank-limit refusals.
+# LoRA adapters of chat/: name -> (rank, seed). lora-big's rank is above vLLM's default
+# --max-lora-rank (16), for the engines' rank-limit refusals.
 ADAPTERS = {"lora-a": (8, 1), "lora-b": (8, 2), "lora-big": (32, 3)}
 LORA_TARGETS = ("q_proj", "v_proj")
 # B·A has entries of about LORA_STRENGTH/sqrt(HIDDEN), alpha = r (scaling 1): an update several
