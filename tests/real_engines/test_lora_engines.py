@@ -240,7 +240,7 @@ def test_vllm_refusals(vllm, made, route, body, status, error):
 
 
 def test_vllm_refuses_to_start_with_an_adapter_above_max_lora_rank(tmp_path_factory, made):
-    """The engine loads everything first, then exits with the load's error (about 30 s here)."""
+    """The engine loads everything first, then exits with the load's error (30–65 s here)."""
     with pytest.raises(AssertionError) as refused:
         launched, root = _launched("vllm", tmp_path_factory, str(made["chat"]),
                                    [*VLLM_LORA_ARGS, "--lora-modules", f"lora-big={made['lora-big']}"],
@@ -267,9 +267,9 @@ def test_vllm_ends_when_an_evicted_adapters_files_are_gone(vllm, made, tmp_path)
         "error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
                   "type": "InternalServerError", "param": None, "code": 500}})
 
-    def ended():
+    def ended():  # the supervisor records the status just after the process is gone
         shard = next(s for s in vllm.helper.call("status", {"probe": False})["shards"] if s["shard_id"] == vllm.shard_id)
-        return shard if not shard["alive"] else None
+        return shard if not shard["alive"] and shard["exit_code"] is not None else None
     shard = wait_for(ended, 60, "the engine to exit")
     assert shard["exit_code"] == 0  # its API server shuts down in order once its engine is dead
     assert "Worker failed with error 'Loading lora doomed failed: No adapter found for" in vllm.log()
