@@ -184,7 +184,7 @@ class _Record:
         self.id = trail.id
         self.route = route
         self.status = trail.status
-        self.duration = trail.duration
+        self.duration = round(trail.duration, 6)  # microseconds are enough, and shorter on the wire
         self.key = trail.key
         self.model = trail.model
         self.asked = trail.asked
@@ -193,8 +193,9 @@ class _Record:
         self.error = trail.error
         self.attempts = trail.attempts
         self.fallback = trail.fallback
-        self.queued = trail.queued
-        self.ttfb = trail.ttfb
+        queued, ttfb = trail.queued, trail.ttfb
+        self.queued = None if queued is None else round(queued, 6)
+        self.ttfb = None if ttfb is None else round(ttfb, 6)
         self.prompt_tokens = trail.prompt_tokens
         self.completion_tokens = trail.completion_tokens
         self.estimated = trail.estimated

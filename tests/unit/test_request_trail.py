@@ -3,6 +3,7 @@ record, the records kept, bounded, merged in the spool and written to a file."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -18,6 +19,7 @@ from llmgw.router import requestlog
 from llmgw.router.requestlog import RequestLog, RequestLogFile
 from llmgw.router.spool import Spool, merge_reports
 from llmgw.router.trail import CLIENT_CLOSED, CLIENT_CLOSED_STATUS, Trail, new_request_id, request_id_of, to_record
+from tests.unit.test_feed_wire import Control, FakeRouter, clients, place, until  # noqa: F401
 
 GATEWAY = GatewaySettings(max_body=1, request_timeout=1.0, on_demand_wait=1.0)
 
@@ -252,3 +254,38 @@ def test_r6_20_a_new_path_takes_over_and_turning_it_off_ends_the_writer(tmp_path
     writer._thread.join(5)
     poll(lambda: first.exists() and second.exists() and second.read_text().count("\n") == 1, what="both files")
     assert json.loads(first.read_text())["id"] == "req-1" and json.loads(second.read_text())["id"] == "req-2"
+
+
+# -- over the router feed ----------------------------------------------------------------------------
+
+
+class RecordingRouter(FakeRouter):
+    """A router whose reports carry the request-log records it was given since the last one."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[RequestRecord] = []
+
+    def report_fields(self) -> dict:
+        taken, self.records = tuple(self.records), []
+        return {**super().report_fields(), "requests": taken}
+
+
+async def test_r6_20_records_made_while_the_control_plane_is_away_reach_it_once(place, clients):  # noqa: F811
+    control = Control(place)
+    router = RecordingRouter()
+    client = await clients(router, control.address, place / "router")
+    for period in range(3):
+        router.records.extend(_record(period * 10 + n) for n in range(10))
+        await asyncio.sleep(0.06)  # a report period passes between them: merged in the spool
+    await until(lambda: not router.records, "the records spooled")
+    await control.start()
+    try:
+        await until(lambda: client.unacked == 0 and control.publisher.counted, "the spooled report delivered")
+        router.records.append(_record(99))
+        await until(lambda: any(r.requests and r.requests[-1].id == "req-99" for r in control.publisher.counted.values()),
+                    "a report made after the outage")
+    finally:
+        await control.stop()
+    ids = [r.id for report in control.publisher.counted.values() for r in report.requests]
+    assert sorted(ids) == sorted([f"req-{n}" for n in range(30)] + ["req-99"])  # each once, none lost
