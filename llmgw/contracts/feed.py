@@ -439,7 +439,7 @@ class _KeyEntryFields:
 class _EndpointFields:
     __slots__ = Endpoint.__slots__
 
-    def __init__(self, replica_id, model, url, api_key, draining, revision):
+    def __init__(self, replica_id, model, url, api_key, draining, revision, node):
         self.replica_id = replica_id
         self.model = model
         self.url = url
@@ -447,6 +447,7 @@ class _EndpointFields:
         self.draining = draining
         self.revision = revision
         self.canary = None
+        self.node = node
         _object_setattr(self, "__class__", Endpoint)
 
 
@@ -528,7 +529,8 @@ def _field(document: dict, name: str, where: str):
 def endpoint_to_wire(e: Endpoint) -> dict:
     return {"replica": e.replica_id, "model": e.model, "url": e.url, "key": e.api_key, "draining": e.draining,
             **({"revision": e.revision} if e.revision is not None else {}),
-            **({"canary": e.canary} if e.canary is not None else {})}
+            **({"canary": e.canary} if e.canary is not None else {}),
+            **({"node": e.node} if e.node is not None else {})}
 
 
 def endpoint_from_wire(d, where: str) -> Endpoint:
@@ -539,9 +541,11 @@ def endpoint_from_wire(d, where: str) -> Endpoint:
             pass
         else:
             rev = d.get("revision")
+            node = d.get("node")
             if type(r) is str and type(m) is str and type(u) is str and (k is None or type(k) is str) \
-                    and type(dr) is bool and (rev is None or type(rev) is str) and "canary" not in d:
-                return _EndpointFields(r, m, u, k, dr, rev)
+                    and type(dr) is bool and (rev is None or type(rev) is str) and (node is None or type(node) is str) \
+                    and "canary" not in d:
+                return _EndpointFields(r, m, u, k, dr, rev, node)
     d = _obj(d, where)
     return Endpoint(replica_id=_str(_field(d, "replica", where), f"{where}.replica"),
                     model=_str(_field(d, "model", where), f"{where}.model"),
@@ -549,7 +553,8 @@ def endpoint_from_wire(d, where: str) -> Endpoint:
                     api_key=_opt_str(d.get("key"), f"{where}.key"),
                     draining=_expect(d.get("draining", False), (bool,), f"{where}.draining"),
                     revision=_opt_str(d.get("revision"), f"{where}.revision"),
-                    canary=None if d.get("canary") is None else _int(d["canary"], f"{where}.canary", 1, 99))
+                    canary=None if d.get("canary") is None else _int(d["canary"], f"{where}.canary", 1, 99),
+                    node=_opt_str(d.get("node"), f"{where}.node"))
 
 
 def model_to_wire(m: RoutedModel) -> dict:
