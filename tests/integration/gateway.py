@@ -170,23 +170,35 @@ class GatewayProcess:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def stop_router(self, timeout: float = 30) -> None:
-        from llmgw.router.supervisor import running_supervisor
-
-        pid = running_supervisor(self.router_dir)
-        if pid is None:
-            return
-        workers = [worker["pid"] for worker in (self.router_status() or {}).get("workers", []) if worker["pid"]]
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while any(_alive(p) for p in (pid, *workers)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = [p for p in (pid, *workers) if _alive(p)]
-        for p in left:
-            os.kill(p, signal.SIGKILL)
-        assert not left, f"router processes {left} left after SIGTERM to the supervisor:\n{self.router_log()}"
+        stop_router_supervisor(self.router_dir, timeout, self.router_log)
 
     def __enter__(self) -> GatewayProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_router_supervisor(router_dir: Path, timeout: float = 30, log=lambda: "") -> None:
+    """SIGTERM to the router supervisor running on `router_dir` (if one is), then fail loudly, with
+    `log()`, if it or any of its workers is left after `timeout` (those are killed)."""
+    import json
+
+    from llmgw.router.supervisor import STATUS_FILE, running_supervisor
+
+    pid = running_supervisor(router_dir)
+    if pid is None:
+        return
+    try:
+        status = json.loads((router_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        status = {}
+    workers = [worker["pid"] for worker in status.get("workers", []) if worker["pid"]]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in (pid, *workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in (pid, *workers) if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"router processes {left} left after SIGTERM to the supervisor:\n{log()}"
