@@ -210,6 +210,9 @@ def node_admin(answer: dict) -> Text:
 
 def model_summary(verb: str) -> Callable[[dict], Text]:
     def render(answer: dict) -> Text:
+        if answer.get("base") is not None:  # an adapter: served by its base's replicas
+            return Text(f"{verb} {answer['name']} (adapter {answer['adapter']} of {answer['base']}, which rolls to "
+                        "hold it)")
         scaling = answer["scaling"]
         return Text(f"{verb} {answer['name']} (profile {answer['profile'] or '-'}; {words.scaling(scaling)})")
     return render
