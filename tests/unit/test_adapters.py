@@ -264,3 +264,45 @@ def test_a_replicas_endpoint_says_the_adapters_of_its_revision_and_keeps_their_e
     assert {old.adapters["a"].source.cache_name, old.adapters["b"].source.cache_name,
             new.adapters["c"].source.cache_name} <= kept
     assert records.cache_in_use(new.models, "n2", memory.cache_names) == set()
+
+
+# -- the engine double refuses what the real engines refuse at start ----------------------------
+
+
+def _adapter_dir(root, name, rank):
+    folder = root / name
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"r": %d}' % rank)
+    return folder
+
+
+@pytest.mark.parametrize("extra, refusal", [
+    pytest.param(["--max-loras", "2", "--max-cpu-loras", "1"], "max_cpu_loras (1) must be >= max_loras (2).",
+                 id="cpu-loras-below-loras"),
+    pytest.param(["--max-lora-rank", "8", "--lora-modules", "big={big}"], "LoRA rank 32 is greater than max_lora_rank 8",
+                 id="rank-above"),
+    pytest.param(["--lora-modules", "gone={root}/gone"], "No adapter found for {root}/gone", id="missing"),
+    pytest.param(["--lora-modules", "small={small}"], None, id="fits"),
+])
+def test_the_double_refuses_vllm_adapters_as_vllm_does(tmp_path, extra, refusal):
+    from tests.unit.test_engine_flags import double
+    paths = {"root": tmp_path, "big": _adapter_dir(tmp_path, "big", 32), "small": _adapter_dir(tmp_path, "small", 8)}
+    argv = ["serve", "/m", "--enable-lora", *(a.format(**paths) for a in extra)]
+    found = double.Engine("vllm", argv, {}).lora_refusal()
+    assert found == refusal if refusal is None else refusal.format(**paths) in found
+
+
+def test_the_double_refuses_a_rank_vllm_does_not_offer():
+    from tests.unit.test_engine_flags import double
+    with pytest.raises(double.UsageError, match="invalid choice: 12"):
+        double.Engine("vllm", ["serve", "/m", "--max-lora-rank", "12"], {})
+
+
+def test_the_double_refuses_a_missing_llama_server_adapter(tmp_path):
+    from tests.unit.test_engine_flags import double
+    present = tmp_path / "a.gguf"
+    present.write_bytes(b"GGUF")
+    engine = double.Engine("llama-server", ["-m", "/m.gguf", "--lora", str(present), "--lora", str(tmp_path / "b.gguf")],
+                           {})
+    assert engine.lora_files == [str(present), str(tmp_path / "b.gguf")]
+    assert engine.lora_refusal() == f"failed to load lora adapter '{tmp_path / 'b.gguf'}'"
