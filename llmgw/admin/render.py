@@ -143,8 +143,16 @@ def models(document: dict) -> Table:
                       _t(words.revision_listed(model)), _t(words.scaling_listed(model["scaling"])), _t(words.last_scale(model, now)),
                       _t(model.get("routing")), _t(model["profile"]),
                       _t(model["engine"]),
-                      _t(model["weights"]), _t(model["fallback"]), _t(declared), _t(problem))
+                      _t(_weights_listed(model)), _t(model["fallback"]), _t(declared), _t(problem))
     return table
+
+
+def _weights_listed(model: dict) -> str | None:
+    """The weights, then the LoRA adapters the model's replicas hold (R-8.8), by name."""
+    adapters = [a["name"] for a in model.get("adapters") or ()]
+    if not adapters:
+        return model["weights"]
+    return f"{model['weights'] or '-'} + adapters {', '.join(adapters)}"
 
 
 def replicas(document: dict) -> Text:
