@@ -179,6 +179,13 @@ class ControlPlane:
 
     async def remove_model(self, name: str, actor: str) -> dict:
         async with self._lock:
+            current = self.holder.current
+            if name not in current.models and name not in current.adapters and \
+                    await self.store.read(lambda db: _created_at(db, name)) is not None:
+                # Stored but not in force: an adapter whose base the inventory dropped (server.py).
+                await self.store.write(lambda db: (db["models"].delete_where("name = ?", [name]),
+                                                   audit(db, actor, "model.remove", name)))
+                return {"removed": name}
             self._stored_model(name, "remove")
             held = sorted(a.name for a in self.holder.current.adapters.values() if a.base == name)
             if held:

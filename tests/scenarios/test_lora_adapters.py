@@ -8,6 +8,8 @@ by name from the cache, the engine listing each with `tiny` as its parent. Then,
 base `small` and an adapter `lora-c` from the model dir: `small` rolls onto a replica holding it
 (named in its endpoint's adapters, given at launch from the model dir), `small` cannot be removed
 while `lora-c` exists, and removing `lora-c` rolls `small` back to a replica without adapters.
+Last, a runtime adapter of `tiny` outlives `tiny` in the file across a restart: not in force, said,
+and removable.
 """
 
 from __future__ import annotations
@@ -131,5 +133,21 @@ def test_a_base_is_launched_with_its_adapters_fetched_sealed_and_counted(bed, tm
                  WAIT, f"small to roll back without adapters\n{gateway.log()[-3000:]}")
         ctl.ok("model", "remove", "small")
         assert yaml.safe_load(inventory.read_text())["models"][1]["name"] == "lora-b"  # the file is left as it was
+
+        # An adapter added at runtime on a base of the file, which a restart's file no longer has:
+        # the gateway starts without it, says so, and `ctl model remove` forgets it.
+        (tmp_path / "lora-d.yaml").write_text("name: lora-d\nbase: tiny\nadapter: loras/lora-c\n")
+        ctl.ok("model", "add", "-f", str(tmp_path / "lora-d.yaml"))
+        gateway.stop()
+        doc = yaml.safe_load(inventory.read_text())
+        doc["models"] = []
+        inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
+        gateway = GatewayProcess(inventory, tmp_path / "state").start()
+        ctl = Ctl(gateway)
+        assert "adapter lora-d (added at runtime) has the base tiny, which the inventory no longer has" in gateway.log()
+        assert ctl.json("models")["models"] == []
+        ctl.ok("model", "remove", "lora-d")
+        with sqlite3.connect(tmp_path / "state" / "state.db") as db:
+            assert db.execute("SELECT name FROM models").fetchall() == []
     finally:
         gateway.stop()
