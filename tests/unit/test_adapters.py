@@ -306,3 +306,36 @@ def test_the_double_refuses_a_missing_llama_server_adapter(tmp_path):
                            {})
     assert engine.lora_files == [str(present), str(tmp_path / "b.gguf")]
     assert engine.lora_refusal() == f"failed to load lora adapter '{tmp_path / 'b.gguf'}'"
+
+
+@pytest.mark.parametrize("adapter_lines, line, message", [
+    pytest.param("    base: big\n    adapter: loras/a\n", 7, "models[1].base: adapter 'a': its base 'big' runs engine sglang",
+                 id="engine"),
+    pytest.param("    base: nope\n    adapter: loras/a\n", 7, "models[1].base: adapter 'a': its base 'nope' is not a model",
+                 id="missing-base"),
+    pytest.param("    base: small\n    adapter: loras/a\n    profile: v\n", 6,
+                 "models[1]: an adapter entry has no profile of its own", id="own-profile"),
+])
+def test_llmgw_check_reports_adapter_refusals(tmp_path, adapter_lines, line, message):
+    import subprocess
+    import sys
+    path = tmp_path / "inventory.yaml"
+    path.write_text("profiles:\n  v: {engine: vllm}\n  s: {engine: sglang, gpus: 1}\nmodels:\n"
+                    "  - {name: big, profile: s, weights: m}\n"
+                    "  - name: a\n" + adapter_lines + "  - {name: small, profile: v, weights: m}\n")
+    result = subprocess.run([sys.executable, "-m", "llmgw.cli.main", "check", "-i", str(path), "--no-connect"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2, result.stdout
+    assert f"{path}:{line}: {message}" in result.stderr
+
+
+def test_llmgw_check_counts_adapters(tmp_path):
+    import subprocess
+    import sys
+    path = tmp_path / "inventory.yaml"
+    path.write_text("profiles:\n  v: {engine: vllm}\nmodels:\n  - {name: small, profile: v, weights: m}\n"
+                    "  - {name: a, base: small, adapter: loras/a}\n")
+    result = subprocess.run([sys.executable, "-m", "llmgw.cli.main", "check", "-i", str(path), "--no-connect"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "1 models, 1 adapters" in result.stdout
