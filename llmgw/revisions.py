@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from llmgw.catalog import Model
 
 from llmgw.config import ADAPTER_PROFILE_FIELDS
+from llmgw.engines import VLLM
 
 ID_LENGTH = 12
 # Profile fields that act on running replicas in place, or only on the router: not a revision.
@@ -38,8 +39,9 @@ def definition(model: Model) -> dict[str, Any] | None:
     if model.static or model.profile is None:
         return None
     # A model without adapters keeps the definition (and id) it had before adapters existed: the
-    # adapter fields of its profile launch nothing then.
-    excluded = set(IN_PLACE_PROFILE_FIELDS) | (set() if model.adapters else set(ADAPTER_PROFILE_FIELDS))
+    # adapter fields of its profile launch nothing then, nor on llama-server, which has no such flags.
+    launched = bool(model.adapters) and isinstance(model.engine, VLLM)
+    excluded = set(IN_PLACE_PROFILE_FIELDS) | (set() if launched else set(ADAPTER_PROFILE_FIELDS))
     profile = model.profile.model_dump(mode="json", exclude=excluded)
     engine_config = getattr(model.engine, "config", None)  # a custom engine's templates
     defined = {

@@ -169,6 +169,14 @@ def test_adding_or_removing_an_adapter_rolls_its_base():
     assert revisions.of(ranked.get("base")) != one
 
 
+def test_the_adapter_fields_of_a_llama_server_profile_launch_nothing():
+    def llama(rank):
+        profiles = {"l": ProfileConfig(engine="llama-server", max_lora_rank=rank)}
+        return Catalog.build(file_models=[base(profile="l", weights="m.gguf"), adapter("a", source="a.gguf")],
+                             profiles=profiles).get("base")
+    assert revisions.of(llama(8)) == revisions.of(llama(64))
+
+
 def test_a_revision_says_its_adapters_and_makes_them_again():
     model = build(base(), adapter("b", source="hf:org/b"), adapter("a")).get("base")
     defined = revisions.definition(model)
