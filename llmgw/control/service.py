@@ -80,6 +80,11 @@ class ControlPlane:
 
     def explain(self, name: str) -> placement.Explanation:
         """Why the model goes where it goes, or nowhere, on the fleet as it is now (R-3.5)."""
+        adapter = self.holder.current.adapters.get(name)
+        if adapter is not None:  # R-8.8: nothing of its own is placed
+            raise ServiceError(ErrorKind.INVALID, f"{name} is an adapter: it runs on the replicas of its base "
+                                                  f"{adapter.base!r}; explain the placement of {adapter.base}",
+                               code="adapter")
         if name not in self.holder.current.models:
             raise ServiceError(ErrorKind.NOT_FOUND, f"no model named {name!r}", code="model_not_found")
         return self.reconciler.placing.explain(name)

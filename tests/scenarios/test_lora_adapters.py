@@ -104,6 +104,8 @@ def test_a_base_is_launched_with_its_adapters_fetched_sealed_and_counted(bed, tm
                             WAIT, "the adapters counted in ctl storage")
         assert holdings["lora-a"]["path"] == f"{node.cache_dir}/{cache_names['lora-a']}"
         assert holdings["lora-a"]["bytes"] >= 4096 and holdings["lora-b"]["bytes"] >= 4096
+        explained = ctl.run("explain-placement", "lora-a")
+        assert explained.code != 0 and "lora-a is an adapter: it runs on the replicas of its base 'tiny'" in explained.stderr
         [listed_tiny] = [m for m in ctl.json("models")["models"] if m["name"] == "tiny"]
         assert [a["name"] for a in listed_tiny["adapters"]] == ["lora-a", "lora-b"]
 
