@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Literal
 
 from llmgw.config import (ConfigError, Document, EngineConfig, Inventory, ModelConfig, Problem,
                           ProfileConfig)
-from llmgw.engines import TEMPLATE_VARIABLES, Engine, engine_table, template_fields
+from llmgw.engines import TEMPLATE_VARIABLES, Engine, adapter_support, engine_table, template_fields
 from llmgw.weights import WeightsSource
 
 FILE = "file"
@@ -49,6 +49,9 @@ class Model:
     engine: Engine | None = None
     source: WeightsSource | None = None
     actor: str | None = None
+    # The LoRA adapters the catalog gives this model (R-8.8), by name: the order its engine is
+    # given them at launch, and so llama-server's id of each.
+    adapters: tuple[Adapter, ...] = ()
 
     @property
     def on_demand(self) -> bool:
@@ -95,6 +98,19 @@ class Model:
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter (R-8.8): served by the replicas of its base model, which hold it; it has
+    no replicas, profile or scaling of its own."""
+
+    name: str
+    base: str
+    source: WeightsSource
+    config: ModelConfig
+    declared_in: Literal["file", "store"]
+    actor: str | None = None
+
+
+@dataclass(frozen=True)
 class Alias:
     """A stable name clients call for a model (R-8.7): `target` serves it."""
 
@@ -107,10 +123,11 @@ class Alias:
 class Catalog:
     """Never changed once built; build it with `Catalog.build`."""
 
-    __slots__ = ("models", "profiles", "engines", "version", "aliases")
+    __slots__ = ("models", "profiles", "engines", "version", "aliases", "adapters")
 
     def __init__(self, *, _token: object, models: dict[str, Model], profiles: dict[str, ProfileConfig],
-                 engines: dict[str, Engine], version: int, aliases: dict[str, Alias] | None = None):
+                 engines: dict[str, Engine], version: int, aliases: dict[str, Alias] | None = None,
+                 adapters: dict[str, Adapter] | None = None):
         if _token is not _BUILD_TOKEN:
             raise TypeError("use Catalog.build(...): a catalog is only made through its validation")
         object.__setattr__(self, "models", MappingProxyType(dict(models)))
@@ -118,6 +135,7 @@ class Catalog:
         object.__setattr__(self, "engines", MappingProxyType(dict(engines)))
         object.__setattr__(self, "version", version)
         object.__setattr__(self, "aliases", MappingProxyType(dict(aliases or {})))
+        object.__setattr__(self, "adapters", MappingProxyType(dict(adapters or {})))
 
     def __setattr__(self, name, value):
         raise AttributeError("a Catalog is immutable; build a new one")
@@ -127,6 +145,9 @@ class Catalog:
     engines: Mapping[str, Engine]
     version: int
     aliases: Mapping[str, Alias]  # alias name -> the alias (its target a model of this catalog)
+    # adapter name -> the adapter (its base a model of this catalog); never in `models`: an
+    # adapter has no replicas of its own to place, scale or wait on
+    adapters: Mapping[str, Adapter]
 
     def get(self, name: str) -> Model | None:
         return self.models.get(name)
@@ -141,8 +162,8 @@ class Catalog:
 
     def wanted_cache_names(self) -> frozenset[str]:
         """Cache entries the catalog still needs: computed exactly from the sources (R-5.5)."""
-        return frozenset(m.source.cache_name for m in self.models.values()
-                         if m.source is not None and m.source.fetched)
+        sources = [m.source for m in self.models.values()] + [a.source for a in self.adapters.values()]
+        return frozenset(s.cache_name for s in sources if s is not None and s.fetched)
 
     @classmethod
     def build(cls, *, file_models: list[ModelConfig] = (), stored: list[StoredModel] = (),
@@ -183,15 +204,22 @@ class Catalog:
                              f"engine {profile.engine} has no multi-node mode; use nodes: 1")
 
         models: dict[str, Model] = {}
+        adapters: dict[str, Adapter] = {}
+        adapter_locs: dict[str, tuple] = {}
         entries = [(FILE, ("models", i), m, None) for i, m in enumerate(file_models)]
         entries += [(STORE, (s.config.name,), s.config, s.actor) for s in stored]
         for declared_in, loc, config, actor in entries:
             report = file_problem if declared_in == FILE else (
                 lambda loc, message: store_problems.append(Problem(loc, message)))
-            if config.name in models:
-                other = models[config.name]
+            if config.name in models or config.name in adapters:
+                other = models.get(config.name) or adapters[config.name]
                 where = "in the inventory file" if other.declared_in == FILE else "at runtime"
                 report(loc + ("name",), f"model {config.name!r} is already declared {where}")
+                continue
+            if config.adapter is not None:
+                adapters[config.name] = Adapter(name=config.name, base=config.base, source=config.adapter_source,
+                                                config=config, declared_in=declared_in, actor=actor)
+                adapter_locs[config.name] = loc
                 continue
             profile = None
             engine = None
@@ -229,7 +257,9 @@ class Catalog:
             report = file_problem if alias.declared_in == FILE else (
                 lambda loc, message: store_problems.append(Problem(loc, message)))
             loc = ("aliases", alias.name)
-            if alias.name in models:
+            if alias.name in adapters:
+                report(loc, f"alias {alias.name!r} is also the name of an adapter; an alias needs a name of its own")
+            elif alias.name in models:
                 report(loc, f"alias {alias.name!r} is also the name of a model; an alias needs a name of its own")
             elif alias.name in named:
                 report(loc, f"alias {alias.name!r} is declared twice")
@@ -241,12 +271,26 @@ class Catalog:
             else:
                 named[alias.name] = alias
 
+        held: dict[str, list[Adapter]] = {}
+        for adapter in list(adapters.values()):
+            loc = adapter_locs[adapter.name]
+            report = file_problem if adapter.declared_in == FILE else (
+                lambda loc, message: store_problems.append(Problem(loc, message)))
+            problem = _adapter_problem(adapter, models, adapters, aliases)
+            if problem is not None:
+                report(loc + ("base",), problem)
+                del adapters[adapter.name]
+            else:
+                held.setdefault(adapter.base, []).append(adapter)
+        for base, own in held.items():
+            models[base] = replace(models[base], adapters=tuple(sorted(own, key=lambda a: a.name)))
+
         if file_problems:
             raise ConfigError(document.source if document else "inventory", file_problems + store_problems)
         if store_problems:
             raise ConfigError(STORED_SOURCE, store_problems)
         return cls(_token=_BUILD_TOKEN, models=models, profiles=profiles, engines=table, version=version,
-                   aliases=named)
+                   aliases=named, adapters=adapters)
 
     @classmethod
     def from_inventory(cls, inventory: Inventory, document: Document | None = None,
@@ -259,6 +303,29 @@ class Catalog:
 
 
 _BUILD_TOKEN = object()
+
+
+def _adapter_problem(adapter: Adapter, models: Mapping[str, Model], adapters: Mapping[str, Adapter],
+                     aliases: list[Alias]) -> str | None:
+    """Why `adapter`'s base cannot hold it (R-8.8), or None."""
+    base = adapter.base
+    model = models.get(base)
+    if model is None:
+        if base in adapters:
+            return (f"adapter {adapter.name!r}: its base {base!r} is itself an adapter; an adapter's base is a "
+                    "model with a profile")
+        target = next((a.target for a in aliases if a.name == base), None)
+        if target is not None:
+            return (f"adapter {adapter.name!r}: its base {base!r} is an alias (of {target!r}); name the model "
+                    "itself as the base")
+        return f"adapter {adapter.name!r}: its base {base!r} is not a model of the catalog"
+    if model.static or model.profile is None:
+        return (f"adapter {adapter.name!r}: its base {base!r} is served by static endpoints; llmgw launches no "
+                "engine there to hold an adapter")
+    if not adapter_support(model.engine):
+        return (f"adapter {adapter.name!r}: its base {base!r} runs engine {model.profile.engine}, which llmgw "
+                "cannot give adapters; adapters need a base on vllm or llama-server")
+    return None
 
 
 def _cycle_from(start: str, models: dict[str, Model]) -> list[str] | None:

@@ -268,6 +268,12 @@ RUNTIME_FIELDS = {"host": (), "container": CONTAINER_FIELDS, "venv": VENV_FIELDS
 IMAGE_PATTERN = r"^[a-z0-9][a-z0-9._/:@+-]{0,254}$"
 
 
+DEFAULT_MAX_ADAPTERS = 4
+DEFAULT_MAX_LORA_RANK = 16
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
+ADAPTER_PROFILE_FIELDS = frozenset({"max_adapters", "max_lora_rank"})
+
+
 class ProfileConfig(_Strict):
     engine: str
     # Where the engine's program comes from: `host`, the node's PATH; `container`, an
@@ -297,6 +303,18 @@ class ProfileConfig(_Strict):
     # SGLang keeps every stored Response in its memory and never empties it: off unless set, the
     # router sending SGLang `store: false` (vLLM's store is its env VLLM_ENABLE_RESPONSES_API_STORE).
     responses_store: bool = False
+    # LoRA adapters, read only when a model of this profile has adapters: how many one
+    # replica holds (vLLM's --max-loras and --max-cpu-loras, at least the number of adapters), and
+    # the largest rank among them (vLLM's --max-lora-rank, one of the values vLLM accepts).
+    max_adapters: int = Field(DEFAULT_MAX_ADAPTERS, ge=1)
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _lora_rank(cls, value: int) -> int:
+        if value not in LORA_RANKS:
+            raise ValueError(f"{value} is not a rank vLLM accepts; choose from {', '.join(map(str, LORA_RANKS))}")
+        return value
 
     @model_validator(mode="after")
     def _multi_node_needs_gpus(self) -> ProfileConfig:
@@ -412,8 +430,12 @@ class ModelConfig(_Strict):
     # response answers `queued` with no usage, and the engine's store keeps it for the later GET.
     background_responses: bool = False
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    # A LoRA adapter: served by the replicas of the model `base`, which llmgw launches
+    # with it; `adapter` is a weights source as `weights` is. Nothing else of the entry is its own.
+    base: str | None = Field(None, pattern=NAME_PATTERN)
+    adapter: str | list[str] | None = None
 
-    @field_validator("weights")
+    @field_validator("weights", "adapter")
     @classmethod
     def _weights(cls, value):
         if value is not None:
@@ -422,6 +444,16 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _served_somehow(self) -> ModelConfig:
+        if self.base is not None or self.adapter is not None:
+            if self.base is None or self.adapter is None:
+                raise ValueError("an adapter entry needs both base (the model it adapts) and adapter (its weights source)")
+            if self.base == self.name:
+                raise ValueError("an adapter cannot be its own base")
+            own = sorted(self.model_fields_set - {"name", "base", "adapter"})
+            if own:
+                raise ValueError(f"an adapter entry has no {', '.join(own)} of its own (its base {self.base!r} "
+                                 f"is launched and routed for it); give only name, base and adapter")
+            return self
         if self.endpoints is not None:
             if self.profile is not None or self.weights is not None:
                 raise ValueError("a model with static endpoints has no profile or weights")
@@ -434,6 +466,10 @@ class ModelConfig(_Strict):
     @property
     def source(self) -> WeightsSource | None:
         return parse_weights(self.weights) if self.weights is not None else None
+
+    @property
+    def adapter_source(self) -> WeightsSource | None:
+        return parse_weights(self.adapter) if self.adapter is not None else None
 
 
 class Inventory(_Strict):

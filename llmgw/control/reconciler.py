@@ -53,6 +53,7 @@ class Reconciler:
         self.gateway = gateway
         self.routers = routers or Routers()
         self.memory = memory = ControlMemory(nodes=NodeMemory.of(fleet.nodes))
+        memory.records.revision_adapters = memory.rollouts.adapters  # what each replica's endpoint holds
         self.passes = 0
         self._wake = asyncio.Event()
         self._run_task: asyncio.Task | None = None
@@ -61,7 +62,7 @@ class Reconciler:
         self.placing = placing.Placing(memory.placing, memory.records, memory.scaling, self.actions.learned,
                                        self.nodes, holder, gateway)
         self.cleanup = Cleanup(fleet, holder, gateway, store, CacheUse(self.actions.fetches, memory.records,
-                                                                                 memory.rollouts.cache_name), self.wake)
+                                                                                 memory.rollouts.cache_names), self.wake)
         self.view: Published  # what the admin, /metrics and ctl read
         self.publish_view()
 

@@ -156,6 +156,22 @@ class RolloutMemory:
         source = parse_weights(revisions.weights_field(weights))
         return source.cache_name if source.fetched else None
 
+    def cache_names(self, model: str, revision_id: str | None) -> frozenset[str]:
+        """The cache entries a revision's replicas run from: its weights' and its adapters'
+        (R-8.8), those fetched; none for a revision not known."""
+        found = self.revisions.get(model, {}).get(revision_id) if revision_id is not None else None
+        if found is None:
+            return frozenset()
+        names = {self.cache_name(model, revision_id)}
+        names.update(a.source.cache_name for a in revisions.adapters_at(model, found.definition))
+        return frozenset(n for n in names if n is not None)
+
+    def adapters(self, model: str, revision_id: str | None) -> tuple[str, ...]:
+        """The adapters a revision's replicas were launched with, in launch order (R-8.8); ()
+        for a revision not known."""
+        found = self.revisions.get(model, {}).get(revision_id) if revision_id is not None else None
+        return revisions.adapter_names(found.definition if found is not None else None)
+
     def target(self, model: Model, catalog: Catalog) -> tuple[str | None, Model]:
         """The revision the model's replicas should run and the model to launch them from: the
         catalog's, unless an undo holds the model on an earlier one (module docstring)."""

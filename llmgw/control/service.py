@@ -80,6 +80,11 @@ class ControlPlane:
 
     def explain(self, name: str) -> placement.Explanation:
         """Why the model goes where it goes, or nowhere, on the fleet as it is now (R-3.5)."""
+        adapter = self.holder.current.adapters.get(name)
+        if adapter is not None:  # R-8.8: nothing of its own is placed
+            raise ServiceError(ErrorKind.INVALID, f"{name} is an adapter: it runs on the replicas of its base "
+                                                  f"{adapter.base!r}; explain the placement of {adapter.base}",
+                               code="adapter")
         if name not in self.holder.current.models:
             raise ServiceError(ErrorKind.NOT_FOUND, f"no model named {name!r}", code="model_not_found")
         return self.reconciler.placing.explain(name)
@@ -88,7 +93,8 @@ class ControlPlane:
 
     def _stored(self) -> list[StoredModel]:
         catalog = self.holder.current
-        return [StoredModel(m.config, m.actor) for m in catalog.models.values() if m.declared_in == "store"]
+        entries = [*catalog.models.values(), *catalog.adapters.values()]
+        return [StoredModel(m.config, m.actor) for m in entries if m.declared_in == "store"]
 
     def _stored_aliases(self) -> list[Alias]:
         return [a for a in self.holder.current.aliases.values() if a.declared_in == "store"]
@@ -111,8 +117,8 @@ class ControlPlane:
 
     def _check_placeable(self, catalog: Catalog, name: str) -> None:
         """Refuse a model whose profile fits no node of the inventory, even an empty one (R-8.2)."""
-        model = catalog.models[name]
-        if model.static or model.profile is None:
+        model = catalog.models.get(name)
+        if model is None or model.static or model.profile is None:
             return
         # An idle fleet: every node ready and uncordoned, nothing allocated, and holdings unknown
         # (they were gathered for the previous catalog, so they say nothing about this model), as
@@ -138,7 +144,7 @@ class ControlPlane:
             raise ServiceError(ErrorKind.INVALID, exc.lines()[0] if exc.problems else str(exc), problems=exc.lines()) from None
         async with self._lock:
             current = self.holder.current
-            existing = current.models.get(config.name)
+            existing = current.models.get(config.name) or current.adapters.get(config.name)
             if existing is not None and not (replace and existing.declared_in == "store"):
                 where = (f"declared in {self.inventory_source}; edit it there" if existing.declared_in == "file"
                          else "already added at runtime; replace its definition with --replace, or remove it first")
@@ -155,8 +161,9 @@ class ControlPlane:
                    "created_at": created or now, "updated_at": now}
             # The audit trail is a log: a signed URL's query stays in the definition only.
             detail = json.loads(row["definition"])
-            if detail.get("weights") is not None:
-                detail["weights"] = redact_weights(detail["weights"])
+            for key in ("weights", "adapter"):
+                if detail.get(key) is not None:
+                    detail[key] = redact_weights(detail[key])
             await self.store.write(lambda db: (db["models"].upsert(row, pk="name"),
                                                audit(db, actor, "model.replace" if replace else "model.add",
                                                      config.name, detail)))
@@ -166,7 +173,7 @@ class ControlPlane:
         return self.model_summary(config.name)
 
     def _stored_model(self, name: str, action: str):
-        model = self.holder.current.models.get(name)
+        model = self.holder.current.models.get(name) or self.holder.current.adapters.get(name)
         if model is None:
             raise ServiceError(ErrorKind.NOT_FOUND, f"no model named {name!r}", code="model_not_found")
         if model.declared_in == "file":
@@ -177,7 +184,18 @@ class ControlPlane:
 
     async def remove_model(self, name: str, actor: str) -> dict:
         async with self._lock:
+            current = self.holder.current
+            if name not in current.models and name not in current.adapters and \
+                    await self.store.read(lambda db: _created_at(db, name)) is not None:
+                # Stored but not in force: an adapter whose base the inventory dropped (server.py).
+                await self.store.write(lambda db: (db["models"].delete_where("name = ?", [name]),
+                                                   audit(db, actor, "model.remove", name)))
+                return {"removed": name}
             self._stored_model(name, "remove")
+            held = sorted(a.name for a in self.holder.current.adapters.values() if a.base == name)
+            if held:
+                raise ServiceError(ErrorKind.INVALID, f"model {name!r} is the base of the adapters {', '.join(held)}; "
+                                                      "remove them first", code="has_adapters")
             stored = [s for s in self._stored() if s.config.name != name]
             catalog = self._build(stored)
             await self.store.write(lambda db: (db["models"].delete_where("name = ?", [name]),
@@ -193,6 +211,9 @@ class ControlPlane:
             raise ServiceError(ErrorKind.INVALID, "min and max must be 0 or more")
         async with self._lock:
             model = self._stored_model(name, "scale")
+            if name in self.holder.current.adapters:
+                raise ServiceError(ErrorKind.INVALID, f"{name} is an adapter: it runs on the replicas of its base "
+                                                      f"{model.base!r}; scale that instead", code="adapter")
             if maximum is not None and maximum < minimum:
                 raise ServiceError(ErrorKind.INVALID, f"max ({maximum}) must be >= min ({minimum}); "
                                         f"{name} keeps min {model.min_replicas}, max {model.max_replicas}")
@@ -215,6 +236,10 @@ class ControlPlane:
         return self.model_summary(name)
 
     def model_summary(self, name: str) -> dict:
+        adapter = self.holder.current.adapters.get(name)
+        if adapter is not None:
+            return {"name": adapter.name, "declared_in": adapter.declared_in, "actor": adapter.actor,
+                    "base": adapter.base, "adapter": str(adapter.source)}
         model = self.holder.current.models[name]
         return {"name": model.name, "declared_in": model.declared_in, "actor": model.actor,
                 "profile": model.profile_name, "weights": str(model.source) if model.source else None,
@@ -468,7 +493,7 @@ class ControlPlane:
                 try:
                     listing = await ops.reclaim(ReclaimRequest(cache))
                     memory = self.reconciler.memory  # what is in use, as the clean-up counts it
-                    in_use = memory.records.cache_in_use(self.holder.current.models, name, memory.rollouts.cache_name)
+                    in_use = memory.records.cache_in_use(self.holder.current.models, name, memory.rollouts.cache_names)
                     unwanted = [e for e in listing.entries if e.name not in wanted and e.name not in in_use]
                     if collect and unwanted:
                         unwanted = list((await ops.reclaim(ReclaimRequest(cache, [e.name for e in unwanted],

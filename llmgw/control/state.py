@@ -17,7 +17,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -254,6 +254,9 @@ class Records:
     # model -> (its canary revision, the percent of its requests the router gives that revision's
     # replicas), as the last pass set it from the rollouts (R-4.13); carried on their endpoints.
     canaries: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    # (model, revision) -> the adapters that revision's replicas were launched with, in launch
+    # order (R-8.8): what a replica's endpoint says its engine holds, whatever the catalog says now.
+    revision_adapters: Callable[[str, str | None], tuple[str, ...]] | None = None
 
     def adopt(self, replicas: list[Replica]) -> None:
         """The replicas recorded before a restart, adopted rather than started again (R-4.5)."""
@@ -306,25 +309,29 @@ class Records:
                 Endpoint(replica_id=replica.id, model=replica.model, url=f"http://{_url_host(host)}:{leader.port}",
                          api_key=replica.api_key, draining=replica.draining, revision=replica.revision,
                          canary=canary[1] if canary is not None and canary[0] == replica.revision else None,
-                         node=leader.node))
+                         node=leader.node,
+                         adapters=self.revision_adapters(replica.model, replica.revision)
+                         if self.revision_adapters is not None else ()))
         for endpoints in table.values():
             endpoints.sort(key=lambda e: e.replica_id)
         return table
 
     def cache_in_use(self, models: Mapping[str, Model], node: str,
-                     revision_cache: Callable[[str, str | None], str | None] | None = None) -> set[str]:
+                     revision_cache: Callable[[str, str | None], Iterable[str]] | None = None) -> set[str]:
         """Cache names the live replicas with a shard on the node run from: their model's
-        source as the catalog has it, and the source of the revision each runs (`revision_cache`:
-        (model, revision) -> its cache name), which differs while a rollout changes the weights."""
+        source and adapters (R-8.8) as the catalog has them, and those of the revision each runs
+        (`revision_cache`: (model, revision) -> its cache names), which differ while a rollout
+        changes them."""
         names = set()
         for r in self.replicas.values():
             if not any(s.node == node for s in r.shards):
                 continue
             m = models.get(r.model)
-            if m is not None and m.source is not None and m.source.fetched:
-                names.add(m.source.cache_name)
-            if revision_cache is not None and (name := revision_cache(r.model, r.revision)) is not None:
-                names.add(name)
+            if m is not None:
+                sources = [m.source, *(a.source for a in m.adapters)]
+                names.update(s.cache_name for s in sources if s is not None and s.fetched)
+            if revision_cache is not None:
+                names.update(revision_cache(r.model, r.revision))
         return names
 
     def record_failure(self, replica: Replica, now: float) -> None:

@@ -2,16 +2,17 @@
 
 Two replicas start once for the whole module, because vLLM takes tens of seconds to load: a chat
 model (the tiny random Llama made at test time, fetched by the nodes from the testbed's fake hub)
-and the same weights under vLLM's pooling runner for embeddings. Both run on the CPU profile's
+with a LoRA adapter of its own (lora-a of make_models.py, fetched from the fake hub too), and the
+same weights under vLLM's pooling runner for embeddings. Both run on the CPU profile's
 environment (tests/testbed/engines.py: no thread pinning, so two engines share the cores).
 Checked: placement, launch, readiness (vLLM binds its port before it serves), the official `openai`
 client through the router — chat, a stream with usage, completions, embeddings — usage recorded
-as the engine reported it, the engine's own log, adoption across a control-plane restart, and
-stop; then, with the chat engine alone, `kill -9` (the replica is replaced, none of the killed
-engine's processes is left), a drain under traffic (the replica moves with no failed request) and
-a rollout under traffic (a changed engine argument, reloaded: a vLLM of the new revision serves
-before the old one stops). Each of those three waits for a new vLLM to load, a minute or more on
-2 cores.
+as the engine reported it, the adapter launched with the base and served by name on its engine,
+the engine's own log, adoption across a control-plane restart, and stop; then, with the chat
+engine alone, `kill -9` (the replica is replaced, none of the killed engine's processes is left),
+a drain under traffic (the replica moves with no failed request) and a rollout under traffic (a
+changed engine argument, reloaded: a vLLM of the new revision serves before the old one stops).
+Each of those three waits for a new vLLM to load, a minute or more on 2 cores.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from tests.testbed import engines as real
 
 pytestmark = [pytest.mark.slow, pytest.mark.testbed]
 
-CHAT, EMBED = "tiny-chat", "tiny-embed"
+CHAT, EMBED, ADAPTER = "tiny-chat", "tiny-embed", "tiny-lora"
 NODES = ("cpu1", "cpu2")
 START_TIMEOUT = 300.0  # two vLLMs loading at once on a busy 2-core machine
 KEY, EMBED_KEY = "vllm-tests", "vllm-embed"
@@ -54,9 +55,12 @@ def bed(made, testbed_factory):
 @pytest.fixture(scope="module")
 def gateway(bed, made, tmp_path_factory):
     weights = rt.publish_hf_dir(bed, "tiny/chat", made["chat"])
+    adapter = rt.publish_hf_dir(bed, "tiny/lora-a", made["lora-a"])
     cpu = {"engine": "vllm", "env": dict(real.VLLM_CPU_ENV), "start_timeout": f"{START_TIMEOUT:.0f}s"}
-    profiles = {"vllm-cpu": cpu, "vllm-cpu-embed": {**cpu, "args": ["--runner", "pooling"]}}
-    models = [{"name": CHAT, "profile": "vllm-cpu", "weights": weights, "scaling": {"min": 1}}]
+    profiles = {"vllm-cpu": {**cpu, "max_adapters": 1, "max_lora_rank": 8},
+                "vllm-cpu-embed": {**cpu, "args": ["--runner", "pooling"]}}
+    models = [{"name": CHAT, "profile": "vllm-cpu", "weights": weights, "scaling": {"min": 1}},
+              {"name": ADAPTER, "base": CHAT, "adapter": adapter}]
     began = time.monotonic()
     gw = rt.start_gateway(bed, tmp_path_factory.mktemp("vllm"), models=models, profiles=profiles)
     try:
@@ -153,6 +157,45 @@ def test_two_requests_in_flight_with_the_same_client_request_id_both_succeed(gat
         assert header == same
         assert {c.id for c in chunks} == {f"chatcmpl-{same}"}  # vLLM's own id is the client's
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == tokens
+
+
+def test_an_adapter_is_launched_with_its_base_and_served_by_name(bed, gateway):
+    """R-8.8: the base's vLLM is launched with its adapter, fetched to the node, and serves it by
+    its name on the engine itself: listed with the base as parent, its greedy answer not the base's."""
+    import json
+    import sqlite3
+    import urllib.request
+
+    replica, node, _, argv = _engine(bed, gateway, CHAT)
+    lora = argv[argv.index("--enable-lora"):argv.index("--middleware")]
+    [module] = [a for a in lora if a.startswith(f"{ADAPTER}=")]
+    assert lora == ["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1", "--max-lora-rank", "8",
+                    "--lora-modules", module]
+    path = module.split("=", 1)[1]
+    assert path.startswith(str(bed[node].cache_dir) + "/llmgw-")
+    with sqlite3.connect(gateway.state_dir / "state.db") as db:
+        [(key,)] = db.execute("SELECT api_key FROM replicas WHERE id = ?", [replica["id"]]).fetchall()
+
+    def engine(path: str, body: dict | None = None) -> dict:
+        request = urllib.request.Request(f"http://{bed[node].address}:{replica['shards'][0]['port']}{path}",
+                                         data=None if body is None else json.dumps(body).encode(),
+                                         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return json.load(answer)
+
+    cards = {m["id"]: m for m in engine("/v1/models")["data"]}
+    assert sorted(cards) == sorted([ADAPTER, CHAT])
+    assert (cards[ADAPTER]["parent"], cards[ADAPTER]["root"]) == (CHAT, path)
+
+    def answer(model: str) -> tuple[str, list]:
+        done = engine("/v1/completions", {"model": model, "prompt": "hello there", "max_tokens": 8,
+                                          "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        return done["model"], done["choices"][0].get("token_ids") or done["choices"][0]["text"]
+
+    (base_name, base), (adapter_name, adapted) = answer(CHAT), answer(ADAPTER)
+    print(f"\ngreedy answers: base {base}, {ADAPTER} {adapted}")
+    assert (base_name, adapter_name) == (CHAT, ADAPTER)
+    assert adapted != base
 
 
 def test_ctl_logs_shows_the_engines_own_log(bed, gateway):

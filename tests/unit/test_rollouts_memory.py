@@ -61,7 +61,7 @@ def test_r4_13_a_replica_of_an_earlier_revision_keeps_its_weights_in_use():
     replica = Replica("r1", "m", "k", [Shard("r1-0", "r1", 0, "a", ())], revision=revisions.of(old.get("m")))
     records.replicas["r1"] = replica
     assert records.cache_in_use(new.models, "a") == {new.get("m").source.cache_name}
-    assert records.cache_in_use(new.models, "a", memory.cache_name) == {new.get("m").source.cache_name,
+    assert records.cache_in_use(new.models, "a", memory.cache_names) == {new.get("m").source.cache_name,
                                                                          old.get("m").source.cache_name}
 
 
