@@ -85,6 +85,7 @@ class EngineDouble:
     proc: subprocess.Popen | None = None
     mode: str = "vllm"
     env: dict = field(default_factory=dict)
+    args: tuple[str, ...] = ()  # more of the engine's command line (LoRA adapters: `--lora-modules ...`)
 
     @property
     def url(self) -> str:
@@ -108,6 +109,7 @@ class EngineDouble:
         else:
             args = ["--model-path", f"/weights/{self.name}", "--served-model-name", self.name, *where,
                     "--api-key", self.key]
+        args += self.args
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", f"import engine_double; engine_double.entry_point({self.mode!r}, None)", *args],
@@ -155,12 +157,12 @@ class Engines:
         self.started: list[EngineDouble] = []
 
     def start(self, name: str, port: int | None = None, key: str | None = None, healthy: bool = True,
-              mode: str = "vllm", env: dict | None = None, **knobs) -> EngineDouble:
+              mode: str = "vllm", env: dict | None = None, args: tuple[str, ...] = (), **knobs) -> EngineDouble:
         port = port or free_port()
         home = self.directory / f"engine-{name}-{port}"
         home.mkdir(parents=True, exist_ok=True)
         engine = EngineDouble(name=name, port=port, key=key or f"engine-key-{name}-{port}",
-                              log_path=home / "engine.log", knobs=knobs, mode=mode, env=env or {})
+                              log_path=home / "engine.log", knobs=knobs, mode=mode, env=env or {}, args=tuple(args))
         self.started.append(engine)
         return engine.start(healthy)
 
