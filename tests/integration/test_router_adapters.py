@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from types import MappingProxyType
 
 import openai
 import pytest
 
-from llmgw.contracts.feed import RoutedModel
 from llmgw.control.feed import publisher as publisher_module
-from llmgw.control.feed.routing import routed_models
-from tests.integration.test_router_support import catalog, model, shared_engines, start_router  # noqa: F401
+from tests.integration.test_router_support import (catalog, model, shared_engines, start_router,  # noqa: F401
+                                                   with_adapters)
 
 ASK = [{"role": "user", "content": "one two three"}]  # the double counts 3 words
 ADAPTERS = {  # name -> (base, the name its vLLM serves it by)
@@ -30,14 +28,6 @@ ADAPTERS = {  # name -> (base, the name its vLLM serves it by)
     "legal-l": ("base-l", None),
     "nowhere": ("base-v", None),  # an adapter of base-v that no replica holds
 }
-
-
-def with_adapters(cat):
-    models = dict(routed_models(cat))
-    for name, (base, served) in ADAPTERS.items():
-        models[name] = dataclasses.replace(models[base], name=name, served_name=served, fallbacks=(),
-                                           adapter_of=base)
-    return MappingProxyType(models)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +71,7 @@ HELD = {"v1": ("bot-v", "legal-v"), "l1": ("legal-l", "bot-l"), "l2": ("bot-l",)
 async def gw(doubles, start_router, monkeypatch):  # noqa: F811
     for engine in doubles.values():
         received(engine)  # what earlier tests sent is theirs
-    monkeypatch.setattr(publisher_module, "routed_models", with_adapters)
+    monkeypatch.setattr(publisher_module, "routed_models", with_adapters(ADAPTERS))
     return await start_router(catalog(model("base-v"), model("base-l", profile="llama")),
                               endpoints(doubles, **HELD))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import re
 import socket
@@ -18,8 +19,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 import openai
 import pytest
@@ -29,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import EngineConfig, GatewayConfig, ModelConfig, ProfileConfig, ScalingConfig
 from llmgw.control.feed import FeedPublisher
+from llmgw.control.feed.routing import routed_models
 from llmgw.fleet.secret import response_secret
 from llmgw.keys import create_key, key_entries
 from llmgw.localfeed import LocalFeed
@@ -192,6 +196,19 @@ def model(name: str, *, fallback: str | None = None, on_demand: bool = False, pr
 
 def catalog(*models: ModelConfig) -> Catalog:
     return Catalog.build(file_models=list(models), profiles=PROFILES, engines=ENGINES)
+
+
+def with_adapters(adapters: Mapping[str, tuple[str, str | None]]):
+    """A stand-in for the feed's routed_models: the catalog's models, then a LoRA adapter entry
+    (R-8.8) per `adapters` item, name -> (its base, the name its vLLM serves it by), made from the
+    base's entry as the control plane publishes one. Patched into llmgw.control.feed.publisher."""
+    def routed(cat: Catalog):
+        models = dict(routed_models(cat))
+        for name, (base, served) in adapters.items():
+            models[name] = dataclasses.replace(models[base], name=name, served_name=served, fallbacks=(),
+                                               adapter_of=base)
+        return MappingProxyType(models)
+    return routed
 
 
 @dataclass
