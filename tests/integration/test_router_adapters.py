@@ -10,6 +10,7 @@ the control plane publishes them; the endpoints name what each replica holds (En
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 
@@ -17,8 +18,8 @@ import openai
 import pytest
 
 from llmgw.control.feed import publisher as publisher_module
-from tests.integration.test_router_support import (catalog, model, shared_engines, start_router,  # noqa: F401
-                                                   with_adapters)
+from tests.integration.test_router_support import (apoll, catalog, engines, model, shared_engines,  # noqa: F401
+                                                   start_router, with_adapters)
 
 ASK = [{"role": "user", "content": "one two three"}]  # the double counts 3 words
 ADAPTERS = {  # name -> (base, the name its vLLM serves it by)
@@ -190,3 +191,45 @@ async def test_r8_8_usage_the_request_log_and_metrics_count_an_adapter_under_its
     assert sample("llmgw_router_requests_total", {"model": "bot-l", "code": "2xx"}) == 2
     assert sample("llmgw_router_tokens_total", {"model": "bot-v", "kind": "prompt"}) == 3
     assert sample("llmgw_router_requests_total", {"model": "base-v", "code": "2xx"}) is None
+
+
+async def test_r8_8_an_adapter_of_an_on_demand_base_asks_for_the_base_and_waits_for_a_holder(
+        engines, start_router, monkeypatch):  # noqa: F811
+    asked = []
+    holder = {}
+
+    def on_demand(name):  # a stand-in control plane: start the base with the adapter, then push it
+        asked.append(name)
+
+        async def start():
+            engine = await asyncio.to_thread(engines.start, name, args=(
+                "--enable-lora", "--lora-modules", "bot-v-served=/adapters/bot"))
+            holder["gw"].set_endpoints({name: [dataclasses.replace(engine.endpoint("od-1"), adapters=("bot-v",))]})
+        asyncio.get_running_loop().create_task(start())
+
+    monkeypatch.setattr(publisher_module, "routed_models", with_adapters({"bot-v": ("base-v", "bot-v-served")}))
+    gw = holder["gw"] = await start_router(catalog(model("base-v", on_demand=True)), on_demand=on_demand)
+    async with gw.client() as client:
+        assert await chat(client, "bot-v") == "bot-v-served"
+    assert asked == ["base-v"]
+
+
+async def test_r8_8_an_adapter_takes_no_fallback_even_where_its_entry_names_its_bases(
+        engines, start_router, monkeypatch):  # noqa: F811
+    small = engines.start("small")
+    made = with_adapters({"bot-v": ("base-v", "bot-v-served")})
+
+    def keeping_fallbacks(cat):  # the adapter's entry as a copy of its base's, fallbacks included
+        models = dict(made(cat))
+        models["bot-v"] = dataclasses.replace(models["bot-v"], fallbacks=models["base-v"].fallbacks)
+        return models
+    monkeypatch.setattr(publisher_module, "routed_models", keeping_fallbacks)
+    gw = await start_router(catalog(model("base-v", fallback="small"), model("small")),
+                            {"small": [small.endpoint()]})
+    assert gw.router.feed.models["bot-v"].fallbacks == ("small",)
+    async with gw.client() as client:
+        assert await chat(client, "base-v") == "small"  # the base's own fallback serves the base
+        with pytest.raises(openai.APIStatusError) as refused:
+            await chat(client, "bot-v")
+    assert (refused.value.status_code, refused.value.body["code"]) == (503, "no_capacity")
+    assert small.counters()["requests"] == 1
