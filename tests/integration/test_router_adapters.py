@@ -17,6 +17,7 @@ import json
 import openai
 import pytest
 
+from llmgw.admin.usage import usage_report
 from llmgw.control.feed import publisher as publisher_module
 from tests.integration.test_router_support import (apoll, catalog, engines, model, shared_engines,  # noqa: F401
                                                    start_router, with_adapters)
@@ -185,6 +186,8 @@ async def test_r8_8_usage_the_request_log_and_metrics_count_an_adapter_under_its
     await gw.feed.report()
     usage = {r["model"]: (r["requests"], r["prompt_tokens"]) for r in await gw.usage_rows()}
     assert usage == {"bot-v": (1, 3), "bot-l": (2, 6), "base-l": (1, 3)}
+    by_model = await gw.store.read(lambda db: usage_report(db, "model", 3600))  # `ctl usage --by model`
+    assert {r["name"]: r["requests"] for r in by_model["rows"]} == {"bot-v": 1, "bot-l": 2, "base-l": 1}
     assert sorted(r.model for r in records) == ["base-l", "bot-l", "bot-l", "bot-v"]
     assert [r.replica for r in records if r.model == "bot-v"] == ["r-v1"]
     sample = gw.registry.get_sample_value
