@@ -12,7 +12,7 @@ import pytest
 
 from llmgw.contracts.endpoints import Endpoint
 from llmgw.contracts.feed import KeyEntry, RoutedModel
-from llmgw.router.balancer import LEAST_OUTSTANDING, PREFIX, Balancer, Upstream
+from llmgw.router.balancer import LEAST_OUTSTANDING, PREFIX, Balancer, Upstream, ring_hash
 from llmgw.router.errors import ModelNotFound
 from llmgw.router.exchange import Exchange
 from llmgw.router.intake import Intake
@@ -81,11 +81,21 @@ def test_r8_8_an_adapter_follows_its_bases_policy_and_keeps_its_pool_across_list
     assert b.live_keys("bot") == {home: 1} and b.live_keys("base") == {}
     b.replace({"base": members}, {"base": PREFIX})  # the same lists again: the adapter's homes stay
     assert b.live_keys("bot") == {home: 1}
-    assert b.take_homes() == {"bot": {next(iter(b._pool("bot").homes)): home}}
+    assert b.take_homes() == {"bot": {ring_hash(b"conversation-1"): home}}  # reported under the adapter
     b.replace({"base": [members[0], members[2]]}, {"base": PREFIX})
     assert [up.replica_id for up in b.endpoints("bot")] == ["r0"]
     b.replace({"base": [endpoint("r0"), members[2]]}, {"base": PREFIX})  # r0 restarted without it
     assert not b.has_endpoints("bot") and b.has_endpoints("base")
+
+
+def test_r8_8_the_control_planes_home_for_an_adapters_key_is_followed():
+    b = balancer([endpoint("r0", ("bot",)), endpoint("r1", ("bot",)), endpoint("r2")], PREFIX)
+    point = ring_hash(b"conversation-2")
+    for replica in ("r0", "r1"):
+        b.set_homes({"bot": {point: replica}}, 1.0)
+        up = b.acquire("bot", 1.0, key=b"conversation-2", owner="k")
+        assert up.replica_id == replica
+        b.release(up)
 
 
 def test_r8_8_an_adapter_takes_its_bases_canary_split():
