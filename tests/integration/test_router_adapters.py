@@ -19,7 +19,7 @@ import pytest
 
 from llmgw.admin.usage import usage_report
 from llmgw.control.feed import publisher as publisher_module
-from tests.integration.test_router_support import (apoll, catalog, engines, model, shared_engines,  # noqa: F401
+from tests.integration.test_router_support import (catalog, engines, model, shared_engines,  # noqa: F401
                                                    start_router, with_adapters)
 
 ASK = [{"role": "user", "content": "one two three"}]  # the double counts 3 words
