@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from pathlib import Path
 
 import openai
 import pytest
@@ -32,11 +33,22 @@ ADAPTERS = {  # name -> (base, the name its vLLM serves it by)
 }
 
 
+def adapter_files(directory: Path) -> Path:
+    """Adapters as the engines find them at start (the double checks them as the real ones do): a
+    PEFT folder per vLLM adapter, a file per llama-server one."""
+    for name in ("bot", "legal"):
+        (directory / name).mkdir(parents=True, exist_ok=True)
+        (directory / name / "adapter_config.json").write_text(json.dumps({"r": 8}))
+        (directory / f"{name}-l.gguf").write_bytes(b"GGUF")
+    return directory
+
+
 @pytest.fixture(scope="module")
 def doubles(shared_engines):  # noqa: F811
     """vLLM: `v1` holds bot-v and legal-v, `v2` none (an adapter being rolled out); llama-server:
     `l1` holds legal-l (id 0) and bot-l (id 1), `l2` bot-l alone (id 0). Each notes every body it gets."""
     noted = shared_engines.directory
+    files = adapter_files(noted / "adapters")
 
     def start(name, mode, *args):
         bodies = noted / f"bodies-{len(shared_engines.started)}"
@@ -44,11 +56,11 @@ def doubles(shared_engines):  # noqa: F811
         engine.bodies, engine.seen = bodies, 0
         return engine
 
-    return {"v1": start("base-v", "vllm", "--enable-lora", "--lora-modules", "bot-v-served=/adapters/bot",
-                        "legal-v=/adapters/legal"),
+    return {"v1": start("base-v", "vllm", "--enable-lora", "--lora-modules", f"bot-v-served={files / 'bot'}",
+                        f"legal-v={files / 'legal'}"),
             "v2": start("base-v", "vllm"),
-            "l1": start("base-l", "llama-server", "--lora", "/adapters/legal-l.gguf,/adapters/bot-l.gguf"),
-            "l2": start("base-l", "llama-server", "--lora", "/adapters/bot-l.gguf")}
+            "l1": start("base-l", "llama-server", "--lora", f"{files / 'legal-l.gguf'},{files / 'bot-l.gguf'}"),
+            "l2": start("base-l", "llama-server", "--lora", str(files / "bot-l.gguf"))}
 
 
 def received(engine) -> list[dict]:
@@ -200,13 +212,14 @@ async def test_r8_8_an_adapter_of_an_on_demand_base_asks_for_the_base_and_waits_
         engines, start_router, monkeypatch):  # noqa: F811
     asked = []
     holder = {}
+    files = adapter_files(engines.directory / "adapters")
 
     def on_demand(name):  # a stand-in control plane: start the base with the adapter, then push it
         asked.append(name)
 
         async def start():
             engine = await asyncio.to_thread(engines.start, name, args=(
-                "--enable-lora", "--lora-modules", "bot-v-served=/adapters/bot"))
+                "--enable-lora", "--lora-modules", f"bot-v-served={files / 'bot'}"))
             holder["gw"].set_endpoints({name: [dataclasses.replace(engine.endpoint("od-1"), adapters=("bot-v",))]})
         asyncio.get_running_loop().create_task(start())
 

@@ -10,17 +10,15 @@ have is refused with exit 2, as the real one would: the flag sets are captured f
 engines in flags/, see flags/README.md):
   vllm serve MODEL [--served-model-name N] [--host H] [--port P] [--api-key K] [-tp N]
        [-pp N] [--nnodes N] [--node-rank R] [--master-addr A] [--master-port P] [--headless]
-       [--config YAML] [--enable-lora --lora-modules NAME=PATH ...] ...
-                                                      key also from env VLLM_API_KEY
+       [--config YAML] ...                            key also from env VLLM_API_KEY
   python3 -m sglang.launch_server --model-path M [--served-model-name N] [--host H] [--port P]
        [--tp-size N] [--nnodes N] [--node-rank R] [--dist-init-addr A:P] [--api-key K]
        [--config YAML] ...                            (`sglang serve ...` too)
   llama-server -m PATH [--alias N] [--host H] [--port P] [-c N] [-ngl N] [--embeddings]
-       [--api-key K] [--api-key-file F] [--lora FILE[,FILE...]] ...
-                                                      key also from env LLAMA_API_KEY
-LoRA adapters: vLLM serves each of `--lora-modules` by its name (listed with `parent` the base);
-llama-server applies the adapters a request's `lora` scales (every one without `lora`), and its
-answer's first word names them: `BASE+STEM+...` (STEM: the adapter file's name up to its first dot).
+       [--api-key K] [--api-key-file F] ...           key also from env LLAMA_API_KEY
+llama-server with `--lora` files applies the adapters a request's `lora` scales (every one without
+`lora`), and its answer's first word names them: `BASE+STEM+...` (STEM: the adapter file's name up
+to its first dot).
 
 HTTP (HTTP/1.1, keep-alive): GET /health, GET /v1/models, GET /metrics, POST
 /v1/chat/completions, /v1/completions, /v1/embeddings (SSE when `stream: true`; a usage chunk only
@@ -110,8 +108,7 @@ KNOB_DEFAULTS = {
 }
 # Flags that take no value, so that `--headless MODEL` does not eat MODEL.
 BOOLEAN_FLAGS = {
-    "--headless", "--embeddings", "--embedding", "--enable-metrics", "--trust-remote-code",
-    "--enable-lora", "--lora-init-without-apply",
+    "--headless", "--enable-lora", "--lora-init-without-apply", "--embeddings", "--embedding", "--enable-metrics", "--trust-remote-code",
     "--enforce-eager", "--disable-log-requests", "--disable-log-stats", "--no-webui",
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--cont-batching", "--flash-attn",
     "--enable-force-include-usage", "--enable-auto-tool-choice", "--verbose", "--metrics",
@@ -207,6 +204,27 @@ def split_options(argv):
     return options, positionals
 
 
+VLLM_LORA_RANKS = ("1", "8", "16", "32", "64", "128", "256", "320", "512")
+
+
+def _values_after(argv, flag):
+    """The values of an option that takes one or more (vLLM's nargs='+'), last occurrence."""
+    values = []
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            values = []
+            for value in argv[i + 1:]:
+                if value.startswith("-"):
+                    break
+                values.append(value)
+    return values
+
+
+def _each_value(argv, flag):
+    """The value of every occurrence of a one-value option."""
+    return [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == flag]
+
+
 def _is_number(text):
     try:
         float(text)
@@ -228,19 +246,6 @@ def read_simple_yaml(path):
             if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
                 value = value[1:-1]
             values["--" + key.strip().replace("_", "-")] = value
-    return values
-
-
-def flag_values(argv, flag):
-    """Every value given to `flag`: after each occurrence, the arguments up to the next option."""
-    values, taking = [], False
-    for arg in argv:
-        if arg.startswith("-") and not _is_number(arg):
-            taking = arg == flag
-            if arg.startswith(flag + "="):
-                values.append(arg.split("=", 1)[1])
-        elif taking:
-            values.append(arg)
     return values
 
 
@@ -283,10 +288,6 @@ class Engine:
             raise UsageError("vllm serve: error: the following arguments are required: model_tag")
         served = pick(options, "--served-model-name")
         self.names = [served if isinstance(served, str) else self.model]
-        # LoRA adapters given at start (`--lora-modules NAME=PATH ...`): served by name, as vLLM does.
-        self.lora_modules = [tuple(value.split("=", 1)) for value in flag_values(argv, "--lora-modules")
-                             if "=" in value] if pick(options, "--enable-lora") else []
-        self.names += [name for name, _ in self.lora_modules]
         self.host = pick(options, "--host", default="") or ""
         self.port = pick(options, "--port", default=8000)
         key = pick(options, "--api-key") or env.get("VLLM_API_KEY")
@@ -306,6 +307,17 @@ class Engine:
         self.guarded = GUARD_MIDDLEWARE in argv and _guard_importable(env)
         # vLLM keeps Responses (for GET and previous_response_id) only with this set, in process memory.
         self.store_responses = env.get("VLLM_ENABLE_RESPONSES_API_STORE", "0") == "1"
+        # LoRA (docs/architecture.md, "LoRA adapters: what the engines do"): NAME=PATH after
+        # --lora-modules, checked at start as the real one loads them (lora_refusal).
+        self.lora_enabled = "--enable-lora" in argv
+        self.lora_modules = [tuple(m.split("=", 1)) for m in _values_after(argv, "--lora-modules")]
+        rank = pick(options, "--max-lora-rank", default="16")
+        if rank not in VLLM_LORA_RANKS:
+            raise UsageError("vllm serve: error: argument --max-lora-rank: invalid choice: %s (choose from %s)"
+                             % (rank, ", ".join(VLLM_LORA_RANKS)))
+        self.max_lora_rank = int(rank)
+        self.max_loras = int(pick(options, "--max-loras", default=1))
+        self.max_cpu_loras = int(pick(options, "--max-cpu-loras", default=self.max_loras))
 
     def _parse_sglang(self, argv):
         if argv and argv[0] == "serve":
@@ -343,9 +355,6 @@ class Engine:
             raise UsageError("error: no model given: use -m PATH")
         alias = pick(options, "-a", "--alias", default=env.get("LLAMA_ARG_ALIAS"))
         self.names = alias.split(",") if isinstance(alias, str) and alias else [self.model]
-        # LoRA adapters (`--lora FILE,FILE`), ids 0, 1, ... in that order; a request's `lora`
-        # scales them, and one without it gets every adapter, as llama-server does.
-        self.lora_files = [f for value in flag_values(argv, "--lora") for f in value.split(",") if f]
         self.host = pick(options, "--host", default=env.get("LLAMA_ARG_HOST", "127.0.0.1"))
         self.port = pick(options, "--port", default=env.get("LLAMA_ARG_PORT", 8080))
         keys = pick(options, "--api-key") or env.get("LLAMA_API_KEY") or ""
@@ -362,9 +371,34 @@ class Engine:
         self.max_model_len = int(pick(options, "-c", "--ctx-size", default=4096))
         self.served_http = True
         self.store_responses = False  # its Responses API keeps nothing
+        # Every --lora (given more than once, each is loaded, ids in order) and the comma form.
+        self.lora_files = [f for value in _each_value(argv, "--lora") for f in value.split(",")]
+        self.lora_modules = []
 
     guarded = False
-    lora_modules = lora_files = ()
+    lora_enabled = False
+    lora_modules: list = []
+    lora_files: list = []
+
+    def lora_refusal(self):
+        """Why the real engine would stop at start with these adapters, or None."""
+        if self.mode == "vllm" and (self.lora_modules or self.lora_enabled):
+            if self.max_cpu_loras < self.max_loras:
+                return "ValueError: max_cpu_loras (%d) must be >= max_loras (%d)." % (self.max_cpu_loras, self.max_loras)
+            for name, path in self.lora_modules:
+                config = os.path.join(path, "adapter_config.json")
+                if not os.path.isfile(config):
+                    return "ValueError: Loading lora %s failed: No adapter found for %s" % (name, path)
+                with open(config) as f:
+                    rank = int(json.load(f).get("r", 8))
+                if rank > self.max_lora_rank:
+                    return ("ValueError: Call to add_lora method failed: Worker failed with error 'LoRA rank %d is "
+                            "greater than max_lora_rank %d.', please check the stack trace above for the root cause"
+                            % (rank, self.max_lora_rank))
+        for path in self.lora_files:
+            if not os.path.isfile(path):
+                return "failed to load lora adapter '%s'" % path
+        return None
 
     @property
     def name(self):
@@ -738,7 +772,7 @@ class Handler(BaseHTTPRequestHandler):
         if path in ("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize") and "model" not in request:
             request["model"] = engine.name  # the tokenizer routes take the model as optional
         model = request.get("model")
-        if engine.mode == "vllm" and model not in engine.names:
+        if engine.mode == "vllm" and model not in engine.names and model not in dict(engine.lora_modules):
             return self._send(404, error_body(404, "The model `%s` does not exist." % model, "NotFoundError"))
         self._counted(routes[path], request)
 
@@ -759,10 +793,10 @@ class Handler(BaseHTTPRequestHandler):
         e = self.state.engine
         owner = {"vllm": "vllm", "sglang": "sglang", "llama-server": "llamacpp"}[e.mode]
         created = int(self.state.started_wall)
-        adapters = dict(e.lora_modules)
-        data = [{"id": name, "object": "model", "created": created, "owned_by": owner,
-                 "root": adapters.get(name, e.model), "parent": e.names[0] if name in adapters else None,
-                 "max_model_len": e.max_model_len} for name in e.names]
+        data = [{"id": name, "object": "model", "created": created, "owned_by": owner, "root": e.model,
+                 "parent": None, "max_model_len": e.max_model_len} for name in e.names]
+        data += [{"id": name, "object": "model", "created": created, "owned_by": owner, "root": path,
+                  "parent": e.name, "max_model_len": e.max_model_len} for name, path in e.lora_modules]
         return dumps({"object": "list", "data": data}).encode()
 
     def _metrics(self):
@@ -842,7 +876,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def _model_name(self, request):
         model = request.get("model")
-        return model if isinstance(model, str) and model in self.state.engine.names else self.state.engine.name
+        engine = self.state.engine
+        known = model in engine.names or model in dict(engine.lora_modules)
+        return model if isinstance(model, str) and known else engine.name
 
     def _chat(self, request):
         messages = request.get("messages")
@@ -1289,6 +1325,10 @@ def main(mode, argv, node_dir=None, env=None):
         log.raw("srv    load_model: loading model '%s'" % engine.model)
     for i in range(int(knobs["stderr_lines"])):
         log.error("WARNING engine double start-up line %d of %d" % (i + 1, knobs["stderr_lines"]))
+    refused = engine.lora_refusal()
+    if refused:
+        log.error(refused)
+        return 1
     if knobs["refuse_start"]:
         refusal = knobs["refuse_start"]
         given = isinstance(refusal, str) and refusal.lower() not in ("1", "true", "yes")
