@@ -12,7 +12,7 @@ import pytest
 
 from llmgw.contracts.endpoints import Endpoint
 from llmgw.contracts.feed import KeyEntry, RoutedModel
-from llmgw.router.balancer import LEAST_OUTSTANDING, PREFIX, Balancer, Upstream, ring_hash
+from llmgw.router.balancer import LEAST_OUTSTANDING, PREFIX, Balancer, Upstream, canary_draw, ring_hash
 from llmgw.router.errors import ModelNotFound
 from llmgw.router.exchange import Exchange
 from llmgw.router.intake import Intake
@@ -101,6 +101,11 @@ def test_r8_8_the_control_planes_home_for_an_adapters_key_is_followed():
 def test_r8_8_an_adapter_takes_its_bases_canary_split():
     b = balancer([endpoint("r0", ("bot",)), endpoint("r1", ("bot",), canary=30), endpoint("r2", canary=30)])
     assert b.has_canary("bot") and b.has_canary("base")
+    for i in range(20):  # a conversation's draw sends it to the canary's holder or to the other
+        key = b"conversation-%d" % i
+        up = b.acquire("bot", 1.0, key=key)
+        assert up.replica_id == ("r1" if canary_draw(key) < 30 else "r0")
+        b.release(up)
     only_new = balancer([endpoint("r0"), endpoint("r1", ("bot",), canary=30)])
     assert not only_new.has_canary("bot")  # its one holder serves it all
 
