@@ -247,6 +247,8 @@ class Router:
         entry = {"id": model.name, "object": "model", "created": self._created, "owned_by": "llmgw"}
         if model.alias_of is not None:
             entry["alias_for"] = model.alias_of
+        if model.adapter_of is not None:  # its base, as vLLM lists an adapter (its path, `root`, is the node's)
+            entry["parent"] = model.adapter_of
         return entry
 
     async def _list_models(self, request: web.Request) -> web.Response:

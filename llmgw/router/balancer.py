@@ -178,13 +178,14 @@ def ring_points(replica_id: str) -> tuple[int, ...]:
 class Upstream:
     """The router's live view of one endpoint: what is in flight to it and whether it is ejected."""
 
-    __slots__ = ("endpoint", "replica_id", "model", "node", "outstanding", "queued", "engine", "slots",
+    __slots__ = ("endpoint", "replica_id", "model", "adapters", "node", "outstanding", "queued", "engine", "slots",
                  "ejected_until", "headers", "stream_headers", "base_url", "preempting", "hit_rate", "pressed")
 
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
         self.replica_id = endpoint.replica_id
         self.model = endpoint.model
+        self.adapters = endpoint.adapters  # the LoRA adapters its engine holds, in launch order (R-8.8)
         self.node = endpoint.node  # where its engine answers, for the request log (R-6.20); None: not known
         self.outstanding = 0
         self.queued = 0  # requests the engine held beyond ours at the last poll; 0 while not known
@@ -497,7 +498,8 @@ class Pool:
         for up, endpoint in zip(self.members, members):
             mine = up.endpoint
             if mine is not endpoint and (mine.replica_id != endpoint.replica_id or mine.url != endpoint.url
-                                         or mine.api_key != endpoint.api_key or mine.model != endpoint.model):
+                                         or mine.api_key != endpoint.api_key or mine.model != endpoint.model
+                                         or mine.adapters != endpoint.adapters):
                 return False
         return True
 
@@ -529,6 +531,8 @@ class Balancer:
         self._choosers: dict[str, Policy] = {LEAST_OUTSTANDING: LeastOutstanding(),
                                              PREFIX: PrefixAffinity(prefix_bound)}
         self._pools: dict[str, Pool] = {}
+        # Each LoRA adapter's pool (R-8.8), by the adapter's name: members of its base's pool.
+        self._adapter_pools: dict[str, Pool] = {}
         self._by_replica: dict[str, list[Upstream]] = {}
         self._retired: list[Upstream] = []  # taken off the lists with requests still in flight
         self._last_used: dict[str, float] = {}  # replica_id -> time.monotonic() of the last acquire
@@ -552,7 +556,7 @@ class Balancer:
             ups = []
             for endpoint in members:
                 up = previous.get((endpoint.replica_id, endpoint.url, endpoint.api_key))
-                if up is None or up.endpoint.model != endpoint.model:
+                if up is None or up.endpoint.model != endpoint.model or up.adapters != endpoint.adapters:
                     up = Upstream(endpoint)
                 ups.append(up)
             pool = pools[model] = Pool(ups, self._choosers.get(policy, self._choosers[LEAST_OUTSTANDING]))
@@ -560,6 +564,8 @@ class Balancer:
             if old is not None and old.homes and policy == PREFIX and ups:
                 pool.inherit(old)
         self._pools = pools
+        self._adapter_pools = self._adapter_pools_of(pools) if self._adapter_pools or any(
+            up.adapters for pool in pools.values() for up in pool.members) else {}
         by_replica: dict[str, list[Upstream]] = {}
         for pool in pools.values():
             for up in pool.members:
@@ -571,21 +577,59 @@ class Balancer:
         alive = set(by_replica)
         self._last_used = {rid: t for rid, t in self._last_used.items() if rid in alive}
 
-    def endpoints(self, model: str) -> list[Upstream]:
+    def _adapter_pools_of(self, pools: Mapping[str, Pool]) -> dict[str, Pool]:
+        """Each LoRA adapter's pool (R-8.8): the members of its base's pool whose engines hold it,
+        the very Upstreams of the base's pool (one load, whichever model a request names), chosen
+        among by the base's policy, with the base's canary split. An adapter's pool whose members
+        stay is kept as it was: its round-robin, ring and homes too."""
+        held: dict[str, tuple[Pool, list[Upstream]]] = {}
+        for pool in pools.values():
+            for up in pool.members:
+                for adapter in up.adapters:
+                    entry = held.get(adapter)
+                    if entry is None:
+                        held[adapter] = (pool, [up])
+                    elif entry[0] is pool:  # an adapter is one base's (a catalog's names are unique)
+                        entry[1].append(up)
+        old_pools = self._adapter_pools
+        out = {}
+        for adapter, (base, members) in held.items():
+            old = old_pools.get(adapter)
+            if old is not None and old.chooser is base.chooser and len(old.members) == len(members) \
+                    and all(mine is up for mine, up in zip(old.members, members)):
+                pool = old
+            else:
+                pool = Pool(members, base.chooser)
+                if old is not None and old.homes and base.chooser.name == PREFIX:
+                    pool.inherit(old)
+            canary = base.canary
+            if canary is not None:
+                chosen = canary[1].intersection(members)
+                canary = (canary[0], chosen) if 0 < len(chosen) < len(members) else None
+            pool.canary = canary
+            out[adapter] = pool
+        return out
+
+    def _pool(self, model: str) -> Pool | None:
+        """The model's pool, or the adapter's (R-8.8) when `model` names a LoRA adapter."""
         pool = self._pools.get(model)
+        return pool if pool is not None else self._adapter_pools.get(model)
+
+    def endpoints(self, model: str) -> list[Upstream]:
+        pool = self._pool(model)
         return list(pool.members) if pool is not None else []
 
     def has_endpoints(self, model: str) -> bool:
-        pool = self._pools.get(model)
+        pool = self._pool(model)
         return pool is not None and bool(pool.members)
 
     def has_canary(self, model: str) -> bool:
         """Whether the model's requests are split with a canary revision (R-4.13)."""
-        pool = self._pools.get(model)
+        pool = self._pool(model)
         return pool is not None and pool.canary is not None
 
     def policy(self, model: str) -> str:
-        pool = self._pools.get(model)
+        pool = self._pool(model)
         return pool.chooser.name if pool is not None else LEAST_OUTSTANDING
 
     def acquire(self, model: str, now: float, exclude: Iterable[Upstream] = (),
@@ -600,8 +644,12 @@ class Balancer:
         `owner`, the id of the request's API key: a key not live yet is homed only by keep_home,
         once the engine accepts the request, and an owner at KEYS_PER_API_KEY is balanced by
         load. Without one (benches, placement tests) the key is homed at once.
+
+        `model` may name a LoRA adapter (R-8.8): then the members of its base's pool that hold it.
         """
         pool = self._pools.get(model)
+        if pool is None:
+            pool = self._adapter_pools.get(model)
         if pool is None or not pool.members:
             return None
         canary = pool.canary
@@ -630,7 +678,7 @@ class Balancer:
     def keep_home(self, model: str, key: bytes, owner: str, now: float, up: Upstream | None = None) -> None:
         """The engine of `up` accepted a request of API key `owner` with affinity `key`: the key is
         homed if it is not live (within KEYS_PER_API_KEY), on `up` while it has room for it."""
-        pool = self._pools.get(model)
+        pool = self._pool(model)
         if pool is not None and pool.chooser.name == PREFIX and pool.members:
             pool.keep(ring_hash(key), now, owner, up)
 
@@ -639,7 +687,7 @@ class Balancer:
         this router's own for its key. None (forgotten there) and a replica that is not a member
         of the model's pool change nothing: a key lives on here as long as this router uses it."""
         for model, entries in homes.items():
-            pool = self._pools.get(model)
+            pool = self._pool(model)
             if pool is None or pool.chooser.name != PREFIX or not pool.members:
                 continue
             members = {up.replica_id: up for up in pool.members}
@@ -653,7 +701,7 @@ class Balancer:
         most `limit` of them (the rest at the next call): what a report tells the control plane."""
         out: dict[str, dict[int, str]] = {}
         left = limit
-        for model, pool in self._pools.items():
+        for model, pool in [*self._pools.items(), *self._adapter_pools.items()]:
             touched = pool.touched
             if not touched or left <= 0:
                 continue
@@ -705,7 +753,7 @@ class Balancer:
 
     def live_keys(self, model: str) -> dict[str, int]:
         """replica_id -> the live affinity keys homed on it (prefix routing; R-6.5b)."""
-        pool = self._pools.get(model)
+        pool = self._pool(model)
         return {up.replica_id: count for up, count in pool.homed.items()} if pool is not None else {}
 
     def outstanding_by_model(self) -> dict[str, int]:

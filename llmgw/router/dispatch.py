@@ -43,48 +43,58 @@ class Dispatch:
             return await self._pinned_route(request, exchange)
         model, key, affinity, trail = exchange.model, exchange.key, exchange.affinity, exchange.trail
         name = model.name
+        # Whose replicas serve it, whose places it takes and whose start it waits for: a LoRA
+        # adapter's base's (R-8.8); the balancer gives it only the replicas that hold it.
+        home = name
+        on_demand = model.on_demand
+        if model.adapter_of is not None:
+            home = model.adapter_of
+            base = exchange.models.get(home)
+            on_demand = base is not None and base.on_demand
         feed, balancer, fairqueue = self.feed, self.balancer, self.fairqueue
         tried: list[Upstream] = []
         waited_since: float | None = None
         last_error: RouterError | None = None
         while True:
             now = time.monotonic()
-            if model.on_demand and waited_since is None and not balancer.has_endpoints(name):
-                feed.note_demand(name)
+            if on_demand and waited_since is None and not balancer.has_endpoints(home):
+                feed.note_demand(home)
                 waited_since = now
-            if not fairqueue.take(name, key.id, key.priority, key.weight):  # every place is taken: wait for one (R-6.17)
+            if not fairqueue.take(home, key.id, key.priority, key.weight):  # every place is taken: wait for one (R-6.17)
                 trail.queue_start(now)
                 try:
-                    await fairqueue.wait(name, key.id, key.priority, key.weight, feed.gateway.queue_wait, bool(tried))
+                    await fairqueue.wait(home, key.id, key.priority, key.weight, feed.gateway.queue_wait, bool(tried))
                 finally:
                     trail.queue_end(time.monotonic())
                 now = time.monotonic()
             up = self._acquire(exchange, now, tried)
             if up is None:
-                if model.on_demand and feed.on_demand is not None and not balancer.has_endpoints(name):
-                    fairqueue.leave(name, now, key.id)
+                if on_demand and feed.on_demand is not None and not balancer.has_endpoints(home):
+                    fairqueue.leave(home, now, key.id)
                     trail.queue_start(now)
                     try:
-                        await feed.await_arrival(name, waited_since or now)
+                        await feed.await_arrival(home, waited_since or now)
                     finally:
                         trail.queue_end(time.monotonic())
                     continue
                 # Every endpoint is ejected: a recently failed one beats a certain 503.
                 up = self._acquire(exchange, now, tried, include_ejected=True)
             if up is None:
-                fairqueue.leave(name, now, key.id)
+                fairqueue.leave(home, now, key.id)
                 if last_error is not None:
                     raise UpstreamFailed(f"no engine of {name!r} could answer after {len(tried)} "
                                          f"attempts; last: {last_error.message}")
+                if home is not name:
+                    raise NoCapacity(f"no replica of {home!r} holding its adapter {name!r} is serving; retry later")
                 raise NoCapacity(f"no replica of {name!r} is serving; retry later")
             # The key is homed once the engine has accepted the request (R-6.5b), not when it is sent.
-            accepted = (None if affinity is None or up.model != name
+            accepted = (None if affinity is None or up.model != home
                         else functools.partial(balancer.keep_home, name, affinity, key.id, now, up))
             try:
                 response = await self.forwarder.send(request, exchange, up, accepted)
                 self.metrics.answered(up.replica_id, response.status)
                 trail.attempt_end(response.status)
-                if up.model != name:
+                if up.model != home:
                     trail.fallback = up.model  # R-6.7: the fallback that served
                 return response
             except RouterError as exc:
@@ -111,13 +121,13 @@ class Dispatch:
                 self.metrics.retry(name)
             finally:
                 balancer.release(up)
-                fairqueue.leave(name, now, key.id)
+                fairqueue.leave(home, now, key.id)
 
     def _acquire(self, exchange: Exchange, now: float, tried: list[Upstream],
                  include_ejected: bool = False) -> Upstream | None:
         model, key = exchange.model, exchange.key
         up = self.balancer.acquire(model.name, now, tried, include_ejected, exchange.affinity, key.id)
-        if up is None and model.fallbacks:
+        if up is None and model.fallbacks and model.adapter_of is None:  # an adapter has none (R-8.8)
             route, models = exchange.route, exchange.models
             for fallback in model.fallbacks:  # R-6.7
                 if not allows(key, fallback):  # skipped: a fallback is no way around the key's limits
@@ -133,7 +143,7 @@ class Dispatch:
     async def _pinned_route(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
         """A follow-up of a stored response goes to the replica that holds it, or nowhere (R-6.6 does not apply)."""
         pinned, model = exchange.pinned, exchange.model
-        up = self.balancer.acquire_replica(pinned.replica_id, model.name, time.monotonic())
+        up = self.balancer.acquire_replica(pinned.replica_id, model.adapter_of or model.name, time.monotonic())
         if up is None:
             raise ResponseNotFound(f"response {pinned.client_id!r} is held by replica {pinned.replica_id} of "
                                    f"{model.name!r}, which no longer serves (stopped, replaced or its node is "

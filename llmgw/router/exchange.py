@@ -80,6 +80,8 @@ class Exchange(NamedTuple):
         body = self.body
         if body is None:
             return None
+        if up.adapters or self.model.adapter_of is not None:
+            return self._adapter_body(up, body)
         served = self.models.get(up.model)
         upstream_name = served.upstream_name if served is not None else up.model
         if isinstance(body, Upload):
@@ -87,6 +89,29 @@ class Exchange(NamedTuple):
         if upstream_name == (self.via or self.model.name) and self.pinned is None:
             return body
         return json.dumps({**self.document, "model": upstream_name}).encode()
+
+    def _adapter_body(self, up: Upstream, body: bytes | Upload):
+        """The body for an engine that holds LoRA adapters, or for a request naming one (R-8.8).
+
+        vLLM (and any engine but llama-server) serves an adapter by its own name in `model`.
+        llama-server serves one model name and takes the adapters' scales in the body's `lora`,
+        by launch position: the adapter asked for at 1.0, every other at 0.0, and for the base
+        model all at 0.0, since a request without `lora` gets every adapter at once. A client's
+        own `lora` is replaced: which adapter answers is the gateway's to say."""
+        model = self.model
+        base = self.models.get(up.model)
+        adapter = model.name if model.adapter_of is not None else None
+        if base is None or base.engine != "llama-server":
+            name = model.upstream_name if adapter is not None else (base.upstream_name if base else up.model)
+            if isinstance(body, Upload):
+                return body.chunks(name)
+            if name == (self.via or model.name) and self.pinned is None:
+                return body
+            return json.dumps({**self.document, "model": name}).encode()
+        if isinstance(body, Upload):  # a form has no `lora` (the intake refuses an adapter's)
+            return body.chunks(base.upstream_name)
+        lora = [{"id": i, "scale": 1.0 if held == adapter else 0.0} for i, held in enumerate(up.adapters)]
+        return json.dumps({**self.document, "model": base.upstream_name, "lora": lora}).encode()
 
     def upstream_headers(self, request: web.Request, up: Upstream) -> dict:
         """Headers for the engine: always its key as Bearer (every engine reads that), never the

@@ -102,6 +102,9 @@ class Intake:
             raise BadRequest(f"model {name!r} does not take background responses: send the request without "
                              "'background' (the operator allows it with background_responses: true on the model)",
                              param="background")
+        if isinstance(body, Upload) and model.adapter_of is not None and model.engine == "llama-server":
+            raise RouteNotServed(f"model {name!r} is a LoRA adapter of {model.adapter_of!r} on llama-server, which "
+                                 f"takes adapters in JSON bodies only, not on {route.name}")
         if isinstance(body, Upload) and model.engine == "vllm" and route.path.endswith("transcriptions"):
             body.ask_for_usage()  # a streamed transcription has usage only when its form asks (R-6.9a)
         if route.dialect == RESPONSES and route.model_from != RESPONSE_ID and model.engine == "sglang" \

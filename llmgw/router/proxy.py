@@ -202,6 +202,9 @@ class Forwarder:
         status below 400."""
         stream, method, dialect, key_id = exchange.stream, exchange.route.method, exchange.route.dialect, exchange.key.id
         trail = exchange.trail
+        # What it counts under: the model of the endpoint (a fallback's own), or the LoRA adapter
+        # the request named, which its base's endpoint served (R-8.8).
+        served = up.model if exchange.model.adapter_of is None else exchange.model.name
         url = up.base_url + exchange.upstream_path(up)
         body = exchange.upstream_body(up)
         headers = exchange.upstream_headers(request, up)
@@ -219,7 +222,7 @@ class Forwarder:
                 async with asyncio.timeout(self.read_timeout):
                     resp = await self._request(method, url, body, headers)
                     status = resp.status
-                    self.metrics.upstream_latency(up.model, time.monotonic() - started)
+                    self.metrics.upstream_latency(served, time.monotonic() - started)
                     if status == 502 or status == 503:
                         raise UpstreamRefused(f"the engine of replica {up.replica_id} answered {status}")
                     if status == 401:  # passed on, it would tell the client its own key is wrong
@@ -260,7 +263,7 @@ class Forwarder:
                     raise UpstreamConnectFailed(f"replica {up.replica_id} was given up while this request "
                                                 "waited for it (its node is unreachable)") from None
                 # The client left before the engine answered: a request, whose tokens nobody knows.
-                self.usage.add(key_id, up.model, 0, 0, unmetered=True, via=exchange.via)
+                self.usage.add(key_id, served, 0, 0, unmetered=True, via=exchange.via)
                 raise
             # From here on a cancellation is the client's; an abandoned replica's stream is cut
             # by closing its response instead.
@@ -273,20 +276,20 @@ class Forwarder:
                 relay_headers = SSE_HEADERS if sse else {**SSE_HEADERS, "Content-Type": resp.content_type}
                 size = len(body) if isinstance(body, bytes) else 0  # a prompt estimated from it
                 if sse and dialect != OPENAI:
-                    response = await self._relay_events(request, exchange, resp, up, first, relay_headers, size)
+                    response = await self._relay_events(request, exchange, resp, up, served, first, relay_headers, size)
                 else:
                     if not sse and (exchange.strip_usage or exchange.strip_continuous):
                         exchange = exchange._replace(**_NOT_EDITED)  # not SSE: relayed as it comes
-                    response = await self._relay_stream(request, exchange, resp, up, first, relay_headers, size)
+                    response = await self._relay_stream(request, exchange, resp, up, served, first, relay_headers, size)
             else:
                 if dialect == RESPONSES:  # the ids clients see name the replica that holds the response
-                    answer = self.response_ids.rewrite(answer, up.model, up.replica_id, key_id)
+                    answer = self.response_ids.rewrite(answer, served, up.replica_id, key_id)
                 if status == 200:
                     usage = {} if exchange.read_back else usage_from_body(answer)
                     if usage is None:  # an answer without usage: its tokens are unknown, not 0
-                        self.usage.add(key_id, up.model, 0, 0, unmetered=True, via=exchange.via)
+                        self.usage.add(key_id, served, 0, 0, unmetered=True, via=exchange.via)
                     else:
-                        self._count(exchange, up.model, *tokens(usage))
+                        self._count(exchange, served, *tokens(usage))
                 response = web.Response(body=answer, status=status,
                                         headers={"Content-Type": resp.headers.get("Content-Type",
                                                                                   "application/json")})
@@ -350,7 +353,8 @@ class Forwarder:
             self._fresh = None
 
     async def _relay_stream(self, request: web.Request, exchange: Exchange, resp: aiohttp.ClientResponse,
-                            up: Upstream, chunk: bytes, headers: dict, body_size: int) -> web.StreamResponse:
+                            up: Upstream, served: str, chunk: bytes, headers: dict,
+                            body_size: int) -> web.StreamResponse:
         strip, strip_continuous = exchange.strip_usage, exchange.strip_continuous
         trail = exchange.trail
         response = web.StreamResponse(status=200, headers=headers)
@@ -401,14 +405,14 @@ class Forwarder:
             # llama-server may not yet have ended its body. Usage already relayed still counts;
             # without it, what was relayed is counted as an estimate (R-6.9a).
             tail = oldest + older + old
-            self._count_stream(exchange, up.model, usage or find_usage(tail), body_size, events)
+            self._count_stream(exchange, served, usage or find_usage(tail), body_size, events)
             trail.stream_end(time.monotonic(), None if _whole(tail, exchange.route.dialect) else CLIENT_CLOSED)
             raise
         except (aiohttp.ClientError, ConnectionError) as exc:
             # Usage the engine reported before the break is counted all the same: llama-server
             # may close the connection after its last event without ending the chunked body.
             tail = oldest + older + old
-            self._count_stream(exchange, up.model, usage or find_usage(tail), body_size, events)
+            self._count_stream(exchange, served, usage or find_usage(tail), body_size, events)
             transport = request.transport
             if transport is None or transport.is_closing():
                 # The client went away: returning closes the engine's connection (R-6.11).
@@ -419,7 +423,7 @@ class Forwarder:
             return response
         finally:
             self.watchdog.forget(watch)
-        self._count_stream(exchange, up.model, usage or find_usage(oldest + older + old), body_size, events)
+        self._count_stream(exchange, served, usage or find_usage(oldest + older + old), body_size, events)
         trail.stream_end(time.monotonic())
         return response
 
@@ -432,7 +436,8 @@ class Forwarder:
             self._count(exchange, model, *estimate_stream(body_size, events, prompt))
 
     async def _relay_events(self, request: web.Request, exchange: Exchange, resp: aiohttp.ClientResponse,
-                            up: Upstream, chunk: bytes, headers: dict, body_size: int) -> web.StreamResponse:
+                            up: Upstream, served: str, chunk: bytes, headers: dict,
+                            body_size: int) -> web.StreamResponse:
         """A Responses or Anthropic stream: whole events relayed as they complete, comments and
         named events untouched; Responses ids rewritten to name their replica; usage from
         `response.completed`, or from Anthropic's message_start and message_delta."""
@@ -456,7 +461,7 @@ class Forwarder:
                     if end:
                         chunk, pending = chunk[:end], chunk[end:]
                     if rewrite is not None:
-                        chunk = rewrite(chunk, up.model, up.replica_id, key_id)
+                        chunk = rewrite(chunk, served, up.replica_id, key_id)
                     await response.write(chunk)
                     events += chunk.count(b"\n\n")
                     if len(head) < HEAD_BYTES:
@@ -473,12 +478,12 @@ class Forwarder:
             # The client left (after the last event, at times before the engine ended its body):
             # usage already relayed still counts, as on chat streams, else what was relayed.
             tail = oldest + older + old
-            self._count_events(exchange, up.model, head, tail, body_size, events)
+            self._count_events(exchange, served, head, tail, body_size, events)
             trail.stream_end(time.monotonic(), None if _whole(tail, dialect) else CLIENT_CLOSED)
             raise
         except (aiohttp.ClientError, ConnectionError) as exc:
             tail = oldest + older + old
-            self._count_events(exchange, up.model, head, tail, body_size, events)
+            self._count_events(exchange, served, head, tail, body_size, events)
             transport = request.transport
             if transport is None or transport.is_closing():
                 trail.stream_end(time.monotonic(), None if _whole(tail, dialect) else CLIENT_CLOSED)
@@ -487,7 +492,7 @@ class Forwarder:
             return response
         finally:
             self.watchdog.forget(watch)
-        self._count_events(exchange, up.model, head, oldest + older + old, body_size, events)
+        self._count_events(exchange, served, head, oldest + older + old, body_size, events)
         trail.stream_end(time.monotonic())
         return response
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import re
 import socket
@@ -18,8 +19,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 import openai
 import pytest
@@ -29,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.config import EngineConfig, GatewayConfig, ModelConfig, ProfileConfig, ScalingConfig
 from llmgw.control.feed import FeedPublisher
+from llmgw.control.feed.routing import routed_models
 from llmgw.fleet.secret import response_secret
 from llmgw.keys import create_key, key_entries
 from llmgw.localfeed import LocalFeed
@@ -85,6 +89,7 @@ class EngineDouble:
     proc: subprocess.Popen | None = None
     mode: str = "vllm"
     env: dict = field(default_factory=dict)
+    args: tuple[str, ...] = ()  # more of the engine's command line (LoRA adapters: `--lora-modules ...`)
 
     @property
     def url(self) -> str:
@@ -108,6 +113,7 @@ class EngineDouble:
         else:
             args = ["--model-path", f"/weights/{self.name}", "--served-model-name", self.name, *where,
                     "--api-key", self.key]
+        args += self.args
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", f"import engine_double; engine_double.entry_point({self.mode!r}, None)", *args],
@@ -155,12 +161,12 @@ class Engines:
         self.started: list[EngineDouble] = []
 
     def start(self, name: str, port: int | None = None, key: str | None = None, healthy: bool = True,
-              mode: str = "vllm", env: dict | None = None, **knobs) -> EngineDouble:
+              mode: str = "vllm", env: dict | None = None, args: tuple[str, ...] = (), **knobs) -> EngineDouble:
         port = port or free_port()
         home = self.directory / f"engine-{name}-{port}"
         home.mkdir(parents=True, exist_ok=True)
         engine = EngineDouble(name=name, port=port, key=key or f"engine-key-{name}-{port}",
-                              log_path=home / "engine.log", knobs=knobs, mode=mode, env=env or {})
+                              log_path=home / "engine.log", knobs=knobs, mode=mode, env=env or {}, args=tuple(args))
         self.started.append(engine)
         return engine.start(healthy)
 
@@ -190,6 +196,19 @@ def model(name: str, *, fallback: str | None = None, on_demand: bool = False, pr
 
 def catalog(*models: ModelConfig) -> Catalog:
     return Catalog.build(file_models=list(models), profiles=PROFILES, engines=ENGINES)
+
+
+def with_adapters(adapters: Mapping[str, tuple[str, str | None]]):
+    """A stand-in for the feed's routed_models: the catalog's models, then a LoRA adapter entry
+    (R-8.8) per `adapters` item, name -> (its base, the name its vLLM serves it by), made from the
+    base's entry as the control plane publishes one. Patched into llmgw.control.feed.publisher."""
+    def routed(cat: Catalog):
+        models = dict(routed_models(cat))
+        for name, (base, served) in adapters.items():
+            models[name] = dataclasses.replace(models[base], name=name, served_name=served, fallbacks=(),
+                                               adapter_of=base)
+        return MappingProxyType(models)
+    return routed
 
 
 @dataclass

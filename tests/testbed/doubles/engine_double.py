@@ -16,6 +16,9 @@ engines in flags/, see flags/README.md):
        [--config YAML] ...                            (`sglang serve ...` too)
   llama-server -m PATH [--alias N] [--host H] [--port P] [-c N] [-ngl N] [--embeddings]
        [--api-key K] [--api-key-file F] ...           key also from env LLAMA_API_KEY
+llama-server with `--lora` files applies the adapters a request's `lora` scales (every one without
+`lora`), and its answer's first word names them: `BASE+STEM+...` (STEM: the adapter file's name up
+to its first dot).
 
 HTTP (HTTP/1.1, keep-alive): GET /health, GET /v1/models, GET /metrics, POST
 /v1/chat/completions, /v1/completions, /v1/embeddings (SSE when `stream: true`; a usage chunk only
@@ -62,6 +65,8 @@ then `by_port: {"PORT": {...}}`) and then env `ENGINE_DOUBLE_<KNOB>` (upper case
   prefill_per_token    with the simulated cache: seconds of prefill per prompt word not found in
                  it, before the first byte of the answer; one prefill at a time (the others wait,
                  counted in vllm:num_requests_waiting), as one engine's compute is shared
+  request_bodies a file to append, for every JSON request body, one line `{"path": P, "body": B}`:
+                 what a test reads to see what reached the engine
   request_ids    a file to append `METHOD PATH ID` to for every request that comes with an
                  X-Request-Id header (ID as it came), whatever the answer: what a test reads to
                  see which ids reached the engine
@@ -93,13 +98,13 @@ KNOBS = {
     "start_delay": float, "token_delay": float, "crash_after": float, "refuse_start": str,
     "fail_requests": bool, "stderr_lines": int, "bind_early": bool, "warmup_delay": float,
     "ignore_sigterm": bool, "children": int, "report_gpu_mib": int, "dist_timeout": float,
-    "prefix_cache_blocks": int, "block_words": int, "prefill_per_token": float, "request_ids": str,
+    "prefix_cache_blocks": int, "block_words": int, "prefill_per_token": float, "request_ids": str, "request_bodies": str,
 }
 KNOB_DEFAULTS = {
     "start_delay": 0.0, "token_delay": 0.0, "crash_after": None, "refuse_start": None,
     "fail_requests": False, "stderr_lines": 0, "bind_early": False, "warmup_delay": 0.0,
     "ignore_sigterm": False, "children": 0, "report_gpu_mib": 0, "dist_timeout": 600.0,
-    "prefix_cache_blocks": 0, "block_words": 16, "prefill_per_token": 0.0, "request_ids": None,
+    "prefix_cache_blocks": 0, "block_words": 16, "prefill_per_token": 0.0, "request_ids": None, "request_bodies": None,
 }
 # Flags that take no value, so that `--headless MODEL` does not eat MODEL.
 BOOLEAN_FLAGS = {
@@ -761,6 +766,9 @@ class Handler(BaseHTTPRequestHandler):
                 raise ValueError("the body must be a JSON object")
         except ValueError as exc:
             return self._send(400, error_body(400, "invalid JSON body: %s" % exc, "BadRequestError"))
+        if state.knobs["request_bodies"]:
+            with state.lock, open(state.knobs["request_bodies"], "a") as noted:
+                noted.write(dumps({"path": path, "body": request}) + "\n")
         if path in ("/tokenize", "/detokenize", "/v1/tokenize", "/v1/detokenize") and "model" not in request:
             request["model"] = engine.name  # the tokenizer routes take the model as optional
         model = request.get("model")
@@ -835,7 +843,7 @@ class Handler(BaseHTTPRequestHandler):
         max_tokens = int(max_tokens) if limited else DEFAULT_MAX_TOKENS
         if self.state.engine.mode in ("vllm", "sglang") and type(request.get("min_tokens")) is int:
             max_tokens = max(max_tokens, request["min_tokens"])  # as their sampling params: at least this many
-        tokens = reply_tokens(self._model_name(request), prompt_words, max_tokens)
+        tokens = reply_tokens(self._answering(request), prompt_words, max_tokens)
         usage = {"prompt_tokens": max(1, prompt_words), "completion_tokens": len(tokens),
                  "total_tokens": max(1, prompt_words) + len(tokens)}
         cache = self.state.prefix_cache
@@ -845,6 +853,26 @@ class Handler(BaseHTTPRequestHandler):
             cache.prefill(len(words) - cached)
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return tokens, usage, ("length" if limited else "stop")
+
+    def _answering(self, request):
+        """Who answers, as the reply's first word: the model, or on llama-server with adapters the
+        base name and each adapter applied (`BASE+FILE-STEM...`): the ids the request's `lora` gives
+        a scale other than 0 (an id naming no adapter dropped), or every adapter without `lora`."""
+        name = self._model_name(request)
+        files = self.state.engine.lora_files
+        if not files:
+            return name
+        lora = request.get("lora")
+        if not lora:
+            applied = range(len(files))
+        else:
+            scales = {}
+            for entry in lora:
+                if isinstance(entry.get("id"), int) and 0 <= entry["id"] < len(files):
+                    scales[entry["id"]] = entry.get("scale", 0)
+            applied = [i for i in range(len(files)) if scales.get(i)]
+        stems = [os.path.basename(files[i]).split(".")[0] for i in applied]
+        return "+".join([name, *stems])
 
     def _model_name(self, request):
         model = request.get("model")
