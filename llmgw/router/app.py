@@ -67,7 +67,7 @@ class Router:
     Its feed is given `feed` (a feedstate.FedRouter); `apply`, `report_fields` and `snapshot`
     are the feed state's, here too for whoever holds the router."""
 
-    __slots__ = ("balancer", "fairqueue", "metrics", "usage", "limiter", "feed", "keys", "intake", "dispatch",
+    __slots__ = ("balancer", "fairqueue", "metrics", "usage", "limiter", "tracing", "feed", "keys", "intake", "dispatch",
                  "_created")
 
     def __init__(self, *, registry: prometheus_client.CollectorRegistry | None = None):
@@ -79,6 +79,7 @@ class Router:
         self.limiter = limits.Limiter()
         self.feed = FeedState(balancer=self.balancer, fairqueue=self.fairqueue, limiter=self.limiter,
                               usage=self.usage, metrics=self.metrics)
+        self.tracing = self.feed.tracing  # the feed's gateway settings switch it on and off (R-6.21)
         self.keys = self.feed.keys  # the keys in force, which the feed replaces
         self.intake = Intake(self.feed, self.limiter, self.balancer)
         self.dispatch = Dispatch(self.feed, self.balancer, self.fairqueue, self.metrics)
@@ -121,7 +122,9 @@ class Router:
         return app
 
     async def close(self) -> None:
-        """Nothing is written here: what is still counted goes out with the feed client's last report."""
+        """The spans not exported yet are flushed (R-6.21); what is still counted goes out with the
+        feed client's last report, not from here."""
+        await self.tracing.close()
 
     # -- middleware: authentication and the one place errors become responses ---------------------
 
