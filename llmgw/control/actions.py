@@ -382,6 +382,9 @@ class Actions:
                 leader_port=replica.leader.dist_port or 0,
                 python=node.python or self.fleet.inventory.ssh.python if not local else "python3")
             spec = model.engine.render(variables, profile.args, profile.env, replica.api_key)
+            collector = self.gateway.tracing.otlp_endpoint
+            if collector is not None:  # the engine's own spans join the router's traces
+                spec = model.engine.traced(spec, collector)
             shard.serves_http = spec.health_path is not None
             shard.argv = spec.argv
             shard.set_state(STARTING)
