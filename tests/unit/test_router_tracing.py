@@ -215,3 +215,27 @@ def test_opentelemetry_is_imported_only_once_tracing_is_on():
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.splitlines() == ["off 0 []", "on True True"]
+
+
+def test_without_the_extra_a_router_says_why_and_serves_untraced():
+    script = textwrap.dedent("""
+        import logging, sys
+
+        class NoOpenTelemetry:  # as on a host where llmgw[tracing] is not installed
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "opentelemetry":
+                    raise ImportError(f"No module named {name!r}")
+
+        sys.meta_path.insert(0, NoOpenTelemetry())
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)
+        from llmgw.router.tracing import Tracing
+
+        tracing = Tracing()
+        tracing.configure("http://127.0.0.1:9", "r1")
+        tracing.configure("http://127.0.0.1:10", "r1")  # said once, not tried again
+        print("span", tracing.request("POST", "/v1/chat/completions", {}), tracing.on)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True).stdout
+    errors = [line for line in out.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1 and "install llmgw[tracing]" in errors[0], out
+    assert out.splitlines()[-1] == "span None False"
