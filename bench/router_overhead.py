@@ -26,6 +26,16 @@ router, alternating one by one: added time to first token (p50, p99), added inte
 per streamed event.
 
     .venv/bin/python bench/router_overhead.py --engine vllm [--count 100] [--stream-tokens 32]
+
+`--request-log` compares routers with the request log (R-6.20) off, on, and on with a file
+(`gateway.request_log.path`), three router processes over the same engine, measured in turns
+(`--rounds`, each a plain and a streamed throughput run per router, the order rotated every round)
+against the bare proxy: the router's CPU per request and per stream, medians over the rounds and
+the median of each round's ratio to the log off. Each router's reports are encoded as a router
+worker's feed client encodes them (once each, with their records), and the in-process control
+plane is not given the records, so what is measured is the router's side alone.
+
+    .venv/bin/python bench/router_overhead.py --request-log [--rounds 5] [--seconds 3]
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -132,12 +143,29 @@ def run_bare_proxy(port: int, engine_url: str) -> None:
 
 # ------------------------------------------------------------------------------ the router process
 
+def report_as_a_worker(publisher) -> None:
+    """Each report encoded as a router worker's feed client encodes it (once, its records with it),
+    then applied without its records: the in-process control plane's handling of them is not the
+    router's cost."""
+    import dataclasses
+
+    from llmgw.contracts.feed import to_wire
+
+    apply = publisher.apply_report
+
+    async def applied(report, *args):
+        json.dumps(to_wire(report), separators=(",", ":")).encode()
+        return await apply(dataclasses.replace(report, requests=()), *args)
+    publisher.apply_report = applied
+
+
 async def run_router(port: int, engine_url: str, state_dir: str, profile: str | None,
-                     request_timeout: float, routing: str = "least-outstanding", limits: bool = False) -> None:
+                     request_timeout: float, routing: str = "least-outstanding", limits: bool = False,
+                     request_log: str | None = None, request_log_path: str | None = None) -> None:
     from prometheus_client import CollectorRegistry
 
     from llmgw.catalog import Catalog, CatalogHolder
-    from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig
+    from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig, RequestLogConfig
     from llmgw.contracts.feed import Limits
     from llmgw.control.feed import FeedPublisher
     from llmgw.keys import KeySettings, create_key
@@ -154,9 +182,13 @@ async def run_router(port: int, engine_url: str, state_dir: str, profile: str | 
     catalog = Catalog.build(file_models=[ModelConfig(name=MODEL, profile="p", routing=routing)],
                             profiles={"p": ProfileConfig(engine="vllm")})
     # Fed as `llmgw serve` feeds it: the publisher and the in-process feed.
-    publisher = FeedPublisher(CatalogHolder(catalog), store, GatewayConfig(request_timeout=request_timeout))
+    logged = RequestLogConfig(enabled=request_log != "off", path=request_log_path)
+    publisher = FeedPublisher(CatalogHolder(catalog), store, GatewayConfig(request_timeout=request_timeout,
+                                                                           request_log=logged))
     publisher.set_endpoints({MODEL: [Endpoint("r1", MODEL, engine_url, ENGINE_KEY)]})
     publisher.mark_ready()
+    if request_log is not None:
+        report_as_a_worker(publisher)
     router = Router(registry=CollectorRegistry())
     feed = LocalFeed(publisher, router.feed)
     feed.pump()
@@ -457,9 +489,94 @@ async def bench_vllm(args) -> None:
                 os.killpg(process.pid, signal.SIGKILL) if process is processes[0] else process.kill()
 
 
+def start_router(engine_url: str, args, *extra: str) -> tuple[subprocess.Popen, str]:
+    """A router process over `engine_url`; returns it and the bench key's secret."""
+    state = tempfile.mkdtemp(prefix="llmgw-bench-")
+    argv = [sys.executable, __file__, "_router", "--port", str(free_port()), "--engine-url", engine_url,
+            "--state", state, "--request-timeout", str(args.request_timeout), *extra]
+    router = start_process(argv, env=dict(os.environ, PYTHONPATH=str(ROOT)), reads_stdout=True)
+    line = router.stdout.readline().split()
+    if not line or line[0] != "READY":
+        raise SystemExit("the router did not start")
+    router.port = int(argv[argv.index("--port") + 1])
+    return router, line[1]
+
+
+async def bench_request_log(args) -> None:
+    """Routers with the request log off, on, and on with a file, in turns, against the bare proxy."""
+    processes = []
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-reqlog-"))
+    log_file = work / "requests.jsonl"
+    try:
+        engine_port = free_port()
+        engine = start_process([sys.executable, __file__, "_engine", "--port", str(engine_port),
+                                "--token-delay", str(args.token_delay)])
+        processes.append(engine)
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        wait_healthy(engine_url + "/health")
+        bare_port = free_port()
+        bare = start_process([sys.executable, __file__, "_bare", "--port", str(bare_port), "--engine-url", engine_url])
+        processes.append(bare)
+        await asyncio.to_thread(wait_healthy_post, f"http://127.0.0.1:{bare_port}")
+        targets = [Target("bare", f"http://127.0.0.1:{bare_port}", ENGINE_KEY, bare.pid)]
+        for name, extra in (("log off", ("--request-log", "off")), ("log on", ("--request-log", "on")),
+                            ("log on + file", ("--request-log", "on", "--request-log-path", str(log_file)))):
+            router, secret = start_router(engine_url, args, *extra)
+            processes.append(router)
+            targets.append(Target(name, f"http://127.0.0.1:{router.port}", secret, router.pid))
+        tokens = args.stream_tokens
+        kinds = (("CPU per request (ms)", body(False), 1e3), (f"CPU per stream of {tokens} (ms)", body(True, tokens), 1e3))
+        figures = {kind: {t.name: [] for t in targets} for kind, _, _ in kinds}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=None)) as session:
+            for target in targets:  # warm up: connections, imports, the first records and file
+                for _ in range(200):
+                    await one(session, target, body(False))
+            for round_ in range(args.rounds):
+                order = targets[round_ % len(targets):] + targets[:round_ % len(targets)]
+                for kind, payload, _ in kinds:
+                    for target in order:
+                        run = await throughput(session, target, 16, args.seconds, payload)
+                        if run["errors"]:
+                            raise SystemExit(f"{target.name}: {run['errors']} errors")
+                        figures[kind][target.name].append(run["cpu"] / max(run["requests"], 1))
+                print(f"round {round_ + 1}/{args.rounds}: " + "; ".join(
+                    f"{name} {values[-1] * 1e3:.3f}" for name, values in figures[kinds[0][0]].items()), flush=True)
+        # the file's writer flushes every 0.2 s: give it a moment, then count what it wrote
+        await asyncio.sleep(1)
+        written = sum(1 for _ in open(log_file)) if log_file.exists() else 0
+
+        names = [t.name for t in targets]
+        width = max(len(kind) for kind, _, _ in kinds) + 10
+        print(f"\nengine: aiohttp (token delay {args.token_delay * 1e3:g} ms); {os.cpu_count()} CPUs; "
+              f"{args.rounds} rounds, each {args.seconds:g} s per router and kind at concurrency 16, in turns")
+        print("CPU is the serving process's user+system time (all threads), median over the rounds;"
+              " ratio: median of each round's ratio to the log off\n")
+        print(f"{'':{width}}" + "".join(f"  {n:>14}" for n in names))
+        for kind, _, scale in kinds:
+            per = figures[kind]
+            print(f"{kind:{width}}" + "".join(f"  {statistics.median(per[n]) * scale:>14.3f}" for n in names))
+            ratios = {n: statistics.median(a / b for a, b in zip(per[n], per["log off"])) for n in names}
+            print(f"{'  vs log off':{width}}" + "".join(f"  {'x%.3f' % ratios[n]:>14}" for n in names))
+            spread = {n: (min(per[n]) * scale, max(per[n]) * scale) for n in names}
+            print(f"{'  range':{width}}" + "".join(f"  {'%.3f-%.3f' % spread[n]:>14}" for n in names))
+        print(f"\nlines in the request log's file: {written}")
+    finally:
+        for process in reversed(processes):
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
 async def bench(args) -> None:
     if args.engine == "vllm":
         await bench_vllm(args)
+        return
+    if args.request_log:
+        await bench_request_log(args)
         return
     processes = []
     try:
@@ -596,9 +713,11 @@ def main() -> None:
         parser.add_argument("--request-timeout", type=float, default=600.0)
         parser.add_argument("--routing", default="least-outstanding")
         parser.add_argument("--limits", action="store_true")
+        parser.add_argument("--request-log", choices=["off", "on"])
+        parser.add_argument("--request-log-path")
         args = parser.parse_args()
         asyncio.run(run_router(args.port, args.engine_url, args.state, args.profile, args.request_timeout,
-                               args.routing, args.limits))
+                               args.routing, args.limits, args.request_log, args.request_log_path))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=["aiohttp", "double", "vllm"], default="aiohttp")
@@ -616,6 +735,9 @@ def main() -> None:
     parser.add_argument("--limits", action="store_true",
                         help="the bench key has rpm, tpm and concurrency limits, and a per-model one, all too "
                              "high to refuse: the cost of enforcing them (R-6.16)")
+    parser.add_argument("--request-log", action="store_true",
+                        help="compare routers with the request log off, on, and on with a file (R-6.20)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the --request-log comparison")
     args = parser.parse_args()
     real = args.engine == "vllm"
     args.count = args.count or (100 if real else 500)

@@ -30,7 +30,7 @@ from llmgw.contracts.feed import MAX_COUNT
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 # How long an opener waits for another process's write transaction before giving up.
 BUSY_TIMEOUT = 30.0
 
@@ -119,9 +119,26 @@ def _migrate_8(db: sqlite_utils.Database) -> None:
     db["usage"].transform(pk=("bucket", "key_id", "model", "via"))
 
 
+def _migrate_9(db: sqlite_utils.Database) -> None:
+    """The request log (R-6.20): one row per request a router recorded, with the router that
+    reported it. `id` only grows (AUTOINCREMENT: an id is never given again, even once every row
+    was pruned), so a follower's cursor never skips a record. Indexed for the listing's filters,
+    each with the time so that the newest come first from the index, and for pruning by age."""
+    db.execute("CREATE TABLE requests (id INTEGER PRIMARY KEY AUTOINCREMENT, router TEXT NOT NULL, at REAL NOT NULL, "
+               "request_id TEXT NOT NULL, route TEXT NOT NULL, status INTEGER NOT NULL, duration REAL NOT NULL, "
+               "key TEXT, model TEXT, asked TEXT, replica TEXT, node TEXT, error TEXT, attempts INTEGER NOT NULL, "
+               "fallback TEXT, queued REAL, ttfb REAL, prompt_tokens INTEGER, completion_tokens INTEGER, "
+               "estimated INTEGER NOT NULL, stream INTEGER NOT NULL, client TEXT, client_request_id TEXT)")
+    db.execute("CREATE INDEX requests_at ON requests (at)")
+    db.execute("CREATE INDEX requests_key ON requests (key, at)")
+    db.execute("CREATE INDEX requests_model ON requests (model, at)")
+    db.execute("CREATE INDEX requests_asked ON requests (asked, at) WHERE asked IS NOT NULL")  # aliases only
+    db.execute("CREATE INDEX requests_status ON requests (status, at)")
+
+
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _migrate_1, 2: _migrate_2, 3: _migrate_3,
                                                                   4: _migrate_4, 5: _migrate_5, 6: _migrate_6,
-                                                                  7: _migrate_7, 8: _migrate_8}
+                                                                  7: _migrate_7, 8: _migrate_8, 9: _migrate_9}
 
 
 def schema_version(db: sqlite_utils.Database) -> int:

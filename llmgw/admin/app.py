@@ -34,6 +34,7 @@ from llmgw.admin.usage import BY, usage_report
 from llmgw.admin.views import Listings, explanation_json, listings
 from llmgw.config import NAME_PATTERN
 from llmgw.contracts.refusals import ErrorKind, ServiceError
+from llmgw.requestlog import DEFAULT_SHOWN, RequestQuery, find_requests, parse_status
 from llmgw.units import parse_duration
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ def build_admin_app(admin: AdminDependencies) -> web.Application:
         web.post("/api/reclaim", api.reclaim),
         web.post("/api/reload", api.reload),
         web.get("/api/usage", api.usage),
+        web.get("/api/requests", api.requests),
         web.get("/api/listener", api.listener),
         web.post("/api/token/rotate", api.rotate_token),
         web.get("/api/routers", api.routers),
@@ -416,6 +418,23 @@ class Api:
         since = _duration(request.query.get("since", DEFAULT_USAGE_SINCE), "since")
         report = await self.admin.store.read(lambda db: usage_report(db, by, since))
         return _json(report)
+
+    async def requests(self, request: web.Request) -> web.Response:
+        """The request log (R-6.20): newest first, or after a cursor oldest first; filters key,
+        model (or the name asked), status (503, 5xx), slower_than (a duration), n and after."""
+        query = request.query
+        status = query.get("status")
+        try:
+            statuses = None if status is None else parse_status(status)
+        except ValueError as exc:
+            raise ServiceError(ErrorKind.INVALID, f"status: {exc}", code="bad_argument") from None
+        slower = query.get("slower_than")
+        after = query.get("after")
+        wanted = RequestQuery(key=query.get("key"), model=query.get("model"), status=statuses,
+                              slower_than=None if slower is None else _duration(slower, "slower_than"),
+                              n=_int(query.get("n", DEFAULT_SHOWN), "n", minimum=1),
+                              after=None if after is None else _int(after, "after"))
+        return _json(await self.admin.store.read(lambda db: find_requests(db, wanted)))
 
     async def listener(self, request: web.Request) -> web.Response:
         """Where this admin listener is bound: TCP address and the state directory's socket."""

@@ -457,3 +457,29 @@ def token_rotated_note(answer: dict) -> str:
     if answer.get("previous_until") is not None:
         return line + f"; the previous one is accepted until {words.clock(answer['previous_until'])}"
     return line + "; the previous one is refused from now on"
+
+
+# -- the request log (R-6.20) ----------------------------------------------------------------------
+
+# Columns of `ctl requests`, each at least this wide so that the batches `--follow` prints line up.
+REQUEST_COLUMNS = (("TIME", 8), ("ID", 24), ("KEY", 10), ("MODEL", 16), ("STATUS", 6), ("REPLICA@NODE", 20),
+                   ("ATTEMPTS", 8), ("QUEUE", 6), ("TTFB", 6), ("DURATION", 8), ("TOKENS IN/OUT", 13))
+NO_RECORDS = "no requests recorded that match (gateway.request_log; records arrive with the routers' reports)"
+
+
+def requests(document: dict, *, header: bool = True, now: float | None = None) -> Table | Text:
+    """Request records as the API lists them, in its order; `header`: False for the later
+    batches of a follow. Estimated token counts are marked `~`, unknown values are `-`."""
+    records = document["requests"]
+    if not records and header:
+        return Text(NO_RECORDS)
+    now = time.time() if now is None else now
+    table = Table(box=None, pad_edge=False, padding=(0, 2, 0, 0), show_header=header, header_style="bold")
+    for name, width in REQUEST_COLUMNS:
+        table.add_column(name, min_width=width, overflow="fold")
+    for r in records:
+        table.add_row(_t(words.moment(r["at"], now)), _t(r["id"]), _t(r.get("key")), _t(words.request_model(r)),
+                      _t(words.request_status(r), "red" if r["status"] >= 500 else None),
+                      _t(words.request_where(r)), _t(words.request_attempts(r)), _t(words.seconds(r.get("queued"))),
+                      _t(words.seconds(r.get("ttfb"))), _t(words.seconds(r["duration"])), _t(words.request_tokens(r)))
+    return table

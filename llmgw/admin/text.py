@@ -401,3 +401,62 @@ def revision_listed(model: dict) -> str:
     if model.get("catalog_revision") not in (None, model["revision"]):
         text += " (held by undo; the catalog differs)"
     return text
+
+
+# -- the request log (R-6.20) ----------------------------------------------------------------------
+
+
+def moment(ts: float, now: float) -> str:
+    """When a request arrived: the clock time, with the date when it was not today."""
+    here = time.localtime(ts)
+    if time.localtime(now)[:3] == here[:3]:
+        return time.strftime("%H:%M:%S", here)
+    return time.strftime("%Y-%m-%d %H:%M:%S", here)
+
+
+def seconds(value: float | None) -> str:
+    """A short span as read at a glance: `85ms`, `1.25s`, `75.0s`; `-` when unknown."""
+    if value is None:
+        return UNKNOWN
+    if value < 1:
+        return f"{value * 1000:.0f}ms"
+    return f"{value:.2f}s" if value < 10 else f"{value:.1f}s"
+
+
+def request_model(record: dict) -> str:
+    """The model that was to serve, with the alias the client called it by: `chat-v2 via chat`."""
+    model = record.get("model") or UNKNOWN
+    return f"{model} via {record['asked']}" if record.get("asked") else model
+
+
+def request_status(record: dict) -> str:
+    """`200`, or `503 queue_timeout` with the error's code as the client saw it."""
+    error = record.get("error")
+    return f"{record['status']} {error}" if error else str(record["status"])
+
+
+def request_where(record: dict) -> str:
+    """The replica of the last attempt and its node, `chat-1a2b@gpu03`; `-` for what is not known."""
+    replica, node = record.get("replica"), record.get("node")
+    if replica is None and node is None:
+        return UNKNOWN
+    return f"{replica or UNKNOWN}@{node or UNKNOWN}"
+
+
+def request_attempts(record: dict) -> str:
+    """Endpoints tried, and the fallback model that served when one did: `2 → chat-small`."""
+    fallback = record.get("fallback")
+    return f"{record['attempts']} → {fallback}" if fallback else str(record["attempts"])
+
+
+def request_tokens(record: dict) -> str:
+    """Tokens in/out, `~` before a count estimated from what was relayed (R-6.9a); `-` unknown."""
+    mark = "~" if record.get("estimated") else ""
+
+    def count(value: int | None) -> str:
+        return UNKNOWN if value is None else f"{mark}{value}"
+
+    prompt, completion = record.get("prompt_tokens"), record.get("completion_tokens")
+    if prompt is None and completion is None:
+        return UNKNOWN
+    return f"{count(prompt)}/{count(completion)}"

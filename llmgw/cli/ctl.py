@@ -560,6 +560,70 @@ def usage(ctx: typer.Context,
         _emit(_client(ctx).get("/api/usage", by=by, since=since), as_json, render.usage)
 
 
+FOLLOW_EVERY = 1.0  # seconds between two asks of `requests --follow`
+FOLLOW_TIMEOUT = 10.0  # seconds one ask of `requests --follow` waits for the admin listener
+FOLLOW_BATCH = 1000  # records one ask of `requests --follow` takes at most (the API's most)
+
+
+@ctl.command()
+def requests(ctx: typer.Context,
+             key: str | None = typer.Option(None, "--key", help="Only requests made with this API key (its name)."),
+             model: str | None = typer.Option(None, "--model", help="Only requests for this model, or that named it "
+                                                                    "(an alias the client called)."),
+             status: str | None = typer.Option(None, "--status", metavar="STATUS",
+                                               help="Only this status (503) or class of statuses (5xx, 4xx)."),
+             slower_than: str | None = typer.Option(None, "--slower-than", metavar="DURATION",
+                                                    help="Only requests that took longer, e.g. 30s, 1.5s, 250ms."),
+             n: int = typer.Option(50, "-n", min=1, help="How many of the latest (at most 1000)."),
+             follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new records as they arrive, "
+                                                                      "until interrupted."),
+             as_json: bool = JSON_OPTION) -> None:
+    """The latest requests the routers recorded, across routers, newest first.
+
+    One record per request (gateway.request_log): when it arrived, its X-Request-Id, the key's
+    name, the model (and the alias it was called by), the status and error code, the replica and
+    node of the last attempt, attempts and the fallback that served, the time queued, to the
+    first byte and in all, tokens in/out (`~`: estimated from what was relayed). `-` is unknown.
+    Records reach the control plane with the routers' reports, about a second after the request.
+    With --follow the latest N are printed oldest first, then each new record as it comes in
+    (--json: a {"requests": [...]} document per line); it ends with an error when the gateway
+    stops answering.
+    """
+    filters = {"key": key, "model": model, "status": status, "slower_than": slower_than}
+    with _refusals():
+        client = _client(ctx)
+        answer = client.get("/api/requests", n=n, **filters)
+        if not follow:
+            _emit(answer, as_json, render.requests)
+            return
+        answer["requests"].reverse()  # followed: oldest first, so that new records come below
+        headed = _print_requests(answer, as_json, headed=False)
+        cursor = answer["cursor"]
+        try:
+            while True:
+                time.sleep(FOLLOW_EVERY)
+                # A listener that stopped answering ends the follow with its error, never a silent wait.
+                answer = client.call("GET", "/api/requests", query={"after": cursor, "n": FOLLOW_BATCH, **filters},
+                                     timeout=FOLLOW_TIMEOUT)
+                cursor = answer["cursor"]
+                if answer["requests"]:
+                    headed = _print_requests(answer, as_json, headed)
+        except KeyboardInterrupt:
+            return
+
+
+def _print_requests(answer: dict, as_json: bool, headed: bool) -> bool:
+    """One batch of a follow: a JSON document on a line of its own, or rows of the table (its
+    header once, over the first rows). Returns whether the header has been printed."""
+    if as_json:
+        typer.echo(json.dumps(answer))
+    elif answer["requests"] or not headed:
+        _console().print(render.requests(words.printable_document(answer), header=not headed))
+        headed = headed or bool(answer["requests"])
+    sys.stdout.flush()
+    return headed
+
+
 @ctl.command()
 def dashboard(ctx: typer.Context, as_json: bool = JSON_OPTION) -> None:
     """Print the dashboard's address, with the admin token in it.

@@ -26,3 +26,9 @@ class Endpoint:
     # Set on the replicas of a canary revision: about this percent of the model's requests
     # go to them, the rest to the model's other endpoints. None: no canary, balanced as one.
     canary: int | None = None
+    # The node the replica's engine answers on, its head node for a multi-node replica: where
+    # the request log says a request ran. None: not known, or a static endpoint.
+    node: str | None = None
+    # The LoRA adapters (their catalog names) the replica's engine holds, in the order it was given
+    # them at launch, which is llama-server's `lora` id of each. (): none.
+    adapters: tuple[str, ...] = ()

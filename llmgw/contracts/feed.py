@@ -85,6 +85,10 @@ class RoutedModel:
     # An alias: a name clients call, served by the model `alias_of`; its other fields are
     # the target's. A router resolves it to the target before anything else: it has no pool.
     alias_of: str | None = None
+    # A LoRA adapter: served by replicas of the base model `adapter_of` that hold it (their
+    # Endpoint.adapters name it); `served_name` is the name its engine serves it by. It has no
+    # endpoints of its own; its engine is the base's.
+    adapter_of: str | None = None
 
     @property
     def upstream_name(self) -> str:
@@ -439,7 +443,7 @@ class _KeyEntryFields:
 class _EndpointFields:
     __slots__ = Endpoint.__slots__
 
-    def __init__(self, replica_id, model, url, api_key, draining, revision):
+    def __init__(self, replica_id, model, url, api_key, draining, revision, node):
         self.replica_id = replica_id
         self.model = model
         self.url = url
@@ -447,6 +451,8 @@ class _EndpointFields:
         self.draining = draining
         self.revision = revision
         self.canary = None
+        self.node = node
+        self.adapters = ()
         _object_setattr(self, "__class__", Endpoint)
 
 
@@ -528,7 +534,9 @@ def _field(document: dict, name: str, where: str):
 def endpoint_to_wire(e: Endpoint) -> dict:
     return {"replica": e.replica_id, "model": e.model, "url": e.url, "key": e.api_key, "draining": e.draining,
             **({"revision": e.revision} if e.revision is not None else {}),
-            **({"canary": e.canary} if e.canary is not None else {})}
+            **({"canary": e.canary} if e.canary is not None else {}),
+            **({"node": e.node} if e.node is not None else {}),
+            **({"adapters": list(e.adapters)} if e.adapters else {})}
 
 
 def endpoint_from_wire(d, where: str) -> Endpoint:
@@ -539,9 +547,11 @@ def endpoint_from_wire(d, where: str) -> Endpoint:
             pass
         else:
             rev = d.get("revision")
+            node = d.get("node")
             if type(r) is str and type(m) is str and type(u) is str and (k is None or type(k) is str) \
-                    and type(dr) is bool and (rev is None or type(rev) is str) and "canary" not in d:
-                return _EndpointFields(r, m, u, k, dr, rev)
+                    and type(dr) is bool and (rev is None or type(rev) is str) and (node is None or type(node) is str) \
+                    and "canary" not in d and "adapters" not in d:
+                return _EndpointFields(r, m, u, k, dr, rev, node)
     d = _obj(d, where)
     return Endpoint(replica_id=_str(_field(d, "replica", where), f"{where}.replica"),
                     model=_str(_field(d, "model", where), f"{where}.model"),
@@ -549,7 +559,10 @@ def endpoint_from_wire(d, where: str) -> Endpoint:
                     api_key=_opt_str(d.get("key"), f"{where}.key"),
                     draining=_expect(d.get("draining", False), (bool,), f"{where}.draining"),
                     revision=_opt_str(d.get("revision"), f"{where}.revision"),
-                    canary=None if d.get("canary") is None else _int(d["canary"], f"{where}.canary", 1, 99))
+                    canary=None if d.get("canary") is None else _int(d["canary"], f"{where}.canary", 1, 99),
+                    node=_opt_str(d.get("node"), f"{where}.node"),
+                    adapters=tuple(_str(a, f"{where}.adapters[{i}]")
+                                   for i, a in enumerate(_list(d.get("adapters", []), f"{where}.adapters"))))
 
 
 def model_to_wire(m: RoutedModel) -> dict:
@@ -557,7 +570,8 @@ def model_to_wire(m: RoutedModel) -> dict:
             "on_demand": m.on_demand, "fallbacks": list(m.fallbacks), "concurrency": m.concurrency,
             **({"background_responses": True} if m.background_responses else {}),
             **({"responses_store": True} if m.responses_store else {}),
-            **({"alias_of": m.alias_of} if m.alias_of is not None else {})}
+            **({"alias_of": m.alias_of} if m.alias_of is not None else {}),
+            **({"adapter_of": m.adapter_of} if m.adapter_of is not None else {})}
 
 
 def model_from_wire(d, where: str) -> RoutedModel:
@@ -571,7 +585,8 @@ def model_from_wire(d, where: str) -> RoutedModel:
                     and r in ROUTING_POLICIES and type(od) is bool and type(fb) is list \
                     and _ONLY_STR.issuperset(map(type, fb)) and (c is None or type(c) is int and c >= 1) \
                     and type(d.get("background_responses", False)) is bool \
-                    and type(d.get("responses_store", False)) is bool and "alias_of" not in d:
+                    and type(d.get("responses_store", False)) is bool and "alias_of" not in d \
+                    and "adapter_of" not in d:
                 return RoutedModel(n, e, s, r, od, tuple(fb), c, d.get("background_responses", False),
                                    d.get("responses_store", False))
     d = _obj(d, where)
@@ -591,7 +606,8 @@ def model_from_wire(d, where: str) -> RoutedModel:
                        background_responses=_expect(d.get("background_responses", False), (bool,),
                                                     f"{where}.background_responses"),
                        responses_store=_expect(d.get("responses_store", False), (bool,), f"{where}.responses_store"),
-                       alias_of=_opt_str(d.get("alias_of"), f"{where}.alias_of"))
+                       alias_of=_opt_str(d.get("alias_of"), f"{where}.alias_of"),
+                       adapter_of=_opt_str(d.get("adapter_of"), f"{where}.adapter_of"))
 
 
 def key_to_wire(k: KeyEntry) -> dict:

@@ -290,7 +290,8 @@ class Records:
 
     def endpoints(self, nodes: Mapping[str, NodeConfig]) -> dict[str, list[Endpoint]]:
         """The router's endpoint table: each serving replica's leader, by model, in replica order,
-        with the revision it runs and, on a canary revision's replicas, the canary's share."""
+        with the revision it runs, its leader's node (the head node of a multi-node replica) and,
+        on a canary revision's replicas, the canary's share."""
         table: dict[str, list[Endpoint]] = {}
         for replica in self.replicas.values():
             if not replica.serving:
@@ -304,7 +305,8 @@ class Records:
             table.setdefault(replica.model, []).append(
                 Endpoint(replica_id=replica.id, model=replica.model, url=f"http://{_url_host(host)}:{leader.port}",
                          api_key=replica.api_key, draining=replica.draining, revision=replica.revision,
-                         canary=canary[1] if canary is not None and canary[0] == replica.revision else None))
+                         canary=canary[1] if canary is not None and canary[0] == replica.revision else None,
+                         node=leader.node))
         for endpoints in table.values():
             endpoints.sort(key=lambda e: e.replica_id)
         return table

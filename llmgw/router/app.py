@@ -6,6 +6,11 @@ the forwarder (router/proxy.py). What the feed sets — snapshot, models, keys, 
 capacities — and what the router reports are router/feedstate.py's: the router is fed only by the
 router feed (R-10.1) and reads no catalog, configuration or database. Until the first snapshot it
 answers every API request with a 503, since it cannot authenticate anyone yet.
+
+Every API request gets a trail (router/trail.py) before anything else: its id, which every answer
+carries as X-Request-Id (set as the response is prepared, streams included), every error body names
+and the engine is sent; and what happens to it, which becomes the request log's record when the
+answer is done (R-6.20).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 import prometheus_client
@@ -26,13 +32,16 @@ from llmgw.router.engineload import EnginePoller
 from llmgw.router.errors import InternalError, NotReady, RouterError, error_response, from_http_exception
 from llmgw.router.fairqueue import FairQueue
 from llmgw.router.feedstate import FeedState
-from llmgw.router.intake import ASKED_MODEL, LIMITED, Intake
+from llmgw.router.intake import Intake
 from llmgw.router.keys import allows
 from llmgw.router.landing import landing_page
 from llmgw.router import limits
 from llmgw.router.metrics import NO_MODEL, RouterMetrics
 from llmgw.router.proxy import Forwarder
+from llmgw.router.requestlog import RequestLog
 from llmgw.router.routes import ROUTES, Route
+from llmgw.router.trail import (CLIENT_CLOSED, CLIENT_CLOSED_STATUS, REQUEST_ID_HEADER, TRAIL, Trail, TrailSpan,
+                                request_id_of, to_record)
 from llmgw.router.usage import UsageMeter
 
 log = logging.getLogger(__name__)
@@ -57,6 +66,7 @@ SERVER_SETTINGS = {
     "max_field_size": 16384,
 }
 RUNNER_OPTIONS = {"access_log": None}  # no log line per request on the hot path
+UNMATCHED_PATH_CHARS = 200  # of a path no route matches, as the request log names its route
 
 _KEY = web.RequestKey("llmgw_key", KeyEntry)
 
@@ -67,8 +77,8 @@ class Router:
     Its feed is given `feed` (a feedstate.FedRouter); `apply`, `report_fields` and `snapshot`
     are the feed state's, here too for whoever holds the router."""
 
-    __slots__ = ("balancer", "fairqueue", "metrics", "usage", "limiter", "tracing", "feed", "keys", "intake", "dispatch",
-                 "_created")
+    __slots__ = ("balancer", "fairqueue", "metrics", "usage", "limiter", "request_log", "feed", "keys", "intake",
+                 "dispatch", "tracer", "tracing", "_created", "_route_names")
 
     def __init__(self, *, registry: prometheus_client.CollectorRegistry | None = None):
         self.balancer = Balancer()
@@ -77,13 +87,18 @@ class Router:
                                      self.fairqueue.waiting)
         self.usage = UsageMeter()
         self.limiter = limits.Limiter()
+        self.request_log = RequestLog()  # R-6.20
         self.feed = FeedState(balancer=self.balancer, fairqueue=self.fairqueue, limiter=self.limiter,
-                              usage=self.usage, metrics=self.metrics)
-        self.tracing = self.feed.tracing  # the feed's gateway settings switch it on and off (R-6.21)
+                              usage=self.usage, metrics=self.metrics, request_log=self.request_log)
         self.keys = self.feed.keys  # the keys in force, which the feed replaces
         self.intake = Intake(self.feed, self.limiter, self.balancer)
         self.dispatch = Dispatch(self.feed, self.balancer, self.fairqueue, self.metrics)
+        # tracer(request, trail): the span (trail.TrailSpan) a tracer follows the request with, or
+        # None; a request's hooks hand it what they note. None here: nothing is traced.
+        self.tracer: Callable[[web.Request, Trail], TrailSpan | None] | None = None
+        self.tracing = self.feed.tracing  # the feed's gateway settings switch it on and off (R-6.21)
         self._created = int(time.time())
+        self._route_names: dict[web.AbstractRoute, str] = {}  # "POST /v1/chat/completions", per route
 
     # -- the feed -------------------------------------------------------------------------------
 
@@ -117,13 +132,15 @@ class Router:
         app.router.add_get("/v1/models/{model}", self._get_model)
         for route in ROUTES:
             app.router.add_route(route.method, route.path, functools.partial(self._proxy, route=route))
-        app.on_response_prepare.append(self._rate_limit_headers)
+        app.on_response_prepare.append(self._answer_headers)
         app.cleanup_ctx.append(self._lifecycle)
         return app
 
     async def close(self) -> None:
-        """The spans not exported yet are flushed (R-6.21); what is still counted goes out with the
-        feed client's last report, not from here."""
+        """The request log's file gets what its writer holds, the collector the spans not exported
+        yet (R-6.21). Nothing else is written here: what is still counted goes out with the feed
+        client's last report."""
+        await asyncio.to_thread(self.request_log.close)
         await self.tracing.close()
 
     # -- middleware: authentication and the one place errors become responses ---------------------
@@ -132,6 +149,12 @@ class Router:
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
         if request.path in EXEMPT_PATHS and request.match_info.http_exception is None:
             return await handler(request)
+        at = time.time()
+        trail = Trail(*request_id_of(request.headers.get(REQUEST_ID_HEADER)), at, time.monotonic())
+        request[TRAIL] = trail
+        if self.tracer is not None:
+            trail.span = self.tracer(request, trail)
+        error = None
         try:
             if self.feed.snapshot is None:
                 raise NotReady("the gateway is starting: this router has not yet received the control plane's "
@@ -140,21 +163,58 @@ class Router:
             authorization = headers.get("Authorization")
             key = self.keys.authenticate(authorization, None if authorization else headers.get("x-api-key"))
             request[_KEY] = key
-            self.usage.key_used(key.id, time.time())
+            trail.key = key.name
+            self.usage.key_used(key.id, at)
             response = await handler(request)
         except RouterError as exc:
-            response = error_response(exc, _anthropic(request))
+            error = exc
         except web.HTTPException as exc:
-            response = error_response(from_http_exception(exc), _anthropic(request))
+            error = from_http_exception(exc)
+        except asyncio.CancelledError:
+            # The client left. Its record says so, then the cancellation goes on: a stream it was
+            # sent is a 200 whose end (`stream_end`) says whether it was whole; else nothing was.
+            if trail.stream:
+                self._finish(request, trail, 200, None)
+            else:
+                self._finish(request, trail, CLIENT_CLOSED_STATUS, CLIENT_CLOSED)
+            raise
         except Exception:
-            log.exception("unexpected error answering %s %s", request.method, request.path)
-            response = error_response(InternalError("internal error in the router; its log has the details"),
-                                      _anthropic(request))
-        self.metrics.request(request.get(ASKED_MODEL, NO_MODEL), response.status)
+            log.exception("unexpected error answering %s %s (request %s)", request.method, request.path, trail.id)
+            error = InternalError("internal error in the router; its log has the details")
+        if error is not None:
+            response = error_response(error, _anthropic(request), trail.id)
+            self._finish(request, trail, error.status, error.code)
+        else:
+            self._finish(request, trail, response.status, None)
+        self.metrics.request(trail.model or NO_MODEL, response.status)
         return response
 
-    async def _rate_limit_headers(self, request: web.Request, response: web.StreamResponse) -> None:
-        budgets = request.get(LIMITED)
+    def _finish(self, request: web.Request, trail: Trail, status: int, error: str | None) -> None:
+        """The answer is done: the trail finished and, when the request log keeps it, recorded."""
+        trail.finish(time.monotonic(), status, error)
+        request_log = self.request_log
+        if request_log.keeps():
+            request_log.keep(to_record(trail, self._route_name(request), request.remote))
+
+    def _route_name(self, request: web.Request) -> str:
+        """The method and the route's path pattern ("POST /v1/chat/completions"); for a path no
+        route matches, the method and the path itself, cut short."""
+        match = request.match_info
+        if match.http_exception is not None:
+            return f"{request.method} {request.path[:UNMATCHED_PATH_CHARS]}"
+        route = match.route
+        name = self._route_names.get(route)
+        if name is None:
+            name = self._route_names[route] = f"{route.method} {route.resource.canonical}"
+        return name
+
+    async def _answer_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Every API answer names its request (R-6.20); a limited key's carries its x-ratelimit-* headers."""
+        trail = request.get(TRAIL)
+        if trail is None:  # "/" and "/healthz"
+            return
+        response.headers[REQUEST_ID_HEADER] = trail.id
+        budgets = trail.budgets
         if budgets:
             response.headers.update(limits.headers(budgets, time.monotonic()))
 
@@ -209,13 +269,14 @@ class Router:
     async def _proxy(self, request: web.Request, route: Route) -> web.StreamResponse:
         key: KeyEntry = request[_KEY]
         intake = self.intake
+        trail = request[TRAIL]
         if not limits.Limiter.applies(key):
-            return await self.dispatch.route(request, await intake.take(request, route, key, None))
+            return await self.dispatch.route(request, await intake.take(request, route, key, None, trail))
         # The key's own place and request are taken before its body is read: a limited key's
         # request is refused without the router reading (up to gateway.max_body of) it (R-6.16).
-        held = intake.hold(request, key)
+        held = intake.hold(trail, key)
         try:
-            return await self.dispatch.route(request, await intake.take(request, route, key, held))
+            return await self.dispatch.route(request, await intake.take(request, route, key, held, trail))
         finally:
             held.release()
 

@@ -178,13 +178,14 @@ def ring_points(replica_id: str) -> tuple[int, ...]:
 class Upstream:
     """The router's live view of one endpoint: what is in flight to it and whether it is ejected."""
 
-    __slots__ = ("endpoint", "replica_id", "model", "outstanding", "queued", "engine", "slots", "ejected_until",
-                 "headers", "stream_headers", "base_url", "preempting", "hit_rate", "pressed")
+    __slots__ = ("endpoint", "replica_id", "model", "node", "outstanding", "queued", "engine", "slots",
+                 "ejected_until", "headers", "stream_headers", "base_url", "preempting", "hit_rate", "pressed")
 
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
         self.replica_id = endpoint.replica_id
         self.model = endpoint.model
+        self.node = endpoint.node  # where its engine answers, for the request log (R-6.20); None: not known
         self.outstanding = 0
         self.queued = 0  # requests the engine held beyond ours at the last poll; 0 while not known
         self.engine = None  # engineload.EngineLoad as last polled, None while unknown

@@ -41,7 +41,7 @@ class Dispatch:
     async def route(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
         if exchange.pinned is not None:
             return await self._pinned_route(request, exchange)
-        model, key, affinity = exchange.model, exchange.key, exchange.affinity
+        model, key, affinity, trail = exchange.model, exchange.key, exchange.affinity, exchange.trail
         name = model.name
         feed, balancer, fairqueue = self.feed, self.balancer, self.fairqueue
         tried: list[Upstream] = []
@@ -53,13 +53,21 @@ class Dispatch:
                 feed.note_demand(name)
                 waited_since = now
             if not fairqueue.take(name, key.id, key.priority, key.weight):  # every place is taken: wait for one
-                await fairqueue.wait(name, key.id, key.priority, key.weight, feed.gateway.queue_wait, bool(tried))
+                trail.queue_start(now)
+                try:
+                    await fairqueue.wait(name, key.id, key.priority, key.weight, feed.gateway.queue_wait, bool(tried))
+                finally:
+                    trail.queue_end(time.monotonic())
                 now = time.monotonic()
             up = self._acquire(exchange, now, tried)
             if up is None:
                 if model.on_demand and feed.on_demand is not None and not balancer.has_endpoints(name):
                     fairqueue.leave(name, now, key.id)
-                    await feed.await_arrival(name, waited_since or now)
+                    trail.queue_start(now)
+                    try:
+                        await feed.await_arrival(name, waited_since or now)
+                    finally:
+                        trail.queue_end(time.monotonic())
                     continue
                 # Every endpoint is ejected: a recently failed one beats a certain 503.
                 up = self._acquire(exchange, now, tried, include_ejected=True)
@@ -75,9 +83,13 @@ class Dispatch:
             try:
                 response = await self.forwarder.send(request, exchange, up, accepted)
                 self.metrics.answered(up.replica_id, response.status)
+                trail.attempt_end(response.status)
+                if up.model != name:
+                    trail.fallback = up.model  # the fallback that served
                 return response
             except RouterError as exc:
                 self.metrics.answered(up.replica_id, exc.status)
+                trail.attempt_end(exc.status, exc.code)
                 body = exchange.body
                 if isinstance(body, Upload) and body.problem is not None:
                     raise body.problem from None
@@ -91,8 +103,8 @@ class Dispatch:
                 if up.ejected_until <= now:
                     balancer.eject(up, time.monotonic())
                     self.metrics.ejection(up.model)
-                    log.warning("ejected replica %s of %s for %.0f s: %s", up.replica_id, up.model,
-                                balancer.eject_seconds, exc.message)
+                    log.warning("ejected replica %s of %s for %.0f s: %s (request %s)", up.replica_id, up.model,
+                                balancer.eject_seconds, exc.message, trail.id)
                 if len(tried) >= MAX_ATTEMPTS:
                     raise UpstreamFailed(f"no engine of {name!r} could answer after {len(tried)} "
                                          f"attempts; last: {exc.message}") from None
@@ -126,9 +138,13 @@ class Dispatch:
             raise ResponseNotFound(f"response {pinned.client_id!r} is held by replica {pinned.replica_id} of "
                                    f"{model.name!r}, which no longer serves (stopped, replaced or its node is "
                                    "gone); the stored response went with it")
+        trail = exchange.trail
         try:
-            return await self.forwarder.send(request, exchange, up)
+            response = await self.forwarder.send(request, exchange, up)
+            trail.attempt_end(response.status)
+            return response
         except RouterError as exc:
+            trail.attempt_end(exc.status, exc.code)
             if not exc.retryable_before_first_byte:
                 raise
             raise UpstreamFailed(f"replica {pinned.replica_id}, which holds response {pinned.client_id!r}, could "

@@ -175,9 +175,11 @@ class InternalError(RouterError):
     pass
 
 
-def error_body(exc: RouterError) -> bytes:
-    return json.dumps({"error": {"message": exc.message, "type": exc.type, "code": exc.code,
-                                 "param": exc.param}}).encode()
+def error_body(exc: RouterError, request_id: str | None = None) -> bytes:
+    error = {"message": exc.message, "type": exc.type, "code": exc.code, "param": exc.param}
+    if request_id is not None:  # R-6.20: what the client quotes to whoever reads the request log
+        error["request_id"] = request_id
+    return json.dumps({"error": error}).encode()
 
 
 # Anthropic's error types by status (its SDK picks the exception class by status, the type says why).
@@ -186,14 +188,19 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
                    429: "rate_limit_error", 503: "overloaded_error"}
 
 
-def anthropic_error_body(exc: RouterError) -> bytes:
+def anthropic_error_body(exc: RouterError, request_id: str | None = None) -> bytes:
+    """Anthropic's error shape: its `request_id` at the top level, as Anthropic's API puts it."""
     kind = ANTHROPIC_TYPES.get(exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
-    return json.dumps({"type": "error", "error": {"type": kind, "message": exc.message}}).encode()
+    document = {"type": "error", "error": {"type": kind, "message": exc.message}}
+    if request_id is not None:
+        document["request_id"] = request_id
+    return json.dumps(document).encode()
 
 
-def error_response(exc: RouterError, anthropic: bool = False) -> web.Response:
-    """The answer for a RouterError: OpenAI's shape (R-6.1), or Anthropic's on its Messages routes."""
-    body = anthropic_error_body(exc) if anthropic else error_body(exc)
+def error_response(exc: RouterError, anthropic: bool = False, request_id: str | None = None) -> web.Response:
+    """The answer for a RouterError: OpenAI's shape (R-6.1), or Anthropic's on its Messages routes,
+    naming the request's id (R-6.20)."""
+    body = anthropic_error_body(exc, request_id) if anthropic else error_body(exc, request_id)
     response = web.Response(status=exc.status, body=body, content_type="application/json")
     if exc.retry_after is not None:
         response.headers["Retry-After"] = str(exc.retry_after)

@@ -22,6 +22,7 @@ from llmgw.contracts.feed import KeyEntry, RoutedModel
 from llmgw.router import limits
 from llmgw.router.balancer import Upstream
 from llmgw.router.routes import ANTHROPIC, RESPONSE_ID, Route
+from llmgw.router.trail import REQUEST_ID_HEADER, Trail
 from llmgw.router.uploads import Upload
 
 ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")  # passed on to engines that read them
@@ -54,6 +55,7 @@ class Exchange(NamedTuple):
     pinned: Pinned | None  # the stored response this request reads or continues: its replica only
     affinity: bytes | None  # the prefix-routing key, for inference routes of models routed by prefix
     admission: limits.Admission | None  # a limited key's reservation, settled to the answer's usage
+    trail: Trail  # its id and what happens to it on the way, for the request log (R-6.20)
     via: str = ""  # the alias the client named the model by (R-8.7); "": the model's own name
 
     @property
@@ -87,18 +89,21 @@ class Exchange(NamedTuple):
         return json.dumps({**self.document, "model": upstream_name}).encode()
 
     def upstream_headers(self, request: web.Request, up: Upstream) -> dict:
-        """Headers for the engine: always its key as Bearer (every engine reads that), never the client's."""
+        """Headers for the engine: always its key as Bearer (every engine reads that), never the
+        client's, and the request's id as X-Request-Id (R-6.20)."""
         headers = up.stream_headers if self.stream else up.headers
         route = self.route
-        if route.plain:  # a JSON body: the endpoint's prebuilt headers as they are
-            return headers
+        if route.plain:  # a JSON body: the endpoint's prebuilt headers and the id
+            return {**headers, REQUEST_ID_HEADER: self.trail.id}
         body = self.body
         if route.dialect == ANTHROPIC:
-            passed = {name: request.headers[name] for name in ANTHROPIC_HEADERS if name in request.headers}
-            if passed:
-                headers = {**headers, **passed}
+            headers = {**headers, **{name: request.headers[name] for name in ANTHROPIC_HEADERS
+                                     if name in request.headers}}
         elif isinstance(body, Upload):
             headers = {**headers, "Content-Type": body.content_type}
         elif body is None:
             headers = {name: value for name, value in headers.items() if name != "Content-Type"}
+        else:
+            headers = dict(headers)
+        headers[REQUEST_ID_HEADER] = self.trail.id
         return headers

@@ -37,7 +37,7 @@ import aiohttp
 from llmgw.contracts import routerauth
 from llmgw.contracts.addresses import is_loopback
 from llmgw.contracts.backoff import backoff_delay
-from llmgw.contracts.feed import Ack, Change, FeedError, Report, Snapshot, Unapplied, from_wire, to_wire
+from llmgw.contracts.feed import Ack, Change, FeedError, Report, Snapshot, Unapplied, from_wire
 from llmgw.router.spool import (SLOTS_DIR, SPOOL_FILE, Slot, Spool, Spooled, count_refused, set_aside,
                                 take_slot)
 from llmgw.router.statedir import (SNAPSHOT_FILE, FeedClientError, load_snapshot_file, private_dir,
@@ -492,8 +492,10 @@ class FeedClient:
 
     async def _post(self, entry: Spooled) -> Ack:
         timeout = aiohttp.ClientTimeout(total=POST_TIMEOUT, sock_connect=CONNECT_TIMEOUT)
-        body = json.dumps(to_wire(entry.report), separators=(",", ":")).encode()
         headers, answer = await self._authorize("POST", REPORT_PATH)  # a refusal here sent no report
+        # As spooled, made once however often it is sent; a merged report's, off the loop (its
+        # request-log records may be thousands).
+        body = entry.body if entry.body is not None else await asyncio.to_thread(entry.encoded)
         try:
             # A connection that cannot be made sends nothing: that report may still be merged.
             async with self._session.post(self.control.base_url + REPORT_PATH, data=body, timeout=timeout,

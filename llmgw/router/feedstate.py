@@ -2,10 +2,11 @@
 
 The router is fed only by the router feed (llmgw.contracts.feed): `FeedState.apply()` takes the
 control plane's Snapshot and then each Change (models, endpoint lists, keys, gateway settings —
-the traces' collector among them, R-6.21 —, replicas given up), and `report_fields()` gives what the router's next Report carries: usage and
-key use counted since the last report (handed over once), and its state as of now (last use per
+the traces' collector among them, R-6.21 —, replicas given up), and `report_fields()` gives what
+the router's next Report carries: usage and key use counted since the last report (handed over once), and its state as of now (last use per
 replica for R-7.1, requests in flight for drains (R-4.2), engine loads (R-6.5), on-demand models
-asked for with no replica (R-6.8)). It reads no catalog, configuration or database: whoever feeds
+asked for with no replica (R-6.8)), and the request log's records kept since the last report
+(R-6.20, handed over once). It reads no catalog, configuration or database: whoever feeds
 it (in process, or over a socket) decides where those come from.
 
 A feed is given a `FedRouter`, what it needs of the router and no more: `FeedState` is one,
@@ -28,6 +29,7 @@ from llmgw.router.fairqueue import FairQueue, replica_places
 from llmgw.router.keys import KeyRing
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.proxy import DEFAULT_MAX_ANSWER, Forwarder
+from llmgw.router.requestlog import RequestLog
 from llmgw.router.tracing import Tracing
 from llmgw.router.usage import UsageMeter
 
@@ -62,13 +64,14 @@ class FeedState:
     capacities, leases, homes), and what the router counts for its reports."""
 
     def __init__(self, *, balancer: Balancer, fairqueue: FairQueue, limiter: limits.Limiter, usage: UsageMeter,
-                 metrics: RouterMetrics):
+                 metrics: RouterMetrics, request_log: RequestLog):
         self.keys = KeyRing()
         self.balancer = balancer
         self.fairqueue = fairqueue
         self.limiter = limiter
         self.usage = usage
         self.metrics = metrics
+        self.request_log = request_log
         self.tracing = Tracing()  # off until the gateway settings name a collector (R-6.21)
         self.router_id: str | None = None
         # A request for an on-demand model with no replica does not wait for one while this is None.
@@ -142,8 +145,8 @@ class FeedState:
     def report_fields(self) -> dict:
         """Keyword arguments for a contracts.feed.Report, less router, seq and sent_at.
 
-        Usage, key use and demand are handed over once (the next call has only what came after);
-        the rest is the router's state as of now."""
+        Usage, key use, demand and the request log's records are handed over once (the next call
+        has only what came after); the rest is the router's state as of now."""
         usage, key_use = self.usage.drain()
         demand, self._demand = tuple(self._demand), {}
         inflight: dict[str, int] = {}
@@ -159,7 +162,7 @@ class FeedState:
                 "engine_load": loads, "demand": demand,
                 "snapshot": None if snapshot is None else (snapshot.epoch, snapshot.version),
                 "counters": self.metrics.counters(), "asked": self.limiter.take_asked(),
-                "homes": self.balancer.take_homes()}
+                "homes": self.balancer.take_homes(), "requests": self.request_log.take()}
 
     def outstanding(self, replica_id: str) -> int:
         """Requests this router has in flight to a replica, still counted after it left the lists."""
@@ -224,6 +227,7 @@ class FeedState:
     def _set_gateway(self, gateway: GatewaySettings) -> None:
         self.gateway = gateway
         self.fairqueue.max_waiting_per_key = gateway.max_waiting_per_key
+        self.request_log.configure(gateway)
         self.tracing.configure(gateway.otlp_endpoint, self.router_id)
         if self._forwarder is not None:
             self._forwarder.set_read_timeout(gateway.request_timeout)

@@ -6,7 +6,9 @@ A limited key's own place and request are held before the body is read (`hold`),
 request over them is refused without the router reading (up to gateway.max_body of) it; its
 tokens and its model's limits are admitted once the body is known, and the admission travels in
 the Exchange, which the forwarder settles to the answer's usage. The budgets of a limited key's
-request are left on the aiohttp request (`LIMITED`) for its x-ratelimit-* headers.
+request are left on its trail (`Trail.budgets`) for its x-ratelimit-* headers, and so is the model
+it resolved to (`Trail.model`, and `Trail.asked`: the alias the client named it by) for its metrics
+and its record in the request log.
 """
 
 from __future__ import annotations
@@ -28,14 +30,12 @@ from llmgw.router.feedstate import FeedState
 from llmgw.router.keys import allows
 from llmgw.router.routes import FORM, RESPONSE_ID, RESPONSES, Route, serves
 from llmgw.router.streams import CONTINUOUS_USAGE_ENGINES, ask_for_usage, streaming
+from llmgw.router.trail import Trail
 from llmgw.router.uploads import Upload, read_upload
 
 # Content-Encoding -> zlib wbits of each way to read it (deflate is zlib-wrapped, or raw from some clients).
 BODY_ENCODINGS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
                   "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
-
-ASKED_MODEL = web.RequestKey("llmgw_model", str)  # the model a request named, for its metrics
-LIMITED = web.RequestKey("llmgw_limited", tuple)  # the budgets of a limited key's request, for its headers
 
 
 class Intake:
@@ -46,18 +46,18 @@ class Intake:
         self.limiter = limiter
         self.balancer = balancer
 
-    def hold(self, request: web.Request, key: KeyEntry) -> limits.Admission:
+    def hold(self, trail: Trail, key: KeyEntry) -> limits.Admission:
         """The key's own concurrency and requests per minute, which need no body (R-6.16)."""
         try:
             held = self.limiter.hold(key, time.monotonic())
         except limits.RateLimited as exc:
-            request[LIMITED] = exc.budgets
+            trail.budgets = exc.budgets
             raise
-        request[LIMITED] = held.budgets
+        trail.budgets = held.budgets
         return held
 
     async def take(self, request: web.Request, route: Route, key: KeyEntry,
-                   held: limits.Admission | None) -> Exchange:
+                   held: limits.Admission | None, trail: Trail) -> Exchange:
         """The request read, checked and admitted as one Exchange. `held`: what `hold` took for a
         limited key's request (None: the key has no limits)."""
         document: dict | None = None
@@ -91,7 +91,8 @@ class Intake:
         if model.alias_of is not None:  # served by its target as if the client had named it (R-8.7)
             via, name = name, model.alias_of
             model = models[name]
-        request[ASKED_MODEL] = name
+            trail.asked = via
+        trail.model = name
         if not serves(route, model.engine):
             served = ", ".join(sorted(route.engines)) or "no built-in engine"
             raise RouteNotServed(f"model {name!r} runs on {model.engine}, which does not serve "
@@ -120,9 +121,9 @@ class Intake:
                 admission = self.limiter.admit(key, name, limits.estimate(size, document), time.monotonic(),
                                                capped=limits.answer_cap(document) is not None, held=held)
             except limits.RateLimited as exc:
-                request[LIMITED] = exc.budgets
+                trail.budgets = exc.budgets
                 raise
-            request[LIMITED] = admission.budgets
+            trail.budgets = admission.budgets
         # Only requests that run the model choose or use a home; tokenizing is balanced by load (R-6.5b).
         # A canary's share is drawn by the same key, so a conversation stays on one revision (R-4.13).
         balancer = self.balancer
@@ -131,7 +132,7 @@ class Intake:
                     and (balancer.policy(name) == PREFIX or balancer.has_canary(name)) else None)
         # A form's `stream` field is not read: whether its answer streams is the engine's Content-Type.
         return Exchange(route, model, key, models, document, body, None if route.model_from == FORM else stream,
-                        strip_usage, strip_continuous, pinned, affinity, admission, via)
+                        strip_usage, strip_continuous, pinned, affinity, admission, trail, via)
 
     def resolve(self, name: str, key: KeyEntry) -> RoutedModel:
         """The model (or alias), when it exists and the key may use it. Both refusals are one answer (R-6.1):

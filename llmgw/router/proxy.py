@@ -13,6 +13,10 @@ Every request that got an answer is counted once, however its stream ended: a st
 no usage is counted from the events relayed, as an estimate (usage.estimate_stream), and a limited
 key's reservation settles to that.
 
+Each attempt is noted on the request's trail (router/trail.py): its start (which sends the engine
+the request's id as X-Request-Id, and whatever a tracer adds), a relayed stream's first byte and
+how the stream ended, the tokens counted; every log line about a request names its id (R-6.20).
+
 Read timeouts: until the first byte, one `asyncio.timeout` per attempt. After it, a `Watchdog`
 sweeps the streams in flight once a second and ends those whose engine has been silent too long.
 aiohttp's own `sock_read` would do the same by re-arming a timer on every chunk received, which
@@ -22,6 +26,7 @@ measured at about a third more router CPU per streamed event (bench/router_overh
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -38,6 +43,7 @@ from llmgw.router.errors import (UpstreamAnswerTooLarge, UpstreamConnectFailed, 
                                  UpstreamTimeout)
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.routes import ANTHROPIC, OPENAI, RESPONSES
+from llmgw.router.trail import CLIENT_CLOSED, Trail
 from llmgw.router.usage import (UsageMeter, anthropic_stream_usage, complete_events_end, estimate_stream,
                                 find_usage, strip_usage, tokens, usage_from_body)
 
@@ -52,37 +58,39 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 _NOT_EDITED = {"strip_usage": False, "strip_continuous": False}
 
 
-def _mid_stream_error(message: str, code: str) -> bytes:
-    # The leading blank line ends any event the engine left half-written.
-    return (b'\n\ndata: {"error": {"message": "' + message.encode() + b'", "type": "upstream_error", '
-            b'"code": "' + code.encode() + b'", "param": null}}\n\n')
-
-
-_ENGINE_STOPPED = _mid_stream_error("the engine stopped in the middle of the answer; the answer is incomplete",
-                                    "upstream_interrupted")
-_ENGINE_SILENT = _mid_stream_error("the engine went silent in the middle of the answer (gateway.request_timeout); "
-                                   "the answer is incomplete", "upstream_timeout")
 HEAD_BYTES = 16384  # an Anthropic stream's message_start (its input counts) is within this
+_STOPPED = ("the engine stopped in the middle of the answer; the answer is incomplete", "upstream_interrupted")
+_SILENT = ("the engine went silent in the middle of the answer (gateway.request_timeout); the answer is incomplete",
+           "upstream_timeout")
 
 
-def _anthropic_mid_stream_error(message: str) -> bytes:
+def _mid_stream_error(message: str, code: str, request_id: str) -> bytes:
+    # The leading blank line ends any event the engine left half-written.
+    return b"\n\ndata: " + json.dumps({"error": {"message": message, "type": "upstream_error", "code": code,
+                                                 "param": None, "request_id": request_id}}).encode() + b"\n\n"
+
+
+def _anthropic_mid_stream_error(message: str, code: str, request_id: str) -> bytes:
     # Anthropic's clients raise on an `error` event; the blank line first ends a half-written event.
-    return (b'\n\nevent: error\ndata: {"type": "error", "error": {"type": "api_error", "message": "'
-            + message.encode() + b'"}}\n\n')
+    return b"\n\nevent: error\ndata: " + json.dumps({"type": "error", "error": {"type": "api_error", "message": message},
+                                                      "request_id": request_id}).encode() + b"\n\n"
 
 
-_CUTS = {
-    ANTHROPIC: (_anthropic_mid_stream_error("the engine stopped in the middle of the answer; the answer is incomplete"),
-                _anthropic_mid_stream_error("the engine went silent in the middle of the answer "
-                                            "(gateway.request_timeout); the answer is incomplete")),
-}
-_OPENAI_CUTS = (_ENGINE_STOPPED, _ENGINE_SILENT)
+# What shows a stream's engine had sent all of it, per dialect: a client may leave at once after
+# (the openai client closes after `data: [DONE]`) while the engine has not ended its body yet.
+_ENDS = {OPENAI: (b"data: [DONE]",), ANTHROPIC: (b"message_stop",),
+         RESPONSES: (b"response.completed", b"response.incomplete", b"response.failed")}
 
 
-def _connect_error(up: Upstream, exc: BaseException) -> UpstreamConnectFailed:
+def _whole(tail: bytes, dialect: str) -> bool:
+    return any(end in tail for end in _ENDS.get(dialect, ()))
+
+
+def _connect_error(up: Upstream, exc: BaseException, trail: Trail) -> UpstreamConnectFailed:
     # aiohttp's and asyncio's messages name the engine's host:port; clients only learn the replica
     # and the errno's words, the gateway's log keeps the rest.
-    log.info("replica %s: engine %s: %s: %s", up.replica_id, up.endpoint.url, type(exc).__name__, exc)
+    log.info("replica %s: engine %s: %s: %s (request %s)", up.replica_id, up.endpoint.url, type(exc).__name__, exc,
+             trail.id)
     errno = getattr(exc, "errno", None)
     why = f"{type(exc).__name__}: {os.strerror(errno)}" if isinstance(errno, int) and errno > 0 else type(exc).__name__
     return UpstreamConnectFailed(f"could not reach the engine of replica {up.replica_id} ({why})")
@@ -193,9 +201,13 @@ class Forwarder:
         """One attempt of `exchange` on `up`. `accepted` is called once the engine answers with a
         status below 400."""
         stream, method, dialect, key_id = exchange.stream, exchange.route.method, exchange.route.dialect, exchange.key.id
+        trail = exchange.trail
         url = up.base_url + exchange.upstream_path(up)
         body = exchange.upstream_body(up)
         headers = exchange.upstream_headers(request, up)
+        extra = trail.attempt_start(up)
+        if extra:
+            headers.update(extra)
         started = time.monotonic()
         resp = None
         finished = False
@@ -225,8 +237,8 @@ class Forwarder:
                             # llama-server now and then starts an Anthropic stream past its
                             # message_start, which clients need (and which carries the prompt's
                             # tokens). Nothing has reached the client: ask the engine again.
-                            log.info("replica %s began an Anthropic stream without message_start; asking again",
-                                     up.replica_id)
+                            log.info("replica %s began an Anthropic stream without message_start; asking again "
+                                     "(request %s)", up.replica_id, trail.id)
                             resp.close()
                             resp = await self._request(method, url, body, headers)
                             if resp.status != 200:
@@ -238,11 +250,11 @@ class Forwarder:
                     else:
                         answer = await self._read_answer(resp, up)
             except aiohttp.ConnectionTimeoutError as exc:
-                raise _connect_error(up, exc) from None
+                raise _connect_error(up, exc, trail) from None
             except TimeoutError:
                 raise _timeout(up) from None
             except aiohttp.ClientError as exc:
-                raise _connect_error(up, exc) from None
+                raise _connect_error(up, exc, trail) from None
             except asyncio.CancelledError:
                 if attempt.abandoned and asyncio.current_task().uncancel() == 0:
                     raise UpstreamConnectFailed(f"replica {up.replica_id} was given up while this request "
@@ -340,7 +352,9 @@ class Forwarder:
     async def _relay_stream(self, request: web.Request, exchange: Exchange, resp: aiohttp.ClientResponse,
                             up: Upstream, chunk: bytes, headers: dict, body_size: int) -> web.StreamResponse:
         strip, strip_continuous = exchange.strip_usage, exchange.strip_continuous
+        trail = exchange.trail
         response = web.StreamResponse(status=200, headers=headers)
+        trail.first_byte(time.monotonic())
         await response.prepare(request)
         readany = resp.content.readany
         write = response.write
@@ -386,24 +400,27 @@ class Forwarder:
             # The client left: after `data: [DONE]` the openai client closes at once, while
             # llama-server may not yet have ended its body. Usage already relayed still counts;
             # without it, what was relayed is counted as an estimate (R-6.9a).
-            self._count_stream(exchange, up.model, usage or find_usage(oldest + older + old), body_size, events)
+            tail = oldest + older + old
+            self._count_stream(exchange, up.model, usage or find_usage(tail), body_size, events)
+            trail.stream_end(time.monotonic(), None if _whole(tail, exchange.route.dialect) else CLIENT_CLOSED)
             raise
         except (aiohttp.ClientError, ConnectionError) as exc:
             # Usage the engine reported before the break is counted all the same: llama-server
             # may close the connection after its last event without ending the chunked body.
-            self._count_stream(exchange, up.model, usage or find_usage(oldest + older + old), body_size, events)
+            tail = oldest + older + old
+            self._count_stream(exchange, up.model, usage or find_usage(tail), body_size, events)
             transport = request.transport
             if transport is None or transport.is_closing():
                 # The client went away: returning closes the engine's connection (R-6.11).
+                trail.stream_end(time.monotonic(), None if _whole(tail, exchange.route.dialect) else CLIENT_CLOSED)
                 return response
             # The engine broke after the client got bytes: nothing may be retried (R-6.6).
-            log.warning("replica %s %s a stream after its first byte: %s", up.replica_id,
-                        "went silent in" if watch.expired else "broke", type(exc).__name__)
-            await self._cut(request, response, _ENGINE_SILENT if watch.expired else _ENGINE_STOPPED)
+            await self._cut(request, response, exchange, up, watch.expired, exc)
             return response
         finally:
             self.watchdog.forget(watch)
         self._count_stream(exchange, up.model, usage or find_usage(oldest + older + old), body_size, events)
+        trail.stream_end(time.monotonic())
         return response
 
     def _count_stream(self, exchange: Exchange, model: str, usage: dict | None, body_size: int, events: int,
@@ -419,8 +436,9 @@ class Forwarder:
         """A Responses or Anthropic stream: whole events relayed as they complete, comments and
         named events untouched; Responses ids rewritten to name their replica; usage from
         `response.completed`, or from Anthropic's message_start and message_delta."""
-        dialect, key_id = exchange.route.dialect, exchange.key.id
+        dialect, key_id, trail = exchange.route.dialect, exchange.key.id, exchange.trail
         response = web.StreamResponse(status=200, headers=headers)
+        trail.first_byte(time.monotonic())
         await response.prepare(request)
         readany = resp.content.readany
         watch = self.watchdog.watch(resp)
@@ -429,7 +447,6 @@ class Forwarder:
         oldest = older = old = b""
         pending = b""
         events = 0
-        stopped, silent = _CUTS.get(dialect, _OPENAI_CUTS)
         try:
             while chunk:
                 if pending:
@@ -455,20 +472,23 @@ class Forwarder:
         except asyncio.CancelledError:
             # The client left (after the last event, at times before the engine ended its body):
             # usage already relayed still counts, as on chat streams, else what was relayed.
-            self._count_events(exchange, up.model, head, oldest + older + old, body_size, events)
+            tail = oldest + older + old
+            self._count_events(exchange, up.model, head, tail, body_size, events)
+            trail.stream_end(time.monotonic(), None if _whole(tail, dialect) else CLIENT_CLOSED)
             raise
         except (aiohttp.ClientError, ConnectionError) as exc:
-            self._count_events(exchange, up.model, head, oldest + older + old, body_size, events)
+            tail = oldest + older + old
+            self._count_events(exchange, up.model, head, tail, body_size, events)
             transport = request.transport
             if transport is None or transport.is_closing():
+                trail.stream_end(time.monotonic(), None if _whole(tail, dialect) else CLIENT_CLOSED)
                 return response
-            log.warning("replica %s %s a stream after its first byte: %s", up.replica_id,
-                        "went silent in" if watch.expired else "broke", type(exc).__name__)
-            await self._cut(request, response, silent if watch.expired else stopped)
+            await self._cut(request, response, exchange, up, watch.expired, exc)
             return response
         finally:
             self.watchdog.forget(watch)
         self._count_events(exchange, up.model, head, oldest + older + old, body_size, events)
+        trail.stream_end(time.monotonic())
         return response
 
     def _count_events(self, exchange: Exchange, model: str, head: bytes, tail: bytes, body_size: int,
@@ -485,9 +505,18 @@ class Forwarder:
         self._count_stream(exchange, model, None, body_size, events, tokens(start)[0] if start else None)
 
     @staticmethod
-    async def _cut(request: web.Request, response: web.StreamResponse, event: bytes) -> None:
+    async def _cut(request: web.Request, response: web.StreamResponse, exchange: Exchange, up: Upstream,
+                   silent: bool, exc: BaseException) -> None:
+        """End a stream the engine broke (or went silent in) after its first byte: an error event
+        naming the request, then the connection cut."""
+        trail = exchange.trail
+        log.warning("replica %s %s a stream after its first byte: %s (request %s)", up.replica_id,
+                    "went silent in" if silent else "broke", type(exc).__name__, trail.id)
+        message, code = _SILENT if silent else _STOPPED
+        error = _anthropic_mid_stream_error if exchange.route.dialect == ANTHROPIC else _mid_stream_error
+        trail.stream_end(time.monotonic(), code)
         try:
-            await response.write(event)
+            await response.write(error(message, code, trail.id))
         except ConnectionError:
             return
         transport = request.transport
@@ -496,6 +525,7 @@ class Forwarder:
 
     def _count(self, exchange: Exchange, model: str, prompt: int, completion: int, estimated: int = 0) -> None:
         self.usage.add(exchange.key.id, model, prompt, completion, estimated, via=exchange.via)
+        exchange.trail.tokens(prompt, completion, estimated > 0)
         if prompt or completion:  # a limited key's reservation becomes what was used; unknown keeps the estimate
             admission = exchange.admission
             if admission is not None:

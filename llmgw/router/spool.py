@@ -17,7 +17,11 @@ control plane acknowledges its seq; the control plane counts a (router, seq) onc
 after a restart of either side counts nothing twice. The spool stays small: a report that was
 never handed to the network is merged with the next period's (`merge_reports`), keeping its seq;
 only a report that may have reached the control plane keeps its own seq and content until it is
-acknowledged.
+acknowledged. A merged report keeps the newest REQUESTS_PER_REPORT request-log records of the two
+(R-6.20; those it drops are counted and logged once per outage), and a merge appends only the
+records the newer report brought, on a line of their own, instead of the whole report again: a
+long outage under load writes each record once (until a rewrite), and the file is rewritten once
+its appended lines or bytes outgrow what is live.
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ from functools import partial
 from pathlib import Path
 
 from llmgw.contracts import routerauth
-from llmgw.contracts.feed import HOMES_PER_REPORT, FeedError, Report, UsageRow, from_wire, to_wire
+from llmgw.contracts.feed import (HOMES_PER_REPORT, FeedError, Report, UsageRow, from_wire, request_record_from_wire,
+                                  request_record_to_wire, to_wire)
 from llmgw.contracts.privatefiles import write_private
 from llmgw.router.engine_figures import add as add_count
 from llmgw.router.private import untrusted
+from llmgw.router.requestlog import REQUESTS_PER_REPORT
 from llmgw.router.statedir import FeedClientError, private_dir
 
 log = logging.getLogger(__name__)
@@ -49,6 +55,7 @@ SPOOL_FILE = "spool.ndjson"
 LOCK_FILE = "lock"
 REFUSED_DIR = "refused"
 SPOOL_COMPACT = 256  # spool lines beyond the live reports before the file is rewritten
+SPOOL_COMPACT_BYTES = 16 * 1024**2  # bytes appended since the last rewrite before the file is rewritten
 
 _dumps = partial(json.dumps, separators=(",", ":"))
 
@@ -80,7 +87,8 @@ def merge_reports(older: Report, newer: Report) -> Report:
     return replace(newer, seq=older.seq,
                    usage=tuple(UsageRow(b, k, m, *counts) for (b, k, m), counts in usage.items()),
                    key_use=key_use, last_used=last_used,
-                   demand=tuple(dict.fromkeys((*older.demand, *newer.demand))), homes=homes)
+                   demand=tuple(dict.fromkeys((*older.demand, *newer.demand))), homes=homes,
+                   requests=(older.requests + newer.requests)[-REQUESTS_PER_REPORT:])
 
 
 @dataclass
@@ -89,15 +97,24 @@ class Spooled:
 
     report: Report
     sent: bool  # handed to the network at least once: it may have been counted, so it stays as it is
+    body: bytes | None = None  # its wire form, once made: the spool's line and the body sent are the same bytes
+
+    def encoded(self) -> bytes:
+        """The report's wire form as JSON (made once: its request-log records are the bulk of it)."""
+        if self.body is None:
+            self.body = _dumps(to_wire(self.report)).encode()
+        return self.body
 
 
 class Spool:
     """A slot's unacknowledged reports, on disk in `spool.ndjson` and in memory.
 
     The file is append-only between rewrites: each line a report (`to_wire`; a later line with the
-    same seq replaces an earlier one) or `{"acked": SEQ}`. Loading takes the newest of each seq
-    above the highest acked; the next seq is above everything the file ever named, so a seq is
-    never used twice for one router id."""
+    same seq replaces an earlier one), `{"acked": SEQ}`, or `{"records_of": SEQ, "requests": [...]}`:
+    request-log records a merge added to report SEQ. Loading takes the newest of each seq above the
+    highest acked, with every record the file holds for it in order (the newest
+    REQUESTS_PER_REPORT); the next seq is above everything the file ever named, so a seq is never
+    used twice for one router id."""
 
     def __init__(self, directory: Path, router_id: str):
         self.path = directory / SPOOL_FILE
@@ -105,7 +122,10 @@ class Spool:
         self.pending: list[Spooled] = []
         self.acked = 0
         self.next_seq = 1
+        self.records_dropped = 0  # request-log records merged reports could not keep (R-6.20)
+        self._dropping = False  # in a spell of such drops: logged once, until a report is acknowledged
         self._lines = 0
+        self._appended = 0  # bytes appended since the file was last written whole
 
     def load(self) -> None:
         try:
@@ -113,6 +133,7 @@ class Spool:
         except FileNotFoundError:
             return
         reports: dict[int, Report] = {}
+        records: dict[int, list] = {}  # seq -> its request-log records, in the order the file has them
         top = 0
         lines = data.split(b"\n")
         for number, line in enumerate(lines, 1):
@@ -122,6 +143,13 @@ class Spool:
                 document = json.loads(line)
                 if isinstance(document, dict) and set(document) == {"acked"} and type(document["acked"]) is int:
                     self.acked = max(self.acked, document["acked"])
+                    continue
+                if isinstance(document, dict) and set(document) == {"records_of", "requests"} \
+                        and type(document["records_of"]) is int and type(document["requests"]) is list:
+                    where = f"records_of {document['records_of']}"
+                    added = [request_record_from_wire(r, f"{where}.requests[{i}]")
+                             for i, r in enumerate(document["requests"])]
+                    records.setdefault(document["records_of"], []).extend(added)
                     continue
                 report = from_wire(document)
                 if not isinstance(report, Report):
@@ -137,8 +165,13 @@ class Spool:
                             report.router, self.router_id)
                 continue
             reports[report.seq] = report
+            if report.requests:
+                records.setdefault(report.seq, []).extend(report.requests)
             top = max(top, report.seq)
         self.next_seq = max(top, self.acked) + 1
+        for seq, kept in records.items():
+            if seq in reports:
+                reports[seq] = replace(reports[seq], requests=tuple(kept[-REQUESTS_PER_REPORT:]))
         self.pending = [Spooled(reports[s], True) for s in sorted(reports) if s > self.acked]
         if sum(1 for line in lines if line.strip()) != len(self.pending) + 1:
             self._rewrite()  # drop what is acknowledged or replaced, and anything unreadable
@@ -146,43 +179,74 @@ class Spool:
             self._lines = len(self.pending) + 1
 
     def _rewrite(self) -> None:
-        lines = [_dumps({"acked": self.acked})] + [_dumps(to_wire(s.report)) for s in self.pending]
-        write_private(self.path, ("\n".join(lines) + "\n").encode())
+        lines = [_dumps({"acked": self.acked}).encode()] + [s.encoded() for s in self.pending]
+        write_private(self.path, b"\n".join(lines) + b"\n")
         self._lines = len(lines)
+        self._appended = 0
 
-    def _append(self, document: dict, sync: bool) -> None:
+    def _append(self, lines: list[bytes], sync: bool) -> None:
+        data = b"\n".join(lines) + b"\n"
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            os.write(fd, _dumps(document).encode() + b"\n")
+            os.write(fd, data)
             if sync:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        self._lines += 1
+        self._lines += len(lines)
+        self._appended += len(data)
+
+    def _outgrown(self) -> bool:
+        return self._lines > 2 * len(self.pending) + SPOOL_COMPACT or self._appended > SPOOL_COMPACT_BYTES
 
     def add(self, fields: dict, now: float) -> Report:
         """Spool this period's report (fsynced): merged into the newest one when that was never sent."""
         report = Report(router=self.router_id, seq=self.next_seq, sent_at=now, **fields)
-        if self.pending and not self.pending[-1].sent:
-            report = merge_reports(self.pending[-1].report, report)
-            self.pending[-1].report = report
+        last = self.pending[-1] if self.pending else None
+        if last is not None and not last.sent:
+            added = report.requests
+            merged = merge_reports(last.report, report)
+            self._count_dropped(len(last.report.requests) + len(added) - len(merged.requests))
+            last.report, last.body = merged, None
+            if self._outgrown():
+                self._rewrite()  # a long outage appends a merged report per period: keep only the live ones
+            else:
+                # The merged report without its records (those of the older are in the file
+                # already), then the newer's records: each record is written once.
+                lines = [_dumps(to_wire(replace(merged, requests=()))).encode()]
+                if added:
+                    lines.append(_dumps({"records_of": merged.seq,
+                                         "requests": [request_record_to_wire(r) for r in added]}).encode())
+                self._append(lines, sync=True)
+            return merged
+        self.next_seq += 1
+        entry = Spooled(report, False)
+        self.pending.append(entry)
+        if self._outgrown():
+            self._rewrite()
         else:
-            self.next_seq += 1
-            self.pending.append(Spooled(report, False))
-        if self._lines > len(self.pending) + SPOOL_COMPACT:
-            self._rewrite()  # a long outage appends a merged report per period: keep only the live ones
-        else:
-            self._append(to_wire(report), sync=True)
+            self._append([entry.encoded()], sync=True)
         return report
+
+    def _count_dropped(self, dropped: int) -> None:
+        if dropped <= 0:
+            return
+        self.records_dropped += dropped
+        if not self._dropping:
+            self._dropping = True
+            log.warning("%s: the report waiting to be sent holds %d request-log records, the most one carries; "
+                        "the oldest are dropped while the control plane does not take reports (%d so far)",
+                        self.path, REQUESTS_PER_REPORT, self.records_dropped)
 
     def acknowledge(self, seq: int) -> None:
         """Drop every report up to `seq`. Not fsynced: an ack lost in a crash only resends."""
         self.acked = max(self.acked, seq)
         self.pending = [s for s in self.pending if s.report.seq > seq]
-        if self._lines > len(self.pending) + SPOOL_COMPACT:
+        self._dropping = False
+        if self._outgrown():
             self._rewrite()
         else:
-            self._append({"acked": self.acked}, sync=False)
+            self._append([_dumps({"acked": self.acked}).encode()], sync=False)
 
 
 # -- slots ---------------------------------------------------------------------------------------

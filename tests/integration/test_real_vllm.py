@@ -16,6 +16,7 @@ before the old one stops). Each of those three waits for a new vLLM to load, a m
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 import time
 from pathlib import Path
@@ -121,6 +122,37 @@ def test_embeddings_through_the_pooling_runner(gateway):
     assert answer.data[0].embedding != answer.data[1].embedding
     assert answer.usage.prompt_tokens > 0
     rt.wait_usage(gateway, EMBED_KEY, {"requests": 1, "prompt_tokens": answer.usage.prompt_tokens})
+
+
+def test_two_requests_in_flight_with_the_same_client_request_id_both_succeed(gateway, client):
+    """R-6.20: the client's X-Request-Id reaches vLLM unchanged, which takes it as its own request
+    id (a chat completion's id is `chatcmpl-` and it); two streams in flight at once with the same
+    id both succeed, each whole: vLLM schedules each request under the id and 8 random characters
+    of its own (InputProcessor.assign_request_id), so the two never meet inside the engine."""
+    same = "client-request.1"
+    tokens = 64
+    spans: dict[int, tuple[float, float]] = {}
+
+    def stream(n: int):
+        began = time.monotonic()
+        raw = client.chat.completions.with_raw_response.create(
+            model=CHAT, messages=[{"role": "user", "content": f"stream {n}"}], max_tokens=tokens, stream=True,
+            stream_options={"include_usage": True}, extra_body={"min_tokens": tokens, "ignore_eos": True},
+            extra_headers={"X-Request-Id": same})
+        chunks = list(raw.parse())
+        spans[n] = (began, time.monotonic())
+        return raw.headers.get("X-Request-Id"), chunks
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(stream, (1, 2)))
+    (first_began, first_ended), (second_began, second_ended) = spans[1], spans[2]
+    print(f"two streams with X-Request-Id {same!r}: {first_began - second_began:+.2f} s apart at their start, "
+          f"{first_ended - first_began:.2f} s and {second_ended - second_began:.2f} s long")
+    assert first_began < second_ended and second_began < first_ended  # in flight at once
+    for header, chunks in answers:
+        assert header == same
+        assert {c.id for c in chunks} == {f"chatcmpl-{same}"}  # vLLM's own id is the client's
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == tokens
 
 
 def test_ctl_logs_shows_the_engines_own_log(bed, gateway):

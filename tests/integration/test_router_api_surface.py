@@ -170,7 +170,7 @@ ROUTE_PATHS = {"/v1/responses", "/v1/responses/resp_engine1", "/v1/responses/res
 def _not_found(status: int, body: bytes, param: str | None = None) -> str:
     """The error's message, once it is checked to be OpenAI's 404 response_not_found."""
     error = json.loads(body)["error"]
-    assert status == 404 and set(error) == {"message", "type", "code", "param"}, body[:300]
+    assert status == 404 and set(error) == {"message", "type", "code", "param", "request_id"}, body[:300]
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "response_not_found", param)
     return error["message"]
 

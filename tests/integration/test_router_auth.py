@@ -49,7 +49,7 @@ async def test_r6_3_exemptions_are_exact_paths(gw, method, path, without_key, wi
     assert status == with_key
     if status >= 400:
         assert headers["content-type"].startswith("application/json")
-        assert set(json.loads(body)["error"]) == {"message", "type", "code", "param"}
+        assert set(json.loads(body)["error"]) == {"message", "type", "code", "param", "request_id"}
 
 
 async def test_r6_3_no_key_at_all_still_requires_one(start_router, tmp_path):  # noqa: F811

@@ -82,7 +82,8 @@ async def test_r6_1_a_model_the_key_may_not_use_is_answered_as_one_that_does_not
     async with aiohttp.ClientSession() as session:
         async def ask(method: str, path: str, body: dict | None = None) -> tuple[int, str]:
             async with session.request(method, gw.url + path, json=body, headers=headers) as response:
-                return response.status, await response.text()
+                # Each answer names its own request: the one difference allowed.
+                return response.status, (await response.text()).replace(response.headers["X-Request-Id"], "ID")
         for method, path, body in (("POST", "/v1/chat/completions", {"model": "{}", **chat}),
                                    ("GET", "/v1/models/{}", None),
                                    ("POST", "/v1/messages", {"model": "{}", **chat})):
@@ -113,7 +114,7 @@ async def test_r6_1_bad_key_is_401(gw, secret):
             await client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}])
     assert refused.value.code == "invalid_api_key"
     body = refused.value.body
-    assert set(body) == {"message", "type", "code", "param"}
+    assert set(body) == {"message", "type", "code", "param", "request_id"}
     if secret.startswith("sk-llmgw-") and secret != "sk-llmgw-not-a-key":  # revoked: absent from the feed
         assert body["message"] == "invalid API key"
 
@@ -235,7 +236,7 @@ async def test_r6_1_compressed_bodies(gw):
     status, answer = await _post(gw, b"not gzip at all", {"Content-Encoding": "gzip"})
     assert status == 400 and answer["error"]["type"] == "invalid_request_error"
     status, answer = await _post(gw, request, {"Content-Encoding": "br"})
-    assert status == 415 and set(answer["error"]) == {"message", "type", "code", "param"}
+    assert status == 415 and set(answer["error"]) == {"message", "type", "code", "param", "request_id"}
     bomb = gzip.compress(b'{"model": "m1", "pad": "' + b"x" * 100_000 + b'"}')  # small on the wire
     assert len(bomb) < 4096
     status, answer = await _post(gw, bomb, {"Content-Encoding": "gzip"})

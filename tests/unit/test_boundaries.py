@@ -24,8 +24,8 @@ ADMIN_MAY_IMPORT: set[str] = set()
 SERVE = ("llmgw.server", "llmgw.state_dir", "llmgw.router_process")
 # The parts, and the base modules every part may use: they import none of the parts.
 PARTS = ("llmgw.control", "llmgw.fleet", "llmgw.router", "llmgw.admin", "llmgw.cli", "llmgw.localfeed", *SERVE)
-BASE = ("llmgw.aio", "llmgw.catalog", "llmgw.config", "llmgw.engines", "llmgw.keys", "llmgw.routers",
-        "llmgw.revisions", "llmgw.runtimes", "llmgw.store", "llmgw.units", "llmgw.weights")
+BASE = ("llmgw.aio", "llmgw.catalog", "llmgw.config", "llmgw.engines", "llmgw.keys", "llmgw.requestlog",
+        "llmgw.routers", "llmgw.revisions", "llmgw.runtimes", "llmgw.store", "llmgw.units", "llmgw.weights")
 
 
 def _module(path: Path) -> str:

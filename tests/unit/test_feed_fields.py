@@ -19,7 +19,8 @@ import pytest
 from llmgw.contracts import feed
 from llmgw.contracts.endpoints import Endpoint
 from llmgw.contracts.feed import (Ack, Change, EngineLoad, GatewaySettings, KeyEntry, Lease, Limits, Refusal, Report,
-                                  RoutedModel, RouterCounters, Snapshot, Unapplied, UsageRow, from_wire, to_wire)
+                                  RequestRecord, RoutedModel, RouterCounters, Snapshot, Unapplied, UsageRow, from_wire,
+                                  to_wire)
 
 MODEL = RoutedModel("a", "vllm", None, "least-outstanding", False)
 LIMITS = Limits(rpm=60)
@@ -35,6 +36,7 @@ LOAD = EngineLoad("vllm")
 COUNTERS = RouterCounters()
 UNAPPLIED = Unapplied(epoch="e", version=4, reason="change e/4 does not follow snapshot e/2", at=100.0)
 REPORT = Report(router="r/h-0", seq=1, sent_at=10.0)
+RECORD = RequestRecord(at=100.0, id="req-1", route="POST /v1/chat/completions", status=200, duration=0.5)
 REFUSAL = Refusal("report.usage[0]", "report.usage[0][4]: must be at least 0, got -1")
 ACK = Ack(router="r/h-0", seq=1)
 
@@ -54,6 +56,7 @@ CARRIERS = {
     Snapshot: (SNAPSHOT, lambda s: s, lambda s: s),
     Change: (CHANGE, lambda c: c, lambda c: c),
     UsageRow: (USAGE, lambda u: dataclasses.replace(REPORT, usage=(u,)), lambda r: r.usage[0]),
+    RequestRecord: (RECORD, lambda rec: dataclasses.replace(REPORT, requests=(rec,)), lambda r: r.requests[0]),
     EngineLoad: (LOAD, lambda load: dataclasses.replace(REPORT, engine_load={"a-r0": load}), lambda r: r.engine_load["a-r0"]),
     RouterCounters: (COUNTERS, lambda c: dataclasses.replace(REPORT, counters=c), lambda r: r.counters),
     Unapplied: (UNAPPLIED, lambda u: dataclasses.replace(REPORT, unapplied=u), lambda r: r.unapplied),
@@ -68,6 +71,7 @@ SAMPLES = {
     (RoutedModel, "routing"): "prefix", (RoutedModel, "on_demand"): True, (RoutedModel, "fallbacks"): ("b", "c"),
     (RoutedModel, "concurrency"): 8, (RoutedModel, "background_responses"): True,
     (RoutedModel, "responses_store"): True, (RoutedModel, "alias_of"): "b",
+    (RoutedModel, "adapter_of"): "base-8b",
     (Limits, "rpm"): 120, (Limits, "tpm"): 5000, (Limits, "concurrency"): 4,
     (KeyEntry, "id"): "k2", (KeyEntry, "name"): "bob", (KeyEntry, "hash"): "2" * 64, (KeyEntry, "prefix"): "sk-llmgw-2",
     (KeyEntry, "models"): frozenset({"a", "b"}), (KeyEntry, "priority"): -2, (KeyEntry, "weight"): 3,
@@ -75,10 +79,13 @@ SAMPLES = {
     (Lease, "share"): 0.25,
     (Endpoint, "replica_id"): "a-r9", (Endpoint, "model"): "b", (Endpoint, "url"): "http://10.0.0.2:8001",
     (Endpoint, "api_key"): "engine-key", (Endpoint, "draining"): True, (Endpoint, "revision"): "0123456789ab",
-    (Endpoint, "canary"): 25,
+    (Endpoint, "canary"): 25, (Endpoint, "adapters"): ("support-bot", "legal-bot"), (Endpoint, "node"): "gpu03",
     (GatewaySettings, "max_body"): 2000, (GatewaySettings, "request_timeout"): 30.0,
     (GatewaySettings, "on_demand_wait"): 5.0, (GatewaySettings, "queue_wait"): 7.5,
     (GatewaySettings, "max_waiting_per_key"): 16, (GatewaySettings, "max_answer"): 1024,
+    (GatewaySettings, "request_log"): False, (GatewaySettings, "request_log_sample"): 0.25,
+    (GatewaySettings, "request_log_path"): "/var/log/llmgw/requests.jsonl",
+    (GatewaySettings, "otlp_endpoint"): "http://collector:4318",
     (Snapshot, "epoch"): "e2", (Snapshot, "version"): 9, (Snapshot, "models"): {"b": RoutedModel("b", None, None, "prefix", True)},
     (Snapshot, "endpoints"): {"a": (ENDPOINT, Endpoint("a-r1", "a", "http://10.0.0.3:8000", "k"))},
     (Snapshot, "keys"): (KEY, KeyEntry("k2", "bob", "2" * 64, "sk-llmgw-2", frozenset({"a"}))),
@@ -92,6 +99,14 @@ SAMPLES = {
     (UsageRow, "bucket"): 7200, (UsageRow, "key_id"): "k2", (UsageRow, "model"): "b", (UsageRow, "requests"): 9,
     (UsageRow, "prompt_tokens"): 90, (UsageRow, "completion_tokens"): 900, (UsageRow, "estimated_tokens"): 12,
     (UsageRow, "unmetered"): 1, (UsageRow, "via"): "chat",
+    (RequestRecord, "at"): 101.5, (RequestRecord, "id"): "client-id.7", (RequestRecord, "route"): "GET /v1/models",
+    (RequestRecord, "status"): 503, (RequestRecord, "duration"): 1.25, (RequestRecord, "key"): "team-a",
+    (RequestRecord, "model"): "chat-v2", (RequestRecord, "asked"): "chat", (RequestRecord, "replica"): "chat-v2-r0",
+    (RequestRecord, "node"): "gpu03", (RequestRecord, "error"): "no_capacity", (RequestRecord, "attempts"): 3,
+    (RequestRecord, "fallback"): "small", (RequestRecord, "queued"): 0.25, (RequestRecord, "ttfb"): 0.125,
+    (RequestRecord, "prompt_tokens"): 12, (RequestRecord, "completion_tokens"): 34, (RequestRecord, "estimated"): True,
+    (RequestRecord, "stream"): True, (RequestRecord, "client"): "10.0.0.9",
+    (RequestRecord, "client_request_id"): "not usable!",
     (EngineLoad, "source"): "sglang", (EngineLoad, "waiting"): 3, (EngineLoad, "running"): 4,
     (EngineLoad, "kv_cache"): 0.5, (EngineLoad, "prefix_hits"): 10, (EngineLoad, "prefix_queries"): 20,
     (EngineLoad, "at"): 99.5, (EngineLoad, "slots"): 8, (EngineLoad, "preemptions"): 2,
@@ -105,6 +120,7 @@ SAMPLES = {
     (Report, "engine_load"): {"a-r0": EngineLoad("vllm", waiting=1)}, (Report, "demand"): ("a",),
     (Report, "snapshot"): ("e", 3), (Report, "counters"): RouterCounters(retries={"a": 1}),
     (Report, "asked"): {"k1": 4}, (Report, "homes"): {"a": {3: "a-r0"}}, (Report, "unapplied"): UNAPPLIED,
+    (Report, "requests"): (RECORD,),
     (Refusal, "where"): "report.inflight['a-r0']", (Refusal, "message"): "report.inflight['a-r0']: expected int",
     (Ack, "router"): "r/h-1", (Ack, "seq"): 7, (Ack, "refused"): (REFUSAL,),
 }

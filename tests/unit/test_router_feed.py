@@ -97,7 +97,9 @@ async def test_r6_3_before_a_snapshot_healthz_says_starting_and_requests_get_a_c
     body = await refused.json()
     assert refused.status == 503 and body["error"]["code"] == "not_ready"  # not a 401: no key is known yet
     assert refused.headers["Retry-After"].isdigit()
-    assert set(body["error"]) == {"message", "type", "code", "param"} and "starting" in body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "code", "param", "request_id"}
+    assert body["error"]["request_id"] == refused.headers["X-Request-Id"]
+    assert "starting" in body["error"]["message"]
     assert "the control plane is unreachable" in body["error"]["message"]
 
     router.feed.feed_status = {"transport": "test"}
@@ -203,7 +205,7 @@ async def test_r10_1_report_fields_hand_counted_parts_over_once(served):
     router, client = served
     assert router.report_fields() == {"usage": (), "key_use": {}, "last_used": {}, "inflight": {},
                                       "engine_load": {}, "demand": (), "snapshot": None,
-                                      "counters": RouterCounters(), "asked": {}, "homes": {}}
+                                      "counters": RouterCounters(), "asked": {}, "homes": {}, "requests": ()}
     asked = []
     router.feed.on_demand = lambda: asked.append(1)
     router.apply(snapshot(CATALOG, keys=[KEY], gateway=GatewayConfig(on_demand_wait=0.05)))
@@ -216,6 +218,7 @@ async def test_r10_1_report_fields_hand_counted_parts_over_once(served):
     assert [(u.key_id, u.model, u.requests, u.prompt_tokens, u.completion_tokens) for u in fields["usage"]] == \
         [("k1", "m", 1, 3, 4)]
     assert set(fields["key_use"]) == {"k1"} and fields["snapshot"] == ("test", 1)
+    assert [(r.status, r.error, r.model) for r in fields["requests"]] == [(503, "model_loading", "lazy")] * 2
     again = router.report_fields()
-    assert again["usage"] == () and again["key_use"] == {} and again["demand"] == ()
+    assert again["usage"] == () and again["key_use"] == {} and again["demand"] == () and again["requests"] == ()
     assert again["snapshot"] == ("test", 1)

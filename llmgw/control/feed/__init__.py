@@ -7,7 +7,7 @@ loop every couple of seconds, so `llmgw keys create/revoke` apply without a rest
 settings routers read and the secret that seals their Responses ids (R-6.14). Each decision after
 that is one `Change` with only what changed, handed to every listener in order; a listener that
 falls behind gets a fresh snapshot instead. Routers answer with `Report`s: counted once per
-(router, seq), their state read by the reconciler and the admin.
+(router, seq) (usage, key use, the request log's records), their state read by the reconciler and the admin.
 
 Each part is a module of its own, and `FeedPublisher` (publisher.py) only hands calls to them:
 
@@ -18,6 +18,7 @@ Each part is a module of its own, and `FeedPublisher` (publisher.py) only hands 
 - leases.py: `split_leases`, the pure split of each limited key's budget among the routers (R-6.16),
   and `LeaseBook`, the demand it splits by;
 - homes.py: `HomeTable`, the affinity homes every router uses (R-6.5d);
+- requestlog.py: `RequestLogPruner`, the request log kept within gateway.request_log.keep (R-6.20);
 - routing.py: the catalog and gateway settings as the feed's types (`static_endpoints`, ...);
 - loop.py: `FeedLoop`, the event loop all of this runs on and the one crossing into it.
 """

@@ -2,8 +2,8 @@
 
 It holds the feed's parts and hands each call to the one that owns it: the change log
 (`changelog`), the reports taken in (`reports`), the routers' table (`routers`), the key refresh
-(`keyrefresh`), the lease split (`leases`), the affinity homes (`homes`), and the event loop they
-all run on, with the one crossing into it from other threads (`loop.FeedLoop.call`).
+(`keyrefresh`), the lease split (`leases`), the affinity homes (`homes`), the request log's
+pruning (`requestlog`), and the event loop they all run on, with the one crossing into it from other threads (`loop.FeedLoop.call`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from llmgw.control.feed.keyrefresh import KeyRefresh
 from llmgw.control.feed.leases import LeaseBook
 from llmgw.control.feed.loop import FeedLoop
 from llmgw.control.feed.reports import ReportIntake
+from llmgw.control.feed.requestlog import RequestLogPruner
 from llmgw.control.feed.routers import RouterTable
 from llmgw.control.feed.routing import endpoint_lists, gateway_settings, routed_models, static_endpoints
 from llmgw.keys import key_entries
@@ -50,6 +51,7 @@ class FeedPublisher:
         self._leases = LeaseBook(self._changes, self._routers)
         self._intake = ReportIntake(store, self._routers, self._homes, self._leases, note_demand)
         self._keys = KeyRefresh(store, self._changes)
+        self._request_log = RequestLogPruner(store, gateway.request_log.keep)
         holder.subscribe(self._catalog_changed)
 
     # -- what the control plane calls (from any thread) -------------------------------------------
@@ -60,7 +62,9 @@ class FeedPublisher:
         self._loop.call(self._changes.set_pushed, endpoint_lists(table))
 
     def set_gateway(self, gateway: GatewayConfig) -> None:
-        """New gateway settings: a Change with `gateway` when what routers read changed."""
+        """New gateway settings: a Change with `gateway` when what routers read changed, and the
+        request log's `keep` from the next pruning on."""
+        self._request_log.keep = gateway.request_log.keep
         self._loop.call(self._changes.set_gateway, gateway_settings(gateway))
 
     def abandon(self, replica_id: str) -> int:
@@ -77,12 +81,14 @@ class FeedPublisher:
 
     def mark_ready(self) -> None:
         """The first endpoints are in (adoption has pushed them): publish version 1, with the homes
-        reported so far, and start the key refresh, the lease split and the homes' expiry."""
+        reported so far, and start the key refresh, the lease split, the homes' expiry and the
+        request log's pruning."""
         self._loop.bind()
         if self._changes.publish_first(self._homes.published()):
             self._loop.start(self._keys.refresh_forever, "feed-keys")
             self._loop.start(self._leases.rebalance_forever, "feed-leases")
             self._loop.start(self._homes.expire_forever, "feed-homes")
+            self._loop.start(self._request_log.prune_forever, "feed-request-log")
 
     async def ready(self) -> None:
         await self._changes.ready()
@@ -118,6 +124,11 @@ class FeedPublisher:
     def report_refused(self, router: str | None, reason: str) -> None:
         """A report refused as a whole (R-10.8): counted for its router, when it names one."""
         self._intake.report_refused(router, reason)
+
+    async def prune_request_log(self) -> int:
+        """Delete the request records `gateway.request_log.keep` no longer keeps now (it runs every
+        few seconds by itself once the feed is ready); returns how many went."""
+        return await self._request_log.prune()
 
     # -- what the reconciler and the admin read -------------------------------------------------------
 

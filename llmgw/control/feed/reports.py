@@ -1,11 +1,12 @@
 """Routers' reports taken in (R-10.1, R-10.8): counted once, their state handed on, refusals counted.
 
-A report's counted parts (usage, key use) are written in one transaction of the store's writer
-that also records the report's seq per router (`router_seq`), so a report sent twice is counted
-once; its state parts go to the routers' table, its homes to the home table, its demand per key to
-the lease book, and the on-demand models asked for to the reconciler (R-6.8) — all only when its
-seq is above the router's last. What the feed server left out of a report, and reports it refused
-whole, are counted per router for operators.
+A report's counted parts (usage, key use, the request log's records, R-6.20) are written in one
+transaction of the store's writer that also records the report's seq per router (`router_seq`), so
+a report sent twice, or again after a restart, is counted once; its state parts go to the routers'
+table, its homes to the home table, its demand per key to the lease book, and the on-demand
+models asked for to the reconciler (R-6.8) — all only when its seq is above the router's last.
+What the feed server left out of a report, and reports it refused whole, are counted per router
+for operators.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from llmgw.control.feed.homes import HomeTable
 from llmgw.control.feed.leases import LeaseBook
 from llmgw.control.feed.routers import RouterTable
 from llmgw.keys import record_key_use
+from llmgw.requestlog import add_requests
 from llmgw.store import Store, add_usage
 
 log = logging.getLogger(__name__)
@@ -30,8 +32,8 @@ REFUSALS_KEPT = 256  # routers whose refused reports and rows are counted for op
 
 
 def apply_counted(db: sqlite_utils.Database, report: Report, now: float) -> bool:
-    """Write a report's usage and key use and record its seq, unless that router's seq is already
-    at or past it; False then (counted before). Runs in one transaction of the store's writer."""
+    """Write a report's usage, key use and request records and record its seq, unless that router's
+    seq is already at or past it; False then (counted before). Runs in one transaction of the store's writer."""
     row = db.execute("SELECT seq FROM router_seq WHERE router = ?", [report.router]).fetchone()
     if row is not None and report.seq <= row[0]:
         return False
@@ -40,6 +42,8 @@ def apply_counted(db: sqlite_utils.Database, report: Report, now: float) -> bool
                         u.estimated_tokens, u.unmetered, u.via) for u in report.usage])
     if report.key_use:
         record_key_use(db, dict(report.key_use))
+    if report.requests:
+        add_requests(db, report.router, report.requests)
     db.execute("INSERT INTO router_seq (router, seq, updated_at) VALUES (?, ?, ?) ON CONFLICT (router) "
                "DO UPDATE SET seq = excluded.seq, updated_at = excluded.updated_at", [report.router, report.seq, now])
     db.execute("DELETE FROM router_seq WHERE updated_at < ?", [now - SEQ_RETENTION_SECONDS])
@@ -60,14 +64,14 @@ class ReportIntake:
         self._refusals: dict[str, dict] = {}
 
     async def apply_report(self, report: Report, refused: tuple[Refusal, ...] = ()) -> Ack:
-        """Count a report's usage once per (router, seq) and take its state; the Ack says it is applied.
+        """Count a report's usage and records once per (router, seq) and take its state; the Ack says it is applied.
 
         `refused`: the rows the feed server left out of it (R-10.8), counted per router for
         operators and handed back in the Ack."""
         now = time.time()
         if refused:
             self._note_refusal(report.router, rows=len(refused), reason=refused[-1].message)
-        if report.usage or report.key_use:
+        if report.usage or report.key_use or report.requests:
             await self._store.write(lambda db: apply_counted(db, report, now))
         heard = self._routers.take(report)
         if heard is not None:  # a late repeat does not set the state back

@@ -70,6 +70,9 @@ then `by_port: {"PORT": {...}}`) and then env `ENGINE_DOUBLE_<KNOB>` (upper case
   prefill_per_token    with the simulated cache: seconds of prefill per prompt word not found in
                  it, before the first byte of the answer; one prefill at a time (the others wait,
                  counted in vllm:num_requests_waiting), as one engine's compute is shared
+  request_ids    a file to append `METHOD PATH ID` to for every request that comes with an
+                 X-Request-Id header (ID as it came), whatever the answer: what a test reads to
+                 see which ids reached the engine
 The simulated cache reports vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total (in
 words) on /metrics and `prompt_tokens_details.cached_tokens` in usage. It models where time goes,
 not what a model computes. /metrics (vLLM and SGLang modes) also carries the double's own
@@ -101,13 +104,13 @@ KNOBS = {
     "start_delay": float, "token_delay": float, "crash_after": float, "refuse_start": str,
     "fail_requests": bool, "stderr_lines": int, "bind_early": bool, "warmup_delay": float,
     "ignore_sigterm": bool, "children": int, "report_gpu_mib": int, "dist_timeout": float,
-    "prefix_cache_blocks": int, "block_words": int, "prefill_per_token": float,
+    "prefix_cache_blocks": int, "block_words": int, "prefill_per_token": float, "request_ids": str,
 }
 KNOB_DEFAULTS = {
     "start_delay": 0.0, "token_delay": 0.0, "crash_after": None, "refuse_start": None,
     "fail_requests": False, "stderr_lines": 0, "bind_early": False, "warmup_delay": 0.0,
     "ignore_sigterm": False, "children": 0, "report_gpu_mib": 0, "dist_timeout": 600.0,
-    "prefix_cache_blocks": 0, "block_words": 16, "prefill_per_token": 0.0,
+    "prefix_cache_blocks": 0, "block_words": 16, "prefill_per_token": 0.0, "request_ids": None,
 }
 # Flags that take no value, so that `--headless MODEL` does not eat MODEL.
 BOOLEAN_FLAGS = {
@@ -706,6 +709,10 @@ class Handler(BaseHTTPRequestHandler):
         state = self.state
         engine = state.engine
         path = self.path.split("?", 1)[0]
+        request_id = self.headers.get("x-request-id")
+        if request_id is not None and state.knobs["request_ids"]:
+            with state.lock, open(state.knobs["request_ids"], "a") as noted:
+                noted.write("%s %s %s\n" % (self.command, path, request_id))
         if engine.guarded and (self.command, path) == ("GET", "/health"):
             status, payload = state.health()
             return self._send(status, payload)
