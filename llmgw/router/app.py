@@ -40,6 +40,7 @@ from llmgw.router.metrics import NO_MODEL, RouterMetrics
 from llmgw.router.proxy import Forwarder
 from llmgw.router.requestlog import RequestLog
 from llmgw.router.routes import ROUTES, Route
+from llmgw.router.tracing import Tracing
 from llmgw.router.trail import (CLIENT_CLOSED, CLIENT_CLOSED_STATUS, REQUEST_ID_HEADER, TRAIL, Trail, TrailSpan,
                                 request_id_of, to_record)
 from llmgw.router.usage import UsageMeter
@@ -94,9 +95,10 @@ class Router:
         self.intake = Intake(self.feed, self.limiter, self.balancer)
         self.dispatch = Dispatch(self.feed, self.balancer, self.fairqueue, self.metrics)
         # tracer(request, trail): the span (trail.TrailSpan) a tracer follows the request with, or
-        # None; a request's hooks hand it what they note. None here: nothing is traced.
+        # None; a request's hooks hand it what they note. None: nothing is traced.
         self.tracer: Callable[[web.Request, Trail], TrailSpan | None] | None = None
-        self.tracing = self.feed.tracing  # the feed's gateway settings switch it on and off
+        # Sets `tracer` while the feed's gateway settings name a collector.
+        self.tracing = self.feed.tracing = Tracing(self)
         self._created = int(time.time())
         self._route_names: dict[web.AbstractRoute, str] = {}  # "POST /v1/chat/completions", per route
 

@@ -63,7 +63,7 @@ class Dispatch:
             if up is None:
                 if model.on_demand and feed.on_demand is not None and not balancer.has_endpoints(name):
                     fairqueue.leave(name, now, key.id)
-                    trail.queue_start(now)
+                    trail.queue_start(now, "on_demand")
                     try:
                         await feed.await_arrival(name, waited_since or now)
                     finally:

@@ -72,7 +72,7 @@ class FeedState:
         self.usage = usage
         self.metrics = metrics
         self.request_log = request_log
-        self.tracing = Tracing()  # off until the gateway settings name a collector (R-6.21)
+        self.tracing: Tracing | None = None  # set by the router: told each gateway settings' collector (R-6.21)
         self.router_id: str | None = None
         # A request for an on-demand model with no replica does not wait for one while this is None.
         self.on_demand: Callable[[], None] | None = None
@@ -228,7 +228,8 @@ class FeedState:
         self.gateway = gateway
         self.fairqueue.max_waiting_per_key = gateway.max_waiting_per_key
         self.request_log.configure(gateway)
-        self.tracing.configure(gateway.otlp_endpoint, self.router_id)
+        if self.tracing is not None:
+            self.tracing.configure(gateway.otlp_endpoint, self.router_id)
         if self._forwarder is not None:
             self._forwarder.set_read_timeout(gateway.request_timeout)
             self._forwarder.max_answer = gateway.max_answer

@@ -3,13 +3,15 @@
 Off until the feed's gateway settings name a collector (`gateway.tracing.otlp_endpoint`): then
 `Tracing` holds a TracerProvider of its own (never the process's global one) whose
 BatchSpanProcessor exports over OTLP/HTTP to `<endpoint>/v1/traces`, with `service.name`
-llmgw-router and the router's id as `service.instance.id` and `llmgw.router.id`. A new endpoint replaces the provider
-(the old one is flushed on a thread of its own, so the loop never waits for a collector), and
-`close()` flushes the last spans when the router stops. Nothing of OpenTelemetry is imported
-while tracing is off: the SDK is the optional extra `llmgw[tracing]`, and a router without it
-logs why once and serves untraced.
+llmgw-router and the router's id as `service.instance.id` and `llmgw.router.id`, and sets the
+router's `tracer`, which the middleware asks for each request's span (`Trail.span`). A new
+endpoint replaces the provider (the old one is flushed on a thread of its own, so the loop never
+waits for a collector), none unsets the tracer, and `close()` flushes the last spans when the
+router stops. While tracing is off a request costs nothing more than the trail's `span is None`
+checks, and nothing of OpenTelemetry is imported: the SDK is the optional extra
+`llmgw[tracing]`, and a router without it logs why once and serves untraced.
 
-A request's spans, made by `RequestSpan` from the hooks of its way through the router:
+A request's spans, made by `RequestSpan` from the hooks of its trail (router/trail.py):
 
     POST /v1/chat/completions   SERVER    the client's traceparent continued, else a new trace
     ├── queue                   INTERNAL  each wait for a place or an on-demand replica
@@ -27,16 +29,20 @@ called; a span that cost nothing to know (a queue nobody waited in) is not made.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import threading
 import time
 import urllib.parse
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
     from llmgw.router.balancer import Upstream
+    from llmgw.router.trail import Trail
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,7 @@ TRACES_PATH = "/v1/traces"  # appended to gateway.tracing.otlp_endpoint, as OTLP
 SCOPE = "llmgw.router"
 FLUSH_SECONDS = 10.0  # the most a stopping router waits for its last spans to leave
 TAIL_BYTES = 4096  # of an answer's end, read for its model and finish reasons
+UNMATCHED_PATH_CHARS = 200  # of a path no route matches, in its span's name
 
 # gen_ai.operation.name per route (the GenAI semantic conventions' values); absent: none fits.
 OPERATIONS = {
@@ -86,13 +93,20 @@ def _load() -> _Otel | None:
         return None
 
 
+class Traced(Protocol):
+    """What Tracing switches: the router's `tracer`, asked for each request's span."""
+
+    tracer: Any
+
+
 class Tracing:
     """A router's traces: off, or a TracerProvider exporting to one collector (R-6.21)."""
 
-    __slots__ = ("endpoint", "_otel", "_provider", "_tracer", "_missing")
+    __slots__ = ("endpoint", "_traced", "_otel", "_provider", "_tracer", "_missing")
 
-    def __init__(self):
+    def __init__(self, traced: Traced):
         self.endpoint: str | None = None  # the collector traces go to; None: off
+        self._traced = traced
         self._otel: _Otel | None = None
         self._provider = None
         self._tracer = None
@@ -108,6 +122,7 @@ class Tracing:
         if endpoint == self.endpoint:
             return
         old, self._provider, self._tracer, self.endpoint = self._provider, None, None, endpoint
+        self._traced.tracer = None
         if old is not None:
             threading.Thread(target=_shut_down, args=(old,), name="tracing-flush", daemon=True).start()
         if endpoint is None:
@@ -127,7 +142,14 @@ class Tracing:
         provider = otel.Provider(resource=otel.Resource.create(attributes))
         provider.add_span_processor(otel.Batch(otel.Exporter(endpoint=endpoint + TRACES_PATH)))
         self._provider, self._tracer = provider, provider.get_tracer(SCOPE)
+        self._traced.tracer = self.start
         log.info("tracing: spans go to %s%s", endpoint, TRACES_PATH)
+
+    def start(self, request: web.Request, trail: Trail) -> RequestSpan | None:
+        """The router's tracer while on: the span of `request`, begun now, named for its route."""
+        match = request.match_info
+        path = match.route.resource.canonical if match.http_exception is None else request.path[:UNMATCHED_PATH_CHARS]
+        return self.request(request.method, path, request.headers, trail.id)
 
     def request(self, method: str, path: str, headers: Mapping[str, str], request_id: str | None = None
                 ) -> RequestSpan | None:
@@ -143,6 +165,7 @@ class Tracing:
         """Flush the spans not sent yet and stop exporting (the router stops): waits at most
         FLUSH_SECONDS for a collector that does not answer."""
         provider, self._provider, self._tracer, self.endpoint = self._provider, None, None, None
+        self._traced.tracer = None
         if provider is None:
             return
         done = asyncio.get_running_loop().create_future()
@@ -161,6 +184,13 @@ class Tracing:
             log.warning("tracing: the collector took more than %.0f s; the last spans may be lost", FLUSH_SECONDS)
 
 
+@functools.lru_cache(maxsize=4096)
+def _server(url: str) -> dict[str, Any]:
+    """An engine's server.address and server.port, worked out once per endpoint URL."""
+    parsed = urllib.parse.urlsplit(url)
+    return {name: value for name, value in (("server.address", parsed.hostname), ("server.port", parsed.port)) if value}
+
+
 def _shut_down(provider) -> None:
     try:
         provider.shutdown()
@@ -169,16 +199,17 @@ def _shut_down(provider) -> None:
 
 
 class RequestSpan:
-    """One request's spans (R-6.21), from the hooks of its way through the router.
+    """One request's spans (R-6.21): a trail.TrailSpan, told each step by the request's trail.
 
-    Each hook takes the time itself. `queue_start`/`queue_end` bracket a wait (a `queue` span
+    The hooks' `now` (time.monotonic()) is not a time a collector can place: each hook takes the
+    wall clock itself as it is called. `queue_start`/`queue_end` bracket a wait (a `queue` span
     each), `attempt_start` begins an attempt on an endpoint and returns the headers its engine
     gets (`traceparent`, `tracestate`), `attempt_end` ends it, `first_byte` and `stream_end`
-    bracket a relayed stream, `answered` reads the answer's tail, and `finish` ends the request's
-    span (and whatever its hooks left open)."""
+    bracket a relayed stream, `answered` reads the answer's end, and `finish` ends the request's
+    span with what the trail noted (and whatever its hooks left open)."""
 
-    __slots__ = ("_otel", "_tracer", "span", "_context", "_queued_at", "_attempt", "_attempts", "_first_byte",
-                 "_model", "_finish_reasons")
+    __slots__ = ("_otel", "_tracer", "span", "_context", "_queued", "_attempt", "_first_byte", "_model",
+                 "_finish_reasons")
 
     def __init__(self, otel: _Otel, tracer, method: str, path: str, headers: Mapping[str, str],
                  request_id: str | None):
@@ -200,9 +231,8 @@ class RequestSpan:
             attributes["llmgw.request_id"] = request_id
         self.span = tracer.start_span(f"{method} {path}", context=parent, kind=otel.SERVER, attributes=attributes)
         self._context = otel.in_context(self.span)
-        self._queued_at: int | None = None
+        self._queued: tuple[int, str] | None = None  # (when, what for) of the wait under way
         self._attempt = None  # the attempt span open now
-        self._attempts = 0
         self._first_byte: int | None = None
         self._model: str | None = None  # gen_ai.response.model, from the answer
         self._finish_reasons: tuple[str, ...] = ()
@@ -212,46 +242,31 @@ class RequestSpan:
         """The request's trace id, 32 hex digits."""
         return f"{self.span.get_span_context().trace_id:032x}"
 
-    def identify(self, *, key: str | None = None, model: str | None = None, asked: str | None = None) -> None:
-        """Who asks, for which model: the key's name (never the key), the model that is to serve
-        the request and, when the client named it by an alias, that name (R-8.7)."""
-        span = self.span
-        if key is not None:
-            span.set_attribute("llmgw.key", key)
-        if model is not None:
-            span.set_attribute("gen_ai.request.model", model)
-        if asked is not None:
-            span.set_attribute("llmgw.asked_model", asked)
+    def queue_start(self, now: float, reason: str = "places") -> None:
+        """A wait begins: for a place of the model (`places`, R-6.17) or an on-demand replica (`on_demand`, R-6.8)."""
+        self._queued = (time.time_ns(), reason)
 
-    def queue_start(self) -> None:
-        self._queued_at = time.time_ns()
-
-    def queue_end(self, reason: str = "places") -> None:
-        """The wait begun by queue_start is over; `reason` is what it waited for: `places` (the
-        model's fair queue) or `on_demand` (a replica starting)."""
-        began, self._queued_at = self._queued_at, None
-        if began is None:
+    def queue_end(self, now: float) -> None:
+        queued, self._queued = self._queued, None
+        if queued is None:
             return
+        began, reason = queued
         span = self._tracer.start_span("queue", context=self._context, kind=self._otel.INTERNAL, start_time=began,
                                        attributes={"llmgw.queue": reason})
         span.end()
 
-    def attempt_start(self, up: Upstream, method: str = "POST") -> dict[str, str]:
+    def attempt_start(self, up: Upstream, trail: Trail) -> dict[str, str]:
         """An attempt on `up` begins (an open one is ended first); the headers its engine gets."""
         if self._attempt is not None:
-            self.attempt_end()
-        self._attempts += 1
-        url = urllib.parse.urlsplit(up.endpoint.url)
+            self.attempt_end(0, "unfinished")
         attributes: dict[str, Any] = {"llmgw.replica": up.replica_id, "gen_ai.request.model": up.model,
-                                      "http.request.method": method, "llmgw.attempt": self._attempts}
-        if url.hostname:
-            attributes["server.address"] = url.hostname
-        if url.port:
-            attributes["server.port"] = url.port
+                                      "llmgw.attempt": trail.attempts, **_server(up.endpoint.url)}
+        if up.node is not None:
+            attributes["llmgw.node"] = up.node
         revision = up.endpoint.revision
         if revision is not None:
             attributes["llmgw.revision"] = revision
-        span = self._attempt = self._tracer.start_span(f"{method} {up.replica_id}", context=self._context,
+        span = self._attempt = self._tracer.start_span(f"POST {up.replica_id}", context=self._context,
                                                        kind=self._otel.CLIENT, attributes=attributes)
         context = span.get_span_context()
         headers = {"traceparent": f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"}
@@ -259,33 +274,31 @@ class RequestSpan:
             headers["tracestate"] = context.trace_state.to_header()
         return headers
 
-    def attempt_end(self, status: int | None = None, error: str | None = None) -> None:
-        """The open attempt is over: the engine's HTTP status when it answered, and the error
-        (its code or message) when the attempt failed; a status of 400 or more is a failure too."""
+    def attempt_end(self, status: int, error: str | None = None) -> None:
+        """The open attempt is over: the engine's HTTP status when it answered (`error` None), or
+        the router's error code for the failure (its status is the router's, not the engine's)."""
         span, self._attempt = self._attempt, None
         if span is None:
             return
-        if status is not None:
+        if error is None:
             span.set_attribute("http.response.status_code", status)
-        if error is not None or (status is not None and status >= 400):
+        if error is not None or status >= 400:
             why = error or str(status)
             span.set_attribute("error.type", why)
             span.set_status(self._otel.Status(self._otel.ERROR, why))
         span.end()
 
-    def first_byte(self) -> None:
-        """The answer's first byte reached the client."""
+    def first_byte(self, now: float) -> None:
+        """A relayed stream's first byte goes to the client."""
         if self._first_byte is None:
             self._first_byte = time.time_ns()
 
-    def stream_end(self, error: str | None = None, events: int | None = None) -> None:
-        """The relayed stream ended, cut with `error` when it did not end whole."""
+    def stream_end(self, now: float, error: str | None = None) -> None:
+        """The relayed stream ended, cut with `error` (or its client left) when it did not end whole."""
         began = self._first_byte
         if began is None:
             return
-        attributes = {} if events is None else {"llmgw.stream.events": events}
-        span = self._tracer.start_span("stream", context=self._context, kind=self._otel.INTERNAL, start_time=began,
-                                       attributes=attributes)
+        span = self._tracer.start_span("stream", context=self._context, kind=self._otel.INTERNAL, start_time=began)
         if error is not None:
             span.set_attribute("error.type", error)
             span.set_status(self._otel.Status(self._otel.ERROR, error))
@@ -302,26 +315,27 @@ class RequestSpan:
         if reasons:
             self._finish_reasons = tuple(dict.fromkeys(r.decode() for r in reasons))
 
-    def finish(self, status: int, *, error: str | None = None, prompt_tokens: int | None = None,
-               completion_tokens: int | None = None) -> None:
+    def finish(self, trail: Trail) -> None:
         """The request is over: the status the client got, the error's code (a stream cut after
-        its status, too) and the tokens counted (None: unknown, left out)."""
-        if self._queued_at is not None:
-            self.queue_end()
+        its status, too), who asked for which model and the tokens counted, from its trail."""
+        if self._queued is not None:
+            self.queue_end(0.0)
+        status, error = trail.status, trail.error
         if self._attempt is not None:
-            self.attempt_end(error=error or "unfinished")
-        span = self.span
+            self.attempt_end(status, error or "unfinished")
         attributes: dict[str, Any] = {"http.response.status_code": status}
-        if self._model is not None:
-            attributes["gen_ai.response.model"] = self._model
+        for name, value in (("llmgw.key", trail.key), ("gen_ai.request.model", trail.model),
+                            ("llmgw.asked_model", trail.asked), ("llmgw.fallback", trail.fallback),
+                            ("gen_ai.response.model", self._model), ("error.type", error),
+                            ("gen_ai.usage.input_tokens", trail.prompt_tokens),
+                            ("gen_ai.usage.output_tokens", trail.completion_tokens)):
+            if value is not None:
+                attributes[name] = value
         if self._finish_reasons:
             attributes["gen_ai.response.finish_reasons"] = self._finish_reasons
-        if prompt_tokens is not None:
-            attributes["gen_ai.usage.input_tokens"] = prompt_tokens
-        if completion_tokens is not None:
-            attributes["gen_ai.usage.output_tokens"] = completion_tokens
-        if error is not None:
-            attributes["error.type"] = error
+        if trail.estimated:
+            attributes["llmgw.usage.estimated"] = True
+        span = self.span
         span.set_attributes(attributes)
         # A server's 4xx is the client's mistake, not the server's (the semantic conventions):
         # an error status for 5xx, and for an answer cut after a success status.

@@ -85,6 +85,7 @@ class EngineDouble:
     proc: subprocess.Popen | None = None
     mode: str = "vllm"
     env: dict = field(default_factory=dict)
+    args: tuple = ()  # more of the engine's command line
 
     @property
     def url(self) -> str:
@@ -110,7 +111,8 @@ class EngineDouble:
                     "--api-key", self.key]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", f"import engine_double; engine_double.entry_point({self.mode!r}, None)", *args],
+            [sys.executable, "-c", f"import engine_double; engine_double.entry_point({self.mode!r}, None)", *args,
+             *self.args],
             env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         poll(self.healthy if healthy else self.listening, what=f"engine double {self.name} on port {self.port}")
@@ -155,12 +157,12 @@ class Engines:
         self.started: list[EngineDouble] = []
 
     def start(self, name: str, port: int | None = None, key: str | None = None, healthy: bool = True,
-              mode: str = "vllm", env: dict | None = None, **knobs) -> EngineDouble:
+              mode: str = "vllm", env: dict | None = None, args=(), **knobs) -> EngineDouble:
         port = port or free_port()
         home = self.directory / f"engine-{name}-{port}"
         home.mkdir(parents=True, exist_ok=True)
         engine = EngineDouble(name=name, port=port, key=key or f"engine-key-{name}-{port}",
-                              log_path=home / "engine.log", knobs=knobs, mode=mode, env=env or {})
+                              log_path=home / "engine.log", knobs=knobs, mode=mode, env=env or {}, args=tuple(args))
         self.started.append(engine)
         return engine.start(healthy)
 

@@ -1,7 +1,7 @@
-"""The router's traces (R-6.21), driven through llmgw.router.tracing's API, exported over OTLP/HTTP
-to the test receiver on loopback: the span tree of a request, the client's trace continued, the
-context an engine is given, the exporter reconfigured and flushed, and OpenTelemetry left
-unimported while tracing is off.
+"""The router's traces (R-6.21), driven through llmgw.router.tracing and the trail's hooks
+(router/trail.py), exported over OTLP/HTTP to the test receiver on loopback: the span tree of a
+request, the client's trace continued, the context an engine is given, the exporter reconfigured
+and flushed, and OpenTelemetry left unimported while tracing is off.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 
 import aiohttp
 import pytest
@@ -18,11 +19,18 @@ import pytest
 from llmgw.contracts.endpoints import Endpoint
 from llmgw.router.balancer import Upstream
 from llmgw.router.tracing import SERVICE_NAME, Tracing
+from llmgw.router.trail import Trail
 from tests.otlp_receiver import OtlpReceiver
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
 CHAT = "POST /v1/chat/completions"
+
+
+class Traced:
+    """What Tracing switches on and off: a router's `tracer`."""
+
+    tracer = None
 
 
 @pytest.fixture
@@ -33,12 +41,29 @@ async def receiver():
 
 
 @pytest.fixture
-def tracing():
-    return Tracing()
+def router():
+    return Traced()
+
+
+@pytest.fixture
+def tracing(router):
+    return Tracing(router)
 
 
 def upstream(replica: str = "chat-1a2b", port: int = 20001) -> Upstream:
-    return Upstream(Endpoint(replica, "chat", f"http://10.213.7.10:{port}", "engine-key", revision="3f2a9c1d0e4b"))
+    return Upstream(Endpoint(replica, "chat", f"http://10.213.7.10:{port}", "engine-key", revision="3f2a9c1d0e4b",
+                             node="gpu03"))
+
+
+def trail(request_id: str = "req-42") -> Trail:
+    return Trail(request_id, None, time.time(), time.monotonic())
+
+
+def traced(tracing: Tracing, headers: dict | None = None, path: str = "/v1/chat/completions") -> Trail:
+    """A trail followed by a span, as the middleware makes them."""
+    made = trail()
+    made.span = tracing.request("POST", path, headers or {}, made.id)
+    return made
 
 
 def stream_tail(model: str = "chat-served", reason: str = "length") -> bytes:
@@ -48,25 +73,27 @@ def stream_tail(model: str = "chat-served", reason: str = "length") -> bytes:
             b'"completion_tokens":8}}\n\ndata: [DONE]\n\n')
 
 
-async def test_a_retried_stream_makes_a_tree_under_the_clients_trace(receiver, tracing):
+async def test_a_retried_stream_makes_a_tree_under_the_clients_trace(receiver, tracing, router):
     """Request (SERVER, the client's trace and parent) → queue, two attempts (the first failed),
     the stream; GenAI attributes; the engine gets the attempt's context; the resource names the
     router; close() flushes."""
     tracing.configure(receiver.url, "local/host-0-abc")
-    headers = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "tracestate": "vendor=opaque"}
-    span = tracing.request("POST", "/v1/chat/completions", headers, request_id="req-42")
-    span.identify(key="alice", model="chat")
-    span.queue_start()
-    span.queue_end()
-    first = span.attempt_start(upstream("chat-1a2b"))
-    span.attempt_end(503, "upstream_refused")
-    second = span.attempt_start(upstream("chat-9f8e", 20002))
-    span.first_byte()
-    span.attempt_end(200)
-    span.answered(stream_tail())
-    span.stream_end(events=10)
-    span.finish(200, prompt_tokens=5, completion_tokens=8)
+    assert router.tracer == tracing.start  # the middleware asks it for each request's span
+    t = traced(tracing, {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01", "tracestate": "vendor=opaque"})
+    t.key, t.model, t.asked = "alice", "chat", "chat-latest"
+    t.queue_start(time.monotonic())
+    t.queue_end(time.monotonic())
+    first = t.attempt_start(upstream("chat-1a2b"))
+    t.attempt_end(502, "upstream_unavailable")
+    second = t.attempt_start(upstream("chat-9f8e", 20002))
+    t.first_byte(time.monotonic())
+    t.span.answered(stream_tail())
+    t.stream_end(time.monotonic())
+    t.attempt_end(200)
+    t.tokens(5, 8, False)
+    t.finish(time.monotonic(), 200, None)
     await tracing.close()
+    assert router.tracer is None
 
     spans = await receiver.wait(lambda: len(receiver.spans) == 5 and receiver.spans, what="five spans")
     request = next(s for s in spans if s.name == CHAT)
@@ -76,88 +103,97 @@ async def test_a_retried_stream_makes_a_tree_under_the_clients_trace(receiver, t
     assert request.attributes == {
         "http.request.method": "POST", "http.route": "/v1/chat/completions", "gen_ai.operation.name": "chat",
         "llmgw.request_id": "req-42", "llmgw.key": "alice", "gen_ai.request.model": "chat",
-        "http.response.status_code": 200, "gen_ai.response.model": "chat-served",
+        "llmgw.asked_model": "chat-latest", "http.response.status_code": 200, "gen_ai.response.model": "chat-served",
         "gen_ai.response.finish_reasons": ("length",), "gen_ai.usage.input_tokens": 5, "gen_ai.usage.output_tokens": 8}
     assert request.status == "UNSET"
     children = receiver.children(request)
     assert sorted(s.name for s in children) == ["POST chat-1a2b", "POST chat-9f8e", "queue", "stream"]
     assert all(s.trace_id == CLIENT_TRACE for s in spans)
     failed, served = (next(s for s in children if s.name == f"POST {r}") for r in ("chat-1a2b", "chat-9f8e"))
-    assert (failed.kind, failed.status, failed.attributes["error.type"]) == ("CLIENT", "ERROR", "upstream_refused")
-    assert failed.attributes["http.response.status_code"] == 503 and failed.attributes["llmgw.attempt"] == 1
+    assert (failed.kind, failed.status, failed.attributes["error.type"]) == ("CLIENT", "ERROR", "upstream_unavailable")
+    assert "http.response.status_code" not in failed.attributes  # the router's 502 is not the engine's status
+    assert failed.attributes["llmgw.attempt"] == 1
     assert (served.kind, served.status, served.attributes["llmgw.attempt"]) == ("CLIENT", "UNSET", 2)
+    assert served.attributes["http.response.status_code"] == 200
     assert served.attributes["llmgw.replica"] == "chat-9f8e" and served.attributes["server.port"] == 20002
     assert served.attributes["server.address"] == "10.213.7.10" and served.attributes["llmgw.revision"] == "3f2a9c1d0e4b"
+    assert served.attributes["llmgw.node"] == "gpu03"
     # Each engine is told the context of its own attempt, the client's tracestate kept.
     for headers, attempt in ((first, failed), (second, served)):
         assert headers["traceparent"] == f"00-{CLIENT_TRACE}-{attempt.span_id}-01"
         assert headers["tracestate"] == "vendor=opaque"
     stream = next(s for s in children if s.name == "stream")
-    assert stream.kind == "INTERNAL" and stream.attributes == {"llmgw.stream.events": 10}
-    assert request.start_ns <= stream.start_ns <= stream.end_ns <= request.end_ns
+    assert stream.kind == "INTERNAL" and stream.status == "UNSET"
+    assert served.start_ns <= stream.start_ns <= stream.end_ns <= served.end_ns <= request.end_ns
+    queue = next(s for s in children if s.name == "queue")
+    assert queue.attributes == {"llmgw.queue": "places"} and queue.end_ns <= failed.start_ns
     assert "engine-key" not in json.dumps([s.attributes for s in spans])  # the engine's key never
 
 
 async def test_without_a_traceparent_a_trace_starts(receiver, tracing):
     tracing.configure(receiver.url, None)
-    made = [tracing.request("POST", "/v1/embeddings", {}),
-            tracing.request("POST", "/v1/embeddings", {"traceparent": "00-not-a-trace-01"})]
-    for span in made:
-        span.finish(200)
+    made = [traced(tracing, path="/v1/embeddings"), traced(tracing, {"traceparent": "00-not-a-trace-01"}, "/v1/embeddings")]
+    for t in made:
+        t.finish(time.monotonic(), 200, None)
     await tracing.close()
     spans = await receiver.wait(lambda: len(receiver.spans) == 2 and receiver.spans, what="two spans")
     assert [s.parent_id for s in spans] == [None, None]  # a malformed traceparent starts a trace too
     assert len({s.trace_id for s in spans}) == 2
-    assert {s.trace_id for s in spans} == {span.trace_id for span in made}
+    assert {s.trace_id for s in spans} == {t.span.trace_id for t in made}
     assert all(s.attributes["gen_ai.operation.name"] == "embeddings" for s in spans)
     assert "llmgw.router.id" not in spans[0].resource  # a router not fed yet has no id
 
 
 @pytest.mark.parametrize("status, error, expected", [
-    pytest.param(503, "no_capacity", "ERROR", id="5xx"),
+    pytest.param(503, "queue_timeout", "ERROR", id="5xx"),
     pytest.param(429, "rate_limit_exceeded", "UNSET", id="4xx-is-the-clients"),
     pytest.param(200, "upstream_interrupted", "ERROR", id="stream-cut-after-200"),
 ])
 async def test_the_request_span_is_an_error_when_the_router_failed(receiver, tracing, status, error, expected):
     tracing.configure(receiver.url, None)
-    span = tracing.request("POST", "/v1/chat/completions", {})
-    span.queue_start()  # still waiting when it ends: the queue span ends with it
-    span.finish(status, error=error)
+    t = traced(tracing)
+    t.queue_start(time.monotonic(), "on_demand")  # still waiting when it ends: the queue span ends with it
+    t.finish(time.monotonic(), status, error)
     await tracing.close()
     spans = await receiver.wait(lambda: len(receiver.spans) == 2 and receiver.spans, what="two spans")
     request = next(s for s in spans if s.name == CHAT)
     assert (request.status, request.attributes["error.type"]) == (expected, error)
-    assert [s.name for s in receiver.children(request)] == ["queue"]
+    [queue] = receiver.children(request)
+    assert queue.attributes == {"llmgw.queue": "on_demand"}
 
 
-async def test_an_attempt_left_open_is_ended_as_failed(receiver, tracing):
+async def test_a_stream_its_client_left_ends_as_cut(receiver, tracing):
     tracing.configure(receiver.url, None)
-    span = tracing.request("POST", "/v1/completions", {})
-    span.attempt_start(upstream())
-    span.finish(502, error="upstream_failed")
+    t = traced(tracing)
+    t.attempt_start(upstream())
+    t.first_byte(time.monotonic())
+    t.stream_end(time.monotonic(), "client_closed")
+    t.finish(time.monotonic(), 200, None)  # the middleware's own end: no error of its own
     await tracing.close()
-    spans = await receiver.wait(lambda: len(receiver.spans) == 2 and receiver.spans, what="two spans")
-    attempt = next(s for s in spans if s.kind == "CLIENT")
-    assert (attempt.status, attempt.attributes["error.type"]) == ("ERROR", "upstream_failed")
+    spans = await receiver.wait(lambda: len(receiver.spans) == 3 and receiver.spans, what="three spans")
+    stream, attempt, request = (next(s for s in spans if s.name == n) for n in ("stream", "POST chat-1a2b", CHAT))
+    assert (stream.status, stream.attributes["error.type"]) == ("ERROR", "client_closed")
+    assert request.attributes["error.type"] == "client_closed" and request.status == "ERROR"
+    assert attempt.status == "ERROR"  # left open by the attempt: ended with the request
 
 
-def test_while_off_there_is_no_span(tracing):
+def test_while_off_there_is_no_span(tracing, router):
     assert tracing.request("POST", "/v1/chat/completions", {}) is None
     tracing.configure(None, "r")
-    assert not tracing.on and tracing.request("POST", "/v1/chat/completions", {}) is None
+    assert not tracing.on and router.tracer is None
 
 
-async def test_a_new_endpoint_flushes_the_old_exporter_and_none_stops(tracing):
+async def test_a_new_endpoint_flushes_the_old_exporter_and_none_stops(tracing, router):
     first, second = await OtlpReceiver().start(), await OtlpReceiver().start()
     try:
         tracing.configure(first.url, "r1")
-        tracing.request("POST", "/v1/chat/completions", {}).finish(200)
+        traced(tracing).finish(time.monotonic(), 200, None)
         tracing.configure(second.url, "r1")  # the span made before goes to the first, flushed now
-        tracing.request("POST", "/v1/completions", {}).finish(200)
+        traced(tracing, path="/v1/completions").finish(time.monotonic(), 200, None)
         await first.wait(lambda: [s.name for s in first.spans] == [CHAT], what="the first collector's span")
         tracing.configure(None, "r1")  # off: the second one's span is flushed, nothing more is made
         await second.wait(lambda: [s.name for s in second.spans] == ["POST /v1/completions"], what="the second's span")
-        assert tracing.request("POST", "/v1/chat/completions", {}) is None
+        assert tracing.request("POST", "/v1/chat/completions", {}) is None and router.tracer is None
     finally:
         await tracing.close()
         await first.close()
@@ -167,7 +203,7 @@ async def test_a_new_endpoint_flushes_the_old_exporter_and_none_stops(tracing):
 async def test_the_exporters_gzip_is_read(receiver, tracing, monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "gzip")
     tracing.configure(receiver.url, None)
-    tracing.request("POST", "/v1/messages", {}).finish(200)
+    traced(tracing, path="/v1/messages").finish(time.monotonic(), 200, None)
     await tracing.close()
     await receiver.wait(lambda: receiver.spans, what="a span")
     assert receiver.posts == [("application/x-protobuf", "gzip")]
@@ -211,10 +247,10 @@ def test_opentelemetry_is_imported_only_once_tracing_is_on():
         print("off", len(loaded()), loaded()[:3])
         on = GatewaySettings(max_body=1024, request_timeout=60.0, on_demand_wait=5.0, otlp_endpoint="http://127.0.0.1:9")
         router.apply(Snapshot("e", 2, {}, {}, (), on))
-        print("on", len(loaded()) > 0, router.tracing.on)
+        print("on", len(loaded()) > 0, router.tracing.on, router.tracer == router.tracing.start)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True).stdout
-    assert out.splitlines() == ["off 0 []", "on True True"]
+    assert out.splitlines() == ["off 0 []", "on True True True"]
 
 
 def test_without_the_extra_a_router_says_why_and_serves_untraced():
@@ -230,7 +266,10 @@ def test_without_the_extra_a_router_says_why_and_serves_untraced():
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)
         from llmgw.router.tracing import Tracing
 
-        tracing = Tracing()
+        class Traced:
+            tracer = None
+
+        tracing = Tracing(Traced())
         tracing.configure("http://127.0.0.1:9", "r1")
         tracing.configure("http://127.0.0.1:10", "r1")  # said once, not tried again
         print("span", tracing.request("POST", "/v1/chat/completions", {}), tracing.on)
