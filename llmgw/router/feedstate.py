@@ -3,11 +3,12 @@
 The router is fed only by the router feed (llmgw.contracts.feed): `FeedState.apply()` takes the
 control plane's Snapshot and then each Change (models, endpoint lists, keys, gateway settings —
 the traces' collector among them, R-6.21 —, replicas given up), and `report_fields()` gives what
-the router's next Report carries: usage and key use counted since the last report (handed over once), and its state as of now (last use per
-replica for R-7.1, requests in flight for drains (R-4.2), engine loads (R-6.5), on-demand models
-asked for with no replica (R-6.8)), and the request log's records kept since the last report
-(R-6.20, handed over once). It reads no catalog, configuration or database: whoever feeds
-it (in process, or over a socket) decides where those come from.
+the router's next Report carries: usage and key use counted since the last report (handed over
+once), and its state as of now (last use per replica for R-7.1, requests in flight for drains
+(R-4.2), engine loads (R-6.5), on-demand models asked for with no replica (R-6.8)), and the
+request log's records kept since the last report (R-6.20, handed over once). It reads no catalog,
+configuration or database: whoever feeds it (in process, or over a socket) decides where those
+come from.
 
 A feed is given a `FedRouter`, what it needs of the router and no more: `FeedState` is one,
 and the feeds' tests give their own.
