@@ -36,6 +36,13 @@ worker's feed client encodes them (once each, with their records), and the in-pr
 plane is not given the records, so what is measured is the router's side alone.
 
     .venv/bin/python bench/router_overhead.py --request-log [--rounds 5] [--seconds 3]
+
+`--tracing` compares, the same way, a router with traces off and one with `gateway.tracing` on
+(R-6.21), exporting every request's spans over OTLP/HTTP to a collector process of this script
+that answers each export at once without reading it: the CPU the router spends on the spans,
+their batching and their export.
+
+    .venv/bin/python bench/router_overhead.py --tracing [--rounds 5] [--seconds 3]
 """
 
 from __future__ import annotations
@@ -141,6 +148,19 @@ def run_bare_proxy(port: int, engine_url: str) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
+# ------------------------------------------------------------------------------ a collector of traces
+
+def run_collector(port: int) -> None:
+    """OTLP/HTTP's traces path, answering every export with success without decoding it."""
+    async def export(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")  # an empty ExportTraceServiceResponse
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_post("/v1/traces", export)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
 # ------------------------------------------------------------------------------ the router process
 
 def report_as_a_worker(publisher) -> None:
@@ -161,11 +181,12 @@ def report_as_a_worker(publisher) -> None:
 
 async def run_router(port: int, engine_url: str, state_dir: str, profile: str | None,
                      request_timeout: float, routing: str = "least-outstanding", limits: bool = False,
-                     request_log: str | None = None, request_log_path: str | None = None) -> None:
+                     request_log: str | None = None, request_log_path: str | None = None,
+                     otlp: str | None = None) -> None:
     from prometheus_client import CollectorRegistry
 
     from llmgw.catalog import Catalog, CatalogHolder
-    from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig, RequestLogConfig
+    from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig, RequestLogConfig, TracingConfig
     from llmgw.contracts.feed import Limits
     from llmgw.control.feed import FeedPublisher
     from llmgw.keys import KeySettings, create_key
@@ -183,8 +204,8 @@ async def run_router(port: int, engine_url: str, state_dir: str, profile: str | 
                             profiles={"p": ProfileConfig(engine="vllm")})
     # Fed as `llmgw serve` feeds it: the publisher and the in-process feed.
     logged = RequestLogConfig(enabled=request_log != "off", path=request_log_path)
-    publisher = FeedPublisher(CatalogHolder(catalog), store, GatewayConfig(request_timeout=request_timeout,
-                                                                           request_log=logged))
+    publisher = FeedPublisher(CatalogHolder(catalog), store, GatewayConfig(
+        request_timeout=request_timeout, request_log=logged, tracing=TracingConfig(otlp_endpoint=otlp)))
     publisher.set_endpoints({MODEL: [Endpoint("r1", MODEL, engine_url, ENGINE_KEY)]})
     publisher.mark_ready()
     if request_log is not None:
@@ -504,9 +525,34 @@ def start_router(engine_url: str, args, *extra: str) -> tuple[subprocess.Popen, 
 
 async def bench_request_log(args) -> None:
     """Routers with the request log off, on, and on with a file, in turns, against the bare proxy."""
+    log_file = Path(tempfile.mkdtemp(prefix="llmgw-bench-reqlog-")) / "requests.jsonl"
+
+    async def written() -> None:
+        await asyncio.sleep(1)  # the file's writer flushes every 0.2 s: give it a moment, then count
+        print(f"\nlines in the request log's file: {sum(1 for _ in open(log_file)) if log_file.exists() else 0}")
+
+    await compare_routers(args, (("log off", ("--request-log", "off")), ("log on", ("--request-log", "on")),
+                                 ("log on + file", ("--request-log", "on", "--request-log-path", str(log_file)))),
+                          written)
+
+
+async def bench_tracing(args) -> None:
+    """A router with traces off and one exporting them to a collector, in turns, against the bare proxy."""
+    collector_port = free_port()
+    collector = start_process([sys.executable, __file__, "_collector", "--port", str(collector_port)])
+    try:
+        await asyncio.to_thread(wait_healthy_post, f"http://127.0.0.1:{collector_port}")
+        await compare_routers(args, (("traces off", ()), ("traces on", ("--otlp", f"http://127.0.0.1:{collector_port}"))))
+    finally:
+        collector.send_signal(signal.SIGTERM)
+        collector.wait(timeout=10)
+
+
+async def compare_routers(args, variants, after=None) -> None:
+    """Routers started with each variant's arguments, measured in turns (`--rounds`) against the
+    bare proxy; the first variant is the baseline of the ratios. `after()` reports more, at the end."""
     processes = []
-    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-reqlog-"))
-    log_file = work / "requests.jsonl"
+    baseline = variants[0][0]
     try:
         engine_port = free_port()
         engine = start_process([sys.executable, __file__, "_engine", "--port", str(engine_port),
@@ -519,8 +565,7 @@ async def bench_request_log(args) -> None:
         processes.append(bare)
         await asyncio.to_thread(wait_healthy_post, f"http://127.0.0.1:{bare_port}")
         targets = [Target("bare", f"http://127.0.0.1:{bare_port}", ENGINE_KEY, bare.pid)]
-        for name, extra in (("log off", ("--request-log", "off")), ("log on", ("--request-log", "on")),
-                            ("log on + file", ("--request-log", "on", "--request-log-path", str(log_file)))):
+        for name, extra in variants:
             router, secret = start_router(engine_url, args, *extra)
             processes.append(router)
             targets.append(Target(name, f"http://127.0.0.1:{router.port}", secret, router.pid))
@@ -542,25 +587,25 @@ async def bench_request_log(args) -> None:
                         figures[kind][target.name].append(run["cpu"] / max(run["requests"], 1))
                 print(f"round {round_ + 1}/{args.rounds}: " + "; ".join(
                     f"{name} {values[-1] * 1e3:.3f}" for name, values in figures[kinds[0][0]].items()), flush=True)
-        # the file's writer flushes every 0.2 s: give it a moment, then count what it wrote
-        await asyncio.sleep(1)
-        written = sum(1 for _ in open(log_file)) if log_file.exists() else 0
 
         names = [t.name for t in targets]
         width = max(len(kind) for kind, _, _ in kinds) + 10
         print(f"\nengine: aiohttp (token delay {args.token_delay * 1e3:g} ms); {os.cpu_count()} CPUs; "
               f"{args.rounds} rounds, each {args.seconds:g} s per router and kind at concurrency 16, in turns")
         print("CPU is the serving process's user+system time (all threads), median over the rounds;"
-              " ratio: median of each round's ratio to the log off\n")
+              f" ratio: median of each round's ratio to the {baseline}\n")
         print(f"{'':{width}}" + "".join(f"  {n:>14}" for n in names))
         for kind, _, scale in kinds:
             per = figures[kind]
             print(f"{kind:{width}}" + "".join(f"  {statistics.median(per[n]) * scale:>14.3f}" for n in names))
-            ratios = {n: statistics.median(a / b for a, b in zip(per[n], per["log off"])) for n in names}
-            print(f"{'  vs log off':{width}}" + "".join(f"  {'x%.3f' % ratios[n]:>14}" for n in names))
+            ratios = {n: statistics.median(a / b for a, b in zip(per[n], per[baseline])) for n in names}
+            print(f"{'  vs ' + baseline:{width}}" + "".join(f"  {'x%.3f' % ratios[n]:>14}" for n in names))
+            added = {n: statistics.median(a - b for a, b in zip(per[n], per[baseline])) * 1e6 for n in names}
+            print(f"{'  minus ' + baseline + ' (µs)':{width}}" + "".join(f"  {added[n]:>+14.1f}" for n in names))
             spread = {n: (min(per[n]) * scale, max(per[n]) * scale) for n in names}
             print(f"{'  range':{width}}" + "".join(f"  {'%.3f-%.3f' % spread[n]:>14}" for n in names))
-        print(f"\nlines in the request log's file: {written}")
+        if after is not None:
+            await after()
     finally:
         for process in reversed(processes):
             process.send_signal(signal.SIGTERM)
@@ -577,6 +622,9 @@ async def bench(args) -> None:
         return
     if args.request_log:
         await bench_request_log(args)
+        return
+    if args.tracing:
+        await bench_tracing(args)
         return
     processes = []
     try:
@@ -715,9 +763,16 @@ def main() -> None:
         parser.add_argument("--limits", action="store_true")
         parser.add_argument("--request-log", choices=["off", "on"])
         parser.add_argument("--request-log-path")
+        parser.add_argument("--otlp")
         args = parser.parse_args()
         asyncio.run(run_router(args.port, args.engine_url, args.state, args.profile, args.request_timeout,
-                               args.routing, args.limits, args.request_log, args.request_log_path))
+                               args.routing, args.limits, args.request_log, args.request_log_path, args.otlp))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_collector":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("_collector")
+        parser.add_argument("--port", type=int, required=True)
+        run_collector(parser.parse_args().port)
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=["aiohttp", "double", "vllm"], default="aiohttp")
@@ -737,7 +792,9 @@ def main() -> None:
                              "high to refuse: the cost of enforcing them (R-6.16)")
     parser.add_argument("--request-log", action="store_true",
                         help="compare routers with the request log off, on, and on with a file (R-6.20)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of the --request-log comparison")
+    parser.add_argument("--tracing", action="store_true",
+                        help="compare a router with traces off and one exporting them to a collector (R-6.21)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the --request-log and --tracing comparisons")
     args = parser.parse_args()
     real = args.engine == "vllm"
     args.count = args.count or (100 if real else 500)

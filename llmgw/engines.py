@@ -7,6 +7,13 @@ llama-server LLAMA_API_KEY, and SGLang, which has no such variable, reads it fro
 paths open, so it also loads llmgw's guard middleware (remote/llmgw_vllm_guard.py) from the shard
 directory. Facts behind each line: ENGINES.md.
 
+With `gateway.tracing.otlp_endpoint` set, `Engine.traced` adds the engine's own OpenTelemetry
+export to a launch (R-6.21): vLLM gets `--otlp-traces-endpoint <endpoint>/v1/traces` and
+`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf` (its default is gRPC), named `vllm` by
+`OTEL_SERVICE_NAME`; it continues the `traceparent` the router sends, so its `llm_request` span
+joins the request's trace. A gateway setting, not part of a model's revision (R-8.6): changing it
+rolls nothing, and the replicas launched after the change get it.
+
 The vLLM template leaves vLLM's Responses store off (`VLLM_ENABLE_RESPONSES_API_STORE`): stored
 responses stay in the engine's memory and are never evicted. A profile that wants `GET
 /v1/responses/{id}` and `previous_response_id` sets it in its `env`.
@@ -14,6 +21,7 @@ responses stay in the engine's memory and are never evicted. A profile that want
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.resources
 import string
@@ -130,7 +138,14 @@ class Engine:
         """The shard's command line and environment; `lora` only for an engine with adapter support."""
         raise NotImplementedError
 
+    def traced(self, spec: LaunchSpec, otlp_endpoint: str) -> LaunchSpec:
+        """`spec` exporting the engine's own traces to the OTLP/HTTP collector at `otlp_endpoint`
+        (R-6.21); as it is for an engine llmgw does not know how to make do that."""
+        return spec
 
+
+OTLP_FLAG = "--otlp-traces-endpoint"
+OTLP_TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for spans, under the collector's address
 VLLM_GUARD_FILE = "llmgw_vllm_guard.py"
 VLLM_GUARD_MIDDLEWARE = "llmgw_vllm_guard.EngineKeyGuard"
 
@@ -176,6 +191,15 @@ class VLLM(Engine):
         full_env["PYTHONPATH"] = SHARD_DIR + (f":{env['PYTHONPATH']}" if env.get("PYTHONPATH") else "")
         return LaunchSpec(argv=argv + list(args), env=full_env, health_path=health,
                           files={VLLM_GUARD_FILE: guard.text}, file_sha256={VLLM_GUARD_FILE: guard.sha256})
+
+
+    def traced(self, spec, otlp_endpoint):
+        # Only the shard that serves HTTP makes the requests' spans; a profile that names its own
+        # collector in its args keeps it, and its env wins over these defaults.
+        if spec.health_path is None or any(a == OTLP_FLAG or a.startswith(OTLP_FLAG + "=") for a in spec.argv):
+            return spec
+        env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "vllm", **spec.env}
+        return dataclasses.replace(spec, argv=[*spec.argv, OTLP_FLAG, otlp_endpoint + OTLP_TRACES_PATH], env=env)
 
 
 class SGLang(Engine):

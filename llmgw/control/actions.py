@@ -399,6 +399,9 @@ class Actions:
                 python=node.python or self.fleet.inventory.ssh.python if not local else "python3")
             lora = LoRA(adapters, profile.max_adapters, profile.max_lora_rank) if adapters else None
             spec = model.engine.render(variables, profile.args, profile.env, replica.api_key, lora)
+            collector = self.gateway.tracing.otlp_endpoint
+            if collector is not None:  # the engine's own spans join the router's traces
+                spec = model.engine.traced(spec, collector)
             shard.serves_http = spec.health_path is not None
             shard.argv = spec.argv
             shard.set_state(STARTING)

@@ -40,6 +40,7 @@ from llmgw.router.metrics import NO_MODEL, RouterMetrics
 from llmgw.router.proxy import Forwarder
 from llmgw.router.requestlog import RequestLog
 from llmgw.router.routes import ROUTES, Route
+from llmgw.router.tracing import Tracing
 from llmgw.router.trail import (CLIENT_CLOSED, CLIENT_CLOSED_STATUS, REQUEST_ID_HEADER, TRAIL, Trail, TrailSpan,
                                 request_id_of, to_record)
 from llmgw.router.usage import UsageMeter
@@ -78,7 +79,7 @@ class Router:
     are the feed state's, here too for whoever holds the router."""
 
     __slots__ = ("balancer", "fairqueue", "metrics", "usage", "limiter", "request_log", "feed", "keys", "intake",
-                 "dispatch", "tracer", "_created", "_route_names")
+                 "dispatch", "tracer", "tracing", "_created", "_route_names")
 
     def __init__(self, *, registry: prometheus_client.CollectorRegistry | None = None):
         self.balancer = Balancer()
@@ -94,8 +95,10 @@ class Router:
         self.intake = Intake(self.feed, self.limiter, self.balancer)
         self.dispatch = Dispatch(self.feed, self.balancer, self.fairqueue, self.metrics)
         # tracer(request, trail): the span (trail.TrailSpan) a tracer follows the request with, or
-        # None; a request's hooks hand it what they note. None here: nothing is traced.
+        # None; a request's hooks hand it what they note. None: nothing is traced.
         self.tracer: Callable[[web.Request, Trail], TrailSpan | None] | None = None
+        # Sets `tracer` while the feed's gateway settings name a collector (R-6.21).
+        self.tracing = self.feed.tracing = Tracing(self)
         self._created = int(time.time())
         self._route_names: dict[web.AbstractRoute, str] = {}  # "POST /v1/chat/completions", per route
 
@@ -136,9 +139,11 @@ class Router:
         return app
 
     async def close(self) -> None:
-        """The request log's file gets what its writer holds. Nothing else is written here: what is
-        still counted goes out with the feed client's last report."""
+        """The request log's file gets what its writer holds, the collector the spans not exported
+        yet (R-6.21). Nothing else is written here: what is still counted goes out with the feed
+        client's last report."""
         await asyncio.to_thread(self.request_log.close)
+        await self.tracing.close()
 
     # -- middleware: authentication and the one place errors become responses ---------------------
 

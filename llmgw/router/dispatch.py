@@ -71,7 +71,7 @@ class Dispatch:
             if up is None:
                 if on_demand and feed.on_demand is not None and not balancer.has_endpoints(home):
                     fairqueue.leave(home, now, key.id)
-                    trail.queue_start(now)
+                    trail.queue_start(now, "on_demand")
                     try:
                         await feed.await_arrival(home, waited_since or now)
                     finally:

@@ -1,13 +1,14 @@
 """The router's state as its feed sets it, and what its reports carry (R-10.1).
 
 The router is fed only by the router feed (llmgw.contracts.feed): `FeedState.apply()` takes the
-control plane's Snapshot and then each Change (models, endpoint lists, keys, gateway settings,
-replicas given up), and `report_fields()` gives what the router's next Report carries: usage and
-key use counted since the last report (handed over once), and its state as of now (last use per
-replica for R-7.1, requests in flight for drains (R-4.2), engine loads (R-6.5), on-demand models
-asked for with no replica (R-6.8)), and the request log's records kept since the last report
-(R-6.20, handed over once). It reads no catalog, configuration or database: whoever feeds
-it (in process, or over a socket) decides where those come from.
+control plane's Snapshot and then each Change (models, endpoint lists, keys, gateway settings —
+the traces' collector among them, R-6.21 —, replicas given up), and `report_fields()` gives what
+the router's next Report carries: usage and key use counted since the last report (handed over
+once), and its state as of now (last use per replica for R-7.1, requests in flight for drains
+(R-4.2), engine loads (R-6.5), on-demand models asked for with no replica (R-6.8)), and the
+request log's records kept since the last report (R-6.20, handed over once). It reads no catalog,
+configuration or database: whoever feeds it (in process, or over a socket) decides where those
+come from.
 
 A feed is given a `FedRouter`, what it needs of the router and no more: `FeedState` is one,
 and the feeds' tests give their own.
@@ -30,6 +31,7 @@ from llmgw.router.keys import KeyRing
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.proxy import DEFAULT_MAX_ANSWER, Forwarder
 from llmgw.router.requestlog import RequestLog
+from llmgw.router.tracing import Tracing
 from llmgw.router.usage import UsageMeter
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ class FeedState:
         self.usage = usage
         self.metrics = metrics
         self.request_log = request_log
+        self.tracing: Tracing | None = None  # set by the router: told each gateway settings' collector (R-6.21)
         self.router_id: str | None = None
         # A request for an on-demand model with no replica does not wait for one while this is None.
         self.on_demand: Callable[[], None] | None = None
@@ -226,6 +229,8 @@ class FeedState:
         self.gateway = gateway
         self.fairqueue.max_waiting_per_key = gateway.max_waiting_per_key
         self.request_log.configure(gateway)
+        if self.tracing is not None:
+            self.tracing.configure(gateway.otlp_endpoint, self.router_id)
         if self._forwarder is not None:
             self._forwarder.set_read_timeout(gateway.request_timeout)
             self._forwarder.max_answer = gateway.max_answer

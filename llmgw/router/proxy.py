@@ -14,8 +14,9 @@ no usage is counted from the events relayed, as an estimate (usage.estimate_stre
 key's reservation settles to that.
 
 Each attempt is noted on the request's trail (router/trail.py): its start (which sends the engine
-the request's id as X-Request-Id, and whatever a tracer adds), a relayed stream's first byte and
-how the stream ended, the tokens counted; every log line about a request names its id (R-6.20).
+the request's id as X-Request-Id, and whatever a tracer adds: the attempt's `traceparent`,
+R-6.21), a relayed stream's first byte and how the stream ended, the tokens counted, and for a
+tracer's span the answer's end; every log line about a request names its id (R-6.20).
 
 Read timeouts: until the first byte, one `asyncio.timeout` per attempt. After it, a `Watchdog`
 sweeps the streams in flight once a second and ends those whose engine has been silent too long.
@@ -84,6 +85,12 @@ _ENDS = {OPENAI: (b"data: [DONE]",), ANTHROPIC: (b"message_stop",),
 
 def _whole(tail: bytes, dialect: str) -> bool:
     return any(end in tail for end in _ENDS.get(dialect, ()))
+
+
+def _answered(trail: Trail, tail: bytes) -> None:
+    """A tracer's span is told the answer's end (its model, its finish reasons; R-6.21)."""
+    if trail.span is not None:
+        trail.span.answered(tail)
 
 
 def _connect_error(up: Upstream, exc: BaseException, trail: Trail) -> UpstreamConnectFailed:
@@ -284,6 +291,7 @@ class Forwarder:
             else:
                 if dialect == RESPONSES:  # the ids clients see name the replica that holds the response
                     answer = self.response_ids.rewrite(answer, served, up.replica_id, key_id)
+                _answered(trail, answer)
                 if status == 200:
                     usage = {} if exchange.read_back else usage_from_body(answer)
                     if usage is None:  # an answer without usage: its tokens are unknown, not 0
@@ -406,6 +414,7 @@ class Forwarder:
             # without it, what was relayed is counted as an estimate (R-6.9a).
             tail = oldest + older + old
             self._count_stream(exchange, served, usage or find_usage(tail), body_size, events)
+            _answered(trail, tail)
             trail.stream_end(time.monotonic(), None if _whole(tail, exchange.route.dialect) else CLIENT_CLOSED)
             raise
         except (aiohttp.ClientError, ConnectionError) as exc:
@@ -413,6 +422,7 @@ class Forwarder:
             # may close the connection after its last event without ending the chunked body.
             tail = oldest + older + old
             self._count_stream(exchange, served, usage or find_usage(tail), body_size, events)
+            _answered(trail, tail)
             transport = request.transport
             if transport is None or transport.is_closing():
                 # The client went away: returning closes the engine's connection (R-6.11).
@@ -424,6 +434,8 @@ class Forwarder:
         finally:
             self.watchdog.forget(watch)
         self._count_stream(exchange, served, usage or find_usage(oldest + older + old), body_size, events)
+        if trail.span is not None:
+            trail.span.answered(oldest + older + old)
         trail.stream_end(time.monotonic())
         return response
 
@@ -479,11 +491,13 @@ class Forwarder:
             # usage already relayed still counts, as on chat streams, else what was relayed.
             tail = oldest + older + old
             self._count_events(exchange, served, head, tail, body_size, events)
+            _answered(trail, tail)
             trail.stream_end(time.monotonic(), None if _whole(tail, dialect) else CLIENT_CLOSED)
             raise
         except (aiohttp.ClientError, ConnectionError) as exc:
             tail = oldest + older + old
             self._count_events(exchange, served, head, tail, body_size, events)
+            _answered(trail, tail)
             transport = request.transport
             if transport is None or transport.is_closing():
                 trail.stream_end(time.monotonic(), None if _whole(tail, dialect) else CLIENT_CLOSED)
@@ -493,6 +507,8 @@ class Forwarder:
         finally:
             self.watchdog.forget(watch)
         self._count_events(exchange, served, head, oldest + older + old, body_size, events)
+        if trail.span is not None:
+            trail.span.answered(oldest + older + old)
         trail.stream_end(time.monotonic())
         return response
 

@@ -9,8 +9,9 @@ counted. When the answer is done the middleware finishes the trail and, when the
 this request, makes it a `RequestRecord` (`to_record`).
 
 The hooks (`queue_start`, `queue_end`, `attempt_start`, `attempt_end`, `first_byte`,
-`stream_end`, `finish`) are where a tracer hangs its spans: one that traces the request sets
-`span` when the trail is made, and each hook hands the span what it noted (`TrailSpan`). Without a
+`stream_end`, `finish`) are where a tracer hangs its spans (router/tracing.py, R-6.21): one that
+traces the request sets `span` when the trail is made, and each hook hands the span what it
+noted (`TrailSpan`). Without a
 span a hook is a few attribute stores; nothing on the trail logs, formats or allocates.
 
 Request ids: the client's own `X-Request-Id` when it is 1 to 128 characters of `A-Z a-z 0-9 . _ :
@@ -75,7 +76,8 @@ def request_id_of(sent: str | None) -> tuple[str, str | None]:
 class TrailSpan(Protocol):
     """What a tracer's span of one request is told, hook by hook (`Trail.span`)."""
 
-    def queue_start(self, now: float) -> None: ...
+    def queue_start(self, now: float, reason: str) -> None:
+        """A wait begins: `places` (the model's fair queue) or `on_demand` (a replica starting)."""
 
     def queue_end(self, now: float) -> None: ...
 
@@ -87,6 +89,11 @@ class TrailSpan(Protocol):
     def first_byte(self, now: float) -> None: ...
 
     def stream_end(self, now: float, error: str | None) -> None: ...
+
+    def answered(self, tail: bytes) -> None:
+        """The answer's end as relayed (a whole answer, or a stream's last chunks). The forwarder
+        calls it on `Trail.span` itself, only when there is one: the tail is not put together for
+        a request nobody traces."""
 
     def finish(self, trail: Trail) -> None:
         """The answer is done: `trail` holds everything the record would."""
@@ -112,11 +119,12 @@ class Trail:
 
     # -- hooks ----------------------------------------------------------------------------------
 
-    def queue_start(self, now: float) -> None:
-        """The request begins to wait: for a place of its model (R-6.17) or an on-demand replica (R-6.8)."""
+    def queue_start(self, now: float, reason: str = "places") -> None:
+        """The request begins to wait: for a place of its model (R-6.17, `places`) or an on-demand
+        replica (R-6.8, `on_demand`)."""
         self._queue_since = now
         if self.span is not None:
-            self.span.queue_start(now)
+            self.span.queue_start(now, reason)
 
     def queue_end(self, now: float) -> None:
         since = self._queue_since

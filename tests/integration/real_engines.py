@@ -30,10 +30,13 @@ def publish_hf_dir(bed, repo: str, folder: Path) -> str:
     return f"hf:{repo}"
 
 
-def start_gateway(bed, tmp: Path, *, models: list, profiles: dict) -> GatewayProcess:
-    inventory = write_inventory(bed, tmp / "inventory.yaml", models=models, profiles=profiles)
-    gateway = GatewayProcess(inventory, tmp / "state", env={"HF_ENDPOINT": bed.weights.hf_endpoint})
-    return gateway.start()
+def start_gateway(bed, tmp: Path, *, models: list, profiles: dict, gateway: dict | None = None,
+                  env: dict | None = None) -> GatewayProcess:
+    """`llmgw serve` of the testbed's inventory; `gateway` settings over the scenarios' ones, `env`
+    added to its environment (its router workers inherit it)."""
+    inventory = write_inventory(bed, tmp / "inventory.yaml", models=models, profiles=profiles, gateway=gateway)
+    process = GatewayProcess(inventory, tmp / "state", env={"HF_ENDPOINT": bed.weights.hf_endpoint, **(env or {})})
+    return process.start()
 
 
 def new_client(gateway: GatewayProcess, key_name: str) -> tuple[openai.OpenAI, str]:

@@ -7,7 +7,9 @@ same weights under vLLM's pooling runner for embeddings. Both run on the CPU pro
 environment (tests/testbed/engines.py: no thread pinning, so two engines share the cores).
 Checked: placement, launch, readiness (vLLM binds its port before it serves), the official `openai`
 client through the router — chat, a stream with usage, completions, embeddings — usage recorded
-as the engine reported it, the adapter launched with the base and served by name on its engine,
+as the engine reported it, the adapter launched with the base and served by name on its engine, vLLM's own span in the
+router's trace (the module's gateway exports traces to a receiver of the test's, where vLLM
+exports its own),
 the engine's own log, adoption across a control-plane restart, and stop; then, with the chat
 engine alone, `kill -9` (the replica is replaced, none of the killed engine's processes is left),
 a drain under traffic (the replica moves with no failed request) and a rollout under traffic (a
@@ -18,6 +20,7 @@ Each of those three waits for a new vLLM to load, a minute or more on 2 cores.
 from __future__ import annotations
 
 import concurrent.futures
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -27,6 +30,7 @@ import yaml
 
 from tests.integration import real_engines as rt
 from tests.integration.gateway import wait_for
+from tests.otlp_receiver import ThreadedReceiver
 from tests.scenarios.operating import Ctl
 from tests.testbed import NodeSpec
 from tests.testbed import engines as real
@@ -53,7 +57,15 @@ def bed(made, testbed_factory):
 
 
 @pytest.fixture(scope="module")
-def gateway(bed, made, tmp_path_factory):
+def traces(bed):
+    """The collector of gateway.tracing (R-6.21), on the testbed network's host address: the router
+    (on this host) and vLLM (in a node) both reach it."""
+    with ThreadedReceiver(host=bed.bridge_address) as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def gateway(bed, made, traces, tmp_path_factory):
     weights = rt.publish_hf_dir(bed, "tiny/chat", made["chat"])
     adapter = rt.publish_hf_dir(bed, "tiny/lora-a", made["lora-a"])
     cpu = {"engine": "vllm", "env": dict(real.VLLM_CPU_ENV), "start_timeout": f"{START_TIMEOUT:.0f}s"}
@@ -62,7 +74,8 @@ def gateway(bed, made, tmp_path_factory):
     models = [{"name": CHAT, "profile": "vllm-cpu", "weights": weights, "scaling": {"min": 1}},
               {"name": ADAPTER, "base": CHAT, "adapter": adapter}]
     began = time.monotonic()
-    gw = rt.start_gateway(bed, tmp_path_factory.mktemp("vllm"), models=models, profiles=profiles)
+    gw = rt.start_gateway(bed, tmp_path_factory.mktemp("vllm"), models=models, profiles=profiles,
+                          gateway={"tracing": {"otlp_endpoint": traces.url}}, env={"OTEL_BSP_SCHEDULE_DELAY": "200"})
     try:
         # Added at runtime, as `ctl model add` does, so that the stop test may remove it.
         status, answer = gw.admin("/api/models", "POST", f"name: {EMBED}\nprofile: vllm-cpu-embed\nweights: {weights}\n".encode())
@@ -115,6 +128,27 @@ def test_built_in_template_serves_chat_streams_and_completions_with_usage(bed, g
     counted.add(done.usage)
     rt.wait_usage(gateway, KEY, counted.as_dict())
     print(f"usage the engine reported, as recorded: {counted.as_dict()}")
+
+
+def test_vllms_own_span_joins_the_routers_trace(bed, gateway, client, traces):
+    """R-6.21: vLLM, launched with the gateway's collector, continues the traceparent of the
+    router's attempt: its `llm_request` span is in the client's trace, the attempt its parent."""
+    _, _, _, argv = _engine(bed, gateway, CHAT)
+    assert argv[argv.index("--otlp-traces-endpoint") + 1] == traces.url + "/v1/traces"
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "traced"}], max_tokens=4,
+                                   extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+    traces.wait_sync(lambda: {s.service for s in traces.trace(trace_id)} >= {"llmgw-router", "vllm"}, 60,
+                     "the router's and vLLM's spans of the request")
+    spans = traces.trace(trace_id)
+    [request] = [s for s in spans if s.service == "llmgw-router" and s.kind == "SERVER"]
+    [attempt] = [s for s in spans if s.service == "llmgw-router" and s.kind == "CLIENT"]
+    [engine] = [s for s in spans if s.service == "vllm"]
+    assert request.parent_id == parent and attempt.parent_id == request.span_id
+    assert (engine.name, engine.kind, engine.parent_id) == ("llm_request", "SERVER", attempt.span_id)
+    assert engine.attributes["gen_ai.usage.completion_tokens"] == request.attributes["gen_ai.usage.output_tokens"]
+    print(f"one trace: {request.name} -> {attempt.name} -> vLLM {engine.name} "
+          f"({engine.attributes['gen_ai.usage.prompt_tokens']} prompt tokens)")
 
 
 def test_embeddings_through_the_pooling_runner(gateway):

@@ -340,7 +340,7 @@ async def test_r6_20_a_tracers_span_is_told_each_step_and_its_headers_reach_the_
                                     json={"model": "m", "messages": HELLO, "stream": True}) as response:
                 assert response.status == 200
                 await response.read()
-    assert spans[0].calls == ["attempt_start", "first_byte", "stream_end", "attempt_end", "finish"]
+    assert spans[0].calls == ["attempt_start", "first_byte", "answered", "stream_end", "attempt_end", "finish"]
     assert seen[0]["traceparent"].startswith("00-0af7") and seen[0][ID] == "traced-1"
 
 

@@ -116,7 +116,8 @@ class EngineDouble:
         args += self.args
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", f"import engine_double; engine_double.entry_point({self.mode!r}, None)", *args],
+            [sys.executable, "-c", f"import engine_double; engine_double.entry_point({self.mode!r}, None)", *args,
+             *self.args],
             env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         poll(self.healthy if healthy else self.listening, what=f"engine double {self.name} on port {self.port}")

@@ -20,10 +20,11 @@ SCENARIO_GATEWAY = {"tick": "1s", "settling_window": "5s"}
 
 
 def write_inventory(bed: Testbed, path: Path, *, models: list, profiles: dict, engines: dict | None = None,
-                    known_hosts: Path | None = None) -> Path:
-    """The testbed's inventory with the scenario gateway settings (and optionally another known_hosts)."""
+                    known_hosts: Path | None = None, gateway: dict | None = None) -> Path:
+    """The testbed's inventory with the scenario gateway settings (`gateway` added to them, and
+    optionally another known_hosts)."""
     doc = bed.inventory(models=models, profiles=profiles)
-    doc = {"gateway": dict(SCENARIO_GATEWAY), **doc}
+    doc = {"gateway": {**SCENARIO_GATEWAY, **(gateway or {})}, **doc}
     if engines:
         doc["engines"] = engines
     if known_hosts is not None:

@@ -167,3 +167,14 @@ def test_every_node_and_gateway_setting_has_its_words():
 
     assert set(NodeConfig.model_fields) - {"name"} == set(CONNECTION_FIELDS) | set(NODE_EFFECTS)
     assert set(GatewayConfig.model_fields) == set(RESTART_SETTINGS) | set(GATEWAY_EFFECTS)
+
+
+def test_a_new_collector_for_traces_applies_at_once_and_rolls_no_model():
+    """R-6.21: gateway.tracing is a gateway setting, not part of any model's revision."""
+    new = BASE.replace('gateway: {tick: 3s, listen: "127.0.0.1:8080"}',
+                       'gateway: {tick: 3s, listen: "127.0.0.1:8080", tracing: {otlp_endpoint: "http://collector:4318/"}}')
+    diff = inventory_diff(inv(BASE), inv(new))
+    assert diff.gateway_changed == ("tracing",) and not diff.restart_needed
+    assert [line.section for line in diff.lines] == ["gateway"]  # no model line: nothing rolls
+    effect = lines_of(diff, "gateway")[("tracing", CHANGED)].effect
+    assert effect.startswith("{otlp_endpoint: -} -> {otlp_endpoint: http://collector:4318}: the routers' traces")

@@ -38,6 +38,14 @@ Anthropic Messages and count_tokens (vLLM, llama-server), rerank, score (vLLM, S
 tokenize/detokenize, multipart audio transcriptions (vLLM, llama-server) and translations (vLLM);
 the text carries the file's size and SHA-256.
 
+Traces (vLLM mode, R-6.21): started with `--otlp-traces-endpoint URL`, the double exports, as
+vLLM does, an `llm_request` span (kind SERVER) for every chat, completion or embeddings request it
+answers, in the trace of the request's `traceparent` with its span as parent (a new trace without
+one; nothing when its sampled flag is off), `service.name` from OTEL_SERVICE_NAME (else
+`unknown_service`, as vLLM's resource has). It posts OTLP's JSON encoding (standard library only)
+to URL, and only when OTEL_EXPORTER_OTLP_TRACES_PROTOCOL is `http/protobuf`: vLLM's default is
+gRPC, which an OTLP/HTTP collector never receives; the double then logs an export error instead.
+
 Readiness follows each engine: vLLM binds its port only once loaded (or binds early and hangs
 with the `bind_early` knob); SGLang binds once loaded, then answers 503 during `warmup_delay`;
 llama-server binds at once and answers 503 "Loading model" until loaded. Multi-node: the rank-0
@@ -84,11 +92,14 @@ import hashlib
 import json
 import math
 import os
+import random
+import re
 import signal
 import socket
 import sys
 import threading
 import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 VERSION = "0.33.0"
@@ -318,6 +329,10 @@ class Engine:
         self.max_lora_rank = int(rank)
         self.max_loras = int(pick(options, "--max-loras", default=1))
         self.max_cpu_loras = int(pick(options, "--max-cpu-loras", default=self.max_loras))
+        endpoint = pick(options, "--otlp-traces-endpoint")
+        self.otlp = endpoint if isinstance(endpoint, str) and endpoint else None
+        self.otlp_protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+        self.service_name = env.get("OTEL_SERVICE_NAME") or "unknown_service"
 
     def _parse_sglang(self, argv):
         if argv and argv[0] == "serve":
@@ -399,6 +414,7 @@ class Engine:
             if not os.path.isfile(path):
                 return "failed to load lora adapter '%s'" % path
         return None
+    otlp = None  # vLLM's --otlp-traces-endpoint; the other engines' traces are not doubled
 
     @property
     def name(self):
@@ -583,6 +599,41 @@ class State:
 
 def dumps(doc):
     return json.dumps(doc, separators=(",", ":"))
+
+
+TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
+def export_span(state, traceparent, arrived_ns, model):
+    """vLLM's `llm_request` span of one request, posted to its collector on a thread of its own."""
+    engine = state.engine
+    found = TRACEPARENT.fullmatch(traceparent or "")
+    if found and not int(found.group(3), 16) & 1:
+        return  # the caller did not sample it: vLLM's parent-based sampler records nothing
+    trace_id = found.group(1) if found else "%032x" % random.getrandbits(128)
+    span = {"traceId": trace_id, "spanId": "%016x" % random.getrandbits(64), "name": "llm_request", "kind": 2,
+            "startTimeUnixNano": str(arrived_ns), "endTimeUnixNano": str(time.time_ns()),
+            "attributes": [{"key": "gen_ai.response.model", "value": {"stringValue": str(model)}}]}
+    if found:
+        span["parentSpanId"] = found.group(2)
+    document = {"resourceSpans": [{
+        "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": engine.service_name}}]},
+        "scopeSpans": [{"scope": {"name": "vllm.llm_engine"}, "spans": [span]}]}]}
+    if engine.otlp_protocol != "http/protobuf":
+        state.log.error("Failed to export traces to %s, error code: StatusCode.UNAVAILABLE (gRPC; the engine double "
+                        "exports over OTLP/HTTP only)" % engine.otlp)
+        return
+
+    def post():
+        request = urllib.request.Request(engine.otlp, data=dumps(document).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                answer.read()
+        except OSError as exc:
+            state.log.error("Failed to export span batch to %s: %s" % (engine.otlp, exc))
+
+    threading.Thread(target=post, daemon=True).start()
 
 
 def words_of(value):
@@ -774,7 +825,10 @@ class Handler(BaseHTTPRequestHandler):
         model = request.get("model")
         if engine.mode == "vllm" and model not in engine.names and model not in dict(engine.lora_modules):
             return self._send(404, error_body(404, "The model `%s` does not exist." % model, "NotFoundError"))
+        arrived = time.time_ns()
         self._counted(routes[path], request)
+        if engine.otlp is not None and path in _COMMON:
+            export_span(state, self.headers.get("traceparent"), arrived, request.get("model"))
 
     def _counted(self, handler, *args):
         state = self.state
