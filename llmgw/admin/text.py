@@ -424,9 +424,12 @@ def seconds(value: float | None) -> str:
 
 
 def request_model(record: dict) -> str:
-    """The model that was to serve, with the alias the client called it by: `chat-v2 via chat`."""
-    model = record.get("model") or UNKNOWN
-    return f"{model} via {record['asked']}" if record.get("asked") else model
+    """The model that was to serve, with the alias the client called it by: `chat-v2 via chat`; a
+    name that found no model the key may use: `nope (not found)`."""
+    model, asked = record.get("model"), record.get("asked")
+    if model is None:
+        return f"{asked} (not found)" if asked else UNKNOWN
+    return f"{model} via {asked}" if asked else model
 
 
 def request_status(record: dict) -> str:

@@ -275,7 +275,7 @@ class RequestRecord:
     duration: float  # seconds from arrival to the answer's last byte
     key: str | None = None  # the API key's name; None: no key was accepted
     model: str | None = None  # the model that was to serve it (an alias's target), None: none resolved
-    asked: str | None = None  # the name the client used, when it was an alias
+    asked: str | None = None  # the name the client used when not the model's own: an alias, or no model's
     replica: str | None = None  # the replica of the last attempt
     node: str | None = None  # that replica's node (its head node for a multi-node replica)
     error: str | None = None  # the error's code as the client saw it ("model_not_found", "upstream_interrupted")

@@ -41,3 +41,8 @@ class ControlMemory:
     scaling: ScalingMemory = field(default_factory=ScalingMemory)
     probes: ProbeMemory = field(default_factory=ProbeMemory)
     rollouts: RolloutMemory = field(default_factory=RolloutMemory)
+
+    def __post_init__(self) -> None:
+        # The adapters each replica's endpoint says it holds are its revision's.
+        if self.records.revision_adapters is None:
+            self.records.revision_adapters = self.rollouts.adapters

@@ -53,7 +53,6 @@ class Reconciler:
         self.gateway = gateway
         self.routers = routers or Routers()
         self.memory = memory = ControlMemory(nodes=NodeMemory.of(fleet.nodes))
-        memory.records.revision_adapters = memory.rollouts.adapters  # what each replica's endpoint holds
         self.passes = 0
         self._wake = asyncio.Event()
         self._run_task: asyncio.Task | None = None

@@ -56,6 +56,8 @@ GATEWAY_EFFECTS = {
     "fetch_stall": "the next downloads",
     "cache_low_water": "the clean-up's mark from the next pass",
     "pinned_weights": "what the clean-up keeps, from the next pass",
+    "request_log": "what the routers record, for requests from now on, and what the control plane keeps, from its "
+                   "next pruning",
     "tracing": "the routers' traces go to the new collector at once; vLLM replicas launched from now on export "
                "theirs there, running ones keep theirs (no model rolls for it)",
 }

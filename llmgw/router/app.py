@@ -38,7 +38,6 @@ from llmgw.router.landing import landing_page
 from llmgw.router import limits
 from llmgw.router.metrics import NO_MODEL, RouterMetrics
 from llmgw.router.proxy import Forwarder
-from llmgw.router.requestlog import RequestLog
 from llmgw.router.routes import ROUTES, Route
 from llmgw.router.tracing import Tracing
 from llmgw.router.trail import (CLIENT_CLOSED, CLIENT_CLOSED_STATUS, REQUEST_ID_HEADER, TRAIL, Trail, TrailSpan,
@@ -88,9 +87,9 @@ class Router:
                                      self.fairqueue.waiting)
         self.usage = UsageMeter()
         self.limiter = limits.Limiter()
-        self.request_log = RequestLog()
         self.feed = FeedState(balancer=self.balancer, fairqueue=self.fairqueue, limiter=self.limiter,
-                              usage=self.usage, metrics=self.metrics, request_log=self.request_log)
+                              usage=self.usage, metrics=self.metrics)
+        self.request_log = self.feed.request_log  # kept as the feed's settings say, drained into reports
         self.keys = self.feed.keys  # the keys in force, which the feed replaces
         self.intake = Intake(self.feed, self.limiter, self.balancer)
         self.dispatch = Dispatch(self.feed, self.balancer, self.fairqueue, self.metrics)

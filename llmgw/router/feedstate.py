@@ -65,14 +65,14 @@ class FeedState:
     capacities, leases, homes), and what the router counts for its reports."""
 
     def __init__(self, *, balancer: Balancer, fairqueue: FairQueue, limiter: limits.Limiter, usage: UsageMeter,
-                 metrics: RouterMetrics, request_log: RequestLog):
+                 metrics: RouterMetrics):
         self.keys = KeyRing()
         self.balancer = balancer
         self.fairqueue = fairqueue
         self.limiter = limiter
         self.usage = usage
         self.metrics = metrics
-        self.request_log = request_log
+        self.request_log = RequestLog()  # the records this router keeps for its reports (R-6.20)
         self.tracing: Tracing | None = None  # set by the router: told each gateway settings' collector (R-6.21)
         self.router_id: str | None = None
         # A request for an on-demand model with no replica does not wait for one while this is None.

@@ -34,6 +34,7 @@ from llmgw.router.trail import Trail
 from llmgw.router.uploads import Upload, read_upload
 
 # Content-Encoding -> zlib wbits of each way to read it (deflate is zlib-wrapped, or raw from some clients).
+ASKED_KEPT = 128  # characters the request log keeps of a model name no model has (the wire takes up to 256)
 BODY_ENCODINGS = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
                   "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}
 
@@ -86,7 +87,11 @@ class Intake:
             if route.dialect == RESPONSES:
                 pinned = self._previous(document, name, key)
         models = self.feed.models
-        model = self.resolve(name, key)
+        try:
+            model = self.resolve(name, key)
+        except ModelNotFound:
+            trail.asked = name[:ASKED_KEPT]  # the request log says what was asked for
+            raise
         via = ""
         if model.alias_of is not None:  # served by its target as if the client had named it
             via, name = name, model.alias_of

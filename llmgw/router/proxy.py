@@ -280,14 +280,13 @@ class Forwarder:
             if relay:
                 # Only SSE is edited; any other streamed format is relayed exactly as it comes.
                 sse = resp.content_type == "text/event-stream"
-                relay_headers = SSE_HEADERS if sse else {**SSE_HEADERS, "Content-Type": resp.content_type}
                 size = len(body) if isinstance(body, bytes) else 0  # a prompt estimated from it
                 if sse and dialect != OPENAI:
-                    response = await self._relay_events(request, exchange, resp, up, served, first, relay_headers, size)
+                    response = await self._relay_events(request, exchange, resp, up, served, first, size)
                 else:
                     if not sse and (exchange.strip_usage or exchange.strip_continuous):
                         exchange = exchange._replace(**_NOT_EDITED)  # not SSE: relayed as it comes
-                    response = await self._relay_stream(request, exchange, resp, up, served, first, relay_headers, size)
+                    response = await self._relay_stream(request, exchange, resp, up, served, first, size)
             else:
                 if dialect == RESPONSES:  # the ids clients see name the replica that holds the response
                     answer = self.response_ids.rewrite(answer, served, up.replica_id, key_id)
@@ -361,10 +360,11 @@ class Forwarder:
             self._fresh = None
 
     async def _relay_stream(self, request: web.Request, exchange: Exchange, resp: aiohttp.ClientResponse,
-                            up: Upstream, served: str, chunk: bytes, headers: dict,
-                            body_size: int) -> web.StreamResponse:
+                            up: Upstream, served: str, chunk: bytes, body_size: int) -> web.StreamResponse:
         strip, strip_continuous = exchange.strip_usage, exchange.strip_continuous
         trail = exchange.trail
+        content_type = resp.content_type
+        headers = SSE_HEADERS if content_type == "text/event-stream" else {**SSE_HEADERS, "Content-Type": content_type}
         response = web.StreamResponse(status=200, headers=headers)
         trail.first_byte(time.monotonic())
         await response.prepare(request)
@@ -448,13 +448,12 @@ class Forwarder:
             self._count(exchange, model, *estimate_stream(body_size, events, prompt))
 
     async def _relay_events(self, request: web.Request, exchange: Exchange, resp: aiohttp.ClientResponse,
-                            up: Upstream, served: str, chunk: bytes, headers: dict,
-                            body_size: int) -> web.StreamResponse:
+                            up: Upstream, served: str, chunk: bytes, body_size: int) -> web.StreamResponse:
         """A Responses or Anthropic stream: whole events relayed as they complete, comments and
         named events untouched; Responses ids rewritten to name their replica; usage from
         `response.completed`, or from Anthropic's message_start and message_delta."""
         dialect, key_id, trail = exchange.route.dialect, exchange.key.id, exchange.trail
-        response = web.StreamResponse(status=200, headers=headers)
+        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
         trail.first_byte(time.monotonic())
         await response.prepare(request)
         readany = resp.content.readany

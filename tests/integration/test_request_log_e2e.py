@@ -216,7 +216,9 @@ def test_r6_20_each_request_to_each_router_is_recorded_once_with_what_happened(s
         assert record["router"] == {"serve": serve_router, "edge": edge_router}[sent.router], what
         assert (record["route"], record["status"], record["key"]) == (ROUTE, sent.status, sent.key), what
         assert record["client"] == "127.0.0.1" and record["client_request_id"] == sent.client_request_id, what
-        assert record["asked"] is None and record["fallback"] is None and record["queued"] is None, what
+        # Only a name that found no model is kept as asked; none of these calls an alias.
+        assert record["asked"] == ("no-such-model" if sent.status == 404 else None), what
+        assert record["fallback"] is None and record["queued"] is None, what
         if sent.status == 200:
             replica, node = system.replicas[sent.model]
             assert node == NODE
@@ -291,8 +293,9 @@ def test_r6_20_the_table_shows_dash_for_what_is_unknown(system, traffic):
             assert row[1:7] == ["-", "-", "401", "invalid_api_key", "-", "0"], row
             assert row[7] == "-" and row[-1] == "-", row  # never queued, no tokens
         elif sent.kind == "404":
-            assert row[1] == "alice" and row[3:7] == ["404", "model_not_found", "-", "0"], row
-            assert row[7] == "-" and row[-1] == "-", row
+            # The name asked, which found no model, in words: `no-such-model (not found)`.
+            assert row[1:9] == ["alice", "no-such-model", "(not", "found)", "404", "model_not_found", "-", "0"], row
+            assert row[9] == "-" and row[-1] == "-", row
         else:
             replica, node = system.replicas[sent.model]
             assert row[1:6] == [sent.key, sent.model, "200", f"{replica}@{node}", "1"], row
@@ -303,6 +306,7 @@ def row_from(line: str, rid: str) -> list[str]:
     """A row of the table, as words, from its ID on."""
     words = line.split()
     return words[words.index(rid):]
+
 
 def test_r6_20_follow_prints_a_new_request_from_either_router_and_ends_on_sigint(system, traffic):
     env = {**system.gateway.env, "COLUMNS": "250"}

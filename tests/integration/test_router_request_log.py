@@ -143,6 +143,8 @@ async def test_r6_20_every_answer_names_its_request_in_header_body_and_record(do
     assert records[answers["no-route"][1]].route == "GET /v1/nothing-here"
     assert records[answers["models"][1]].route == "GET /v1/models" and records[answers["models"][1]].model is None
     assert records[answers["no-capacity"][1]].model == "down" and records[answers["no-capacity"][1]].replica is None
+    unknown = records[answers["no-model"][1]]
+    assert unknown.model is None and unknown.asked == "nope"  # a name no model has: what was asked, never resolved
 
 
 async def test_r6_20_the_clients_id_goes_to_the_engine_unchanged_and_an_unusable_one_is_replaced(

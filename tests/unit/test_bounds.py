@@ -136,7 +136,9 @@ def test_the_reconciler_module_keeps_the_pass_short():
 
 ROUTER_METHODS = 20
 MANY_PARAMETERS = 8  # a function taking this many is carrying a value in pieces
-FUNCTIONS_WITH_MANY_PARAMETERS = 3
+# The four: typer commands, whose options are their parameters (`llmgw router`, `keys create`,
+# `keys set`, `ctl requests` with its four filters, count, follow and --json).
+FUNCTIONS_WITH_MANY_PARAMETERS = 4
 REQUEST_MODULES = ("router/app.py", "router/intake.py", "router/dispatch.py", "router/exchange.py",
                    "router/feedstate.py")
 REQUEST_PARAMETERS = 5  # a request travels as one Exchange: no step of it needs more than this

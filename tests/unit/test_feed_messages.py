@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import re
 from types import MappingProxyType
@@ -87,13 +88,16 @@ def test_r10_1_keys_and_endpoints_are_built_without_their_frozen_init(monkeypatc
 
 @pytest.mark.parametrize("builder,cls,args", [
     (feed._KeyEntryFields, KeyEntry, ("k1", "alice", KEY_HASH, "sk-llmgw-1", frozenset({"a"}), -1, 3)),
-    (feed._EndpointFields, Endpoint, ("a-r0", "a", "http://10.0.0.1:8000", ENGINE_KEY, True, "0123456789ab")),
+    (feed._EndpointFields, Endpoint, ("a-r0", "a", "http://10.0.0.1:8000", ENGINE_KEY, True, "0123456789ab", "gpu03")),
 ])
 def test_the_wire_path_builders_set_every_field_of_their_dataclass(builder, cls, args):
     built = builder(*args)
     assert type(built) is cls
     assert [getattr(built, f.name) for f in dataclasses.fields(cls)]  # no slot left unset
-    assert built == cls(*args)  # every field, those the builder's parameters leave out at their defaults
+    # Every field, those the builder's parameters leave out at their defaults (its parameters are
+    # named as the fields, in their order but for those it leaves out).
+    names = list(inspect.signature(builder).parameters)
+    assert built == cls(**dict(zip(names, args)))
 
 
 DELETE = object()
