@@ -95,3 +95,37 @@ def test_llama_server_is_launched_with_its_adapters_and_applies_the_one_a_reques
     print(f"greedy answers: base {base!r}, {ADAPTERS[0]} {adapted!r}")
     assert adapted != base
     assert answer((0, 0)) == base  # the prompt cache in host memory is off: no adapter carried over
+
+
+def test_through_the_router_an_adapter_gets_its_answer_and_the_base_the_bases(bed, gateway):
+    """R-8.8: the router asks the engine for the base by its name with every adapter's scale in
+    `lora`: the adapter named at 1, the others 0, and for the base all 0 — a client's own `lora`
+    replaced —, so each answer through the router is the engine's own for that model."""
+    replica = rt.wait_serving(gateway, BASE, START_TIMEOUT)[0]
+    shard = replica["shards"][0]
+    node = bed[shard["node"]]
+    with sqlite3.connect(gateway.state_dir / "state.db") as db:
+        [(key,)] = db.execute("SELECT api_key FROM replicas WHERE id = ?", [replica["id"]]).fetchall()
+    greedy = {"prompt": "hello there", "max_tokens": 8, "temperature": 0}
+
+    def direct(scales: tuple[float, float]) -> str:
+        body = {"model": BASE, **greedy, "lora": [{"id": i, "scale": s} for i, s in enumerate(scales)]}
+        request = urllib.request.Request(f"http://{node.address}:{shard['port']}/v1/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return json.load(answer)["choices"][0]["text"]
+
+    client, _ = rt.new_client(gateway, "adapter-client")
+
+    def routed(model: str, **extra) -> str:
+        done = client.completions.create(model=model, max_tokens=8, temperature=0, prompt=greedy["prompt"],
+                                         extra_body=extra or None)
+        return done.choices[0].text
+
+    own = {BASE: direct((0, 0)), ADAPTERS[0]: direct((1, 0)), ADAPTERS[1]: direct((0, 1))}
+    assert len(set(own.values())) == 3
+    assert {model: routed(model) for model in (ADAPTERS[0], ADAPTERS[1], BASE)} == own
+    assert routed(BASE, lora=[{"id": 1, "scale": 1.0}]) == own[BASE]  # the client's `lora` is not passed on
+    listed = {m.id: m.model_extra.get("parent") for m in client.models.list()}
+    assert listed == {BASE: None, ADAPTERS[0]: BASE, ADAPTERS[1]: BASE}

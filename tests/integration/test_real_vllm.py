@@ -232,6 +232,51 @@ def test_an_adapter_is_launched_with_its_base_and_served_by_name(bed, gateway):
     assert adapted != base
 
 
+def test_an_adapter_through_the_router_gets_its_engines_answer_for_it(bed, gateway):
+    """R-8.8: through the router, a request naming the adapter gets the engine's own greedy answer
+    for it, and one naming the base the base's; /v1/models lists the adapter with its base as
+    parent; its usage is counted under its own name. One request at a time: vLLM's CPU build
+    answers a base request batched with an adapter request with the adapter."""
+    import json
+    import sqlite3
+    import urllib.request
+
+    replica, node, _, _ = _engine(bed, gateway, CHAT)
+    with sqlite3.connect(gateway.state_dir / "state.db") as db:
+        [(key,)] = db.execute("SELECT api_key FROM replicas WHERE id = ?", [replica["id"]]).fetchall()
+    greedy = {"prompt": "hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+    def direct(model: str) -> list:
+        request = urllib.request.Request(f"http://{bed[node].address}:{replica['shards'][0]['port']}/v1/completions",
+                                         data=json.dumps({"model": model, **greedy}).encode(),
+                                         headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return json.load(answer)["choices"][0]["token_ids"]
+
+    client, _ = rt.new_client(gateway, "adapter-client")
+
+    def routed(model: str) -> list:
+        done = client.completions.create(model=model, prompt=greedy["prompt"], max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert done.model == model
+        return done.choices[0].model_extra["token_ids"]
+
+    own = {model: direct(model) for model in (CHAT, ADAPTER)}
+    assert own[ADAPTER] != own[CHAT]
+    asked = (ADAPTER, CHAT, ADAPTER)
+    assert [routed(model) for model in asked] == [own[model] for model in asked]
+    listed = {m.id: m.model_extra.get("parent") for m in client.models.list()}
+    assert (listed[ADAPTER], listed[CHAT]) == (CHAT, None)
+
+    def adapter_row():
+        status, answer = gateway.admin("/api/usage?by=model&since=1d")
+        assert status == 200, answer
+        return next((row for row in answer["rows"] if row["name"] == ADAPTER), None)
+    row = wait_for(lambda: (found := adapter_row()) and found["requests"] >= 2 and found, 30,
+                   f"usage of {ADAPTER} counted under its name")
+    assert (row["requests"], row["completion_tokens"]) == (2, 16)
+
+
 def test_ctl_logs_shows_the_engines_own_log(bed, gateway):
     """R-9.4: `ctl logs` reads vLLM's own log from its node."""
     replica, *_ = _engine(bed, gateway, CHAT)
