@@ -199,11 +199,11 @@ def replicas_page(snapshot: Listings) -> Markup:
                 shards.append(tag("pre", "\n".join(shard["log_tail"][-20:]), "log"))
         number = replica.get("revision_number")
         rows.append([replica["id"], replica["model"], f"#{number}" if number is not None else "-",
-                     text.replica_state(replica), Markup("".join(shards)),
+                     text.replica_adapters(replica), text.replica_state(replica), Markup("".join(shards)),
                      text.ago(replica["serving_since"], now) if replica["serving_since"] else "-",
                      text.idle_for(replica), "-" if replica.get("in_flight") is None else replica["in_flight"],
                      text.engine_load(replica), replica["reason"]])
-    listing = table(["replica", "model", "revision", "state", "shards", "serving since", "unasked-for", "in flight",
+    listing = table(["replica", "model", "revision", "adapters", "state", "shards", "serving since", "unasked-for", "in flight",
                      "engine load", "reason"], rows,
                     empty=text.NO_REPLICAS, cls="replicas")
     return Markup(template("replicas.html").substitute(replicas=listing))

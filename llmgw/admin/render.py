@@ -165,7 +165,7 @@ def replicas(document: dict) -> Text:
         out.append(f"  {replica['model']}  ")
         out.append(state, style="green" if replica["serving"] else "red" if replica["state"] == ShardState.FAILED else "yellow")
         details = [f"revision #{replica['revision_number']}" if replica.get("revision_number") is not None
-                   else f"revision {replica.get('revision') or '-'}"]
+                   else f"revision {replica.get('revision') or '-'}", f"adapters {words.replica_adapters(replica)}"]
         if replica["serving_since"] is not None:
             details.append(f"serving since {words.clock(replica['serving_since'])}")
         if replica["serving"]:

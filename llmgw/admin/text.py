@@ -204,6 +204,12 @@ def idle_for(entry: dict) -> str:
     return UNKNOWN if entry["idle_seconds"] is None else format_duration(entry["idle_seconds"])
 
 
+def replica_adapters(replica: dict) -> str:
+    """The LoRA adapters a replica holds (R-8.8), `a, b`; `-` when it holds none or its revision
+    is not known."""
+    return ", ".join(replica.get("adapters") or ()) or UNKNOWN
+
+
 def engine_load(replica: dict) -> str:
     """`queue 3 · running 2 · KV 41%` from the engine's own report; `-` for each figure it did not give."""
     engine = replica.get("engine") or {}

@@ -197,6 +197,8 @@ class Listings:
             "replaces": replica.replaces, "reason": replica.reason, "created_at": replica.created_at,
             "serving_since": replica.serving_since, "last_used": last_used,
             "revision": replica.revision, "revision_number": replica.revision_number,  # None: not known
+            # The LoRA adapters it holds, its revision's; None: its revision is not known.
+            "adapters": list(replica.adapters) if replica.adapters is not None else None,
             "idle_seconds": None if last_used is None else max(0.0, self.now - last_used),
             "nodes": list(replica.nodes), "shards": shards,
             "in_flight": router.reported_in_flight(replica.id) if router is not None else None,

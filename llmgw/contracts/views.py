@@ -150,6 +150,9 @@ class PublishedReplica:
     shards: tuple[PublishedShard, ...]
     revision: str | None = None  # the model's revision it runs; None: not known
     revision_number: int | None = None
+    # The LoRA adapters its engine was launched with, its revision's, by name in launch
+    # order; None: its revision is not known, so neither is what it holds.
+    adapters: tuple[str, ...] | None = None
 
     @property
     def nodes(self) -> tuple[str, ...]:

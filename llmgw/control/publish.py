@@ -156,11 +156,15 @@ def _cleanup(cleanup: Cleanup, node: str, storage, cache_dir: str | None) -> Cac
 
 
 def _replica(replica: Replica, last_used: float | None, retired: bool, revisions: RolloutMemory) -> PublishedReplica:
+    number = revisions.number(replica.model, replica.revision)
     return PublishedReplica(
         id=replica.id, model=replica.model, state=replica.state, serving=replica.serving,
         draining=replica.draining, retiring=replica.retiring, retired=retired, replaces=replica.replaces,
         reason=replica.reason, created_at=replica.created_at, serving_since=replica.serving_since,
-        last_used=last_used, revision=replica.revision, revision_number=revisions.number(replica.model, replica.revision),
+        last_used=last_used, revision=replica.revision, revision_number=number,
+        # What its engine holds is its revision's adapters, not the catalog's: during a rollout that
+        # adds or removes one, old and new replicas differ.
+        adapters=revisions.adapters(replica.model, replica.revision) if number is not None else None,
         shards=tuple(PublishedShard(rank=s.rank, node=s.node, gpus=tuple(s.gpus), port=s.port, dist_port=s.dist_port,
                                 state=s.state, state_since=s.state_since, reason=s.reason,
                                 log_tail=tuple(s.log_tail) if s.log_tail is not None else None,

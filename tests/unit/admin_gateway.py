@@ -19,6 +19,7 @@ from llmgw.control import placement
 from llmgw.config import GatewayConfig, Inventory, ModelConfig, NodeConfig, ProfileConfig
 from llmgw.control.feedserver import FeedServer
 from llmgw.control.reconciler import Reconciler
+from llmgw.control.rollouts import Revision
 from llmgw.control.service import ControlPlane
 from llmgw.control.state import FETCHING, SERVING, Replica, Shard
 from llmgw.fleet.facts import GPU, Filesystem, Held, Inventory as InventoryFacts, NodeFacts, Storage
@@ -142,3 +143,15 @@ def make_gateway(tmp_path: Path) -> FakeGateway:
     gateway = FakeGateway(holder, fleet, reconciler, store, control=control)
     gateway.publish()
     return gateway
+
+
+def roll_chat_onto_adapters(gateway: FakeGateway) -> None:
+    """chat mid-rollout: chat-0 runs revision r1 (no adapters), chat-1 r2 (adapters a and b, which
+    the catalog does not have); fetched-1 runs a revision llmgw does not know."""
+    revisions = gateway.reconciler.memory.rollouts.revisions
+    revisions["chat"] = {"r1": Revision("chat", "r1", 1, {"weights": "path:chat"}, 0.0),
+                         "r2": Revision("chat", "r2", 2, {"weights": "path:chat",
+                                                          "adapters": {"b": "path:loras/b", "a": "path:loras/a"}}, 1.0)}
+    records = gateway.reconciler.memory.records.replicas
+    records["chat-0"].revision, records["chat-1"].revision, records["fetched-1"].revision = "r1", "r2", "gone"
+    gateway.publish()

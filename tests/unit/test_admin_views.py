@@ -1,4 +1,4 @@
-"""The admin listings computed from gateway state (R-2.2, R-2.3, R-2.5, R-2.7, R-5.4, R-7.1, R-7.2)."""
+"""The admin listings computed from gateway state (R-2.2, R-2.3, R-2.5, R-2.7, R-5.4, R-7.1, R-7.2, R-8.8)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from llmgw.admin.text import progress_line
 from llmgw.admin.views import explanation_json, listings
 from llmgw.contracts.states import ReplicaPhase
 from llmgw.control.state import FAILED, STOPPED, Replica, Shard
-from tests.unit.admin_gateway import GB, make_gateway
+from tests.unit.admin_gateway import GB, make_gateway, roll_chat_onto_adapters
 
 
 @pytest.fixture
@@ -133,6 +133,15 @@ def test_an_evicted_replica_stays_listed_with_its_reason_and_is_not_a_failure(ga
     listed = by_name(listings(gateway.admin_dependencies()).replicas(), "id")["idle-1"]
     assert listed["retired"] and listed["state"] == "stopped" and listed["reason"] == "evicted for big (idle 42 min)"
     assert listings(gateway.admin_dependencies()).status()["replicas"]["failed_recently"] == 0
+
+
+def test_each_replica_lists_the_adapters_of_its_own_revision(gateway):
+    roll_chat_onto_adapters(gateway)
+    listed = by_name(listings(gateway.admin_dependencies()).replicas(), "id")
+    assert listed["chat-1"]["adapters"] == ["a", "b"]  # in launch order, whatever the catalog says now
+    assert listed["chat-0"]["adapters"] == []
+    assert listed["fetched-1"]["adapters"] is None  # its revision is not known: neither is what it holds
+    assert [text.replica_adapters(listed[r]) for r in ("chat-1", "chat-0", "fetched-1")] == ["a, b", "-", "-"]
 
 
 def test_explanation_carries_a_what_if_per_node_null_when_none(gateway):

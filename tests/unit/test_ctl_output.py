@@ -21,7 +21,7 @@ from llmgw.cli.main import app
 from llmgw.contracts.states import ReplicaPhase
 from llmgw.control.state import ModelHealth
 from llmgw.control.state import FAILED, Replica, Shard
-from tests.unit.admin_gateway import TOKEN, make_gateway
+from tests.unit.admin_gateway import TOKEN, make_gateway, roll_chat_onto_adapters
 
 HOSTILE = "\x1b]0;owned\x07\x1b[2J\x1b[1A\rfake line\x9b31m\x00\x7f"
 
@@ -199,3 +199,16 @@ async def test_the_last_scaling_decision_is_shown_with_its_reason_by_ctl_the_das
     assert samples[("llmgw_model_scale_decisions_total", (("direction", "up"), ("model", "chat")))] == 2
     assert samples[("llmgw_model_scale_decisions_total", (("direction", "down"), ("model", "chat")))] == 1
     assert ("llmgw_model_desired_replicas", (("model", "fetched"),)) not in samples  # unknown: absent
+
+
+async def test_ctl_replicas_and_the_dashboard_show_the_adapters_each_replica_holds(admin):
+    client, gateway = admin
+    roll_chat_onto_adapters(gateway)
+    listed = {r["id"]: r["adapters"] for r in json.loads(await ctl(client, "replicas", "--json"))["replicas"]}
+    assert (listed["chat-1"], listed["chat-0"], listed["fetched-1"]) == (["a", "b"], [], None)
+    shown = {line.split()[0]: line for line in (await ctl(client, "replicas")).splitlines() if line[:1] not in " "}
+    assert "revision #2 · adapters a, b ·" in shown["chat-1"]
+    assert "revision #1 · adapters - ·" in shown["chat-0"]
+    assert shown["fetched-1"].endswith("revision gone · adapters -")
+    page = await (await client.get("/replicas", headers={"Authorization": f"Bearer {TOKEN}"})).text()
+    assert "<th>adapters</th>" in page and "<td>a, b</td>" in page
