@@ -8,6 +8,8 @@ by name from the cache, the engine listing each with `tiny` as its parent. Then,
 base `small` and an adapter `lora-c` from the model dir: `small` rolls onto a replica holding it
 (named in its endpoint's adapters, given at launch from the model dir), `small` cannot be removed
 while `lora-c` exists, and removing `lora-c` rolls `small` back to a replica without adapters.
+Each of those rollouts stops at a canary, where `ctl replicas` says what each replica holds: the
+old one its revision's adapters, the new one the new revision's.
 Last, a runtime adapter of `tiny` outlives `tiny` in the file across a restart: not in force, said,
 and removable.
 """
@@ -84,6 +86,13 @@ def test_a_base_is_launched_with_its_adapters_fetched_sealed_and_counted(bed, tm
         with urllib.request.urlopen(request, timeout=10) as answer:
             return {m["id"]: m for m in json.load(answer)["data"]}
 
+    def held_as_canary(model, old):
+        """Once the model's rollout holds at its canary, the old replica (id `old`) beside the new:
+        the adapters `ctl replicas` says each holds, its revision's (R-8.8); then the canary is promoted."""
+        both = wait_for(lambda: len(r := replicas(model)) == 2 and r, WAIT, f"{model}'s canary\n{gateway.log()[-3000:]}")
+        ctl.ok("rollout", "promote", model)
+        return {"old" if r["id"] == old else "new": r["adapters"] for r in both}
+
     try:
         wait_for(lambda: replicas("tiny"), WAIT, f"tiny to serve\n{gateway.log()[-3000:]}")
         [(argv, port, key)] = launched("tiny")
@@ -98,6 +107,7 @@ def test_a_base_is_launched_with_its_adapters_fetched_sealed_and_counted(bed, tm
         listed = engine_models(port, key)
         assert listed["lora-a"]["parent"] == "tiny" and listed["lora-b"]["parent"] == "tiny"
         assert listed["lora-a"]["root"] == f"{node.cache_dir}/{cache_names['lora-a']}"
+        assert [r["adapters"] for r in replicas("tiny")] == [["lora-a", "lora-b"]]  # what ctl replicas says it holds
         holdings = wait_for(lambda: {h["model"]: h for h in ctl.json("storage")["nodes"][0]["holdings"] or []}
                             if {"lora-a", "lora-b"} <= {h["model"] for h in ctl.json("storage")["nodes"][0]
                                                         ["holdings"] or []} else None,
@@ -110,13 +120,15 @@ def test_a_base_is_launched_with_its_adapters_fetched_sealed_and_counted(bed, tm
         assert [a["name"] for a in listed_tiny["adapters"]] == ["lora-a", "lora-b"]
 
         # At runtime: a base, then its adapter from the model dir; the base rolls onto it.
-        (tmp_path / "small.yaml").write_text("name: small\nprofile: cpu\nweights: small\n")
+        # A canary holds each of small's rollouts with an old and a new replica side by side.
+        (tmp_path / "small.yaml").write_text("name: small\nprofile: cpu\nweights: small\nrollout: {canary: 50}\n")
         ctl.ok("model", "add", "-f", str(tmp_path / "small.yaml"))
-        wait_for(lambda: replicas("small"), WAIT, f"small to serve\n{gateway.log()[-3000:]}")
+        [before] = wait_for(lambda: replicas("small"), WAIT, f"small to serve\n{gateway.log()[-3000:]}")
         [(plain, _, _)] = launched("small")
         assert "--enable-lora" not in plain
         (tmp_path / "lora-c.yaml").write_text("name: lora-c\nbase: small\nadapter: loras/lora-c\n")
         ctl.ok("model", "add", "-f", str(tmp_path / "lora-c.yaml"))
+        assert held_as_canary("small", before["id"]) == {"old": [], "new": ["lora-c"]}
         wait_for(lambda: [a for a, _, _ in launched("small") if "--enable-lora" in a] and len(replicas("small")) == 1
                  and len(launched("small")) == 1, WAIT, f"small to roll onto lora-c\n{gateway.log()[-3000:]}")
         [(argv, port, key)] = launched("small")
@@ -130,7 +142,9 @@ def test_a_base_is_launched_with_its_adapters_fetched_sealed_and_counted(bed, tm
         refused = ctl.run("model", "add", "-f", str(bad))
         assert refused.code != 0 and "its base 'lora-c' is itself an adapter" in refused.stderr
 
+        [before] = replicas("small")
         ctl.ok("model", "remove", "lora-c")
+        assert held_as_canary("small", before["id"]) == {"old": ["lora-c"], "new": []}
         wait_for(lambda: len(launched("small")) == 1 and "--enable-lora" not in launched("small")[0][0],
                  WAIT, f"small to roll back without adapters\n{gateway.log()[-3000:]}")
         ctl.ok("model", "remove", "small")
