@@ -98,7 +98,11 @@ def _launch_and_wait(helper, root, engine, model, args, env, shard_id, start_tim
                      if s["shard_id"] == shard_id)
         if shard["alive"] and shard["health"] and shard["health"]["status"] == 200:
             return launched
-        if not shard["alive"] or time.monotonic() > deadline:
+        gone = not shard["alive"]
+        if gone and shard.get("exit_code") is None and time.monotonic() <= deadline:
+            time.sleep(0.2)  # the helper records an engine's exit status just after it is gone
+            continue
+        if gone or time.monotonic() > deadline:
             raise AssertionError(f"{engine} did not become healthy: {shard}\n{launched.log()[-4000:]}")
         time.sleep(0.5)
 
