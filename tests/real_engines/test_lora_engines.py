@@ -10,7 +10,6 @@ rank 32, with random weights strong enough that a greedy answer differs from the
 
 from __future__ import annotations
 
-import http.client
 import json
 import shutil
 import threading
@@ -162,45 +161,6 @@ def test_vllm_serves_more_adapters_than_it_keeps_evicting_the_least_recently_use
             unload(vllm, name)
 
 
-def test_vllm_cpu_computes_a_base_request_batched_with_an_adapter_request_with_the_adapter(vllm):
-    """On the CPU, a batch holding requests for the base model and for an adapter applies the
-    adapter in the last of --max-loras slots to the base model's tokens too: vLLM's torch LoRA
-    ops index the adapters' weights with each token's slot, and -1 (no adapter) picks the last
-    one. A batch of base requests alone skips the adapters and answers right."""
-    base, adapted = vllm_answer(vllm, "tiny"), vllm_answer(vllm, "lora-a")
-    running = threading.Event()
-    stop = threading.Event()
-    streamed = []
-
-    def long_adapter_request():
-        connection = http.client.HTTPConnection("127.0.0.1", vllm.port, timeout=120)
-        try:
-            connection.request("POST", "/v1/completions", body=json.dumps({
-                "model": "lora-a", "prompt": PROMPT, "max_tokens": 900, "temperature": 0, "ignore_eos": True,
-                "stream": True}), headers={"Content-Type": "application/json", "Authorization": f"Bearer {vllm.key}"})
-            for line in connection.getresponse():
-                if line.startswith(b"data: {"):
-                    streamed.append(line)
-                    running.set()
-                if stop.is_set():
-                    return  # closing the connection aborts the request
-        finally:
-            connection.close()
-            running.set()
-    thread = threading.Thread(target=long_adapter_request, daemon=True)
-    thread.start()
-    try:
-        assert running.wait(120) and streamed, "the adapter's request streamed nothing"
-        mixed = vllm_answer(vllm, "tiny")
-        assert thread.is_alive(), "the adapter's request ended before the base request: they shared no batch"
-    finally:
-        stop.set()
-        thread.join(120)
-    print(f"\nbase alone {base}, beside a lora-a request {mixed}, lora-a {adapted}")
-    assert mixed == adapted != base
-    assert vllm_answer(vllm, "tiny") == base  # alone again: right
-
-
 NOT_FOUND_PATH = "/nonexistent/llmgw-lora"  # outside the folders vLLM hides in its messages
 
 
@@ -237,19 +197,6 @@ def test_vllm_refusals(vllm, made, route, body, status, error):
     assert _json(vllm, "POST", route, body) == (status, {"error": error})
     assert sorted(vllm_models(vllm)) == before
     assert vllm_answer(vllm, "lora-a")  # the engine serves on
-
-
-def test_vllm_refuses_to_start_with_an_adapter_above_max_lora_rank(tmp_path_factory, made):
-    """The engine loads everything first, then exits with the load's error (30–65 s here)."""
-    with pytest.raises(AssertionError) as refused:
-        launched, root = _launched("vllm", tmp_path_factory, str(made["chat"]),
-                                   [*VLLM_LORA_ARGS, "--lora-modules", f"lora-big={made['lora-big']}"],
-                                   env=real.VLLM_CPU_ENV, what="with lora-big at launch")
-        stop_engine(launched, root)
-    said = str(refused.value)
-    assert "'alive': False" in said and "'exit_code': 1" in said, said[:600]
-    assert ("ValueError: Call to add_lora method failed: Worker failed with error "
-            "'LoRA rank 32 is greater than max_lora_rank 8.'") in said, said[-2000:]
 
 
 def test_vllm_ends_when_an_evicted_adapters_files_are_gone(vllm, made, tmp_path):
