@@ -607,13 +607,18 @@ async def compare_routers(args, variants, after=None) -> None:
         if after is not None:
             await after()
     finally:
-        for process in reversed(processes):
-            process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        _stop(processes)
+
+
+def _stop(processes: list) -> None:
+    """SIGTERM the bench's processes, newest first; kill those not gone within 10 s."""
+    for process in reversed(processes):
+        process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 async def bench(args) -> None:
@@ -725,13 +730,7 @@ async def bench(args) -> None:
             floor_text = f" (bare proxy {floor_value:.3f}, ratio x{value / floor_value:.2f})" if floor_value else ""
             print(f"  {label:30} {value:8.3f} {unit}  target <= {target:g} {unit}  {verdict}{floor_text}")
     finally:
-        for process in reversed(processes):
-            process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        _stop(processes)
 
 
 def main() -> None:

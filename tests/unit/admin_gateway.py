@@ -7,11 +7,14 @@ unhealthy GPU, unknown memory, unknown GPUs and disk, a shared filer mounted by 
 from __future__ import annotations
 
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
+from llmgw.admin.app import build_admin_app
 from llmgw.admin.dependencies import AdminDependencies, Listener
 from llmgw.admin.tokens import AdminTokens
 from llmgw.catalog import Catalog, CatalogHolder
@@ -155,3 +158,15 @@ def roll_chat_onto_adapters(gateway: FakeGateway) -> None:
     records = gateway.reconciler.memory.records.replicas
     records["chat-0"].revision, records["chat-1"].revision, records["fetched-1"].revision = "r1", "r2", "gone"
     gateway.publish()
+
+
+@asynccontextmanager
+async def served_admin(gateway):
+    """The admin app of `gateway` on a test server: its client; the gateway's store closed after."""
+    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
+    await client.start_server()
+    try:
+        yield client
+    finally:
+        await client.close()
+        gateway.store.close()

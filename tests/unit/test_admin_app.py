@@ -6,14 +6,13 @@ from __future__ import annotations
 import re
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.admin.app import COOKIE, HTTP_STATUS, build_admin_app
+from llmgw.admin.app import COOKIE, HTTP_STATUS
 from llmgw.admin.dashboard import PAGES
 from llmgw.config import GatewayConfig, split_address
 from llmgw.contracts.refusals import ErrorKind
-from tests.unit.admin_gateway import TOKEN, make_gateway
+from tests.unit.admin_gateway import TOKEN, make_gateway, served_admin
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -21,13 +20,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 @pytest.fixture
 async def admin(tmp_path):
     gateway = make_gateway(tmp_path)
-    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
-    await client.start_server()
-    try:
+    async with served_admin(gateway) as client:
         yield client, gateway
-    finally:
-        await client.close()
-        gateway.store.close()
 
 
 def test_every_kind_of_refusal_has_its_http_status():

@@ -12,16 +12,15 @@ import json
 import time
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from typer.testing import CliRunner
 
 from llmgw.admin import text
-from llmgw.admin.app import build_admin_app
 from llmgw.cli.main import app
 from llmgw.contracts.states import ReplicaPhase
 from llmgw.control.state import ModelHealth
 from llmgw.control.state import FAILED, Replica, Shard
-from tests.unit.admin_gateway import TOKEN, make_gateway, roll_chat_onto_adapters
+from tests.unit.admin_gateway import TOKEN, make_gateway, roll_chat_onto_adapters, served_admin
 
 HOSTILE = "\x1b]0;owned\x07\x1b[2J\x1b[1A\rfake line\x9b31m\x00\x7f"
 
@@ -34,13 +33,8 @@ async def admin(tmp_path):
                   log_tail=[f"loading {HOSTILE}", "CUDA out of memory\ttab kept"])
     gateway.reconciler.memory.records.replicas["bad-1"] = Replica("bad-1", "chat", "k", [shard], phase=ReplicaPhase.RETIRING)
     gateway.publish()
-    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
-    await client.start_server()
-    try:
+    async with served_admin(gateway) as client:
         yield client, gateway
-    finally:
-        await client.close()
-        gateway.store.close()
 
 
 async def ctl(client: TestClient, *args: str):

@@ -12,10 +12,9 @@ import time
 
 import pytest
 import sqlite_utils
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from typer.testing import CliRunner
 
-from llmgw.admin.app import build_admin_app
 from llmgw.catalog import Catalog, CatalogHolder
 from llmgw.cli.main import app
 from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig
@@ -26,7 +25,7 @@ from llmgw import requestlog
 from llmgw.requestlog import (MOST_SHOWN, RequestQuery, add_requests, find_requests, parse_status,
                               prune_requests)
 from llmgw.store import MIGRATIONS, Store, migrate, schema_version
-from tests.unit.admin_gateway import TOKEN, make_gateway
+from tests.unit.admin_gateway import TOKEN, make_gateway, served_admin
 
 NOW = 1_800_000_000.0
 ROUTE = "POST /v1/chat/completions"
@@ -292,13 +291,8 @@ def test_r6_20_a_cursor_gives_what_came_after_it_oldest_first(logged):
 @pytest.fixture
 async def admin(tmp_path):
     gateway = make_gateway(tmp_path)
-    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
-    await client.start_server()
-    try:
+    async with served_admin(gateway) as client:
         yield client, gateway
-    finally:
-        await client.close()
-        gateway.store.close()
 
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
