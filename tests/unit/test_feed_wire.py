@@ -424,8 +424,10 @@ async def test_reports_are_acknowledged_and_leave_the_spool(control, clients, pl
     await until(lambda: client.unacked == 0, "every report acknowledged")
     acked = client.slot.spool.acked
     assert acked >= 1
-    # Gone from the file once acknowledged; only the next period's report, made since, may be there.
-    assert [r.seq for r in spooled(place / "router", client) if r.seq <= acked] == []
+    # Gone from the file once acknowledged (the file says so just after the client's memory does);
+    # only the next period's report, made since, may be there.
+    await until(lambda: [r.seq for r in spooled(place / "router", client) if r.seq <= acked] == [],
+                "the acknowledged reports gone from the spool file")
     assert {r for r, _ in control.publisher.counted} == {client.router_id}
 
 
