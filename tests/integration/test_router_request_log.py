@@ -233,14 +233,19 @@ async def test_r6_20_a_request_that_waited_for_a_place_says_how_long(doubles, st
     gw = await start_router(cat, {"slow": [doubles["slow"].endpoint("slow-r0")]})
     reported = Reported(gw)
     async with gw.client() as client:
-        async def one():
-            answer = await client.chat.completions.with_raw_response.create(model="slow", messages=HELLO,
-                                                                            max_tokens=10)
-            return answer.headers[ID]
-        ids = await asyncio.gather(one(), one())
+        # The first holds the one place, streaming, while the second is sent: it must wait for it.
+        async with client.chat.completions.with_streaming_response.create(
+                model="slow", messages=HELLO, max_tokens=10, stream=True) as first:
+            lines = first.iter_lines()
+            await anext(lines)  # its first event: it runs on the engine now
+            second = asyncio.ensure_future(client.chat.completions.with_raw_response.create(
+                model="slow", messages=HELLO, max_tokens=10))
+            await asyncio.sleep(0.2)
+            async for _ in lines:
+                pass
+        ids = [first.headers[ID], (await second).headers[ID]]
     records = await reported.by_id()
-    waits = sorted((records[i].queued for i in ids), key=lambda q: q or 0)
-    assert waits[0] is None and waits[1] > 0  # one had the place; the other waited for it
+    assert records[ids[0]].queued is None and records[ids[1]].queued > 0  # the second waited for the place
 
 
 # -- how much is kept, and where ---------------------------------------------------------------------
