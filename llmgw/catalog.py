@@ -19,7 +19,7 @@ from typing import Literal
 
 from llmgw.config import (ConfigError, Document, EngineConfig, Inventory, ModelConfig, Problem,
                           ProfileConfig)
-from llmgw.engines import TEMPLATE_VARIABLES, Engine, adapter_support, engine_table, template_fields
+from llmgw.engines import TEMPLATE_VARIABLES, Engine, adapter_support, engine_table, loads_adapters, template_fields
 from llmgw.weights import WeightsSource
 
 FILE = "file"
@@ -52,6 +52,20 @@ class Model:
     # The LoRA adapters the catalog gives this model (R-8.8), by name: the order its engine is
     # given them at launch, and so llama-server's id of each.
     adapters: tuple[Adapter, ...] = ()
+
+    @property
+    def launch_adapters(self) -> tuple[Adapter, ...]:
+        """The adapters its replicas are launched with (R-8.8): on an engine that loads adapters
+        while it runs (vLLM) the preloaded ones, the rest loaded where requests want them; on
+        llama-server every one."""
+        if loads_adapters(self.engine):
+            return tuple(a for a in self.adapters if a.preload)
+        return self.adapters
+
+    @property
+    def loads_adapters(self) -> bool:
+        """Whether its replicas load adapters on demand (R-8.8): it has adapters, on vLLM."""
+        return bool(self.adapters) and loads_adapters(self.engine)
 
     @property
     def on_demand(self) -> bool:
@@ -108,6 +122,10 @@ class Adapter:
     config: ModelConfig
     declared_in: Literal["file", "store"]
     actor: str | None = None
+
+    @property
+    def preload(self) -> bool:
+        return self.config.preload
 
 
 @dataclass(frozen=True)

@@ -434,6 +434,10 @@ class ModelConfig(_Strict):
     # with it; `adapter` is a weights source as `weights` is. Nothing else of the entry is its own.
     base: str | None = Field(None, pattern=NAME_PATTERN)
     adapter: str | list[str] | None = None
+    # An adapter its base's replicas are launched with, so every replica holds it from the start;
+    # without it, a vLLM replica loads the adapter when a request asks for it (llama-server, which
+    # cannot load one at runtime, is launched with every adapter of its base either way).
+    preload: bool = False
 
     @field_validator("weights", "adapter")
     @classmethod
@@ -449,11 +453,13 @@ class ModelConfig(_Strict):
                 raise ValueError("an adapter entry needs both base (the model it adapts) and adapter (its weights source)")
             if self.base == self.name:
                 raise ValueError("an adapter cannot be its own base")
-            own = sorted(self.model_fields_set - {"name", "base", "adapter"})
+            own = sorted(self.model_fields_set - {"name", "base", "adapter", "preload"})
             if own:
                 raise ValueError(f"an adapter entry has no {', '.join(own)} of its own (its base {self.base!r} "
-                                 f"is launched and routed for it); give only name, base and adapter")
+                                 f"is launched and routed for it); give only name, base, adapter and preload")
             return self
+        if self.preload:
+            raise ValueError("preload is for adapter entries (with base and adapter)")
         if self.endpoints is not None:
             if self.profile is not None or self.weights is not None:
                 raise ValueError("a model with static endpoints has no profile or weights")

@@ -94,7 +94,7 @@ def vllm_lora_args(lora: LoRA, args: list[str]) -> list[str]:
                         ("--max-lora-rank", str(lora.max_rank))):
         if not _gives(args, flag):
             out += [flag] if value is None else [flag, value]
-    if not _gives(args, "--lora-modules"):
+    if lora.adapters and not _gives(args, "--lora-modules"):
         out += ["--lora-modules", *(f"{name}={path}" for name, path in lora.adapters)]
     return out
 
@@ -279,6 +279,13 @@ def adapter_support(engine: Engine | None) -> bool:
     """Whether llmgw can launch the engine with LoRA adapters (R-8.8): the built-in vLLM and
     llama-server; SGLang and custom command lines not."""
     return isinstance(engine, (VLLM, LlamaServer))
+
+
+def loads_adapters(engine: Engine | None) -> bool:
+    """Whether the engine loads and unloads adapters while it runs (R-8.8): vLLM, through its
+    /v1/load_lora_adapter and /v1/unload_lora_adapter with runtime updating on. llama-server
+    takes adapters at launch only."""
+    return isinstance(engine, VLLM)
 
 
 def engine_table(custom: dict[str, EngineConfig]) -> dict[str, Engine]:

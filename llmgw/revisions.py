@@ -50,8 +50,8 @@ def definition(model: Model) -> dict[str, Any] | None:
         "profile": profile,
         "engine": engine_config.model_dump(mode="json") if engine_config is not None else None,
     }
-    if model.adapters:  # R-8.8: in launch order, each with its source
-        defined["adapters"] = {a.name: a.source.canonical for a in model.adapters}
+    if model.launch_adapters:  # R-8.8: in launch order, each with its source
+        defined["adapters"] = {a.name: a.source.canonical for a in model.launch_adapters}
     return defined
 
 
@@ -121,13 +121,20 @@ def model_at(model: Model, defined: Mapping[str, Any], engines: Mapping[str, Any
     weights = defined.get("weights")
     config = model.config.model_copy(update={"served_name": defined.get("served_name"),
                                              "weights": weights_field(weights)})
+    launched = adapters_at(model.name, defined)
+    if isinstance(engine, VLLM) and "max_adapters" in defined["profile"]:
+        # That revision ran with adapter support (R-8.8): the catalog's adapters loaded on demand
+        # are loaded on its replicas as on any other.
+        named = {a.name for a in launched}
+        launched += tuple(a for a in model.adapters if not a.preload and a.name not in named)
     return replace(model, config=config, profile=profile, engine=engine,
                    source=parse_weights(config.weights) if config.weights is not None else None,
-                   adapters=adapters_at(model.name, defined))
+                   adapters=launched)
 
 
 def adapters_at(base: str, defined: Mapping[str, Any]) -> tuple:
-    """The adapters a revision's definition launches its model with, in launch order (R-8.8)."""
+    """The adapters a revision's definition launches its model with, in launch order (R-8.8):
+    preloaded, since every replica of the revision holds them from its start."""
     from llmgw.catalog import FILE, Adapter
     from llmgw.config import ModelConfig
     from llmgw.weights import parse_weights
@@ -136,7 +143,7 @@ def adapters_at(base: str, defined: Mapping[str, Any]) -> tuple:
     for name, canonical in sorted((defined.get("adapters") or {}).items()):
         value = weights_field(canonical)
         out.append(Adapter(name=name, base=base, source=parse_weights(value),
-                           config=ModelConfig(name=name, base=base, adapter=value), declared_in=FILE))
+                           config=ModelConfig(name=name, base=base, adapter=value, preload=True), declared_in=FILE))
     return tuple(out)
 
 

@@ -188,7 +188,9 @@ class Gateway:
             self.registry.register(ReportedRouterMetrics(self.publisher.router_counters))
         routers = Routers(push_endpoints=self.publisher.set_endpoints, last_used=self.publisher.take_last_used,
                           outstanding=self.publisher.outstanding, abandon=self.publisher.abandon,
-                          engine_load=self.publisher.engine_load, counters=self.publisher.router_counters)
+                          engine_load=self.publisher.engine_load, counters=self.publisher.router_counters,
+                          adapter_use=self.publisher.adapter_use, adapter_quiet=self.publisher.adapter_quiet,
+                          version=self.publisher.version)
         self.reconciler = Reconciler(self.holder, self.fleet, self.store, gateway, routers)
         self.fleet.holdings_wanted = self.reconciler.nodes.holdings_wanted
         self.fleet.inventory_wanted = self.reconciler.nodes.inventory_wanted
@@ -252,7 +254,13 @@ class Gateway:
             reconciler.wake()
 
     def _on_demand(self, model: str) -> None:
-        self.reconciler.note_demand(model)
+        """A request wants an on-demand model with no replica (R-6.8), or a LoRA adapter that no
+        replica of its base holds within the load bound (R-8.8)."""
+        catalog = self.holder.current
+        if model in catalog.adapters:
+            self.reconciler.adapters.want(model, catalog)
+        else:
+            self.reconciler.note_demand(model)
 
     def _reloaded(self, inventory: Inventory) -> None:
         """A reload applied (R-10.5): routers get the settings they read in a feed change."""

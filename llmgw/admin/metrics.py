@@ -114,6 +114,19 @@ class FleetCollector:
         yield desired
         yield decisions
 
+        # LoRA adapters loaded and unloaded at runtime, and loads that failed.
+        adapter_families = {kind: CounterMetricFamily(f"llmgw_adapter_{kind}", help_text, labels=["adapter", "model"])
+                            for kind, help_text in (
+                                ("loads", "LoRA adapter loads on replicas since the gateway started"),
+                                ("unloads", "LoRA adapters unloaded from replicas (least recently used) since "
+                                            "the gateway started"),
+                                ("load_failures", "LoRA adapter loads that failed since the gateway started"))}
+        for model in models:
+            for adapter in model["adapters"]:
+                for kind, family in adapter_families.items():
+                    family.add_metric([adapter["name"], model["name"]], adapter[kind])
+        yield from adapter_families.values()
+
         # Revisions and rollouts: live replicas per revision, the revision each
         # model is to run, and 1 for the state its rollout is in.
         by_revision = GaugeMetricFamily("llmgw_model_revision_replicas", "Live replicas of the model per revision "

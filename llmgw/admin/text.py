@@ -206,8 +206,12 @@ def idle_for(entry: dict) -> str:
 
 def replica_adapters(replica: dict) -> str:
     """The LoRA adapters a replica holds (R-8.8), `a, b`; `-` when it holds none or its revision
-    is not known."""
-    return ", ".join(replica.get("adapters") or ()) or UNKNOWN
+    is not known; then the loads that failed on it lately, with why."""
+    held = ", ".join(replica.get("adapters") or ()) or UNKNOWN
+    failed = replica.get("adapter_errors") or ()
+    if failed:
+        held += "; failed to load " + "; ".join(f"{e['adapter']}: {e['error']}" for e in failed)
+    return held
 
 
 def engine_load(replica: dict) -> str:

@@ -197,8 +197,10 @@ class Listings:
             "replaces": replica.replaces, "reason": replica.reason, "created_at": replica.created_at,
             "serving_since": replica.serving_since, "last_used": last_used,
             "revision": replica.revision, "revision_number": replica.revision_number,  # None: not known
-            # The LoRA adapters it holds, its revision's; None: its revision is not known.
+            # The LoRA adapters it holds, its revision's then those loaded since; None:
+            # its revision is not known. And the loads that failed on it lately, with why.
             "adapters": list(replica.adapters) if replica.adapters is not None else None,
+            "adapter_errors": [{"adapter": name, "error": why} for name, why in replica.adapter_errors],
             "idle_seconds": None if last_used is None else max(0.0, self.now - last_used),
             "nodes": list(replica.nodes), "shards": shards,
             "in_flight": router.reported_in_flight(replica.id) if router is not None else None,
@@ -247,7 +249,12 @@ class Listings:
             "gpu_class": profile.gpu_class if profile is not None else None,
             "weights": str(model.source) if model.source is not None else None,
             # Its LoRA adapters in the catalog, by name: what its replicas hold once they run its revision.
-            "adapters": [{"name": a.name, "adapter": str(a.source), "declared_in": a.declared_in} for a in model.adapters],
+            # `preload`: launched with; else loaded where requests want it on vLLM. loads, unloads and
+            # failed loads since the control plane started.
+            "adapters": [{"name": a.name, "adapter": str(a.source), "declared_in": a.declared_in, "preload": a.preload,
+                          **dict(zip(("loads", "unloads", "load_failures"),
+                                     self.view.adapter_counts.get(a.name, (0, 0, 0))))}
+                         for a in model.adapters],
             "disk_bytes": model.disk_bytes,
             "scaling": {"min": model.min_replicas, "max": model.max_replicas, "on_demand": model.on_demand,
                         "idle_timeout": model.idle_timeout, "evictable": model.evictable,

@@ -32,3 +32,6 @@ class Endpoint:
     # The LoRA adapters (their catalog names) the replica's engine holds, in the order it was given
     # them at launch, which is llama-server's `lora` id of each. (): none.
     adapters: tuple[str, ...] = ()
+    # Adapters the control plane failed to load on this replica, (name, why), lately:
+    # a request for one that no replica holds fails with the reason rather than waiting.
+    adapter_errors: tuple[tuple[str, str], ...] = ()

@@ -89,6 +89,9 @@ class RoutedModel:
     # Endpoint.adapters name it); `served_name` is the name its engine serves it by. It has no
     # endpoints of its own; its engine is the base's.
     adapter_of: str | None = None
+    # An adapter its base's replicas load when a request asks for it (R-8.8: vLLM, not preloaded):
+    # a request that finds no replica holding it asks the control plane for a load and waits.
+    loadable: bool = False
 
     @property
     def upstream_name(self) -> str:
@@ -308,12 +311,16 @@ class EngineLoad:
     at: float | None = None  # time.time() of the reading
     slots: int | None = None  # requests the engine runs at once, where it says (llama-server's slots)
     preemptions: int | None = None  # cumulative: requests the engine took out of its batch for lack of KV cache (vLLM)
+    # The LoRA adapters the engine lists (vLLM's /v1/models, R-8.8), read for engines that may
+    # load them at runtime; None: not read.
+    adapters: tuple[str, ...] | None = None
 
     def as_dict(self) -> dict:
         return {"source": self.source, "waiting": self.waiting, "running": self.running,
                 "kv_cache": self.kv_cache, "prefix_hits": self.prefix_hits,
                 "prefix_queries": self.prefix_queries, "at": self.at, "slots": self.slots,
-                "preemptions": self.preemptions}
+                "preemptions": self.preemptions,
+                **({"adapters": list(self.adapters)} if self.adapters is not None else {})}
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,6 +397,9 @@ class Report:
     unapplied: Unapplied | None = None
     # The request log's records since the last report: counted parts, taken once per (router, seq).
     requests: tuple[RequestRecord, ...] = ()
+    # replica id -> adapter -> (its requests in flight there, unix time of its last request there):
+    # the adapters this router sent requests for, what the control plane unloads by.
+    adapter_use: Mapping[str, Mapping[str, tuple[int, float]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,6 +463,7 @@ class _EndpointFields:
         self.canary = None
         self.node = node
         self.adapters = ()
+        self.adapter_errors = ()
         _object_setattr(self, "__class__", Endpoint)
 
 
@@ -536,7 +547,8 @@ def endpoint_to_wire(e: Endpoint) -> dict:
             **({"revision": e.revision} if e.revision is not None else {}),
             **({"canary": e.canary} if e.canary is not None else {}),
             **({"node": e.node} if e.node is not None else {}),
-            **({"adapters": list(e.adapters)} if e.adapters else {})}
+            **({"adapters": list(e.adapters)} if e.adapters else {}),
+            **({"adapter_errors": [list(pair) for pair in e.adapter_errors]} if e.adapter_errors else {})}
 
 
 def endpoint_from_wire(d, where: str) -> Endpoint:
@@ -550,7 +562,7 @@ def endpoint_from_wire(d, where: str) -> Endpoint:
             node = d.get("node")
             if type(r) is str and type(m) is str and type(u) is str and (k is None or type(k) is str) \
                     and type(dr) is bool and (rev is None or type(rev) is str) and (node is None or type(node) is str) \
-                    and "canary" not in d and "adapters" not in d:
+                    and "canary" not in d and "adapters" not in d and "adapter_errors" not in d:
                 return _EndpointFields(r, m, u, k, dr, rev, node)
     d = _obj(d, where)
     return Endpoint(replica_id=_str(_field(d, "replica", where), f"{where}.replica"),
@@ -562,7 +574,16 @@ def endpoint_from_wire(d, where: str) -> Endpoint:
                     canary=None if d.get("canary") is None else _int(d["canary"], f"{where}.canary", 1, 99),
                     node=_opt_str(d.get("node"), f"{where}.node"),
                     adapters=tuple(_str(a, f"{where}.adapters[{i}]")
-                                   for i, a in enumerate(_list(d.get("adapters", []), f"{where}.adapters"))))
+                                   for i, a in enumerate(_list(d.get("adapters", []), f"{where}.adapters"))),
+                    adapter_errors=tuple(_pair(p, f"{where}.adapter_errors[{i}]") for i, p in
+                                         enumerate(_list(d.get("adapter_errors", []), f"{where}.adapter_errors"))))
+
+
+def _pair(value, where: str) -> tuple[str, str]:
+    pair = _list(value, where)
+    if len(pair) != 2:
+        raise FeedError(f"{where}: expected [name, message]")
+    return _str(pair[0], f"{where}[0]"), _str(pair[1], f"{where}[1]")
 
 
 def model_to_wire(m: RoutedModel) -> dict:
@@ -571,7 +592,8 @@ def model_to_wire(m: RoutedModel) -> dict:
             **({"background_responses": True} if m.background_responses else {}),
             **({"responses_store": True} if m.responses_store else {}),
             **({"alias_of": m.alias_of} if m.alias_of is not None else {}),
-            **({"adapter_of": m.adapter_of} if m.adapter_of is not None else {})}
+            **({"adapter_of": m.adapter_of} if m.adapter_of is not None else {}),
+            **({"loadable": True} if m.loadable else {})}
 
 
 def model_from_wire(d, where: str) -> RoutedModel:
@@ -586,7 +608,7 @@ def model_from_wire(d, where: str) -> RoutedModel:
                     and _ONLY_STR.issuperset(map(type, fb)) and (c is None or type(c) is int and c >= 1) \
                     and type(d.get("background_responses", False)) is bool \
                     and type(d.get("responses_store", False)) is bool and "alias_of" not in d \
-                    and "adapter_of" not in d:
+                    and "adapter_of" not in d and "loadable" not in d:
                 return RoutedModel(n, e, s, r, od, tuple(fb), c, d.get("background_responses", False),
                                    d.get("responses_store", False))
     d = _obj(d, where)
@@ -607,7 +629,8 @@ def model_from_wire(d, where: str) -> RoutedModel:
                                                     f"{where}.background_responses"),
                        responses_store=_expect(d.get("responses_store", False), (bool,), f"{where}.responses_store"),
                        alias_of=_opt_str(d.get("alias_of"), f"{where}.alias_of"),
-                       adapter_of=_opt_str(d.get("adapter_of"), f"{where}.adapter_of"))
+                       adapter_of=_opt_str(d.get("adapter_of"), f"{where}.adapter_of"),
+                       loadable=_expect(d.get("loadable", False), (bool,), f"{where}.loadable"))
 
 
 def key_to_wire(k: KeyEntry) -> dict:
@@ -742,7 +765,9 @@ def _load_from_wire(d, where: str) -> EngineLoad:
                       prefix_queries=_opt_count(d.get("prefix_queries"), f"{where}.prefix_queries"),
                       at=_opt_num(d.get("at"), f"{where}.at"),
                       slots=None if d.get("slots") is None else _int(d["slots"], f"{where}.slots", 1, MAX_COUNT),
-                      preemptions=_opt_count(d.get("preemptions"), f"{where}.preemptions"))
+                      preemptions=_opt_count(d.get("preemptions"), f"{where}.preemptions"),
+                      adapters=None if d.get("adapters") is None else tuple(
+                          _str(a, f"{where}.adapters[{i}]") for i, a in enumerate(_list(d["adapters"], f"{where}.adapters"))))
 
 
 def _counters_to_wire(c: RouterCounters) -> dict:
@@ -889,7 +914,9 @@ def to_wire(message: Snapshot | Change | Report | Ack) -> dict:
                 **({"asked": dict(message.asked)} if message.asked else {}),
                 **({"homes": _homes_to_wire(message.homes)} if message.homes else {}),
                 **({"unapplied": _unapplied_to_wire(message.unapplied)} if message.unapplied is not None else {}),
-                **({"requests": [request_record_to_wire(r) for r in message.requests]} if message.requests else {})}
+                **({"requests": [request_record_to_wire(r) for r in message.requests]} if message.requests else {}),
+                **({"adapter_use": {r: {a: list(use) for a, use in per.items()}
+                                    for r, per in message.adapter_use.items()}} if message.adapter_use else {})}
     if isinstance(message, Ack):
         return {"type": "ack", "protocol": PROTOCOL, "router": message.router, "seq": message.seq,
                 **({"refused": [{"where": r.where, "status": 400, "message": r.message} for r in message.refused]}
@@ -1074,5 +1101,16 @@ def _report_from_wire(d: dict) -> tuple[Report, tuple[Refusal, ...]]:
                     homes={model: MappingProxyType(entries) for model, entries in
                            rows("homes", lambda v, where: _home_entries_from_wire(v, where, False))},
                     unapplied=unapplied,
-                    requests=tuple(r for _, r in rows("requests", request_record_from_wire, _list, [])))
+                    requests=tuple(r for _, r in rows("requests", request_record_from_wire, _list, [])),
+                    adapter_use=dict(rows("adapter_use", _adapter_use_from_wire)))
     return report, tuple(refused)
+
+
+def _adapter_use_from_wire(value, where: str) -> Mapping[str, tuple[int, float]]:
+    out = {}
+    for adapter, use in _obj(value, where).items():
+        pair = _list(use, f"{where}[{adapter!r}]")
+        if len(pair) != 2:
+            raise FeedError(f"{where}[{adapter!r}]: expected [in flight, last use]")
+        out[adapter] = (_count(pair[0], f"{where}[{adapter!r}][0]"), _num(pair[1], f"{where}[{adapter!r}][1]"))
+    return out

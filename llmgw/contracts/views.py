@@ -19,7 +19,7 @@ time: both sides of the contract import this module.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -150,9 +150,11 @@ class PublishedReplica:
     shards: tuple[PublishedShard, ...]
     revision: str | None = None  # the model's revision it runs; None: not known
     revision_number: int | None = None
-    # The LoRA adapters its engine was launched with, its revision's, by name in launch
-    # order; None: its revision is not known, so neither is what it holds.
+    # The LoRA adapters its engine holds: its revision's, in launch order, then those it
+    # loaded since, by name; None: its revision is not known, so neither is what it holds.
     adapters: tuple[str, ...] | None = None
+    # (adapter, why) of the loads that failed on it lately.
+    adapter_errors: tuple[tuple[str, str], ...] = ()
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -210,6 +212,8 @@ class ControlView:
     retired: tuple[PublishedReplica, ...]  # failed or evicted recently and stopped, newest first
     models: Mapping[str, PublishedModel]
     free_whole_nodes: Mapping[str, int]  # fabric -> ready, active nodes whose GPUs are all healthy and free
+    # LoRA adapter -> (loads, unloads, failed loads) since this control plane started
+    adapter_counts: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
 
     def node(self, name: str) -> PublishedNode | None:
         return next((n for n in self.nodes if n.name == name), None)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from llmgw.contracts.errors import Category, LlmgwError
-from llmgw.catalog import Model
+from llmgw.catalog import Adapter, Model
 from llmgw.config import GatewayConfig, NodeConfig
 from llmgw.control import placement
 from llmgw.control.routers import Routers
@@ -248,16 +248,23 @@ class Actions:
         return await self._local(replica, shard, model.source, model.name, model.config.disk_gb)
 
     async def _adapters(self, replica: Replica, shard: Shard, model: Model) -> tuple[tuple[str, str], ...]:
-        """Each adapter of the model's revision with its path on the shard's node, fetched as
-        weights are (R-8.8), in launch order."""
-        paths = await asyncio.gather(*(self._local(replica, shard, a.source, a.name, None) for a in model.adapters))
-        return tuple((a.name, path) for a, path in zip(model.adapters, paths))
+        """Each adapter the model's revision launches with (R-8.8: every one on llama-server, the
+        preloaded ones on vLLM) with its path on the shard's node, fetched as weights are, in launch order."""
+        launched = model.launch_adapters
+        paths = await asyncio.gather(*(self._local(replica, shard, a.source, a.name, None) for a in launched))
+        return tuple((a.name, path) for a, path in zip(launched, paths))
+
+    async def adapter_path(self, replica: Replica, adapter: Adapter) -> str:
+        """Where a LoRA adapter is on the node of a serving replica's leader, fetched into its
+        cache first (R-8.8) with the replica left serving: it is loaded there while it runs."""
+        return await self._local(replica, replica.leader, adapter.source, adapter.name, None, serving=True)
 
     async def _local(self, replica: Replica, shard: Shard, source: WeightsSource, holder: str,
-                     disk_gb: float | None) -> str:
+                     disk_gb: float | None, serving: bool = False) -> str:
         """Where `source` is on the shard's node, fetched into its cache first when it is not
         there: one fetch per node and source however many shards wait for it. `holder` is the
-        catalog name the node's holdings list it under (a model, or an adapter)."""
+        catalog name the node's holdings list it under (a model, or an adapter). The shard shows
+        the fetch (its state and progress) unless it is `serving` already."""
         node = self.fleet.nodes[shard.node]
         paths = self.fleet.paths(node.name)
         candidates = source.candidates([*paths.model_dirs, *paths.shared_dirs], paths.cache_dir)
@@ -272,8 +279,9 @@ class Actions:
             return _engine_path(source, held.path, held.file)
         if not source.fetched:
             return candidates[0] if candidates else source.path
-        shard.set_state(FETCHING)
-        self.save(replica)
+        if not serving:
+            shard.set_state(FETCHING)
+            self.save(replica)
         key = (shard.node, source.cache_name)
         job = self.fetches.get(key)
         if job is None:
@@ -281,6 +289,9 @@ class Actions:
             job.task = asyncio.create_task(self._fetch(node, source, holder, disk_gb, job),
                                            name=f"fetch-{shard.node}-{source.cache_name}")
             job.task.add_done_callback(lambda _: self.fetches.pop(key, None))
+        if serving:
+            fetched = await asyncio.shield(job.task)
+            return _engine_path(source, fetched.path, fetched.file)
         job.watchers.append(shard)
         try:
             fetched = await asyncio.shield(job.task)
@@ -397,7 +408,9 @@ class Actions:
                 nnodes=profile.nodes, node_rank=shard.rank, leader_addr=leader_addr,
                 leader_port=replica.leader.dist_port or 0,
                 python=node.python or self.fleet.inventory.ssh.python if not local else "python3")
-            lora = LoRA(adapters, profile.max_adapters, profile.max_lora_rank) if adapters else None
+            # Adapter support on (R-8.8) for adapters given now, or loaded later where vLLM runs.
+            lora = LoRA(adapters, profile.max_adapters, profile.max_lora_rank) \
+                if adapters or model.loads_adapters else None
             spec = model.engine.render(variables, profile.args, profile.env, replica.api_key, lora)
             collector = self.gateway.tracing.otlp_endpoint
             if collector is not None:  # the engine's own spans join the router's traces (R-6.21)

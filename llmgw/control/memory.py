@@ -15,7 +15,9 @@ writes, explicitly, never another's dict:
 - `probes` (observe.py): failed health probes in a row; written by the pass;
 - `rollouts` (rollouts.py): each model's revisions and rollout; written by the pass (a revision
   seen, a rollout begun or paused, its progress) and by the operator's rollout commands
-  (pause, resume, promote, undo: `ControlPlane`).
+  (pause, resume, promote, undo: `ControlPlane`);
+- `adapters` (adapters.py): the LoRA adapters replicas loaded while running, and failed loads;
+  written by `AdapterLoads`, which the pass tells what the engines list.
 
 What the node tasks learned (weights' sizes, download rates, provisioning times) is theirs:
 `Actions.learned`.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmgw.control.adapters import AdapterMemory
 from llmgw.control.nodes import NodeMemory
 from llmgw.control.observe import ProbeMemory
 from llmgw.control.placing import PlacingMemory
@@ -41,8 +44,13 @@ class ControlMemory:
     scaling: ScalingMemory = field(default_factory=ScalingMemory)
     probes: ProbeMemory = field(default_factory=ProbeMemory)
     rollouts: RolloutMemory = field(default_factory=RolloutMemory)
+    adapters: AdapterMemory = field(default_factory=AdapterMemory)
 
     def __post_init__(self) -> None:
-        # The adapters each replica's endpoint says it holds are its revision's (R-8.8).
+        # The adapters each replica's endpoint says it holds are its revision's and those it
+        # loaded since, with the loads that failed there lately (R-8.8).
         if self.records.revision_adapters is None:
             self.records.revision_adapters = self.rollouts.adapters
+        if self.records.runtime_adapters is None:
+            self.records.runtime_adapters = self.adapters.held
+            self.records.adapter_errors = self.adapters.errors

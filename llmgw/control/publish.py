@@ -31,6 +31,7 @@ from llmgw.contracts.views import (CacheCleanup, ControlView, PublishedModel, Pu
                                    PublishedReplica, PublishedShard, frozen_mapping)
 from llmgw.control import placement, rollouts
 from llmgw.control.actions import Learned
+from llmgw.control.adapters import AdapterMemory
 from llmgw.control.cleanup import Cleanup
 from llmgw.control.memory import ControlMemory
 from llmgw.control.nodes import node_views
@@ -117,7 +118,7 @@ def control_view(sources: Sources, pass_number: int, published_at: float) -> Con
     for _, replica in reversed(records.retired):
         if replica.id not in seen and (replica.state == FAILED or replica.id in evicted):
             seen.add(replica.id)
-            retired.append(_replica(replica, scaling.last_used.get(replica.id), True, memory.rollouts))
+            retired.append(_replica(replica, scaling.last_used.get(replica.id), True, memory.rollouts, None))
     models = {}
     for model in catalog.models.values():
         rollout = rollouts.status(memory.rollouts, model, catalog, live) if not model.static else None
@@ -138,9 +139,12 @@ def control_view(sources: Sources, pass_number: int, published_at: float) -> Con
             else None, **(_rollout(rollout) if rollout is not None else {}))
     return ControlView(
         pass_number=pass_number, published_at=published_at, catalog=catalog, nodes=tuple(nodes),
-        replicas=tuple(_replica(r, scaling.last_used.get(r.id), False, memory.rollouts) for r in live),
+        replicas=tuple(_replica(r, scaling.last_used.get(r.id), False, memory.rollouts, memory.adapters) for r in live),
         retired=tuple(retired), models=frozen_mapping(models),
-        free_whole_nodes=frozen_mapping(placement.free_whole_nodes(views, allocated)))
+        free_whole_nodes=frozen_mapping(placement.free_whole_nodes(views, allocated)),
+        adapter_counts=frozen_mapping({name: (memory.adapters.loads.get(name, 0), memory.adapters.unloads.get(name, 0),
+                                              memory.adapters.load_failures.get(name, 0))
+                                       for name in catalog.adapters}))
 
 
 def _rollout(status: dict) -> dict:
@@ -155,16 +159,20 @@ def _cleanup(cleanup: Cleanup, node: str, storage, cache_dir: str | None) -> Cac
     return cleanup.state(node, fs.total_bytes if fs is not None else None)
 
 
-def _replica(replica: Replica, last_used: float | None, retired: bool, revisions: RolloutMemory) -> PublishedReplica:
+def _replica(replica: Replica, last_used: float | None, retired: bool, revisions: RolloutMemory,
+             loaded: AdapterMemory | None) -> PublishedReplica:
     number = revisions.number(replica.model, replica.revision)
+    adapters = revisions.adapters(replica.model, replica.revision) if number is not None else None
+    if adapters is not None and loaded is not None:
+        adapters += tuple(a for a in loaded.held(replica.id) if a not in adapters)
     return PublishedReplica(
         id=replica.id, model=replica.model, state=replica.state, serving=replica.serving,
         draining=replica.draining, retiring=replica.retiring, retired=retired, replaces=replica.replaces,
         reason=replica.reason, created_at=replica.created_at, serving_since=replica.serving_since,
         last_used=last_used, revision=replica.revision, revision_number=number,
-        # What its engine holds is its revision's adapters, not the catalog's: during a rollout that
-        # adds or removes one, old and new replicas differ.
-        adapters=revisions.adapters(replica.model, replica.revision) if number is not None else None,
+        # What its engine holds is its revision's adapters, not the catalog's (during a rollout that
+        # adds or removes one, old and new replicas differ), and those it loaded since.
+        adapters=adapters, adapter_errors=loaded.errors(replica.id) if loaded is not None else (),
         shards=tuple(PublishedShard(rank=s.rank, node=s.node, gpus=tuple(s.gpus), port=s.port, dist_port=s.dist_port,
                                 state=s.state, state_since=s.state_since, reason=s.reason,
                                 log_tail=tuple(s.log_tail) if s.log_tail is not None else None,

@@ -2,19 +2,16 @@
 
 A pass (`step`) is synchronous and cheap: observe (`observe.py` judges every live shard from the
 fleet's latest facts), apply (the judgements, through the transition table), plan (`plan.py`
-decides per model what to launch, retire and mark draining), act (each action carried out: a
-launch is placed by `placing.py`, which says where the replica goes or what to evict for it, and
-anything that needs a node becomes a task of `actions.py`: fetch, launch, stop), push (the
-endpoint table to the routers, `routers.py`, when it changed) and publish its view (for the admin,
-/metrics and ctl, llmgw.control.publish). It runs on a tick and immediately when something
-changes (`wake`).
+decides per model what to launch, retire and mark draining), act (a launch is placed by
+`placing.py`, which says where the replica goes or what to evict for it; anything that needs a
+node becomes a task of `actions.py`: fetch, launch, stop), push (the endpoint table to the
+routers, `routers.py`, when it changed) and publish its view (for the admin, /metrics and ctl,
+llmgw.control.publish). It runs on a tick and at once when something changes (`wake`).
 
 What it remembers between passes is a `ControlMemory` (llmgw.control.memory), whose parts it gives
-explicitly to those that keep them: node admin to `Nodes`, placement and eviction to `Placing`, the
-records to `Actions`, which saves each change of a replica to SQLite as it is made, retires
-replicas and drops their records once their engines stopped; its tasks change replicas too (a
-launch's progress, a stop's end).
-"""
+explicitly to those that keep them: node admin to `Nodes`, placement and eviction to `Placing`,
+runtime LoRA adapters to `AdapterLoads`, the records to `Actions`, which saves each change of a
+replica to SQLite, retires replicas and drops their records once their engines stopped."""
 
 from __future__ import annotations
 
@@ -26,7 +23,7 @@ from llmgw.aio import cancel_and_wait
 from llmgw.catalog import CatalogHolder, Model
 from llmgw.config import GatewayConfig
 from llmgw.contracts.states import AdminState
-from llmgw.control import observe, placing, plan, rollouts
+from llmgw.control import adapters, observe, placing, plan, rollouts
 from llmgw.control.actions import RETIRE_GRACE, Actions
 from llmgw.control.cleanup import CacheUse, Cleanup
 from llmgw.control.memory import ControlMemory
@@ -62,6 +59,8 @@ class Reconciler:
                                        self.nodes, holder, gateway)
         self.cleanup = Cleanup(fleet, holder, gateway, store, CacheUse(self.actions.fetches, memory.records,
                                                                                  memory.rollouts.cache_names), self.wake)
+        self.adapters = adapters.AdapterLoads(memory.adapters, memory.records, memory.rollouts, self.actions,
+                                              self.routers, self.wake)
         self.view: Published  # what the admin, /metrics and ctl read
         self.publish_view()
 
@@ -102,7 +101,7 @@ class Reconciler:
 
     async def close(self) -> None:
         """Stop reconciling; engines keep running (they are adopted on the next start)."""
-        await cancel_and_wait(self._run_task, *self.actions.tasks(), *self.cleanup.tasks.values())
+        await cancel_and_wait(self._run_task, *self.actions.tasks(), *self.cleanup.tasks.values(), *self.adapters.tasks)
         await self.nodes.close()
 
     # -- the inventory changing while running (a reload, R-10.5) ---------------------------------
@@ -188,6 +187,7 @@ class Reconciler:
         records.prune(now)
         memory.placing.forget_evicted(records)
         self.cleanup.check(now)  # cache filesystems below their low-water mark (R-5.5)
+        self.adapters.learn(catalog)  # what the engines that load adapters list (R-8.8)
         self.routers.push(records.endpoints(self.fleet.nodes))
         self.publish_view()
 

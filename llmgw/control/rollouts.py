@@ -172,6 +172,13 @@ class RolloutMemory:
         found = self.revisions.get(model, {}).get(revision_id) if revision_id is not None else None
         return revisions.adapter_names(found.definition if found is not None else None)
 
+    def loads_adapters(self, model: str, revision_id: str | None) -> bool:
+        """Whether a revision's replicas were launched with adapter support (R-8.8): a vLLM
+        revision's profile keeps the adapter fields only then."""
+        found = self.revisions.get(model, {}).get(revision_id) if revision_id is not None else None
+        return found is not None and "max_adapters" in (found.definition.get("profile") or {}) \
+            and found.definition["profile"].get("engine") == "vllm"
+
     def target(self, model: Model, catalog: Catalog) -> tuple[str | None, Model]:
         """The revision the model's replicas should run and the model to launch them from: the
         catalog's, unless an undo holds the model on an earlier one (module docstring)."""

@@ -26,6 +26,12 @@ class Routers:
     # Each router's counters as last reported (contracts.feed.RouterCounters): answers per replica
     # for a rollout's revisions side by side.
     counters: Callable[[], list] | None = None
+    # LoRA adapters: replica id -> adapter -> (in flight, last use) over the routers; whether
+    # every router routes with endpoint table `version` or later and has no request of the adapter
+    # in flight to the replica; the version of the endpoint table pushed last.
+    adapter_use: Callable[[], Mapping[str, Mapping[str, tuple[int, float]]]] | None = None
+    adapter_quiet: Callable[[str, str, int | None], bool] | None = None
+    version: Callable[[], int | None] | None = None
     pushed: dict[str, list[Endpoint]] | None = None
 
     def push(self, table: dict[str, list[Endpoint]]) -> None:

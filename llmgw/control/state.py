@@ -257,6 +257,10 @@ class Records:
     # (model, revision) -> the adapters that revision's replicas were launched with, in launch
     # order (R-8.8): what a replica's endpoint says its engine holds, whatever the catalog says now.
     revision_adapters: Callable[[str, str | None], tuple[str, ...]] | None = None
+    # replica id -> the adapters it loaded while running, and (adapter, why) of the loads that
+    # failed there lately (R-8.8): on its endpoint after its revision's.
+    runtime_adapters: Callable[[str], tuple[str, ...]] | None = None
+    adapter_errors: Callable[[str], tuple[tuple[str, str], ...]] | None = None
 
     def adopt(self, replicas: list[Replica]) -> None:
         """The replicas recorded before a restart, adopted rather than started again (R-4.5)."""
@@ -303,15 +307,17 @@ class Records:
             node = nodes.get(leader.node)
             if node is None or leader.port is None:
                 continue
-            host = "127.0.0.1" if node.connection == "local" else node.host
             canary = self.canaries.get(replica.model)
+            adapters = self.revision_adapters(replica.model, replica.revision) \
+                if self.revision_adapters is not None else ()
+            if self.runtime_adapters is not None:
+                adapters += tuple(a for a in self.runtime_adapters(replica.id) if a not in adapters)
             table.setdefault(replica.model, []).append(
-                Endpoint(replica_id=replica.id, model=replica.model, url=f"http://{_url_host(host)}:{leader.port}",
+                Endpoint(replica_id=replica.id, model=replica.model, url=endpoint_url(node, leader.port),
                          api_key=replica.api_key, draining=replica.draining, revision=replica.revision,
                          canary=canary[1] if canary is not None and canary[0] == replica.revision else None,
-                         node=leader.node,
-                         adapters=self.revision_adapters(replica.model, replica.revision)
-                         if self.revision_adapters is not None else ()))
+                         node=leader.node, adapters=adapters,
+                         adapter_errors=self.adapter_errors(replica.id) if self.adapter_errors is not None else ()))
         for endpoints in table.values():
             endpoints.sort(key=lambda e: e.replica_id)
         return table
@@ -362,6 +368,12 @@ class Records:
     def listed(self) -> set[str]:
         """The ids of the replicas live or still listed as retired."""
         return {r.id for _, r in self.retired} | self.replicas.keys()
+
+
+def endpoint_url(node: NodeConfig, port: int) -> str:
+    """The URL a replica's engine answers on: its (leader's) node's address and port."""
+    host = "127.0.0.1" if node.connection == "local" else node.host
+    return f"http://{_url_host(host)}:{port}"
 
 
 def _url_host(host: str) -> str:

@@ -179,13 +179,17 @@ class Upstream:
     """The router's live view of one endpoint: what is in flight to it and whether it is ejected."""
 
     __slots__ = ("endpoint", "replica_id", "model", "adapters", "node", "outstanding", "queued", "engine", "slots",
-                 "ejected_until", "headers", "stream_headers", "base_url", "preempting", "hit_rate", "pressed")
+                 "ejected_until", "headers", "stream_headers", "base_url", "preempting", "hit_rate", "pressed",
+                 "adapter_use")
 
     def __init__(self, endpoint: Endpoint):
         self.endpoint = endpoint
         self.replica_id = endpoint.replica_id
         self.model = endpoint.model
         self.adapters = endpoint.adapters  # the LoRA adapters its engine holds, in launch order (R-8.8)
+        # adapter -> [its requests in flight here, unix time of the last]: what the control plane
+        # unloads by (R-8.8); made at the first adapter request.
+        self.adapter_use: dict[str, list] | None = None
         self.node = endpoint.node  # where its engine answers, for the request log (R-6.20); None: not known
         self.outstanding = 0
         self.queued = 0  # requests the engine held beyond ours at the last poll; 0 while not known
@@ -499,7 +503,8 @@ class Pool:
             mine = up.endpoint
             if mine is not endpoint and (mine.replica_id != endpoint.replica_id or mine.url != endpoint.url
                                          or mine.api_key != endpoint.api_key or mine.model != endpoint.model
-                                         or mine.adapters != endpoint.adapters):
+                                         or mine.adapters != endpoint.adapters
+                                         or mine.adapter_errors != endpoint.adapter_errors):
                 return False
         return True
 
@@ -533,6 +538,10 @@ class Balancer:
         self._pools: dict[str, Pool] = {}
         # Each LoRA adapter's pool (R-8.8), by the adapter's name: members of its base's pool.
         self._adapter_pools: dict[str, Pool] = {}
+        self._adapter_errors: dict[str, str] = {}  # adapter -> why its latest load failed (R-8.8)
+        # The base models whose LoRA adapters are loaded on demand (R-8.8): the poller reads which
+        # adapters their engines hold. Set with each catalog.
+        self.loading_bases: frozenset[str] = frozenset()
         self._by_replica: dict[str, list[Upstream]] = {}
         self._retired: list[Upstream] = []  # taken off the lists with requests still in flight
         self._last_used: dict[str, float] = {}  # replica_id -> time.monotonic() of the last acquire
@@ -556,8 +565,13 @@ class Balancer:
             ups = []
             for endpoint in members:
                 up = previous.get((endpoint.replica_id, endpoint.url, endpoint.api_key))
-                if up is None or up.endpoint.model != endpoint.model or up.adapters != endpoint.adapters:
+                if up is None or up.endpoint.model != endpoint.model:
                     up = Upstream(endpoint)
+                elif up.adapters != endpoint.adapters or up.endpoint.adapter_errors != endpoint.adapter_errors:
+                    # The same engine, which loaded or dropped an adapter (R-8.8): its counters stay.
+                    # (llama-server's adapters, whose order is its ids, change only with a new replica.)
+                    up.endpoint = endpoint
+                    up.adapters = endpoint.adapters
                 ups.append(up)
             pool = pools[model] = Pool(ups, self._choosers.get(policy, self._choosers[LEAST_OUTSTANDING]))
             pool.set_canary(members)
@@ -566,6 +580,8 @@ class Balancer:
         self._pools = pools
         self._adapter_pools = self._adapter_pools_of(pools) if self._adapter_pools or any(
             up.adapters for pool in pools.values() for up in pool.members) else {}
+        self._adapter_errors = {name: why for pool in pools.values() for up in pool.members
+                                for name, why in up.endpoint.adapter_errors}
         by_replica: dict[str, list[Upstream]] = {}
         for pool in pools.values():
             for up in pool.members:
@@ -614,6 +630,32 @@ class Balancer:
         """The model's pool, or the adapter's (R-8.8) when `model` names a LoRA adapter."""
         pool = self._pools.get(model)
         return pool if pool is not None else self._adapter_pools.get(model)
+
+    def adapter_error(self, adapter: str) -> str | None:
+        """Why the control plane's latest load of `adapter` failed, while it says so (R-8.8)."""
+        return self._adapter_errors.get(adapter)
+
+    def adapter_pressed(self, adapter: str, base: str) -> bool:
+        """Whether every replica holding `adapter` is over the load bound among its base's
+        replicas (prefix routing's bound, R-6.5b) while some replica of the base does not hold
+        it: then another should load it (R-8.8)."""
+        pool, whole = self._adapter_pools.get(adapter), self._pools.get(base)
+        if pool is None or whole is None or len(pool.members) >= len(whole.members):
+            return False
+        total = sum(up.outstanding + up.queued for up in whole.members)
+        capacity = bound_capacity(total, len(whole.members))
+        return all(up.outstanding + up.queued + 1 > capacity for up in pool.members)
+
+    def adapter_use(self) -> dict[str, dict[str, tuple[int, float]]]:
+        """replica id -> adapter -> (requests in flight, unix time of the last) (R-8.8)."""
+        out: dict[str, dict[str, tuple[int, float]]] = {}
+        for up in [*self.upstreams(), *self._retired]:
+            if up.adapter_use:
+                mine = out.setdefault(up.replica_id, {})
+                for adapter, (count, last) in up.adapter_use.items():
+                    before = mine.get(adapter, (0, 0.0))
+                    mine[adapter] = (before[0] + count, max(before[1], last))
+        return out
 
     def endpoints(self, model: str) -> list[Upstream]:
         pool = self._pool(model)

@@ -13,7 +13,8 @@ import time
 from aiohttp import web
 
 from llmgw.router.balancer import Balancer, Upstream
-from llmgw.router.errors import NoCapacity, ResponseNotFound, RouterError, UploadNotReplayed, UpstreamFailed
+from llmgw.router.errors import (AdapterNotLoaded, NoCapacity, ResponseNotFound, RouterError, UploadNotReplayed,
+                                 UpstreamFailed)
 from llmgw.router.exchange import Exchange
 from llmgw.router.fairqueue import FairQueue
 from llmgw.router.feedstate import FeedState
@@ -57,6 +58,8 @@ class Dispatch:
         last_error: RouterError | None = None
         while True:
             now = time.monotonic()
+            if model.loadable and not tried and balancer.has_endpoints(home):
+                await self._loaded_somewhere(exchange, home)  # R-8.8: held by a replica, or loaded on one
             if on_demand and waited_since is None and not balancer.has_endpoints(home):
                 feed.note_demand(home)
                 waited_since = now
@@ -90,6 +93,16 @@ class Dispatch:
             # The key is homed once the engine has accepted the request (R-6.5b), not when it is sent.
             accepted = (None if affinity is None or up.model != home
                         else functools.partial(balancer.keep_home, name, affinity, key.id, now, up))
+            use = None
+            if home is not name:  # a LoRA adapter's request: what the control plane unloads by (R-8.8)
+                uses = up.adapter_use
+                if uses is None:
+                    uses = up.adapter_use = {}
+                use = uses.get(name)
+                if use is None:
+                    use = uses[name] = [0, 0.0]
+                use[0] += 1
+                use[1] = time.time()
             try:
                 response = await self.forwarder.send(request, exchange, up, accepted)
                 self.metrics.answered(up.replica_id, response.status)
@@ -122,6 +135,31 @@ class Dispatch:
             finally:
                 balancer.release(up)
                 fairqueue.leave(home, now, key.id)
+                if use is not None:
+                    use[0] -= 1
+
+    async def _loaded_somewhere(self, exchange: Exchange, base: str) -> None:
+        """A LoRA adapter its base's replicas load on demand (R-8.8): when none holds it, the
+        control plane is asked for a load (the next report, sent now) and the request waits for
+        it, or fails at once with the reason a load failed; when every holder is over the load
+        bound, another load is asked for and the request goes to a holder meanwhile."""
+        name, balancer, feed = exchange.model.name, self.balancer, self.feed
+        if balancer.has_endpoints(name):
+            if balancer.adapter_pressed(name, base):
+                feed.note_demand(name)
+            return
+        since = time.monotonic()
+        trail = exchange.trail
+        while not balancer.has_endpoints(name):
+            error = balancer.adapter_error(name)
+            if error is not None:
+                raise AdapterNotLoaded(f"adapter {name!r} could not be loaded on a replica of {base!r}: {error}")
+            feed.note_demand(name)
+            trail.queue_start(time.monotonic(), "adapter_load")
+            try:
+                await feed.await_arrival(name, since, f"is a LoRA adapter of {base!r} being loaded")
+            finally:
+                trail.queue_end(time.monotonic())
 
     def _acquire(self, exchange: Exchange, now: float, tried: list[Upstream],
                  include_ejected: bool = False) -> Upstream | None:

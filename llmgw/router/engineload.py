@@ -15,7 +15,9 @@ figure is at most a poll old where it is used. The engine kind is recognised fro
   (on unless the engine runs with `--no-slots`, then a 501), else `total_slots` of `/props`
   (always served), read on every poll of a llama-server after its `/metrics`;
 - SGLang `/metrics` (with `--enable-metrics`): `sglang:num_queue_reqs`, `sglang:num_running_reqs`,
-  `sglang:token_usage`.
+  `sglang:token_usage`;
+- and for a vLLM replica of a base whose LoRA adapters are loaded on demand (R-8.8), the adapters
+  its `/v1/models` lists (entries with a `parent`), reported to the control plane with the load.
 
 What the engine does not say stays None (unknown), never 0; an answer that does not parse, or no
 answer, makes the whole reading unknown. The slot count is also kept on the endpoint
@@ -167,6 +169,19 @@ def parse_slots(text: str, at: float | None = None) -> EngineLoad:
     return EngineLoad(source="llama-server", running=busy, at=at, slots=len(slots))
 
 
+def parse_adapters(text: str) -> tuple[str, ...]:
+    """The LoRA adapters on vLLM's /v1/models: the entries with a `parent` (their base), by id."""
+    try:
+        listing = json.loads(text)
+    except ValueError:
+        raise Malformed("/v1/models is not JSON") from None
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list):
+        raise Malformed("/v1/models has no data list")
+    return tuple(sorted(entry["id"] for entry in data
+                        if isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry.get("parent")))
+
+
 def parse_props(text: str) -> int:
     """llama-server's slot count from `/props` (`total_slots`), served with or without `/slots`."""
     try:
@@ -236,6 +251,8 @@ class EnginePoller:
             reading = await self._parsed(up, "/metrics", headers, parse_metrics)
             if reading is not None:
                 self._path[url] = "/metrics"
+                if reading.source == "vllm" and up.model in self.balancer.loading_bases:
+                    return await self._with_adapters(up, headers, reading)
                 if reading.source != "llama-server":
                     return reading
                 slots = await self._slot_count(up, headers)
@@ -251,6 +268,19 @@ class EnginePoller:
         else:
             self._path[url] = "/slots"
         return reading
+
+    async def _with_adapters(self, up, headers: dict, reading: EngineLoad) -> EngineLoad:
+        """The reading with the LoRA adapters the engine lists on /v1/models (R-8.8), for the
+        control plane to check what it loaded against; as it was when the list is not read."""
+        text = await self._page(up, "/v1/models", headers)
+        if not isinstance(text, str):
+            return reading
+        try:
+            adapters = parse_adapters(text)
+        except Malformed as exc:
+            log.debug("replica %s: adapters from /v1/models: %s", up.replica_id, exc)
+            return reading
+        return dataclasses.replace(reading, adapters=adapters)
 
     async def _slot_count(self, up, headers: dict) -> int | None:
         """A llama-server's slot count beside its /metrics: the length of /slots, else /props."""

@@ -118,6 +118,13 @@ class ModelLoading(NoCapacity):
         super().__init__(message, retry_after=retry_after)
 
 
+class AdapterNotLoaded(NoCapacity):
+    """No replica of its base holds a LoRA adapter, and the control plane's latest load of it
+    failed (R-8.8): the engine's reason, at once, rather than a wait for a load that is not coming."""
+
+    code = "adapter_load_failed"
+
+
 class UpstreamConnectFailed(RouterError):
     """The engine could not be reached, or dropped the connection before answering."""
 

@@ -163,7 +163,8 @@ class FeedState:
                 "engine_load": loads, "demand": demand,
                 "snapshot": None if snapshot is None else (snapshot.epoch, snapshot.version),
                 "counters": self.metrics.counters(), "asked": self.limiter.take_asked(),
-                "homes": self.balancer.take_homes(), "requests": self.request_log.take()}
+                "homes": self.balancer.take_homes(), "requests": self.request_log.take(),
+                "adapter_use": self.balancer.adapter_use()}
 
     def outstanding(self, replica_id: str) -> int:
         """Requests this router has in flight to a replica, still counted after it left the lists."""
@@ -206,9 +207,9 @@ class FeedState:
             except Exception:
                 log.exception("telling the feed about demand for on-demand model %s failed", model)
 
-    async def await_arrival(self, model: str, since: float) -> None:
-        """Until the feed brings `model` an endpoint, at most gateway.on_demand_wait from `since`;
-        then ModelLoading."""
+    async def await_arrival(self, model: str, since: float, what: str = "is starting on demand") -> None:
+        """Until the feed brings `model` an endpoint (or, for a LoRA adapter, word that its load
+        failed), at most gateway.on_demand_wait from `since`; then ModelLoading."""
         wait = self.gateway.on_demand_wait
         remaining = since + wait - time.monotonic()
         event = self._arrivals.get(model)
@@ -220,8 +221,7 @@ class FeedState:
                 return
             except asyncio.TimeoutError:
                 pass
-        raise ModelLoading(f"model {model!r} is starting on demand and was not ready within "
-                           f"{wait:.0f} s; retry later")
+        raise ModelLoading(f"model {model!r} {what} and was not ready within {wait:.0f} s; retry later")
 
     # -- applying a snapshot ----------------------------------------------------------------------
 
@@ -237,6 +237,8 @@ class FeedState:
 
     def _install(self, snapshot: Snapshot) -> None:
         endpoints = snapshot.endpoints
+        self.balancer.loading_bases = frozenset(m.adapter_of for m in snapshot.models.values()
+                                                if m.loadable and m.adapter_of is not None)
         self.balancer.replace(endpoints, {name: model.routing for name, model in snapshot.models.items()})
         self.set_capacities()
         for model, members in endpoints.items():
@@ -244,6 +246,9 @@ class FeedState:
                 event = self._arrivals.pop(model, None)
                 if event is not None:
                     event.set()
+        balancer = self.balancer
+        for model in [m for m in self._arrivals if balancer.has_endpoints(m) or balancer.adapter_error(m)]:
+            self._arrivals.pop(model).set()  # a LoRA adapter loaded, or its load failed (R-8.8)
 
 
 def router_share(places: int, routers: int, index: int | None, at_least: int = 1) -> int:

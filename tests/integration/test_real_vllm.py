@@ -38,6 +38,9 @@ from tests.testbed import engines as real
 pytestmark = [pytest.mark.slow, pytest.mark.testbed]
 
 CHAT, EMBED, ADAPTER = "tiny-chat", "tiny-embed", "tiny-lora"
+# Loaded on demand (R-8.8): lora-b under two names (two adapters to fill and churn the one slot
+# the preloaded ADAPTER leaves), and lora-big, whose rank is above the profile's max_lora_rank.
+LOADED, LOADED_TOO, TOO_BIG = "tiny-lora-b", "tiny-lora-c", "tiny-lora-big"
 NODES = ("cpu1", "cpu2")
 START_TIMEOUT = 300.0  # two vLLMs loading at once on a busy 2-core machine
 KEY, EMBED_KEY = "vllm-tests", "vllm-embed"
@@ -68,11 +71,14 @@ def traces(bed):
 def gateway(bed, made, traces, tmp_path_factory):
     weights = rt.publish_hf_dir(bed, "tiny/chat", made["chat"])
     adapter = rt.publish_hf_dir(bed, "tiny/lora-a", made["lora-a"])
+    loaded = {name: rt.publish_hf_dir(bed, f"tiny/{name}", made[source])
+              for name, source in ((LOADED, "lora-b"), (LOADED_TOO, "lora-b"), (TOO_BIG, "lora-big"))}
     cpu = {"engine": "vllm", "env": dict(real.VLLM_CPU_ENV), "start_timeout": f"{START_TIMEOUT:.0f}s"}
-    profiles = {"vllm-cpu": {**cpu, "max_adapters": 1, "max_lora_rank": 8},
+    profiles = {"vllm-cpu": {**cpu, "max_adapters": 2, "max_lora_rank": 8},
                 "vllm-cpu-embed": {**cpu, "args": ["--runner", "pooling"]}}
     models = [{"name": CHAT, "profile": "vllm-cpu", "weights": weights, "scaling": {"min": 1}},
-              {"name": ADAPTER, "base": CHAT, "adapter": adapter}]
+              {"name": ADAPTER, "base": CHAT, "adapter": adapter, "preload": True},
+              *({"name": name, "base": CHAT, "adapter": source} for name, source in loaded.items())]
     began = time.monotonic()
     gw = rt.start_gateway(bed, tmp_path_factory.mktemp("vllm"), models=models, profiles=profiles,
                           gateway={"tracing": {"otlp_endpoint": traces.url}}, env={"OTEL_BSP_SCHEDULE_DELAY": "200"})
@@ -203,8 +209,8 @@ def test_an_adapter_is_launched_with_its_base_and_served_by_name(bed, gateway):
     replica, node, _, argv = _engine(bed, gateway, CHAT)
     lora = argv[argv.index("--enable-lora"):argv.index("--middleware")]
     [module] = [a for a in lora if a.startswith(f"{ADAPTER}=")]
-    assert lora == ["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1", "--max-lora-rank", "8",
-                    "--lora-modules", module]
+    assert lora == ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "2", "--max-lora-rank", "8",
+                    "--lora-modules", module]  # the preloaded adapter only: the others are loaded on demand
     path = module.split("=", 1)[1]
     assert path.startswith(str(bed[node].cache_dir) + "/llmgw-")
     with sqlite3.connect(gateway.state_dir / "state.db") as db:
@@ -310,6 +316,121 @@ def test_stop_leaves_no_process_and_frees_the_port(bed, gateway):
     wait_for(lambda: not _group_members(group), 60, "every process of the engine (its workers too) to end")
     assert rt.port_free(bed, node, host, port)
     assert rt.serving(gateway, CHAT)  # the other engine is untouched
+
+
+def _engine_call(bed, gateway, replica: dict, path: str, body: dict | None = None) -> dict:
+    """A call to the replica's engine itself, with its key (never through the router)."""
+    import json
+    import sqlite3
+    import urllib.request
+
+    with sqlite3.connect(gateway.state_dir / "state.db") as db:
+        [(key,)] = db.execute("SELECT api_key FROM replicas WHERE id = ?", [replica["id"]]).fetchall()
+    shard = replica["shards"][0]
+    request = urllib.request.Request(f"http://{bed[shard['node']].address}:{shard['port']}{path}",
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        return json.load(answer)
+
+
+def _adapter_counts(gateway) -> dict[str, tuple[int, int, int]]:
+    status, answer = gateway.admin("/api/models")
+    assert status == 200, answer
+    [chat] = [m for m in answer["models"] if m["name"] == CHAT]
+    return {a["name"]: (a["loads"], a["unloads"], a["load_failures"]) for a in chat["adapters"]}
+
+
+def _held(bed, gateway, replica: dict) -> list[str]:
+    """The adapters the engine lists itself, by name."""
+    return sorted(m["id"] for m in _engine_call(bed, gateway, replica, "/v1/models")["data"] if m.get("parent"))
+
+
+def test_adapters_are_loaded_where_requests_want_them_and_the_least_recently_used_goes(bed, gateway):
+    """R-8.8: an adapter that is not preloaded is loaded by the control plane when a request names
+    it (the request waits, then gets the engine's answer for it); past the profile's max_adapters
+    (2: the preloaded one and one more) the least recently used loaded one is unloaded first; one
+    whose rank is above max_lora_rank fails with the engine's reason, in OpenAI's shape and in
+    `ctl replicas`; a client cannot reach the engine's own load route through the router. Then,
+    with a second replica of the base, requests for the loaded adapter all go to the replica that
+    holds it: one load, not two."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    import openai
+
+    ctl = Ctl(gateway)
+    client, key = rt.new_client(gateway, "vllm-adapters")
+    [replica] = rt.wait_serving(gateway, CHAT, 60)
+    assert _held(bed, gateway, replica) == [ADAPTER]
+    before = _adapter_counts(gateway)
+
+    def ask(model: str, request_id: str | None = None) -> None:
+        done = client.completions.create(model=model, prompt="hello there", max_tokens=4, temperature=0,
+                                         extra_headers={"X-Request-Id": request_id} if request_id else None)
+        assert done.model == model
+
+    ask(LOADED)
+    assert _held(bed, gateway, replica) == sorted([ADAPTER, LOADED])
+    ask(LOADED)  # held now: no second load
+    assert _adapter_counts(gateway)[LOADED][0] - before[LOADED][0] == 1
+    listed = wait_for(lambda: (r := ctl.json("replicas")["replicas"]) and LOADED in (r[0]["adapters"] or []) and r, 30,
+                      "ctl replicas to show the loaded adapter")
+    assert listed[0]["adapters"] == [ADAPTER, LOADED]
+
+    ask(LOADED_TOO)  # the slot is taken by LOADED, idle: it is unloaded once LOADED_TOO is loaded
+    wait_for(lambda: _held(bed, gateway, replica) == sorted([ADAPTER, LOADED_TOO]), 30,
+             f"{LOADED} to be unloaded for {LOADED_TOO}")
+    counts = _adapter_counts(gateway)
+    assert (counts[LOADED][1] - before[LOADED][1], counts[LOADED_TOO][0] - before[LOADED_TOO][0]) == (1, 1)
+    assert counts[ADAPTER][1] == before[ADAPTER][1]  # the preloaded one stays
+
+    with pytest.raises(openai.APIStatusError) as refused:
+        ask(TOO_BIG)
+    assert refused.value.status_code == 503
+    error = refused.value.body
+    assert error["code"] == "adapter_load_failed" and "max_lora_rank" in error["message"].replace("max-lora-rank",
+                                                                                                   "max_lora_rank"), error
+    shown = ctl.ok("replicas").stdout
+    assert f"failed to load {TOO_BIG}" in shown, shown
+    planted = urllib.request.Request(f"{gateway.url}/v1/load_lora_adapter", method="POST",
+                                     data=json.dumps({"lora_name": "planted", "lora_path": "/tmp"}).encode(),
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as not_a_route:
+        urllib.request.urlopen(planted, timeout=30)
+    assert not_a_route.value.code == 404 and json.load(not_a_route.value)["error"]["type"]
+    assert _held(bed, gateway, replica) == sorted([ADAPTER, LOADED_TOO])  # the refused load unloaded nothing
+
+    _set_min_replicas(gateway, CHAT, 2)
+    ctl.ok("reload")
+    try:
+        both = rt.wait_serving(gateway, CHAT, START_TIMEOUT * 2, count=2)
+        [other] = [r for r in both if r["id"] != replica["id"]]
+        assert _held(bed, gateway, other) == [ADAPTER]
+        loads = _adapter_counts(gateway)[LOADED_TOO][0]
+        ids = [f"lora-affinity-{secrets.token_hex(4)}" for _ in range(6)]
+        for request_id in ids:
+            ask(LOADED_TOO, request_id)
+        assert _adapter_counts(gateway)[LOADED_TOO][0] == loads  # not loaded again on the new replica
+        assert _held(bed, gateway, other) == [ADAPTER]
+
+        def recorded():
+            found = {r["id"]: r["replica"] for r in ctl.json("requests", "--model", LOADED_TOO, "-n", "100")["requests"]}
+            return found if set(ids) <= set(found) else None
+        served = wait_for(recorded, 30, "the request log to record the adapter's requests")
+        assert {served[i] for i in ids} == {replica["id"]}, served
+    finally:
+        _set_min_replicas(gateway, CHAT, 1)
+        ctl.ok("reload")
+        wait_for(lambda: len(rt.replicas(gateway, CHAT)) == 1, 120, "one replica of the base again")
+
+
+def _set_min_replicas(gateway, model: str, count: int) -> None:
+    doc = yaml.safe_load(gateway.inventory.read_text())
+    [entry] = [m for m in doc["models"] if m["name"] == model]
+    entry["scaling"] = {**entry.get("scaling", {}), "min": count}
+    gateway.inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
 def test_killed_engine_is_replaced(bed, gateway, client):

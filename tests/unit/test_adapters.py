@@ -21,8 +21,8 @@ def base(name="base", profile="v", **kw) -> ModelConfig:
     return ModelConfig(name=name, profile=profile, weights=kw.pop("weights", "hf:org/m"), **kw)
 
 
-def adapter(name, of="base", source=None) -> ModelConfig:
-    return ModelConfig(name=name, base=of, adapter=source or f"loras/{name}")
+def adapter(name, of="base", source=None, preload=False) -> ModelConfig:
+    return ModelConfig(name=name, base=of, adapter=source or f"loras/{name}", preload=preload)
 
 
 def build(*models, stored=(), aliases=()):
@@ -157,16 +157,34 @@ def test_a_base_without_adapters_keeps_its_revision_id():
     assert revisions.of(gguf) == "6c0195001862"
 
 
-def test_adding_or_removing_an_adapter_rolls_its_base():
+def test_adapter_support_and_preloaded_adapters_roll_a_vllm_base_and_loaded_ones_do_not():
     plain = revisions.of(build(base()).get("base"))
     one = revisions.of(build(base(), adapter("a")).get("base"))
     two = revisions.of(build(base(), adapter("a"), adapter("b")).get("base"))
-    moved = revisions.of(build(base(), adapter("a", source="loras/other")).get("base"))
-    assert len({plain, one, two, moved}) == 4
-    assert revisions.of(build(base(), adapter("a")).get("base")) == one
+    assert one != plain  # adapter support turned on: --enable-lora and the runtime-update environment
+    assert two == one  # an adapter loaded on demand is no part of what the replicas run
+    preloaded = revisions.of(build(base(), adapter("a", preload=True)).get("base"))
+    moved = revisions.of(build(base(), adapter("a", source="loras/other", preload=True)).get("base"))
+    assert len({one, preloaded, moved}) == 3
+    assert revisions.of(build(base(), adapter("a", preload=True)).get("base")) == preloaded
     ranked = Catalog.build(file_models=[base(), adapter("a")], engines=ENGINES,
                            profiles={**PROFILES, "v": PROFILES["v"].model_copy(update={"max_lora_rank": 32})})
     assert revisions.of(ranked.get("base")) != one
+
+
+def test_every_adapter_rolls_a_llama_server_base():
+    def llama(*adapters):
+        return revisions.of(Catalog.build(file_models=[base(profile="l", weights="m.gguf"), *adapters],
+                                          profiles=PROFILES, engines=ENGINES).get("base"))
+    plain, one = llama(), llama(adapter("a", source="a.gguf"))
+    two = llama(adapter("a", source="a.gguf"), adapter("b", source="b.gguf"))
+    assert len({plain, one, two}) == 3
+    assert llama(adapter("a", source="a.gguf", preload=True)) == one  # every one is given at launch anyway
+
+
+def test_preload_is_for_adapter_entries():
+    with pytest.raises(ValueError, match="preload is for adapter entries"):
+        ModelConfig(name="m", profile="v", weights="hf:org/m", preload=True)
 
 
 def test_the_adapter_fields_of_a_llama_server_profile_launch_nothing():
@@ -178,7 +196,7 @@ def test_the_adapter_fields_of_a_llama_server_profile_launch_nothing():
 
 
 def test_a_revision_says_its_adapters_and_makes_them_again():
-    model = build(base(), adapter("b", source="hf:org/b"), adapter("a")).get("base")
+    model = build(base(), adapter("b", source="hf:org/b", preload=True), adapter("a", preload=True)).get("base")
     defined = revisions.definition(model)
     assert revisions.adapter_names(defined) == ("a", "b")
     assert revisions.adapter_names(revisions.definition(build(base()).get("base"))) == ()
@@ -257,8 +275,8 @@ def test_a_replicas_endpoint_says_the_adapters_of_its_revision_and_keeps_their_e
     from llmgw.control.rollouts import RolloutMemory
     from llmgw.control.state import SERVING, Records, Replica, Shard
 
-    old = build(base(), adapter("b", source="hf:org/b"), adapter("a", source="hf:org/a"))
-    new = build(base(), adapter("c", source="hf:org/c"))  # a and b removed, c added: the base rolls
+    old = build(base(), adapter("b", source="hf:org/b", preload=True), adapter("a", source="hf:org/a", preload=True))
+    new = build(base(), adapter("c", source="hf:org/c", preload=True))  # a and b removed, c added: the base rolls
     memory = RolloutMemory()
     memory.note(old.get("base"), 0.0)
     records = Records(revision_adapters=memory.adapters)

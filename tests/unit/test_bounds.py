@@ -21,7 +21,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "llmgw"
 
-RECONCILER_ATTRIBUTES = 14
+RECONCILER_ATTRIBUTES = 15
 RECONCILER_METHODS = 15
 RECONCILER_LINES = 260
 PARAMETERS = 7  # at most, for every function of the control plane and of llmgw.keys

@@ -205,7 +205,7 @@ async def test_r10_1_report_fields_hand_counted_parts_over_once(served):
     router, client = served
     assert router.report_fields() == {"usage": (), "key_use": {}, "last_used": {}, "inflight": {},
                                       "engine_load": {}, "demand": (), "snapshot": None,
-                                      "counters": RouterCounters(), "asked": {}, "homes": {}, "requests": ()}
+                                      "counters": RouterCounters(), "asked": {}, "homes": {}, "requests": (), "adapter_use": {}}
     asked = []
     router.feed.on_demand = lambda: asked.append(1)
     router.apply(snapshot(CATALOG, keys=[KEY], gateway=GatewayConfig(on_demand_wait=0.05)))

@@ -144,6 +144,17 @@ class FeedPublisher:
     def engine_load(self, replica_id: str) -> EngineLoad | None:
         return self._routers.engine_load(replica_id)
 
+    def adapter_use(self):
+        return self._routers.adapter_use()
+
+    def adapter_quiet(self, replica_id: str, adapter: str, version: int | None) -> bool:
+        return self._routers.adapter_quiet(replica_id, adapter, version)
+
+    def version(self) -> int | None:
+        """The version of the latest change published (endpoint tables included), None before the first."""
+        current = self._changes.current()
+        return None if current is None else current.version
+
     def router_counters(self) -> list[RouterCounters]:
         return self._routers.counters()
 

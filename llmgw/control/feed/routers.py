@@ -84,6 +84,29 @@ class RouterTable:
                 self._changes.seen_gone(replica_id)
         return count
 
+    def adapter_use(self) -> dict[str, dict[str, tuple[int, float]]]:
+        """replica id -> adapter -> (requests in flight, unix time of the last), over the routers
+        heard recently (R-8.8): the in-flight counts summed, the latest last use."""
+        out: dict[str, dict[str, tuple[int, float]]] = {}
+        for state in self._fresh():
+            for replica_id, per in state.report.adapter_use.items():
+                mine = out.setdefault(replica_id, {})
+                for adapter, (count, last) in per.items():
+                    before = mine.get(adapter, (0, 0.0))
+                    mine[adapter] = (before[0] + count, max(before[1], last))
+        return out
+
+    def adapter_quiet(self, replica_id: str, adapter: str, version: int | None) -> bool:
+        """Whether no router heard recently can be sending requests of `adapter` to the replica:
+        each routes with the endpoint table of `version` or later (the one that took the adapter
+        off the replica) and reports none in flight there (R-8.8)."""
+        for state in self._fresh():
+            if version is not None and not self._caught_up(state.report, version):
+                return False
+            if state.report.adapter_use.get(replica_id, {}).get(adapter, (0, 0.0))[0] > 0:
+                return False
+        return True
+
     def reported_in_flight(self, replica_id: str) -> int | None:
         """Requests in flight to a replica as the routers heard recently report them, for operators
         to read; None when no router has reported within the staleness limit (unknown, not 0)."""

@@ -53,7 +53,8 @@ def routed_models(catalog: Catalog) -> Mapping[str, RoutedModel]:
     """The catalog's models as routers see them, then its aliases (R-8.7): each the target's
     entry under the alias's name, with `alias_of` naming the target; and its LoRA adapters
     (R-8.8): each its base's entry under its own name, which is also the name the engine serves
-    it by, with `adapter_of` naming the base and no fallbacks of its own."""
+    it by, with `adapter_of` naming the base and no fallbacks of its own, `loadable` where the
+    base's replicas load adapters while they run (vLLM)."""
     models = {
         name: RoutedModel(name=name, engine=_ENGINE_KINDS.get(type(model.engine)) if model.engine else None,
                           served_name=model.config.served_name, routing=model.config.routing,
@@ -66,7 +67,8 @@ def routed_models(catalog: Catalog) -> Mapping[str, RoutedModel]:
         models[alias.name] = replace(models[alias.target], name=alias.name, alias_of=alias.target)
     for adapter in catalog.adapters.values():
         models[adapter.name] = replace(models[adapter.base], name=adapter.name, served_name=adapter.name,
-                                       fallbacks=(), adapter_of=adapter.base)
+                                       fallbacks=(), adapter_of=adapter.base,
+                                       loadable=catalog.models[adapter.base].loads_adapters)
     return MappingProxyType(models)
 
 
