@@ -15,8 +15,11 @@ refuses them); they ask the control plane, which decides here, in one place for 
 - The replica chosen (`choose`): a serving, undrained replica of the base running a revision with
   adapter support that does not hold the adapter; one with room under the profile's
   `max_adapters` (launched and loaded adapters together) before one that must unload, then the
-  least busy by the routers' reports. One without room unloads its least recently used loaded
-  adapter that no router has a request in flight for; a replica with none such is not chosen.
+  least busy by the routers' reports. One without room unloads a loaded adapter that no router
+  has a request in flight for: one another replica holds too before an only copy, then the least
+  recently used; a replica with none such is not chosen. A load for more room (the adapter's
+  holders all busy) goes only to a replica with room: taking another adapter's place would send
+  that adapter's requests waiting for a load in turn, and loads chase each other round.
 - A load fetches the adapter to the replica's node as weights are (single-flight per node,
   sealed, counted), then calls the engine, and the endpoint table goes to the routers at once:
   the waiting requests go on. Only then is room made, so that a load the engine refuses costs
@@ -141,8 +144,15 @@ class Choice:
     victim: str | None  # the loaded adapter it unloads first to make room, None: it has room
 
 
-def choose(adapter: str, candidates: Iterable[Candidate]) -> Choice | str:
-    """Where `adapter` is loaded (module docstring), or why nowhere."""
+def choose(adapter: str, candidates: Iterable[Candidate], copies: Mapping[str, int] | None = None) -> Choice | str:
+    """Where `adapter` is loaded (module docstring), or why nowhere. `copies`: how many serving
+    replicas of the base hold each adapter. While some replica holds `adapter` (a load for more
+    room, its holders being busy), only a replica with room loads it: making room would take
+    another adapter's place and send its requests waiting for a load in turn. Making room, a
+    replica unloads an adapter another replica also holds before its only copy, then the least
+    recently used."""
+    copies = copies or {}
+    spread = copies.get(adapter, 0) > 0
     ranked: list[tuple[tuple, Choice]] = []
     full = 0
     for c in candidates:
@@ -152,14 +162,16 @@ def choose(adapter: str, candidates: Iterable[Candidate]) -> Choice | str:
         if held < c.capacity:
             ranked.append(((0, c.busy, held, c.replica_id), Choice(c.replica_id, None)))
             continue
-        idle = [(c.use.get(name, (0, 0.0))[1], name) for name, entry in c.loaded.items()
+        idle = [(copies.get(name, 0) < 2, c.use.get(name, (0, 0.0))[1], name) for name, entry in c.loaded.items()
                 if not entry.unloading and c.use.get(name, (0, 0.0))[0] == 0]
-        if not idle:
+        if not idle or spread:
             full += 1
             continue
-        ranked.append(((1, c.busy, held, c.replica_id), Choice(c.replica_id, min(idle)[1])))
+        ranked.append(((1, c.busy, held, c.replica_id), Choice(c.replica_id, min(idle)[2])))
     if ranked:
         return min(ranked, key=lambda pair: pair[0])[1]
+    if spread:
+        return "its holders are busy, and every other replica holds its max_adapters adapters"
     if full:
         return (f"every replica that could load it holds its max_adapters adapters, each with requests "
                 f"in flight ({full} replica{'s' if full != 1 else ''})")
@@ -243,9 +255,13 @@ class AdapterLoads:
         if now - memory.last_load.get(name, float("-inf")) < SETTLE_SECONDS:
             memory.wanted.setdefault(name, since)
             return
-        decision = choose(name, self._candidates(base))
+        copies = self._copies(base)
+        decision = choose(name, self._candidates(base), copies)
         if isinstance(decision, str):
-            log.info("adapter %s is wanted but not loaded yet: %s", name, decision)
+            # Said once per want kept: a busy holder's want comes with every report while it is busy.
+            if name not in memory.wanted:
+                log.log(logging.DEBUG if copies.get(name) else logging.INFO,
+                        "adapter %s is wanted but not loaded yet: %s", name, decision)
             memory.wanted.setdefault(name, since)
             return
         replica = self.records.replicas[decision.replica_id]
@@ -268,6 +284,15 @@ class AdapterLoads:
             del memory.wanted[name]
             if name not in held and now - since < WANTED_SECONDS:
                 self.want(name, catalog, since)
+
+    def _copies(self, base: Model) -> dict[str, int]:
+        """adapter -> how many serving replicas of the base hold it (launched or loaded)."""
+        out: dict[str, int] = {}
+        for replica in self.records.replicas.values():
+            if replica.model == base.name and replica.serving:
+                for name in {*self.rollouts.adapters(replica.model, replica.revision), *self.memory.held(replica.id)}:
+                    out[name] = out.get(name, 0) + 1
+        return out
 
     def _candidates(self, base: Model) -> list[Candidate]:
         use_of = self.routers.adapter_use() if self.routers.adapter_use is not None else {}

@@ -1,8 +1,8 @@
 """A base model with LoRA adapters on a testbed node (R-8.8, R-8.6, R-5.1–R-5.3).
 
 One CPU node, `lora`, running the engine double as vLLM. The inventory's base `tiny` (its weights
-a directory of the node's model dir) has two adapters fetched over HTTPS, `lora-a` and `lora-b`
-(each an adapter_config.json and its weights): both are fetched into the node's cache and sealed,
+a directory of the node's model dir) has two preloaded adapters fetched over HTTPS, `lora-a` and
+`lora-b` (each an adapter_config.json and its weights): both are fetched into the node's cache and sealed,
 listed with their sizes in `ctl storage`, and the base is launched with `--enable-lora` and both
 by name from the cache, the engine listing each with `tiny` as its parent. Then, at runtime, a
 base `small` and an adapter `lora-c` from the model dir: `small` rolls onto a replica holding it
@@ -61,8 +61,8 @@ def test_a_base_is_launched_with_its_adapters_fetched_sealed_and_counted(bed, tm
                             for name, content in adapter_files(8, seed).items()]
     cache_names = {name: parse_weights(urls).cache_name for name, urls in sources.items()}
     models = [{"name": "tiny", "profile": "cpu", "weights": "tiny"},
-              {"name": "lora-b", "base": "tiny", "adapter": sources["lora-b"]},
-              {"name": "lora-a", "base": "tiny", "adapter": sources["lora-a"]}]
+              {"name": "lora-b", "base": "tiny", "adapter": sources["lora-b"], "preload": True},
+              {"name": "lora-a", "base": "tiny", "adapter": sources["lora-a"], "preload": True}]
     inventory = write_inventory(bed, tmp_path / "inventory.yaml", models=models, profiles=PROFILES)
     gateway = GatewayProcess(inventory, tmp_path / "state").start()
     ctl = Ctl(gateway)
@@ -126,7 +126,7 @@ def test_a_base_is_launched_with_its_adapters_fetched_sealed_and_counted(bed, tm
         [before] = wait_for(lambda: replicas("small"), WAIT, f"small to serve\n{gateway.log()[-3000:]}")
         [(plain, _, _)] = launched("small")
         assert "--enable-lora" not in plain
-        (tmp_path / "lora-c.yaml").write_text("name: lora-c\nbase: small\nadapter: loras/lora-c\n")
+        (tmp_path / "lora-c.yaml").write_text("name: lora-c\nbase: small\nadapter: loras/lora-c\npreload: true\n")
         ctl.ok("model", "add", "-f", str(tmp_path / "lora-c.yaml"))
         assert held_as_canary("small", before["id"]) == {"old": [], "new": ["lora-c"]}
         wait_for(lambda: [a for a, _, _ in launched("small") if "--enable-lora" in a] and len(replicas("small")) == 1

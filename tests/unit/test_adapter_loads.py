@@ -286,3 +286,17 @@ async def test_a_want_that_finds_every_replica_busy_is_carried_out_after(monkeyp
     await _settled(loads)
     await _settled(loads)
     assert [name for _, name in calls] == ["a", "b"] and not loads.memory.wanted
+
+
+def test_a_load_for_more_room_takes_no_other_adapters_place():
+    full = candidate("r2", loaded={"x": 1.0, "y": 2.0})
+    assert choose("a", [full], {"a": 1, "x": 1, "y": 1}) == \
+        "its holders are busy, and every other replica holds its max_adapters adapters"
+    assert choose("a", [full, candidate("r3", loaded={"x": 1.0})], {"a": 1, "x": 2, "y": 1}) == Choice("r3", None)
+    assert choose("a", [full], {"x": 1, "y": 1}) == Choice("r2", "x")  # no holder at all: room is made
+
+
+def test_a_second_copy_goes_before_an_only_one():
+    c = candidate("r1", loaded={"x": 1.0, "y": 2.0}, use={"x": (0, 5.0), "y": (0, 50.0)})
+    assert choose("a", [c], {"x": 1, "y": 2}) == Choice("r1", "y")  # y is held elsewhere too
+    assert choose("a", [c], {"x": 1, "y": 1}) == Choice("r1", "x")
