@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from llmgw.catalog import Catalog, Model
+from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.control.state import Records, Replica, endpoint_url
 from llmgw.fleet.errors import NodeError
 
@@ -72,8 +73,10 @@ LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
 
 
-class AdapterLoadFailed(Exception):
-    """The engine (or the fetch before it) refused a load; the message says why."""
+class AdapterLoadFailed(LlmgwError):
+    """The engine refused a load or an unload, or did not answer; the message says why."""
+
+    category = Category.UPSTREAM
 
 
 @dataclass
