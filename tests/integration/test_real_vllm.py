@@ -385,6 +385,12 @@ def test_adapters_are_loaded_where_requests_want_them_and_the_least_recently_use
     counts = _adapter_counts(gateway)
     assert (counts[LOADED][1] - before[LOADED][1], counts[LOADED_TOO][0] - before[LOADED_TOO][0]) == (1, 1)
     assert counts[ADAPTER][1] == before[ADAPTER][1]  # the preloaded one stays
+    token = (gateway.state_dir / "admin-token").read_text().strip()
+    with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{gateway.admin_port}/metrics",
+                                                       headers={"Authorization": f"Bearer {token}"}), timeout=30) as page:
+        metrics = page.read().decode()
+    for kind, name, index in (("loads", LOADED_TOO, 0), ("unloads", LOADED, 1)):
+        assert f'llmgw_adapter_{kind}_total{{adapter="{name}",model="{CHAT}"}} {float(counts[name][index])}' in metrics
 
     with pytest.raises(openai.APIStatusError) as refused:
         ask(TOO_BIG)

@@ -300,3 +300,21 @@ def test_a_second_copy_goes_before_an_only_one():
     c = candidate("r1", loaded={"x": 1.0, "y": 2.0}, use={"x": (0, 5.0), "y": (0, 50.0)})
     assert choose("a", [c], {"x": 1, "y": 2}) == Choice("r1", "y")  # y is held elsewhere too
     assert choose("a", [c], {"x": 1, "y": 1}) == Choice("r1", "x")
+
+
+def test_what_the_engines_list_is_adopted_and_what_they_dropped_forgotten():
+    loads, catalog, _ = _loads(max_adapters=3)
+    readings = {}
+    loads.routers.engine_load = readings.get
+    memory = loads.memory
+    memory.loaded["r1"] = {"b": Loaded(5.0)}
+    readings["r1"] = dataclasses.replace(EngineLoad("vllm"), at=10.0, adapters=("a", "c", "not-in-the-catalog"))
+    loads.learn(catalog)  # after a restart: the engine's word, for what the catalog names
+    assert memory.held("r1") == ("a", "c")
+    memory.changed_at["r1"] = 20.0  # a load or unload ended after the reading: it says nothing
+    readings["r1"] = dataclasses.replace(EngineLoad("vllm"), at=15.0, adapters=())
+    loads.learn(catalog)
+    assert memory.held("r1") == ("a", "c")
+    readings["r1"] = dataclasses.replace(EngineLoad("vllm"), at=25.0, adapters=("c",))
+    loads.learn(catalog)
+    assert memory.held("r1") == ("c",)
