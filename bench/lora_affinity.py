@@ -2,12 +2,13 @@
 routed to the replicas that hold their adapter (llmgw) against balanced by load alone.
 
 Two testbed nodes (real sshd hosts, tests/testbed) with the real vLLM, an `llmgw serve` over them
-and a base model with two replicas, one on each node, whose profile holds `--max-adapters` (2 by
-default) adapters per replica; N adapters (4 by default: twice what one replica holds, as many as
-both hold together), none preloaded, all of them the suite's lora-a and lora-b published under N
-names. The same requests (each naming an adapter drawn with a fixed seed, a short streamed
-completion, `--concurrency` at a time) are sent twice, on the same two engines, each time from
-no adapter loaded:
+and a base model with two replicas (wherever the placer puts them: every engine shares this
+machine's cores anyway), whose profile holds `--max-adapters` (2 by default) adapters per
+replica; N adapters (4 by default: twice what one replica holds, as many as both hold
+together), none preloaded, all of them the suite's lora-a and lora-b published under N names.
+The same requests (each naming an adapter drawn with a fixed seed, a short streamed completion,
+`--concurrency` at a time) are sent twice, on the same two engines, each time from no adapter
+loaded:
 
 - AFFINITY ON: through llmgw's router with the official openai client. A request whose adapter no
   replica holds waits while the control plane loads it on one; later ones go where it is held.
