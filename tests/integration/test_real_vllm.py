@@ -10,7 +10,10 @@ client through the router — chat, a stream with usage, completions, embeddings
 as the engine reported it, the adapter launched with the base and served by name on its engine, vLLM's own span in the
 router's trace (the module's gateway exports traces to a receiver of the test's, where vLLM
 exports its own),
-the engine's own log, adoption across a control-plane restart, and stop; then, with the chat
+the engine's own log, adoption across a control-plane restart, and stop; then LoRA adapters loaded
+on demand (R-8.8): loaded when asked for, the least recently used unloaded past max_adapters, a
+refused load's reason, and with a second replica of the base (started for it, stopped after) the
+requests for a loaded adapter all on the replica that holds it; then, with the chat
 engine alone, `kill -9` (the replica is replaced, none of the killed engine's processes is left),
 a drain under traffic (the replica moves with no failed request) and a rollout under traffic (a
 changed engine argument, reloaded: a vLLM of the new revision serves before the old one stops).
