@@ -76,7 +76,7 @@ def gateway(bed, made, traces, tmp_path_factory):
     adapter = rt.publish_hf_dir(bed, "tiny/lora-a", made["lora-a"])
     loaded = {name: rt.publish_hf_dir(bed, f"tiny/{name}", made[source])
               for name, source in ((LOADED, "lora-b"), (LOADED_TOO, "lora-b"), (TOO_BIG, "lora-big"))}
-    cpu = {"engine": "vllm", "env": dict(real.VLLM_CPU_ENV), "start_timeout": f"{START_TIMEOUT:.0f}s"}
+    cpu = {"engine": "vllm", "env": dict(real.VLLM_TEST_ENV), "start_timeout": f"{START_TIMEOUT:.0f}s"}
     profiles = {"vllm-cpu": {**cpu, "max_adapters": 2, "max_lora_rank": 8},
                 "vllm-cpu-embed": {**cpu, "args": ["--runner", "pooling"]}}
     models = [{"name": CHAT, "profile": "vllm-cpu", "weights": weights, "scaling": {"min": 1}},

@@ -52,7 +52,7 @@ def gateway(docker, image, tmp_path_factory):
     chat = real.models()["chat"]
     tmp = tmp_path_factory.mktemp("boxed")
     # The engine's caches live in the container; the host's are not mounted (read-only mounts).
-    env = {k: v for k, v in real.VLLM_CPU_ENV.items() if k not in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")}
+    env = {k: v for k, v in real.VLLM_TEST_ENV.items() if k not in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")}
     inventory = {
         "nodes": [{"name": "here", "connection": "local", "model_dirs": [str(chat.parent)]}],
         "profiles": {"boxed": {"engine": "vllm", "runtime": "container", "image": image, "container": "docker",

@@ -53,7 +53,7 @@ def bed(made, testbed_factory):
 def gateway(bed, made, tmp_path_factory):
     weights = rt.publish_hf_dir(bed, "tiny/venv-chat", made["chat"])
     assert weights == WEIGHTS
-    profile = {"engine": "vllm", **real.VLLM_VENV_PROFILE, "env": dict(real.VLLM_CPU_ENV),
+    profile = {"engine": "vllm", **real.VLLM_VENV_PROFILE, "env": dict(real.VLLM_TEST_ENV),
                "start_timeout": f"{START_TIMEOUT:.0f}s"}
     models = [{"name": MODEL, "profile": "vllm-venv", "weights": weights, "scaling": {"min": 1}}]
     began = time.monotonic()

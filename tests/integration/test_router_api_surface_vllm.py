@@ -61,6 +61,7 @@ def running_vllm(tmp_path_factory, name: str, *args: str):
     port = free_port()
     env = {**os.environ, "VLLM_API_KEY": KEY, "VLLM_ENABLE_RESPONSES_API_STORE": "1",
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "VLLM_CPU_CI_ENV": "1",  # traced once and run eagerly, not compiled (tests/testbed/engines.py)
            "VLLM_CACHE_ROOT": str(ENGINES_DIR / "cache" / "vllm"),
            "TORCHINDUCTOR_CACHE_DIR": str(ENGINES_DIR / "cache" / "torchinductor"),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "PYTHONPATH": "",

@@ -59,7 +59,7 @@ def vllm(tmp_path_factory):
     root = tmp_path_factory.mktemp("node") / "llmgw"
     root.mkdir()
     engine = launch_engine(root, "vllm", directory, str(model), args=["--max-model-len", "1024"],
-                           env=real.VLLM_CPU_ENV)
+                           env=real.VLLM_TEST_ENV)
     yield engine
     stop_engine(engine, root)
 

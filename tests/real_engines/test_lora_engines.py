@@ -28,7 +28,7 @@ PROMPT = "hello there"
 MAX_LORA_RANK = 8
 VLLM_LORA_ARGS = ["--max-model-len", "1024", "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK),
                   "--max-loras", "1", "--max-cpu-loras", "2"]
-VLLM_LORA_ENV = {**real.VLLM_CPU_ENV, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+VLLM_LORA_ENV = {**real.VLLM_TEST_ENV, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 
 
 @pytest.fixture(scope="module")
