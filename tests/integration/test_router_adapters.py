@@ -249,3 +249,43 @@ async def test_r8_8_an_adapter_takes_no_fallback_even_where_its_entry_names_its_
             await chat(client, "bot-v")
     assert (refused.value.status_code, refused.value.body["code"]) == (503, "no_capacity")
     assert small.counters()["requests"] == 1
+
+
+async def test_r8_8_a_request_for_an_adapter_no_replica_holds_waits_for_its_load_or_fails_with_why(
+        doubles, start_router, monkeypatch):  # noqa: F811
+    """An adapter its base's vLLM replicas load on demand (`loadable`): a request that finds no
+    holder asks the control plane (the report's demand) and waits; the table that names a holder
+    lets it go on there. A load that failed, said on an endpoint, fails the request waiting for it
+    with the reason."""
+    for engine in doubles.values():
+        received(engine)
+    asked: list[str] = []
+    holder = {}
+    made = with_adapters({"legal-v": ("base-v", None), "nowhere": ("base-v", None)})
+
+    def loadable(cat):
+        return {name: dataclasses.replace(m, loadable=True) if m.adapter_of else m for name, m in made(cat).items()}
+
+    def on_demand(name):  # a stand-in control plane: v1's engine "loads" legal-v; nowhere's load fails
+        asked.append(name)
+        if name == "legal-v":
+            table = endpoints(doubles, v1=("legal-v",))
+        else:
+            table = endpoints(doubles, v1=("legal-v",))
+            table["base-v"] = [dataclasses.replace(e, adapter_errors=(("nowhere", "LoRA rank 32 is greater than "
+                                                                                   "max_lora_rank 8."),))
+                               if e.replica_id == "r-v2" else e for e in table["base-v"]]
+        asyncio.get_running_loop().call_later(0.3, holder["gw"].publisher.set_endpoints, table)
+
+    monkeypatch.setattr(publisher_module, "routed_models", loadable)
+    gw = holder["gw"] = await start_router(catalog(model("base-v"), model("base-l", profile="llama")),
+                                           endpoints(doubles), on_demand=on_demand)
+    async with gw.client() as client:
+        assert await chat(client, "legal-v") == "legal-v"  # waited for the load, then served where it is held
+        assert await chat(client, "legal-v") == "legal-v"  # held now: no new demand
+        with pytest.raises(openai.APIStatusError) as refused:
+            await chat(client, "nowhere")
+    assert asked == ["legal-v", "nowhere"]
+    assert (refused.value.status_code, refused.value.body["code"]) == (503, "adapter_load_failed")
+    assert "LoRA rank 32 is greater than max_lora_rank 8." in refused.value.body["message"]
+    assert [b["model"] for b in received(doubles["v1"])] == ["legal-v", "legal-v"]
