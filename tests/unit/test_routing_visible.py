@@ -6,15 +6,14 @@ import asyncio
 import json
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from typer.testing import CliRunner
 
-from llmgw.admin.app import build_admin_app
 from llmgw.catalog import Catalog
 from llmgw.cli.main import app
 from llmgw.config import ModelConfig
 from llmgw.router.engineload import EngineLoad
-from tests.unit.admin_gateway import PROFILES, TOKEN, make_gateway
+from tests.unit.admin_gateway import PROFILES, TOKEN, make_gateway, served_admin
 
 
 @pytest.fixture
@@ -27,13 +26,8 @@ async def admin(tmp_path):
     gateway.publisher.in_flight["chat-1"] = 3
     gateway.publisher.loads["chat-1"] = EngineLoad(source="vllm", waiting=4, running=2, kv_cache=0.41)
     gateway.publisher.loads["chat-0"] = EngineLoad(source="llama-server", running=1)  # no queue, no KV
-    client = TestClient(TestServer(build_admin_app(gateway.admin_dependencies())))
-    await client.start_server()
-    try:
+    async with served_admin(gateway) as client:
         yield client
-    finally:
-        await client.close()
-        gateway.store.close()
 
 
 async def ctl(client: TestClient, *args: str) -> str:
