@@ -7,11 +7,15 @@ metrics all on:
   - CPU time of the router process per request and per streamed event (from /proc/PID/stat, so
     every thread of the router counts: the event loop, the store's writer, key reloads);
   - 256 concurrent streams through the router, counting errors.
+The router process holds its control plane's feed publisher, as a router fed in-process does; each
+report is encoded as a router worker's feed client encodes it and is applied without its request
+records, so that the CPU measured is the router's and not the control plane's writing of the
+records to SQLite, which a router worker (`llmgw router`) leaves to the control plane's process.
 Engine, router and load generator are three processes on this machine; on a 2-core machine
 they compete for CPU, so requests/s are indications, and the ratios are what to compare.
 Prints a table and ratios; not a pass/fail test.
 
-    .venv/bin/python bench/router_overhead.py [--engine aiohttp|double] [--seconds 3]
+    .venv/bin/python bench/router_overhead.py [--engine aiohttp|double] [--seconds 3] [--rounds 3]
     .venv/bin/python bench/router_overhead.py --profile /tmp/router.prof   # cProfile the router
 
 `--engine aiohttp` (default) is a minimal aiohttp engine defined here that answers at once;
@@ -208,8 +212,7 @@ async def run_router(port: int, engine_url: str, state_dir: str, profile: str | 
         request_timeout=request_timeout, request_log=logged, tracing=TracingConfig(otlp_endpoint=otlp)))
     publisher.set_endpoints({MODEL: [Endpoint("r1", MODEL, engine_url, ENGINE_KEY)]})
     publisher.mark_ready()
-    if request_log is not None:
-        report_as_a_worker(publisher)
+    report_as_a_worker(publisher)
     router = Router(registry=CollectorRegistry())
     feed = LocalFeed(publisher, router.feed)
     feed.pump()
@@ -682,53 +685,89 @@ async def bench(args) -> None:
             added_p50 = percentile(lat["router"], 0.5) - percentile(lat["engine"], 0.5)
             added_ttft = percentile(ttft["router"], 0.5) - percentile(ttft["engine"], 0.5)
 
-            cpu_per_request = {}
+            # The throughput runs in rounds, the targets in turns (the order rotated every round):
+            # a noisy neighbour then weighs on each target alike, and each ratio is the median of
+            # the rounds' ratios.
+            tokens = args.stream_tokens
+            kinds = [(c, body(False)) for c in (1, 16, 64)] + [("stream", body(True, tokens))]
+            runs = {kind: {t.name: [] for t in targets} for kind, _ in kinds}
+            for round_ in range(args.rounds):
+                order = targets[round_ % len(targets):] + targets[:round_ % len(targets)]
+                for kind, payload in kinds:
+                    for target in order:
+                        runs[kind][target.name].append(
+                            await throughput(session, target, 16 if kind == "stream" else kind, args.seconds, payload))
+
+            def median(kind, name, figure):
+                return statistics.median(figure(r) for r in runs[kind][name])
+
+            def ratio(kind, figure, of="router", to="bare"):
+                return statistics.median(figure(a) / figure(b) for a, b in zip(runs[kind][of], runs[kind][to]))
+
+            def cpu(r):
+                return r["cpu"] / max(r["requests"], 1)
+
+            def rps(r):
+                return r["rps"]
+
+            def sys_share(r):
+                return r["system"] / max(r["cpu"], 1e-9)
+
+            names = [t.name for t in targets]
+            cpu_per_request, ratios = {}, {}
             for concurrency in (1, 16, 64):
-                runs = {t.name: await throughput(session, t, concurrency, args.seconds, body(False)) for t in targets}
-                per = {name: r["cpu"] / max(r["requests"], 1) for name, r in runs.items()}
-                cpu_per_request[concurrency] = per
-                rows.append((f"requests/s, concurrency {concurrency}", *(f"{runs[n]['rps']:.0f}" for n in runs),
-                             f"x{runs['router']['rps'] / runs['engine']['rps']:.2f}"))
-                rows.append((f"  CPU per request, c={concurrency} (ms)", *(f"{per[n] * 1e3:.3f}" for n in runs),
-                             f"{runs['router']['system'] / max(runs['router']['cpu'], 1e-9):.0%} sys"))
-                errors = {n: r["errors"] for n, r in runs.items()}
+                cpu_per_request[concurrency] = {n: median(concurrency, n, cpu) for n in names}
+                ratios[concurrency] = ratio(concurrency, cpu)
+                rows.append((f"requests/s, concurrency {concurrency}",
+                             *(f"{median(concurrency, n, rps):.0f}" for n in names),
+                             f"x{ratio(concurrency, rps, to='engine'):.2f}"))
+                rows.append((f"  CPU per request, c={concurrency} (ms)",
+                             *(f"{cpu_per_request[concurrency][n] * 1e3:.3f}" for n in names),
+                             f"x{ratios[concurrency]:.2f} bare, {median(concurrency, 'router', sys_share):.0%} sys"))
+                errors = {n: sum(r["errors"] for r in runs[concurrency][n]) for n in names}
                 if any(errors.values()):
                     rows.append(("  errors", *(str(e) for e in errors.values()), ""))
 
-            tokens = args.stream_tokens
-            runs = {t.name: await throughput(session, t, 16, args.seconds, body(True, tokens)) for t in targets}
-            # events per stream: the tokens, [DONE], and for the router the usage event it strips
+            # events per stream: the tokens, [DONE], and for the router the usage event it strips;
+            # per event: a stream's CPU less a plain request's (c=16, same round), over its events
             events = {"engine": tokens + 1, "bare": tokens + 1, "router": tokens + 2}
-            per_event = {n: (r["cpu"] - r["requests"] * cpu_per_request[16][n]) / max(r["requests"] * events[n], 1)
-                         for n, r in runs.items()}
-            rows.append((f"streams/s ({tokens} events each), c=16", *(f"{r['rps']:.0f}" for r in runs.values()),
-                         f"x{runs['router']['rps'] / runs['engine']['rps']:.2f}"))
-            rows.append(("  CPU per stream (ms)", *(f"{r['cpu'] / max(r['requests'], 1) * 1e3:.3f}" for r in runs.values()),
-                         f"{runs['router']['system'] / max(runs['router']['cpu'], 1e-9):.0%} sys"))
-            rows.append(("  CPU per streamed event (µs)", *(f"{v * 1e6:.1f}" for v in per_event.values()), ""))
+            per_events = {n: [(r["cpu"] - r["requests"] * cpu(plain)) / max(r["requests"] * events[n], 1)
+                              for r, plain in zip(runs["stream"][n], runs[16][n])] for n in names}
+            per_event = {n: statistics.median(v) for n, v in per_events.items()}
+            ratios["event"] = statistics.median(a / b for a, b in zip(per_events["router"], per_events["bare"]))
+            rows.append((f"streams/s ({tokens} events each), c=16", *(f"{median('stream', n, rps):.0f}" for n in names),
+                         f"x{ratio('stream', rps, to='engine'):.2f}"))
+            rows.append(("  CPU per stream (ms)", *(f"{median('stream', n, cpu) * 1e3:.3f}" for n in names),
+                         f"x{ratio('stream', cpu):.2f} bare, {median('stream', 'router', sys_share):.0%} sys"))
+            rows.append(("  CPU per streamed event (µs)", *(f"{v * 1e6:.1f}" for v in per_event.values()),
+                         f"x{ratios['event']:.2f} bare"))
 
             complete, errors, took = await streams_at_once(session, routed, 256, 50)
             rows.append(("256 concurrent streams via router", "", "", f"{complete} ok, {errors} err", f"{took:.2f} s"))
 
         width = max(len(r[0]) for r in rows)
         print(f"\nengine: {args.engine} (token delay {args.token_delay * 1e3:g} ms); {os.cpu_count()} CPUs; "
-              f"{args.count} sequential requests per latency row; {args.seconds:g} s per throughput row")
+              f"{args.count} sequential requests per latency row; throughput rows: {args.rounds} rounds of "
+              f"{args.seconds:g} s per target, in turns, medians")
         print("CPU is the serving process's user+system time (all threads) over the run, per request or event;"
-              " per event = (stream CPU - requests x CPU per plain request) / events\n")
+              " per event = (stream CPU - requests x CPU per plain request) / events;\n"
+              "a ratio to the bare proxy is the median of the rounds' ratios\n")
         print(f"{'':{width}}  {'engine':>10}  {'bare proxy':>10}  {'router':>14}  {'router vs engine':>16}")
         for name, a, b, c, d in rows:
             print(f"{name:{width}}  {a:>10}  {b:>10}  {c:>14}  {d:>16}")
         print("\nagainst TARGETS.md (router, everything on):")
-        for label, value, floor_value, target, unit in (
-                ("added latency p50", added_p50 * 1e3, None, TARGETS["added_p50_ms"], "ms"),
-                ("added time to first token p50", added_ttft * 1e3, None, TARGETS["added_ttft_p50_ms"], "ms"),
+        for label, value, floor_value, ratio_value, target, unit in (
+                ("added latency p50", added_p50 * 1e3, None, None, TARGETS["added_p50_ms"], "ms"),
+                ("added time to first token p50", added_ttft * 1e3, None, None, TARGETS["added_ttft_p50_ms"], "ms"),
                 ("CPU per request (c=16)", cpu_per_request[16]["router"] * 1e3, cpu_per_request[16]["bare"] * 1e3,
-                 TARGETS["cpu_per_request_ms"], "ms"),
-                ("CPU per streamed event", per_event["router"] * 1e6, per_event["bare"] * 1e6,
+                 ratios[16], TARGETS["cpu_per_request_ms"], "ms"),
+                ("CPU per streamed event", per_event["router"] * 1e6, per_event["bare"] * 1e6, ratios["event"],
                  TARGETS["cpu_per_event_us"], "µs")):
             verdict = "met" if value <= target else "MISSED"
-            floor_text = f" (bare proxy {floor_value:.3f}, ratio x{value / floor_value:.2f})" if floor_value else ""
+            floor_text = f" (bare proxy {floor_value:.3f}, ratio x{ratio_value:.2f})" if floor_value else ""
             print(f"  {label:30} {value:8.3f} {unit}  target <= {target:g} {unit}  {verdict}{floor_text}")
+        print(f"\nrouter CPU vs the bare proxy, median of the rounds' ratios: per request x{ratios[1]:.2f} (c=1), "
+              f"x{ratios[16]:.2f} (c=16), x{ratios[64]:.2f} (c=64); per streamed event x{ratios['event']:.2f}")
     finally:
         _stop(processes)
 
@@ -793,11 +832,13 @@ def main() -> None:
                         help="compare routers with the request log off, on, and on with a file (R-6.20)")
     parser.add_argument("--tracing", action="store_true",
                         help="compare a router with traces off and one exporting them to a collector (R-6.21)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of the --request-log and --tracing comparisons")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds of the throughput runs, targets in turns (3; 5 for --request-log and --tracing)")
     args = parser.parse_args()
     real = args.engine == "vllm"
     args.count = args.count or (100 if real else 500)
     args.stream_tokens = args.stream_tokens or (32 if real else 64)
+    args.rounds = args.rounds or (5 if args.request_log or args.tracing else 3)
     asyncio.run(bench(args))
 
 
