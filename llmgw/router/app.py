@@ -288,11 +288,10 @@ class Router:
     async def _lifecycle(self, app: web.Application):
         connector = aiohttp.TCPConnector(limit=UPSTREAM_CONNECTIONS, limit_per_host=0,
                                          keepalive_timeout=KEEPALIVE_SECONDS)
-        # No sock_read: it re-arms a timer on every chunk received. The Forwarder bounds the wait
-        # for the first byte per attempt and its Watchdog ends streams gone silent after that.
+        # No sock_read: it re-arms a timer on every chunk received. The Forwarder's Watchdog bounds
+        # the wait for an attempt's answer and ends streams gone silent after their first byte.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT, sock_read=None)
-        session = aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                        skip_auto_headers=("Accept-Encoding", "User-Agent"))
+        session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         forwarder = Forwarder(session, self.metrics, self.usage, self.feed.gateway.request_timeout)
         self.feed.attach(forwarder)
         self.dispatch.forwarder = forwarder

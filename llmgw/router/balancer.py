@@ -112,6 +112,11 @@ KV_FULL = 0.9
 THRASH_RATIO = 0.5
 THRASH_MIN_QUERIES = 2048
 
+# Sent to every engine, so that aiohttp adds none of its own: no compressed answers (the router
+# relays bytes as they come), and a name in the engine's log. Giving them beats the session's
+# skip_auto_headers, which aiohttp turns into a new header dict on every request.
+ENGINE_HEADERS = {"Accept-Encoding": "identity", "User-Agent": "llmgw"}
+
 
 def bound_capacity(total: int, replicas: int, bound: float = PREFIX_BOUND) -> float:
     """The most load a replica may have after taking one more request, `total` being in flight
@@ -203,7 +208,7 @@ class Upstream:
         self.hit_rate: float | None = None
         self.pressed = False
         # Built once: the request path reuses these mappings for every request to this endpoint.
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", **ENGINE_HEADERS}
         if endpoint.api_key:
             headers["Authorization"] = "Bearer " + endpoint.api_key
         self.headers = headers

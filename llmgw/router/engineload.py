@@ -40,7 +40,7 @@ import aiohttp
 
 from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.contracts.feed import EngineLoad
-from llmgw.router.balancer import note_reading
+from llmgw.router.balancer import ENGINE_HEADERS, note_reading
 from llmgw.router.engine_figures import clamp
 
 log = logging.getLogger(__name__)
@@ -246,7 +246,8 @@ class EnginePoller:
 
     async def _read(self, up) -> EngineLoad | None:
         url = up.endpoint.url
-        headers = {"Authorization": "Bearer " + up.endpoint.api_key} if up.endpoint.api_key else {}
+        headers = {**ENGINE_HEADERS, "Authorization": "Bearer " + up.endpoint.api_key} if up.endpoint.api_key \
+            else ENGINE_HEADERS
         if self._path.get(url) != "/slots":
             reading = await self._parsed(up, "/metrics", headers, parse_metrics)
             if reading is not None:

@@ -18,10 +18,13 @@ the request's id as X-Request-Id, and whatever a tracer adds: the attempt's `tra
 R-6.21), a relayed stream's first byte and how the stream ended, the tokens counted, and for a
 tracer's span the answer's end; every log line about a request names its id (R-6.20).
 
-Read timeouts: until the first byte, one `asyncio.timeout` per attempt. After it, a `Watchdog`
-sweeps the streams in flight once a second and ends those whose engine has been silent too long.
-aiohttp's own `sock_read` would do the same by re-arming a timer on every chunk received, which
-measured at about a third more router CPU per streamed event (bench/router_overhead.py).
+Read timeouts: one `Watchdog` sweeps what is in flight once a second (more often for a request
+timeout under 4 s). An attempt still waiting for its engine's answer past gateway.request_timeout
+is cancelled and becomes a 504 (or the next endpoint); a relayed stream whose engine has been
+silent that long is ended. No timer is armed per request: `asyncio.timeout` per attempt, and
+aiohttp's own `sock_read`, which re-arms a timer on every chunk received, measured at a few per
+cent more router CPU per request and about a third more per streamed event
+(bench/router_overhead.py).
 """
 
 from __future__ import annotations
@@ -120,12 +123,15 @@ class _Watch:
 
 
 class Watchdog:
-    """Ends relayed streams whose engine has sent nothing for `timeout` seconds."""
+    """Cancels attempts whose engine has not answered within `timeout` seconds, and ends relayed
+    streams whose engine has sent nothing for that long. `attempts` is the forwarder's record of
+    the attempts in flight, by replica."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, attempts: dict[str, set[_Attempt]]):
         self.timeout = timeout
         self.interval = min(1.0, timeout / 4)
         self._watches: set[_Watch] = set()
+        self._attempts = attempts
 
     def watch(self, resp: aiohttp.ClientResponse) -> _Watch:
         watch = _Watch(resp, time.monotonic())
@@ -136,6 +142,11 @@ class Watchdog:
         self._watches.discard(watch)
 
     def sweep(self, now: float) -> None:
+        for attempts in list(self._attempts.values()):
+            for attempt in list(attempts):
+                if attempt.task is not None and now - attempt.started > self.timeout and not attempt.timed_out:
+                    attempt.timed_out = True
+                    attempt.task.cancel()  # the attempt becomes UpstreamTimeout (Forwarder.send)
         for watch in list(self._watches):
             if watch.progress != watch.seen:
                 watch.seen, watch.since = watch.progress, now
@@ -150,12 +161,16 @@ class Watchdog:
 
 
 class _Attempt:
-    __slots__ = ("task", "resp", "abandoned")
+    """One attempt in flight: `task` while it waits for the engine's answer (None once relaying)."""
 
-    def __init__(self, task: asyncio.Task | None):
+    __slots__ = ("task", "resp", "abandoned", "started", "timed_out")
+
+    def __init__(self, task: asyncio.Task | None, started: float):
         self.task = task
         self.resp: aiohttp.ClientResponse | None = None
-        self.abandoned = False
+        self.abandoned = False  # the replica was given up (Forwarder.abandon)
+        self.started = started
+        self.timed_out = False  # no answer within the read timeout (Watchdog.sweep)
 
 
 # How many times an Anthropic stream that begins without message_start is asked for again.
@@ -181,8 +196,8 @@ class Forwarder:
         self.usage = usage
         self.read_timeout = read_timeout
         self.max_answer = DEFAULT_MAX_ANSWER  # gateway.max_answer, set by the router (R-6.18)
-        self.watchdog = Watchdog(read_timeout)
         self._attempts: dict[str, set[_Attempt]] = {}
+        self.watchdog = Watchdog(read_timeout, self._attempts)
 
     def set_read_timeout(self, seconds: float) -> None:
         """gateway.request_timeout changed: later attempts and the stream watchdog use the new one."""
@@ -221,51 +236,53 @@ class Forwarder:
         started = time.monotonic()
         resp = None
         finished = False
-        attempt = _Attempt(asyncio.current_task())
-        attempts = self._attempts.setdefault(up.replica_id, set())
+        attempt = _Attempt(asyncio.current_task(), started)
+        attempts = self._attempts.get(up.replica_id)
+        if attempts is None:
+            attempts = self._attempts[up.replica_id] = set()
         attempts.add(attempt)
         try:
             try:
-                async with asyncio.timeout(self.read_timeout):
-                    resp = await self._request(method, url, body, headers)
-                    status = resp.status
-                    self.metrics.upstream_latency(served, time.monotonic() - started)
-                    if status == 502 or status == 503:
-                        raise UpstreamRefused(f"the engine of replica {up.replica_id} answered {status}")
-                    if status == 401:  # passed on, it would tell the client its own key is wrong
-                        raise UpstreamRejectedKey(f"the engine of replica {up.replica_id} refused the "
-                                                  "router's engine key; check the replica's api key")
-                    if accepted is not None and status < 400:
-                        accepted()
-                    relay = status == 200 and (stream if stream is not None
-                                               else resp.content_type == "text/event-stream")
-                    if relay:
+                # Until the first byte: the watchdog's read timeout (Watchdog.sweep).
+                resp = await self._request(method, url, body, headers)
+                status = resp.status
+                self.metrics.upstream_latency(served, time.monotonic() - started)
+                if status == 502 or status == 503:
+                    raise UpstreamRefused(f"the engine of replica {up.replica_id} answered {status}")
+                if status == 401:  # passed on, it would tell the client its own key is wrong
+                    raise UpstreamRejectedKey(f"the engine of replica {up.replica_id} refused the "
+                                              "router's engine key; check the replica's api key")
+                if accepted is not None and status < 400:
+                    accepted()
+                relay = status == 200 and (stream if stream is not None
+                                           else resp.content_type == "text/event-stream")
+                if relay:
+                    first = await resp.content.readany()
+                    for _ in range(ANTHROPIC_RESENDS):
+                        if dialect != ANTHROPIC or not _lacks_message_start(first):
+                            break
+                        # llama-server now and then starts an Anthropic stream past its
+                        # message_start, which clients need (and which carries the prompt's
+                        # tokens). Nothing has reached the client: ask the engine again.
+                        log.info("replica %s began an Anthropic stream without message_start; asking again "
+                                 "(request %s)", up.replica_id, trail.id)
+                        resp.close()
+                        resp = await self._request(method, url, body, headers)
+                        if resp.status != 200:
+                            raise UpstreamRefused(f"the engine of replica {up.replica_id} answered {resp.status}")
                         first = await resp.content.readany()
-                        for _ in range(ANTHROPIC_RESENDS):
-                            if dialect != ANTHROPIC or not _lacks_message_start(first):
-                                break
-                            # llama-server now and then starts an Anthropic stream past its
-                            # message_start, which clients need (and which carries the prompt's
-                            # tokens). Nothing has reached the client: ask the engine again.
-                            log.info("replica %s began an Anthropic stream without message_start; asking again "
-                                     "(request %s)", up.replica_id, trail.id)
-                            resp.close()
-                            resp = await self._request(method, url, body, headers)
-                            if resp.status != 200:
-                                raise UpstreamRefused(f"the engine of replica {up.replica_id} answered {resp.status}")
-                            first = await resp.content.readany()
-                        if not first:
-                            raise UpstreamConnectFailed(f"the engine of replica {up.replica_id} ended the "
-                                                        "stream before sending anything")
-                    else:
-                        answer = await self._read_answer(resp, up)
+                    if not first:
+                        raise UpstreamConnectFailed(f"the engine of replica {up.replica_id} ended the "
+                                                    "stream before sending anything")
+                else:
+                    answer = await self._read_answer(resp, up)
             except aiohttp.ConnectionTimeoutError as exc:
                 raise _connect_error(up, exc, trail) from None
-            except TimeoutError:
-                raise _timeout(up) from None
             except aiohttp.ClientError as exc:
                 raise _connect_error(up, exc, trail) from None
             except asyncio.CancelledError:
+                if attempt.timed_out and asyncio.current_task().uncancel() == 0:
+                    raise _timeout(up) from None
                 if attempt.abandoned and asyncio.current_task().uncancel() == 0:
                     raise UpstreamConnectFailed(f"replica {up.replica_id} was given up while this request "
                                                 "waited for it (its node is unreachable)") from None
@@ -350,8 +367,7 @@ class Forwarder:
         """A session like the pooled one whose connections are never reused."""
         if self._fresh is None or self._fresh.closed:
             self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0),
-                                                timeout=self.session.timeout,
-                                                skip_auto_headers=("Accept-Encoding", "User-Agent"))
+                                                timeout=self.session.timeout)
         return self._fresh
 
     async def close(self) -> None:
