@@ -195,7 +195,7 @@ async def run_router(port: int, engine_url: str, state_dir: str, profile: str | 
     from llmgw.control.feed import FeedPublisher
     from llmgw.keys import KeySettings, create_key
     from llmgw.localfeed import LocalFeed
-    from llmgw.router import RUNNER_OPTIONS, Endpoint, Router
+    from llmgw.router import Endpoint, Router
     from llmgw.store import Store
 
     store = Store.open(Path(state_dir) / "state.db")
@@ -217,7 +217,7 @@ async def run_router(port: int, engine_url: str, state_dir: str, profile: str | 
     feed = LocalFeed(publisher, router.feed)
     feed.pump()
     feed.start()
-    runner = web.AppRunner(router.web_app(), **RUNNER_OPTIONS)
+    runner = router.runner()
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     stop = asyncio.Event()

@@ -53,7 +53,7 @@ from llmgw.config import GatewayConfig, ModelConfig, ProfileConfig  # noqa: E402
 from llmgw.control.feed import FeedPublisher  # noqa: E402
 from llmgw.keys import create_key, key_entries  # noqa: E402
 from llmgw.localfeed import LocalFeed  # noqa: E402
-from llmgw.router import RUNNER_OPTIONS, Router  # noqa: E402
+from llmgw.router import Router  # noqa: E402
 from llmgw.store import Store  # noqa: E402
 from tests.integration.test_router_support import Engines  # noqa: E402
 
@@ -128,7 +128,7 @@ async def run(args, concurrency: int) -> dict:
             feed = LocalFeed(publisher, router.feed)
             feed.pump()
             feed.start()
-            runner = web.AppRunner(router.web_app(), **RUNNER_OPTIONS)
+            runner = router.runner()
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()

@@ -39,10 +39,10 @@ from llmgw.control.service import ControlPlane, load_stored_aliases, load_stored
 from llmgw.fleet.fleet import Fleet
 from llmgw.fleet.secret import SecretError, response_secret
 from llmgw.localfeed import LocalFeed
-from llmgw.router import RUNNER_OPTIONS, Router
+from llmgw.router import Router
 from llmgw.router.credential import CREDENTIAL_FILE
 from llmgw.router.metrics import ReportedRouterMetrics
-from llmgw.router.serving import SHUTDOWN_GRACE, finish_requests_within
+from llmgw.router.serving import SHUTDOWN_GRACE
 from llmgw.router_process import RunningRouter, adopt_router, router_to_adopt, spawn_router, stop_router
 from llmgw.routers import Verifiers, list_routers, serve_router_credential
 from llmgw.state_dir import (ADMIN_ADDRESS_FILE, ADMIN_SOCKET, DATABASE, ROUTER_DIR, TOKEN_FILE, StartupError,
@@ -117,7 +117,7 @@ class Gateway:
     token: str = field(init=False)
     admin_tokens: AdminTokens = field(init=False)  # the token, and the previous one during a rotation's grace
     router_credentials: Verifiers = field(init=False)  # what the router feed accepts (R-10.7)
-    _runners: list[web.AppRunner] = field(default_factory=list, init=False)
+    _runners: list[web.BaseRunner] = field(default_factory=list, init=False)
     _sockets: dict[str, list[socket.socket]] = field(default_factory=dict, init=False)
     _lock_fd: int | None = field(default=None, init=False)
     bound: dict[str, tuple[str, int]] = field(default_factory=dict, init=False)
@@ -208,11 +208,10 @@ class Gateway:
             self.feed = LocalFeed(self.publisher, self.router.feed)
             self.feed.pump()  # the router holds the first snapshot before it listens
             self.feed.start()
-            router_app = self.router.web_app()
-            finish_requests_within(router_app, SHUTDOWN_GRACE)
-            await self._listen("router", router_app, self._sockets.pop("router"), RUNNER_OPTIONS)
+            await self._listen("router", self.router.runner(SHUTDOWN_GRACE), self._sockets.pop("router"))
         tls = self.inventory.gateway.admin_tls  # set: https, for routers and ctl on other hosts
-        runner = await self._listen("admin", self._admin_app(), self._sockets.pop("admin"),
+        admin = web.AppRunner(self._admin_app(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
+        runner = await self._listen("admin", admin, self._sockets.pop("admin"),
                                     ssl_context=tls.server_context() if tls is not None else None)
         host, port = self.bound["admin"]
         write_private(self.state_dir / ADMIN_ADDRESS_FILE, f"{host}:{port}\n".encode())
@@ -278,9 +277,8 @@ class Gateway:
     def _admin_app(self) -> web.Application:
         return build_admin_app(self.admin_dependencies())
 
-    async def _listen(self, name: str, app: web.Application, sockets: list[socket.socket],
-                      options: dict | None = None, ssl_context=None) -> web.AppRunner:
-        runner = web.AppRunner(app, **{"access_log": None, **(options or {})}, shutdown_timeout=SHUTDOWN_GRACE)
+    async def _listen(self, name: str, runner: web.BaseRunner, sockets: list[socket.socket],
+                      ssl_context=None) -> web.BaseRunner:
         await runner.setup()
         self._runners.append(runner)
         for sock in sockets:
@@ -290,7 +288,7 @@ class Gateway:
         log.info("%s listening on %s:%d", name, bound[0], bound[1])
         return runner
 
-    async def _listen_unix(self, runner: web.AppRunner, path: Path) -> None:
+    async def _listen_unix(self, runner: web.BaseRunner, path: Path) -> None:
         """The admin app on a Unix socket too, for local `llmgw ctl` (R-9.3).
 
         Only the state directory's owner can reach it (the directory is 0700, the socket 0600),

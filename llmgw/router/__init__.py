@@ -1,8 +1,8 @@
 """The client-facing OpenAI-compatible gateway (SPEC §6): auth, balancing, proxying, usage."""
 
-from llmgw.router.app import RUNNER_OPTIONS, Router
+from llmgw.router.app import Router
 from llmgw.contracts.endpoints import Endpoint
 from llmgw.router.errors import RouterError
 from llmgw.router.keys import KeyRing
 
-__all__ = ["Endpoint", "KeyRing", "RUNNER_OPTIONS", "Router", "RouterError"]
+__all__ = ["Endpoint", "KeyRing", "Router", "RouterError"]

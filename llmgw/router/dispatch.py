@@ -39,7 +39,7 @@ class Dispatch:
         self.metrics = metrics
         self.forwarder: Forwarder | None = None  # the running app's, set when it starts
 
-    async def route(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
+    async def route(self, request: web.BaseRequest, exchange: Exchange) -> web.StreamResponse:
         if exchange.pinned is not None:
             return await self._pinned_route(request, exchange)
         model, key, affinity, trail = exchange.model, exchange.key, exchange.affinity, exchange.trail
@@ -178,7 +178,7 @@ class Dispatch:
                     break
         return up
 
-    async def _pinned_route(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
+    async def _pinned_route(self, request: web.BaseRequest, exchange: Exchange) -> web.StreamResponse:
         """A follow-up of a stored response goes to the replica that holds it, or nowhere (R-6.6 does not apply)."""
         pinned, model = exchange.pinned, exchange.model
         up = self.balancer.acquire_replica(pinned.replica_id, model.adapter_of or model.name, time.monotonic())

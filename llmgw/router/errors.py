@@ -3,7 +3,7 @@
 Every refusal of the router is a `RouterError` subclass carrying the HTTP status, OpenAI's error
 `type` and `code`, and whether it is safe to try another endpoint while nothing has reached the
 client yet (R-6.6). `error_response` is the one place that turns them into OpenAI's error JSON
-(R-6.1); the middleware in `app.py` is the one place that calls it.
+(R-6.1); the handler in `app.py` (`Router._handle`) is the one place that calls it.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ class Exchange(NamedTuple):
         lora = [{"id": i, "scale": 1.0 if held == adapter else 0.0} for i, held in enumerate(up.adapters)]
         return json.dumps({**self.document, "model": base.upstream_name, "lora": lora}).encode()
 
-    def upstream_headers(self, request: web.Request, up: Upstream) -> dict:
+    def upstream_headers(self, request: web.BaseRequest, up: Upstream) -> dict:
         """Headers for the engine: always its key as Bearer (every engine reads that), never the
         client's, and the request's id as X-Request-Id (R-6.20)."""
         headers = up.stream_headers if self.stream else up.headers

@@ -28,6 +28,7 @@ from llmgw.router.errors import (BadRequest, BodyTooLarge, InvalidType, ModelNot
 from llmgw.router.exchange import Exchange, Pinned
 from llmgw.router.feedstate import FeedState
 from llmgw.router.keys import allows
+from llmgw.router.listener import PATH_PARAMS
 from llmgw.router.routes import FORM, RESPONSE_ID, RESPONSES, Route, serves
 from llmgw.router.streams import CONTINUOUS_USAGE_ENGINES, ask_for_usage, streaming
 from llmgw.router.trail import Trail
@@ -57,7 +58,7 @@ class Intake:
         trail.budgets = held.budgets
         return held
 
-    async def take(self, request: web.Request, route: Route, key: KeyEntry,
+    async def take(self, request: web.BaseRequest, route: Route, key: KeyEntry,
                    held: limits.Admission | None, trail: Trail) -> Exchange:
         """The request read, checked and admitted as one Exchange. `held`: what `hold` took for a
         limited key's request (None: the key has no limits)."""
@@ -66,7 +67,7 @@ class Intake:
         pinned: Pinned | None = None
         stream = strip_usage = strip_continuous = False
         if route.model_from == RESPONSE_ID:
-            pinned = self.pinned(request.match_info["response_id"], key)
+            pinned = self.pinned(request[PATH_PARAMS]["response_id"], key)
             name = pinned.model
         elif route.model_from == FORM:
             body = await read_upload(request, self.feed.gateway.max_body)
@@ -180,7 +181,7 @@ class Intake:
         return pinned
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(request: web.BaseRequest, limit: int) -> bytes:
     """The request's body, decoded from its Content-Encoding, refused past `limit` (gateway.max_body)."""
     length = request.content_length
     if length is not None and length > limit:

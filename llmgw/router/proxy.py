@@ -218,7 +218,7 @@ class Forwarder:
                 attempt.resp.close()  # the relay loop's read fails: the stream ends with an error
         return len(attempts)
 
-    async def send(self, request: web.Request, exchange: Exchange, up: Upstream,
+    async def send(self, request: web.BaseRequest, exchange: Exchange, up: Upstream,
                    accepted: Callable[[], None] | None = None) -> web.StreamResponse:
         """One attempt of `exchange` on `up`. `accepted` is called once the engine answers with a
         status below 400."""
@@ -375,14 +375,16 @@ class Forwarder:
             await self._fresh.close()
             self._fresh = None
 
-    async def _relay_stream(self, request: web.Request, exchange: Exchange, resp: aiohttp.ClientResponse,
+    async def _relay_stream(self, request: web.BaseRequest, exchange: Exchange, resp: aiohttp.ClientResponse,
                             up: Upstream, served: str, chunk: bytes, body_size: int) -> web.StreamResponse:
         strip, strip_continuous = exchange.strip_usage, exchange.strip_continuous
         trail = exchange.trail
         content_type = resp.content_type
         headers = SSE_HEADERS if content_type == "text/event-stream" else {**SSE_HEADERS, "Content-Type": content_type}
         response = web.StreamResponse(status=200, headers=headers)
-        trail.first_byte(time.monotonic())
+        now = time.monotonic()
+        trail.first_byte(now)
+        trail.dress(response, now)
         await response.prepare(request)
         readany = resp.content.readany
         write = response.write
@@ -463,14 +465,16 @@ class Forwarder:
         else:
             self._count(exchange, model, *estimate_stream(body_size, events, prompt))
 
-    async def _relay_events(self, request: web.Request, exchange: Exchange, resp: aiohttp.ClientResponse,
+    async def _relay_events(self, request: web.BaseRequest, exchange: Exchange, resp: aiohttp.ClientResponse,
                             up: Upstream, served: str, chunk: bytes, body_size: int) -> web.StreamResponse:
         """A Responses or Anthropic stream: whole events relayed as they complete, comments and
         named events untouched; Responses ids rewritten to name their replica; usage from
         `response.completed`, or from Anthropic's message_start and message_delta."""
         dialect, key_id, trail = exchange.route.dialect, exchange.key.id, exchange.trail
         response = web.StreamResponse(status=200, headers=SSE_HEADERS)
-        trail.first_byte(time.monotonic())
+        now = time.monotonic()
+        trail.first_byte(now)
+        trail.dress(response, now)
         await response.prepare(request)
         readany = resp.content.readany
         watch = self.watchdog.watch(resp)
@@ -541,7 +545,7 @@ class Forwarder:
         self._count_stream(exchange, model, None, body_size, events, tokens(start)[0] if start else None)
 
     @staticmethod
-    async def _cut(request: web.Request, response: web.StreamResponse, exchange: Exchange, up: Upstream,
+    async def _cut(request: web.BaseRequest, response: web.StreamResponse, exchange: Exchange, up: Upstream,
                    silent: bool, exc: BaseException) -> None:
         """End a stream the engine broke (or went silent in) after its first byte: an error event
         naming the request, then the connection cut."""

@@ -1,6 +1,6 @@
 """The router's side of the request log (R-6.20): the records it keeps, for its reports and a file.
 
-With `gateway.request_log.enabled`, the middleware hands every request's record to `RequestLog`
+With `gateway.request_log.enabled`, the router's handler hands every request's record to `RequestLog`
 when `keeps()` says so (a `sample` share of them, drawn per request; every one at 1, none at 0,
 without a draw at either); the feed state hands what was kept since the last report to the next
 one (`take`), where the control plane counts each (router, seq) once, as it does usage.

@@ -4,7 +4,7 @@ Off until the feed's gateway settings name a collector (`gateway.tracing.otlp_en
 `Tracing` holds a TracerProvider of its own (never the process's global one) whose
 BatchSpanProcessor exports over OTLP/HTTP to `<endpoint>/v1/traces`, with `service.name`
 llmgw-router and the router's id as `service.instance.id` and `llmgw.router.id`, and sets the
-router's `tracer`, which the middleware asks for each request's span (`Trail.span`). A new
+router's `tracer`, which its handler asks for each request's span (`Trail.span`). A new
 endpoint replaces the provider (the old one is flushed on a thread of its own, so the loop never
 waits for a collector), none unsets the tracer, and `close()` flushes the last spans when the
 router stops. While tracing is off a request costs nothing more than the trail's `span is None`
@@ -51,7 +51,6 @@ TRACES_PATH = "/v1/traces"  # appended to gateway.tracing.otlp_endpoint, as OTLP
 SCOPE = "llmgw.router"
 FLUSH_SECONDS = 10.0  # the most a stopping router waits for its last spans to leave
 TAIL_BYTES = 4096  # of an answer's end, read for its model and finish reasons
-UNMATCHED_PATH_CHARS = 200  # of a path no route matches, in its span's name
 
 # gen_ai.operation.name per route (the GenAI semantic conventions' values); absent: none fits.
 OPERATIONS = {
@@ -145,11 +144,10 @@ class Tracing:
         self._traced.tracer = self.start
         log.info("tracing: spans go to %s%s", endpoint, TRACES_PATH)
 
-    def start(self, request: web.Request, trail: Trail) -> RequestSpan | None:
-        """The router's tracer while on: the span of `request`, begun now, named for its route."""
-        match = request.match_info
-        path = match.route.resource.canonical if match.http_exception is None else request.path[:UNMATCHED_PATH_CHARS]
-        return self.request(request.method, path, request.headers, trail.id)
+    def start(self, request: web.BaseRequest, trail: Trail, pattern: str) -> RequestSpan | None:
+        """The router's tracer while on: the span of `request`, begun now, named for its route's
+        path `pattern` (for a path no route matches, the path, cut short)."""
+        return self.request(request.method, pattern, request.headers, trail.id)
 
     def request(self, method: str, path: str, headers: Mapping[str, str], request_id: str | None = None
                 ) -> RequestSpan | None:

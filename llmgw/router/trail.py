@@ -1,12 +1,13 @@
 """A request's trail (R-6.20): its id, and what happened to it on its way, noted as it goes.
 
-The middleware (router/app.py) makes a `Trail` for every API request, before anything can fail,
-and keeps it on the aiohttp request (`TRAIL`); the intake puts it in the request's `Exchange`, so
+The router's handler (router/app.py) makes a `Trail` for every API request, before anything can
+fail, and hands it to the route's handler; the intake puts it in the request's `Exchange`, so
 the dispatch and the forwarder note on it what they do: the key's name, the model and the name the
 client asked for, each wait for a place or an on-demand replica, each attempt (its replica and
 node, how it ended), the first byte of a relayed stream and how that stream ended, the tokens
-counted. When the answer is done the middleware finishes the trail and, when the request log keeps
-this request, makes it a `RequestRecord` (`to_record`).
+counted. When the answer is done the handler finishes the trail and, when the request log keeps
+this request, makes it a `RequestRecord` (`to_record`). `dress` puts the headers every answer
+carries on an answer before it is prepared.
 
 The hooks (`queue_start`, `queue_end`, `attempt_start`, `attempt_end`, `first_byte`,
 `stream_end`, `finish`) are where a tracer hangs its spans (router/tracing.py, R-6.21): one that
@@ -32,6 +33,7 @@ from typing import Protocol
 from aiohttp import web
 
 from llmgw.contracts.feed import RequestRecord
+from llmgw.router import limits
 
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_CHARS = 128
@@ -165,6 +167,14 @@ class Trail:
     def tokens(self, prompt: int, completion: int, estimated: bool) -> None:
         self.prompt_tokens, self.completion_tokens, self.estimated = prompt, completion, estimated
 
+    def dress(self, response: web.StreamResponse, now: float) -> None:
+        """The headers every API answer carries, put on before it is prepared: the request's id
+        (R-6.20), and a limited key's x-ratelimit-* headers (R-6.16)."""
+        headers = response.headers
+        headers[REQUEST_ID_HEADER] = self.id
+        if self.budgets:
+            headers.update(limits.headers(self.budgets, now))
+
     def finish(self, now: float, status: int, error: str | None) -> None:
         """The answer is done (or its client left): `status` as the client got it, `error` the
         RouterError's code, if any; a stream's own end (`stream_end`) is kept when it had one."""
@@ -177,8 +187,6 @@ class Trail:
         if self.span is not None:
             self.span.finish(self)
 
-
-TRAIL = web.RequestKey("llmgw_trail", Trail)
 
 
 class _Record:

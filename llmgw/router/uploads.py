@@ -103,7 +103,7 @@ class PartNames:
 class Upload:
     """One multipart request: its head, held, and the rest of its body, still with the client."""
 
-    def __init__(self, request: web.Request, head: bytes, model: str, span: tuple[int, int], limit: int,
+    def __init__(self, request: web.BaseRequest, head: bytes, model: str, span: tuple[int, int], limit: int,
                  parts: PartNames, delimiter: bytes):
         self.delimiter = delimiter
         self.content = request.content
@@ -155,7 +155,7 @@ class Upload:
             yield chunk
 
 
-async def read_upload(request: web.Request, limit: int) -> Upload:
+async def read_upload(request: web.BaseRequest, limit: int) -> Upload:
     """The head of a multipart request, up to its model field; refusals name what to change."""
     content_type = request.headers.get("Content-Type", "")
     boundary = _BOUNDARY.search(content_type)

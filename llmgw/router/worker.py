@@ -29,10 +29,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiohttp import web
+from aiohttp.web import SockSite
 
-from llmgw.router.app import RUNNER_OPTIONS
-from llmgw.router.serving import SHUTDOWN_GRACE, finish_requests_within
+from llmgw.router.listener import Listener, ListenerRunner
+from llmgw.router.serving import SHUTDOWN_GRACE
 
 log = logging.getLogger("llmgw.router.worker")
 
@@ -57,9 +57,9 @@ class WorkerArgs:
 Closer = Callable[[], Awaitable[None]]
 # Resolves once the app holds what it routes with (the router: its first snapshot).
 Fed = Callable[[], Awaitable[None]]
-# What a worker serves: an aiohttp app built from its arguments, what to close after it stopped,
-# and what to wait for before it says `ready` (None: it is ready once it accepts).
-AppBuilder = Callable[[WorkerArgs], Awaitable[tuple[web.Application, Closer, Fed | None]]]
+# What a worker serves: a listener built from its arguments, what to close after it stopped, and
+# what to wait for before it says `ready` (None: it is ready once it accepts).
+AppBuilder = Callable[[WorkerArgs], Awaitable[tuple[Listener, Closer, Fed | None]]]
 
 
 def parse_args(argv: list[str]) -> WorkerArgs:
@@ -97,7 +97,7 @@ class Readiness:
 
 
 async def run_worker(args: WorkerArgs, build: AppBuilder) -> int:
-    """Serve `build(args)`'s app on the inherited sockets until SIGTERM/SIGINT or the lifeline's end."""
+    """Serve `build(args)`'s listener on the inherited sockets until SIGTERM/SIGINT or the lifeline's end."""
     loop = asyncio.get_running_loop()
     ready = Readiness(args.ready_fd)
     stop = asyncio.Event()
@@ -115,27 +115,18 @@ async def run_worker(args: WorkerArgs, build: AppBuilder) -> int:
         log.info("worker %d stopped before it served", args.slot)
         return 0
     try:
-        app, close, fed = building.result()
+        listener, close, fed = building.result()
     except Exception as exc:  # told to the supervisor, which logs it and retries with backoff
         log.error("worker %d cannot start: %s", args.slot, exc, exc_info=log.isEnabledFor(logging.DEBUG))
         ready.say(f"error: {exc}")
         return 1
-    draining = False
-
-    async def close_when_draining(_: web.Request, response: web.StreamResponse) -> None:
-        if draining:  # the client opens its next connection to a worker that stays
-            response.force_close()
-            response.headers["Connection"] = "close"  # the headers are made before this hook runs
-
-    app.on_response_prepare.append(close_when_draining)
-    finish_requests_within(app, SHUTDOWN_GRACE)
-    runner = web.AppRunner(app, **RUNNER_OPTIONS, shutdown_timeout=SHUTDOWN_GRACE)
+    runner = listener.runner(SHUTDOWN_GRACE)  # its stop gives the requests in flight SHUTDOWN_GRACE
     try:
         await runner.setup()
         for fd in args.listen_fds:
             sock = socket.socket(fileno=fd)
             sock.setblocking(False)
-            await web.SockSite(runner, sock).start()
+            await SockSite(runner, sock).start()
     except Exception as exc:
         log.exception("worker %d cannot serve", args.slot)
         ready.say(f"error: {exc}")
@@ -154,7 +145,7 @@ async def run_worker(args: WorkerArgs, build: AppBuilder) -> int:
     if feeding is not None:
         feeding.cancel()
         await asyncio.gather(feeding, return_exceptions=True)
-    draining = True
+    listener.draining = True  # each answer closes its connection: the client's next goes to a worker that stays
     log.info("worker %d stopping: no new connections; requests in flight get up to %.0fs", args.slot,
              SHUTDOWN_GRACE)
     for site in list(runner.sites):
@@ -191,7 +182,7 @@ def _watch_lifeline(loop: asyncio.AbstractEventLoop, fd: int, stop: asyncio.Even
     loop.add_reader(fd, readable)
 
 
-async def _linger(runner: web.AppRunner) -> None:
+async def _linger(runner: ListenerRunner) -> None:
     server = runner.server
     loop = asyncio.get_running_loop()
     deadline = loop.time() + IDLE_LINGER
@@ -205,7 +196,7 @@ def main(build: AppBuilder, argv: list[str] | None = None) -> None:
     sys.exit(asyncio.run(run_worker(args, build)))
 
 
-async def build_router(args: WorkerArgs) -> tuple[web.Application, Closer, Fed | None]:
+async def build_router(args: WorkerArgs) -> tuple[Listener, Closer, Fed | None]:
     """The router fed over the feed, with the last-known-good snapshot from disk when there is one;
     without, it is served all the same and says `ready` once the control plane's first comes (R-10.2)."""
     from llmgw.router.app import Router
@@ -225,7 +216,7 @@ async def build_router(args: WorkerArgs) -> tuple[web.Application, Closer, Fed |
         await client.close()  # its final report: what the requests just finished counted
         await router.close()
 
-    return router.web_app(), close, None if router.snapshot is not None else fed
+    return router.listener, close, None if router.snapshot is not None else fed
 
 
 if __name__ == "__main__":

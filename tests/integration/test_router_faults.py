@@ -132,12 +132,12 @@ async def test_r6_6_nothing_is_retried_after_the_first_byte(engines, start_route
 async def test_r6_11_client_disconnect_cancels_the_upstream(engines, start_router, monkeypatch,  # noqa: F811
                                                             cancellation):
     if not cancellation:  # the second line of defence: the failed write to the client
-        from llmgw.router import app as router_app
-        settings = {k: v for k, v in router_app.SERVER_SETTINGS.items() if k != "handler_cancellation"}
-        monkeypatch.setattr(router_app, "SERVER_SETTINGS", settings)
+        from llmgw.router import listener
+        settings = {k: v for k, v in listener.SERVER_SETTINGS.items() if k != "handler_cancellation"}
+        monkeypatch.setattr(listener, "SERVER_SETTINGS", settings)
     engine = engines.start("m", token_delay=0.05)
-    # A runner with no options, as any caller might make one: the app carries what it needs.
-    gw = await start_router(catalog(model("m")), {"m": [engine.endpoint("r")]}, runner_options={})
+    # The router's runner carries the server settings it needs, whoever serves it.
+    gw = await start_router(catalog(model("m")), {"m": [engine.endpoint("r")]})
     body = {"model": "m", "messages": HELLO, "stream": True, "max_tokens": 400}
     async with aiohttp.ClientSession() as session:
         response = await session.post(gw.url + "/v1/chat/completions", json=body,

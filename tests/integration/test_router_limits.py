@@ -227,7 +227,7 @@ async def two_routers(tmp_path, url: str, limits: Limits):
     from llmgw.config import GatewayConfig
     from llmgw.control.feed import FeedPublisher
     from llmgw.localfeed import LocalFeed
-    from llmgw.router.app import RUNNER_OPTIONS, Router
+    from llmgw.router.app import Router
     from llmgw.store import Store
     from tests.integration.test_router_support import apoll
 
@@ -252,7 +252,7 @@ async def two_routers(tmp_path, url: str, limits: Limits):
             feed = LocalFeed(publisher, router.feed, router_id=f"router-{name}")
             feed.pump()
             feed.start()
-            runner = web.AppRunner(router.web_app(), **RUNNER_OPTIONS)
+            runner = router.runner()
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()

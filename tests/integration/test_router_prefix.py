@@ -166,7 +166,6 @@ async def test_r6_5d_turns_alternating_between_two_routers_reach_one_engine(engi
     from llmgw.keys import create_key
     from llmgw.localfeed import LocalFeed
     from llmgw.router import Router
-    from llmgw.router.app import RUNNER_OPTIONS
     from llmgw.store import Store
 
     doubles = [engines.start("m") for _ in range(2)]
@@ -183,7 +182,7 @@ async def test_r6_5d_turns_alternating_between_two_routers_reach_one_engine(engi
                 feed = LocalFeed(publisher, router.feed)
                 feed.pump()
                 feed.start()
-                runner = web.AppRunner(router.web_app(), **RUNNER_OPTIONS)
+                runner = router.runner()
                 await runner.setup()
                 site = web.TCPSite(runner, "127.0.0.1", 0)
                 await site.start()

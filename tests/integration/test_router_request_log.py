@@ -341,7 +341,7 @@ async def test_r6_20_a_tracers_span_is_told_each_step_and_its_headers_reach_the_
     async with scripted_engine(answer) as url:
         gw = await start_router(catalog(model("m", profile="custom")), {"m": [Endpoint("r", "m", url, None)]})
         spans = []
-        gw.router.tracer = lambda request, trail: spans.append(RecordingSpan()) or spans[-1]
+        gw.router.tracer = lambda request, trail, pattern: spans.append(RecordingSpan()) or spans[-1]
         async with aiohttp.ClientSession() as session:
             async with session.post(gw.url + CHAT, headers={**auth(gw.secret), ID: "traced-1"},
                                     json={"model": "m", "messages": HELLO, "stream": True}) as response:

@@ -36,7 +36,7 @@ from llmgw.control.feed.routing import routed_models
 from llmgw.fleet.secret import response_secret
 from llmgw.keys import create_key, key_entries
 from llmgw.localfeed import LocalFeed
-from llmgw.router import RUNNER_OPTIONS, Endpoint, Router
+from llmgw.router import Endpoint, Router
 from llmgw.store import Store
 
 DOUBLES = Path(__file__).resolve().parents[1] / "testbed" / "doubles"
@@ -269,11 +269,11 @@ class RunningRouter:
 
 @pytest.fixture
 async def start_router(tmp_path):
-    """start_router(catalog, endpoints={...}, gateway=..., on_demand=..., runner_options=...)."""
+    """start_router(catalog, endpoints={...}, gateway=..., on_demand=...)."""
     running: list[RunningRouter] = []
 
     async def start(cat: Catalog, endpoints=None, *, gateway: GatewayConfig | None = None, on_demand=None,
-                    runner_options=None, store_path: Path | None = None) -> RunningRouter:
+                    store_path: Path | None = None) -> RunningRouter:
         store = Store.open(store_path or tmp_path / "state.db")
         _, secret = store.write_sync(lambda db: create_key(db, f"test-{len(running)}"))
         registry = CollectorRegistry()
@@ -287,7 +287,7 @@ async def start_router(tmp_path):
         feed = LocalFeed(publisher, router.feed)
         feed.pump()
         feed.start()
-        runner = web.AppRunner(router.web_app(), **(RUNNER_OPTIONS if runner_options is None else runner_options))
+        runner = router.runner()
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

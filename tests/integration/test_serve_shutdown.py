@@ -8,7 +8,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from llmgw.server import finish_requests_within
+from llmgw.router.listener import Listener
 
 GRACE = 1.0
 AIOHTTP_TIMEOUT = 10.0  # aiohttp alone would wait this long, then as long again
@@ -18,12 +18,12 @@ async def test_shutdown_lets_requests_finish_and_cancels_the_rest_at_the_grace()
     began = asyncio.Event()
     cancelled = asyncio.Event()
 
-    async def slow(request: web.Request) -> web.Response:
+    async def slow(request: web.BaseRequest) -> web.Response:
         began.set()
         await asyncio.sleep(GRACE / 4)
         return web.Response(text="done")
 
-    async def stuck(request: web.Request) -> web.Response:  # waits on an engine that went silent
+    async def stuck(request: web.BaseRequest) -> web.Response:  # waits on an engine that went silent
         try:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
@@ -31,11 +31,13 @@ async def test_shutdown_lets_requests_finish_and_cancels_the_rest_at_the_grace()
             raise
         return web.Response(text="never")
 
-    app = web.Application()
-    app.router.add_get("/slow", slow)
-    app.router.add_get("/stuck", stuck)
-    finish_requests_within(app, GRACE)
-    runner = web.AppRunner(app, shutdown_timeout=AIOHTTP_TIMEOUT, handler_cancellation=True)
+    async def handle(request: web.BaseRequest) -> web.Response:
+        return await (slow if request.path == "/slow" else stuck)(request)
+
+    async def nothing() -> None:
+        pass
+
+    runner = Listener(handle, nothing, nothing).runner(GRACE)  # the router's listener, as a worker runs it
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     url = "http://%s:%d" % runner.addresses[0][:2]

@@ -1,10 +1,12 @@
-"""Router credentials for tests (R-10.7): a feed server's accepted set, and the exchange done by hand."""
+"""Routers in tests: credentials (R-10.7), a feed server's accepted set and the exchange done by
+hand; and aiohttp's test server around a router's own listener (`RouterTestServer`)."""
 
 from __future__ import annotations
 
 import secrets
 
 import aiohttp
+from aiohttp.test_utils import BaseTestServer
 
 from llmgw.contracts import routerauth
 from llmgw.routers import RouterCredential, Verifiers
@@ -30,3 +32,14 @@ async def authorized(session: aiohttp.ClientSession, base: str, credential: str,
     proof = routerauth.router_proof(key, name, nonce, challenge, method, path)
     return ({"Authorization": routerauth.authorization(name, challenge, proof)},
             routerauth.answer_proof(key, name, nonce, challenge))
+
+
+class RouterTestServer(BaseTestServer):
+    """aiohttp's test server (for its TestClient) serving a Router with the runner it serves with."""
+
+    def __init__(self, router, **kwargs):
+        self.router = router
+        super().__init__(**kwargs)
+
+    async def _make_runner(self, **kwargs):
+        return self.router.runner()

@@ -25,7 +25,7 @@ from llmgw.keys import create_key
 from llmgw.router import Router
 from llmgw.router.feedclient import FeedClient, FeedTiming
 from llmgw.router.spool import REFUSED_DIR
-from tests.unit.routerkit import accepting, authorized
+from tests.unit.routerkit import RouterTestServer, accepting, authorized
 from llmgw.store import Store
 
 TOKEN = "llmgw-router.refusals.refusals-test-router-secret"  # the router credential
@@ -89,7 +89,7 @@ class Gateway:
         self.server = FeedServer(self.publisher, accepting(TOKEN), keepalive=0.2, **options)
         self.socket = await listen_unix(self.server, self.place / FEED_SOCKET, shutdown_timeout=0.5)
         self.router = Router()
-        self.client = TestClient(TestServer(self.router.web_app()))
+        self.client = TestClient(RouterTestServer(self.router))
         await self.client.start_server()
         self.feed = FeedClient(self.router.feed, f"unix:{self.place / FEED_SOCKET}", TOKEN, self.place / "router",
                                timing=FAST)

@@ -17,6 +17,7 @@ from llmgw.contracts.feed import Change, FeedError, GatewaySettings, KeyEntry, R
 from llmgw.contracts.keyhash import hash_secret
 from llmgw.router import Router
 from tests.unit.feedkit import snapshot
+from tests.unit.routerkit import RouterTestServer
 
 SECRET = "sk-llmgw-router-feed-test"
 KEY = KeyEntry(id="k1", name="test", hash=hash_secret(SECRET), prefix=SECRET[:15], models=None)
@@ -41,7 +42,7 @@ def change(version: int, **kw) -> Change:
 async def served():
     """A router on a test server; yields (router, client)."""
     router = Router()
-    client = TestClient(TestServer(router.web_app()))
+    client = TestClient(RouterTestServer(router))
     await client.start_server()
     try:
         yield router, client
