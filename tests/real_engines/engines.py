@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -113,3 +114,35 @@ def stop_engine(launched: Launched, root: Path) -> None:
     finally:
         launched.helper.kill()
         kill_recorded_engines(root)
+
+
+# --- an engine port without the key (R-4.6) ---------------------------------------------------
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+# Served by engines outside their route lists, or named by ENGINES.md as open on some engine.
+EXTRA_ROUTES = [("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"),
+                ("GET", "/slots"), ("GET", "/props"), ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/openapi.json"),
+                ("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/llmgw-no-such-path")]
+REFUSED = {401, 403, 404}  # what an engine port without the key may answer (R-4.6)
+
+
+def concrete(path: str) -> str:
+    """A route template with its parameters filled in: /v1/models/{model} -> /v1/models/x."""
+    return re.sub(r"\{[^}]+\}", "x", path)
+
+
+def probe_all(engine, routes, open_routes):
+    """Every route without the key (and with a wrong one): status per route, and what was served."""
+    served = []
+    seen = []
+    for method, path in sorted(set(routes)):
+        url = concrete(path)
+        body = CHAT if method in ("POST", "PUT", "PATCH") else None
+        for key in (None, "not-the-key"):
+            status, data = engine.request(method, url, body=body, key=key)
+            seen.append((method, url, key is not None, status))
+            if (method, url) in open_routes:
+                continue
+            if status not in REFUSED:
+                served.append((method, url, "wrong key" if key else "no key", status, data[:120]))
+    return seen, served

@@ -2,7 +2,8 @@
 adapters: what the engines do"): vLLM's CPU build with `--enable-lora` and runtime loading, and
 llama-server with `--lora` files chosen per request. Each engine is launched as llmgw launches it
 (built-in template, node helper, the replica's key) and started once per module, except the vLLM
-that must refuse its launch; the last vLLM test ends its engine.
+that must refuse its launch; the last vLLM test ends its engine. The vLLM's port is also checked
+to serve nothing without the key (R-4.6; test_engine_ports.py checks llama-server's).
 
 The adapters come from tests/testbed/make_models.py: lora-a and lora-b of rank 8, lora-big of
 rank 32, with random weights strong enough that a greedy answer differs from the base model's.
@@ -18,7 +19,7 @@ import time
 import pytest
 
 from tests.integration.gateway import wait_for
-from tests.real_engines.engines import bin_dir, launch_engine, stop_engine
+from tests.real_engines.engines import CHAT, EXTRA_ROUTES, bin_dir, launch_engine, probe_all, stop_engine
 from tests.testbed import engines as real
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # CPU vLLM starts on a busy machine
@@ -88,6 +89,26 @@ def load(engine, name: str, path) -> tuple[int, dict | str]:
 
 def unload(engine, name: str) -> tuple[int, dict | str]:
     return _json(engine, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
+
+
+def test_vllm_serves_no_route_without_the_key(vllm):
+    """R-4.6 on this module's vLLM, as the template launches it with adapters: every route of its
+    OpenAPI document (the runtime adapter routes among them) refuses a request without the key."""
+    status, data = vllm.request("GET", "/openapi.json", key=vllm.key)
+    assert status == 200, data[:200]
+    document = json.loads(data)
+    routes = [(method.upper(), path) for path, methods in document["paths"].items() for method in methods]
+    assert ("POST", "/invocations") in routes and ("POST", "/v1/chat/completions") in routes
+    seen, served = probe_all(vllm, routes + EXTRA_ROUTES, open_routes={("GET", "/health")})
+    print(f"\nvLLM: {len(set(routes))} routes from its OpenAPI document, {len(seen)} requests without the key "
+          f"or with a wrong one; statuses {sorted({s for *_, s in seen})}")
+    assert served == [], served
+    assert vllm.request("GET", "/health")[0] == 200
+    # The key still opens what llmgw uses, and what vLLM alone left open is now behind it too.
+    assert vllm.request("POST", "/v1/chat/completions", body=CHAT, key=vllm.key)[0] == 200
+    assert vllm.request("POST", "/invocations", body=CHAT, key=vllm.key)[0] == 200
+    assert vllm.request("POST", "/tokenize", body={"model": "tiny", "prompt": "hello"}, key=vllm.key)[0] == 200
+    assert vllm.key not in " ".join(vllm.argv), "the key is never in argv (R-1.6)"
 
 
 def test_vllm_lists_a_launch_adapter_under_its_base_and_serves_it_by_name(vllm, made):
