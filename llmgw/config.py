@@ -21,8 +21,15 @@ from pydantic import (BaseModel, BeforeValidator, StringConstraints, ConfigDict,
 from llmgw.contracts.addresses import split_address
 from llmgw.contracts.errors import Category, LlmgwError
 from llmgw.contracts.feed import RoutingPolicy
-from llmgw.units import Duration, PortRange, Size, format_bytes, parse_size
+from llmgw.contracts.statedir import default_state_dir
+from llmgw.units import format_bytes, parse_duration, parse_port_range, parse_size
 from llmgw.weights import WeightsSource, parse_weights, redact_query
+
+# The units' parsers (llmgw/units.py) as pydantic field types.
+Duration = Annotated[float, BeforeValidator(parse_duration), PlainSerializer(lambda v: v, return_type=float)]
+Size = Annotated[int, BeforeValidator(parse_size)]
+PortRange = Annotated[tuple[int, int], BeforeValidator(parse_port_range),
+                      PlainSerializer(lambda v: f"{v[0]}-{v[1]}", return_type=str)]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 DEFAULT_PORTS = (20000, 20999)
@@ -703,12 +710,6 @@ def runtime_key_env_problem(name: str | None) -> str | None:
     return (f"{name!r}: a model added at runtime may only name variables that start with "
             f"{RUNTIME_KEY_ENV_PREFIX} (e.g. {RUNTIME_KEY_ENV_PREFIX}OPENAI), set where `llmgw serve` runs; "
             "models of the inventory file may name any variable")
-
-
-def default_state_dir() -> Path:
-    """The user's state directory (XDG_STATE_HOME, else ~/.local/state) for llmgw."""
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "llmgw"
 
 
 # vLLM's CPU build: by default it pins its OpenMP threads to every CPU but one and takes a 4 GiB

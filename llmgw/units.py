@@ -1,12 +1,11 @@
-"""Parsing of the human units used in configuration: durations, sizes, port ranges."""
+"""Parsing of the human units used in configuration (durations, sizes, port ranges) and their
+formatting. Standard library only: `llmgw ctl` formats with it (config.py makes the pydantic
+field types of the parsers)."""
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Annotated
-
-from pydantic import BeforeValidator, PlainSerializer
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -104,12 +103,6 @@ def format_duration(seconds: float | None) -> str:
     if seconds < 172800:
         return f"{seconds // 3600}h"
     return f"{seconds // 86400}d"
-
-
-Duration = Annotated[float, BeforeValidator(parse_duration), PlainSerializer(lambda v: v, return_type=float)]
-Size = Annotated[int, BeforeValidator(parse_size)]
-PortRange = Annotated[tuple[int, int], BeforeValidator(parse_port_range),
-                      PlainSerializer(lambda v: f"{v[0]}-{v[1]}", return_type=str)]
 
 
 def idle_text(seconds: float) -> str:

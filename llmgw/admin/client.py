@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from llmgw.contracts.errors import Category, LlmgwError
-from llmgw.config import default_state_dir
+from llmgw.contracts.statedir import default_state_dir
 
 TOKEN_FILE = "admin-token"
 SOCKET_FILE = "admin.sock"

@@ -8,11 +8,12 @@ Commands print a failure with `fail`, and an invalid inventory with `bad_config`
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 
-from llmgw.config import ConfigError
+if TYPE_CHECKING:  # the configuration's libraries are not loaded for commands that read none (`ctl`)
+    from llmgw.config import ConfigError
 
 
 class ExitCode(IntEnum):

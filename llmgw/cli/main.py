@@ -1,48 +1,83 @@
-"""The `llmgw` command: one typer app with its groups."""
+"""The `llmgw` command: one typer app with its groups.
+
+Each group's module is imported only when the command line names it (`app`, the whole command,
+is made when asked for: `llmgw --help`, an unknown command, the tests). `llmgw ctl ...`, which
+operators and scripts run in loops, then starts without the configuration, SSH and store
+libraries the other groups import, about half of its start.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import typer
 
-from llmgw.cli.check import check
-from llmgw.cli.ctl import ctl
-from llmgw.cli.keys import keys_app
-from llmgw.cli.nodes import helper_app
-from llmgw.cli.router import router_app
-from llmgw.cli.serve import serve
-
-app = typer.Typer(
-    name="llmgw",
-    help="One OpenAI-compatible endpoint for a fleet of GPU and CPU machines reached over SSH.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-
 PRIVATE_UMASK = 0o077
+HELP = "One OpenAI-compatible endpoint for a fleet of GPU and CPU machines reached over SSH."
 
 
-@app.callback()
-def main() -> None:
-    """One OpenAI-compatible endpoint for a fleet of GPU and CPU machines reached over SSH."""
+def _serve(app: typer.Typer) -> None:
+    from llmgw.cli.serve import serve
+    app.command("serve")(serve)
 
 
-app.command("serve")(serve)
-app.command("check")(check)
-app.add_typer(helper_app, name="helper")
-app.add_typer(keys_app, name="keys")
-app.add_typer(ctl, name="ctl")
-app.add_typer(router_app, name="router")
+def _check(app: typer.Typer) -> None:
+    from llmgw.cli.check import check
+    app.command("check")(check)
+
+
+def _helper(app: typer.Typer) -> None:
+    from llmgw.cli.nodes import helper_app
+    app.add_typer(helper_app, name="helper")
+
+
+def _keys(app: typer.Typer) -> None:
+    from llmgw.cli.keys import keys_app
+    app.add_typer(keys_app, name="keys")
+
+
+def _ctl(app: typer.Typer) -> None:
+    from llmgw.cli.ctl import ctl
+    app.add_typer(ctl, name="ctl")
+
+
+def _router(app: typer.Typer) -> None:
+    from llmgw.cli.router import router_app
+    app.add_typer(router_app, name="router")
+
+
+# In the order `llmgw --help` lists them.
+GROUPS = {"serve": _serve, "check": _check, "helper": _helper, "keys": _keys, "ctl": _ctl, "router": _router}
+
+
+def build(names=GROUPS) -> typer.Typer:
+    """The `llmgw` app with the groups `names` (all by default)."""
+    app = typer.Typer(name="llmgw", help=HELP, no_args_is_help=True, add_completion=False,
+                      pretty_exceptions_enable=False)
+
+    @app.callback()
+    def main() -> None:
+        """One OpenAI-compatible endpoint for a fleet of GPU and CPU machines reached over SSH."""
+
+    for name in names:
+        GROUPS[name](app)
+    return app
+
+
+def __getattr__(name: str):
+    if name == "app":  # the whole command, made once
+        app = globals()["app"] = build()
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run() -> None:
     """The `llmgw` command. Whatever llmgw creates (state directory, database, token, sockets,
     the local node's files) is its user's alone, whatever the umask it was started with (R-9.3)."""
     os.umask(PRIVATE_UMASK)
-    app()
+    named = sys.argv[1] if len(sys.argv) > 1 else None
+    build([named] if named in GROUPS else GROUPS)()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 
 from llmgw.cli.exits import fail
-from llmgw.config import default_state_dir
+from llmgw.contracts.statedir import default_state_dir
 
 STOP_TIMEOUT = 60.0
 RESTART_TIMEOUT_PER_WORKER = 150.0
