@@ -22,7 +22,7 @@ from llmgw.config import GatewayConfig, StaticEndpoint
 from llmgw.router import Endpoint
 from llmgw.keys import list_keys
 from llmgw.router.routes import ROUTES
-from tests.integration.test_router_support import (apoll, catalog, engines, free_port, model,  # noqa: F401
+from tests.integration.test_router_support import (apoll, catalog, engines, free_port, model, refusing_port,  # noqa: F401
                                                    raw_request, scripted_engine, start_router)
 
 STORE = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
@@ -390,7 +390,7 @@ async def _call(gw, route, path: str, how: dict, headers: dict) -> tuple[int, by
 async def test_r6_12_every_route_sends_the_engine_key_as_bearer_and_retries(start_router, route):  # noqa: F811
     """The first endpoint refuses connections; the second gets the request with only its own key."""
     async with recording_engine() as (url, seen):
-        dead = Endpoint("replica-dead", "m", f"http://127.0.0.1:{free_port()}", "engine-key-dead")
+        dead = Endpoint("replica-dead", "m", f"http://127.0.0.1:{refusing_port()}", "engine-key-dead")
         live = Endpoint("replica-live", "m", url, "engine-key-live")
         pinned = route.model_from == "response_id"
         gw = await start_router(catalog(model("m", profile="custom")), {"m": [live] if pinned else [dead, live]})

@@ -15,7 +15,7 @@ import pytest
 
 from llmgw.config import GatewayConfig
 from llmgw.router import Endpoint
-from tests.integration.test_router_support import (apoll, catalog, engines, free_port, model,  # noqa: F401
+from tests.integration.test_router_support import (apoll, catalog, engines, free_port, model, refusing_port,  # noqa: F401
                                                    start_router)
 
 HELLO = [{"role": "user", "content": "hello"}]
@@ -23,7 +23,7 @@ HELLO = [{"role": "user", "content": "hello"}]
 
 def dead_endpoint(name: str, port: int | None = None) -> Endpoint:
     """An endpoint whose port nothing listens on: connections are refused."""
-    return Endpoint(replica_id=f"dead-{name}", model=name, url=f"http://127.0.0.1:{port or free_port()}",
+    return Endpoint(replica_id=f"dead-{name}", model=name, url=f"http://127.0.0.1:{port or refusing_port()}",
                     api_key="k")
 
 

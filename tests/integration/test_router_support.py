@@ -52,6 +52,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_REFUSING: list[socket.socket] = []
+
+
+def refusing_port() -> int:
+    """A port on 127.0.0.1 that refuses connections for the rest of the test process: bound and
+    never listening, so that no server of a test running beside this one can take it meanwhile
+    (a port only found free may be, and then answers)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _REFUSING.append(s)
+    return s.getsockname()[1]
+
+
 def poll(condition, timeout: float = DEADLINE, what: str = "condition"):
     """Call condition() until it returns something truthy; fail after the deadline."""
     deadline = time.monotonic() + timeout
