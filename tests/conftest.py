@@ -19,9 +19,20 @@ no sshd, no `ip`); tests carrying the `testbed` marker skip too, even without th
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from tests.testbed import Testbed, requirements_missing
+
+
+def pytest_configure(config):
+    # A run started in the background (nohup, a non-interactive shell's `&`) inherits SIGINT
+    # ignored, and so would every process the tests start; the tests that end a `ctl --follow`
+    # or `--watch` with SIGINT, as Ctrl-C does, need it delivered. A handled signal is reset to
+    # its default across exec, so the processes the tests start get the default.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
