@@ -59,8 +59,9 @@ def test_ruff_runs_after_the_install_and_before_pytest(tree):
     result, lines = run(tree)
     assert result.returncode == 0
     steps = [line.split()[1] if line.startswith("-m ") else line for line in lines]
-    assert steps == ["pip", "ruff", "engines", "pytest"]
+    assert steps == ["pip", "ruff", "engines", "compileall", "pytest"]
     assert "-m ruff check ." in lines
+    assert "-m compileall -q -j 0 llmgw tests" in lines  # once, for the many llmgw processes the tests start
     # The suite runs on pytest-xdist workers, each file on one; the caller's arguments come last.
     assert "-m pytest -n 3 --dist loadfile --durations=30 -k x" in lines
 
