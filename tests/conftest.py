@@ -36,11 +36,6 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # Modules with a slow test first, each module's tests in their order: the workers take whole
-    # files in this order (--dist loadfile), so the long ones start at once and the many short
-    # ones fill in around them, rather than a long one starting last and running alone.
-    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
     reason = None
     for item in items:
         if item.get_closest_marker("testbed") is None:

@@ -23,8 +23,6 @@ from tests.helper.conftest import PROXY_VARIABLES, free_port
 from tests.helper.test_helper_engines import _launch, _shard
 from tests.helper.wheels import probe_wheelhouse
 
-pytestmark = pytest.mark.slow  # virtual environments built with pip: minutes in all
-
 BUILD_TIMEOUT = 300  # seconds a build may take on a loaded machine (python -m venv runs ensurepip)
 
 

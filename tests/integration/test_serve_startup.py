@@ -21,8 +21,6 @@ from llmgw import server
 from llmgw.state_dir import LOCK_FILE, hold_instance_lock
 from tests.integration.gateway import GatewayProcess, free_port, wait_for
 
-pytestmark = pytest.mark.slow  # a serve started (and stopped) per test: minutes in all
-
 HANG = 60.0
 
 
