@@ -175,7 +175,8 @@ def test_a_killed_worker_is_restarted_and_the_connections_queued_meanwhile_are_s
     # supervisor keeps open, for the next worker.
     with ThreadPoolExecutor(8) as pool:
         answered = list(pool.map(lambda _: get_pid(router.url), range(8)))
-    [new] = router.worker_pids()
+    # The new worker accepts as soon as it listens; the supervisor records it once it says ready.
+    [new] = wait_for(lambda: (pids := router.worker_pids()) != [old] and pids, 10, "the restarted worker in the status")
     print(f"\nworker {old} killed; 8 queued connections answered by {Counter(answered)}")
     assert new != old
     assert answered == [new] * 8
