@@ -8,6 +8,7 @@ libraries the other groups import, about half of its start.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -17,38 +18,11 @@ PRIVATE_UMASK = 0o077
 HELP = "One OpenAI-compatible endpoint for a fleet of GPU and CPU machines reached over SSH."
 
 
-def _serve(app: typer.Typer) -> None:
-    from llmgw.cli.serve import serve
-    app.command("serve")(serve)
-
-
-def _check(app: typer.Typer) -> None:
-    from llmgw.cli.check import check
-    app.command("check")(check)
-
-
-def _helper(app: typer.Typer) -> None:
-    from llmgw.cli.nodes import helper_app
-    app.add_typer(helper_app, name="helper")
-
-
-def _keys(app: typer.Typer) -> None:
-    from llmgw.cli.keys import keys_app
-    app.add_typer(keys_app, name="keys")
-
-
-def _ctl(app: typer.Typer) -> None:
-    from llmgw.cli.ctl import ctl
-    app.add_typer(ctl, name="ctl")
-
-
-def _router(app: typer.Typer) -> None:
-    from llmgw.cli.router import router_app
-    app.add_typer(router_app, name="router")
-
-
-# In the order `llmgw --help` lists them.
-GROUPS = {"serve": _serve, "check": _check, "helper": _helper, "keys": _keys, "ctl": _ctl, "router": _router}
+# Each group: the module and attribute of its command (a function) or group (a typer app), in the
+# order `llmgw --help` lists them.
+GROUPS = {"serve": ("llmgw.cli.serve", "serve"), "check": ("llmgw.cli.check", "check"),
+          "helper": ("llmgw.cli.nodes", "helper_app"), "keys": ("llmgw.cli.keys", "keys_app"),
+          "ctl": ("llmgw.cli.ctl", "ctl"), "router": ("llmgw.cli.router", "router_app")}
 
 
 def build(names=GROUPS) -> typer.Typer:
@@ -61,7 +35,12 @@ def build(names=GROUPS) -> typer.Typer:
         """One OpenAI-compatible endpoint for a fleet of GPU and CPU machines reached over SSH."""
 
     for name in names:
-        GROUPS[name](app)
+        module, attribute = GROUPS[name]
+        target = getattr(importlib.import_module(module), attribute)
+        if isinstance(target, typer.Typer):
+            app.add_typer(target, name=name)
+        else:
+            app.command(name)(target)
     return app
 
 
